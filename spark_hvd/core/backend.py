@@ -1,0 +1,101 @@
+"""The one interface every collective backend implements (built-in ring, MPI, torch.distributed).
+
+Backends work on contiguous numpy arrays and are driven by one thread at a time (the engine's background
+thread), so they need no locking of their own. The engine never asks which backend it has.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class ReduceOp(enum.Enum):
+    """Reduction of an allreduce / reducescatter (Horovod names: hvd.Average, hvd.Sum, ...)."""
+
+    AVERAGE = "average"
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+class Backend(ABC):
+    """Collectives over the ranks of one job.
+
+    Topology attributes: ``rank``, ``size``, ``local_rank``, ``local_size`` (ranks on this host),
+    ``cross_rank``, ``cross_size`` (this host's index among hosts, number of hosts).
+
+    All methods are blocking and collective: every rank calls them in the same order with matching
+    arguments. A peer that dies or does not answer within the timeout raises ``PeerFailureError`` naming it.
+    ``bfloat16`` arrives as a ``uint16`` view with ``bfloat16=True`` passed to the reducing calls.
+    """
+
+    name: str = "abstract"
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+    @abstractmethod
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Reduce ``buf`` element-wise across ranks, in place (AVERAGE divides the sum by ``size``)."""
+
+    def allreduce_fused(self, bufs: Sequence[np.ndarray], op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Allreduce several arrays of one dtype as one collective, in place.
+
+        The default packs them into one temporary array; backends with a staging area of their own
+        (shared memory) override it to pack straight into that area and save a copy each way.
+        """
+        if not bufs:
+            return
+        flat = np.concatenate([b.reshape(-1) for b in bufs])
+        self.allreduce(flat, op, bfloat16=bfloat16)
+        offset = 0
+        for b in bufs:
+            n = b.size
+            b.reshape(-1)[...] = flat[offset:offset + n]
+            offset += n
+
+    @abstractmethod
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        """Concatenate every rank's ``buf`` along the first dimension (which may differ by rank)."""
+
+    @abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's ``buf``, in place."""
+
+    @abstractmethod
+    def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
+        """Send ``splits[i]`` first-dimension rows of ``buf`` to rank i (even split when None).
+
+        Returns the rows received, concatenated in rank order, and how many came from each rank.
+        """
+
+    @abstractmethod
+    def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
+        """Reduce ``buf`` across ranks and return this rank's part of the first dimension.
+
+        Rows are split as evenly as possible, the first ``rows % size`` ranks getting one row more.
+        """
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release sockets, shared memory and threads. Safe to call twice."""
+
+
+class Rendezvous(ABC):
+    """How the ranks of a job find each other (pluggable: launcher KV service, Spark allGather, static list)."""
+
+    @abstractmethod
+    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
+        """Publish this rank's ``value`` and return every rank's value, indexed by rank."""

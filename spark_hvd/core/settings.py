@@ -1,0 +1,76 @@
+"""Settings of the core, read once from the environment into a frozen dataclass.
+
+Each setting has a spark_hvd name and the Horovod name accepted as an alias, so Horovod users can migrate
+without changing their job configuration. The spark_hvd name wins when both are set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+def _setting(name: str, alias: str | None, default: Any, parse: Callable[[str], Any], doc: str) -> Any:
+    return field(default=default, metadata={"env": name, "alias": alias, "parse": parse, "doc": doc})
+
+
+def _optional_str(value: str) -> str | None:
+    return value or None
+
+
+def _bool(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The core's tunables. ``Settings.from_env()`` reads them; tests build one directly."""
+
+    fusion_threshold: int = _setting(
+        "SPARK_HVD_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", 64 * MIB, int,
+        "bytes packed into one fusion buffer before a collective runs")
+    cycle_time_ms: float = _setting(
+        "SPARK_HVD_CYCLE_TIME", "HOROVOD_CYCLE_TIME", 1.0, float,
+        "milliseconds the background engine waits between negotiation cycles")
+    cache_capacity: int = _setting(
+        "SPARK_HVD_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", 1024, int,
+        "entries of the response cache (0 turns it off)")
+    timeline: str | None = _setting(
+        "SPARK_HVD_TIMELINE", "HOROVOD_TIMELINE", None, _optional_str,
+        "path of a Chrome-trace JSON timeline (off when unset)")
+    timeout_s: float = _setting(
+        "SPARK_HVD_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0, float,
+        "seconds a rank waits for a peer before raising an error naming it")
+    stall_check_time_s: float = _setting(
+        "SPARK_HVD_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, float,
+        "seconds after which a tensor that some ranks never submitted is reported")
+    shm: bool = _setting(
+        "SPARK_HVD_SHM", None, True, _bool,
+        "use shared memory between ranks on the same host")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Read every setting from ``environ`` (default ``os.environ``), falling back to the Horovod alias."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            meta = f.metadata
+            raw = env.get(meta["env"])
+            if raw is None and meta["alias"]:
+                raw = env.get(meta["alias"])
+            if raw is not None:
+                try:
+                    values[f.name] = meta["parse"](raw)
+                except ValueError as exc:
+                    name = meta["env"] if meta["env"] in env else meta["alias"]
+                    raise ValueError(f"environment variable {name}={raw!r} is not valid: {exc}") from None
+        return cls(**values)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str | None, Any, str]]:
+        """(variable, Horovod alias, default, meaning) for every setting, for docs and ``--help``."""
+        return [(f.metadata["env"], f.metadata["alias"], f.default, f.metadata["doc"]) for f in fields(cls)]
