@@ -1,0 +1,116 @@
+"""Element-wise reductions shared by every backend: in place, with numpy ufuncs and ``out=``.
+
+bfloat16 arrives as a ``uint16`` view of the raw bits: it is widened to float32 (exact), reduced there, and
+rounded back to bfloat16 with round-to-nearest-even (NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+
+SUPPORTED_DTYPES = frozenset(np.dtype(t) for t in
+                             (np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.uint16,
+                              np.int8, np.int16, np.uint32, np.uint64))
+
+_UFUNCS = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+
+
+def ufunc_for(op: ReduceOp) -> np.ufunc:
+    """The numpy ufunc that combines two partial results of ``op`` (AVERAGE sums; divide at the end)."""
+    return _UFUNCS[op]
+
+
+def check_dtype(buf: np.ndarray, bfloat16: bool = False) -> None:
+    """Raise ``TypeError`` for a dtype the collectives cannot reduce."""
+    if bfloat16 and buf.dtype != np.uint16:
+        raise TypeError(f"bfloat16 buffers must be passed as a uint16 view, got {buf.dtype}")
+    if buf.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"cannot reduce arrays of dtype {buf.dtype}; supported: float16/32/64, int32/64, uint8, "
+                        "and bfloat16 as a uint16 view")
+
+
+def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Widen raw bfloat16 bits (uint16) to float32 (exact)."""
+    if out is None:
+        out = np.empty(bits.shape, dtype=np.float32)
+    wide = out.view(np.uint32)
+    np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+    return out
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Round float32 ``values`` to bfloat16 bits in ``out`` (uint16), nearest-even; NaN stays a quiet NaN.
+
+    ``values`` is used as scratch (its contents are destroyed).
+    """
+    nan = np.isnan(values)
+    bits = values.view(np.uint32)
+    lsb = np.right_shift(bits, 16) & np.uint32(1)
+    lsb += np.uint32(0x7FFF)
+    bits += lsb  # wraps only for NaN payloads, which are replaced below
+    np.right_shift(bits, 16, out=bits)
+    out[...] = bits  # same-kind narrowing of values < 2**16
+    if nan.any():
+        out[nan] = np.uint16(0x7FC0) | (out[nan] & np.uint16(0x8000))
+    return out
+
+
+def reduce_into(acc: np.ndarray, other: np.ndarray, op: ReduceOp, bfloat16: bool = False) -> None:
+    """``acc = op(acc, other)`` element-wise, in place (AVERAGE sums: call ``divide_average`` at the end)."""
+    ufunc = _UFUNCS[op]
+    if bfloat16:
+        wide = bf16_to_f32(acc)
+        ufunc(wide, bf16_to_f32(other), out=wide)
+        f32_to_bf16(wide, acc)
+    else:
+        ufunc(acc, other, out=acc)
+
+
+def scale_inplace(buf: np.ndarray, factor: float, bfloat16: bool = False) -> None:
+    """``buf *= factor`` in place; integers are truncated toward zero (as Horovod does)."""
+    if factor == 1.0:
+        return
+    if bfloat16:
+        wide = bf16_to_f32(buf)
+        np.multiply(wide, np.float32(factor), out=wide)
+        f32_to_bf16(wide, buf)
+    elif buf.dtype.kind == "f":
+        np.multiply(buf, buf.dtype.type(factor), out=buf)
+    else:
+        buf[...] = np.trunc(buf * np.float64(factor))
+
+
+def divide_average(buf: np.ndarray, size: int, bfloat16: bool = False) -> None:
+    """Turn a sum over ``size`` ranks into their average, in place (integers truncate toward zero)."""
+    if size == 1:
+        return
+    if bfloat16:
+        wide = bf16_to_f32(buf)
+        np.divide(wide, np.float32(size), out=wide)
+        f32_to_bf16(wide, buf)
+    elif buf.dtype.kind == "f":
+        np.divide(buf, buf.dtype.type(size), out=buf)
+    else:
+        buf[...] = np.trunc(buf / np.float64(size))
+
+
+def reference_reduce(arrays: list[np.ndarray], op: ReduceOp, bfloat16: bool = False) -> np.ndarray:
+    """The expected result of an allreduce of ``arrays`` (one per rank, in rank order), for tests.
+
+    Reduces in rank order like the ring's reduce-scatter does, so the float results match bit for bit
+    where the ring's order is the same and closely otherwise.
+    """
+    acc = arrays[0].copy()
+    for other in arrays[1:]:
+        reduce_into(acc, other, op, bfloat16)
+    if op is ReduceOp.AVERAGE:
+        divide_average(acc, len(arrays), bfloat16)
+    return acc

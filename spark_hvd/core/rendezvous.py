@@ -1,0 +1,320 @@
+"""Rendezvous: how the ranks of a job learn each other's addresses.
+
+``KVStoreServer`` is a small key-value service (one thread per connection) that the launcher runs; ranks talk to
+it with ``KVClient`` and exchange their addresses with ``KVRendezvous``. Every frame in both directions is an
+authenticated ``FramedSocket`` frame: a frame whose HMAC does not match the job's secret is dropped and logged and
+its connection closed, and it is never unpickled.
+
+Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
+subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from spark_hvd.core.backend import Rendezvous
+from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
+from spark_hvd.core.wire import FramedSocket
+
+logger = logging.getLogger(__name__)
+
+#: Largest frame the KV service accepts (a forged length beyond it is dropped before any allocation).
+MAX_KV_FRAME = 256 * 1024 * 1024
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"rendezvous address {address!r} is not of the form host:port")
+    return host.strip("[]"), int(port)
+
+
+def routable_address(towards: str | None = None) -> str:
+    """An address of this host that peers can reach.
+
+    With ``towards`` (a host name or IP of the driver / rendezvous), the local address the kernel would use to
+    reach it (no packet is sent: a UDP ``connect`` only picks a route). Loopback stays loopback.
+    """
+    if towards:
+        try:
+            target = socket.gethostbyname(towards)
+        except OSError:
+            target = None
+        if target is not None:
+            if target.startswith("127."):
+                return "127.0.0.1"
+            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                probe.connect((target, 9))
+                return probe.getsockname()[0]
+            except OSError:
+                pass
+            finally:
+                probe.close()
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class KVStoreServer:
+    """A thread-based key-value service for a job's rendezvous.
+
+    Operations (pickled tuples inside authenticated frames): ``("set", key, value)``, ``("get", keys, timeout_s)``
+    (waits until every key exists or the timeout passes, then answers the values present), ``("incr", key)``
+    (atomic counter, returns the new value), ``("delete", prefix)``.
+    """
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.secret = secret
+        self._bind = (host, port)
+        self._data: dict[str, bytes] = {}
+        self._counters: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._stopped = threading.Event()
+        self.address: tuple[str, int] | None = None
+        #: connections dropped because a frame failed the HMAC check (for tests and diagnostics)
+        self.rejected = 0
+
+    def start(self) -> tuple[str, int]:
+        """Bind, start serving in a daemon thread, and return ``(host, port)`` for clients."""
+        if self.address is not None:
+            return self.address
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(self._bind)
+        listener.listen(256)
+        listener.settimeout(0.5)
+        self._listener = listener
+        host, port = listener.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            host = routable_address()
+        self.address = (host, port)
+        self._thread = threading.Thread(target=self._serve, name="spark-hvd-kv", daemon=True)
+        self._thread.start()
+        logger.debug("KV rendezvous service listening on %s:%d", host, port)
+        return self.address
+
+    def stop(self) -> None:
+        """Stop serving and close every connection. Safe to call twice."""
+        self._stopped.set()
+        with self._cond:
+            self._cond.notify_all()
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
+
+    def __enter__(self) -> KVStoreServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- server side -------------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._cond:
+                self._conns.add(conn)
+            threading.Thread(target=self._handle, args=(conn, f"{peer[0]}:{peer[1]}"),
+                             name="spark-hvd-kv-conn", daemon=True).start()
+
+    def _handle(self, conn: socket.socket, peer: str) -> None:
+        framed = FramedSocket(conn, self.secret, f"KV client {peer}")
+        try:
+            while not self._stopped.is_set():
+                try:
+                    request = framed.recv_object(MAX_KV_FRAME)
+                except AuthenticationError:
+                    self.rejected += 1
+                    logger.warning("KV service: dropped the connection from %s (a frame failed the HMAC check)", peer)
+                    return
+                except PeerFailureError:
+                    return  # the client went away
+                framed.send_object(self._apply(request))
+        except PeerFailureError:
+            pass
+        except Exception:  # a bug or a malformed (but authenticated) request: never kill the service
+            logger.exception("KV service: error while serving %s", peer)
+        finally:
+            with self._cond:
+                self._conns.discard(conn)
+            framed.close()
+
+    def _apply(self, request: Any) -> tuple[Any, ...]:
+        if not isinstance(request, tuple) or not request:
+            return ("error", f"malformed request {type(request).__name__}")
+        op = request[0]
+        if op == "set":
+            _, key, value = request
+            with self._cond:
+                self._data[key] = value
+                self._cond.notify_all()
+            return ("ok",)
+        if op == "get":
+            _, keys, timeout_s = request
+            deadline = time.monotonic() + float(timeout_s)
+            with self._cond:
+                while not self._stopped.is_set():
+                    if all(k in self._data for k in keys):
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 1.0))
+                return ("ok", {k: self._data[k] for k in keys if k in self._data})
+        if op == "incr":
+            _, key = request
+            with self._cond:
+                value = self._counters.get(key, 0) + 1
+                self._counters[key] = value
+            return ("ok", value)
+        if op == "delete":
+            _, prefix = request
+            with self._cond:
+                for k in [k for k in self._data if k.startswith(prefix)]:
+                    del self._data[k]
+            return ("ok",)
+        return ("error", f"unknown operation {op!r}")
+
+
+class KVClient:
+    """A connection to a ``KVStoreServer`` (not thread-safe: one per thread)."""
+
+    def __init__(self, address: str | tuple[str, int], secret: bytes, timeout_s: float = 30.0) -> None:
+        host, port = parse_address(address) if isinstance(address, str) else address
+        self.address = f"{host}:{port}"
+        deadline = time.monotonic() + timeout_s
+        last: OSError | None = None
+        delay = 0.02
+        while True:  # the service may still be starting: retry until the timeout
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as exc:
+                last = exc
+                if time.monotonic() + delay > deadline:
+                    raise PeerFailureError(
+                        f"could not reach the rendezvous service at {self.address} within {timeout_s:.0f}s: {last}",
+                        operation="rendezvous") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = FramedSocket(sock, secret, f"rendezvous service {self.address}")
+
+    def _call(self, *request: Any) -> Any:
+        self._sock.send_object(request)
+        reply = self._sock.recv_object(MAX_KV_FRAME)
+        if reply[0] != "ok":
+            raise SparkHvdError(f"rendezvous service {self.address} refused {request[0]!r}: {reply[1]}")
+        return reply[1] if len(reply) > 1 else None
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` (overwrites)."""
+        self._call("set", key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """The value of ``key``, waiting up to ``timeout_s`` for it to be set (``CollectiveTimeoutError`` after)."""
+        found = self.get_many([key], timeout_s)
+        if key not in found:
+            raise CollectiveTimeoutError(f"key {key!r} was not set at {self.address} within {timeout_s:.0f}s",
+                                         operation="rendezvous")
+        return found[key]
+
+    def get_many(self, keys: Sequence[str], timeout_s: float) -> dict[str, bytes]:
+        """Wait until every key is set or ``timeout_s`` passes; return the keys that are set."""
+        self._sock.sock.settimeout(timeout_s + 30.0)
+        try:
+            return self._call("get", list(keys), timeout_s)
+        finally:
+            self._sock.sock.settimeout(None)
+
+    def incr(self, key: str) -> int:
+        """Atomically add one to the counter ``key`` and return its new value (the first call returns 1)."""
+        return self._call("incr", key)
+
+    def delete(self, prefix: str) -> None:
+        """Remove every key starting with ``prefix``."""
+        self._call("delete", prefix)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class KVRendezvous(Rendezvous):
+    """``Rendezvous`` over a ``KVStoreServer`` at ``address`` ("host:port").
+
+    Every ``exchange`` is a new round (a per-rank counter on the service numbers them), so a job that
+    initialises twice with the same ``job_id`` never reads the previous round's values.
+    """
+
+    def __init__(self, address: str, secret: bytes, job_id: str = "", timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.secret = secret
+        self.job_id = job_id
+        self.timeout_s = timeout_s
+        self.host = parse_address(address)[0]
+
+    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
+        """Publish ``value`` for ``rank`` and return all ``size`` values; names the missing ranks on timeout."""
+        client = KVClient(self.address, self.secret, self.timeout_s)
+        try:
+            prefix = f"{self.job_id}/rendezvous"
+            round_no = client.incr(f"{prefix}/round/{rank}")
+            keys = [f"{prefix}/{round_no}/{r}" for r in range(size)]
+            client.set(keys[rank], value)
+            found = client.get_many(keys, self.timeout_s)
+        finally:
+            client.close()
+        missing = [r for r, k in enumerate(keys) if k not in found]
+        if missing:
+            raise CollectiveTimeoutError(
+                f"rendezvous of job {self.job_id!r} at {self.address}: rank {rank} waited {self.timeout_s:.0f}s "
+                f"but rank(s) {missing} of {size} never arrived; check that those processes started",
+                rank=missing[0], operation="rendezvous")
+        return [found[k] for k in keys]
+
+
+class StaticRendezvous(Rendezvous):
+    """A rendezvous whose answer is already known (every rank's value gathered elsewhere).
+
+    ``values`` may be a list to return as is, or a callable ``(rank, size, value) -> list[bytes]``.
+    """
+
+    def __init__(self, values: Sequence[bytes] | Any) -> None:
+        self._values = values
+
+    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
+        if callable(self._values):
+            return list(self._values(rank, size, value))
+        values = list(self._values)
+        if len(values) != size:
+            raise ValueError(f"static rendezvous holds {len(values)} values for a job of size {size}")
+        return values
