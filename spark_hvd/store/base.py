@@ -1,0 +1,479 @@
+"""The :class:`Store` contract: where prepared data, checkpoints, logs and models of a job live.
+
+A store is a root (a *prefix*) on some filesystem. Every store, whatever its URL, lays its files out the same way::
+
+    <prefix>/data/<dataset_key>/train/part-*.parquet   written by spark_hvd.data (Spark or pyarrow)
+    <prefix>/data/<dataset_key>/val/part-*.parquet
+    <prefix>/data/<dataset_key>/_metadata.json          columns, dtypes, shapes, row counts
+    <prefix>/runs/<run_id>/checkpoints/epoch-<n>/...    committed atomically (see :meth:`Store.atomic_dir`)
+    <prefix>/runs/<run_id>/logs/                        metrics (JSON lines), TensorBoard events, timeline
+    <prefix>/runs/<run_id>/model/                       the final model
+
+Paths. Every ``*_path`` method returns a *store path*: the filesystem's own absolute path (``/abs/dir/...`` for a
+local or DBFS store, ``bucket/prefix/...`` for S3, ``/user/x/...`` for HDFS). The same string is understood by
+
+- the store's own methods (:meth:`Store.exists`, :meth:`Store.read_bytes`, :meth:`Store.write_bytes`, ...);
+- the pyarrow filesystem of :meth:`Store.pyarrow_filesystem` (``pyarrow.dataset.dataset(path, filesystem=...)``);
+- the fsspec filesystem :attr:`Store.fs`.
+
+:meth:`Store.spark_url` turns a store path into the URL Spark's ``df.write.parquet`` needs (``file:///...``,
+``dbfs:/...``, ``hdfs://nn:8020/...``, ``s3a://bucket/...``). Spark writes to S3, GCS or ADLS need the cluster's own
+connector setup (for S3: the hadoop-aws jars and ``fs.s3a.*`` credentials); the store does not provide them.
+
+Atomic directories. A directory written with :meth:`Store.atomic_dir` is either complete or absent to readers: on a
+store that can rename (local, HDFS) it is written under a temporary sibling name and renamed into place; on a store
+that cannot (object stores, DBFS) it is written in place and a ``_COMMITTED`` marker file is written last. Either
+way a complete directory holds the marker, :meth:`Store.is_committed` checks for it, and a failure inside the
+``with`` block deletes what was written. Checkpoints (:meth:`Store.write_checkpoint`,
+:meth:`Store.latest_checkpoint`) and prepared datasets are written this way.
+
+Pickling. A store pickles as its URL and storage options (no open connection), so it can be shipped to Spark
+executors and training processes; the filesystem is opened again lazily on first use there. A ``memory://`` store
+is per process: its files are not visible to other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import posixpath
+import re
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from spark_hvd.store.errors import StoreError, StoreTimeoutError, StoreURLError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import fsspec
+    import pyarrow.fs
+
+logger = logging.getLogger(__name__)
+
+#: Name of the file that marks an atomically written directory as complete.
+COMMIT_MARKER = "_COMMITTED"
+#: Prefix of temporary sibling directories (ignored by listings).
+TMP_PREFIX = "._tmp-"
+_EPOCH_RE = re.compile(r"^epoch-(\d+)$")
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+
+
+def scheme_of(url: str) -> str:
+    """The store scheme of ``url``: ``""`` (local path), ``file``, ``dbfs``, ``hdfs``, or an fsspec protocol."""
+    if url == "/dbfs" or url.startswith("/dbfs/"):
+        return "dbfs"
+    m = _SCHEME_RE.match(url)
+    if not m or len(m.group(1)) == 1:  # no scheme, or a Windows drive letter
+        return ""
+    return m.group(1).lower()
+
+
+def _store_table() -> dict[str, type[Store]]:
+    """Scheme -> store class. Any scheme not here goes to :class:`~spark_hvd.store.fsspec_store.FsspecStore`."""
+    from spark_hvd.store.dbfs import DBFSStore
+    from spark_hvd.store.hdfs import HDFSStore
+    from spark_hvd.store.local import LocalStore
+
+    return {"": LocalStore, "file": LocalStore, "dbfs": DBFSStore, "hdfs": HDFSStore, "viewfs": HDFSStore}
+
+
+def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) -> Store:
+    return cls(url, **storage_options)
+
+
+class Store(ABC):
+    """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
+
+    Create one with :meth:`Store.create`; the subclasses are chosen by URL scheme.
+
+    Attributes:
+        url: the canonical URL of the prefix (a relative local path is made absolute).
+        storage_options: the options given to :meth:`create` (passed to the filesystem).
+        supports_rename: whether :meth:`atomic_dir` commits by renaming a temporary directory (else by marker).
+    """
+
+    supports_rename: bool = False
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options)
+        self._fs: fsspec.AbstractFileSystem | None = None
+        self._pa_fs: pyarrow.fs.FileSystem | None = None
+        self._synced: dict[tuple[str, str], tuple[int, int]] = {}
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def create(url: str, **storage_options: Any) -> Store:
+        """The store for ``url``, chosen by its scheme.
+
+        - a local path or ``file://...``: :class:`~spark_hvd.store.local.LocalStore`;
+        - ``dbfs:/...`` or ``/dbfs/...``: :class:`~spark_hvd.store.dbfs.DBFSStore` (Databricks FUSE mount);
+        - ``hdfs://host:port/path`` (or ``hdfs:///path``): :class:`~spark_hvd.store.hdfs.HDFSStore`;
+        - any other fsspec protocol (``s3://``, ``gs://``, ``abfs://``, ``memory://``, ...):
+          :class:`~spark_hvd.store.fsspec_store.FsspecStore`, with ``storage_options`` passed to
+          ``fsspec.filesystem(protocol, **storage_options)`` untouched.
+        """
+        if not isinstance(url, str) or not url.strip():
+            raise StoreURLError(f"Store.create needs a non-empty URL string, got {url!r}")
+        scheme = scheme_of(url)
+        table = _store_table()
+        if scheme in table:
+            return table[scheme](url, **storage_options)
+        from spark_hvd.store.fsspec_store import FsspecStore
+
+        return FsspecStore(url, **storage_options)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore_store, (type(self), self.url, self.storage_options))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.url == other.url and self.storage_options == other.storage_options
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.url))
+
+    # ------------------------------------------------------------------ what a subclass provides
+    @property
+    @abstractmethod
+    def prefix_path(self) -> str:
+        """The store path of the root (no trailing slash)."""
+
+    @abstractmethod
+    def _make_fs(self) -> fsspec.AbstractFileSystem:
+        """Open the fsspec filesystem (called lazily, once per process)."""
+
+    @abstractmethod
+    def _make_pyarrow_fs(self) -> pyarrow.fs.FileSystem:
+        """Open the pyarrow filesystem (called lazily, once per process)."""
+
+    @abstractmethod
+    def spark_url(self, path: str) -> str:
+        """The URL under which Spark reads and writes the store path ``path``.
+
+        Raises:
+            StoreError: when Spark cannot reach this store at all (``memory://``).
+        """
+
+    def _rename(self, src: str, dst: str) -> None:
+        """Rename a directory (only called where :attr:`supports_rename`)."""
+        self.fs.mv(src, dst, recursive=True)
+
+    # ------------------------------------------------------------------ filesystems
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem of this store (opened on first use in each process)."""
+        if self._fs is None:
+            self._fs = self._make_fs()
+        return self._fs
+
+    def pyarrow_filesystem(self) -> pyarrow.fs.FileSystem:
+        """A pyarrow filesystem that understands store paths, for ``pyarrow.dataset`` and ``pyarrow.parquet``."""
+        if self._pa_fs is None:
+            self._pa_fs = self._make_pyarrow_fs()
+        return self._pa_fs
+
+    # ------------------------------------------------------------------ layout
+    def path(self, *parts: str) -> str:
+        """The store path of ``parts`` joined under the prefix."""
+        return posixpath.join(self.prefix_path, *parts) if parts else self.prefix_path
+
+    def data_root(self) -> str:
+        """``<prefix>/data``: where prepared datasets live."""
+        return self.path("data")
+
+    def data_path(self, key: str) -> str:
+        """``<prefix>/data/<key>``: the directory of one prepared dataset."""
+        _check_name(key, "dataset key")
+        return self.path("data", key)
+
+    def train_data_path(self, key: str) -> str:
+        """``<prefix>/data/<key>/train``: the training Parquet files of a dataset."""
+        return posixpath.join(self.data_path(key), "train")
+
+    def val_data_path(self, key: str) -> str:
+        """``<prefix>/data/<key>/val``: the validation Parquet files of a dataset."""
+        return posixpath.join(self.data_path(key), "val")
+
+    def metadata_path(self, key: str) -> str:
+        """``<prefix>/data/<key>/_metadata.json``: columns, dtypes, shapes and row counts of a dataset."""
+        return posixpath.join(self.data_path(key), "_metadata.json")
+
+    def runs_root(self) -> str:
+        """``<prefix>/runs``."""
+        return self.path("runs")
+
+    def run_path(self, run_id: str) -> str:
+        """``<prefix>/runs/<run_id>``: everything of one training run."""
+        _check_name(run_id, "run_id")
+        return self.path("runs", run_id)
+
+    def checkpoints_path(self, run_id: str) -> str:
+        """``<prefix>/runs/<run_id>/checkpoints``."""
+        return posixpath.join(self.run_path(run_id), "checkpoints")
+
+    def checkpoint_path(self, run_id: str, epoch: int) -> str:
+        """``<prefix>/runs/<run_id>/checkpoints/epoch-<epoch>``."""
+        if int(epoch) < 0:
+            raise ValueError(f"checkpoint epoch must be >= 0, got {epoch}")
+        return posixpath.join(self.checkpoints_path(run_id), f"epoch-{int(epoch)}")
+
+    def logs_path(self, run_id: str) -> str:
+        """``<prefix>/runs/<run_id>/logs``: metrics (JSON lines), TensorBoard events, timeline."""
+        return posixpath.join(self.run_path(run_id), "logs")
+
+    def model_path(self, run_id: str) -> str:
+        """``<prefix>/runs/<run_id>/model``: the final model."""
+        return posixpath.join(self.run_path(run_id), "model")
+
+    # ------------------------------------------------------------------ bytes and listings
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory exists at the store path ``path``."""
+        self._invalidate(path)
+        return bool(self.fs.exists(path))
+
+    def read_bytes(self, path: str) -> bytes:
+        """The content of the file at ``path``.
+
+        Raises:
+            FileNotFoundError: naming the path and the store.
+        """
+        try:
+            return bytes(self.fs.cat_file(path))
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"no file {path!r} in {self!r}") from e
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` to the file ``path`` (parents created). Readers never see a partial file."""
+        self._makedirs(posixpath.dirname(path))
+        self.fs.pipe_file(path, bytes(data))
+        self._invalidate(path)
+
+    def read_json(self, path: str) -> Any:
+        """The JSON document in the file ``path``."""
+        return json.loads(self.read_bytes(path).decode("utf-8"))
+
+    def write_json(self, path: str, obj: Any) -> None:
+        """Write ``obj`` as indented JSON to ``path``."""
+        self.write_bytes(path, json.dumps(obj, indent=2, sort_keys=True).encode("utf-8"))
+
+    def delete(self, path: str) -> None:
+        """Delete the file or directory tree at ``path``; nothing happens when it does not exist."""
+        if self.exists(path):
+            self.fs.rm(path, recursive=True)
+            self._invalidate(path)
+
+    def listdir(self, path: str) -> list[str]:
+        """Sorted names (not paths) of the entries in directory ``path``; temporary entries are left out.
+
+        A missing directory lists as ``[]``.
+        """
+        self._invalidate(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        base = path.rstrip("/")
+        names = set()
+        for entry in entries:
+            name = posixpath.basename(str(entry).rstrip("/"))
+            if not name or name.startswith(TMP_PREFIX) or str(entry).rstrip("/") == base:
+                continue
+            names.add(name)
+        return sorted(names)
+
+    def list_runs(self) -> list[str]:
+        """The run ids under ``<prefix>/runs``, sorted."""
+        return self.listdir(self.runs_root())
+
+    def list_datasets(self) -> list[str]:
+        """The keys of the committed datasets under ``<prefix>/data``, sorted."""
+        return [k for k in self.listdir(self.data_root()) if self.is_committed(self.data_path(k))]
+
+    # ------------------------------------------------------------------ directories
+    def upload_dir(self, local_dir: str, path: str) -> None:
+        """Copy every file under the local directory ``local_dir`` to the store directory ``path``."""
+        for local, rel in _walk_files(local_dir):
+            remote = posixpath.join(path, rel)
+            self._makedirs(posixpath.dirname(remote))
+            self.fs.put_file(local, remote)
+        self._invalidate(path)
+
+    def download_dir(self, path: str, local_dir: str) -> str:
+        """Copy every file under the store directory ``path`` into ``local_dir``; returns ``local_dir``."""
+        if not self.exists(path):
+            raise FileNotFoundError(f"no directory {path!r} in {self!r}")
+        base = path.rstrip("/")
+        os.makedirs(local_dir, exist_ok=True)
+        for remote in self.fs.find(base):
+            remote = str(remote)
+            rel = remote[len(base) :].lstrip("/") if remote.startswith(base) else posixpath.basename(remote)
+            if not rel or rel == COMMIT_MARKER:
+                continue
+            target = os.path.join(local_dir, *rel.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            self.fs.get_file(remote, target)
+        return local_dir
+
+    def sync_dir(self, local_dir: str, path: str) -> int:
+        """Copy to ``path`` the files of ``local_dir`` that are new or changed since the last sync; returns how many.
+
+        Meant to be called repeatedly by a worker (e.g. after each epoch) to mirror its local log or checkpoint
+        directory into the store. Changes are detected by size and modification time.
+        """
+        copied = 0
+        for local, rel in _walk_files(local_dir):
+            st = os.stat(local)
+            key = (path, rel)
+            stamp = (st.st_size, st.st_mtime_ns)
+            if self._synced.get(key) == stamp:
+                continue
+            remote = posixpath.join(path, rel)
+            self._makedirs(posixpath.dirname(remote))
+            self.fs.put_file(local, remote)
+            self._synced[key] = stamp
+            copied += 1
+        if copied:
+            self._invalidate(path)
+        return copied
+
+    def sync_fn(self, run_id: str) -> Callable[[str], int]:
+        """A function ``fn(local_dir)`` that mirrors a worker's local run directory into ``run_path(run_id)``."""
+        target = self.run_path(run_id)
+
+        def sync(local_dir: str) -> int:
+            return self.sync_dir(local_dir, target)
+
+        return sync
+
+    @contextlib.contextmanager
+    def atomic_dir(self, path: str, overwrite: bool = True) -> Iterator[str]:
+        """Write a directory that readers see complete or not at all.
+
+        Yields the store path to write into (a temporary sibling where the store can rename, else ``path``
+        itself). On leaving the block normally the directory is committed: the ``_COMMITTED`` marker is written,
+        and on a renaming store the temporary directory replaces ``path``. On an exception everything written is
+        deleted and the exception propagates.
+
+        Args:
+            path: the final store path of the directory.
+            overwrite: replace a committed directory already at ``path`` (else raise :class:`StoreError`).
+        """
+        path = path.rstrip("/")
+        if self.exists(path):
+            if self.is_committed(path) and not overwrite:
+                raise StoreError(f"{path!r} already exists in {self!r}; pass overwrite=True to replace it")
+            if not self.supports_rename:
+                self.delete(path)  # leftovers of an earlier failed or replaced write
+        parent, name = posixpath.split(path)
+        target = posixpath.join(parent, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}") if self.supports_rename else path
+        self._makedirs(target)
+        try:
+            yield target
+            self.write_bytes(posixpath.join(target, COMMIT_MARKER), json.dumps({"time": time.time()}).encode())
+            if self.supports_rename:
+                if self.exists(path):
+                    self.delete(path)
+                self._rename(target, path)
+                self._invalidate(path)
+        except BaseException:
+            try:
+                self.delete(target)
+            except Exception:  # pragma: no cover - best effort cleanup
+                logger.warning("could not delete the incomplete directory %s in %r", target, self, exc_info=True)
+            raise
+
+    def is_committed(self, path: str) -> bool:
+        """Whether ``path`` is a directory committed by :meth:`atomic_dir`."""
+        return self.exists(posixpath.join(path.rstrip("/"), COMMIT_MARKER))
+
+    # ------------------------------------------------------------------ checkpoints
+    def write_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
+        """Copy the local directory ``local_dir`` atomically to ``checkpoint_path(run_id, epoch)``; returns it."""
+        final = self.checkpoint_path(run_id, epoch)
+        with self.atomic_dir(final) as target:
+            self.upload_dir(local_dir, target)
+        return final
+
+    def list_checkpoints(self, run_id: str) -> list[int]:
+        """The epochs of the committed checkpoints of ``run_id``, ascending."""
+        root = self.checkpoints_path(run_id)
+        epochs = []
+        for name in self.listdir(root):
+            m = _EPOCH_RE.match(name)
+            if m and self.is_committed(posixpath.join(root, name)):
+                epochs.append(int(m.group(1)))
+        return sorted(epochs)
+
+    def latest_checkpoint(self, run_id: str) -> tuple[int, str] | None:
+        """``(epoch, store path)`` of the newest committed checkpoint of ``run_id``, or ``None``."""
+        epochs = self.list_checkpoints(run_id)
+        if not epochs:
+            return None
+        return epochs[-1], self.checkpoint_path(run_id, epochs[-1])
+
+    def download_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
+        """Copy the committed checkpoint of ``epoch`` into ``local_dir``; returns ``local_dir``."""
+        path = self.checkpoint_path(run_id, epoch)
+        if not self.is_committed(path):
+            raise FileNotFoundError(f"no committed checkpoint for epoch {epoch} of run {run_id!r} in {self!r}")
+        return self.download_dir(path, local_dir)
+
+    # ------------------------------------------------------------------ visibility
+    def wait_until_visible(self, path: str, timeout_s: float | None = None) -> None:
+        """Wait until what Spark wrote under ``path`` is visible through this store.
+
+        Local, HDFS and object stores are consistent after the write returns: this only checks that ``path``
+        exists. The DBFS store polls its FUSE mount for Spark's ``_SUCCESS`` file.
+
+        Raises:
+            StoreTimeoutError: ``path`` did not appear within ``timeout_s``.
+        """
+        _poll(lambda: self.exists(path), timeout_s or 0.0, f"{path!r} in {self!r}")
+
+    # ------------------------------------------------------------------ helpers
+    def _makedirs(self, path: str) -> None:
+        if path:
+            self.fs.makedirs(path, exist_ok=True)
+
+    def _invalidate(self, path: str) -> None:
+        fs = self._fs
+        if fs is not None:
+            try:
+                fs.invalidate_cache(path)
+            except Exception:  # pragma: no cover - a filesystem without a listing cache
+                pass
+
+
+def _poll(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        if check():
+            return
+        if time.monotonic() >= deadline:
+            raise StoreTimeoutError(f"{what} was not visible after {timeout_s:.0f} s")
+        time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 2.0)
+
+
+def _walk_files(local_dir: str) -> Iterator[tuple[str, str]]:
+    """(absolute local path, posix path relative to ``local_dir``) of every file under ``local_dir``, sorted."""
+    if not os.path.isdir(local_dir):
+        raise FileNotFoundError(f"local directory {local_dir!r} does not exist")
+    for root, dirs, files in os.walk(local_dir):
+        dirs.sort()
+        for f in sorted(files):
+            full = os.path.join(root, f)
+            yield full, os.path.relpath(full, local_dir).replace(os.sep, "/")
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or name.startswith(TMP_PREFIX):
+        raise ValueError(f"{what} must be a non-empty name without '/', got {name!r}")

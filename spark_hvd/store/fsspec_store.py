@@ -1,0 +1,79 @@
+"""A store on any fsspec filesystem: ``s3://``, ``gs://``, ``abfs://``, ``memory://``, ..."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from spark_hvd.store.base import Store
+from spark_hvd.store.errors import StoreError, StoreURLError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import fsspec
+    import pyarrow.fs
+
+
+class FsspecStore(Store):
+    """A store on the fsspec filesystem of the URL's protocol, opened as ``fsspec.filesystem(protocol, **options)``.
+
+    ``storage_options`` are passed through untouched (for ``s3://``: ``key``, ``secret``, ``endpoint_url``,
+    ``client_kwargs`` ...). Object stores have no atomic directory rename, so directories are committed with the
+    ``_COMMITTED`` marker. pyarrow reads through ``pyarrow.fs.PyFileSystem(FSSpecHandler(fs))``.
+
+    Spark URLs: ``s3://b/p`` becomes ``s3a://b/p`` (the cluster needs hadoop-aws and its ``fs.s3a.*``
+    credentials), ``gs://`` stays, ``abfs://container/p`` becomes
+    ``abfss://container@<account_name>.dfs.core.windows.net/p``; a ``memory://`` store cannot be reached by Spark.
+    """
+
+    supports_rename = False
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        if "://" not in url:
+            raise StoreURLError(f"not a URL with a protocol: {url!r}")
+        protocol = url.split("://", 1)[0].lower()
+        import fsspec
+
+        try:
+            cls = fsspec.get_filesystem_class(protocol)
+        except (ValueError, ImportError) as e:
+            raise StoreURLError(f"no filesystem for {protocol}:// ({url!r}): {e}") from e
+        self.protocol = protocol
+        prefix = str(cls._strip_protocol(url)).rstrip("/")
+        if not prefix:
+            raise StoreURLError(f"{url!r} names no bucket or directory to use as the store's prefix")
+        self._prefix = prefix
+        super().__init__(url.rstrip("/"), **storage_options)
+
+    @property
+    def prefix_path(self) -> str:
+        return self._prefix
+
+    def _make_fs(self) -> fsspec.AbstractFileSystem:
+        import fsspec
+
+        return fsspec.filesystem(self.protocol, **self.storage_options)
+
+    def _make_pyarrow_fs(self) -> pyarrow.fs.FileSystem:
+        import pyarrow.fs
+
+        return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.fs))
+
+    def spark_url(self, path: str) -> str:
+        p = path.lstrip("/")
+        if self.protocol in ("s3", "s3a", "s3n"):
+            return f"s3a://{p}"
+        if self.protocol in ("gs", "gcs"):
+            return f"gs://{p}"
+        if self.protocol in ("abfs", "abfss", "az"):
+            account = self.storage_options.get("account_name")
+            if not account:
+                raise StoreError(
+                    f"Spark needs the storage account of {self.url!r}: create the store with account_name=..."
+                )
+            container, _, rest = p.partition("/")
+            return f"abfss://{container}@{account}.dfs.core.windows.net/{rest}"
+        if self.protocol == "memory":
+            raise StoreError(
+                f"{self.url!r} is an in-process memory store: Spark executors cannot reach it; "
+                "use a local path, dbfs:/, hdfs:// or an object store URL"
+            )
+        return f"{self.protocol}://{p}"

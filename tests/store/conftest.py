@@ -1,0 +1,82 @@
+"""Fixtures of the store tests: a moto S3 server on a free local port, and one store per backend."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+MOTO = os.path.join(os.path.dirname(sys.executable), "moto_server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """``http://127.0.0.1:<port>`` of a moto S3 server started for this session and stopped afterwards."""
+    if not os.path.exists(MOTO):
+        pytest.skip(f"moto_server not installed beside {sys.executable}")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
+    proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {proc.returncode}; see {log.name}")
+            try:
+                urllib.request.urlopen(url, timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not answer on {url} within 60 s") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+        log.close()
+
+
+def s3_options(endpoint: str) -> dict:
+    """The s3fs storage options that reach the moto server."""
+    return {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_endpoint):
+    """A bucket on the moto server."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**s3_options(s3_endpoint))
+    fs.mkdir("spark-hvd-test")
+    return "spark-hvd-test"
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def any_store(request, tmp_path):
+    """A fresh, empty store of each kind the contract suite runs against."""
+    from spark_hvd.store import Store
+
+    if request.param == "local":
+        return Store.create(str(tmp_path / "store"))
+    if request.param == "memory":
+        return Store.create(f"memory://spark-hvd-{uuid.uuid4().hex[:8]}/store")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = request.getfixturevalue("s3_bucket")
+    return Store.create(f"s3://{bucket}/{uuid.uuid4().hex[:8]}", **s3_options(endpoint))
