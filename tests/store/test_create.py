@@ -75,7 +75,9 @@ def test_fsspec_options_pass_through():
 
 
 def test_fsspec_spark_urls():
-    assert Store.create("gs://bkt/p").spark_url("bkt/p/data") == "gs://bkt/p/data"
+    gs = FsspecStore.__new__(FsspecStore)  # gcsfs / adlfs are not installed here: only the URL mapping is tested
+    gs.protocol, gs.url, gs.storage_options = "gs", "gs://bkt/p", {}
+    assert gs.spark_url("bkt/p/data") == "gs://bkt/p/data"
     abfs = FsspecStore.__new__(FsspecStore)
     abfs.protocol, abfs.url, abfs.storage_options = "abfs", "abfs://cont/p", {"account_name": "acct"}
     assert abfs.spark_url("cont/p/data") == "abfss://cont@acct.dfs.core.windows.net/p/data"
