@@ -1,0 +1,396 @@
+"""What the Torch and Keras estimators share: persistence, batched Arrow inference, and the fit skeleton.
+
+A framework estimator (``torch.py``, ``keras.py``) adds only what differs: how its model and optimizer become bytes
+and back, the training function run on every rank, and how a batch of numpy inputs goes through the model.
+
+Persistence (``MLWritable``/``MLReadable``): a stage saved at ``path`` is ``path/metadata`` (Spark's JSON metadata with
+the JSON-able params, as ``DefaultParamsWriter`` writes it, so ``Pipeline``/``PipelineModel.load`` find the class)
+plus ``path/data`` (one Parquet file of ``(name, bytes)`` rows: the framework's model bytes and a cloudpickle of every
+other object param). Both go through Spark's own file system layer, so any path Spark can write (local, HDFS, S3,
+DBFS) works.
+
+Inference (``transform``): ``mapInArrow`` over the DataFrame. DESIGN.md measured ``mapInArrow`` 2.6x faster than
+``mapInPandas`` for a small MLP (no pandas conversion of the pass-through columns, and list columns stay flat Arrow
+buffers that become a 2-D numpy array with one reshape). The model bytes travel once per executor as a broadcast
+variable and are deserialised once per Python worker (a cache keyed by a hash of the bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from pyspark.ml import Estimator, Model
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+
+from spark_hvd.estimators.params import OBJECT_PARAMS
+
+__all__ = ["BaseEstimator", "BaseModel", "feature_to_numpy", "output_to_arrow"]
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------------ persistence
+
+
+class _StageWriter(MLWriter):
+    """Writes ``path/metadata`` (JSON params) and ``path/data`` (model bytes + pickled object params)."""
+
+    def __init__(self, instance: _PersistableStage) -> None:
+        super().__init__()
+        self.instance = instance
+
+    def saveImpl(self, path: str) -> None:  # noqa: N802 (Spark's name)
+        inst = self.instance
+        json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
+        blobs = inst._dump_objects()
+        DefaultParamsWriter.saveMetadata(
+            inst, path, self.sparkSession, paramMap=json_params,
+            extraMetadata={"spark_hvd": {"objects": sorted(blobs), "format": 1}},
+        )
+        rows = sorted(blobs.items())
+        df = self.sparkSession.createDataFrame(rows, schema="name string, data binary")
+        df.coalesce(1).write.parquet(f"{path.rstrip('/')}/data")
+
+
+class _StageReader(MLReader):
+    """Reads what ``_StageWriter`` wrote and rebuilds the stage of class ``cls``."""
+
+    def __init__(self, cls: type) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str) -> Any:
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        module, _, name = metadata["class"].rpartition(".")
+        cls = getattr(__import__(module, fromlist=[name]), name)
+        if not issubclass(cls, self.cls):
+            raise TypeError(f"{path} holds a {metadata['class']}, not a {self.cls.__name__}")
+        instance = cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        names = metadata.get("spark_hvd", {}).get("objects", [])
+        blobs: dict[str, bytes] = {}
+        if names:
+            for row in self.sparkSession.read.parquet(f"{path.rstrip('/')}/data").collect():
+                blobs[row["name"]] = bytes(row["data"])
+            missing = set(names) - set(blobs)
+            if missing:
+                raise OSError(f"{path}/data lacks the saved objects {sorted(missing)}")
+        objects = instance._load_objects(blobs)
+        if objects:
+            instance._set(**objects)
+        return instance
+
+
+class _PersistableStage(MLWritable, MLReadable):
+    """Mixin: Spark ML persistence for a stage with object params (see the module docstring)."""
+
+    def write(self) -> MLWriter:
+        """An ``MLWriter`` saving this stage (``.save(path)``, ``.overwrite()``)."""
+        return _StageWriter(self)
+
+    @classmethod
+    def read(cls) -> MLReader:
+        """An ``MLReader`` loading a stage saved by ``write()``."""
+        return _StageReader(cls)
+
+    # Hooks a framework overrides for its model/optimizer; the default pickles each object param with cloudpickle.
+    def _dump_objects(self) -> dict[str, bytes]:
+        out = {}
+        for param, value in self._paramMap.items():
+            if param.name in OBJECT_PARAMS and value is not None:
+                out[param.name] = self._dump_object(param.name, value)
+        return out
+
+    def _dump_object(self, name: str, value: Any) -> bytes:
+        if name == "model":
+            return self._serialize_model(value)
+        try:
+            return cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the param's name
+            raise TypeError(f"param {name!r} of {type(self).__name__} cannot be pickled: {exc}") from exc
+
+    def _load_objects(self, blobs: dict[str, bytes]) -> dict[str, Any]:
+        out = {}
+        if "model" in blobs:
+            out["model"] = self._deserialize_model(blobs["model"])
+        for name, data in blobs.items():
+            if name != "model":
+                out[name] = cloudpickle.loads(data)
+        return out
+
+    @classmethod
+    def _serialize_model(cls, model: Any) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def _deserialize_model(cls, data: bytes) -> Any:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------------------------ arrow <-> numpy
+
+
+def _flatten_lists(arr: Any, name: str) -> tuple[Any, int]:
+    """Strip list levels off an Arrow array; returns (flat values array, depth). Nulls and ragged rows are errors."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    depth = 0
+    while pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type) or pa.types.is_fixed_size_list(arr.type):
+        if arr.null_count:
+            raise ValueError(f"feature column {name!r} has null rows; drop or fill them before transform")
+        if len(arr) and not pa.types.is_fixed_size_list(arr.type):
+            lengths = pc.list_value_length(arr)
+            bounds = pc.min_max(lengths)
+            if bounds["min"].as_py() != bounds["max"].as_py():
+                raise ValueError(f"feature column {name!r} has arrays of different lengths "
+                                 f"({bounds['min'].as_py()}..{bounds['max'].as_py()}); the model needs a fixed shape")
+        arr = arr.flatten()
+        depth += 1
+    return arr, depth
+
+
+def feature_to_numpy(column: Any, name: str, dtype: Any = None, shape: list[int] | tuple | None = None) -> np.ndarray:
+    """One Arrow feature column (scalar, list or nested list; Vectors arrive as ``list<float>``) -> numpy.
+
+    The result has one row per input row: ``(n,)`` for a scalar column, ``(n, k)`` for a flat array, ``(n, *shape)``
+    where ``shape`` is given (the shape recorded by the data layer, or the user's ``input_shapes``). ``dtype``
+    defaults to float32 for floating and bool columns and int64 for integer columns, as the training reader gives them.
+    """
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    n = len(column)
+    if column.null_count:
+        raise ValueError(f"feature column {name!r} has null rows; drop or fill them before transform")
+    flat, depth = _flatten_lists(column, name)
+    values = flat.to_numpy(zero_copy_only=False)
+    if dtype is None:
+        dtype = np.int64 if np.issubdtype(values.dtype, np.integer) else np.float32
+    values = values.astype(dtype, copy=False)
+    if shape is not None:
+        return values.reshape((n, *shape))
+    if depth == 0:
+        return values
+    return values.reshape(n, -1) if n else values.reshape(0, 0)
+
+
+def output_to_arrow(out: np.ndarray, n: int) -> Any:
+    """A model output for ``n`` rows -> Arrow: one value per row -> float64, several -> ``list<float>``."""
+    import pyarrow as pa
+
+    out = np.asarray(out)
+    if out.shape[:1] != (n,):
+        raise ValueError(f"model returned {out.shape[:1]} rows for a batch of {n}")
+    per_row = int(np.prod(out.shape[1:], dtype=np.int64))
+    if per_row == 1:
+        return pa.array(out.reshape(n).astype(np.float64, copy=False), type=pa.float64())
+    flat = out.reshape(-1).astype(np.float32, copy=False)
+    offsets = np.arange(0, n * per_row + 1, per_row, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=pa.float32()))
+
+
+def _output_spark_type(per_row_shape: list[int] | tuple) -> Any:
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+    return DoubleType() if int(np.prod(per_row_shape, dtype=np.int64)) == 1 else ArrayType(FloatType())
+
+
+# ------------------------------------------------------------------------------------------------ worker-side cache
+
+_MODEL_CACHE: OrderedDict[str, Any] = OrderedDict()
+_MODEL_CACHE_LOCK = threading.Lock()
+_MODEL_CACHE_SIZE = 2
+
+
+def _cached_model(key: str, load: Callable[[], Any]) -> Any:
+    """The model for ``key``, loaded at most once per Python worker (the last two models stay cached)."""
+    with _MODEL_CACHE_LOCK:
+        if key in _MODEL_CACHE:
+            _MODEL_CACHE.move_to_end(key)
+            return _MODEL_CACHE[key]
+        model = load()
+        _MODEL_CACHE[key] = model
+        while len(_MODEL_CACHE) > _MODEL_CACHE_SIZE:
+            _MODEL_CACHE.popitem(last=False)
+        return model
+
+
+def _model_load_count() -> int:
+    """How many models this process holds (for tests)."""
+    return len(_MODEL_CACHE)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+class BaseModel(Model, _PersistableStage):
+    """A fitted model: ``transform(df)`` adds one prediction column per label (see the module docstring).
+
+    A framework subclass implements ``_serialize_model``/``_deserialize_model`` (classmethods),
+    ``_load_for_inference(data) -> model`` (runs on executors; classmethod) and
+    ``_predict(model, inputs) -> list of numpy arrays`` (classmethod; one array per label, first dimension = rows).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._broadcast: tuple[str, Any] | None = None
+
+    # ---- framework hooks
+    @classmethod
+    def _load_for_inference(cls, data: bytes) -> Any:
+        return cls._deserialize_model(data)
+
+    @classmethod
+    def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def _input_shapes(self) -> list | None:
+        return None
+
+    # ---- public API
+    def getModel(self) -> Any:  # noqa: N802
+        """The trained model (a plain framework model, no distributed wrapper)."""
+        return self.getOrDefault(self.model)
+
+    def getHistory(self) -> dict[str, list[float]]:  # noqa: N802
+        """Per-epoch metrics averaged over ranks, e.g. ``{"loss": [...], "val_loss": [...]}``."""
+        return dict(self.getOrDefault(self.history) or {})
+
+    def _feature_specs(self) -> list[dict]:
+        """Per feature column: name, dtype and per-row shape (from the data metadata or input_shapes; None = as is)."""
+        cols = self.getOrDefault(self.feature_cols)
+        if not cols:
+            raise ValueError(f"{type(self).__name__}: feature_cols is not set")
+        meta = (self.getOrDefault(self.metadata) or {}).get("features") or {}
+        shapes = self._input_shapes()
+        if shapes is not None and len(shapes) != len(cols):
+            raise ValueError(f"input_shapes has {len(shapes)} entries for {len(cols)} feature columns")
+        specs = []
+        for i, col in enumerate(cols):
+            info = meta.get(col, {}) if isinstance(meta, dict) else {}
+            shape = shapes[i] if shapes is not None else info.get("shape")
+            specs.append({"name": col, "dtype": info.get("dtype"), "shape": shape})
+        return specs
+
+    def _prepared_input(self, df: Any) -> tuple[Any, list[int], list[int]]:
+        """``df`` plus temporary ``array<float>`` copies of its Vector feature columns; (df, feature idx, keep idx)."""
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+
+        names = df.columns
+        cols = [s["name"] for s in self._feature_specs()]
+        missing = [c for c in cols if c not in names]
+        if missing:
+            raise ValueError(f"feature column(s) {missing} not in the DataFrame (columns: {names})")
+        keep = list(range(len(names)))
+        extra = {}
+        feature_names = []
+        for i, col in enumerate(cols):
+            if isinstance(df.schema[col].dataType, VectorUDT):
+                tmp = f"__spark_hvd_feature_{i}"
+                extra[tmp] = vector_to_array(df[col], "float32")
+                feature_names.append(tmp)
+            else:
+                feature_names.append(col)
+        if extra:
+            df = df.withColumns(extra)
+        all_names = df.columns
+        return df, [all_names.index(c) for c in feature_names], keep
+
+    def _output_shapes(self, df: Any, data: bytes, feature_idx: list[int], specs: list[dict]) -> list[list[int]]:
+        """Per-row shape of each output: from the fit's metadata, else by running the model on one row here."""
+        recorded = (self.getOrDefault(self.metadata) or {}).get("output_shapes")
+        if recorded:
+            return [list(s) for s in recorded]
+        rows = df.limit(1).toArrow()
+        if rows.num_rows == 0:
+            raise ValueError("cannot infer the output shapes from an empty DataFrame; "
+                             "fit the model with the estimator or set metadata={'output_shapes': ...}")
+        model = self._load_for_inference(data)
+        inputs = [feature_to_numpy(rows.column(i), s["name"], s["dtype"], s["shape"])
+                  for i, s in zip(feature_idx, specs, strict=True)]
+        return [list(np.asarray(o).shape[1:]) for o in self._predict(model, inputs)]
+
+    def _model_broadcast(self, spark: Any) -> tuple[str, Any, bytes]:
+        data = self._serialize_model(self.getModel())
+        key = f"{type(self).__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
+        if self._broadcast is None or self._broadcast[0] != key:
+            self._broadcast = (key, spark.sparkContext.broadcast(data))
+        return key, self._broadcast[1], data
+
+    def _transform(self, df: Any) -> Any:
+        from pyspark.sql.types import StructField, StructType
+
+        if self.getModel() is None:
+            raise ValueError(f"{type(self).__name__} has no model")
+        batch_size = self.getOrDefault(self.batch_size)
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        out_cols = self.getOutputCols()
+        if not out_cols:
+            raise ValueError("set label_cols or output_cols: transform adds one output column per label")
+        clash = [c for c in out_cols if c in df.columns]
+        if clash:
+            raise ValueError(f"output column(s) {clash} already exist in the DataFrame; choose others with "
+                             "setOutputCols")
+        specs = self._feature_specs()
+        prepared, feature_idx, keep_idx = self._prepared_input(df)
+        key, bc, data = self._model_broadcast(df.sparkSession)
+        out_shapes = self._output_shapes(prepared, data, feature_idx, specs)
+        if len(out_shapes) != len(out_cols):
+            raise ValueError(f"the model has {len(out_shapes)} outputs but there are {len(out_cols)} output columns "
+                             f"{out_cols}")
+        schema = StructType(list(df.schema.fields) +
+                            [StructField(c, _output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
+                                                                                          strict=True)])
+        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size)
+        return prepared.mapInArrow(fn, schema)
+
+
+def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
+                       keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
+                       batch_size: int) -> Callable:
+    """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
+
+    def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        model = _cached_model(key, lambda: model_cls._load_for_inference(bc.value))
+        names = None
+        for rb in batches:
+            if names is None:
+                names = [rb.schema.names[i] for i in keep_idx] + out_cols
+            n = rb.num_rows
+            if n == 0:
+                empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
+                yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
+                continue
+            inputs = [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
+                      for i, s in zip(feature_idx, specs, strict=True)]
+            parts: list[list[np.ndarray]] = [[] for _ in out_cols]
+            for start in range(0, n, batch_size):
+                outs = model_cls._predict(model, [x[start:start + batch_size] for x in inputs])
+                if len(outs) != len(out_cols):
+                    raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns")
+                for acc, o in zip(parts, outs, strict=True):
+                    acc.append(np.asarray(o))
+            outputs = [output_to_arrow(p[0] if len(p) == 1 else np.concatenate(p), n) for p in parts]
+            yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
+
+    return transform_batches
+
+
+# ------------------------------------------------------------------------------------------------ the estimator
+
+
+class BaseEstimator(Estimator, _PersistableStage):
+    """The shared ``fit``: check, prepare data, train with the runner, build the model. See ``torch.py``."""

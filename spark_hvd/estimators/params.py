@@ -1,0 +1,270 @@
+"""Spark ML Params shared by the Torch and Keras estimators and their models.
+
+Every Param has a snake_case name (Horovod's names, so ``TorchEstimator(batch_size=64)`` works as in Horovod), a
+type converter, a doc string and, where sensible, a default. Each Params class gets camelCase accessors
+(``setBatchSize`` / ``getBatchSize``) generated from its Params, so the estimators behave like any ``pyspark.ml``
+stage: ``explainParams()``, ``copy()``, ``extractParamMap()``.
+
+Params whose values are plain JSON (numbers, strings, lists) are saved in the stage's ``metadata`` by the writer;
+the others (model, optimizer, loss, callbacks, store ...) are listed in ``OBJECT_PARAMS`` and saved as pickles.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.ml.param import Param, Params, TypeConverters
+
+__all__ = [
+    "EstimatorParams",
+    "TorchEstimatorParams",
+    "KerasEstimatorParams",
+    "ModelParams",
+    "TorchModelParams",
+    "KerasModelParams",
+    "OBJECT_PARAMS",
+    "LOSS_NAMES",
+]
+
+#: Params whose values are Python objects (not JSON): saved with cloudpickle, or as framework bytes (``model``).
+OBJECT_PARAMS = frozenset(
+    {
+        "model",
+        "optimizer",
+        "loss",
+        "metrics",
+        "custom_objects",
+        "store",
+        "callbacks",
+        "checkpoint_callback",
+        "train_minibatch_fn",
+        "transformation_fn",
+        "gradient_compression",
+    }
+)
+
+#: Loss names every estimator accepts (the Keras estimator also accepts any Keras loss name).
+LOSS_NAMES = ("mse", "cross_entropy", "bce_with_logits", "l1")
+
+
+# --------------------------------------------------------------------------------------------------- converters
+def _to_list_string(value: Any) -> list[str]:
+    """A column name or a list of column names -> list of str."""
+    if isinstance(value, str):
+        return [value]
+    return TypeConverters.toListString(value)
+
+
+def _to_optional(conv):
+    def convert(value: Any) -> Any:
+        return None if value is None else conv(value)
+
+    convert.__name__ = f"optional_{getattr(conv, '__name__', 'value')}"
+    return convert
+
+
+def _to_strict_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"expected an int, got the bool {value!r}")
+    return TypeConverters.toInt(value)
+
+
+def _to_validation(value: Any) -> float | str | None:
+    """``None``, a fraction in [0, 1) of the rows held out, or the name of a boolean/int column marking them."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("validation must be a fraction in [0, 1) or a column name, not a bool")
+    fraction = float(value)
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation fraction must be in [0, 1), got {value!r}")
+    return fraction
+
+
+def _to_input_shapes(value: Any) -> list[list[int]] | None:
+    if value is None:
+        return None
+    return [[int(d) for d in shape] for shape in value]
+
+
+def _to_mlflow(value: Any) -> str | None:
+    """``None``/``False``: off; ``True``: the active experiment; a string: that experiment's name."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return ""
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"mlflow must be None, a bool or an experiment name, got {type(value).__name__}")
+
+
+def _to_json_dict(value: Any) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a dict, got {type(value).__name__}")
+    return value
+
+
+_identity = TypeConverters.identity
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def _add_accessors(cls: type) -> type:
+    """Give ``cls`` a ``getX``/``setX`` pair for each Param it declares itself (unless it defines them already)."""
+    for attr, param in list(vars(cls).items()):
+        if not isinstance(param, Param):
+            continue
+        camel = _camel(attr)
+
+        def getter(self, _name=attr):
+            return self.getOrDefault(getattr(self, _name))
+
+        def setter(self, value, _name=attr):
+            return self._set(**{_name: value})
+
+        getter.__name__, setter.__name__ = f"get{camel}", f"set{camel}"
+        getter.__doc__ = f"Gets the value of ``{attr}``: {param.doc}"
+        setter.__doc__ = f"Sets the value of ``{attr}`` and returns ``self``: {param.doc}"
+        if f"get{camel}" not in vars(cls):
+            setattr(cls, f"get{camel}", getter)
+        if f"set{camel}" not in vars(cls):
+            setattr(cls, f"set{camel}", setter)
+    return cls
+
+
+def _p(name: str, doc: str, conv=_identity) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=conv)
+
+
+# --------------------------------------------------------------------------------------------------- estimators
+@_add_accessors
+class EstimatorParams(Params):
+    """Params shared by ``TorchEstimator`` and ``KerasEstimator`` (Horovod's ``EstimatorParams`` names)."""
+
+    num_proc = _p("num_proc", "number of training processes (one per Spark task slot); default: all slots",
+                  _to_optional(_to_strict_int))
+    model = _p("model", "the model to train (a torch.nn.Module or a Keras 3 model)")
+    optimizer = _p("optimizer", "optimizer: an instance built on the model (rebuilt on every rank), or a Keras name")
+    loss = _p("loss", "loss: a callable, a name (mse, cross_entropy, bce_with_logits, l1) or a list, one per label")
+    loss_weights = _p("loss_weights", "weight of each label's loss in the total (one per label)",
+                      _to_optional(TypeConverters.toListFloat))
+    metrics = _p("metrics", "metrics computed per epoch on train and validation data: callables or names")
+    feature_cols = _p("feature_cols", "feature column names, one model input each", _to_optional(_to_list_string))
+    label_cols = _p("label_cols", "label column names, one model output each", _to_optional(_to_list_string))
+    sample_weight_col = _p("sample_weight_col", "optional column of per-row loss weights",
+                           _to_optional(TypeConverters.toString))
+    validation = _p("validation", "fraction of rows held out for validation, or a column marking them", _to_validation)
+    batch_size = _p("batch_size", "rows per training batch on each process", _to_strict_int)
+    val_batch_size = _p("val_batch_size", "rows per validation batch; default: batch_size",
+                        _to_optional(_to_strict_int))
+    epochs = _p("epochs", "number of passes over the training data", _to_strict_int)
+    train_steps_per_epoch = _p("train_steps_per_epoch", "batches per epoch on each process; default: the shard size",
+                               _to_optional(_to_strict_int))
+    validation_steps_per_epoch = _p("validation_steps_per_epoch",
+                                    "validation batches per epoch on each process; default: the whole shard",
+                                    _to_optional(_to_strict_int))
+    shuffle = _p("shuffle", "shuffle row groups and rows of the training data every epoch", TypeConverters.toBoolean)
+    random_seed = _p("random_seed", "seed of the shuffling and of the model's random state on every rank",
+                     _to_optional(_to_strict_int))
+    store = _p("store", "spark_hvd.store.Store (or a URL) for prepared data, checkpoints, logs and the final model")
+    run_id = _p("run_id", "name of this run under runs/ in the store; an earlier run's id resumes it",
+                _to_optional(TypeConverters.toString))
+    callbacks = _p("callbacks", "list of callbacks run on every rank during training")
+    transformation_fn = _p("transformation_fn", "function applied to every pandas batch before training")
+    backward_passes_per_step = _p("backward_passes_per_step", "local gradient accumulation steps per allreduce",
+                                  _to_strict_int)
+    gradient_compression = _p("gradient_compression",
+                              "gradient compression (spark_hvd Compression.none / .fp16); default none")
+    use_gpu = _p("use_gpu", "train on GPUs where the Spark tasks have them; default: when available",
+                 _to_optional(TypeConverters.toBoolean))
+    partitions_per_process = _p("partitions_per_process", "Parquet row groups written per training process",
+                                _to_strict_int)
+    verbose = _p("verbose", "0: quiet, 1: progress per epoch, 2: more", _to_strict_int)
+    mlflow = _p("mlflow", "log params, metrics and the model to MLflow: None (off), True (active experiment) or "
+                "an experiment name", _to_mlflow)
+    max_retries = _p("max_retries", "times the whole training stage is restarted (from the last checkpoint) after a "
+                     "rank fails", _to_strict_int)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(
+            num_proc=None, loss_weights=None, feature_cols=None, label_cols=None, sample_weight_col=None,
+            validation=None, batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
+            validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
+            use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0,
+        )
+
+
+@_add_accessors
+class TorchEstimatorParams(EstimatorParams):
+    """``EstimatorParams`` plus what only the Torch estimator takes."""
+
+    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
+                      _to_input_shapes)
+    train_minibatch_fn = _p("train_minibatch_fn", "replaces one training step: fn(model, optimizer, "
+                            "transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(input_shapes=None)
+
+
+@_add_accessors
+class KerasEstimatorParams(EstimatorParams):
+    """``EstimatorParams`` plus what only the Keras estimator takes."""
+
+    custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
+    checkpoint_callback = _p("checkpoint_callback", "a keras ModelCheckpoint deciding which epochs are checkpointed "
+                             "(e.g. best only); default: every epoch")
+
+
+# --------------------------------------------------------------------------------------------------- models
+@_add_accessors
+class ModelParams(Params):
+    """Params of ``TorchModel`` and ``KerasModel`` (the fitted models)."""
+
+    model = _p("model", "the trained model")
+    feature_cols = _p("feature_cols", "feature column names, one model input each", _to_optional(_to_list_string))
+    label_cols = _p("label_cols", "label column names the model was trained on (they need not be in transform's "
+                    "input)", _to_optional(_to_list_string))
+    output_cols = _p("output_cols", "prediction column names, one per label; default <label>__output",
+                     _to_optional(_to_list_string))
+    batch_size = _p("batch_size", "rows per inference batch in transform", _to_strict_int)
+    history = _p("history", "per-epoch metrics averaged over ranks: {name: [value per epoch]}", _to_json_dict)
+    run_id = _p("run_id", "the run in the store that produced this model", _to_optional(TypeConverters.toString))
+    metadata = _p("metadata", "column metadata of the training data (dtypes, shapes) used to shape inputs/outputs",
+                  _to_json_dict)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(feature_cols=None, label_cols=None, output_cols=None, batch_size=1024, history=None,
+                         run_id=None, metadata=None)
+
+    def getOutputCols(self) -> list[str]:  # noqa: N802 (Spark ML naming)
+        """The prediction column names: ``output_cols`` if set, else ``<label>__output`` for every label."""
+        cols = self.getOrDefault(self.output_cols)
+        if cols:
+            return list(cols)
+        return [f"{label}__output" for label in (self.getOrDefault(self.label_cols) or [])]
+
+
+@_add_accessors
+class TorchModelParams(ModelParams):
+    """``ModelParams`` plus the Torch input shapes."""
+
+    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension", _to_input_shapes)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(input_shapes=None)
+
+
+@_add_accessors
+class KerasModelParams(ModelParams):
+    """``ModelParams`` plus the Keras custom objects."""
+
+    custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")

@@ -1,0 +1,136 @@
+"""TorchModel.transform against the module called directly, params, and Pipeline persistence of the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spark_hvd.estimators import TorchModel
+
+pytestmark = pytest.mark.spark
+
+
+def _trained_net(n_in: int = 4, n_out: int = 1, seed: int = 0) -> torch.nn.Module:
+    """A small MLP trained a few steps in process (so its weights are not the init ones)."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(n_in, 16), torch.nn.Tanh(), torch.nn.Linear(16, n_out))
+    x = torch.randn(256, n_in)
+    y = x.sum(1, keepdim=True).repeat(1, n_out)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(20):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    return net.eval()
+
+
+def _vector_df(spark, n: int = 300, n_in: int = 4, seed: int = 1):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, n_in))
+    rows = [(i, Vectors.dense(x[i].tolist()), float(x[i].sum())) for i in range(n)]
+    return spark.createDataFrame(rows, ["id", "features", "y"]).repartition(3), x
+
+
+def test_transform_vector_scalar_output_matches_module(spark):
+    net = _trained_net()
+    df, _ = _vector_df(spark)
+    model = TorchModel(model=net, feature_cols=["features"], label_cols=["y"], batch_size=7)
+    out = model.transform(df)
+    assert dict(out.dtypes)["y__output"] == "double"
+    assert out.columns == ["id", "features", "y", "y__output"]
+    rows = sorted(out.collect(), key=lambda r: r.id)
+    x = np.array([r.features.toArray() for r in rows], dtype=np.float32)
+    with torch.no_grad():
+        expect = net(torch.from_numpy(x)).numpy().reshape(-1)
+    got = np.array([r.y__output for r in rows])
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_transform_array_features_vector_output_without_labels(spark):
+    net = _trained_net(n_in=3, n_out=2, seed=3)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((50, 3)).astype(np.float32)
+    df = spark.createDataFrame([(i, x[i].tolist()) for i in range(50)], "id long, arr array<float>")
+    model = TorchModel(model=net, feature_cols=["arr"], label_cols=["target"])
+    model.setOutputCols(["pred"])
+    out = model.transform(df)
+    assert dict(out.dtypes)["pred"] == "array<float>"
+    rows = sorted(out.collect(), key=lambda r: r.id)
+    with torch.no_grad():
+        expect = net(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.array([r.pred for r in rows]), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_transform_two_inputs_two_outputs(spark):
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 1)
+            self.b = torch.nn.Linear(1, 2)
+
+        def forward(self, v, s):
+            h = self.a(v) + s.unsqueeze(1)
+            return h, self.b(h)
+
+    torch.manual_seed(0)
+    net = TwoHeads().eval()
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 3))
+    s = rng.standard_normal(40)
+    df = spark.createDataFrame([(x[i].tolist(), float(s[i])) for i in range(40)], "v array<double>, s double")
+    out = TorchModel(model=net, feature_cols=["v", "s"], label_cols=["l1", "l2"], batch_size=16).transform(df)
+    assert [t for _, t in out.dtypes[-2:]] == ["double", "array<float>"]
+    rows = out.collect()
+    got_v = np.array([r.v for r in rows], dtype=np.float32)
+    got_s = np.array([r.s for r in rows], dtype=np.float32)
+    with torch.no_grad():
+        e1, e2 = net(torch.from_numpy(got_v), torch.from_numpy(got_s))
+    np.testing.assert_allclose([r.l1__output for r in rows], e1.numpy().reshape(-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose([r.l2__output for r in rows], e2.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_transform_errors_name_the_column(spark):
+    df, _ = _vector_df(spark, n=10)
+    model = TorchModel(model=_trained_net(), feature_cols=["featurs"], label_cols=["y"])
+    with pytest.raises(ValueError, match="featurs"):
+        model.transform(df)
+    model = TorchModel(model=_trained_net(), feature_cols=["features"], label_cols=["y"], output_cols=["id"])
+    with pytest.raises(ValueError, match="already exist"):
+        model.transform(df)
+
+
+def test_params_spark_style():
+    model = TorchModel(batch_size=8)
+    assert model.getBatchSize() == 8
+    assert model.setBatchSize(16) is model and model.getBatchSize() == 16
+    model.setLabelCols("y")
+    assert model.getLabelCols() == ["y"] and model.getOutputCols() == ["y__output"]
+    text = model.explainParams()
+    assert "output_cols" in text and "batch_size" in text
+    with pytest.raises(TypeError):
+        model.setBatchSize("many")
+
+
+def test_pipeline_model_save_load_transform(spark, tmp_path):
+    from pyspark.ml import PipelineModel
+    from pyspark.ml.feature import VectorAssembler
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((60, 4))
+    df = spark.createDataFrame([tuple(float(v) for v in row) for row in x], ["a", "b", "c", "d"])
+    assembler = VectorAssembler(inputCols=["a", "b", "c", "d"], outputCol="features")
+    tm = TorchModel(model=_trained_net(), feature_cols=["features"], label_cols=["y"], history={"loss": [1.0, 0.5]},
+                    run_id="r1", metadata={"output_shapes": [[1]]})
+    pm = PipelineModel(stages=[assembler, tm])
+    before = pm.transform(df).select("a", "y__output").collect()
+    path = str(tmp_path / "pm")
+    pm.save(path)
+    loaded = PipelineModel.load(path)
+    stage = loaded.stages[1]
+    assert isinstance(stage, TorchModel) and stage.uid == tm.uid
+    assert stage.getHistory() == {"loss": [1.0, 0.5]} and stage.getRunId() == "r1"
+    after = loaded.transform(df).select("a", "y__output").collect()
+    assert before == after
