@@ -1,0 +1,71 @@
+"""The ring core: collectives over numpy buffers, run by a background engine (no torch/tensorflow/pyspark here).
+
+Process API (Horovod's, on numpy arrays)::
+
+    import spark_hvd.core as core
+    core.init()                                   # from the launcher's environment; size 1 when there is none
+    h = core.allreduce_async(grad, name="w")      # in place, average by default
+    core.synchronize(h)
+    core.shutdown()
+"""
+
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.context import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    backend_name,
+    barrier,
+    broadcast,
+    broadcast_async,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    engine,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    poll,
+    rank,
+    reducescatter,
+    reducescatter_async,
+    settings,
+    shutdown,
+    size,
+    synchronize,
+)
+from spark_hvd.core.engine import Handle
+from spark_hvd.core.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    NotInitializedError,
+    PeerFailureError,
+    ShutdownError,
+    SparkHvdError,
+    TensorMismatchError,
+)
+from spark_hvd.core.settings import Settings
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+__all__ = [
+    "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
+    "NotInitializedError", "PeerFailureError", "Product", "ReduceOp", "Rendezvous", "Settings", "ShutdownError",
+    "SparkHvdError", "Sum", "TensorMismatchError", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "allreduce_async", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast", "broadcast_async",
+    "broadcast_object", "cross_rank", "cross_size", "engine", "grouped_allreduce", "grouped_allreduce_async", "init",
+    "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "settings", "shutdown", "size", "synchronize",
+]

@@ -1,0 +1,354 @@
+"""The process API: ``init()`` joins the job, then collectives go through this process's engine.
+
+One job per process. ``init()`` chooses the backend:
+
+- ``backend=`` a ``Backend`` instance: used as given;
+- under ``mpirun`` (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` set, no ``SPARK_HVD_RANK``) or ``backend="mpi"``: MPI;
+- ``SPARK_HVD_RANK``/``SPARK_HVD_SIZE`` (set by ``spark-hvd-run`` and the Spark runner) or ``rank=``/``size=``: the
+  built-in ring (``SPARK_HVD_BACKEND=torch`` or ``backend="torch"``: torch.distributed), meeting the other ranks
+  through ``rendezvous`` or the KV service at ``SPARK_HVD_RENDEZVOUS``;
+- nothing at all (or a size of 1): a single-process job, no sockets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.engine import Engine, GroupHandle, Handle
+from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+@dataclass
+class _Context:
+    backend: Backend
+    engine: Engine
+    settings: Settings
+    backend_name: str
+
+
+_lock = threading.RLock()
+_ctx: _Context | None = None
+_atexit_registered = False
+
+
+def _get(what: str) -> _Context:
+    ctx = _ctx
+    if ctx is None:
+        raise NotInitializedError(what)
+    return ctx
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int | None, backend: Any,
+                  secret: bytes | str | None, settings: Settings, job_id: str | None) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    env = os.environ
+    name = (backend or env.get("SPARK_HVD_BACKEND") or "").strip().lower() or None
+    if name not in (None, "ring", "mpi", "torch", "local"):
+        raise ValueError(f"unknown backend {name!r}; expected 'ring', 'mpi', 'torch' or 'local'")
+    if rank is None:
+        rank = _env_int("SPARK_HVD_RANK")
+    if size is None:
+        size = _env_int("SPARK_HVD_SIZE")
+    under_mpi = rank is None and any(k in env for k in _MPI_ENV)
+    if name == "mpi" or (name is None and under_mpi):
+        from spark_hvd.core.mpi_backend import MpiBackend
+
+        return MpiBackend(settings)
+    if name == "local" or (rank is None and size is None) or (size == 1 and name != "torch"):
+        if size not in (None, 1) or rank not in (None, 0):
+            raise ValueError(f"a single-process job has rank 0 of size 1, not rank {rank} of size {size}")
+        from spark_hvd.core.local_backend import LocalBackend
+
+        return LocalBackend()
+    if rank is None or size is None:
+        raise ValueError(f"both rank and size are needed to join a job (got rank={rank}, size={size}); set "
+                         "SPARK_HVD_RANK and SPARK_HVD_SIZE or pass rank= and size=")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a job of size {size}")
+    if job_id is None:
+        job_id = env.get("SPARK_HVD_JOB_ID", "")
+    if secret is None:
+        from spark_hvd.core.wire import secret_from_env
+
+        secret = secret_from_env()
+    elif isinstance(secret, str):
+        secret = bytes.fromhex(secret)
+    if rendezvous is None:
+        address = env.get("SPARK_HVD_RENDEZVOUS")
+        if not address:
+            raise ValueError("SPARK_HVD_RENDEZVOUS (host:port of the launcher's KV service) is not set and no "
+                             f"rendezvous= was given: rank {rank} cannot find the other ranks")
+        from spark_hvd.core.rendezvous import KVRendezvous
+
+        rendezvous = KVRendezvous(address, secret, job_id, settings.timeout_s)
+    if name == "torch":
+        from spark_hvd.core.torch_backend import TorchBackend
+
+        return TorchBackend(rank, size, rendezvous, settings, job_id=job_id)
+    from spark_hvd.core.ring import RingBackend
+
+    return RingBackend(rank, size, rendezvous, secret, settings, job_id)
+
+
+def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size: int | None = None,
+         backend: str | Backend | None = None, secret: bytes | str | None = None, settings: Settings | None = None,
+         job_id: str | None = None) -> None:
+    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once."""
+    global _ctx, _atexit_registered
+    with _lock:
+        if _ctx is not None:
+            return
+        settings = settings or Settings.from_env()
+        be = _make_backend(rendezvous=rendezvous, rank=rank, size=size, backend=backend, secret=secret,
+                           settings=settings, job_id=job_id)
+        try:
+            engine = Engine(be, settings)
+        except BaseException:
+            be.close()
+            raise
+        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__))
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+        logger.debug("spark_hvd initialised: rank %d of %d on the %s backend", be.rank, be.size, _ctx.backend_name)
+
+
+def shutdown() -> None:
+    """Leave the job: pending operations fail with ``ShutdownError``; ``init()`` may be called again."""
+    global _ctx
+    with _lock:
+        ctx, _ctx = _ctx, None
+        _object_ids.clear()
+    if ctx is None:
+        return
+    try:
+        ctx.engine.shutdown()
+    finally:
+        ctx.backend.close()
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _ctx is not None
+
+
+def rank() -> int:
+    """This process's rank in the job (0 .. size-1)."""
+    return _get("rank()").backend.rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return _get("size()").backend.size
+
+
+def local_rank() -> int:
+    """This process's rank among the processes on its host."""
+    return _get("local_rank()").backend.local_rank
+
+
+def local_size() -> int:
+    """The number of processes on this host."""
+    return _get("local_size()").backend.local_size
+
+
+def cross_rank() -> int:
+    """This host's index among the job's hosts."""
+    return _get("cross_rank()").backend.cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts in the job."""
+    return _get("cross_size()").backend.cross_size
+
+
+def settings() -> Settings:
+    """The settings the job runs with."""
+    return _get("settings()").settings
+
+
+def backend_name() -> str:
+    """``"ring"``, ``"mpi"``, ``"torch"`` or ``"local"``."""
+    return _get("backend_name()").backend_name
+
+
+def engine() -> Engine:
+    """This process's engine (for bindings and tests: ``engine().stats``)."""
+    return _get("engine()").engine
+
+
+# ---------------------------------------------------------------------- asynchronous collectives
+
+
+def allreduce_async(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
+                    prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False) -> Handle:
+    """Reduce ``buf`` across ranks in place; the handle's result is ``buf``."""
+    return _get("allreduce_async()").engine.enqueue("allreduce", buf, name, op=op, prescale=prescale,
+                                                    postscale=postscale, bfloat16=bfloat16)
+
+
+def grouped_allreduce_async(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
+                            op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
+                            bfloat16: bool = False) -> Handle:
+    """Reduce several arrays in place; the handle's result is the list of arrays."""
+    engine_ = _get("grouped_allreduce_async()").engine
+    if names is not None and len(names) != len(bufs):
+        raise ValueError(f"grouped allreduce got {len(bufs)} arrays but {len(names)} names")
+    handles = [engine_.enqueue("allreduce", b, None if names is None else names[i], op=op, prescale=prescale,
+                               postscale=postscale, bfloat16=bfloat16) for i, b in enumerate(bufs)]
+    return GroupHandle("grouped_allreduce", handles)
+
+
+def allgather_async(buf: np.ndarray, name: str | None = None) -> Handle:
+    """Concatenate every rank's ``buf`` along the first dimension; the result is a new array."""
+    return _get("allgather_async()").engine.enqueue("allgather", buf, name)
+
+
+def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None) -> Handle:
+    """Overwrite ``buf`` with ``root_rank``'s in place; the result is ``buf``."""
+    return _get("broadcast_async()").engine.enqueue("broadcast", buf, name, root=root_rank)
+
+
+def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None) -> Handle:
+    """Send ``splits[i]`` rows to rank i (even split when None); result ``(array, recv_splits)``."""
+    ctx = _get("alltoall_async()")
+    if splits is None:
+        rows = buf.shape[0] if np.ndim(buf) else 1
+        n = ctx.backend.size
+        if rows % n:
+            raise ValueError(f"alltoall without splits needs a first dimension divisible by {n}, got {rows}")
+        splits = [rows // n] * n
+    return ctx.engine.enqueue("alltoall", buf, name, splits=splits)
+
+
+def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> Handle:
+    """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more)."""
+    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op)
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle`` and return its result (raises the operation's error)."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when ``handle`` has finished; never blocks."""
+    return handle.done()
+
+
+# ---------------------------------------------------------------------- blocking forms
+
+
+def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
+              postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
+    """Blocking ``allreduce_async`` (in place; returns ``buf``)."""
+    return allreduce_async(buf, name, op, prescale, postscale, bfloat16).wait()
+
+
+def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
+                      op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
+                      bfloat16: bool = False) -> list[np.ndarray]:
+    """Blocking ``grouped_allreduce_async``."""
+    return grouped_allreduce_async(bufs, names, op, prescale, postscale, bfloat16).wait()
+
+
+def allgather(buf: np.ndarray, name: str | None = None) -> np.ndarray:
+    """Blocking ``allgather_async``."""
+    return allgather_async(buf, name).wait()
+
+
+def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+    """Blocking ``broadcast_async`` (in place; returns ``buf``)."""
+    return broadcast_async(buf, root_rank, name).wait()
+
+
+def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None
+             ) -> tuple[np.ndarray, list[int]]:
+    """Blocking ``alltoall_async``."""
+    return alltoall_async(buf, splits, name).wait()
+
+
+def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> np.ndarray:
+    """Blocking ``reducescatter_async``."""
+    return reducescatter_async(buf, op, name).wait()
+
+
+def barrier() -> None:
+    """Return once every rank has called ``barrier()``."""
+    _get("barrier()").engine.enqueue("barrier").wait()
+
+
+def join() -> int:
+    """Declare this rank out of data and wait for the others.
+
+    Until every rank has joined, this rank's engine keeps taking part in the other ranks' collectives,
+    contributing the identity of each reduction (zeros for sum and average). Returns the last rank to join.
+    """
+    return _get("join()").engine.join().wait()
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+    """Send a picklable object from ``root_rank`` to every rank and return it."""
+    ctx = _get("broadcast_object()")
+    base = name or f"broadcast_object.noname.{_next_object_id('broadcast')}"
+    if ctx.backend.rank == root_rank:
+        payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+        length = np.array([payload.size], dtype=np.int64)
+    else:
+        payload = None
+        length = np.zeros(1, dtype=np.int64)
+    ctx.engine.enqueue("broadcast", length, f"{base}.len", root=root_rank).wait()
+    if payload is None:
+        payload = np.empty(int(length[0]), dtype=np.uint8)
+    ctx.engine.enqueue("broadcast", payload, f"{base}.data", root=root_rank).wait()
+    return obj if ctx.backend.rank == root_rank else pickle.loads(payload.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Gather a picklable object from every rank; returns the list indexed by rank."""
+    ctx = _get("allgather_object()")
+    base = name or f"allgather_object.noname.{_next_object_id('allgather')}"
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    lengths = ctx.engine.enqueue("allgather", np.array([payload.size], dtype=np.int64), f"{base}.len").wait()
+    data = ctx.engine.enqueue("allgather", payload, f"{base}.data").wait().tobytes()
+    out, offset = [], 0
+    for n in lengths.tolist():
+        out.append(pickle.loads(data[offset:offset + n]))
+        offset += n
+    return out
+
+
+_object_ids: dict[str, int] = {}
+
+
+def _next_object_id(kind: str) -> int:
+    with _lock:
+        n = _object_ids.get(kind, 0)
+        _object_ids[kind] = n + 1
+        return n

@@ -1,0 +1,802 @@
+"""The background engine: one thread per process that negotiates, fuses and runs every collective.
+
+The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
+*rounds*. In a round every rank publishes what was submitted locally since its last round, the ranks gather those
+lists (one ``backend.allgather`` of a small message), and every rank runs the same deterministic procedure on the
+same gathered data, so all ranks reach the same answer without a coordinator:
+
+- a table of outstanding tensors (name -> which ranks submitted it, with shape/dtype/op) is kept identical on
+  every rank; a tensor is *ready* when every rank that has not joined has submitted it;
+- ready tensors are answered in one order (first appearance: round, then rank, then submission order), so
+  tensors submitted in different orders on different ranks still meet;
+- the same name with a different shape, dtype or op on different ranks fails on every rank with a
+  ``TensorMismatchError`` naming the tensor and the ranks that disagree;
+- ready allreduces of one dtype / op / scale are packed into fusion groups of up to ``fusion_threshold`` bytes,
+  each run as one collective;
+- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks.
+
+Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
+(half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
+so the ring, MPI and torch.distributed backends all run the same engine. The gathered data is
+O(size x new requests), small for the sizes this project runs at.
+
+Response cache: the table entries of completed allreduce / broadcast / reducescatter / barrier requests are
+remembered (LRU, ``cache_capacity`` entries, identical on every rank because every rank updates it from the same
+responses). A request that matches its cached entry is sent as a 4-byte cache id instead of its name and metadata,
+so a steady training loop exchanges a few bytes per tensor.
+
+Idle behaviour: a round is a collective, but a rank with nothing to do does not spin. With nothing outstanding
+anywhere it sleeps until local work arrives, or for a heartbeat round every ``min(1 s, timeout / 4)`` (which keeps
+a peer waiting in a round from timing out, e.g. while rank 0 runs validation, and notices dead peers). With work
+outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made.
+
+Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import logging
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.errors import PeerFailureError, ShutdownError, SparkHvdError, TensorMismatchError
+from spark_hvd.core.settings import Settings
+from spark_hvd.core.timeline import Timeline, timeline_path
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
+_CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
+_RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
+_LEN = struct.Struct("!I")
+_MAX_BACKOFF_S = 0.010
+
+
+class Meta(NamedTuple):
+    """What every rank must agree on for one named tensor."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    op: str
+    root: int
+    prescale: float
+    postscale: float
+    bfloat16: bool
+
+    def to_wire(self, name: str) -> list:
+        return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,
+                self.bfloat16]
+
+    @classmethod
+    def from_wire(cls, item: list) -> tuple[str, Meta]:
+        name, kind, dtype, shape, op, root, pre, post, bf16 = item
+        return str(name), cls(str(kind), str(dtype), tuple(int(s) for s in shape), str(op), int(root), float(pre),
+                              float(post), bool(bf16))
+
+    def agreement_key(self) -> tuple:
+        if self.kind in _RAGGED:
+            return (self.kind, self.dtype, self.shape[1:], self.bfloat16)
+        return tuple(self)
+
+    def describe(self) -> str:
+        dtype = "bfloat16" if self.bfloat16 else self.dtype
+        text = f"{self.kind} shape={self.shape} dtype={dtype}"
+        if self.kind in ("allreduce", "reducescatter"):
+            text += f" op={self.op}"
+            if self.prescale != 1.0 or self.postscale != 1.0:
+                text += f" prescale={self.prescale} postscale={self.postscale}"
+        if self.kind == "broadcast":
+            text += f" root={self.root}"
+        return text
+
+
+class Handle:
+    """The pending result of one enqueued operation. ``wait()`` returns it or raises the operation's error."""
+
+    def __init__(self, name: str, kind: str, engine: Engine | None) -> None:
+        self.name = name
+        self.kind = kind
+        self._engine = engine
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        """True once the operation has finished (successfully or not); never blocks."""
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        """Block until the operation finishes; return its result or raise its error.
+
+        The engine bounds every collective by the timeout, so this returns or raises; a tensor that other ranks
+        never submit is reported by the engine's stall warnings while this waits.
+        """
+        while not self._event.wait(0.5):
+            if self._engine is not None:
+                self._engine.check_alive(self)
+        if self._error is not None:
+            raise _copy_error(self._error)
+        return self._result
+
+    def _set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def _set_error(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+
+class GroupHandle(Handle):
+    """A handle over several handles (grouped allreduce); its result is the list of their results."""
+
+    def __init__(self, name: str, handles: Sequence[Handle]) -> None:
+        super().__init__(name, "grouped_allreduce", None)
+        self.handles = list(handles)
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> list[Any]:
+        return [h.wait() for h in self.handles]
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    try:
+        return copy.copy(error)
+    except Exception:  # an exception type that cannot be copied: raise the original
+        return error
+
+
+@dataclass
+class _Request:
+    """One operation submitted on this rank (local state only)."""
+
+    name: str
+    meta: Meta
+    buf: np.ndarray | None
+    op: ReduceOp
+    splits: list[int] | None
+    handle: Handle
+    enqueued: float
+    taken: float = 0.0
+    sent: bool = False
+
+
+@dataclass
+class _Entry:
+    """One outstanding tensor in the table every rank keeps identical."""
+
+    name: str
+    seq: int
+    metas: dict[int, Meta] = field(default_factory=dict)
+    created: float = field(default_factory=time.monotonic)
+    warned: float = 0.0
+
+
+class _ResponseCache:
+    """LRU of agreed metadata by name, with small integer ids; updated identically on every rank."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(int(capacity), 0)
+        self._by_name: OrderedDict[str, tuple[int, Meta]] = OrderedDict()
+        self._by_id: dict[int, tuple[str, Meta]] = {}
+        self._free: list[int] = []
+        self._next = 0
+
+    def lookup(self, name: str, meta: Meta) -> int | None:
+        hit = self._by_name.get(name)
+        if hit is not None and hit[1] == meta:
+            return hit[0]
+        return None
+
+    def get(self, cache_id: int) -> tuple[str, Meta]:
+        try:
+            return self._by_id[cache_id]
+        except KeyError:
+            raise SparkHvdError(f"response cache id {cache_id} is unknown on this rank: the ranks' caches "
+                                "diverged (a bug; please report it)") from None
+
+    def put(self, name: str, meta: Meta) -> None:
+        if self.capacity == 0:
+            return
+        hit = self._by_name.get(name)
+        if hit is not None:
+            if hit[1] == meta:
+                self._by_name.move_to_end(name)
+                return
+            cache_id = hit[0]
+            del self._by_name[name]
+        elif len(self._by_name) >= self.capacity:
+            _, (cache_id, _) = self._by_name.popitem(last=False)
+            del self._by_id[cache_id]
+        elif self._free:
+            cache_id = self._free.pop()
+        else:
+            cache_id = self._next
+            self._next += 1
+        self._by_name[name] = (cache_id, meta)
+        self._by_id[cache_id] = (name, meta)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 values held as uint16 -> float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits as uint16, rounding to nearest even (NaN stays NaN)."""
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return rounded
+
+
+def _scale(buf: np.ndarray, factor: float, bfloat16: bool) -> None:
+    if factor == 1.0 or buf.size == 0:
+        return
+    if bfloat16:
+        values = bf16_to_f32(buf)
+        values *= np.float32(factor)
+        buf[...] = f32_to_bf16(values)
+    else:
+        np.multiply(buf, factor, out=buf, casting="unsafe")
+
+
+_BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
+
+
+def _identity(shape: tuple[int, ...], dtype: np.dtype, op: str, bfloat16: bool) -> np.ndarray:
+    """What a joined rank contributes to a reduction: the identity of ``op``."""
+    if op in ("sum", "average"):
+        return np.zeros(shape, dtype)
+    if bfloat16:
+        value = {"product": "one", "min": "inf", "max": "-inf"}[op]
+        return np.full(shape, _BF16_BITS[value], np.uint16)
+    if op == "product":
+        return np.ones(shape, dtype)
+    if np.issubdtype(dtype, np.floating):
+        return np.full(shape, np.inf if op == "min" else -np.inf, dtype)
+    info = np.iinfo(dtype)
+    return np.full(shape, info.max if op == "min" else info.min, dtype)
+
+
+class Engine:
+    """Runs the collectives of one process on its backend from one background thread.
+
+    Args:
+        backend: the collectives (ring, MPI, torch.distributed or local).
+        settings: fusion threshold, cycle time, cache capacity, timeout, stall check time, timeline.
+
+    ``stats`` counts rounds, collectives and cache use (what tests check fusion with).
+    """
+
+    def __init__(self, backend: Backend, settings: Settings) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.rank = backend.rank
+        self.size = backend.size
+        self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._outbox: list[_Request] = []
+        self._local: dict[str, _Request] = {}
+        self._counters: Counter[str] = Counter()
+        self._join_handle: Handle | None = None
+        self._join_sent = False
+        self._shutdown_requested = False
+        self._error: BaseException | None = None
+        self._stopped = False
+        # State identical on every rank.
+        self._pending: dict[str, _Entry] = {}
+        self._seq = itertools.count()
+        self._joined: set[int] = set()
+        self._cache = _ResponseCache(settings.cache_capacity)
+        # Pacing.
+        self._cycle = max(settings.cycle_time_ms, 0.0) / 1000.0
+        self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
+        self._heartbeat = 60.0 if self.size == 1 else max(0.05, min(1.0, settings.timeout_s / 4.0))
+        self._last_start = 0.0
+        self._idle_rounds = 0
+        self._backend_fuses = type(backend).allreduce_fused is not Backend.allreduce_fused
+        self._fusion_buffers: dict[str, np.ndarray] = {}
+        self.timeline: Timeline | None = None
+        if settings.timeline:
+            path = timeline_path(settings.timeline, self.rank)
+            if path:
+                self.timeline = Timeline(path, self.rank)
+        self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ framework side
+
+    def enqueue(self, kind: str, buf: np.ndarray | None = None, name: str | None = None, *,
+                op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
+                bfloat16: bool = False, root: int = 0, splits: Sequence[int] | None = None) -> Handle:
+        """Submit one collective; returns at once with a ``Handle``.
+
+        ``allreduce`` and ``broadcast`` work in place on ``buf`` (C-contiguous and writable); the others read
+        ``buf`` and return a new array (``alltoall``: ``(array, recv_splits)``). Ops without a name get
+        ``"<kind>.noname.<n>"`` from a per-kind counter, the same on every rank that calls in the same order.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
+        op = ReduceOp(op)
+        with self._lock:
+            if name is None:
+                name = f"{kind}.noname.{self._counters[kind]}"
+                self._counters[kind] += 1
+        if kind == "barrier":
+            buf = None
+            meta = Meta(kind, "", (), "", 0, 1.0, 1.0, False)
+        else:
+            buf = self._check_buffer(kind, buf, name, bfloat16)
+            if kind == "broadcast" and not 0 <= int(root) < self.size:
+                raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size "
+                                 f"{self.size}")
+            if splits is not None:
+                splits = [int(s) for s in splits]
+                rows = buf.shape[0]
+                if len(splits) != self.size or sum(splits) != rows or min(splits, default=0) < 0:
+                    raise ValueError(f"alltoall of '{name}': splits {splits} must be {self.size} non-negative "
+                                     f"counts summing to the {rows} rows of the tensor")
+            meta = Meta(kind, buf.dtype.str, tuple(buf.shape), op.value, int(root), float(prescale),
+                        float(postscale), bool(bfloat16))
+        handle = Handle(name, kind, self)
+        request = _Request(name, meta, buf, op, list(splits) if splits is not None else None, handle,
+                           time.perf_counter())
+        with self._lock:
+            self._raise_if_unusable()
+            if name in self._local:
+                raise ValueError(f"a collective named '{name}' is already pending on rank {self.rank}; "
+                                 "wait for it before submitting the name again")
+            self._local[name] = request
+            self._outbox.append(request)
+        self._wake.set()
+        return handle
+
+    def _check_buffer(self, kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"{kind} of '{name}': expected a numpy array, got {type(buf).__name__}")
+        if bfloat16 and buf.dtype != np.uint16:
+            raise TypeError(f"{kind} of '{name}': bfloat16 data must be passed as a uint16 view, got {buf.dtype}")
+        if kind in ("allreduce", "broadcast"):
+            if not buf.flags.c_contiguous or not buf.flags.writeable:
+                raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
+        else:
+            buf = np.ascontiguousarray(buf)
+            if kind in _RAGGED and buf.ndim == 0:
+                buf = buf.reshape(1)
+        return buf
+
+    def join(self) -> Handle:
+        """Declare this rank out of data. Its handle's result is the last rank to join, once all have."""
+        with self._lock:
+            self._raise_if_unusable()
+            if self._join_handle is not None:
+                raise ValueError(f"rank {self.rank} has already called join()")
+            self._join_handle = Handle("join", "join", self)
+            self._join_sent = False
+            handle = self._join_handle
+        self._wake.set()
+        return handle
+
+    def _raise_if_unusable(self) -> None:
+        if self._error is not None:
+            raise _copy_error(self._error)
+        if self._shutdown_requested or self._stopped:
+            raise ShutdownError(f"the spark_hvd engine of rank {self.rank} has been shut down")
+
+    def check_alive(self, handle: Handle) -> None:
+        """Fail ``handle`` if the engine thread is gone without having answered it."""
+        if not self._thread.is_alive() and not handle.done():
+            error = self._error or ShutdownError(f"the spark_hvd engine of rank {self.rank} stopped before "
+                                                 f"'{handle.name}' completed")
+            handle._set_error(error)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error that stopped the engine (a peer failure), if any."""
+        return self._error
+
+    def shutdown(self) -> None:
+        """Tell the other ranks, stop the thread (bounded by the timeout) and close the timeline."""
+        with self._lock:
+            self._shutdown_requested = True
+        self._wake.set()
+        self._thread.join(self.settings.timeout_s + self._heartbeat + 5.0)
+        if self._thread.is_alive():
+            logger.warning("the engine thread of rank %d did not stop within the timeout", self.rank)
+            self._fail_all(ShutdownError(f"spark_hvd on rank {self.rank} was shut down"))
+        if self.timeline is not None:
+            self.timeline.close()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wait_for_round()
+                if self._round():
+                    break
+        except PeerFailureError as exc:
+            logger.error("rank %d: %s", self.rank, exc)
+            self._fail_all(exc)
+        except BaseException as exc:  # a bug or a backend error: every waiter must hear of it
+            logger.exception("the spark_hvd engine of rank %d failed", self.rank)
+            error = exc if isinstance(exc, SparkHvdError) else SparkHvdError(
+                f"the spark_hvd engine of rank {self.rank} failed: {exc!r}")
+            self._fail_all(error)
+        finally:
+            self._stopped = True
+            if self.timeline is not None:
+                self.timeline.flush()
+
+    def _has_local_work(self) -> bool:
+        return bool(self._outbox) or self._shutdown_requested or (
+            self._join_handle is not None and not self._join_sent)
+
+    def _wait_for_round(self) -> None:
+        first_seen: float | None = None
+        idle_before = not (self._pending or self._joined)
+        while True:
+            self._wake.clear()
+            now = time.perf_counter()
+            if self._has_local_work():
+                if first_seen is None:
+                    first_seen = now
+                target = self._last_start + self._cycle
+                if idle_before:  # collect a cycle's worth of submissions after idling
+                    target = max(target, first_seen + self._cycle)
+            elif self._pending or self._joined:
+                target = self._last_start + min(self._backoff_cap, self._cycle * (2 ** min(self._idle_rounds, 16)))
+            else:
+                target = self._last_start + self._heartbeat
+            remaining = target - now
+            if remaining <= 0:
+                return
+            self._wake.wait(remaining)
+
+    def _round(self) -> bool:
+        """One negotiation round and the collectives it agrees on. True when the engine must stop."""
+        start = time.perf_counter()
+        self._last_start = start
+        with self._lock:
+            outgoing, self._outbox = self._outbox, []
+            join_flag = self._join_handle is not None and not self._join_sent
+            if join_flag:
+                self._join_sent = True
+            shutdown_flag = self._shutdown_requested
+        ids: list[int] = []
+        full: list[list] = []
+        for request in outgoing:
+            request.taken = start
+            request.sent = True
+            cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in _CACHEABLE else None
+            if cache_id is None:
+                full.append(request.meta.to_wire(request.name))
+            else:
+                ids.append(cache_id)
+        self.stats["cache_hits"] += len(ids)
+        self.stats["full_requests"] += len(full)
+        payload = json.dumps([int(join_flag), int(shutdown_flag), ids, full], separators=(",", ":")).encode()
+        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
+        gathered = self.backend.allgather(message)
+        self.stats["rounds"] += 1
+        messages = self._parse(gathered)
+
+        shutdown_ranks: list[int] = []
+        new_joins: list[int] = []
+        progress = False
+        for r, (jf, sf, r_ids, r_full) in enumerate(messages):
+            if sf:
+                shutdown_ranks.append(r)
+            if jf:
+                self._joined.add(r)
+                new_joins.append(r)
+                progress = True
+            for cache_id in r_ids:
+                name, meta = self._cache.get(int(cache_id))
+                self._add(name, r, meta)
+            for item in r_full:
+                name, meta = Meta.from_wire(item)
+                self._add(name, r, meta)
+            progress = progress or bool(r_ids) or bool(r_full)
+        if shutdown_ranks:
+            self._stop_for_shutdown(shutdown_ranks)
+            return True
+
+        ready = self._ready()
+        negotiated = time.perf_counter()
+        if ready:
+            progress = True
+            self._execute(ready, negotiated)
+        if self._joined and len(self._joined) == self.size:
+            self._complete_join(max(new_joins) if new_joins else max(self._joined))
+        self._check_stalls()
+        self._idle_rounds = 0 if progress else self._idle_rounds + 1
+        if self.timeline is not None and (progress or ready):
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
+        return False
+
+    def _parse(self, gathered: np.ndarray) -> list[list]:
+        data = gathered.tobytes()
+        messages = []
+        offset = 0
+        for r in range(self.size):
+            if offset + _LEN.size > len(data):
+                raise SparkHvdError(f"negotiation message of rank {r} is missing (got {len(data)} bytes)")
+            (length,) = _LEN.unpack_from(data, offset)
+            offset += _LEN.size
+            messages.append(json.loads(data[offset:offset + length]))
+            offset += length
+        return messages
+
+    def _add(self, name: str, rank: int, meta: Meta) -> None:
+        entry = self._pending.get(name)
+        if entry is None:
+            entry = self._pending[name] = _Entry(name, next(self._seq))
+        entry.metas[rank] = meta
+
+    def _ready(self) -> list[tuple[_Entry, TensorMismatchError | None]]:
+        active = [r for r in range(self.size) if r not in self._joined]
+        ready = []
+        for entry in list(self._pending.values()):
+            if all(r in entry.metas for r in active):
+                del self._pending[entry.name]
+                ready.append((entry, self._mismatch(entry)))
+        return ready
+
+    def _mismatch(self, entry: _Entry) -> TensorMismatchError | None:
+        keys = {r: m.agreement_key() for r, m in entry.metas.items()}
+        distinct = set(keys.values())
+        if len(distinct) == 1:
+            meta = next(iter(entry.metas.values()))
+            if meta.kind == "broadcast" and meta.root in self._joined and meta.root not in entry.metas:
+                return TensorMismatchError(
+                    f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
+                    "of a broadcast must not call join() before it.", name=entry.name, ranks=[meta.root])
+            return None
+        counts = Counter(keys.values())
+        lowest = min(keys)
+        common = max(distinct, key=lambda k: (counts[k], k == keys[lowest]))
+        bad = sorted(r for r, k in keys.items() if k != common)
+        detail = "; ".join(f"rank {r}: {m.describe()}" for r, m in sorted(entry.metas.items()))
+        return TensorMismatchError(
+            f"tensor '{entry.name}' was submitted differently on different ranks (ranks {bad} differ from the "
+            f"others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
+            name=entry.name, ranks=bad)
+
+    def _take(self, name: str) -> _Request | None:
+        with self._lock:
+            request = self._local.get(name)
+            if request is None or not request.sent:
+                return None
+            del self._local[name]
+            return request
+
+    def _execute(self, ready: list[tuple[_Entry, TensorMismatchError | None]], negotiated: float) -> None:
+        groups: dict[tuple, list[tuple[_Entry, _Request | None]]] = {}
+        plan: list[tuple[str, Any]] = []
+        for entry, error in ready:
+            request = self._take(entry.name)
+            if request is not None and self.timeline is not None:
+                self.timeline.event(entry.name, "WAIT_FOR_NEGOTIATION", request.enqueued, request.taken)
+                self.timeline.event(entry.name, "NEGOTIATE", request.taken, negotiated)
+            if error is not None:
+                if request is not None:
+                    request.handle._set_error(error)
+                continue
+            meta = next(iter(entry.metas.values()))
+            if meta.kind == "allreduce":
+                key = (meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
+                if key not in groups:
+                    groups[key] = []
+                    plan.append(("allreduce", key))
+                groups[key].append((entry, request))
+            else:
+                plan.append(("one", (entry, request)))
+        for what, item in plan:
+            if what == "allreduce":
+                self._run_allreduces(item, groups[item])
+            else:
+                self._run_one(*item)
+
+    def _run_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
+        dtype = np.dtype(key[0])
+        limit = max(int(self.settings.fusion_threshold), 0)
+        chunk: list[tuple[_Entry, _Request | None, np.ndarray]] = []
+        chunk_bytes = 0
+        for entry, request in items:
+            meta = next(iter(entry.metas.values()))
+            if request is not None:
+                buf = request.buf
+            else:
+                buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+            nbytes = buf.nbytes
+            if chunk and chunk_bytes + nbytes > limit:
+                self._allreduce_chunk(key, chunk)
+                chunk, chunk_bytes = [], 0
+            chunk.append((entry, request, buf))
+            chunk_bytes += nbytes
+            self._cache.put(entry.name, meta)
+        if chunk:
+            self._allreduce_chunk(key, chunk)
+
+    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[_Entry, _Request | None, np.ndarray]]) -> None:
+        dtype_str, op_value, prescale, postscale, bfloat16 = key
+        op = ReduceOp(op_value)
+        bufs = [buf for _, _, buf in chunk]
+        tl = self.timeline
+        self.stats["allreduce_collectives"] += 1
+        self.stats["allreduce_tensors"] += len(chunk)
+        if len(chunk) > 1:
+            self.stats["fused_collectives"] += 1
+        try:
+            if len(bufs) == 1 or self._backend_fuses:
+                for buf in bufs:
+                    _scale(buf, prescale, bfloat16)
+                t0 = time.perf_counter()
+                if len(bufs) == 1:
+                    self.backend.allreduce(bufs[0], op, bfloat16=bfloat16)
+                else:
+                    self.backend.allreduce_fused(bufs, op, bfloat16=bfloat16)
+                t1 = time.perf_counter()
+                for buf in bufs:
+                    _scale(buf, postscale, bfloat16)
+                if tl is not None:
+                    for entry, _, _ in chunk:
+                        tl.event(entry.name, "ALLREDUCE", t0, t1, fused=len(bufs))
+            else:
+                total = sum(b.size for b in bufs)
+                fusion = self._fusion_buffer(np.dtype(dtype_str), total)
+                t0 = time.perf_counter()
+                offset = 0
+                for buf in bufs:
+                    fusion[offset:offset + buf.size] = buf.reshape(-1)
+                    offset += buf.size
+                _scale(fusion, prescale, bfloat16)
+                t1 = time.perf_counter()
+                self.backend.allreduce(fusion, op, bfloat16=bfloat16)
+                t2 = time.perf_counter()
+                _scale(fusion, postscale, bfloat16)
+                offset = 0
+                for buf in bufs:
+                    buf.reshape(-1)[...] = fusion[offset:offset + buf.size]
+                    offset += buf.size
+                t3 = time.perf_counter()
+                if tl is not None:
+                    for entry, _, _ in chunk:
+                        tl.event(entry.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
+                        tl.event(entry.name, "ALLREDUCE", t1, t2, fused=len(bufs))
+                        tl.event(entry.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
+        except PeerFailureError:
+            raise
+        except Exception as exc:
+            error = SparkHvdError(f"allreduce of {[e.name for e, _, _ in chunk]} failed on rank {self.rank}: {exc}")
+            for _, request, _ in chunk:
+                if request is not None:
+                    request.handle._set_error(error)
+            return
+        for _, request, buf in chunk:
+            if request is not None:
+                request.handle._set_result(buf)
+
+    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buf = self._fusion_buffers.get(dtype.str)
+        if buf is None or buf.size < count:
+            buf = self._fusion_buffers[dtype.str] = np.empty(count, dtype)
+        return buf[:count]
+
+    def _run_one(self, entry: _Entry, request: _Request | None) -> None:
+        meta = next(iter(entry.metas.values())) if request is None else request.meta
+        kind = meta.kind
+        op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
+        dtype = np.dtype(meta.dtype) if meta.dtype else None
+        self.stats[f"{kind}_collectives"] += 1
+        t0 = time.perf_counter()
+        try:
+            if kind == "barrier":
+                self.backend.barrier()
+                result: Any = None
+            elif kind == "broadcast":
+                buf = request.buf if request is not None else np.zeros(meta.shape, dtype)
+                self.backend.broadcast(buf, meta.root)
+                result = buf
+            elif kind == "allgather":
+                buf = request.buf if request is not None else np.zeros((0, *meta.shape[1:]), dtype)
+                result = self.backend.allgather(buf)
+            elif kind == "alltoall":
+                if request is not None:
+                    buf, splits = request.buf, request.splits
+                else:
+                    buf, splits = np.zeros((0, *meta.shape[1:]), dtype), [0] * self.size
+                out, recv_splits = self.backend.alltoall(buf, splits)
+                result = (out, list(recv_splits))
+            elif kind == "reducescatter":
+                if request is not None:
+                    buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
+                else:
+                    buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                _scale(buf, meta.prescale, meta.bfloat16)
+                result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
+                _scale(result, meta.postscale, meta.bfloat16)
+            else:  # pragma: no cover - enqueue rejects unknown kinds
+                raise SparkHvdError(f"unknown collective {kind!r}")
+        except PeerFailureError:
+            raise
+        except Exception as exc:
+            if request is not None:
+                request.handle._set_error(SparkHvdError(f"{kind} of '{entry.name}' failed on rank {self.rank}: {exc}"))
+            return
+        if self.timeline is not None and request is not None:
+            self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
+        if kind in _CACHEABLE:
+            self._cache.put(entry.name, meta)
+        if request is not None:
+            request.handle._set_result(result)
+
+    def _complete_join(self, last: int) -> None:
+        self._joined.clear()
+        with self._lock:
+            handle, self._join_handle = self._join_handle, None
+            self._join_sent = False
+        if handle is not None:
+            handle._set_result(last)
+
+    def _check_stalls(self) -> None:
+        limit = self.settings.stall_check_time_s
+        if not self._pending or limit <= 0:
+            return
+        now = time.monotonic()
+        for entry in self._pending.values():
+            if now - entry.created >= limit and now - entry.warned >= limit:
+                entry.warned = now
+                if self.rank not in entry.metas:
+                    continue
+                missing = [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
+                logger.warning(
+                    "stall: tensor '%s' was submitted by ranks %s %.0f s ago but ranks %s have not submitted it; "
+                    "one of them may be stuck or running a different code path",
+                    entry.name, sorted(entry.metas), now - entry.created, missing)
+
+    def _stop_for_shutdown(self, ranks: list[int]) -> None:
+        others = [r for r in ranks if r != self.rank]
+        if others:
+            error = ShutdownError(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} shut down "
+                                  f"spark_hvd while rank {self.rank} still had operations pending")
+            self._error = error
+        else:
+            error = ShutdownError(f"spark_hvd on rank {self.rank} was shut down")
+        self._fail_all(error, set_error=False)
+
+    def _fail_all(self, error: BaseException, set_error: bool = True) -> None:
+        with self._lock:
+            if set_error and self._error is None:
+                self._error = error
+            requests = list(self._local.values())
+            self._local.clear()
+            self._outbox.clear()
+            join, self._join_handle = self._join_handle, None
+        for request in requests:
+            request.handle._set_error(error)
+        if join is not None:
+            join._set_error(error)
