@@ -1,0 +1,177 @@
+"""Framework-neutral pieces shared by ``spark_hvd.torch`` and ``spark_hvd.keras``.
+
+Everything here speaks numpy and the core's process API; nothing imports torch or tensorflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.errors import NotInitializedError
+
+log = logging.getLogger(__name__)
+
+# Horovod's names for the reductions: ``hvd.Average``, ``hvd.Sum`` ...
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def core() -> Any:
+    """The core's process API (imported late so that ``import spark_hvd.torch`` stays cheap)."""
+    import spark_hvd.core as _core
+
+    return _core
+
+
+def require_init(what: str) -> None:
+    """Raise :class:`NotInitializedError` naming ``what`` unless ``init()`` has been called."""
+    if not core().is_initialized():
+        raise NotInitializedError(what)
+
+
+# ---- process API shared by both bindings ----
+
+def shutdown() -> None:
+    """Leave the job and stop the core's background engine."""
+    core().shutdown()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return bool(core().is_initialized())
+
+
+def rank() -> int:
+    """This process's rank in the job."""
+    return core().rank()
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return core().size()
+
+
+def local_rank() -> int:
+    """Rank among the processes of this host."""
+    return core().local_rank()
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return core().local_size()
+
+
+def cross_rank() -> int:
+    """Index of this host among the job's hosts."""
+    return core().cross_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts in the job."""
+    return core().cross_size()
+
+
+def barrier() -> None:
+    """Return once every rank has called it."""
+    require_init("barrier()")
+    core().barrier()
+
+
+def join(device: int = -1) -> int:
+    """Say this rank has no more data; returns, once every rank has joined, the last rank to join.
+
+    Until then this rank takes part in the other ranks' allreduces with zeros, so ranks with different
+    numbers of batches finish instead of hanging. ``device`` is accepted for Horovod compatibility.
+    """
+    require_init("join()")
+    return int(core().join())
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Root's picklable ``obj``, on every rank."""
+    require_init("broadcast_object()")
+    return core().broadcast_object(obj, root_rank=root_rank, name=name)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list by rank."""
+    require_init("allgather_object()")
+    return core().allgather_object(obj, name=name)
+
+
+def resolve_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
+    """Horovod's ``average=`` (deprecated) and ``op=`` arguments resolved to one :class:`ReduceOp`."""
+    if op is not None and average is not None:
+        raise ValueError("pass either op= or the deprecated average=, not both")
+    if op is None:
+        if average is None or average:
+            return ReduceOp.AVERAGE
+        return ReduceOp.SUM
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp(op.lower())
+        except ValueError:
+            pass
+    raise ValueError(f"unsupported reduction op {op!r}; use one of Average, Sum, Min, Max, Product")
+
+
+def gradient_scales(op: ReduceOp, gradient_predivide_factor: float) -> tuple[float, float]:
+    """Prescale and postscale factors that split an Average between before and after the sum.
+
+    The core's AVERAGE divides by ``size`` after the sum; a predivide factor ``f`` divides by ``f`` before
+    and multiplies by ``f`` after, which keeps fp16 sums in range on large jobs (Horovod's semantics).
+    """
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+    if gradient_predivide_factor != 1.0 and op is not ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor needs op=Average")
+    if op is ReduceOp.AVERAGE:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    return 1.0, 1.0
+
+
+def is_bfloat16_dtype(dtype: np.dtype) -> bool:
+    """True for the ml_dtypes / TensorFlow ``bfloat16`` numpy dtype."""
+    return np.dtype(dtype).name == "bfloat16"
+
+
+def to_core_buffer(arr: np.ndarray) -> tuple[np.ndarray, bool]:
+    """A view of ``arr`` the core can reduce: bfloat16 becomes a uint16 view plus ``bfloat16=True``."""
+    if is_bfloat16_dtype(arr.dtype):
+        return arr.view(np.uint16), True
+    return arr, False
+
+
+def gpu_index(local_rank: int, device_count: int) -> int | None:
+    """The GPU this rank should use: ``SPARK_HVD_GPU`` when the launcher set it, else the local rank.
+
+    Returns ``None`` (and logs why) when that index does not exist on this host.
+    """
+    env = os.environ.get("SPARK_HVD_GPU", "").strip()
+    if env:
+        try:
+            index = int(env.split(",")[0])
+        except ValueError:
+            log.warning("SPARK_HVD_GPU=%r is not an integer; using local rank %d", env, local_rank)
+            index = local_rank
+    else:
+        index = local_rank
+    if device_count <= 0:
+        return None
+    if index >= device_count:
+        log.warning(
+            "rank's GPU index %d (SPARK_HVD_GPU or local rank) is out of range: %d GPU(s) visible; "
+            "not selecting a device", index, device_count,
+        )
+        return None
+    return index

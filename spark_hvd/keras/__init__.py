@@ -1,0 +1,92 @@
+"""The Horovod Keras API for Keras 3 (TensorFlow backend) over the spark_hvd core: ``import spark_hvd.keras as hvd``.
+
+Example::
+
+    import spark_hvd.keras as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               hvd.callbacks.MetricAverageCallback()])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from spark_hvd._binding_common import (
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather_object,
+    barrier,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.keras import callbacks
+from spark_hvd.keras.compression import Compression
+from spark_hvd.keras.mpi_ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    broadcast_variables,
+    grouped_allreduce,
+    init,
+    reducescatter,
+)
+from spark_hvd.keras.optimizer import DistributedOptimizer, wrap_optimizer_class
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(f"spark_hvd.keras needs the Keras TensorFlow backend (KERAS_BACKEND=tensorflow); this process "
+                      f"runs Keras on {keras.backend.backend()!r}")
+
+
+def _builtin_optimizer_classes() -> list[type]:
+    out = []
+    for attr in dir(keras.optimizers):
+        obj = getattr(keras.optimizers, attr)
+        if (isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer)
+                and obj is not keras.optimizers.Optimizer and obj.__name__ != "LossScaleOptimizer"):
+            out.append(obj)
+    return out
+
+
+def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
+               compression: type = Compression.none, op: Any = Average, gradient_predivide_factor: float = 1.0,
+               compile: bool = True, safe_mode: bool = True) -> keras.Model:  # noqa: A002 - Keras's name
+    """Load a saved model (``.keras``) with its optimizer wrapped in :func:`DistributedOptimizer` again.
+
+    The optimizer's saved state (iterations, moments) is restored into the wrapped optimizer. Optimizer
+    classes of your own go in ``custom_objects`` and are wrapped too.
+    """
+    objects: dict[str, Any] = {}
+    for cls in _builtin_optimizer_classes():
+        objects[cls.__name__] = wrap_optimizer_class(cls, compression, op, gradient_predivide_factor)
+    for key, value in (custom_objects or {}).items():
+        if isinstance(value, type) and issubclass(value, keras.optimizers.Optimizer):
+            objects[key] = wrap_optimizer_class(value, compression, op, gradient_predivide_factor)
+        else:
+            objects[key] = value
+    return keras.saving.load_model(filepath, custom_objects=objects, compile=compile, safe_mode=safe_mode)
+
+
+__all__ = [
+    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
+    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "grouped_allreduce", "init", "is_initialized",
+    "join", "load_model", "local_rank", "local_size", "rank", "reducescatter", "shutdown", "size",
+]

@@ -1,0 +1,69 @@
+"""The Horovod torch API over the spark_hvd core: ``import spark_hvd.torch as hvd``.
+
+Example::
+
+    import spark_hvd.torch as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size()),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+"""
+
+from __future__ import annotations
+
+from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.torch.compression import Compression
+from spark_hvd.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from spark_hvd.torch.mpi_ops import (
+    Average,
+    Handle,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    poll,
+    rank,
+    reducescatter,
+    reducescatter_async,
+    shutdown,
+    size,
+    synchronize,
+)
+from spark_hvd.torch.optimizer import DistributedOptimizer
+
+__all__ = [
+    "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product",
+    "Sum", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
+    "cross_size", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "init", "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "reducescatter_async", "shutdown", "size", "synchronize",
+]

@@ -1,0 +1,115 @@
+"""Broadcast of model parameters and optimizer state from one rank to all (Horovod's helpers)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spark_hvd import _binding_common as common
+from spark_hvd.torch import mpi_ops
+
+log = logging.getLogger(__name__)
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         root_rank: int = 0) -> None:
+    """Overwrite parameters / buffers on every rank, in place, with root's values.
+
+    Args:
+        params: ``model.state_dict()`` or ``model.named_parameters()`` (a list of ``(name, tensor)``).
+        root_rank: the rank whose values win.
+    """
+    common.require_init("broadcast_parameters()")
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda kv: kv[0])
+    else:
+        items = list(params)
+        for x in items:
+            if not (isinstance(x, tuple) and len(x) == 2):
+                raise ValueError("broadcast_parameters expects a state_dict or a list of (name, tensor) tuples, "
+                                 f"got an element of type {type(x).__name__}")
+    handles = []
+    for name, p in items:
+        if p is None:
+            continue
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a tensor")
+        handles.append(mpi_ops.broadcast_async_(p.data if p.requires_grad else p, root_rank,
+                                                name=f"bcast.param.{name}"))
+    for h in handles:
+        mpi_ops.synchronize(h)
+
+
+@dataclass(frozen=True)
+class _TensorSlot:
+    """Placeholder for a tensor in a broadcast optimizer state skeleton."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a :class:`_TensorSlot`, the tensors appended to ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strip(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_fill(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
+
+    Works whatever the ranks hold: torch creates optimizer state lazily, so some ranks may have none yet
+    (a fresh optimizer) while root restored a checkpoint, or the other way round. Root sends the structure of
+    its ``state_dict()`` as an object and the tensors with tensor broadcasts; the other ranks load it.
+    """
+    common.require_init("broadcast_optimizer_state()")
+    is_root = mpi_ops.rank() == root_rank
+    tensors: list[torch.Tensor] = []
+    skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
+    skeleton = mpi_ops.broadcast_object(skeleton, root_rank=root_rank, name="bcast.optstate.skeleton")
+    if is_root:
+        bufs = [t.detach().to("cpu").contiguous() for t in tensors]
+    else:
+        slots: list[_TensorSlot] = []
+
+        def collect(o: Any) -> None:
+            if isinstance(o, _TensorSlot):
+                slots.append(o)
+            elif isinstance(o, dict):
+                for v in o.values():
+                    collect(v)
+            elif isinstance(o, (list, tuple)):
+                for v in o:
+                    collect(v)
+        collect(skeleton)
+        slots.sort(key=lambda s: s.index)
+        bufs = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    handles = [mpi_ops.broadcast_async_(b, root_rank, name=f"bcast.optstate.{i}") for i, b in enumerate(bufs)]
+    for h in handles:
+        mpi_ops.synchronize(h)
+    if not is_root:
+        optimizer.load_state_dict(_fill(skeleton, bufs))
