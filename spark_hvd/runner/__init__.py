@@ -1,0 +1,35 @@
+"""Running spark_hvd jobs: ``run(fn, num_proc)`` on a Spark barrier stage, ``spark-hvd-run`` for local processes.
+
+- ``run(fn, args, kwargs, num_proc, env, start_timeout, use_gpu, max_retries, verbose, on_event=None)``: the
+  results of ``fn`` by rank; a failure on any rank raises ``RankFailedError`` naming it, with its traceback.
+- ``report(epoch=..., step=..., **metrics)`` from training code: progress shown on the driver and handed to
+  ``on_event`` / ``last_events()``.
+- ``run_local(argv, np, env, timeout)``: the Python API of ``spark-hvd-run``.
+
+Importing this package does not import pyspark (``run`` imports it when called).
+"""
+
+from spark_hvd.runner.errors import (
+    NotEnoughSlotsError,
+    RankFailedError,
+    RankFailure,
+    RunnerError,
+    StartTimeoutError,
+)
+from spark_hvd.runner.launch import LaunchResult, run_local
+from spark_hvd.runner.service import Event, report
+from spark_hvd.runner.spark import last_events, run
+
+__all__ = [
+    "Event",
+    "LaunchResult",
+    "NotEnoughSlotsError",
+    "RankFailedError",
+    "RankFailure",
+    "RunnerError",
+    "StartTimeoutError",
+    "last_events",
+    "report",
+    "run",
+    "run_local",
+]

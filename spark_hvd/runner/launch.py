@@ -1,0 +1,297 @@
+"""``spark-hvd-run -np N [--timeout S] [--env K=V] command ...``: N local ranks of a spark_hvd job, no Spark.
+
+The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
+driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes with the
+``SPARK_HVD_*`` environment (rank, size, local rank/size, cross rank/size, rendezvous, secret, job id). Their
+output lines are printed prefixed with ``[rank]``. When one exits non-zero the others get SIGTERM, then SIGKILL
+after a grace period, and the launcher exits with that rank's exit code after printing the tail of its stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO
+
+from spark_hvd.core.wire import make_secret
+from spark_hvd.runner.errors import LaunchFailure
+from spark_hvd.runner.service import SERVICE_ENV, DriverService, Event
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_EXIT_CODE = 124
+STDERR_TAIL_LINES = 20
+
+
+@dataclass
+class LaunchResult:
+    """Outcome of ``run_local``.
+
+    ``returncode`` is 0 when every rank succeeded, else the failed rank's exit code (128+signal for a rank killed
+    by a signal, 124 when the job ran past its timeout). ``stdout`` / ``stderr`` hold the prefixed lines when the
+    output was captured.
+    """
+
+    returncode: int
+    failure: LaunchFailure | None = None
+    timed_out: bool = False
+    stdout: list[str] = field(default_factory=list)
+    stderr: list[str] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    returncodes: list[int | None] = field(default_factory=list)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Rank:
+    def __init__(self, rank: int, proc: subprocess.Popen, sink: Callable[[int, str, str], None]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.readers = [
+            threading.Thread(target=self._pump, args=(proc.stdout, "stdout", sink), daemon=True,
+                             name=f"spark-hvd-run-{rank}-out"),
+            threading.Thread(target=self._pump, args=(proc.stderr, "stderr", sink), daemon=True,
+                             name=f"spark-hvd-run-{rank}-err"),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def _pump(self, pipe: IO[bytes], stream: str, sink: Callable[[int, str, str], None]) -> None:
+        try:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if stream == "stderr":
+                    self.stderr_tail.append(line)
+                sink(self.rank, stream, line)
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+    def signal(self, signum: int) -> None:
+        """Signal the rank's whole process group (it runs in a session of its own)."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            try:
+                self.proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+
+def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, timeout: float | None = None,
+              *, capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
+              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+    """Run ``argv`` as ``np`` local ranks of one job and wait for them (the Python API of ``spark-hvd-run``).
+
+    Args:
+        argv: the command of every rank, e.g. ``[sys.executable, "train.py", "--epochs", "2"]``.
+        np: number of ranks.
+        env: extra environment variables for every rank (on top of this process's environment).
+        timeout: seconds the whole job may run; past it every rank is stopped and the result's returncode is 124.
+        capture: keep the prefixed output lines in the result instead of printing them.
+        grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
+        verbose: as in ``run``: 0 prints no progress events, 1 rank 0's per-epoch events, 2 all.
+        on_event: called with each ``report(...)`` event.
+    """
+    if np < 1:
+        raise ValueError(f"np must be >= 1, got {np}")
+    if not argv:
+        raise ValueError("no command given to run")
+    from spark_hvd.core.rendezvous import KVStoreServer
+
+    secret = make_secret()
+    job_id = secrets.token_hex(4)
+    result = LaunchResult(returncode=0)
+    print_lock = threading.Lock()
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        text = f"[{rank}] {line}"
+        with print_lock:
+            if capture:
+                (result.stderr if stream == "stderr" else result.stdout).append(text)
+            else:
+                out = sys.stderr if stream == "stderr" else sys.stdout
+                out.write(text + "\n")
+                out.flush()
+
+    def add_event(event: Event) -> None:
+        result.events.append(event)
+        if on_event is not None:
+            on_event(event)
+
+    kv = KVStoreServer(secret)
+    kv_host, kv_port = kv.start()
+    service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
+                            bind_host="127.0.0.1")
+    _, service_port = service.start()
+    ranks: list[_Rank] = []
+    try:
+        for rank in range(np):
+            child_env = dict(os.environ)
+            child_env.update(env or {})
+            child_env.update({
+                "SPARK_HVD_RANK": str(rank), "SPARK_HVD_SIZE": str(np),
+                "SPARK_HVD_LOCAL_RANK": str(rank), "SPARK_HVD_LOCAL_SIZE": str(np),
+                "SPARK_HVD_CROSS_RANK": "0", "SPARK_HVD_CROSS_SIZE": "1",
+                "SPARK_HVD_RENDEZVOUS": f"{kv_host}:{kv_port}", "SPARK_HVD_SECRET": secret.hex(),
+                "SPARK_HVD_JOB_ID": job_id, SERVICE_ENV: f"127.0.0.1:{service_port}",
+                "PYTHONUNBUFFERED": "1",
+            })
+            proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
+            ranks.append(_Rank(rank, proc, sink))
+        _wait(ranks, result, timeout, grace_s)
+    finally:
+        for r in ranks:  # an exception above (KeyboardInterrupt ...): leave nothing behind
+            r.signal(signal.SIGKILL)
+        for r in ranks:
+            try:
+                r.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+            for reader in r.readers:
+                reader.join(timeout=5.0)
+        result.returncodes = [r.proc.returncode for r in ranks]
+        service.wait_finished(5.0, only_started=True)
+        service.stop()
+        kv.stop()
+    if result.failure is not None:
+        result.failure.stderr_tail = list(ranks[result.failure.rank].stderr_tail)
+    return result
+
+
+def _wait(ranks: list[_Rank], result: LaunchResult, timeout: float | None, grace_s: float) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = {r.rank: r for r in ranks}
+    while pending:
+        for rank, r in list(pending.items()):
+            code = r.proc.poll()
+            if code is None:
+                continue
+            del pending[rank]
+            if code != 0:
+                result.returncode = _exit_code(code)
+                result.failure = LaunchFailure(rank, result.returncode)
+                _stop(list(pending.values()), grace_s)
+                return
+        if deadline is not None and time.monotonic() > deadline:
+            result.timed_out = True
+            result.returncode = TIMEOUT_EXIT_CODE
+            _stop(list(pending.values()), grace_s)
+            return
+        if pending:
+            # Bounded wait on one running rank; wakes at least every 0.1 s to look at the others.
+            try:
+                next(iter(pending.values())).proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _stop(ranks: list[_Rank], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL for whoever is still running after ``grace_s``."""
+    for r in ranks:
+        r.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for r in ranks:
+        if r.proc.poll() is None:
+            r.signal(signal.SIGKILL)
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spark-hvd-run",
+        description="Run N local ranks of a spark_hvd job (no Spark needed): spark-hvd-run -np 2 python train.py")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds the whole job may run; past it every rank is stopped (exit code 124)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for every rank (repeatable)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
+    parser.add_argument("--verbose", type=int, default=1, help="0: no progress lines; 1: per epoch; 2: every report")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``spark-hvd-run`` and ``python -m spark_hvd.runner``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        parser.error("no command given (e.g. spark-hvd-run -np 2 python train.py)")
+    if args.np < 1:
+        parser.error(f"-np must be >= 1, got {args.np}")
+    try:
+        env = _parse_env(args.env)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.WARNING, format="spark-hvd-run: %(levelname)s %(message)s")
+
+    def on_signal(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        result = run_local(command, args.np, env=env, timeout=args.timeout, grace_s=args.grace,
+                           verbose=args.verbose)
+    except KeyboardInterrupt:
+        sys.stderr.write("spark-hvd-run: interrupted; all ranks stopped\n")
+        return 130
+    except FileNotFoundError as exc:
+        sys.stderr.write(f"spark-hvd-run: cannot start {command[0]!r}: {exc}\n")
+        return 127
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if result.timed_out:
+        sys.stderr.write(f"spark-hvd-run: the job ran past --timeout {args.timeout:g} s; all ranks stopped "
+                         f"(exit code {TIMEOUT_EXIT_CODE})\n")
+    elif result.failure is not None:
+        failure = result.failure
+        sys.stderr.write(f"spark-hvd-run: rank {failure.rank} exited with code {failure.returncode}; "
+                         f"the other ranks were stopped.\n")
+        if failure.stderr_tail:
+            sys.stderr.write(f"spark-hvd-run: last lines of rank {failure.rank}'s stderr:\n")
+            sys.stderr.write("".join(f"    {line}\n" for line in failure.stderr_tail))
+    sys.stderr.flush()
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""The driver-side service of a run, and its client in the training processes.
+
+Every rank keeps one TCP connection to the driver (``DriverService``) for the whole run and sends over it,
+as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked before anything is unpickled):
+
+- ``("hello", job_id, rank)`` first;
+- ``("out", stream, text)``: whole lines of its stdout / stderr, which the driver prints prefixed ``[rank]``;
+- ``("event", Event)``: progress from ``report(epoch=..., step=..., **metrics)``;
+- ``("error", type, message, traceback)`` when its function raised, ``("done",)`` when it finished.
+
+A connection that closes before ``done`` or ``error`` marks its rank as lost (the process died). A frame whose
+HMAC fails is dropped and logged and its connection closed; it never reaches ``pickle``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_hvd.core.errors import AuthenticationError, PeerFailureError
+from spark_hvd.core.wire import FramedSocket, secret_from_env
+from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
+
+logger = logging.getLogger(__name__)
+
+SERVICE_ENV = "SPARK_HVD_DRIVER_SERVICE"
+_MAX_FRAME = 64 << 20
+
+
+@dataclass(frozen=True)
+class Event:
+    """One progress report of a rank: ``report(epoch=..., step=..., **metrics)``."""
+
+    rank: int
+    epoch: int | None
+    step: int | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    time: float = 0.0
+    attempt: int = 0
+
+
+def _plain(value: Any) -> Any:
+    """Numpy / torch / tf scalars to plain Python numbers so events unpickle anywhere."""
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):
+            return value
+    return value
+
+
+class DriverService:
+    """Collects output lines, progress events and failures from the ranks of one run.
+
+    Args:
+        secret: the job's secret; every frame is checked against it.
+        num_proc: number of ranks expected.
+        job_id: a hello naming another job is refused.
+        verbose: 0 prints nothing; 1 prints the ranks' output and rank 0's per-epoch reports; 2 every report.
+        on_event: called with each ``Event`` as it arrives (on the service's thread).
+        on_failure: called once, with the first ``RankFailure``, as soon as one arrives.
+        attempt: stored in the events (runs with retries).
+        bind_host: interface to listen on ("" = all, for executors on other hosts).
+    """
+
+    def __init__(self, secret: bytes, num_proc: int, *, job_id: str = "", verbose: int = 1,
+                 on_event: Callable[[Event], None] | None = None,
+                 on_failure: Callable[[RankFailure], None] | None = None,
+                 attempt: int = 0, bind_host: str = "") -> None:
+        self.secret = secret
+        self.num_proc = num_proc
+        self.job_id = job_id
+        self.verbose = verbose
+        self.on_event = on_event
+        self.on_failure = on_failure
+        self.attempt = attempt
+        self.bind_host = bind_host
+        self.events: list[Event] = []
+        self.failures: list[RankFailure] = []
+        self.rejected = 0
+        self.started: set[int] = set()
+        self.finished: set[int] = set()
+        self.changed = threading.Event()
+        self._lock = threading.Lock()
+        self._print_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._cancelled = False
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: list[FramedSocket] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> tuple[str, int]:
+        """Listen on a free port; returns ``(bound host, port)``."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.bind_host, 0))
+        listener.listen(max(16, self.num_proc * 2))
+        listener.settimeout(0.5)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept_loop, name="spark_hvd-driver-service", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        host, port = listener.getsockname()[:2]
+        return host, port
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Close the listener and every connection; joins the service threads (bounded)."""
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def mark_cancelled(self) -> None:
+        """From now on, ranks that go away are consequences of the cancellation, not causes."""
+        self._cancelled = True
+
+    # ------------------------------------------------------------------ queries
+    def all_finished(self, only_started: bool = False) -> bool:
+        with self._lock:
+            if only_started:
+                return self.finished >= self.started
+            return len(self.finished) >= self.num_proc
+
+    def wait_finished(self, timeout_s: float, only_started: bool = False) -> bool:
+        """Wait (bounded) until every rank (or every rank that connected) has said done/error or gone away."""
+        deadline = time.monotonic() + timeout_s
+        while not self.all_finished(only_started):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self.changed.wait(min(remaining, 0.2))
+            self.changed.clear()
+        return True
+
+    def root_failure(self) -> RankFailure | None:
+        """The failure that most likely caused the others: the first that is not a consequence."""
+        with self._lock:
+            failures = list(self.failures)
+        if not failures:
+            return None
+        causes = [f for f in failures if not f.consequence]
+        return min(causes or failures, key=lambda f: f.time)
+
+    def sorted_failures(self) -> list[RankFailure]:
+        root = self.root_failure()
+        with self._lock:
+            rest = sorted((f for f in self.failures if f is not root), key=lambda f: f.time)
+        return ([root] if root else []) + rest
+
+    # ------------------------------------------------------------------ internals
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = FramedSocket(sock, self.secret, f"{addr[0]}:{addr[1]}")
+            with self._lock:
+                self._conns.append(conn)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="spark_hvd-driver-conn", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self, conn: FramedSocket) -> None:
+        rank: int | None = None
+        finished = False
+        try:
+            hello = conn.recv_object(max_size=4096)
+            if (not isinstance(hello, tuple) or len(hello) != 3 or hello[0] != "hello"
+                    or hello[1] != self.job_id or not isinstance(hello[2], int)
+                    or not 0 <= hello[2] < self.num_proc):
+                logger.warning("driver service: dropped a connection from %s with an unexpected hello", conn.peer)
+                return
+            rank = hello[2]
+            conn.peer = f"rank {rank}"
+            with self._lock:
+                self.started.add(rank)
+            self.changed.set()
+            while True:
+                msg = conn.recv_object(max_size=_MAX_FRAME)
+                kind = msg[0]
+                if kind == "out":
+                    self._print_lines(rank, msg[1], msg[2])
+                elif kind == "event":
+                    self._add_event(msg[1])
+                elif kind == "error":
+                    finished = True
+                    self._add_failure(RankFailure(rank, "exception", msg[1], msg[2], msg[3], time.time(),
+                                                  consequence=msg[1] in CONSEQUENCE_TYPES or self._cancelled))
+                    return
+                elif kind == "done":
+                    finished = True
+                    return
+                else:
+                    logger.warning("driver service: unknown message %r from rank %s", kind, rank)
+        except AuthenticationError:
+            with self._lock:
+                self.rejected += 1
+            logger.warning("driver service: dropped a forged or corrupted frame from %s and closed its connection",
+                           conn.peer)
+        except PeerFailureError:
+            if rank is not None and not finished and not self._stopping.is_set():
+                self._add_failure(RankFailure(
+                    rank, "lost", "ProcessLost",
+                    f"rank {rank}'s process died or closed its connection to the driver before finishing",
+                    time=time.time(), consequence=self._cancelled))
+        except Exception:  # a malformed frame from an authenticated peer: log it, never crash the service
+            logger.exception("driver service: error while serving %s", conn.peer)
+        finally:
+            conn.close()
+            if rank is not None:
+                with self._lock:
+                    self.finished.add(rank)
+            self.changed.set()
+
+    def _print_lines(self, rank: int, stream: str, text: str) -> None:
+        if self.verbose < 1:
+            return
+        out = sys.stderr if stream == "stderr" else sys.stdout
+        lines = text.splitlines()
+        with self._print_lock:
+            try:
+                out.write("".join(f"[{rank}] {line}\n" for line in lines))
+                out.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _add_event(self, event: Event) -> None:
+        if self.attempt and event.attempt != self.attempt:
+            event = Event(event.rank, event.epoch, event.step, event.metrics, event.time, self.attempt)
+        with self._lock:
+            self.events.append(event)
+        if self.verbose >= 2 or (self.verbose >= 1 and event.rank == 0 and event.epoch is not None
+                                 and event.step is None):
+            self._print_progress(event)
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                logger.exception("driver service: the on_event callback raised")
+        self.changed.set()
+
+    def _print_progress(self, event: Event) -> None:
+        where = []
+        if event.epoch is not None:
+            where.append(f"epoch {event.epoch}")
+        if event.step is not None:
+            where.append(f"step {event.step}")
+        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.metrics.items())
+        line = f"[spark_hvd] rank {event.rank} {' '.join(where)}: {metrics}".rstrip(": ") + "\n"
+        with self._print_lock:
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _add_failure(self, failure: RankFailure) -> None:
+        with self._lock:
+            first = not self.failures
+            self.failures.append(failure)
+        self.changed.set()
+        if first and self.on_failure is not None:
+            try:
+                self.on_failure(failure)
+            except Exception:
+                logger.exception("driver service: the on_failure callback raised")
+
+
+class ServiceClient:
+    """A rank's connection to the driver service (thread-safe; silently disabled if the driver goes away)."""
+
+    def __init__(self, address: str, secret: bytes, job_id: str, rank: int, *, attempt: int = 0,
+                 timeout_s: float = 60.0) -> None:
+        host, _, port = address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        sock.settimeout(timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.rank = rank
+        self.attempt = attempt
+        self._conn = FramedSocket(sock, secret, "driver")
+        self._lock = threading.Lock()
+        self._alive = True
+        self._send(("hello", job_id, rank))
+
+    def _send(self, msg: tuple) -> None:
+        with self._lock:
+            if not self._alive:
+                return
+            try:
+                self._conn.send_object(msg)
+            except PeerFailureError as exc:
+                self._alive = False
+                logger.warning("rank %d lost its connection to the driver service: %s", self.rank, exc)
+
+    def send_output(self, stream: str, text: str) -> None:
+        self._send(("out", stream, text))
+
+    def send_event(self, epoch: int | None, step: int | None, metrics: dict[str, Any]) -> None:
+        plain = {str(k): _plain(v) for k, v in metrics.items()}
+        self._send(("event", Event(self.rank, epoch, step, plain, time.time(), self.attempt)))
+
+    def send_error(self, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self._send(("error", type(exc).__name__, str(exc), tb))
+
+    def send_done(self) -> None:
+        self._send(("done",))
+
+    def close(self) -> None:
+        with self._lock:
+            self._alive = False
+            self._conn.close()
+
+
+_client: ServiceClient | None = None
+_client_from_env = False
+_client_lock = threading.Lock()
+
+
+def set_client(client: ServiceClient | None) -> None:
+    """Install the connection ``report()`` uses in this process (the Spark task wrapper does this)."""
+    global _client, _client_from_env
+    with _client_lock:
+        _client = client
+        _client_from_env = False
+
+
+def _get_client() -> ServiceClient | None:
+    global _client, _client_from_env
+    with _client_lock:
+        if _client is not None:
+            return _client
+        address = os.environ.get(SERVICE_ENV)
+        if not address or _client_from_env:
+            return None
+        _client_from_env = True  # try once per process
+        try:
+            _client = ServiceClient(address, secret_from_env(), os.environ.get("SPARK_HVD_JOB_ID", ""),
+                                    int(os.environ.get("SPARK_HVD_RANK", "0")),
+                                    attempt=int(os.environ.get("SPARK_HVD_RUN_ATTEMPT", "0")), timeout_s=30.0)
+        except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
+            logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)
+            _client = None
+        return _client
+
+
+def report(epoch: int | None = None, step: int | None = None, **metrics: Any) -> None:
+    """Send a progress event (epoch, step, metrics such as ``loss=0.3``) to the driver of the run.
+
+    Call it from training code running under ``spark_hvd.runner.run`` or ``spark-hvd-run``; the driver shows it
+    (``verbose``) and hands the events to the caller of ``run`` (``on_event``, ``last_events()``). Outside a run
+    it does nothing. Numpy / torch scalars are turned into Python numbers.
+    """
+    client = _get_client()
+    if client is not None:
+        client.send_event(epoch, step, metrics)
+
+
+class OutputForwarder:
+    """Forwards this process's stdout and stderr (file descriptors 1 and 2) to the driver, line by line.
+
+    Works at the descriptor level, so output of C extensions and of logging handlers bound to the old
+    ``sys.stderr`` is forwarded too; every line is also written to the original descriptor (executor logs).
+    ``stop()`` restores the descriptors; it is bounded even if a child process still holds the pipes.
+    """
+
+    def __init__(self, client: ServiceClient) -> None:
+        self.client = client
+        self._saved: dict[int, int] = {}
+        self._readers: list[tuple[int, threading.Thread]] = []
+        self._line_buffering: dict[str, bool] = {}
+
+    def start(self) -> None:
+        _flush_std()
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            read_fd, write_fd = os.pipe()
+            self._saved[fd] = os.dup(fd)
+            os.dup2(write_fd, fd)
+            os.close(write_fd)
+            thread = threading.Thread(target=self._pump, args=(read_fd, stream, self._saved[fd]),
+                                      name=f"spark_hvd-forward-{stream}", daemon=True)
+            thread.start()
+            self._readers.append((read_fd, thread))
+        for name in ("stdout", "stderr"):
+            stream_obj = getattr(sys, name, None)
+            if stream_obj is not None and hasattr(stream_obj, "reconfigure"):
+                try:
+                    self._line_buffering[name] = stream_obj.line_buffering
+                    stream_obj.reconfigure(line_buffering=True)
+                except (AttributeError, ValueError, OSError):
+                    pass
+
+    def _pump(self, read_fd: int, stream: str, original_fd: int) -> None:
+        pending = b""
+        try:
+            while True:
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                try:
+                    os.write(original_fd, chunk)
+                except OSError:
+                    pass
+                pending += chunk
+                head, sep, tail = pending.rpartition(b"\n")
+                if sep:
+                    self.client.send_output(stream, head.decode("utf-8", "replace"))
+                    pending = tail
+        except OSError:
+            pass
+        finally:
+            if pending:
+                self.client.send_output(stream, pending.decode("utf-8", "replace"))
+            try:
+                os.close(read_fd)
+            except OSError:
+                pass
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        _flush_std()
+        for name, value in self._line_buffering.items():
+            stream_obj = getattr(sys, name, None)
+            try:
+                stream_obj.reconfigure(line_buffering=value)
+            except (AttributeError, ValueError, OSError):
+                pass
+        for fd, saved in self._saved.items():
+            os.dup2(saved, fd)  # drops our write end of the pipe: the reader sees EOF
+        deadline = time.monotonic() + timeout_s
+        for _read_fd, thread in self._readers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("output forwarding did not drain (a child process may still hold stdout/stderr)")
+        for saved in self._saved.values():
+            try:
+                os.close(saved)
+            except OSError:
+                pass
+        self._saved.clear()
+        self._readers.clear()
+
+
+def _flush_std() -> None:
+    for stream_obj in (sys.stdout, sys.stderr):
+        try:
+            if stream_obj is not None:
+                stream_obj.flush()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,407 @@
+"""``run(fn, num_proc)``: one Spark barrier stage of ``num_proc`` tasks, each a rank of a spark_hvd job.
+
+Driver side: check the free task slots, create a per-job secret, start the driver service (output, progress,
+failures), submit ``rdd.barrier().mapPartitions`` under a job group of its own, and watch: the first failure
+reported by any rank (or a rank whose process disappears) cancels the job group at once, so the other ranks
+stop; the error raised names the rank and carries its remote type, message and traceback.
+
+Task side (``_run_rank``): rank = partition id; the ranks exchange their host names through
+``BarrierTaskContext.allGather`` (HMAC-signed with the job's secret: ``BarrierRendezvous``) to get local rank,
+local size, cross rank and cross size; the task pins a GPU, sets the ``SPARK_HVD_*`` environment, initialises
+``spark_hvd.core`` over the same allGather rendezvous (a user's own ``hvd.init()`` is then a no-op), forwards
+its stdout/stderr to the driver and runs ``fn``. Everything is undone afterwards, since Spark reuses Python workers.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from spark_hvd.core.backend import Rendezvous
+from spark_hvd.core.errors import AuthenticationError
+from spark_hvd.core.wire import make_secret, sign
+from spark_hvd.runner import service as _service
+from spark_hvd.runner.errors import (
+    NotEnoughSlotsError,
+    RankFailedError,
+    RankFailure,
+    RunnerError,
+    StartTimeoutError,
+)
+from spark_hvd.runner.service import SERVICE_ENV, DriverService, Event, OutputForwarder, ServiceClient
+
+logger = logging.getLogger(__name__)
+
+#: Seconds run() waits for executors to register when the cluster has fewer slots than asked (a fresh
+#: local-cluster / standalone application); free slots short because of other running jobs fail at once.
+SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
+#: Seconds to wait for the Spark job to end after it was cancelled.
+CANCEL_WAIT_S = 120.0
+
+_last_events: list[Event] = []
+
+
+def last_events() -> list[Event]:
+    """The progress events (``report(...)``) of the last ``run`` in this driver process, in arrival order."""
+    return list(_last_events)
+
+
+# ---------------------------------------------------------------------------------------------- rendezvous
+class BarrierRendezvous(Rendezvous):
+    """A ``Rendezvous`` over Spark's ``BarrierTaskContext.allGather``, each message signed with the job's secret.
+
+    ``all_gather`` is ``BarrierTaskContext.get().allGather`` (injectable for tests). Each message carries its rank,
+    a round number and an HMAC over (job id, round, rank, value); a message that fails the check raises
+    ``AuthenticationError`` naming the rank slot it claimed, and its value is never used.
+    """
+
+    def __init__(self, all_gather: Callable[[str], list[str]], secret: bytes, job_id: str) -> None:
+        self._all_gather = all_gather
+        self._secret = secret
+        self._job_id = job_id
+        self._round = 0
+
+    def _mac(self, round_no: int, rank: int, value: bytes) -> str:
+        return sign(self._secret, b"spark_hvd-barrier-rendezvous\0", self._job_id.encode(), b"\0",
+                    f"{round_no}:{rank}:".encode(), value).hex()
+
+    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
+        round_no = self._round
+        self._round += 1
+        message = json.dumps({"rank": rank, "round": round_no, "value": base64.b64encode(value).decode(),
+                              "mac": self._mac(round_no, rank, value)})
+        replies = self._all_gather(message)
+        if len(replies) != size:
+            raise RunnerError(f"barrier rendezvous: expected {size} messages, got {len(replies)}")
+        values: list[bytes] = []
+        for slot, reply in enumerate(replies):
+            try:
+                parsed = json.loads(reply)
+                sender, got_round = int(parsed["rank"]), int(parsed["round"])
+                got_value = base64.b64decode(parsed["value"], validate=True)
+                mac = str(parsed["mac"])
+            except (ValueError, KeyError, TypeError) as exc:
+                logger.warning("barrier rendezvous: dropped a malformed message in rank %d's slot", slot)
+                raise AuthenticationError(f"barrier rendezvous: the message of rank {slot} is malformed") from exc
+            if (sender != slot or got_round != round_no
+                    or not hmac.compare_digest(mac, self._mac(got_round, sender, got_value))):
+                logger.warning("barrier rendezvous: dropped a message in rank %d's slot that fails the HMAC check",
+                               slot)
+                raise AuthenticationError(
+                    f"barrier rendezvous: the message of rank {slot} failed the HMAC check (forged, or from another "
+                    f"job); rank {rank} refuses to join")
+            values.append(got_value)
+        return values
+
+
+def topology(hosts: Sequence[str], rank: int) -> tuple[int, int, int, int]:
+    """``(local_rank, local_size, cross_rank, cross_size)`` of ``rank`` given every rank's host name."""
+    host = hosts[rank]
+    same = [r for r, h in enumerate(hosts) if h == host]
+    order = list(dict.fromkeys(hosts))
+    return same.index(rank), len(same), order.index(host), len(order)
+
+
+# ---------------------------------------------------------------------------------------------- task side
+@dataclass(frozen=True)
+class _TaskSetup:
+    service_address: str
+    secret: bytes
+    job_id: str
+    attempt: int
+    num_proc: int
+    env: dict[str, str]
+    use_gpu: bool | None
+    payload: bytes
+
+
+def _gpu_for_task(ctx: Any, local_rank: int, use_gpu: bool | None) -> str | None:
+    if use_gpu is False:
+        return None
+    try:
+        resources = ctx.resources()
+    except Exception:  # older contexts / no resource support
+        resources = {}
+    gpu = resources.get("gpu")
+    if gpu is not None and list(gpu.addresses):
+        return str(list(gpu.addresses)[0])
+    return str(local_rank) if use_gpu else None
+
+
+def _make_mapper(setup: _TaskSetup) -> Callable:
+    def mapper(_partition: Any) -> Any:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        yield _run_rank(ctx, setup)
+
+    return mapper
+
+
+def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
+    rank = ctx.partitionId()
+    size = setup.num_proc
+    if ctx.attemptNumber() > 0:
+        raise RunnerError(f"rank {rank}: Spark retried this barrier task (attempt {ctx.attemptNumber()}); spark_hvd "
+                          f"does not resume a rank alone: the run fails, use run(max_retries=...) to run it again")
+    client = ServiceClient(setup.service_address, setup.secret, setup.job_id, rank, attempt=setup.attempt)
+    forwarder = OutputForwarder(client)
+    saved_env: dict[str, str | None] = {}
+    error: BaseException | None = None
+    result: Any = None
+    core = None
+    try:
+        forwarder.start()
+        rendezvous = BarrierRendezvous(ctx.allGather, setup.secret, setup.job_id)
+        hosts = [h.decode() for h in rendezvous.exchange(rank, size, socket.gethostname().encode())]
+        local_rank, local_size, cross_rank, cross_size = topology(hosts, rank)
+        gpu = _gpu_for_task(ctx, local_rank, setup.use_gpu)
+        env = {
+            "SPARK_HVD_RANK": str(rank), "SPARK_HVD_SIZE": str(size),
+            "SPARK_HVD_LOCAL_RANK": str(local_rank), "SPARK_HVD_LOCAL_SIZE": str(local_size),
+            "SPARK_HVD_CROSS_RANK": str(cross_rank), "SPARK_HVD_CROSS_SIZE": str(cross_size),
+            "SPARK_HVD_SECRET": setup.secret.hex(), "SPARK_HVD_JOB_ID": setup.job_id,
+            "SPARK_HVD_RUN_ATTEMPT": str(setup.attempt), SERVICE_ENV: setup.service_address,
+        }
+        if gpu is not None:
+            env["SPARK_HVD_GPU"] = gpu
+        env.update(setup.env)
+        for key, value in env.items():
+            saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+        _service.set_client(client)
+        fn, args, kwargs = cloudpickle.loads(setup.payload)
+        import spark_hvd.core as core
+
+        core.init(rendezvous=rendezvous, rank=rank, size=size, secret=setup.secret, job_id=setup.job_id)
+        result = fn(*args, **kwargs)
+        payload = cloudpickle.dumps(result)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the driver, then to Spark
+        error = exc
+    finally:
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:
+                logger.exception("rank %d: spark_hvd.core.shutdown() failed", rank)
+        _service.set_client(None)
+        forwarder.stop()
+        for key, old in saved_env.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+        if error is not None:
+            client.send_error(error)
+        else:
+            client.send_done()
+        client.close()
+    if error is not None:
+        raise error
+    return rank, payload
+
+
+# ---------------------------------------------------------------------------------------------- driver side
+def _slots(sc: Any) -> tuple[int, int]:
+    """``(free, total)`` task slots of the default resource profile, running tasks subtracted."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    total = int(jsc.maxNumConcurrentTasks(profile))
+    running = sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos())
+    return max(0, total - running), total
+
+
+def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
+    """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
+
+    While the cluster's total is below ``num_proc`` (executors still registering), waits up to ``wait_s``.
+    Returns the number of free slots.
+    """
+    deadline = time.monotonic() + wait_s
+    free, total = _slots(sc)
+    while free < num_proc and time.monotonic() < deadline:
+        if total >= num_proc and wait_s <= SLOT_WAIT_S:
+            break  # the slots exist but are busy with other work: fail now rather than wait
+        threading.Event().wait(0.25)
+        free, total = _slots(sc)
+    if free < num_proc:
+        raise NotEnoughSlotsError(num_proc, free, total)
+    return free
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float = 600,
+        use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
+        on_event: Callable[[Event], None] | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of one Spark barrier stage and return the results by rank.
+
+    Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
+    (``hvd.init()``, ``hvd.allreduce(...)``, ``DistributedOptimizer``) runs unchanged.
+
+    Args:
+        fn: the function each rank runs; shipped with cloudpickle, so closures and lambdas work.
+        args, kwargs: its arguments (the same on every rank).
+        num_proc: number of ranks; defaults to ``sc.defaultParallelism``. Must not exceed the free task slots
+            (checked before launching: ``NotEnoughSlotsError``).
+        env: environment variables set in each rank while ``fn`` runs.
+        start_timeout: seconds for every rank to start (``StartTimeoutError`` naming the missing ranks).
+        use_gpu: None: pin the GPU Spark assigned to the task (``resources()["gpu"]``) if any; True: also fall
+            back to the local rank when Spark assigned none; False: never set ``SPARK_HVD_GPU``.
+        max_retries: after a failed attempt, run the whole stage again up to this many times
+            (``SPARK_HVD_RUN_ATTEMPT`` tells ``fn`` which attempt it is, e.g. to resume from a checkpoint).
+        verbose: 0 silent; 1 ranks' output lines (prefixed ``[rank]``) and rank 0's per-epoch reports; 2 every report.
+        on_event: called on the driver with every ``Event`` reported by ``report(...)``; the events of the
+            last run are also kept in ``last_events()``.
+
+    Raises:
+        RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
+        NotEnoughSlotsError, StartTimeoutError, RunnerError.
+    """
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        raise RunnerError("spark_hvd.runner.run needs an active SparkContext: create a SparkSession first")
+    if num_proc is None:
+        num_proc = sc.defaultParallelism
+    if not isinstance(num_proc, int) or num_proc < 1:
+        raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}")
+    if max_retries < 0:
+        raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
+    env = dict(env or {})
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise RunnerError(f"env must map str to str; {key!r}: {value!r} is not")
+    try:
+        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+    except Exception as exc:
+        raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
+
+    check_slots(sc, num_proc)
+    secret = make_secret()
+    run_id = secrets.token_hex(4)
+    events: list[Event] = []
+
+    def collect_event(event: Event) -> None:
+        events.append(event)
+        if on_event is not None:
+            on_event(event)
+
+    _last_events.clear()
+    for attempt in range(max_retries + 1):
+        if attempt:
+            check_slots(sc, num_proc, wait_s=60.0)  # the previous attempt's tasks may still be winding down
+        try:
+            results = _run_attempt(sc, payload, num_proc, env, start_timeout, use_gpu, verbose, secret,
+                                   f"{run_id}a{attempt}", attempt, collect_event)
+        except (RankFailedError, StartTimeoutError, RunnerError) as exc:
+            if isinstance(exc, NotEnoughSlotsError) or attempt >= max_retries:
+                _last_events[:] = events
+                raise
+            logger.warning("spark_hvd run %s attempt %d failed, retrying (%d of %d): %s", run_id, attempt,
+                           attempt + 1, max_retries, str(exc).splitlines()[0])
+            continue
+        _last_events[:] = events
+        return results
+    raise AssertionError("unreachable")
+
+
+def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], start_timeout: float,
+                 use_gpu: bool | None, verbose: int, secret: bytes, job_id: str, attempt: int,
+                 on_event: Callable[[Event], None]) -> list[Any]:
+    from pyspark import InheritableThread
+
+    group = f"spark_hvd-{job_id}"
+    cancelled = threading.Event()
+
+    def cancel(failure: RankFailure | None = None) -> None:
+        if cancelled.is_set():
+            return
+        cancelled.set()
+        service.mark_cancelled()
+        if failure is not None:
+            logger.info("spark_hvd: %s; cancelling the other ranks", failure.describe())
+        try:
+            sc.cancelJobGroup(group)
+        except Exception:
+            logger.exception("spark_hvd: cancelling job group %s failed", group)
+
+    service = DriverService(secret, num_proc, job_id=job_id, verbose=verbose, on_event=on_event,
+                            on_failure=cancel, attempt=attempt)
+    _, port = service.start()
+    driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
+    setup = _TaskSetup(f"{driver_host}:{port}", secret, job_id, attempt, num_proc, env, use_gpu, payload)
+    outcome: dict[str, Any] = {}
+
+    def submit() -> None:
+        try:
+            sc.setJobGroup(group, f"spark_hvd run {job_id} ({num_proc} ranks)", interruptOnCancel=True)
+            rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(_make_mapper(setup))
+            outcome["results"] = rdd.collect()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+        finally:
+            service.changed.set()
+
+    thread = InheritableThread(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
+    try:
+        thread.start()
+        started_by = time.monotonic() + start_timeout
+        timed_out = False
+        while thread.is_alive():
+            service.changed.wait(0.5)
+            service.changed.clear()
+            if service.failures and not cancelled.is_set():
+                cancel()
+            if len(service.started) < num_proc and time.monotonic() > started_by and not cancelled.is_set():
+                timed_out = True
+                cancel()
+            if cancelled.is_set():
+                thread.join(CANCEL_WAIT_S)
+                if thread.is_alive():
+                    logger.warning("spark_hvd: job group %s still running %.0f s after cancellation", group,
+                                   CANCEL_WAIT_S)
+                break
+        if timed_out:
+            raise StartTimeoutError(sorted(set(range(num_proc)) - service.started), start_timeout)
+        if "results" in outcome and not cancelled.is_set():
+            service.wait_finished(30.0)  # let the last output lines reach the console
+            by_rank = dict(outcome["results"])
+            return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
+        service.wait_finished(10.0, only_started=True)
+        root = service.root_failure()
+        detail = _spark_message(outcome.get("error"))
+        if root is not None:
+            raise RankFailedError(root, service.sorted_failures(), detail) from None
+        raise RunnerError(f"spark_hvd run {job_id} failed before any rank reported an error: {detail}")
+    finally:
+        service.stop()
+
+
+def _spark_message(exc: BaseException | None, limit: int = 2000) -> str:
+    """The useful head of a Spark / Py4J exception (the JVM stack trace left out)."""
+    if exc is None:
+        return ""
+    java = getattr(exc, "java_exception", None)
+    text = None
+    if java is not None:
+        try:
+            text = str(java.getMessage())
+        except Exception:
+            text = None
+    text = text or str(exc)
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("at ")]
+    text = "\n".join(lines)
+    return text if len(text) <= limit else text[:limit] + " ..."
