@@ -51,6 +51,7 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
 from spark_hvd.core.errors import PeerFailureError, ShutdownError, SparkHvdError, TensorMismatchError
+from spark_hvd.core.reduce import scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -91,7 +92,7 @@ class Meta(NamedTuple):
         return tuple(self)
 
     def describe(self) -> str:
-        dtype = "bfloat16" if self.bfloat16 else self.dtype
+        dtype = "bfloat16" if self.bfloat16 else (np.dtype(self.dtype).name if self.dtype else "-")
         text = f"{self.kind} shape={self.shape} dtype={dtype}"
         if self.kind in ("allreduce", "reducescatter"):
             text += f" op={self.op}"
@@ -233,32 +234,6 @@ class _ResponseCache:
 
     def __len__(self) -> int:
         return len(self._by_name)
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 values held as uint16 -> float32 (exact)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def f32_to_bf16(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits as uint16, rounding to nearest even (NaN stays NaN)."""
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        rounded[nan] = ((u[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return rounded
-
-
-def _scale(buf: np.ndarray, factor: float, bfloat16: bool) -> None:
-    if factor == 1.0 or buf.size == 0:
-        return
-    if bfloat16:
-        values = bf16_to_f32(buf)
-        values *= np.float32(factor)
-        buf[...] = f32_to_bf16(values)
-    else:
-        np.multiply(buf, factor, out=buf, casting="unsafe")
 
 
 _BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
@@ -653,7 +628,7 @@ class Engine:
         try:
             if len(bufs) == 1 or self._backend_fuses:
                 for buf in bufs:
-                    _scale(buf, prescale, bfloat16)
+                    scale_inplace(buf, prescale, bfloat16)
                 t0 = time.perf_counter()
                 if len(bufs) == 1:
                     self.backend.allreduce(bufs[0], op, bfloat16=bfloat16)
@@ -661,7 +636,7 @@ class Engine:
                     self.backend.allreduce_fused(bufs, op, bfloat16=bfloat16)
                 t1 = time.perf_counter()
                 for buf in bufs:
-                    _scale(buf, postscale, bfloat16)
+                    scale_inplace(buf, postscale, bfloat16)
                 if tl is not None:
                     for entry, _, _ in chunk:
                         tl.event(entry.name, "ALLREDUCE", t0, t1, fused=len(bufs))
@@ -673,11 +648,11 @@ class Engine:
                 for buf in bufs:
                     fusion[offset:offset + buf.size] = buf.reshape(-1)
                     offset += buf.size
-                _scale(fusion, prescale, bfloat16)
+                scale_inplace(fusion, prescale, bfloat16)
                 t1 = time.perf_counter()
                 self.backend.allreduce(fusion, op, bfloat16=bfloat16)
                 t2 = time.perf_counter()
-                _scale(fusion, postscale, bfloat16)
+                scale_inplace(fusion, postscale, bfloat16)
                 offset = 0
                 for buf in bufs:
                     buf.reshape(-1)[...] = fusion[offset:offset + buf.size]
@@ -736,9 +711,9 @@ class Engine:
                     buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
                 else:
                     buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
-                _scale(buf, meta.prescale, meta.bfloat16)
+                scale_inplace(buf, meta.prescale, meta.bfloat16)
                 result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
-                _scale(result, meta.postscale, meta.bfloat16)
+                scale_inplace(result, meta.postscale, meta.bfloat16)
             else:  # pragma: no cover - enqueue rejects unknown kinds
                 raise SparkHvdError(f"unknown collective {kind!r}")
         except PeerFailureError:

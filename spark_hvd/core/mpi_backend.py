@@ -1,0 +1,151 @@
+"""The MPI backend: collectives through mpi4py, chosen when the job is started by ``mpirun``.
+
+Every collective is started non-blocking (``Iallreduce``, ``Iallgatherv``, ...) and its request is polled with
+short sleeps, so a rank waiting for its peers does not spin a core (Open MPI's blocking calls busy-poll) and a
+peer that never arrives raises ``CollectiveTimeoutError`` after ``SPARK_HVD_TIMEOUT`` seconds instead of hanging.
+MPI cannot tell which peer is late, so those errors name no rank; a peer that dies makes ``mpirun`` end the job.
+
+float16 and bfloat16 (a uint16 view) are reduced in float32, which MPI supports everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.errors import CollectiveTimeoutError
+from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
+from spark_hvd.core.settings import Settings
+
+
+class MpiBackend(Backend):
+    """Collectives over ``MPI.COMM_WORLD`` (a private duplicate of it, or of ``comm`` when given)."""
+
+    name = "mpi"
+
+    def __init__(self, settings: Settings | None = None, comm: Any = None) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self.settings = settings or Settings.from_env()
+        self.timeout_s = self.settings.timeout_s
+        self.comm = (comm or MPI.COMM_WORLD).Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self._local.Get_rank()
+        self.local_size = self._local.Get_size()
+        self._cross = self.comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank = self._cross.Get_rank()
+        self.cross_size = self._cross.Get_size()
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+                     ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+        self._closed = False
+
+    def _wait(self, request: Any, what: str) -> None:
+        """Poll ``request`` with growing sleeps (no busy core) until done or the timeout."""
+        spins = 0
+        pause = 50e-6
+        deadline = time.monotonic() + self.timeout_s
+        while not request.Test():
+            spins += 1
+            if spins < 200:
+                continue
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"MPI {what} on rank {self.rank} waited more than {self.timeout_s:.0f} s for the other ranks "
+                    "(SPARK_HVD_TIMEOUT); one of them is stuck or gone", rank=None, operation=what)
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        check_dtype(buf, bfloat16)
+        if buf.size == 0:
+            return
+        if bfloat16 or buf.dtype == np.float16:
+            wide = bf16_to_f32(buf) if bfloat16 else buf.astype(np.float32)
+            self._allreduce_native(wide.reshape(-1), op)
+            if bfloat16:
+                f32_to_bf16(wide, buf)
+            else:
+                buf[...] = wide
+            return
+        self._allreduce_native(buf.reshape(-1), op)
+
+    def _allreduce_native(self, flat: np.ndarray, op: ReduceOp) -> None:
+        request = self.comm.Iallreduce(self._mpi.IN_PLACE, flat, op=self._ops[op])
+        self._wait(request, "allreduce")
+        if op is ReduceOp.AVERAGE:
+            divide_average(flat, self.size)
+
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        buf = np.ascontiguousarray(buf)
+        if buf.ndim == 0:
+            buf = buf.reshape(1)
+        rows = np.array([buf.shape[0]], dtype=np.int64)
+        all_rows = np.empty(self.size, dtype=np.int64)
+        self._wait(self.comm.Iallgather(rows, all_rows), "allgather")
+        row_bytes = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
+        counts = [int(r) * row_bytes for r in all_rows]
+        out = np.empty((int(all_rows.sum()), *buf.shape[1:]), dtype=buf.dtype)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+        request = self.comm.Iallgatherv(buf.reshape(-1).view(np.uint8),
+                                        [out.reshape(-1).view(np.uint8), counts, displs, self._mpi.BYTE])
+        self._wait(request, "allgather")
+        return out
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if buf.nbytes == 0:
+            return
+        self._wait(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root), "broadcast")
+
+    def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
+        buf = np.ascontiguousarray(buf)
+        if buf.ndim == 0:
+            buf = buf.reshape(1)
+        rows = buf.shape[0]
+        if splits is None:
+            if rows % self.size:
+                raise ValueError(f"alltoall without splits needs rows divisible by {self.size}, got {rows}")
+            splits = [rows // self.size] * self.size
+        send_splits = np.asarray(splits, dtype=np.int64)
+        recv_splits = np.empty(self.size, dtype=np.int64)
+        self._wait(self.comm.Ialltoall(send_splits, recv_splits), "alltoall")
+        row_bytes = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
+        send_counts = (send_splits * row_bytes).tolist()
+        recv_counts = (recv_splits * row_bytes).tolist()
+        send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).astype(np.int64).tolist()
+        recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).astype(np.int64).tolist()
+        out = np.empty((int(recv_splits.sum()), *buf.shape[1:]), dtype=buf.dtype)
+        request = self.comm.Ialltoallv([buf.reshape(-1).view(np.uint8), send_counts, send_displs, self._mpi.BYTE],
+                                       [out.reshape(-1).view(np.uint8), recv_counts, recv_displs, self._mpi.BYTE])
+        self._wait(request, "alltoall")
+        return out, [int(r) for r in recv_splits]
+
+    def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
+        work = np.array(buf, copy=True)
+        if work.ndim == 0:
+            work = work.reshape(1)
+        self.allreduce(work, op, bfloat16=bfloat16)
+        rows = work.shape[0]
+        base, extra = divmod(rows, self.size)
+        start = self.rank * base + min(self.rank, extra)
+        stop = start + base + (1 if self.rank < extra else 0)
+        return np.ascontiguousarray(work[start:stop])
+
+    def barrier(self) -> None:
+        self._wait(self.comm.Ibarrier(), "barrier")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for comm in (self._cross, self._local, self.comm):
+            try:
+                comm.Free()
+            except Exception:  # MPI already finalized at interpreter exit
+                pass
