@@ -1,0 +1,345 @@
+"""Driver side: turn a DataFrame into Parquet files in the store that every training rank can read its share of.
+
+:func:`prepare_data` checks the columns, converts ``Vector`` columns to fixed-length float32 arrays, splits off the
+validation rows, writes ``data/<key>/train`` and ``data/<key>/val`` with enough files for every rank, records
+``_metadata.json`` and commits the directory atomically. The key is a hash of the DataFrame's analyzed plan
+(``DataFrame.semanticHash``), its schema and the preparation settings: preparing the same DataFrame with the same
+settings again finds the committed dataset and writes nothing.
+
+The cache cannot tell when the *files under* a DataFrame's source changed while its plan stayed the same (the same
+Parquet path rewritten by another job); pass ``overwrite=True`` to prepare again in that case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from spark_hvd.data.errors import (
+    ColumnNotFoundError,
+    EmptyDataFrameError,
+    InconsistentShapeError,
+    InvalidParamError,
+    NullValuesError,
+    TooFewRowsError,
+    UnsupportedColumnTypeError,
+    ValidationParamError,
+)
+from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyspark.sql import DataFrame
+
+    from spark_hvd.store import Store
+
+logger = logging.getLogger(__name__)
+
+_VAL_FLAG = "__spark_hvd_is_val__"
+_SCALAR_DTYPES = {
+    "boolean": "bool",
+    "tinyint": "int8",
+    "smallint": "int16",
+    "int": "int32",
+    "bigint": "int64",
+    "float": "float32",
+    "double": "float64",
+}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    name: str
+    role: str
+    kind: str  # scalar | vector | array
+    dtype: str
+    spark_type: str
+    cast_double: bool = False
+    contains_null: bool = False
+
+
+def _as_list(cols: str | Sequence[str] | None, what: str) -> list[str]:
+    if cols is None:
+        return []
+    if isinstance(cols, str):
+        return [cols]
+    out = list(cols)
+    for c in out:
+        if not isinstance(c, str):
+            raise InvalidParamError(f"{what} must be column names (strings), got {c!r}")
+    return out
+
+
+def _check_validation(validation: float | str | None) -> None:
+    if validation is None or isinstance(validation, str):
+        if isinstance(validation, str) and not validation:
+            raise ValidationParamError("validation column name is empty")
+        return
+    if isinstance(validation, bool) or not isinstance(validation, (int, float)):
+        raise ValidationParamError(
+            f"validation must be a fraction in (0, 1), a column name or None, got {validation!r}"
+        )
+    if not 0.0 < float(validation) < 1.0:
+        raise ValidationParamError(f"validation fraction must be in (0, 1), got {validation}")
+
+
+def _plan_column(name: str, dtype: Any, role: str) -> _Plan:
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    simple = dtype.simpleString()
+    if isinstance(dtype, VectorUDT):
+        return _Plan(name, role, "vector", "float32", "vector")
+    if isinstance(dtype, T.DecimalType):
+        return _Plan(name, role, "scalar", "float64", simple, cast_double=True)
+    if simple in _SCALAR_DTYPES:
+        return _Plan(name, role, "scalar", _SCALAR_DTYPES[simple], simple)
+    if isinstance(dtype, T.ArrayType):
+        elem = dtype.elementType
+        if isinstance(elem, T.DecimalType):
+            return _Plan(name, role, "array", "float64", simple, cast_double=True, contains_null=dtype.containsNull)
+        if elem.simpleString() in _SCALAR_DTYPES:
+            return _Plan(
+                name, role, "array", _SCALAR_DTYPES[elem.simpleString()], simple, contains_null=dtype.containsNull
+            )
+    raise UnsupportedColumnTypeError(name, simple, role)
+
+
+def _fingerprint(df: DataFrame, params: dict[str, Any]) -> str:
+    try:
+        plan_hash = int(df.semanticHash())
+    except Exception:  # pragma: no cover - a DataFrame without an analyzed plan hash
+        plan_hash = None
+    doc = {"plan": plan_hash, "schema": df.schema.json(), "params": params, "format": FORMAT_VERSION}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prepare_data(
+    df: DataFrame,
+    store: Store,
+    feature_cols: str | Sequence[str],
+    label_cols: str | Sequence[str] | None = None,
+    sample_weight_col: str | None = None,
+    validation: float | str | None = None,
+    num_proc: int = 1,
+    partitions_per_process: int = 10,
+    seed: int = 0,
+    compression: str = "snappy",
+    overwrite: bool = False,
+    visibility_timeout_s: float | None = None,
+) -> DatasetInfo:
+    """Write the columns a training job needs to Parquet in ``store`` and return the dataset's metadata.
+
+    Args:
+        df: the DataFrame to train on.
+        store: where the files go (a :class:`~spark_hvd.store.Store` that Spark can write to).
+        feature_cols: the model's input column(s).
+        label_cols: the target column(s) (may be empty for unsupervised models).
+        sample_weight_col: a numeric column of per-row weights, or ``None``.
+        validation: ``None``; a fraction in (0, 1) of rows drawn at random (reproducibly from ``seed``) as the
+            validation split; or the name of a boolean or numeric column whose true (> 0) rows are validation.
+        num_proc: the number of training processes that will read the data.
+        partitions_per_process: files (hence at least row groups) per process: each split is written as
+            ``num_proc * partitions_per_process`` Parquet files so that every rank gets a fair share.
+        seed: seed of the random validation split.
+        compression: Parquet compression codec.
+        overwrite: prepare again even when the cache holds a dataset for the same DataFrame and settings.
+        visibility_timeout_s: how long to wait for Spark's files to be visible (DBFS); the store's default if None.
+
+    Columns may be numeric or boolean scalars, ``pyspark.ml.linalg`` Vectors (dense or sparse, stored as dense
+    float32 arrays) or arrays of numbers of one fixed length. Everything is checked before anything is written
+    (missing columns with the closest names suggested, unsupported types, nulls, arrays of different lengths, an
+    empty DataFrame, a bad ``validation``, fewer rows than ``num_proc``); a failure leaves nothing in the store.
+
+    Returns:
+        The :class:`~spark_hvd.data.metadata.DatasetInfo` (also at ``store.metadata_path(info.key)``).
+
+    Raises:
+        spark_hvd.data.errors.DataError: a subclass naming the column or parameter at fault.
+    """
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import BooleanType
+
+    features = _as_list(feature_cols, "feature_cols")
+    labels = _as_list(label_cols, "label_cols")
+    if not features:
+        raise InvalidParamError("feature_cols is empty: name at least one input column")
+    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
+        raise InvalidParamError(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
+    if int(num_proc) < 1:
+        raise InvalidParamError(f"num_proc must be >= 1, got {num_proc}")
+    if int(partitions_per_process) < 1:
+        raise InvalidParamError(f"partitions_per_process must be >= 1, got {partitions_per_process}")
+    _check_validation(validation)
+    num_proc, partitions_per_process, seed = int(num_proc), int(partitions_per_process), int(seed)
+
+    # -- columns: exist, supported types (from the schema only: nothing runs yet)
+    roles: dict[str, str] = {}
+    for c in features:
+        roles.setdefault(c, "feature column")
+    for c in labels:
+        roles.setdefault(c, "label column")
+    if sample_weight_col:
+        roles.setdefault(sample_weight_col, "sample weight column")
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    for name, role in roles.items():
+        if name not in fields:
+            raise ColumnNotFoundError(name, list(fields), role)
+    if isinstance(validation, str) and validation not in fields:
+        raise ColumnNotFoundError(validation, list(fields), "validation column")
+    plans = [_plan_column(name, fields[name], role) for name, role in roles.items()]
+    if sample_weight_col:
+        w = next(p for p in plans if p.name == sample_weight_col)
+        if w.kind != "scalar":
+            raise UnsupportedColumnTypeError(sample_weight_col, w.spark_type, "sample weight column")
+    if isinstance(validation, str):
+        vplan = _plan_column(validation, fields[validation], "validation column")
+        if vplan.kind != "scalar":
+            raise ValidationParamError(
+                f"validation column {validation!r} has type {fields[validation].simpleString()}; "
+                "it must be boolean or numeric (true or > 0 marks a validation row)"
+            )
+
+    num_parts = num_proc * partitions_per_process
+    params = {
+        "features": features,
+        "labels": labels,
+        "weight": sample_weight_col,
+        "validation": validation,
+        "num_parts": num_parts,
+        "seed": seed,
+        "compression": compression,
+    }
+    fingerprint = _fingerprint(df, params)
+    key = "ds-" + fingerprint[:20]
+    data_path = store.data_path(key)
+    if not overwrite and store.is_committed(data_path):
+        info = DatasetInfo.load(store, key)
+        logger.info("reusing prepared dataset %s in %r (same DataFrame and settings)", key, store)
+        return info
+
+    # -- one pass over the data for every check
+    def col(name: str) -> Any:
+        return F.col("`" + name.replace("`", "``") + "`")
+
+    def as_array(p: _Plan) -> Any:
+        if p.kind == "vector":
+            from pyspark.ml.functions import vector_to_array
+
+            return vector_to_array(col(p.name), "float32")
+        return col(p.name)
+
+    aggs = [F.count(F.lit(1)).alias("n")]
+    for i, p in enumerate(plans):
+        aggs.append(F.sum(F.when(col(p.name).isNull(), 1).otherwise(0)).alias(f"null{i}"))
+        if p.kind != "scalar":
+            size = F.size(as_array(p))
+            aggs += [F.min(size).alias(f"min{i}"), F.max(size).alias(f"max{i}")]
+            if p.contains_null:
+                has_null = F.exists(col(p.name), lambda x: x.isNull())
+                aggs.append(F.sum(F.when(has_null, 1).otherwise(0)).alias(f"elnull{i}"))
+    if isinstance(validation, str):
+        aggs.append(F.sum(F.when(col(validation).isNull(), 1).otherwise(0)).alias("vnull"))
+    stats = df.agg(*aggs).collect()[0].asDict()
+
+    total = int(stats["n"])
+    if total == 0:
+        raise EmptyDataFrameError("the DataFrame has no rows: there is nothing to train on")
+    nulls = {p.name: int(stats[f"null{i}"]) for i, p in enumerate(plans) if stats[f"null{i}"]}
+    if isinstance(validation, str) and stats["vnull"]:
+        nulls[validation] = int(stats["vnull"])
+    if nulls:
+        detail = ", ".join(f"{roles.get(c, 'validation column')} {c!r}: {n} of {total} rows" for c, n in nulls.items())
+        raise NullValuesError(f"null values in used columns ({detail}); drop or fill them first (df.na.drop/fill)")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, p in enumerate(plans):
+        if p.kind == "scalar":
+            shapes[p.name] = ()
+            continue
+        lo, hi = int(stats[f"min{i}"]), int(stats[f"max{i}"])
+        if lo != hi:
+            raise InconsistentShapeError(
+                f"{p.role} {p.name!r} holds {p.kind}s of different lengths ({lo} to {hi}); "
+                "every row needs the same length"
+            )
+        if lo == 0:
+            raise InconsistentShapeError(f"{p.role} {p.name!r} holds empty {p.kind}s")
+        if p.contains_null and stats.get(f"elnull{i}"):
+            raise NullValuesError(f"{p.role} {p.name!r}: {stats[f'elnull{i}']} rows hold arrays with null elements")
+        shapes[p.name] = (lo,)
+    if total < num_proc:
+        raise TooFewRowsError(f"the DataFrame has {total} rows, fewer than num_proc={num_proc}: some rank gets none")
+
+    # -- the projected, converted DataFrame and its split
+    out_cols = []
+    for p in plans:
+        if p.kind == "vector":
+            out_cols.append(as_array(p).alias(p.name))
+        elif p.cast_double:
+            out_cols.append(col(p.name).cast("array<double>" if p.kind == "array" else "double").alias(p.name))
+        else:
+            out_cols.append(col(p.name))
+    if validation is None:
+        splits = {"train": df.select(*out_cols)}
+    else:
+        if isinstance(validation, str):
+            vcol = col(validation)
+            flag = vcol if isinstance(fields[validation], BooleanType) else (vcol > 0)
+        else:
+            flag = F.rand(seed) < float(validation)
+        flagged = df.select(*out_cols, flag.alias(_VAL_FLAG))
+        splits = {
+            "train": flagged.filter(~F.col(_VAL_FLAG)).drop(_VAL_FLAG),
+            "val": flagged.filter(F.col(_VAL_FLAG)).drop(_VAL_FLAG),
+        }
+
+    columns = {p.name: ColumnSpec(p.name, p.dtype, shapes[p.name], p.kind, p.spark_type) for p in plans}
+    timeout = visibility_timeout_s
+    with store.atomic_dir(data_path, overwrite=True) as target:
+        counts = {}
+        for split, sdf in splits.items():
+            out = posixpath.join(target, split)
+            logger.info("writing %s split of dataset %s to %s (%d files)", split, key, out, num_parts)
+            sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression).parquet(
+                store.spark_url(out)
+            )
+            store.wait_until_visible(out, timeout_s=timeout)
+            counts[split] = _count_rows(store, out)
+        if counts["train"] < num_proc:
+            raise TooFewRowsError(
+                f"the training split has {counts['train']} rows, fewer than num_proc={num_proc}; "
+                "use a smaller validation share or more data"
+            )
+        if validation is not None and counts["val"] < num_proc:
+            raise TooFewRowsError(
+                f"the validation split ({validation!r}) has {counts['val']} rows, fewer than num_proc={num_proc}; "
+                "use a larger validation share, more data, or validation=None"
+            )
+        info = DatasetInfo(
+            key=key,
+            columns=columns,
+            feature_cols=features,
+            label_cols=labels,
+            sample_weight_col=sample_weight_col,
+            train_rows=counts["train"],
+            val_rows=counts.get("val", 0),
+            num_partitions=num_parts,
+            validation=validation,
+            seed=seed,
+            fingerprint=fingerprint,
+        )
+        store.write_bytes(posixpath.join(target, "_metadata.json"), info.dumps().encode("utf-8"))
+    logger.info("prepared dataset %s: %d train rows, %d validation rows", key, info.train_rows, info.val_rows)
+    return info
+
+
+def _count_rows(store: Store, path: str) -> int:
+    """Rows in the Parquet files under ``path``, from their footers."""
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(path, format="parquet", filesystem=store.pyarrow_filesystem())
+    return int(sum(frag.metadata.num_rows for frag in dataset.get_fragments()))

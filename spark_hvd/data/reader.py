@@ -1,0 +1,519 @@
+"""Worker side: a sharded, shuffling batch reader over ``pyarrow.dataset``.
+
+Rank ``r`` of ``n`` reads its own row groups (*pieces*) of the Parquet files, assigned so that the ranks' row counts
+are as even as they can be; every rank yields the same number of batches per epoch. Each epoch the order of the
+rank's pieces is shuffled and rows are mixed in a bounded buffer, differently each epoch and reproducibly from the
+seed. Batches are dicts of numpy arrays, ``(batch, *shape)`` per column; a list column becomes one reshape of its
+flat values (zero-copy where Arrow allows), never a Python loop per row. Batches are read ahead on a thread.
+
+Epoch semantics. Let ``R_r`` be the rows of rank r's shard and ``R = max_r R_r``. Every rank yields ``R`` rows per
+epoch in ``steps_per_epoch = ceil(R / batch_size)`` batches (the last one possibly smaller, the same size on every
+rank): first its whole shard once, then, where ``R_r < R``, ``R - R_r`` rows of its shard again (fewer than one row
+group). So every row is read at least once per epoch and no rank waits for another at the end of an epoch. With
+``drop_last=True`` every batch is full and each rank yields ``floor(min_r R_r / batch_size)`` batches.
+
+Memory pool. pyarrow 26's default allocator (mimalloc) decoded list columns markedly slower than jemalloc on our
+machines (see DESIGN.md and benchmarks/reader.py); the reader uses ``pa.jemalloc_memory_pool()`` where pyarrow
+has it, unless ``memory_pool`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from spark_hvd.data.errors import InvalidParamError, ReaderError, ReaderTimeoutError, TooFewRowsError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.fs
+
+    from spark_hvd.data.metadata import DatasetInfo
+    from spark_hvd.store import Store
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, np.ndarray]
+#: (chunks, start row of each chunk, row ids in emission order) - see BatchReader._shuffled_blocks
+Block = tuple[list[Batch | None], np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A unit of sharding: rows ``[start, start + num_rows)`` of row group ``row_group`` of file ``file_index``."""
+
+    file_index: int
+    row_group: int
+    start: int
+    num_rows: int
+    whole: bool  # the piece is the entire row group
+
+
+def resolve_memory_pool(memory_pool: str | pa.MemoryPool | None) -> pa.MemoryPool:
+    """``"jemalloc"`` (falls back to the default where pyarrow lacks it), ``"mimalloc"``, ``"system"``,
+    ``"default"``/``None``, or a ``pa.MemoryPool``."""
+    import pyarrow as pa
+
+    if memory_pool is None or memory_pool == "default":
+        return pa.default_memory_pool()
+    if isinstance(memory_pool, pa.MemoryPool):
+        return memory_pool
+    makers = {"jemalloc": pa.jemalloc_memory_pool, "mimalloc": pa.mimalloc_memory_pool, "system": pa.system_memory_pool}
+    if memory_pool not in makers:
+        raise InvalidParamError(f"memory_pool must be one of {sorted(makers)}, 'default' or a pa.MemoryPool")
+    try:
+        return makers[memory_pool]()
+    except NotImplementedError:
+        logger.info("pyarrow has no %s allocator; using the default pool", memory_pool)
+        return pa.default_memory_pool()
+
+
+def assign_pieces(pieces: Sequence[Piece], size: int) -> list[list[Piece]]:
+    """Split ``pieces`` over ``size`` ranks, balancing rows (largest first to the rank with fewest rows).
+
+    Deterministic: every rank computes the same assignment from the same file listing.
+    """
+    order = sorted(pieces, key=lambda p: (-p.num_rows, p.file_index, p.row_group, p.start))
+    heap = [(0, r) for r in range(size)]
+    shards: list[list[Piece]] = [[] for _ in range(size)]
+    for p in order:
+        rows, r = heapq.heappop(heap)
+        shards[r].append(p)
+        heapq.heappush(heap, (rows + p.num_rows, r))
+    for s in shards:
+        s.sort(key=lambda p: (p.file_index, p.row_group, p.start))
+    return shards
+
+
+class BatchReader:
+    """Batches of one rank's shard of a Parquet dataset.
+
+    Args:
+        path: store path (or any path of ``filesystem``) of a directory of Parquet files.
+        filesystem: a pyarrow filesystem (``store.pyarrow_filesystem()``); ``None`` for local paths.
+        columns: the columns to read (default: all).
+        shapes: per column, the shape of one row's value (from the dataset's metadata); list columns without a
+            shape are taken as 1-D, their length checked to be the same on every row.
+        rank, size: this process's rank and the number of processes sharing the data.
+        batch_size: rows per batch.
+        shuffle: shuffle piece order and rows (within ``shuffle_buffer_rows``) each epoch.
+        seed: seed of the shuffles (epoch ``e`` of rank ``r`` uses ``(seed, e, r)``).
+        shuffle_buffer_rows: rows mixed together; memory use is about this many rows (default 65536 or the shard).
+        drop_last: only full batches (``floor(min_r R_r / batch_size)`` per epoch).
+        transformation_fn: ``fn(pandas.DataFrame) -> pandas.DataFrame`` run on each piece as it is read (list
+            columns hold one numpy array per row); its output columns make the batch (arrays of one length per
+            column are stacked to 2-D).
+        prefetch: batches read ahead on a thread (0: read on the caller's thread).
+        timeout_s: how long the caller waits for the read-ahead thread's next batch before raising.
+        memory_pool: Arrow allocator for decoding (see :func:`resolve_memory_pool`).
+        use_threads: let Arrow decode columns in parallel.
+
+    Iterate with ``for batch in reader.epoch(e)`` (or ``iter(reader)``, which runs epoch 0, 1, ... in turn).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        filesystem: pyarrow.fs.FileSystem | None = None,
+        columns: Sequence[str] | None = None,
+        shapes: dict[str, tuple[int, ...]] | None = None,
+        rank: int = 0,
+        size: int = 1,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer_rows: int | None = None,
+        drop_last: bool = False,
+        transformation_fn: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
+        prefetch: int = 4,
+        timeout_s: float = 600.0,
+        memory_pool: str | pa.MemoryPool | None = "jemalloc",
+        use_threads: bool = True,
+    ) -> None:
+        import pyarrow.dataset as ds
+
+        if not 0 <= int(rank) < int(size):
+            raise InvalidParamError(f"rank must be in [0, size), got rank={rank} size={size}")
+        if int(batch_size) < 1:
+            raise InvalidParamError(f"batch_size must be >= 1, got {batch_size}")
+        if shuffle_buffer_rows is not None and int(shuffle_buffer_rows) < 1:
+            raise InvalidParamError(f"shuffle_buffer_rows must be >= 1, got {shuffle_buffer_rows}")
+        if timeout_s <= 0:
+            raise InvalidParamError(f"timeout_s must be > 0, got {timeout_s}")
+        self.path = path
+        self.rank, self.size = int(rank), int(size)
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.transformation_fn = transformation_fn
+        self.prefetch = max(0, int(prefetch))
+        self.timeout_s = float(timeout_s)
+        self.use_threads = bool(use_threads)
+        self._pool = resolve_memory_pool(memory_pool)
+        self._where = f"rank {self.rank} reading {path!r}"
+
+        try:
+            dataset = ds.dataset(path, format="parquet", filesystem=filesystem)
+        except (FileNotFoundError, OSError) as e:
+            raise ReaderError(f"{self._where}: cannot open the Parquet files: {e}") from e
+        self.schema = dataset.schema
+        names = list(self.schema.names)
+        self.columns = list(columns) if columns is not None else names
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise ReaderError(f"{self._where}: columns {missing} not in the files (they have {names})")
+        self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
+        self._list_cols = {c for c in self.columns if _is_list(self.schema.field(c).type)}
+        for c in self._list_cols:
+            if not self.shapes[c]:
+                self.shapes[c] = (-1,)
+
+        self._fragments = sorted(dataset.get_fragments(), key=lambda f: f.path)
+        pieces: list[Piece] = []
+        max_rg = 1
+        for fi, frag in enumerate(self._fragments):
+            for rg in _row_groups(frag):
+                if rg[1] > 0:
+                    pieces.append(Piece(fi, rg[0], 0, rg[1], True))
+                    max_rg = max(max_rg, rg[1])
+        self._max_rows_per_read = max_rg
+        self.total_rows = sum(p.num_rows for p in pieces)
+        if self.total_rows < self.size:
+            raise TooFewRowsError(f"{self._where}: {self.total_rows} rows for {self.size} ranks; some rank gets none")
+        pieces = _split_until(pieces, self.size)
+        shards = assign_pieces(pieces, self.size)
+        self.pieces = shards[self.rank]
+        self.shard_rows = sum(p.num_rows for p in self.pieces)
+        rows = [sum(p.num_rows for p in s) for s in shards]
+        if self.drop_last:
+            self.steps_per_epoch = min(rows) // self.batch_size
+            if self.steps_per_epoch == 0:
+                raise TooFewRowsError(
+                    f"{self._where}: the smallest shard has {min(rows)} rows, fewer than batch_size="
+                    f"{self.batch_size} with drop_last=True"
+                )
+            self.rows_per_epoch = self.steps_per_epoch * self.batch_size
+        else:
+            self.rows_per_epoch = max(rows)
+            self.steps_per_epoch = math.ceil(self.rows_per_epoch / self.batch_size)
+        default_buf = max(self.batch_size, min(65536, self.shard_rows))
+        self.shuffle_buffer_rows = int(shuffle_buffer_rows) if shuffle_buffer_rows else default_buf
+        self._next_epoch = 0
+
+    # ------------------------------------------------------------------ construction from the store
+    @classmethod
+    def from_dataset(
+        cls,
+        store: Store,
+        info: DatasetInfo | str,
+        split: str = "train",
+        columns: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> BatchReader:
+        """A reader of the ``"train"`` or ``"val"`` split of a dataset prepared by :func:`prepare_data`.
+
+        ``info`` is the :class:`DatasetInfo` or its key; ``kwargs`` go to :class:`BatchReader`.
+        """
+        from spark_hvd.data.metadata import DatasetInfo
+
+        if isinstance(info, str):
+            info = DatasetInfo.load(store, info)
+        if split not in ("train", "val"):
+            raise InvalidParamError(f"split must be 'train' or 'val', got {split!r}")
+        if split == "val" and not info.has_validation:
+            raise InvalidParamError(f"dataset {info.key!r} has no validation split")
+        path = info.train_path(store) if split == "train" else info.val_path(store)
+        cols = list(columns) if columns is not None else list(info.columns)
+        return cls(path, filesystem=store.pyarrow_filesystem(), columns=cols, shapes=info.shapes(), **kwargs)
+
+    # ------------------------------------------------------------------ iteration
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        epoch = self._next_epoch
+        self._next_epoch += 1
+        return self.epoch(epoch)
+
+    def epoch(self, epoch: int) -> Iterator[Batch]:
+        """The ``steps_per_epoch`` batches of epoch ``epoch`` (read ahead on a thread if ``prefetch > 0``)."""
+        gen = self._batches(int(epoch))
+        if self.prefetch == 0:
+            return gen
+        return self._prefetched(gen, int(epoch))
+
+    def _prefetched(self, gen: Iterator[Batch], epoch: int) -> Iterator[Batch]:
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.2)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def work() -> None:
+            try:
+                for batch in gen:
+                    if not put(batch):
+                        return
+                put(_END)
+            except BaseException as e:  # handed to the consumer, raised there
+                put(_Failure(e))
+
+        thread = threading.Thread(target=work, name=f"spark_hvd-reader-r{self.rank}-e{epoch}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                try:
+                    item = q.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise ReaderTimeoutError(
+                        f"{self._where}: no batch from the read-ahead thread within {self.timeout_s:.0f} s "
+                        f"(epoch {epoch}); is the filesystem reachable?"
+                    ) from None
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise ReaderError(f"{self._where}: reading failed in epoch {epoch}: {item.exc}") from item.exc
+                yield item
+        finally:
+            stop.set()
+            thread.join(timeout=self.timeout_s)
+            if thread.is_alive():  # pragma: no cover - a read stuck in the filesystem
+                logger.warning("%s: the read-ahead thread did not stop within %.0f s", self._where, self.timeout_s)
+
+    def _batches(self, epoch: int) -> Iterator[Batch]:
+        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        need = self.rows_per_epoch
+        sizes = [self.batch_size] * (need // self.batch_size)
+        if need % self.batch_size:
+            sizes.append(need % self.batch_size)
+        if self.shuffle:
+            yield from _shuffled_batches(self._shuffled_blocks(rng), sizes)
+        else:
+            yield from _sequential_batches(self._passes(None), sizes)
+
+    # ------------------------------------------------------------------ reading
+    def _passes(self, rng: np.random.Generator | None) -> Iterator[Batch | None]:
+        """Chunks of the shard, pass after pass (a ``None`` after each pass), pieces shuffled by ``rng``."""
+        while True:
+            order = rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces))
+            for i in order:
+                yield self._read(self.pieces[i])
+            yield None
+
+    def _shuffled_blocks(self, rng: np.random.Generator) -> Iterator[Block]:
+        """Blocks of row ids in shuffled order, over a buffer of chunks.
+
+        Yields ``(chunks, bases, ids)``: ``ids`` index the concatenation of ``chunks`` (chunk c starts at
+        ``bases[c]``). The pool of buffered ids is shuffled whenever it is full and the first ``len - cap/2`` are
+        emitted, so each row is mixed with up to ``cap`` others; the whole pool is flushed at the end of each pass, so
+        a pass emits exactly the shard.
+        """
+        cap = self.shuffle_buffer_rows
+        chunks: list[Batch | None] = []
+        bases: list[int] = []
+        pool = np.empty(0, dtype=np.int64)
+        next_base = 0
+        for chunk in self._passes(rng):
+            if chunk is None:
+                rng.shuffle(pool)
+                if len(pool):
+                    yield chunks, np.asarray(bases, dtype=np.int64), pool
+                chunks, bases, pool, next_base = [], [], np.empty(0, dtype=np.int64), 0
+                continue
+            n = _num_rows(chunk)
+            chunks.append(chunk)
+            bases.append(next_base)
+            pool = np.concatenate([pool, np.arange(next_base, next_base + n, dtype=np.int64)])
+            next_base += n
+            if len(pool) >= cap:
+                rng.shuffle(pool)
+                k = len(pool) - cap // 2
+                yield list(chunks), np.asarray(bases, dtype=np.int64), pool[:k]
+                pool = pool[k:].copy()
+                # drop chunks none of whose rows are left in the pool
+                if len(pool):
+                    alive = np.unique(np.searchsorted(bases, pool, side="right") - 1)
+                    keep = np.zeros(len(chunks), dtype=bool)
+                    keep[alive] = True
+                    for c in np.flatnonzero(~keep):
+                        chunks[c] = None
+                else:
+                    chunks = [None] * len(chunks)
+
+    def _read(self, piece: Piece) -> Batch:
+        frag = self._fragments[piece.file_index]
+        try:
+            table = frag.subset(row_group_ids=[piece.row_group]).to_table(
+                columns=self.columns,
+                batch_size=max(self._max_rows_per_read, 1024),
+                use_threads=self.use_threads,
+                memory_pool=self._pool,
+            )
+        except Exception as e:
+            raise ReaderError(f"{self._where}: reading row group {piece.row_group} of {frag.path}: {e}") from e
+        if not piece.whole:
+            table = table.slice(piece.start, piece.num_rows)
+        if self.transformation_fn is not None:
+            return self._transform(table)
+        return {c: self._column(c, table.column(c)) for c in self.columns}
+
+    def _column(self, name: str, chunked: Any) -> np.ndarray:
+        arr = chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
+        n = len(arr)
+        if arr.null_count:
+            raise ReaderError(f"{self._where}: column {name!r} holds {arr.null_count} nulls")
+        if name not in self._list_cols:
+            return arr.to_numpy(zero_copy_only=False)
+        shape = self.shapes[name]
+        width = int(np.prod(shape)) if shape[0] != -1 else -1
+        if hasattr(arr, "offsets"):
+            offsets = np.asarray(arr.offsets)
+            lengths = np.diff(offsets)
+            if n and (lengths.min() != lengths.max() or (width != -1 and lengths[0] != width)):
+                raise ReaderError(
+                    f"{self._where}: column {name!r} holds lists of lengths {lengths.min()}..{lengths.max()}, "
+                    f"expected {width if width != -1 else 'one fixed length'}"
+                )
+            if width == -1:
+                width = int(lengths[0]) if n else 0
+        values = arr.flatten()
+        if values.null_count:
+            raise ReaderError(f"{self._where}: column {name!r} holds lists with null elements")
+        flat = values.to_numpy(zero_copy_only=False)
+        if shape[0] == -1:
+            return flat.reshape(n, width)
+        return flat.reshape((n, *shape))
+
+    def _transform(self, table: Any) -> Batch:
+        df = table.to_pandas()
+        out = self.transformation_fn(df)
+        if out is None or not hasattr(out, "columns"):
+            raise ReaderError(f"{self._where}: transformation_fn must return a pandas DataFrame, got {type(out)}")
+        batch = {}
+        for c in out.columns:
+            values = out[c].to_numpy()
+            if values.dtype == object and len(values):
+                try:
+                    values = np.stack([np.asarray(v) for v in values])
+                except ValueError as e:
+                    raise ReaderError(f"{self._where}: transformation_fn column {c!r}: rows differ in shape") from e
+            batch[str(c)] = values
+        return batch
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END = object()
+
+
+def _is_list(t: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _row_groups(frag: Any) -> list[tuple[int, int]]:
+    md = frag.metadata
+    return [(i, md.row_group(i).num_rows) for i in range(md.num_row_groups)]
+
+
+def _split_until(pieces: list[Piece], count: int) -> list[Piece]:
+    """Split the largest pieces into row ranges until there are at least ``count`` (fewer row groups than ranks)."""
+    if len(pieces) >= count:
+        return pieces
+    heap = [(-p.num_rows, i, p) for i, p in enumerate(pieces)]
+    heapq.heapify(heap)
+    serial = len(heap)
+    while len(heap) < count and -heap[0][0] > 1:
+        _, _, p = heapq.heappop(heap)
+        half = p.num_rows // 2
+        for q in (
+            Piece(p.file_index, p.row_group, p.start, half, False),
+            Piece(p.file_index, p.row_group, p.start + half, p.num_rows - half, False),
+        ):
+            heapq.heappush(heap, (-q.num_rows, serial, q))
+            serial += 1
+    return [p for _, _, p in heap]
+
+
+def _num_rows(batch: Batch) -> int:
+    return len(next(iter(batch.values()))) if batch else 0
+
+
+def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Iterator[Batch]:
+    """Cut a stream of chunks into batches of ``sizes`` (views where a batch lies inside one chunk)."""
+    cur: Batch | None = None
+    pos = 0
+    for size in sizes:
+        parts: list[Batch] = []
+        got = 0
+        while got < size:
+            if cur is None or pos >= _num_rows(cur):
+                cur = next(chunks)
+                while cur is None:  # end of a pass: the next one wraps around the shard
+                    cur = next(chunks)
+                pos = 0
+            take = min(size - got, _num_rows(cur) - pos)
+            parts.append({k: v[pos : pos + take] for k, v in cur.items()})
+            pos += take
+            got += take
+        if len(parts) == 1:
+            yield parts[0]
+        else:
+            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:
+    """Gather batches of ``sizes`` rows from blocks of shuffled row ids: one ``np.take`` per chunk and column."""
+    pending: list[Block] = []
+    avail = 0
+    for size in sizes:
+        while avail < size:
+            block = next(blocks)
+            pending.append(block)
+            avail += len(block[2])
+        # take `size` ids from the front of the pending blocks
+        out: Batch | None = None
+        filled = 0
+        while filled < size:
+            chunks, bases, ids = pending[0]
+            take = min(size - filled, len(ids))
+            sel = np.sort(ids[:take])
+            if take == len(ids):
+                pending.pop(0)
+            else:
+                pending[0] = (chunks, bases, ids[take:])
+            owner = np.searchsorted(bases, sel, side="right") - 1
+            cuts = np.flatnonzero(np.diff(owner)) + 1
+            starts = np.concatenate([[0], cuts])
+            ends = np.concatenate([cuts, [take]])
+            for s, e in zip(starts, ends, strict=True):
+                chunk = chunks[owner[s]]
+                local = sel[s:e] - bases[owner[s]]
+                if out is None:
+                    out = {k: np.empty((size, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()}
+                for k, v in chunk.items():
+                    np.take(v, local, axis=0, out=out[k][filled + s : filled + e])
+            filled += take
+        avail -= size
+        yield out
