@@ -1,0 +1,152 @@
+"""The engine on the built-in ring backend at N = 1..4 (spawned ranks), plus in-process engine checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import test_engine_scenarios as sc
+from ringutil import RankDied, run_ranks
+
+import spark_hvd.core as core
+from spark_hvd.core.engine import Engine
+from spark_hvd.core.local_backend import LocalBackend
+from spark_hvd.core.settings import Settings
+
+FAST = {"SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_CYCLE_TIME": "5"}
+
+
+def _ring_job() -> dict:
+    core.init()
+    try:
+        n = core.size()
+        assert core.backend_name() == ("local" if n == 1 else "ring")
+        report = {"checked": sc.collectives(seed=30 + n)}
+        sc.different_orders(seed=n)
+        report["fusion"] = sc.fusion()
+        report["fusion_again"] = sc.fusion()
+        if n > 1:
+            report["mismatch"] = sc.mismatch()
+        report["join"] = sc.join_uneven()
+        return report
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_engine_on_ring(n):
+    reports = run_ranks(_ring_job, n, env=FAST, timeout=170)
+    for report in reports:
+        assert report["checked"] > 20
+        first, again = report["fusion"], report["fusion_again"]
+        assert first["allreduce_tensors"] == again["allreduce_tensors"] == 100
+        # fused: far fewer collectives than tensors (they may arrive in a few rounds on a loaded machine)
+        assert first["allreduce_collectives"] <= 25, first
+        assert again["allreduce_collectives"] <= 25, again
+        # the second pass over the same names is answered from the response cache
+        assert again["cache_hits"] == 100, again
+        assert report["join"] == n - 1
+        if n > 1:
+            assert len(report["mismatch"]) == 3
+            assert f"ranks [{n - 1}]" in report["mismatch"][0] or "rank" in report["mismatch"][0]
+    assert all(r["fusion"] == reports[0]["fusion"] for r in reports), "ranks disagree on the fusion plan"
+
+
+def _stall_job() -> str:
+    core.init()
+    try:
+        return sc.stall()
+    finally:
+        core.shutdown()
+
+
+def test_stall_warning_names_tensor_and_missing_ranks():
+    env = dict(FAST, SPARK_HVD_STALL_CHECK_TIME="0.5")
+    messages = run_ranks(_stall_job, 3, env=env, timeout=120)
+    assert "'lonely'" in messages[0]
+    assert "ranks [0]" in messages[0] and "ranks [1, 2]" in messages[0], messages[0]
+
+
+def _killed_peer_job() -> str:
+    core.init()
+    buf = np.ones(4)
+    core.allreduce(buf, name="before", op=core.Sum)
+    assert np.all(buf == core.size())
+    if core.rank() == core.size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    handles = [core.allreduce_async(np.ones(1000), name=f"after.{i}") for i in range(3)]
+    errors = []
+    for h in handles:
+        try:
+            core.synchronize(h)
+        except core.PeerFailureError as exc:
+            errors.append(exc)
+    assert len(errors) == 3, errors
+    try:
+        core.allreduce(np.ones(2), name="later")
+    except core.PeerFailureError as exc:
+        errors.append(exc)
+    else:
+        raise AssertionError("a call after the failure did not raise")
+    core.shutdown()
+    return f"{errors[0].rank}|{errors[-1].rank}|{errors[0]}"
+
+
+def test_sigkilled_rank_fails_the_others_with_its_name():
+    results = run_ranks(_killed_peer_job, 3, env={"SPARK_HVD_TIMEOUT": "10", "SPARK_HVD_CYCLE_TIME": "5"},
+                        timeout=90, allow_death={2})
+    assert isinstance(results[2], RankDied)
+    for r in (0, 1):
+        first, last, message = results[r].split("|", 2)
+        assert first == "2" and last == "2", results[r]
+        assert "2" in message
+
+
+def test_fusion_threshold_splits_groups():
+    settings = Settings(fusion_threshold=1024, cycle_time_ms=50)
+    engine = Engine(LocalBackend(), settings)
+    try:
+        bufs = [np.full(50, float(i), np.float32) for i in range(40)]  # 200 bytes each
+        handles = [engine.enqueue("allreduce", b, f"t{i}") for i, b in enumerate(bufs)]
+        for i, h in enumerate(handles):
+            assert h.wait() is bufs[i]
+            assert np.all(bufs[i] == i)
+        assert engine.stats["allreduce_tensors"] == 40
+        assert engine.stats["allreduce_collectives"] >= 8  # at most 5 tensors of 200 B per 1024 B group
+        assert engine.stats["fused_collectives"] >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_response_cache_capacity_zero_sends_full_requests():
+    engine = Engine(LocalBackend(), Settings(cache_capacity=0))
+    try:
+        for _ in range(3):
+            engine.enqueue("allreduce", np.ones(3), "same").wait()
+        assert engine.stats["cache_hits"] == 0 and engine.stats["full_requests"] == 3
+    finally:
+        engine.shutdown()
+    engine = Engine(LocalBackend(), Settings(cache_capacity=4))
+    try:
+        for _ in range(3):
+            engine.enqueue("allreduce", np.ones(3), "same").wait()
+        assert engine.stats["cache_hits"] == 2
+        engine.enqueue("allreduce", np.ones(4), "same").wait()  # new shape: a full request again
+        assert engine.stats["full_requests"] == 2
+    finally:
+        engine.shutdown()
+
+
+def test_duplicate_pending_name_is_rejected():
+    engine = Engine(LocalBackend(), Settings(cycle_time_ms=200))
+    try:
+        h = engine.enqueue("allreduce", np.ones(3), "dup")
+        with pytest.raises(ValueError, match="'dup' is already pending"):
+            engine.enqueue("allreduce", np.ones(3), "dup")
+        h.wait()
+    finally:
+        engine.shutdown()
+    with pytest.raises(core.ShutdownError):
+        engine.enqueue("allreduce", np.ones(3), "x")
