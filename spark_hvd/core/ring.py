@@ -1,0 +1,512 @@
+"""The built-in ring backend: collectives over an authenticated TCP mesh, and shared memory within a host.
+
+``RingBackend`` joins the job with one ``rendezvous.exchange`` (publishing its listening address, its host
+identity and, when shared memory is on, the name of its shared-memory segment), connects a full TCP mesh (every
+frame HMAC-authenticated) and then:
+
+* allreduce: when every rank is on this host and ``settings.shm`` is on, a pipelined shared-memory allreduce
+  (``spark_hvd.core.shm``); otherwise the bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps
+  each, the send of a step overlapped with its receive by a sender thread, reduction in place into the caller's
+  buffer from a preallocated scratch frame);
+* allgather / reducescatter: ring steps over TCP; broadcast: root to every rank; alltoall: pairwise exchange.
+
+A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
+peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
+fails within the timeout naming the same culprit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.errors import (
+    AuthenticationError,
+    PeerFailureError,
+    ShutdownError,
+    TensorMismatchError,
+)
+from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
+from spark_hvd.core.rendezvous import parse_address, routable_address
+from spark_hvd.core.settings import Settings
+from spark_hvd.core.shm import ShmGroup, shm_available, unlink_quietly
+from spark_hvd.core.tcp import (
+    FRAME_BYTES,
+    INLINE_SEND_BYTES,
+    PeerSocket,
+    PeerWatcher,
+    ProtocolError,
+    SendWorker,
+    connect_mesh,
+    open_listener,
+)
+
+logger = logging.getLogger(__name__)
+
+IFACE_ENV = "SPARK_HVD_IFACE_ADDR"
+#: Overrides the host identity (tests use it to make ranks of one machine look like several hosts).
+HOST_ID_ENV = "SPARK_HVD_HOST_ID"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def host_identity() -> str:
+    """hostname + kernel boot id: equal exactly for processes on the same (booted) host."""
+    override = os.environ.get(HOST_ID_ENV)
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
+    """(address to bind, address to publish) for this rank's listener."""
+    iface = os.environ.get(IFACE_ENV)
+    if iface:
+        return iface, iface
+    towards = getattr(rendezvous, "host", None)
+    if not towards:
+        address = os.environ.get("SPARK_HVD_RENDEZVOUS")
+        if address:
+            try:
+                towards = parse_address(address)[0]
+            except ValueError:
+                towards = None
+    if towards:
+        local = routable_address(towards)
+        return local, local
+    return "0.0.0.0", routable_address()
+
+
+def even_bounds(n: int, parts: int) -> list[int]:
+    """``parts + 1`` boundaries splitting ``n`` items as evenly as possible, larger parts first."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+    return bounds
+
+
+def _collective(name: str) -> Callable[[F], F]:
+    """Check the backend is usable; on failure tell every peer and raise an error naming the culprit."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: RingBackend, *args: Any, **kwargs: Any) -> Any:
+            self._check_usable(name)
+            try:
+                return method(self, *args, **kwargs)
+            except (PeerFailureError, ProtocolError, AuthenticationError) as exc:
+                self._fail(exc, name)
+                raise
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def _flat(buf: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{what} expects a numpy array, got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what} needs a C-contiguous array (got strides {buf.strides})")
+    return buf.reshape(-1)
+
+
+class RingBackend(Backend):
+    """The built-in backend (TCP mesh + same-host shared memory); see the module docstring."""
+
+    name = "ring"
+
+    def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
+                 settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
+                 shm_slots: int = 4) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a job of size {size}")
+        self.rank, self.size = rank, size
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.timeout_s = float(self.settings.timeout_s)
+        self.job_id = job_id
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
+        self.peers: dict[int, PeerSocket] = {}
+        self.shm: ShmGroup | None = None
+        self._closed = False
+        self._broken: PeerFailureError | None = None
+        self._worker: SendWorker | None = None
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._listener: socket.socket | None = None
+        self.transport = "none"
+        if size == 1:
+            if rendezvous is not None:
+                rendezvous.exchange(0, 1, b"{}")
+            return
+        if rendezvous is None:
+            raise ValueError("a job of more than one rank needs a rendezvous")
+        own_segment: ShmGroup | None = None
+        known_paths: list[str] = []
+        try:
+            bind, publish = _bind_host(rendezvous)
+            self._listener = open_listener(bind)
+            port = self._listener.getsockname()[1]
+            host_id = host_identity()
+            use_shm = bool(self.settings.shm) and shm_available()
+            if use_shm:
+                own_segment = ShmGroup(job_id, 0, [rank], self.timeout_s, shm_block_bytes, shm_slots)
+            info = {"host": publish, "port": port, "host_id": host_id, "pid": os.getpid(),
+                    "shm": own_segment.path if own_segment else None}
+            values = rendezvous.exchange(rank, size, json.dumps(info).encode())
+            infos = [json.loads(v) for v in values]
+            known_paths = [i["shm"] for i in infos if i.get("shm")]
+            self._topology(infos)
+            self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
+                                      secret, job_id, self.timeout_s)
+            self._listener.close()
+            self._listener = None
+            self._watcher = PeerWatcher(list(self.peers.values()))
+            self._worker = SendWorker()
+            self.transport = "tcp"
+            all_local = self.local_size == size
+            attached = False
+            if own_segment is not None and all_local and all(i.get("shm") for i in infos):
+                own_segment.local, own_segment.ranks, own_segment.size = rank, list(range(size)), size
+                try:
+                    own_segment.attach([i["shm"] for i in infos])
+                    attached = True
+                except OSError as exc:
+                    logger.warning("rank %d could not map the shared memory of its peers (%s); using TCP", rank, exc)
+            # everyone must agree (and have mapped every segment) before the names are unlinked
+            flags = self._small_allgather(b"1" if attached else b"0", "setup")
+            if own_segment is not None:
+                own_segment.unlink()
+                for path in known_paths:
+                    unlink_quietly(path)
+            if attached and all(f == b"1" for f in flags):
+                self.shm = own_segment
+                self.transport = "shm"
+            elif own_segment is not None:
+                own_segment.close()
+            own_segment = None
+        except BaseException:
+            if own_segment is not None:
+                own_segment.close()
+            for path in known_paths:
+                unlink_quietly(path)
+            self.close()
+            raise
+        logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
+                     self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
+
+    def _topology(self, infos: list[dict[str, Any]]) -> None:
+        hosts: list[str] = []
+        for info in infos:
+            if info["host_id"] not in hosts:
+                hosts.append(info["host_id"])
+        mine = infos[self.rank]["host_id"]
+        local = [r for r, info in enumerate(infos) if info["host_id"] == mine]
+        self.local_rank, self.local_size = local.index(self.rank), len(local)
+        self.cross_rank, self.cross_size = hosts.index(mine), len(hosts)
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def _check_usable(self, operation: str) -> None:
+        if self._closed:
+            raise ShutdownError(f"{operation}: the ring backend of rank {self.rank} is closed")
+        if self._broken is not None:
+            raise PeerFailureError(f"{operation}: the job is unusable since an earlier failure: {self._broken}",
+                                   rank=self._broken.rank, operation=operation)
+
+    def _fail(self, exc: BaseException, operation: str) -> None:
+        culprit = getattr(exc, "rank", None)
+        if self._broken is None:
+            self._broken = exc if isinstance(exc, PeerFailureError) else PeerFailureError(
+                str(exc), rank=culprit, operation=operation)
+        reason = f"{operation} on rank {self.rank}: {exc}"
+        for peer in self.peers.values():
+            if peer.rank != culprit:
+                peer.send_abort(culprit, reason)
+
+    def _check_peers(self, operation: str) -> None:
+        self._watcher.check(operation)
+
+    def close(self) -> None:
+        """Close sockets, shared memory and the sender thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._worker.stop()
+        for peer in self.peers.values():
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            peer.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+
+    # -- point-to-point helpers --------------------------------------------------------------------------------
+    def _scratch_bytes(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch[:nbytes]
+
+    def _post(self, dst: int, data: np.ndarray, operation: str) -> bool:
+        """Send ``data`` (a uint8 view) to ``dst`` in frames; returns True if the sender thread has work."""
+        peer = self.peers[dst]
+        n = data.nbytes
+        if n <= INLINE_SEND_BYTES:
+            if n:
+                peer.send_data([memoryview(data)], operation)
+            return False
+        assert self._worker is not None
+        for lo in range(0, n, FRAME_BYTES):
+            self._worker.post(peer, [memoryview(data[lo:lo + FRAME_BYTES])], operation)
+        return True
+
+    def _wait_sent(self, posted: bool, operation: str) -> None:
+        if posted:
+            assert self._worker is not None
+            self._worker.wait(self.timeout_s * 2, operation)
+
+    def _recv(self, src: int, into: np.ndarray, operation: str) -> None:
+        """Receive ``into.nbytes`` bytes (a uint8 view) from ``src``, frame by frame."""
+        peer = self.peers[src]
+        n = into.nbytes
+        if n <= INLINE_SEND_BYTES:
+            if n:
+                peer.recv_data_into(memoryview(into), operation)
+            return
+        for lo in range(0, n, FRAME_BYTES):
+            peer.recv_data_into(memoryview(into[lo:lo + FRAME_BYTES]), operation)
+
+    def _recv_reduce(self, src: int, acc: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """Receive ``acc.size`` elements from ``src`` and reduce them into ``acc`` (frame by frame)."""
+        peer = self.peers[src]
+        raw = acc.view(np.uint8)
+        n = raw.nbytes
+        if not n:
+            return
+        step = n if n <= INLINE_SEND_BYTES else FRAME_BYTES
+        scratch = self._scratch_bytes(min(n, step))
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            view = scratch[:hi - lo]
+            peer.recv_data_into(memoryview(view), operation)
+            e0, e1 = lo // acc.itemsize, hi // acc.itemsize
+            reduce_into(acc[e0:e1], view.view(acc.dtype), op, bfloat16)
+
+    def _small_allgather(self, payload: bytes, operation: str) -> list[bytes]:
+        """Every rank's small ``payload`` (< 32 KiB), by rank, over the mesh."""
+        for peer in self.peers.values():
+            peer.send_data([payload], operation)
+        out = []
+        for r in range(self.size):
+            out.append(payload if r == self.rank else self.peers[r].recv_message(operation))
+        return out
+
+    # -- ring steps over TCP -----------------------------------------------------------------------------------
+    def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
+                             operation: str) -> None:
+        """After N-1 steps rank r holds the reduction of elements ``bounds[r]:bounds[r+1]``."""
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        for s in range(n - 1):
+            send_c, recv_c = (r - s - 1) % n, (r - s - 2) % n
+            posted = self._post(right, flat[bounds[send_c]:bounds[send_c + 1]].view(np.uint8), operation)
+            self._recv_reduce(left, flat[bounds[recv_c]:bounds[recv_c + 1]], op, bfloat16, operation)
+            self._wait_sent(posted, operation)
+
+    def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
+        """Rank r holds bytes ``bounds[r]:bounds[r+1]`` of ``raw``; afterwards every rank holds all."""
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        for s in range(n - 1):
+            send_c, recv_c = (r - s) % n, (r - s - 1) % n
+            posted = self._post(right, raw[bounds[send_c]:bounds[send_c + 1]], operation)
+            self._recv(left, raw[bounds[recv_c]:bounds[recv_c + 1]], operation)
+            self._wait_sent(posted, operation)
+
+    def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        bounds = even_bounds(flat.size, self.size)
+        self._ring_reduce_scatter(flat, bounds, op, bfloat16, operation)
+        if op is ReduceOp.AVERAGE:
+            divide_average(flat[bounds[self.rank]:bounds[self.rank + 1]], self.size, bfloat16)
+        self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation)
+
+    # -- Backend API -------------------------------------------------------------------------------------------
+    @_collective("allreduce")
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Reduce ``buf`` across ranks in place (see ``Backend.allreduce``)."""
+        flat = _flat(buf, "allreduce")
+        check_dtype(flat, bfloat16)
+        if self.size == 1 or flat.size == 0:
+            return
+        if self.shm is not None:
+            self.shm.allreduce([flat], op, bfloat16, "allreduce", self._check_peers)
+        else:
+            self._tcp_allreduce(flat, op, bfloat16, "allreduce")
+
+    @_collective("allreduce")
+    def allreduce_fused(self, bufs: Sequence[np.ndarray], op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Allreduce several same-dtype arrays as one collective, in place.
+
+        With shared memory the arrays are copied straight into the shared staging slots and the results
+        straight back (no fusion buffer).
+        """
+        flats = [_flat(b, "allreduce_fused") for b in bufs]
+        if not flats or self.size == 1:
+            return
+        dtype = flats[0].dtype
+        for i, f in enumerate(flats):
+            if f.dtype != dtype:
+                raise TypeError(f"allreduce_fused: array {i} has dtype {f.dtype}, array 0 has {dtype}")
+            check_dtype(f, bfloat16)
+        if self.shm is not None:
+            self.shm.allreduce(flats, op, bfloat16, "allreduce", self._check_peers)
+            return
+        total = sum(f.size for f in flats)
+        if total == 0:
+            return
+        packed = np.concatenate(flats) if len(flats) > 1 else flats[0]
+        self._tcp_allreduce(packed, op, bfloat16, "allreduce")
+        if len(flats) > 1:
+            offset = 0
+            for f in flats:
+                f[...] = packed[offset:offset + f.size]
+                offset += f.size
+
+    @_collective("allgather")
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        """Concatenate every rank's ``buf`` along the first dimension (which may differ by rank)."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"allgather expects a numpy array, got {type(buf).__name__}")
+        buf = np.ascontiguousarray(buf)
+        if buf.ndim == 0:
+            buf = buf.reshape(1)
+        if self.size == 1:
+            return buf.copy()
+        meta = json.dumps([buf.shape[0], buf.dtype.str, list(buf.shape[1:])]).encode()
+        metas = [json.loads(m) for m in self._small_allgather(meta, "allgather")]
+        odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
+        if odd:
+            raise TensorMismatchError(
+                "allgather: ranks disagree on dtype or trailing shape: " + ", ".join(
+                    f"rank {r}: {m[1]} {tuple(m[2])}" for r, m in enumerate(metas)), ranks=[0, *odd])
+        rows = [m[0] for m in metas]
+        out = np.empty((sum(rows), *buf.shape[1:]), dtype=buf.dtype)
+        row_bytes = buf.dtype.itemsize * int(np.prod(buf.shape[1:], dtype=np.int64))
+        bounds = [0]
+        for n in rows:
+            bounds.append(bounds[-1] + n * row_bytes)
+        raw = out.reshape(-1).view(np.uint8)
+        raw[bounds[self.rank]:bounds[self.rank + 1]] = buf.reshape(-1).view(np.uint8)
+        self._ring_allgather(raw, bounds, "allgather")
+        return out
+
+    @_collective("broadcast")
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's ``buf``, in place."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast: root rank {root} is outside a job of size {self.size}")
+        flat = _flat(buf, "broadcast")
+        if self.size == 1 or flat.size == 0:
+            return
+        raw = flat.view(np.uint8)
+        if self.rank == root:
+            posted = False
+            for dst in range(self.size):
+                if dst != root:
+                    posted = self._post(dst, raw, "broadcast") or posted
+            self._wait_sent(posted, "broadcast")
+        else:
+            self._recv(root, raw, "broadcast")
+
+    @_collective("alltoall")
+    def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
+        """Send ``splits[i]`` rows of ``buf`` to rank i; return the rows received and how many from each."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"alltoall expects a numpy array, got {type(buf).__name__}")
+        buf = np.ascontiguousarray(buf)
+        if buf.ndim == 0:
+            raise ValueError("alltoall needs an array with at least one dimension")
+        rows = buf.shape[0]
+        if splits is None:
+            if rows % self.size:
+                raise ValueError(f"alltoall: {rows} rows cannot be split evenly over {self.size} ranks; "
+                                 "pass splits")
+            splits = [rows // self.size] * self.size
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise ValueError(f"alltoall: splits {splits} must be {self.size} non-negative counts summing to {rows}")
+        if self.size == 1:
+            return buf.copy(), splits
+        meta = json.dumps([splits, buf.dtype.str, list(buf.shape[1:])]).encode()
+        metas = [json.loads(m) for m in self._small_allgather(meta, "alltoall")]
+        odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
+        if odd:
+            raise TensorMismatchError(
+                "alltoall: ranks disagree on dtype or trailing shape: " + ", ".join(
+                    f"rank {r}: {m[1]} {tuple(m[2])}" for r, m in enumerate(metas)), ranks=[0, *odd])
+        recv_splits = [m[0][self.rank] for m in metas]
+        row_bytes = buf.dtype.itemsize * int(np.prod(buf.shape[1:], dtype=np.int64))
+        out = np.empty((sum(recv_splits), *buf.shape[1:]), dtype=buf.dtype)
+        send_raw = buf.reshape(-1).view(np.uint8)
+        recv_raw = out.reshape(-1).view(np.uint8)
+        send_at = np.concatenate([[0], np.cumsum(splits)]) * row_bytes
+        recv_at = np.concatenate([[0], np.cumsum(recv_splits)]) * row_bytes
+        r = self.rank
+        recv_raw[recv_at[r]:recv_at[r + 1]] = send_raw[send_at[r]:send_at[r + 1]]
+        for s in range(1, self.size):
+            dst, src = (r + s) % self.size, (r - s) % self.size
+            posted = self._post(dst, send_raw[send_at[dst]:send_at[dst + 1]], "alltoall")
+            self._recv(src, recv_raw[recv_at[src]:recv_at[src + 1]], "alltoall")
+            self._wait_sent(posted, "alltoall")
+        return out, recv_splits
+
+    @_collective("reducescatter")
+    def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
+        """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more)."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"reducescatter expects a numpy array, got {type(buf).__name__}")
+        if buf.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension")
+        check_dtype(buf, bfloat16)
+        rows = even_bounds(buf.shape[0], self.size)
+        row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
+        lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
+        work = np.array(buf, copy=True, order="C").reshape(-1)
+        if self.size > 1 and work.size:
+            if self.shm is not None:
+                self.shm.allreduce([work], op, bfloat16, "reducescatter", self._check_peers)
+            else:
+                self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
+                if op is ReduceOp.AVERAGE:
+                    divide_average(work[lo:hi], self.size, bfloat16)
+        return work[lo:hi].copy().reshape((rows[self.rank + 1] - rows[self.rank], *buf.shape[1:]))
+
+    @_collective("barrier")
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        if self.size > 1:
+            self._small_allgather(b"", "barrier")
+
+    def __repr__(self) -> str:
+        return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "
+                f"cross={self.cross_rank}/{self.cross_size}, transport={self.transport})")
+
+
+__all__ = ["RingBackend", "host_identity", "even_bounds"]

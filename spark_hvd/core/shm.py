@@ -1,0 +1,278 @@
+"""Shared-memory allreduce between the ranks of one host.
+
+Each rank owns one POSIX shared-memory segment (``/dev/shm/spark_hvd-<job>-<rank>-<nonce>``): a control page of
+monotonic counters (one 64-byte cache line each) and a staging area of ``nslots`` slots of ``block_bytes``. Peers
+map each other's segments read-only. Every rank unlinks the names as soon as all ranks have mapped them, so a
+crash later leaves nothing in /dev/shm.
+
+A large buffer is processed as a pipeline of blocks, one slot each, round robin. For block ``g`` (a sequence
+number shared by all ranks, counting from 1 over the life of the group):
+
+* copy-in: wait until every peer finished block ``g - nslots`` (its slot is free again), copy this rank's part
+  of the block into its slot, publish ``IN = g``;
+* two ranks (``direct``): wait for the peer's ``IN >= g``, reduce ``out = mine + peer's slot`` straight into the
+  caller's buffer (addition, product, min and max commute, so both ranks get identical bits), publish ``OUT = g``;
+* more ranks (``scatter``): rank r reduces the r-th chunk of the block over all slots into its own slot and
+  publishes ``RED = g``; then every rank copies every chunk out of its owner's slot and publishes ``OUT = g``.
+  Small blocks reduce every slot in rank order on every rank instead (one wait less, identical bits).
+
+The copy-in of block ``g + 1`` runs before the copy-out of block ``g``, so ranks overlap copy, reduce and wait.
+x86 keeps stores in order, so a counter is published after the data it covers with a plain store. A wait spins
+briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
+(their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.errors import CollectiveTimeoutError
+from spark_hvd.core.reduce import divide_average, reduce_into, ufunc_for
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+CTRL_BYTES = 4096
+# control words (int64 index into the control page), one cache line apart
+IN, RED, OUT, PID = 0, 8, 16, 24
+SPIN_CHECKS = 3000
+#: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
+SMALL_BLOCK = 64 * 1024
+
+
+def shm_available() -> bool:
+    """Whether POSIX shared memory can be used here (Linux with a writable /dev/shm)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def segment_path(job_id: str, rank: int) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40] or "job"
+    return os.path.join(SHM_DIR, f"spark_hvd-{safe}-{rank}-{secrets.token_hex(4)}")
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class ShmGroup:
+    """Shared-memory staging and synchronisation among ``size`` ranks of one host.
+
+    ``local`` is this rank's index in the group, ``ranks`` the job ranks of the group (for error messages).
+    Create it (which creates this rank's segment), publish ``path``, then ``attach`` to every member's path.
+    """
+
+    def __init__(self, job_id: str, local: int, ranks: Sequence[int], timeout_s: float,
+                 block_bytes: int = 1 << 20, nslots: int = 4) -> None:
+        self.local = local
+        self.ranks = list(ranks)
+        self.size = len(self.ranks)
+        self.timeout_s = timeout_s
+        self.block_bytes = block_bytes - block_bytes % 64
+        self.nslots = nslots
+        self.seq = 0
+        self.path = segment_path(job_id, self.ranks[local])
+        self._bytes = CTRL_BYTES + self.nslots * self.block_bytes
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self._bytes)
+            self._own = mmap.mmap(fd, self._bytes)
+        except BaseException:
+            os.close(fd)
+            unlink_quietly(self.path)
+            raise
+        os.close(fd)
+        self._maps: list[mmap.mmap] = []
+        self.ctrl: list[memoryview] = []
+        self.slots: list[np.ndarray] = []
+        self.paths: list[str] = []
+        memoryview(self._own)[:CTRL_BYTES].cast("q")[PID] = os.getpid()
+
+    def attach(self, paths: Sequence[str]) -> None:
+        """Map every member's segment (read-only for peers)."""
+        self.paths = list(paths)
+        for k, path in enumerate(paths):
+            if k == self.local:
+                m = self._own
+            else:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    m = mmap.mmap(fd, self._bytes, prot=mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+                self._maps.append(m)
+            self.ctrl.append(memoryview(m)[:CTRL_BYTES].cast("q"))
+            self.slots.append(np.frombuffer(m, dtype=np.uint8, count=self.nslots * self.block_bytes,
+                                            offset=CTRL_BYTES))
+
+    def unlink(self) -> None:
+        """Remove every member's name from /dev/shm (the mappings stay valid)."""
+        unlink_quietly(self.path)
+        for path in self.paths:
+            unlink_quietly(path)
+
+    def close(self) -> None:
+        """Unmap everything (and unlink, in case that had not happened yet)."""
+        self.unlink()
+        for view in self.ctrl:
+            view.release()
+        self.ctrl = []
+        self.slots = []
+        for m in [*self._maps, self._own]:
+            try:
+                m.close()
+            except BufferError:  # a caller still holds a view; the mapping goes with the last reference
+                pass
+        self._maps = []
+
+    # -- synchronisation ---------------------------------------------------------------------------------------
+    def _wait(self, k: int, word: int, target: int, operation: str, check_peers: Callable[[str], None]) -> None:
+        ctrl = self.ctrl[k]
+        for _ in range(SPIN_CHECKS):
+            if ctrl[word] >= target:
+                return
+        start = time.monotonic()
+        next_check = start
+        delay = 0.0
+        while ctrl[word] < target:
+            if delay == 0.0:
+                os.sched_yield()
+                if time.monotonic() - start > 0.0005:
+                    delay = 20e-6
+            else:
+                time.sleep(delay)
+                delay = min(delay * 1.5, 0.001)
+            now = time.monotonic()
+            if now >= next_check:
+                check_peers(operation)
+                if now - start > self.timeout_s:
+                    rank = self.ranks[k]
+                    raise CollectiveTimeoutError(
+                        f"{operation}: rank {rank} did not take part within {self.timeout_s:.0f}s "
+                        "(SPARK_HVD_TIMEOUT); it is stuck or called another collective", rank=rank,
+                        operation=operation)
+                next_check = now + 0.002
+
+    def _wait_all(self, word: int, target: int, operation: str, check_peers: Callable[[str], None]) -> None:
+        for k in range(self.size):
+            if k != self.local and self.ctrl[k][word] < target:
+                self._wait(k, word, target, operation, check_peers)
+
+    # -- allreduce ---------------------------------------------------------------------------------------------
+    def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
+                  check_peers: Callable[[str], None]) -> None:
+        """Allreduce the concatenation of the flat, contiguous, same-dtype arrays ``segs`` in place."""
+        segs = [s for s in segs if s.size]
+        if not segs:
+            return
+        dtype = segs[0].dtype
+        itemsize = dtype.itemsize
+        total = sum(s.size for s in segs)
+        starts = [0]
+        for s in segs:
+            starts.append(starts[-1] + s.size)
+        block = self.block_bytes // itemsize
+        nblocks = -(-total // block)
+        size, me = self.size, self.local
+        own = self.ctrl[me]
+        slots = [s.view(dtype) for s in self.slots]
+        ufunc = ufunc_for(op)
+        average = op is ReduceOp.AVERAGE
+        base = self.seq
+        self.seq += nblocks
+
+        def pieces(lo: int, hi: int):
+            """(array, start, stop, offset in block) covering global elements [lo, hi)."""
+            i = bisect.bisect_right(starts, lo) - 1
+            while lo < hi:
+                seg_hi = min(hi, starts[i + 1])
+                yield segs[i], lo - starts[i], seg_hi - starts[i], lo
+                lo = seg_hi
+                i += 1
+
+        def copy_in(b: int) -> None:
+            g = base + b + 1
+            if g > self.nslots:
+                self._wait_all(OUT, g - self.nslots, operation, check_peers)
+            lo = b * block
+            hi = min(total, lo + block)
+            slot = slots[me][((g - 1) % self.nslots) * block:][:hi - lo]
+            for arr, s0, s1, at in pieces(lo, hi):
+                slot[at - lo:at - lo + s1 - s0] = arr[s0:s1]
+            own[IN] = g
+
+        def finish(b: int) -> None:
+            g = base + b + 1
+            lo = b * block
+            hi = min(total, lo + block)
+            n = hi - lo
+            off = ((g - 1) % self.nslots) * block
+            if size == 2:
+                peer = 1 - me
+                if self.ctrl[peer][IN] < g:
+                    self._wait(peer, IN, g, operation, check_peers)
+                theirs = slots[peer][off:off + n]
+                for arr, s0, s1, at in pieces(lo, hi):
+                    dst = arr[s0:s1]
+                    if bfloat16:
+                        reduce_into(dst, theirs[at - lo:at - lo + s1 - s0], op, True)
+                    else:
+                        ufunc(dst, theirs[at - lo:at - lo + s1 - s0], out=dst)
+                    if average:
+                        divide_average(dst, 2, bfloat16)
+                own[OUT] = g
+                return
+            if n * itemsize <= SMALL_BLOCK:
+                self._wait_all(IN, g, operation, check_peers)
+                for arr, s0, s1, at in pieces(lo, hi):
+                    dst = arr[s0:s1]
+                    a = at - lo
+                    if bfloat16:
+                        dst[...] = slots[0][off + a:off + a + s1 - s0]
+                        for k in range(1, size):
+                            reduce_into(dst, slots[k][off + a:off + a + s1 - s0], op, True)
+                    else:
+                        ufunc(slots[0][off + a:off + a + s1 - s0], slots[1][off + a:off + a + s1 - s0], out=dst)
+                        for k in range(2, size):
+                            ufunc(dst, slots[k][off + a:off + a + s1 - s0], out=dst)
+                    if average:
+                        divide_average(dst, size, bfloat16)
+                own[OUT] = g
+                return
+            # scatter: reduce my chunk into my slot, then gather every chunk
+            c0, c1 = me * n // size, (me + 1) * n // size
+            self._wait_all(IN, g, operation, check_peers)
+            acc = slots[me][off + c0:off + c1]
+            for k in range(size):
+                if k != me:
+                    reduce_into(acc, slots[k][off + c0:off + c1], op, bfloat16)
+            if average:
+                divide_average(acc, size, bfloat16)
+            own[RED] = g
+            for step in range(size):
+                k = (me + step) % size
+                if k != me and self.ctrl[k][RED] < g:
+                    self._wait(k, RED, g, operation, check_peers)
+                k0, k1 = lo + k * n // size, lo + (k + 1) * n // size
+                src = slots[k][off + k0 - lo:off + k1 - lo]
+                for arr, s0, s1, at in pieces(k0, k1):
+                    arr[s0:s1] = src[at - k0:at - k0 + s1 - s0]
+            own[OUT] = g
+
+        copy_in(0)
+        for b in range(nblocks):
+            if b + 1 < nblocks:
+                copy_in(b + 1)
+            finish(b)

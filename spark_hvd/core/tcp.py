@@ -1,0 +1,325 @@
+"""TCP transport of the ring backend: an authenticated full mesh between the ranks of a job.
+
+Every frame is a ``FramedSocket`` frame (HMAC-SHA256 of the job's secret over a per-direction counter, the
+length and the payload). The payload starts with one type byte: ``DATA`` frames carry collective payloads and
+are received straight into the destination buffer; ``ABORT`` frames tell a peer that a rank failed, so that every
+rank of the job fails fast and names the same culprit instead of waiting for its own timeout.
+
+The connection handshake says the job id and the connecting rank; a connection whose first frame fails the HMAC
+check, names another job or an unexpected rank is dropped and logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import queue
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
+from spark_hvd.core.wire import _COUNTER, _LENGTH, HEADER_SIZE, FramedSocket, recv_exactly, sign
+
+logger = logging.getLogger(__name__)
+
+DATA = b"\x00"
+ABORT = b"\x01"
+HELLO = b"\x02"
+_ABORT_HEAD = struct.Struct("!q")
+MAX_CONTROL_FRAME = 64 * 1024
+#: Large payloads go out in frames of at most this many bytes (bounded sendall time, hashing overlaps sending).
+FRAME_BYTES = 4 * 1024 * 1024
+#: Payloads up to this size are sent from the calling thread (they fit the socket buffers: no deadlock).
+INLINE_SEND_BYTES = 32 * 1024
+_POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+
+class PeerAbort(PeerFailureError):
+    """A peer reported that a rank of the job failed (``rank`` is the failed rank, ``reporter`` who said so)."""
+
+    def __init__(self, message: str, rank: int | None, operation: str | None, reporter: int) -> None:
+        super().__init__(message, rank, operation)
+        self.reporter = reporter
+
+
+class ProtocolError(SparkHvdError):
+    """A peer sent a frame of another size than this rank expected: the ranks called different collectives."""
+
+
+class PeerSocket(FramedSocket):
+    """A ``FramedSocket`` to one peer rank, with typed frames, a send lock and liveness probing."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> None:
+        super().__init__(sock, secret, f"rank {rank}")
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.send_lock = threading.Lock()
+        self.broken = False
+        sock.settimeout(timeout_s)
+
+    # -- receiving -------------------------------------------------------------------------------------------
+    def _fail(self, exc: BaseException, operation: str) -> PeerFailureError:
+        self.broken = True
+        if isinstance(exc, TimeoutError | socket.timeout):
+            return CollectiveTimeoutError(
+                f"{operation}: rank {self.rank} sent nothing for {self.timeout_s:.0f}s (SPARK_HVD_TIMEOUT); "
+                "it is stuck, or waiting for another rank that is", rank=self.rank, operation=operation)
+        return PeerFailureError(f"{operation}: the connection to rank {self.rank} failed ({exc}); "
+                                f"that process probably died", rank=self.rank, operation=operation)
+
+    def _read(self, view: memoryview, operation: str) -> None:
+        try:
+            recv_exactly(self.sock, view)
+        except (OSError, ConnectionError) as exc:
+            raise self._fail(exc, operation) from exc
+
+    def _verify(self, digest: bytes, length: int, *parts: memoryview | bytes) -> None:
+        expected = sign(self.secret, _COUNTER.pack(self._received), _LENGTH.pack(length), *parts)
+        self._received += 1
+        if not hmac.compare_digest(expected, digest):
+            self.broken = True
+            logger.warning("dropped a frame from rank %d whose HMAC does not match the job's secret", self.rank)
+            raise AuthenticationError(f"a frame from rank {self.rank} failed the HMAC check; connection dropped")
+
+    def _header(self, operation: str) -> tuple[int, bytes, bytes]:
+        head = bytearray(HEADER_SIZE + 1)
+        self._read(memoryview(head), operation)
+        (length,) = _LENGTH.unpack_from(head)
+        if length < 1:
+            self.broken = True
+            raise AuthenticationError(f"an empty frame from rank {self.rank}; connection dropped")
+        return length, bytes(head[_LENGTH.size:HEADER_SIZE]), bytes(head[HEADER_SIZE:])
+
+    def _control(self, length: int, digest: bytes, kind: bytes, operation: str) -> bytes:
+        if length - 1 > MAX_CONTROL_FRAME:
+            self.broken = True
+            raise AuthenticationError(f"a control frame from rank {self.rank} claims {length} bytes; dropped")
+        payload = bytearray(length - 1)
+        self._read(memoryview(payload), operation)
+        self._verify(digest, length, kind, payload)
+        if kind == ABORT:
+            (culprit,) = _ABORT_HEAD.unpack_from(payload)
+            reason = bytes(payload[_ABORT_HEAD.size:]).decode("utf-8", "replace")
+            who = None if culprit < 0 else culprit
+            raise PeerAbort(f"{operation}: rank {who if who is not None else '?'} failed (reported by rank "
+                            f"{self.rank}): {reason}", who, operation, self.rank)
+        return bytes(payload)
+
+    def recv_data_into(self, buffer: memoryview, operation: str) -> None:
+        """Receive one DATA frame straight into ``buffer`` (an ABORT frame raises ``PeerAbort``)."""
+        buffer = memoryview(buffer).cast("B")
+        length, digest, kind = self._header(operation)
+        if kind != DATA:
+            self._control(length, digest, kind, operation)
+            raise ProtocolError(f"{operation}: unexpected control frame from rank {self.rank}")
+        if length - 1 != buffer.nbytes:
+            self.broken = True
+            raise ProtocolError(
+                f"{operation}: rank {self.rank} sent {length - 1} bytes where {buffer.nbytes} were expected; the "
+                "ranks called collectives in different orders or with different shapes")
+        self._read(buffer, operation)
+        self._verify(digest, length, kind, buffer)
+
+    def recv_message(self, operation: str, kind_expected: bytes = DATA) -> bytes:
+        """Receive one small frame of type ``kind_expected`` and return its payload."""
+        length, digest, kind = self._header(operation)
+        payload = self._control(length, digest, kind, operation)
+        if kind != kind_expected:
+            raise ProtocolError(f"{operation}: unexpected frame type {kind!r} from rank {self.rank}")
+        return payload
+
+    # -- sending ---------------------------------------------------------------------------------------------
+    def send_data(self, parts: Sequence[memoryview | bytes], operation: str, kind: bytes = DATA) -> None:
+        """Send one frame of type ``kind`` made of ``parts``."""
+        with self.send_lock:
+            try:
+                self.send_bytes(kind, *parts)
+            except PeerFailureError as exc:
+                self.broken = True
+                cause = exc.__cause__ or exc
+                raise self._fail(cause, operation) from exc
+
+    def send_abort(self, culprit: int | None, reason: str) -> None:
+        """Best effort: tell the peer that ``culprit`` failed (skipped if a send to it is under way)."""
+        if self.broken or not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            self.sock.settimeout(0.5)
+            self.send_bytes(ABORT, _ABORT_HEAD.pack(-1 if culprit is None else culprit), reason.encode()[:4000])
+        except (PeerFailureError, OSError):
+            self.broken = True
+        finally:
+            try:
+                self.sock.settimeout(self.timeout_s)
+            except OSError:
+                pass
+            self.send_lock.release()
+
+    # -- liveness --------------------------------------------------------------------------------------------
+    def probe(self, operation: str) -> None:
+        """Raise ``PeerFailureError`` if the peer closed the connection or sent an ABORT frame (non-blocking).
+
+        Pending DATA frames (a peer already in the next collective) are left untouched.
+        """
+        try:
+            head = self.sock.recv(HEADER_SIZE + 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            raise self._fail(exc, operation) from exc
+        if not head:
+            raise self._fail(ConnectionError("connection closed by peer"), operation)
+        if len(head) == HEADER_SIZE + 1 and head[HEADER_SIZE:] == ABORT:
+            self.sock.settimeout(self.timeout_s)
+            length, digest, kind = self._header(operation)
+            self._control(length, digest, kind, operation)
+
+
+class PeerWatcher:
+    """Checks many peer sockets at once for EOF / ABORT frames (one ``poll`` system call)."""
+
+    def __init__(self, peers: Sequence[PeerSocket]) -> None:
+        self._peers = {p.fileno(): p for p in peers}
+        self._poll = select.poll()
+        for fd in self._peers:
+            self._poll.register(fd, select.POLLIN | _POLL_BAD)
+
+    def check(self, operation: str) -> None:
+        for fd, _events in self._poll.poll(0):
+            peer = self._peers.get(fd)
+            if peer is not None:
+                peer.probe(operation)
+
+
+class SendWorker:
+    """A background thread that sends frames so a ring step's send overlaps its receive."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._posted = 0
+        self._finished = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="spark-hvd-send", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            peer, parts, operation = job
+            try:
+                if self._error is None:
+                    peer.send_data(parts, operation)
+            except BaseException as exc:  # reported to the caller by wait()
+                self._error = exc
+            with self._done:
+                self._finished += 1
+                self._done.notify_all()
+
+    def post(self, peer: PeerSocket, parts: Sequence[memoryview | bytes], operation: str) -> None:
+        """Queue one frame to ``peer``."""
+        self._posted += 1
+        self._jobs.put((peer, parts, operation))
+
+    def wait(self, timeout_s: float, operation: str) -> None:
+        """Wait until every posted frame went out; re-raise a send error."""
+        deadline = time.monotonic() + timeout_s
+        with self._done:
+            while self._finished < self._posted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveTimeoutError(f"{operation}: sending did not finish within {timeout_s:.0f}s",
+                                                 operation=operation)
+                self._done.wait(min(left, 1.0))
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+def open_listener(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` and a free port chosen by the OS."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(512)
+    return listener
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],
+                 secret: bytes, job_id: str, timeout_s: float) -> dict[int, PeerSocket]:
+    """Connect every pair of ranks once (rank i dials every lower rank, accepts every higher one).
+
+    Dialling never waits for the other side (the listen backlog holds the connection), so the three phases
+    (dial lower ranks, accept higher ranks, read the lower ranks' acknowledgements) cannot deadlock.
+    """
+    deadline = time.monotonic() + timeout_s
+    peers: dict[int, PeerSocket] = {}
+    hello = f"{job_id}\n{rank}".encode()
+    try:
+        for j in range(rank):
+            host, port = addresses[j]
+            while True:
+                try:
+                    sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+                    break
+                except OSError as exc:
+                    if time.monotonic() > deadline:
+                        raise PeerFailureError(f"setup: could not connect to rank {j} at {host}:{port}: {exc}",
+                                               rank=j, operation="setup") from exc
+                    time.sleep(0.05)
+            _tune(sock)
+            peer = PeerSocket(sock, secret, j, timeout_s)
+            peer.send_data([hello], "setup", HELLO)
+            peers[j] = peer
+        expected = set(range(rank + 1, size))
+        listener.settimeout(0.5)
+        while expected:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"setup: rank {rank} waited {timeout_s:.0f}s for rank(s) {sorted(expected)} to connect",
+                    rank=min(expected), operation="setup")
+            try:
+                sock, addr = listener.accept()
+            except TimeoutError:
+                continue
+            _tune(sock)
+            candidate = PeerSocket(sock, secret, -1, max(1.0, min(timeout_s, deadline - time.monotonic())))
+            candidate.peer = f"connection from {addr[0]}:{addr[1]}"
+            try:
+                payload = candidate.recv_message("setup", HELLO)
+                their_job, their_rank = payload.decode().rsplit("\n", 1)
+                j = int(their_rank)
+            except (AuthenticationError, ProtocolError, PeerFailureError, ValueError) as exc:
+                logger.warning("rank %d dropped a connection from %s:%s during setup: %s", rank, addr[0], addr[1], exc)
+                candidate.close()
+                continue
+            if their_job != job_id or j not in expected:
+                logger.warning("rank %d dropped a connection from %s claiming job %r rank %d", rank, addr[0],
+                               their_job, j)
+                candidate.close()
+                continue
+            candidate.rank, candidate.peer, candidate.timeout_s = j, f"rank {j}", timeout_s
+            candidate.sock.settimeout(timeout_s)
+            candidate.send_data([b"ok"], "setup", HELLO)
+            peers[j] = candidate
+            expected.discard(j)
+        for j in range(rank):
+            if peers[j].recv_message("setup", HELLO) != b"ok":
+                raise ProtocolError(f"setup: rank {j} did not acknowledge the connection")
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        raise
+    return peers

@@ -1,0 +1,266 @@
+"""RingBackend on N = 1..4 spawned ranks, shared-memory and TCP paths: every collective against numpy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from ringutil import RankDied, backend_from_env, run_ranks, shm_leftovers
+
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
+from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
+from spark_hvd.core.rendezvous import KVClient
+from spark_hvd.core.tcp import PeerSocket, connect_mesh, open_listener
+from spark_hvd.core.wire import make_secret
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
+# element counts: empty, tiny, odd, more than one shared-memory block (1 MiB) / TCP frame (4 MiB) of float32
+SIZES = [0, 1, 7, 1001, 300_007, 1_100_003]
+
+
+def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank, n, DTYPES.index(dtype)])
+    if dtype in ("int32", "int64", "uint8"):
+        return rng.integers(1, 4, n).astype(dtype)  # products over 4 ranks stay within uint8
+    values = (rng.random(n) * 2 + 0.5).astype(np.float32)
+    if dtype == "bfloat16":
+        return f32_to_bf16(values, np.empty(n, np.uint16))
+    return values.astype(dtype)
+
+
+def _expected(arrays: list[np.ndarray], op: ReduceOp, dtype: str) -> np.ndarray:
+    wide = [bf16_to_f32(a) if dtype == "bfloat16" else a.astype(np.float64) for a in arrays]
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        out = np.sum(wide, axis=0)
+        if op is ReduceOp.AVERAGE:
+            out = np.trunc(out / len(arrays)) if dtype in ("int32", "int64", "uint8") else out / len(arrays)
+    elif op is ReduceOp.PRODUCT:
+        out = np.prod(wide, axis=0)
+    elif op is ReduceOp.MIN:
+        out = np.min(wide, axis=0)
+    else:
+        out = np.max(wide, axis=0)
+    return out
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
+    got = bf16_to_f32(got) if dtype == "bfloat16" else got.astype(np.float64)
+    rtol = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-5}.get(dtype, 1e-12)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=what)
+
+
+def _all_collectives(seed: int) -> dict:
+    """Run on every rank: each collective on fresh random data, checked against numpy."""
+    be = backend_from_env()
+    r, n = be.rank, be.size
+    digest = hashlib.sha256()
+    try:
+        for dtype in DTYPES:
+            for op in ReduceOp:
+                sizes = SIZES if (dtype == "float32" or op is ReduceOp.SUM) else SIZES[:4]
+                for count in sizes:
+                    mine = _data(seed, r, count, dtype)
+                    buf = mine.copy()
+                    be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
+                    want = _expected([_data(seed, k, count, dtype) for k in range(n)], op, dtype)
+                    _close(buf, want, dtype, f"allreduce {dtype} {op} n={count}")
+                    digest.update(buf.tobytes())
+        # fused: several arrays of one dtype (including an empty one) reduced as one collective
+        shapes = [(3, 5), (0,), (70_001,), (1,), (300, 1000)]
+        for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            mine = [_data(seed + 1, r * 10 + i, int(np.prod(s)), "float32").reshape(s) for i, s in enumerate(shapes)]
+            bufs = [m.copy() for m in mine]
+            be.allreduce_fused(bufs, op)
+            for i, s in enumerate(shapes):
+                want = _expected([_data(seed + 1, k * 10 + i, int(np.prod(s)), "float32") for k in range(n)],
+                                 op, "float32")
+                _close(bufs[i].reshape(-1), want, "float32", f"fused {op} array {i}")
+                digest.update(bufs[i].tobytes())
+        # allgather: the first dimension differs by rank (rank 0 contributes nothing)
+        for dtype in ("float32", "int64", "uint8"):
+            def rows(k: int, dtype: str = dtype) -> np.ndarray:
+                return _data(seed + 2, k, k * 3 * 2, dtype).reshape(k * 3, 2)
+            got = be.allgather(rows(r))
+            np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(n)]))
+        big = _data(seed + 3, r, 1_200_000, "float32")
+        np.testing.assert_array_equal(be.allgather(big),
+                                      np.concatenate([_data(seed + 3, k, 1_200_000, "float32") for k in range(n)]))
+        # broadcast from every root, small and large
+        for root in range(n):
+            for count in (5, 1_500_000):
+                buf = _data(seed + 4, r, count, "float64")
+                be.broadcast(buf, root)
+                np.testing.assert_array_equal(buf, _data(seed + 4, root, count, "float64"))
+        # alltoall with uneven splits (some empty) and the even default
+        def splits_of(k: int) -> list[int]:
+            return [int(x) for x in np.random.default_rng([seed, 5, k]).integers(0, 4, n)]
+        def block(k: int) -> np.ndarray:
+            return _data(seed + 5, k, sum(splits_of(k)) * 3, "int32").reshape(-1, 3)
+        got, recv_splits = be.alltoall(block(r), splits_of(r))
+        parts = []
+        for k in range(n):
+            at = int(np.sum(splits_of(k)[:r]))
+            parts.append(block(k)[at:at + splits_of(k)[r]])
+        np.testing.assert_array_equal(got, np.concatenate(parts))
+        assert recv_splits == [splits_of(k)[r] for k in range(n)]
+        even = np.arange(n * 2 * 4, dtype=np.float32).reshape(n * 2, 4) + 100 * r
+        got, recv_splits = be.alltoall(even)
+        np.testing.assert_array_equal(got, np.concatenate([np.arange(n * 8, dtype=np.float32).reshape(n * 2, 4)
+                                                           [2 * r:2 * r + 2] + 100 * k for k in range(n)]))
+        assert recv_splits == [2] * n
+        # reducescatter: rows not divisible by the size; the first rows % size ranks get one more
+        for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX):
+            for total_rows in (2 * n + 1, 0, 4001):
+                mine = _data(seed + 6, r, total_rows * 3, "float32").reshape(total_rows, 3)
+                got = be.reducescatter(mine, op)
+                want = _expected([_data(seed + 6, k, total_rows * 3, "float32") for k in range(n)], op, "float32")
+                want = want.reshape(total_rows, 3)
+                base, extra = divmod(total_rows, n)
+                lo = r * base + min(r, extra)
+                hi = lo + base + (1 if r < extra else 0)
+                assert got.shape == (hi - lo, 3)
+                _close(got.reshape(-1), want[lo:hi].reshape(-1), "float32", f"reducescatter {op} rows={total_rows}")
+        be.barrier()
+        return {"transport": be.transport, "digest": digest.hexdigest(),
+                "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size)}
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collectives_match_numpy(n, shm):
+    if n == 1 and not shm:
+        pytest.skip("a single rank opens no transport")
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    job_id = f"coll{n}{int(shm)}{seed}"
+    results = run_ranks(_all_collectives, n, env={"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=240, args=(seed,), job_id=job_id)
+    expected_transport = "none" if n == 1 else ("shm" if shm else "tcp")
+    assert [res["transport"] for res in results] == [expected_transport] * n
+    # every rank ends with bit-identical results (what keeps data-parallel replicas in step)
+    assert len({res["digest"] for res in results}) == 1
+    assert [res["topology"] for res in results] == [(k, n, 0, 1) for k in range(n)]
+    assert shm_leftovers(job_id) == []
+
+
+def _topology_only() -> tuple:
+    be = backend_from_env()
+    try:
+        buf = np.full(1000, be.rank, dtype=np.float32)
+        be.allreduce(buf, ReduceOp.SUM)
+        return be.transport, be.local_rank, be.local_size, be.cross_rank, be.cross_size, float(buf[0])
+    finally:
+        be.close()
+
+
+def test_two_hosts_use_tcp_and_report_topology():
+    # ranks 0,1 on "host a" and 2,3 on "host b" (faked host identities)
+    results = run_ranks(_topology_only, 4, env=lambda r: {"SPARK_HVD_HOST_ID": "ab"[r // 2]}, timeout=120)
+    assert results == [("tcp", r % 2, 2, r // 2, 2, 6.0) for r in range(4)]
+
+
+def _die_mid_collective(victim: int, shm: bool) -> dict:
+    be = backend_from_env()
+    if be.rank == victim:
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    buf = np.ones(2_000_000 if not shm else 4_000_000, dtype=np.float32)
+    start = time.monotonic()
+    try:
+        for _ in range(100_000):
+            be.allreduce(buf, ReduceOp.AVERAGE)
+        return {"error": None}
+    except PeerFailureError as exc:
+        return {"error": type(exc).__name__, "rank": exc.rank, "operation": exc.operation, "message": str(exc),
+                "seconds": time.monotonic() - start}
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_sigkilled_rank_is_named_by_every_other_rank(shm):
+    job_id = f"kill{int(shm)}{os.getpid()}"
+    timeout = 20
+    results = run_ranks(_die_mid_collective, 4, args=(2, shm), allow_death={2}, timeout=120, job_id=job_id,
+                        env={"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": str(timeout)})
+    assert isinstance(results[2], RankDied) and results[2].exitcode == -signal.SIGKILL
+    for r in (0, 1, 3):
+        res = results[r]
+        assert res["error"] is not None, f"rank {r} did not notice"
+        assert res["rank"] == 2, f"rank {r}: {res['message']}"
+        assert res["operation"] == "allreduce"
+        assert "rank 2" in res["message"]
+    assert shm_leftovers(job_id) == []
+
+
+def _one_rank_absent() -> dict:
+    be = backend_from_env()
+    client = KVClient(os.environ["SPARK_HVD_RENDEZVOUS"], bytes.fromhex(os.environ["SPARK_HVD_SECRET"]))
+    try:
+        if be.rank == 1:
+            client.get("rank0-done", timeout_s=120)  # alive but never joins the collective
+            return {}
+        try:
+            be.allreduce(np.ones(10, np.float32), ReduceOp.SUM)
+            return {"error": None}
+        except CollectiveTimeoutError as exc:
+            return {"error": type(exc).__name__, "rank": exc.rank}
+        finally:
+            client.set("rank0-done", b"1")
+    finally:
+        client.close()
+        be.close()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_absent_rank_times_out_naming_it(shm):
+    results = run_ranks(_one_rank_absent, 2, env={"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": "1.5"},
+                        timeout=120)
+    assert results[0] == {"error": "CollectiveTimeoutError", "rank": 1}
+
+
+def test_ring_socket_rejects_wrong_hmac():
+    a, b = socket.socketpair()
+    sender = PeerSocket(a, make_secret(), 1, 30)
+    receiver = PeerSocket(b, make_secret(), 0, 30)
+    sender.send_data([b"\x00" * 16], "test")
+    with pytest.raises(AuthenticationError):
+        receiver.recv_data_into(memoryview(bytearray(16)), "test")
+    a.close()
+    b.close()
+
+
+def test_mesh_setup_drops_an_intruder():
+    secret = make_secret()
+    listeners = [open_listener("127.0.0.1") for _ in range(2)]
+    addresses = [ls.getsockname() for ls in listeners]
+    # an intruder with the wrong secret connects to rank 0 first; rank 0 drops it and keeps waiting for rank 1
+    intruder = PeerSocket(socket.create_connection(addresses[0]), make_secret(), 0, 30)
+    intruder.send_data([b"job\n1"], "setup", b"\x02")
+    meshes: dict[int, dict] = {}
+
+    def join(rank: int) -> None:
+        meshes[rank] = connect_mesh(rank, 2, listeners[rank], addresses, secret, "job", 60)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(meshes) == {0, 1}
+    meshes[1][0].send_data([b"hello"], "test")
+    assert meshes[0][1].recv_message("test") == b"hello"
+    assert intruder.sock.recv(1) == b""  # dropped
+    for mesh in meshes.values():
+        for peer in mesh.values():
+            peer.close()
+    for ls in listeners:
+        ls.close()
+    intruder.close()
