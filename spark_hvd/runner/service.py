@@ -390,11 +390,13 @@ class OutputForwarder:
 
     Works at the descriptor level, so output of C extensions and of logging handlers bound to the old
     ``sys.stderr`` is forwarded too; every line is also written to the original descriptor (executor logs).
-    ``stop()`` restores the descriptors; it is bounded even if a child process still holds the pipes.
+    ``stop()`` restores the descriptors; it is bounded even if a child process still holds the pipes. ``tee=False``
+    skips the copy to the original descriptors (local mode, where the executor's log is the driver's console).
     """
 
-    def __init__(self, client: ServiceClient) -> None:
+    def __init__(self, client: ServiceClient, tee: bool = True) -> None:
         self.client = client
+        self.tee = tee
         self._saved: dict[int, int] = {}
         self._readers: list[tuple[int, threading.Thread]] = []
         self._line_buffering: dict[str, bool] = {}
@@ -426,10 +428,11 @@ class OutputForwarder:
                 chunk = os.read(read_fd, 65536)
                 if not chunk:
                     break
-                try:
-                    os.write(original_fd, chunk)
-                except OSError:
-                    pass
+                if self.tee:
+                    try:
+                        os.write(original_fd, chunk)
+                    except OSError:
+                        pass
                 pending += chunk
                 head, sep, tail = pending.rpartition(b"\n")
                 if sep:

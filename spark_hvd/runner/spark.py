@@ -125,6 +125,7 @@ class _TaskSetup:
     env: dict[str, str]
     use_gpu: bool | None
     payload: bytes
+    tee: bool
 
 
 def _gpu_for_task(ctx: Any, local_rank: int, use_gpu: bool | None) -> str | None:
@@ -157,7 +158,7 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
         raise RunnerError(f"rank {rank}: Spark retried this barrier task (attempt {ctx.attemptNumber()}); spark_hvd "
                           f"does not resume a rank alone: the run fails, use run(max_retries=...) to run it again")
     client = ServiceClient(setup.service_address, setup.secret, setup.job_id, rank, attempt=setup.attempt)
-    forwarder = OutputForwarder(client)
+    forwarder = OutputForwarder(client, tee=setup.tee)
     saved_env: dict[str, str | None] = {}
     error: BaseException | None = None
     result: Any = None
@@ -223,12 +224,20 @@ def _slots(sc: Any) -> tuple[int, int]:
     return max(0, total - running), total
 
 
+def _is_local_mode(sc: Any) -> bool:
+    """``local`` / ``local[N]``: the executor lives in the driver's JVM (not ``local-cluster``)."""
+    master = str(sc.master)
+    return master == "local" or master.startswith("local[")
+
+
 def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
 
-    While the cluster's total is below ``num_proc`` (executors still registering), waits up to ``wait_s``.
-    Returns the number of free slots.
+    While the cluster's total is below ``num_proc`` (executors still registering), waits up to ``wait_s``
+    (not in local mode, whose slots never change). Returns the number of free slots.
     """
+    if _is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
+        wait_s = 0.0
     deadline = time.monotonic() + wait_s
     free, total = _slots(sc)
     while free < num_proc and time.monotonic() < deadline:
@@ -342,7 +351,8 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
                             on_failure=cancel, attempt=attempt)
     _, port = service.start()
     driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
-    setup = _TaskSetup(f"{driver_host}:{port}", secret, job_id, attempt, num_proc, env, use_gpu, payload)
+    setup = _TaskSetup(f"{driver_host}:{port}", secret, job_id, attempt, num_proc, env, use_gpu, payload,
+                       tee=not _is_local_mode(sc))
     outcome: dict[str, Any] = {}
 
     def submit() -> None:

@@ -1,0 +1,141 @@
+"""Driver service and barrier rendezvous without Spark: HMAC checks, forged frames dropped, topology."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from spark_hvd.core.errors import AuthenticationError
+from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.runner.service import DriverService, ServiceClient
+from spark_hvd.runner.spark import BarrierRendezvous, topology
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
+    secret = make_secret()
+    service = DriverService(secret, 2, job_id="job1", verbose=0, bind_host="127.0.0.1")
+    _, port = service.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="spark_hvd"):
+            forged = FramedSocket(socket.create_connection(("127.0.0.1", port), timeout=10), make_secret(), "test")
+            forged.send_object(("hello", "job1", 0))
+            assert _wait_for(lambda: service.rejected == 1)
+            forged.close()
+        assert any("failed the HMAC check" in r.getMessage() or "forged" in r.getMessage() for r in caplog.records)
+        assert service.started == set()
+
+        client = ServiceClient(f"127.0.0.1:{port}", secret, "job1", 1)
+        client.send_event(2, 10, {"loss": 0.25})
+        client.send_done()
+        assert service.wait_finished(30.0, only_started=True)
+        assert _wait_for(lambda: 1 in service.finished)
+        client.close()
+        assert [(e.rank, e.epoch, e.step, e.metrics) for e in service.events] == [(1, 2, 10, {"loss": 0.25})]
+        assert service.failures == []
+    finally:
+        service.stop()
+
+
+def test_wrong_job_id_and_lost_connection():
+    secret = make_secret()
+    failures = []
+    service = DriverService(secret, 2, job_id="job2", verbose=0, bind_host="127.0.0.1", on_failure=failures.append)
+    _, port = service.start()
+    try:
+        other = ServiceClient(f"127.0.0.1:{port}", secret, "another-job", 0)
+        lost = ServiceClient(f"127.0.0.1:{port}", secret, "job2", 1)
+        assert _wait_for(lambda: service.started == {1})
+        lost.close()  # closes without "done": the rank counts as lost
+        assert _wait_for(lambda: bool(failures))
+        assert failures[0].rank == 1 and failures[0].type_name == "ProcessLost"
+        other.close()
+    finally:
+        service.stop()
+
+
+class _FakeBarrier:
+    """allGather for threads: every caller gets every caller's message, in rank order."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=30)
+        self.messages: list[str | None] = [None] * size
+        self.tamper = None
+
+    def all_gather_for(self, rank: int):
+        def all_gather(message: str) -> list[str]:
+            self.messages[rank] = message
+            self.barrier.wait()
+            replies = list(self.messages)
+            self.barrier.wait()
+            return [self.tamper(r, m) if self.tamper else m for r, m in enumerate(replies)]
+        return all_gather
+
+
+def _exchange_all(fake: _FakeBarrier, secrets_by_rank: list[bytes], values: list[bytes]) -> list:
+    out: list = [None] * len(values)
+
+    def body(rank: int) -> None:
+        rdv = BarrierRendezvous(fake.all_gather_for(rank), secrets_by_rank[rank], "jobx")
+        try:
+            out[rank] = rdv.exchange(rank, len(values), values[rank])
+        except Exception as exc:  # collected for the assertions
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(len(values))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_barrier_rendezvous_exchanges_values():
+    secret = make_secret()
+    values = [b"alpha", b"\x00\x01binary", b""]
+    out = _exchange_all(_FakeBarrier(3), [secret] * 3, values)
+    assert out == [values] * 3
+
+
+def test_barrier_rendezvous_rejects_a_forged_message():
+    secret = make_secret()
+    out = _exchange_all(_FakeBarrier(2), [secret, make_secret()], [b"a", b"b"])
+    assert isinstance(out[0], AuthenticationError) and "rank 1" in str(out[0])
+    assert isinstance(out[1], AuthenticationError) and "rank 0" in str(out[1])
+
+
+def test_barrier_rendezvous_rejects_a_tampered_value():
+    import base64
+    import json
+
+    fake = _FakeBarrier(2)
+
+    def tamper(rank: int, message: str) -> str:
+        if rank != 1:
+            return message
+        parsed = json.loads(message)
+        parsed["value"] = base64.b64encode(b"evil").decode()
+        return json.dumps(parsed)
+
+    fake.tamper = tamper
+    out = _exchange_all(fake, [make_secret()] * 2, [b"a", b"b"])
+    with pytest.raises(AuthenticationError):
+        raise out[0]
+
+
+def test_topology_from_hosts():
+    hosts = ["h1", "h2", "h1", "h2", "h3"]
+    assert [topology(hosts, r) for r in range(5)] == [
+        (0, 2, 0, 3), (0, 2, 1, 3), (1, 2, 0, 3), (1, 2, 1, 3), (0, 1, 2, 3)]

@@ -1,0 +1,171 @@
+"""spark_hvd.runner.run on the shared local[2] SparkSession: results, allreduce, failures, retries, output, events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from spark_hvd.runner import NotEnoughSlotsError, RankFailedError, last_events, report, run
+
+pytestmark = pytest.mark.spark
+
+# the executors' Python workers cannot import this test module: ship its functions by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _rank() -> int:
+    import spark_hvd.core as hvd
+
+    return hvd.rank()
+
+
+def _allreduce_fn(seed: int) -> dict:
+    import spark_hvd.core as hvd
+    from spark_hvd.core.backend import ReduceOp
+
+    hvd.init()  # a user's own init is harmless: the runner already joined the job
+    rng = np.random.default_rng(seed + hvd.rank())
+    data = rng.standard_normal(1000).astype(np.float64)
+    summed = data.copy()
+    hvd.allreduce(summed, op=ReduceOp.SUM)
+    return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(), "data": data, "sum": summed, "pid": os.getpid()}
+
+
+def test_results_by_rank_and_allreduce_sum(spark):
+    results = run(_allreduce_fn, args=(1234,), num_proc=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["size"] == 2 and r["local_size"] == 2 for r in results)
+    assert sorted(r["local_rank"] for r in results) == [0, 1]
+    assert results[0]["pid"] != results[1]["pid"]
+    expected = results[0]["data"] + results[1]["data"]
+    for r in results:
+        np.testing.assert_allclose(r["sum"], expected, rtol=1e-12)
+
+
+def _fails_on_rank_1() -> str:
+    rank = _rank()
+    if rank == 1:
+        raise ValueError(f"boom from rank {rank}")
+    return "ok"
+
+
+def test_exception_in_rank_1_reaches_driver(spark):
+    with pytest.raises(RankFailedError) as info:
+        run(_fails_on_rank_1, num_proc=2)
+    err = info.value
+    assert err.rank == 1
+    assert err.remote_type == "ValueError"
+    assert "boom from rank 1" in err.remote_message
+    assert "_fails_on_rank_1" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+    assert "rank 1 failed: ValueError: boom from rank 1" in str(err)
+
+
+def test_too_many_processes_fail_at_once_with_both_numbers(spark):
+    with pytest.raises(NotEnoughSlotsError) as info:
+        run(_rank, num_proc=3, start_timeout=600)
+    message = str(info.value)
+    assert "num_proc=3" in message and "only 2 free task slots" in message
+    assert info.value.num_proc == 3 and info.value.free_slots == 2
+
+
+def _killed_mid_fn(pid_dir: str) -> int:
+    rank = _rank()
+    with open(os.path.join(pid_dir, f"pid-{rank}.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(pid_dir, f"pid-{rank}.tmp"), os.path.join(pid_dir, f"pid-{rank}"))
+    deadline = time.monotonic() + 300
+    if rank == 1:
+        while not os.path.exists(os.path.join(pid_dir, "pid-0")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while time.monotonic() < deadline:  # rank 0: busy in user code, not in a collective
+        time.sleep(0.1)
+    return rank
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_rank_fails_the_run_and_leaves_no_worker(spark, tmp_path):
+    with pytest.raises(RankFailedError) as info:
+        run(_killed_mid_fn, args=(str(tmp_path),), num_proc=2)
+    assert info.value.rank == 1
+    assert info.value.remote_type == "ProcessLost"
+    survivor = int((tmp_path / "pid-0").read_text())
+    deadline = time.monotonic() + 120
+    while _alive(survivor) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(survivor), f"rank 0's Python worker (pid {survivor}) is still running"
+
+
+def _fails_first_attempt(marker_dir: str) -> tuple[int, str]:
+    rank = _rank()
+    marker = os.path.join(marker_dir, "failed-once")
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise RuntimeError("transient failure on the first attempt")
+    return rank, os.environ["SPARK_HVD_RUN_ATTEMPT"]
+
+
+def test_max_retries_reruns_after_a_failure(spark, tmp_path):
+    assert run(_fails_first_attempt, args=(str(tmp_path),), num_proc=2, max_retries=1) == [(0, "1"), (1, "1")]
+
+
+def test_without_retries_the_first_failure_is_final(spark, tmp_path):
+    with pytest.raises(RankFailedError, match="transient failure"):
+        run(_fails_first_attempt, args=(str(tmp_path),), num_proc=2, max_retries=0)
+
+
+def _env_and_output(key: str) -> str:
+    rank = _rank()
+    print(f"stdout line of rank {rank}")
+    print(f"stderr line of rank {rank}", file=sys.stderr)
+    os.write(1, f"fd-level line of rank {rank}\n".encode())
+    return os.environ.get(key, "<unset>")
+
+
+def test_env_passed_and_output_prefixed(spark, capsys):
+    assert run(_env_and_output, args=("MY_RUNNER_VAR",), num_proc=2, env={"MY_RUNNER_VAR": "42"}) == ["42", "42"]
+    out, err = capsys.readouterr()
+    for rank in (0, 1):
+        assert f"[{rank}] stdout line of rank {rank}" in out
+        assert f"[{rank}] fd-level line of rank {rank}" in out
+        assert f"[{rank}] stderr line of rank {rank}" in err
+    # the environment is restored afterwards: the Python workers are reused
+    assert run(_env_and_output, args=("MY_RUNNER_VAR",), num_proc=2, verbose=0) == ["<unset>", "<unset>"]
+    out, _ = capsys.readouterr()
+    assert "[0] stdout line" not in out
+
+
+def _reports(epochs: int) -> None:
+    rank = _rank()
+    for epoch in range(epochs):
+        report(epoch=epoch, step=None, loss=np.float32(1.0 / (epoch + 1)), rank_metric=rank)
+
+
+def test_report_events_reach_the_driver(spark, capsys):
+    seen = []
+    run(_reports, args=(3,), num_proc=2, on_event=seen.append)
+    assert len(seen) == 6
+    assert last_events() == seen
+    for rank in (0, 1):
+        mine = [e for e in seen if e.rank == rank]
+        assert [e.epoch for e in mine] == [0, 1, 2]
+        assert [e.metrics["rank_metric"] for e in mine] == [rank] * 3
+        assert isinstance(mine[1].metrics["loss"], float) and mine[1].metrics["loss"] == pytest.approx(0.5)
+    out, _ = capsys.readouterr()
+    assert "[spark_hvd] rank 0 epoch 2: loss=0.3333" in out
