@@ -272,6 +272,7 @@ class Engine:
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._sleeping = True  # the engine waits without local work: the next enqueue must wake it
         self._outbox: list[_Request] = []
         self._local: dict[str, _Request] = {}
         self._counters: Counter[str] = Counter()
@@ -345,7 +346,9 @@ class Engine:
                                  "wait for it before submitting the name again")
             self._local[name] = request
             self._outbox.append(request)
-        self._wake.set()
+            wake, self._sleeping = self._sleeping, False
+        if wake:  # the engine already knows of earlier work: no wake-up (and GIL hand-over) per tensor
+            self._wake.set()
         return handle
 
     def _check_buffer(self, kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
@@ -435,7 +438,10 @@ class Engine:
         while True:
             self._wake.clear()
             now = time.perf_counter()
-            if self._has_local_work():
+            with self._lock:
+                local_work = self._has_local_work()
+                self._sleeping = not local_work
+            if local_work:
                 if first_seen is None:
                     first_seen = now
                 target = self._last_start + self._cycle
@@ -447,6 +453,8 @@ class Engine:
                 target = self._last_start + self._heartbeat
             remaining = target - now
             if remaining <= 0:
+                with self._lock:
+                    self._sleeping = False
                 return
             self._wake.wait(remaining)
 
@@ -541,15 +549,16 @@ class Engine:
         return ready
 
     def _mismatch(self, entry: _Entry) -> TensorMismatchError | None:
-        keys = {r: m.agreement_key() for r, m in entry.metas.items()}
-        distinct = set(keys.values())
-        if len(distinct) == 1:
-            meta = next(iter(entry.metas.values()))
+        metas = list(entry.metas.values())
+        meta = metas[0]
+        if all(m == meta for m in metas) or len({m.agreement_key() for m in metas}) == 1:
             if meta.kind == "broadcast" and meta.root in self._joined and meta.root not in entry.metas:
                 return TensorMismatchError(
                     f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
                     "of a broadcast must not call join() before it.", name=entry.name, ranks=[meta.root])
             return None
+        keys = {r: m.agreement_key() for r, m in entry.metas.items()}
+        distinct = set(keys.values())
         counts = Counter(keys.values())
         lowest = min(keys)
         common = max(distinct, key=lambda k: (counts[k], k == keys[lowest]))
@@ -560,19 +569,13 @@ class Engine:
             f"others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
             name=entry.name, ranks=bad)
 
-    def _take(self, name: str) -> _Request | None:
-        with self._lock:
-            request = self._local.get(name)
-            if request is None or not request.sent:
-                return None
-            del self._local[name]
-            return request
-
     def _execute(self, ready: list[tuple[_Entry, TensorMismatchError | None]], negotiated: float) -> None:
         groups: dict[tuple, list[tuple[_Entry, _Request | None]]] = {}
         plan: list[tuple[str, Any]] = []
-        for entry, error in ready:
-            request = self._take(entry.name)
+        with self._lock:
+            requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
+                        for e, _ in ready]
+        for (entry, error), request in zip(ready, requests, strict=True):
             if request is not None and self.timeline is not None:
                 self.timeline.event(entry.name, "WAIT_FOR_NEGOTIATION", request.enqueued, request.taken)
                 self.timeline.event(entry.name, "NEGOTIATE", request.taken, negotiated)

@@ -1,0 +1,135 @@
+"""Engine fusion benchmark: ResNet-50's 161 gradients enqueued one by one vs one allreduce of the same bytes.
+
+Each iteration, on every rank, runs interleaved (after a barrier each):
+
+- ``tensors``: 161 float32 arrays shaped like ResNet-50's parameters (25.6 M values, 102 MB) submitted one by one
+  with ``allreduce_async`` and then synchronized (negotiation, response cache, fusion, collectives);
+- ``single``: one ``allreduce`` through the engine of one array of the same 25.6 M values.
+
+It prints the median time of each and their ratio (target: tensors / single <= 1.15 at N=2)::
+
+    .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 [--backend ring|torch] [--fusion-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def resnet50_shapes() -> list[tuple[int, ...]]:
+    """The parameter shapes of torchvision's ResNet-50, in model order (161 tensors, 25,557,032 values)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,), (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if b == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def _rank(env: dict[str, str], iters: int, warmup: int, queue: multiprocessing.Queue) -> None:
+    os.environ.update(env)
+    import spark_hvd.core as core
+
+    core.init()
+    try:
+        shapes = resnet50_shapes()
+        rng = np.random.default_rng(core.rank())
+        grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        # backward order: the last layer's gradient is ready first
+        order = list(reversed(range(len(grads))))
+        flat = np.concatenate([g.reshape(-1) for g in grads])
+        times: dict[str, list[float]] = {"tensors": [], "single": []}
+        for it in range(warmup + iters):
+            core.barrier()
+            t0 = time.perf_counter()
+            handles = [core.allreduce_async(grads[i], name=f"grad.{i}") for i in order]
+            for h in handles:
+                core.synchronize(h)
+            t1 = time.perf_counter()
+            core.barrier()
+            t2 = time.perf_counter()
+            core.allreduce(flat, name="flat")
+            t3 = time.perf_counter()
+            if it >= warmup:
+                times["tensors"].append(t1 - t0)
+                times["single"].append(t3 - t2)
+        stats = dict(core.engine().stats)
+        queue.put((core.rank(), times, stats, core.backend_name(), getattr(core.engine().backend, "transport", "")))
+    finally:
+        core.shutdown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--np", type=int, default=2, help="number of ranks")
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend", default="ring", choices=["ring", "torch"])
+    parser.add_argument("--fusion-mib", type=float, default=None, help="SPARK_HVD_FUSION_THRESHOLD in MiB")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.wire import make_secret
+
+    shapes = resnet50_shapes()
+    total = sum(int(np.prod(s)) for s in shapes)
+    secret = make_secret()
+    server = KVStoreServer(secret)
+    host, port = server.start()
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = []
+    try:
+        for r in range(args.np):
+            env = {"SPARK_HVD_RANK": str(r), "SPARK_HVD_SIZE": str(args.np), "SPARK_HVD_RENDEZVOUS": f"{host}:{port}",
+                   "SPARK_HVD_SECRET": secret.hex(), "SPARK_HVD_JOB_ID": f"bench{os.getpid()}",
+                   "SPARK_HVD_BACKEND": args.backend, "OMP_NUM_THREADS": "1", "SPARK_HVD_TIMEOUT": "120"}
+            if args.fusion_mib is not None:
+                env["SPARK_HVD_FUSION_THRESHOLD"] = str(int(args.fusion_mib * 1024 * 1024))
+            p = ctx.Process(target=_rank, args=(env, args.iters, args.warmup, queue), daemon=True)
+            p.start()
+            procs.append(p)
+        results = [queue.get(timeout=900) for _ in procs]
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        server.stop()
+    results.sort(key=lambda x: x[0])
+    _, times, stats, backend, transport = results[0]
+    # an iteration's time is the slowest rank's
+    per_iter = {k: [max(res[1][k][i] for res in results) for i in range(args.iters)] for k in times}
+    med = {k: statistics.median(v) for k, v in per_iter.items()}
+    print(f"engine fusion benchmark: N={args.np}, backend={backend} ({transport}), {len(shapes)} tensors, "
+          f"{total:,} float32 values ({total * 4 / 1e6:.1f} MB), {args.iters} iterations after {args.warmup} warm-up, "
+          f"fusion threshold {args.fusion_mib if args.fusion_mib is not None else 64} MiB")
+    print(f"{'variant':<34}{'median ms':>12}{'min ms':>10}{'max ms':>10}")
+    for key, label in (("tensors", "161 tensors, enqueued one by one"), ("single", "one allreduce, same bytes")):
+        v = per_iter[key]
+        print(f"{label:<34}{med[key] * 1e3:>12.1f}{min(v) * 1e3:>10.1f}{max(v) * 1e3:>10.1f}")
+    ratio = med["tensors"] / med["single"]
+    print(f"ratio tensors/single: {ratio:.3f} (target <= 1.15)")
+    print(f"rank 0 engine stats: rounds={stats.get('rounds', 0)}, allreduce collectives="
+          f"{stats.get('allreduce_collectives', 0)} for {stats.get('allreduce_tensors', 0)} tensors, "
+          f"cache hits={stats.get('cache_hits', 0)}, full requests={stats.get('full_requests', 0)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
