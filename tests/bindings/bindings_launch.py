@@ -11,9 +11,11 @@ from pathlib import Path
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
-def launch_worker(script: str, np_: int, out_dir: Path, timeout_s: float = 240.0) -> dict[int, dict[str, str]]:
+def launch_worker(script: str, np_: int, out_dir: Path, timeout_s: float = 240.0,
+                  quick: bool = False) -> dict[int, dict[str, str]]:
     """Run ``scripts/<script>`` on ``np_`` ranks (``spark-hvd-run``; plain ``python`` for one rank).
 
+    ``quick`` runs only the worker's QUICK subset of checks.
     Returns ``{rank: {check name: "ok" or the traceback}}``; raises with the job's output if it failed.
     """
     env = dict(os.environ)
@@ -23,7 +25,7 @@ def launch_worker(script: str, np_: int, out_dir: Path, timeout_s: float = 240.0
     env.setdefault("SPARK_HVD_TIMEOUT", "60")
     for k in [k for k in env if k.startswith("SPARK_HVD_") and k not in ("SPARK_HVD_TIMEOUT",)]:
         del env[k]  # never inherit another job's rank/rendezvous
-    cmd = [sys.executable, str(SCRIPTS / script), str(out_dir)]
+    cmd = [sys.executable, str(SCRIPTS / script), str(out_dir)] + (["quick"] if quick else [])
     if np_ > 1:
         cmd = [sys.executable, "-m", "spark_hvd.runner", "-np", str(np_), "--timeout", str(int(timeout_s - 10))] + cmd
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

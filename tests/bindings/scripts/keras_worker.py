@@ -1,0 +1,328 @@
+"""One rank of the Keras binding checks; run as ``spark-hvd-run -np 2 python keras_worker.py OUT_DIR`` (or
+plainly, size 1). Results go to ``OUT_DIR/keras-rank<r>.json``, one entry per check."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import spark_hvd.keras as hvd  # noqa: E402
+
+RESULTS: dict[str, str] = {}
+OUT_DIR = sys.argv[1] if len(sys.argv) > 1 else "."
+
+
+# with "quick" as second argument only these run (the one-rank launch: the size-1 paths, not every feature)
+QUICK = {"before_init_error", "collectives_float32_eager", "collectives_bfloat16_eager",
+         "collectives_float32_tf_function", "objects_barrier", "fit_matches_single_process",
+         "one_grouped_collective_per_step", "broadcast_callback_and_metric_average", "save_and_load_model"}
+ONLY_QUICK = len(sys.argv) > 2 and sys.argv[2] == "quick"
+
+
+def check(name):
+    def deco(fn):
+        if ONLY_QUICK and name not in QUICK:
+            return fn
+        try:
+            fn()
+            RESULTS[name] = "ok"
+        except Exception:  # noqa: BLE001 - recorded for pytest
+            RESULTS[name] = traceback.format_exc()
+        return fn
+    return deco
+
+
+@check("before_init_error")
+def _before_init() -> None:
+    for call in (hvd.rank, lambda: hvd.allreduce(np.ones(2, np.float32)),
+                 lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))):
+        try:
+            call()
+        except hvd.NotInitializedError as e:
+            assert "init()" in str(e), str(e)
+        else:
+            raise AssertionError("no error before init()")
+
+
+hvd.init()
+R, N = hvd.rank(), hvd.size()
+
+# --------------------------------------------------------------------------------------------- collectives
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int64": np.int64}
+TOL = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 2e-2, "int64": 0}
+
+
+def _data(r: int, dt: str, rows: int = 6, cols: int = 4) -> np.ndarray:
+    rng = np.random.default_rng(2000 + r)
+    if dt == "int64":
+        return rng.integers(-50, 50, size=(rows, cols)).astype(np.int64)
+    return rng.uniform(-4, 4, size=(rows, cols)).astype(DTYPES[dt])
+
+
+def _wide(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype == np.int64 else a.astype(np.float64)
+
+
+def _close(got, want: np.ndarray, dt: str, what: str) -> None:
+    got_np = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+    assert got_np.dtype == np.dtype(DTYPES[dt]), f"{what}: dtype {got_np.dtype} != {dt}"
+    assert got_np.shape == want.shape, f"{what}: shape {got_np.shape} != {want.shape}"
+    if TOL[dt] == 0:
+        np.testing.assert_array_equal(got_np, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(_wide(got_np), want, rtol=TOL[dt], atol=4 * TOL[dt], err_msg=what)
+
+
+def _collectives(dt: str, graph: bool) -> None:
+    run = tf.function(lambda f, *a: f(*a), autograph=False) if graph else (lambda f, *a: f(*a))
+    mine = tf.constant(_data(R, dt))
+    stack = np.stack([_wide(_data(r, dt)) for r in range(N)])
+    _close(run(lambda t: hvd.allreduce(t, op=hvd.Sum), mine), stack.sum(0), dt, "allreduce sum")
+    _close(run(lambda t: hvd.allreduce(t, op=hvd.Min), mine), stack.min(0), dt, "allreduce min")
+    _close(run(lambda t: hvd.allreduce(t, op=hvd.Max), mine), stack.max(0), dt, "allreduce max")
+    if dt != "int64":
+        _close(run(lambda t: hvd.allreduce(t), mine), stack.mean(0), dt, "allreduce average")
+    other = tf.constant(_data(R + 5, dt, rows=3, cols=2))
+    g = run(lambda a, b: hvd.grouped_allreduce([a, b], op=hvd.Sum), mine, other)
+    _close(g[0], stack.sum(0), dt, "grouped 0")
+    _close(g[1], np.stack([_wide(_data(r + 5, dt, 3, 2)) for r in range(N)]).sum(0), dt, "grouped 1")
+    rows = tf.constant(_data(R, dt, rows=R + 1))
+    _close(run(hvd.allgather, rows), np.concatenate([_wide(_data(r, dt, rows=r + 1)) for r in range(N)]), dt,
+           "allgather")
+    _close(run(lambda t: hvd.broadcast(t, N - 1), mine), stack[N - 1], dt, "broadcast")
+    splits = [s + 1 for s in range(N)]
+    send = tf.constant(_data(R + 20, dt, rows=sum(splits)))
+    out, rsplits = run(lambda t: hvd.alltoall(t, splits=splits), send)
+    start = sum(splits[:R])
+    want = np.concatenate([_wide(_data(r + 20, dt, rows=sum(splits)))[start:start + splits[R]] for r in range(N)])
+    _close(out, want, dt, "alltoall")
+    assert list(np.asarray(rsplits)) == [splits[R]] * N, f"alltoall received splits {rsplits}"
+    rs = tf.constant(_data(R + 40, dt, rows=2 * N + 1))
+    total = np.stack([_wide(_data(r + 40, dt, rows=2 * N + 1)) for r in range(N)]).sum(0)
+    counts = [(2 * N + 1) // N + (1 if r < (2 * N + 1) % N else 0) for r in range(N)]
+    lo = sum(counts[:R])
+    _close(run(lambda t: hvd.reducescatter(t, op=hvd.Sum), rs), total[lo:lo + counts[R]], dt, "reducescatter")
+
+
+for _dt in DTYPES:
+    check(f"collectives_{_dt}_eager")(lambda _dt=_dt: _collectives(_dt, graph=False))
+check("collectives_float32_tf_function")(lambda: _collectives("float32", graph=True))
+check("collectives_bfloat16_tf_function")(lambda: _collectives("bfloat16", graph=True))
+
+
+@check("objects_barrier")
+def _objects() -> None:
+    assert hvd.broadcast_object([R], root_rank=0) == [0]
+    assert hvd.allgather_object(R) == list(range(N))
+    hvd.barrier()
+
+
+# --------------------------------------------------------------------------------------------- training
+IN, OUT_F, B, STEPS = 8, 2, 16, 6
+
+
+def make_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((IN,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(OUT_F)])
+
+
+def data(global_batch: int, steps: int = STEPS, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps * global_batch, IN)).astype(np.float32)
+    w = rng.normal(size=(IN, OUT_F)).astype(np.float32)
+    return x, (np.tanh(x @ w) + 0.1 * rng.normal(size=(len(x), OUT_F))).astype(np.float32)
+
+
+def shard(x: np.ndarray, global_batch: int, parts: int, part: int) -> np.ndarray:
+    """Rows of ``part`` of ``parts`` equal slices of every global batch, in batch order."""
+    steps = len(x) // global_batch
+    return x.reshape(steps, parts, global_batch // parts, *x.shape[1:])[:, part].reshape(-1, *x.shape[1:])
+
+
+def fit(model: keras.Model, opt, x, y, batch: int, epochs: int = 1, callbacks=()) -> keras.callbacks.History:
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    return model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+
+
+def assert_same_weights(a: keras.Model, b: keras.Model, rtol: float = 1e-5) -> None:
+    for va, vb in zip(a.weights, b.weights, strict=True):
+        np.testing.assert_allclose(np.asarray(va), np.asarray(vb), rtol=rtol, atol=1e-6, err_msg=va.path)
+
+
+def assert_equal_on_all_ranks(model: keras.Model) -> None:
+    flat = np.concatenate([np.asarray(v).reshape(-1) for v in model.weights])
+    gathered = hvd.allgather(flat[None, :]).numpy()
+    for r in range(N):
+        assert np.array_equal(gathered[r], flat), f"weights of rank {r} differ from rank {R}'s"
+
+
+def single_process(x, y, batch: int, epochs: int = 1) -> tuple[keras.Model, keras.callbacks.History]:
+    model = make_model(0)
+    return model, fit(model, keras.optimizers.SGD(0.1, momentum=0.9), x, y, batch, epochs)
+
+
+@check("fit_matches_single_process")
+def _fit_equal() -> None:
+    x, y = data(B)
+    model = make_model(0)
+    hist = fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+               shard(x, B, N, R), shard(y, B, N, R), B // N, epochs=2)
+    ref, _ = single_process(x, y, B, epochs=2)
+    assert_same_weights(model, ref)
+    assert_equal_on_all_ranks(model)
+    assert len(hist.history["loss"]) == 2
+
+
+@check("one_grouped_collective_per_step")
+def _one_collective() -> None:
+    import spark_hvd.core as core
+
+    calls: list[int] = []
+    real = core.grouped_allreduce_async
+
+    def counting(bufs, *args, **kwargs):
+        calls.append(len(bufs))
+        return real(bufs, *args, **kwargs)
+
+    core.grouped_allreduce_async = counting
+    try:
+        x, y = data(B)
+        model = make_model(0)
+        fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N)
+    finally:
+        core.grouped_allreduce_async = real
+    n_vars = len(model.trainable_variables)
+    want = [n_vars] * STEPS if N > 1 else []
+    assert calls == want, f"grouped allreduces per fit of {STEPS} steps: {calls}, expected {want}"
+
+
+@check("backward_passes_per_step_2")
+def _bpps() -> None:
+    x, y = data(2 * B)
+    model = make_model(0)
+    # each rank: 2 micro-batches of 2B/(2N) per global batch of 2B, in order
+    steps = len(x) // (2 * B)
+    per = (2 * B) // (2 * N)
+    idx = np.concatenate([np.arange(s * 2 * B + (R * 2 + j) * per, s * 2 * B + (R * 2 + j + 1) * per)
+                          for s in range(steps) for j in range(2)])
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2),
+        x[idx], y[idx], per)
+    ref, _ = single_process(x, y, 2 * B)
+    assert_same_weights(model, ref)
+
+
+@check("fp16_compression_loss_within_5pct")
+def _fp16() -> None:
+    x, y = data(B, steps=20)
+    losses = []
+    for compression in (hvd.Compression.fp16, hvd.Compression.none):
+        model = make_model(0)
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=compression)
+        hist = fit(model, opt, shard(x, B, N, R), shard(y, B, N, R), B // N, epochs=2,
+                   callbacks=[hvd.callbacks.MetricAverageCallback()])
+        losses.append(hist.history["loss"][-1])
+    assert abs(losses[0] - losses[1]) <= 0.05 * losses[1], f"fp16 loss {losses[0]} vs {losses[1]}"
+
+
+@check("broadcast_callback_and_metric_average")
+def _bcast_cb() -> None:
+    x, y = data(B)
+    model = make_model(300 + R)  # different initial weights on every rank
+    hist = fit(model, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), shard(x, B, N, R), shard(y, B, N, R),
+               B // N, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                  hvd.callbacks.MetricAverageCallback()])
+    assert_equal_on_all_ranks(model)
+    losses = hvd.allgather_object(hist.history["loss"])
+    assert all(v == losses[0] for v in losses), f"averaged metrics differ by rank: {losses}"
+    # root's initial weights won: same result as every rank starting from root's seed
+    ref = make_model(300)
+    fit(ref, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), shard(x, B, N, R), shard(y, B, N, R), B // N)
+    assert_same_weights(model, ref)
+
+
+@check("broadcast_callback_optimizer_state")
+def _bcast_opt() -> None:
+    x, y = data(B)
+    model = make_model(0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    opt.build(model.trainable_variables)
+    for v in opt.variables:  # rank-specific optimizer state (as if only root restored a checkpoint)
+        if "iteration" not in v.path:
+            v.assign(np.full(v.shape, 0.01 * (R + 1), dtype=v.dtype))
+    cb = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
+    cb.set_model(model)
+    cb.on_train_begin()
+    for v in opt.variables:
+        gathered = hvd.allgather_object(np.asarray(v))
+        assert all(np.array_equal(g, gathered[0]) for g in gathered), f"{v.path} differs by rank"
+
+
+@check("lr_warmup")
+def _warmup() -> None:
+    x, y = data(B, steps=4)
+    model = make_model(0)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    fit(model, opt, shard(x, B, N, R), shard(y, B, N, R), B // N, epochs=3,
+        callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2), Spy()])
+    assert len(seen) == 12, seen
+    assert abs(seen[0] - 0.4 / N * (1 + 0.25 * (N - 1) / 2)) < 1e-6, seen  # Horovod's ramp, first batch
+    assert all(a <= b + 1e-9 for a, b in zip(seen, seen[1:], strict=False)), f"warmup not increasing: {seen}"
+    assert all(abs(v - 0.4) < 1e-6 for v in seen[8:]), f"LR after warmup: {seen[8:]}"
+
+
+@check("save_and_load_model")
+def _save_load() -> None:
+    x, y = data(B)
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), shard(x, B, N, R), shard(y, B, N, R), B // N)
+    path = os.path.join(OUT_DIR, f"model-rank{R}.keras")
+    model.save(path)
+    plain = keras.saving.load_model(path)  # readable without spark_hvd
+    assert type(plain.optimizer) is keras.optimizers.Adam, type(plain.optimizer)
+    loaded = hvd.load_model(path)
+    opt = loaded.optimizer
+    assert isinstance(opt, keras.optimizers.Adam) and type(opt) is not keras.optimizers.Adam, type(opt).__mro__
+    assert int(opt.iterations) == int(model.optimizer.iterations)
+    for a, b in zip(opt.variables, model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
+    # continue training: the reloaded optimizer still averages (weights stay equal on every rank)
+    loaded.fit(shard(x, B, N, R), shard(y, B, N, R), batch_size=B // N, shuffle=False, verbose=0)
+    assert_equal_on_all_ranks(loaded)
+    cfg = opt.get_config()
+    assert type(opt).from_config(cfg).get_config() == cfg
+
+
+@check("join_uneven_batches")
+def _join() -> None:
+    x, y = data(B // N, steps=3 + 2 * R, seed=60 + R)  # rank r has 3 + 2r batches
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), x, y, B // N)
+    last = hvd.join()
+    assert 0 <= last < N, f"join returned {last}"
+    hvd.barrier()
+
+
+with open(os.path.join(OUT_DIR, f"keras-rank{R}.json"), "w") as f:
+    json.dump({"rank": R, "size": N, "results": RESULTS}, f)
+hvd.shutdown()
