@@ -28,7 +28,8 @@ so a steady training loop exchanges a few bytes per tensor.
 Idle behaviour: a round is a collective, but a rank with nothing to do does not spin. With nothing outstanding
 anywhere it sleeps until local work arrives, or for a heartbeat round every ``min(1 s, timeout / 4)`` (which keeps
 a peer waiting in a round from timing out, e.g. while rank 0 runs validation, and notices dead peers). With work
-outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made.
+outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made, and to
+100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 """
@@ -61,7 +62,9 @@ KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "ba
 _CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
 _RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
 _LEN = struct.Struct("!I")
-_MAX_BACKOFF_S = 0.010
+_MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
+_LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
+_LONG_WAIT_S = 1.0
 
 
 class Meta(NamedTuple):
@@ -292,6 +295,7 @@ class Engine:
         self._heartbeat = 60.0 if self.size == 1 else max(0.05, min(1.0, settings.timeout_s / 4.0))
         self._last_start = 0.0
         self._idle_rounds = 0
+        self._progress_at = 0.0
         self._backend_fuses = type(backend).allreduce_fused is not Backend.allreduce_fused
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self.timeline: Timeline | None = None
@@ -448,7 +452,10 @@ class Engine:
                 if idle_before:  # collect a cycle's worth of submissions after idling
                     target = max(target, first_seen + self._cycle)
             elif self._pending or self._joined:
-                target = self._last_start + min(self._backoff_cap, self._cycle * (2 ** min(self._idle_rounds, 16)))
+                cap = self._backoff_cap
+                if now - self._progress_at > _LONG_WAIT_S:
+                    cap = max(cap, min(_LONG_BACKOFF_S, self._heartbeat))
+                target = self._last_start + min(cap, self._cycle * (2 ** min(self._idle_rounds, 16)))
             else:
                 target = self._last_start + self._heartbeat
             remaining = target - now
@@ -515,7 +522,11 @@ class Engine:
         if self._joined and len(self._joined) == self.size:
             self._complete_join(max(new_joins) if new_joins else max(self._joined))
         self._check_stalls()
-        self._idle_rounds = 0 if progress else self._idle_rounds + 1
+        if progress:
+            self._idle_rounds = 0
+            self._progress_at = time.perf_counter()
+        else:
+            self._idle_rounds += 1
         if self.timeline is not None and (progress or ready):
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
         return False

@@ -30,6 +30,8 @@ def _ring_job() -> dict:
         if n > 1:
             report["mismatch"] = sc.mismatch()
         report["join"] = sc.join_uneven()
+        if n > 1:
+            report["join_other_ops"] = sc.join_other_ops()
         return report
     finally:
         core.shutdown()
@@ -50,6 +52,7 @@ def test_engine_on_ring(n):
         assert report["join"] == n - 1
         if n > 1:
             assert len(report["mismatch"]) == 3
+            assert report["join_other_ops"] in range(1, n)  # whichever of ranks 1.. joined last
             assert f"ranks [{n - 1}]" in report["mismatch"][0] or "rank" in report["mismatch"][0]
     assert all(r["fusion"] == reports[0]["fusion"] for r in reports), "ranks disagree on the fusion plan"
 
@@ -150,3 +153,39 @@ def test_duplicate_pending_name_is_rejected():
         engine.shutdown()
     with pytest.raises(core.ShutdownError):
         engine.enqueue("allreduce", np.ones(3), "x")
+
+
+def _idle_job() -> dict:
+    import resource
+    import time
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    core.init()
+    try:
+        # 1. nobody has work: the engines sleep (heartbeat rounds only)
+        core.barrier()
+        c0, t0 = cpu(), time.monotonic()
+        time.sleep(2.0)  # the idle period under test, not a synchronisation
+        idle = (cpu() - c0) / (time.monotonic() - t0)
+        # 2. rank 0 "validates" for 3 timeouts while rank 1 waits in an allreduce: no timeout, little CPU
+        buf = np.full(3, float(core.rank() + 1))
+        c0, t0 = cpu(), time.monotonic()
+        if core.rank() == 0:
+            time.sleep(3 * core.settings().timeout_s)
+        core.allreduce(buf, name="after_validation", op=core.Sum)
+        waiting = (cpu() - c0) / (time.monotonic() - t0)
+        assert np.all(buf == 3.0)
+        return {"idle": idle, "waiting": waiting}
+    finally:
+        core.shutdown()
+
+
+def test_idle_engine_sleeps_and_long_idle_peer_does_not_time_out():
+    results = run_ranks(_idle_job, 2, env={"SPARK_HVD_TIMEOUT": "1"}, timeout=90)
+    for r in results:
+        # CPU seconds per wall second of the whole rank process (generous bounds for a loaded machine)
+        assert r["idle"] < 0.1, results
+        assert r["waiting"] < 0.3, results

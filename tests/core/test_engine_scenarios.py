@@ -208,3 +208,23 @@ def stall() -> str:
         return catcher.messages[0] if catcher.messages else ""
     finally:
         logging.getLogger("spark_hvd.core.engine").removeHandler(catcher)
+
+
+def join_other_ops(seed: int = 9) -> int:
+    """Rank 0 joins at once; the others run allgather, broadcast and reducescatter without it."""
+    n, r = core.size(), core.rank()
+    if r == 0:
+        return core.join()
+    active = list(range(1, n))
+    datas = [_data(seed, q, (q, 2), np.float32) for q in range(n)]
+    _check(core.allgather(datas[r], name="j.ag"), np.concatenate([datas[q] for q in active]), "allgather w/ join")
+    buf = _data(seed + 1, r, (4,), np.int64)
+    want = _data(seed + 1, 1, (4,), np.int64)
+    core.broadcast(buf, 1, name="j.bc")
+    _check(buf, want, "broadcast w/ join")
+    rows = 2 * n
+    datas = [_data(seed + 2, q, (rows, 3), np.float64) for q in range(n)]
+    full = sum(datas[q] for q in active)
+    got = core.reducescatter(datas[r], op=ReduceOp.SUM, name="j.rs")
+    _check(got, full[2 * r:2 * r + 2], "reducescatter w/ join")
+    return core.join()
