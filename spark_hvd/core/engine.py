@@ -36,6 +36,7 @@ Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as u
 
 from __future__ import annotations
 
+import _thread
 import copy
 import itertools
 import json
@@ -106,20 +107,27 @@ class Meta(NamedTuple):
         return text
 
 
+_FINISH = threading.Lock()  # makes "finish a handle once" atomic between the engine and a shutting-down caller
+
+
 class Handle:
     """The pending result of one enqueued operation. ``wait()`` returns it or raises the operation's error."""
+
+    __slots__ = ("name", "kind", "_engine", "_latch", "_done", "_result", "_error")
 
     def __init__(self, name: str, kind: str, engine: Engine | None) -> None:
         self.name = name
         self.kind = kind
         self._engine = engine
-        self._event = threading.Event()
+        self._latch = _thread.allocate_lock()  # held until the operation finishes (cheaper than an Event)
+        self._latch.acquire()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
 
     def done(self) -> bool:
         """True once the operation has finished (successfully or not); never blocks."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self) -> Any:
         """Block until the operation finishes; return its result or raise its error.
@@ -127,21 +135,30 @@ class Handle:
         The engine bounds every collective by the timeout, so this returns or raises; a tensor that other ranks
         never submit is reported by the engine's stall warnings while this waits.
         """
-        while not self._event.wait(0.5):
+        while not self._done:
+            if self._latch.acquire(timeout=0.5):
+                self._latch.release()  # let any other waiter through
+                break
             if self._engine is not None:
                 self._engine.check_alive(self)
         if self._error is not None:
             raise _copy_error(self._error)
         return self._result
 
+    def _finish(self, result: Any, error: BaseException | None) -> None:
+        with _FINISH:
+            if self._done:
+                return
+            self._result = result
+            self._error = error
+            self._done = True
+        self._latch.release()
+
     def _set_result(self, result: Any) -> None:
-        self._result = result
-        self._event.set()
+        self._finish(result, None)
 
     def _set_error(self, error: BaseException) -> None:
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
+        self._finish(None, error)
 
 
 class GroupHandle(Handle):
@@ -319,9 +336,10 @@ class Engine:
         """
         if kind not in KINDS:
             raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
-        op = ReduceOp(op)
-        with self._lock:
-            if name is None:
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp(op)
+        if name is None:
+            with self._lock:
                 name = f"{kind}.noname.{self._counters[kind]}"
                 self._counters[kind] += 1
         if kind == "barrier":
@@ -685,7 +703,8 @@ class Engine:
                 if request is not None:
                     request.handle._set_error(error)
             return
-        for _, request, buf in chunk:
+        # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
+        for _, request, buf in reversed(chunk):
             if request is not None:
                 request.handle._set_result(buf)
 
