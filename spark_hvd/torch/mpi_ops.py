@@ -3,8 +3,10 @@
 A CPU tensor is handed to the core as a numpy view of its own memory (no copy): ``tensor.numpy()``, and for
 bfloat16 an int16 view read as uint16 with ``bfloat16=True``. A tensor the core cannot see directly (a CUDA
 tensor, a non-contiguous view) is staged through a contiguous host copy and written back when the handle is
-synchronized. With the core's torch.distributed backend (NCCL) on a CUDA build, CUDA tensors go straight to
-``torch.distributed`` instead, with no host copy.
+synchronized. CUDA tensors therefore also go through the core's engine (negotiation, fusion) and reach NCCL through
+the core's torch backend (``SPARK_HVD_BACKEND=torch``, ``SPARK_HVD_TORCH_DEVICE=cuda``). They are deliberately not
+sent to ``torch.distributed`` from this thread: the engine's thread drives the same communicator, and two threads
+issuing collectives could order them differently on different ranks and deadlock.
 """
 
 from __future__ import annotations
@@ -63,15 +65,6 @@ def init(*args: Any, **kwargs: Any) -> None:
 # tensors <-> core buffers
 # --------------------------------------------------------------------------------------------------------------
 
-_TORCH_REDUCE = {
-    ReduceOp.SUM: "SUM",
-    ReduceOp.AVERAGE: "SUM",
-    ReduceOp.MIN: "MIN",
-    ReduceOp.MAX: "MAX",
-    ReduceOp.PRODUCT: "PRODUCT",
-}
-
-
 def _np_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     """Numpy view sharing memory with a contiguous CPU tensor; bfloat16 as uint16 + flag."""
     t = tensor.detach()
@@ -84,17 +77,6 @@ def _np_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
 
 def _direct_view_ok(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
-
-
-def _use_torch_distributed(tensor: torch.Tensor) -> bool:
-    """CUDA tensors go to torch.distributed directly when the core runs its torch (NCCL) backend."""
-    if tensor.device.type != "cuda":
-        return False
-    try:
-        backend_name = common.core().backend_name()
-    except Exception:  # noqa: BLE001 - a core without backend_name(): stage through the host
-        return False
-    return backend_name == "torch" and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class _Staged:
@@ -137,37 +119,30 @@ def _from_numpy(arr: np.ndarray, dtype: torch.dtype, device: torch.device) -> to
 class Handle:
     """An operation in flight; pass it to :func:`synchronize` (result) or :func:`poll` (done yet?)."""
 
-    __slots__ = ("_core_handle", "_work", "_finish", "_done", "_result", "_name")
+    __slots__ = ("_core_handle", "_finish", "_done", "_result", "_name")
 
-    def __init__(self, core_handle: Any = None, finish: Callable[[Any], Any] | None = None,
-                 work: Any = None, name: str | None = None) -> None:
+    def __init__(self, core_handle: Any, finish: Callable[[Any], Any] | None = None, name: str | None = None,
+                 done: bool = False) -> None:
         self._core_handle = core_handle
-        self._work = work
         self._finish = finish
         self._done = False
         self._result: Any = None
         self._name = name
+        if done:
+            self.wait()
 
     def poll(self) -> bool:
         if self._done:
             return True
-        if self._work is not None:
-            return all(w.is_completed() for w in self._work)
         return bool(common.core().poll(self._core_handle))
 
     def wait(self) -> Any:
         if not self._done:
-            if self._work is not None:
-                for w in self._work:
-                    w.wait()
-                raw = None
-            else:
-                raw = common.core().synchronize(self._core_handle)
+            raw = common.core().synchronize(self._core_handle) if self._core_handle is not None else None
             self._result = self._finish(raw) if self._finish is not None else raw
             self._done = True
             self._finish = None
             self._core_handle = None
-            self._work = None
         return self._result
 
     def __repr__(self) -> str:
@@ -189,32 +164,6 @@ def poll(handle: Handle) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# torch.distributed path for CUDA tensors (core backend "torch")
-# --------------------------------------------------------------------------------------------------------------
-
-def _td_allreduce(tensors: Sequence[torch.Tensor], op: ReduceOp, prescale: float, postscale: float) -> list:
-    dist = torch.distributed
-    works = []
-    for t in tensors:
-        if prescale != 1.0:
-            t.mul_(prescale)
-        works.append(dist.all_reduce(t, op=getattr(dist.ReduceOp, _TORCH_REDUCE[op]), async_op=True))
-    return works
-
-
-def _td_finish_allreduce(tensors: Sequence[torch.Tensor], op: ReduceOp, postscale: float) -> None:
-    n = torch.distributed.get_world_size()
-    for t in tensors:
-        if op is ReduceOp.AVERAGE:
-            if t.dtype.is_floating_point:
-                t.div_(n)
-            else:
-                t.floor_divide_(n)
-        if postscale != 1.0:
-            t.mul_(postscale)
-
-
-# --------------------------------------------------------------------------------------------------------------
 # allreduce
 # --------------------------------------------------------------------------------------------------------------
 
@@ -224,13 +173,6 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start an in-place allreduce of ``tensor``; :func:`synchronize` returns ``tensor`` reduced."""
     common.require_init("allreduce_async_()")
     rop = common.resolve_op(op, average)
-    if _use_torch_distributed(tensor):
-        works = _td_allreduce([tensor], rop, prescale_factor, postscale_factor)
-
-        def finish_td(_: Any) -> torch.Tensor:
-            _td_finish_allreduce([tensor], rop, postscale_factor)
-            return tensor
-        return Handle(work=works, finish=finish_td, name=name)
     staged = _Staged(tensor)
     h = common.core().allreduce_async(staged.array, name=name, op=rop, prescale=prescale_factor,
                                       postscale=postscale_factor, bfloat16=staged.bf16)
@@ -299,14 +241,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     rop = common.resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
-        return Handle(finish=lambda _: [], work=[], name=name)
-    if all(_use_torch_distributed(t) for t in tensors):
-        works = _td_allreduce(tensors, rop, prescale_factor, postscale_factor)
-
-        def finish_td(_: Any) -> list[torch.Tensor]:
-            _td_finish_allreduce(tensors, rop, postscale_factor)
-            return tensors
-        return Handle(work=works, finish=finish_td, name=name)
+        return Handle(None, lambda _: [], name=name, done=True)
     staged = [_Staged(t) for t in tensors]
     bf16 = {s.bf16 for s in staged}
     if len(bf16) > 1:
@@ -375,9 +310,6 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
     """Start an in-place broadcast of root's ``tensor``; :func:`synchronize` returns ``tensor``."""
     common.require_init("broadcast_async_()")
-    if _use_torch_distributed(tensor):
-        work = torch.distributed.broadcast(tensor, src=root_rank, async_op=True)
-        return Handle(work=[work], finish=lambda _: tensor, name=name)
     staged = _Staged(tensor)
     h = common.core().broadcast_async(staged.array, root_rank, name=name)
     return Handle(h, lambda _: staged.write_back(), name=name)

@@ -98,6 +98,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
         self._hvd_hook_handles = []
+        # one rank: averaging over one rank is the identity, so there is nothing to send (and no hook to run)
+        self._hvd_noop = common.core().size() == 1
+        if self._hvd_noop:
+            return
         for p in self._hvd_requires_update:
             self._hvd_hook_handles.append(p.register_post_accumulate_grad_hook(self._hvd_hook))
 
@@ -163,6 +167,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Call it yourself before touching gradients (e.g. clipping), then ``step()`` inside
         :meth:`skip_synchronize`.
         """
+        if self._hvd_noop:
+            self._hvd_synchronized = True
+            return
         for gi in range(len(self._hvd_groups)):
             if gi not in self._hvd_handles:
                 self._hvd_submit(gi)
