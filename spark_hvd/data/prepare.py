@@ -118,6 +118,68 @@ def _fingerprint(df: DataFrame, params: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _normalize(
+    feature_cols: Any,
+    label_cols: Any,
+    sample_weight_col: Any,
+    validation: Any,
+    num_proc: Any,
+    partitions_per_process: Any,
+    seed: Any,
+) -> tuple[list[str], list[str], int, int, int]:
+    features = _as_list(feature_cols, "feature_cols")
+    labels = _as_list(label_cols, "label_cols")
+    if not features:
+        raise InvalidParamError("feature_cols is empty: name at least one input column")
+    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
+        raise InvalidParamError(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
+    if int(num_proc) < 1:
+        raise InvalidParamError(f"num_proc must be >= 1, got {num_proc}")
+    if int(partitions_per_process) < 1:
+        raise InvalidParamError(f"partitions_per_process must be >= 1, got {partitions_per_process}")
+    _check_validation(validation)
+    return features, labels, int(num_proc), int(partitions_per_process), int(seed)
+
+
+def _params(
+    features: list[str],
+    labels: list[str],
+    weight: str | None,
+    validation: float | str | None,
+    num_parts: int,
+    seed: int,
+    compression: str,
+) -> dict[str, Any]:
+    return {
+        "features": features,
+        "labels": labels,
+        "weight": weight,
+        "validation": validation,
+        "num_parts": num_parts,
+        "seed": seed,
+        "compression": compression,
+    }
+
+
+def dataset_key(
+    df: DataFrame,
+    feature_cols: str | Sequence[str],
+    label_cols: str | Sequence[str] | None = None,
+    sample_weight_col: str | None = None,
+    validation: float | str | None = None,
+    num_proc: int = 1,
+    partitions_per_process: int = 10,
+    seed: int = 0,
+    compression: str = "snappy",
+) -> str:
+    """The key :func:`prepare_data` gives the dataset of ``df`` with these settings (nothing runs on Spark)."""
+    features, labels, num_proc, ppp, seed = _normalize(
+        feature_cols, label_cols, sample_weight_col, validation, num_proc, partitions_per_process, seed
+    )
+    params = _params(features, labels, sample_weight_col, validation, num_proc * ppp, seed, compression)
+    return "ds-" + _fingerprint(df, params)[:20]
+
+
 def prepare_data(
     df: DataFrame,
     store: Store,
@@ -164,18 +226,9 @@ def prepare_data(
     from pyspark.sql import functions as F
     from pyspark.sql.types import BooleanType
 
-    features = _as_list(feature_cols, "feature_cols")
-    labels = _as_list(label_cols, "label_cols")
-    if not features:
-        raise InvalidParamError("feature_cols is empty: name at least one input column")
-    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
-        raise InvalidParamError(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
-    if int(num_proc) < 1:
-        raise InvalidParamError(f"num_proc must be >= 1, got {num_proc}")
-    if int(partitions_per_process) < 1:
-        raise InvalidParamError(f"partitions_per_process must be >= 1, got {partitions_per_process}")
-    _check_validation(validation)
-    num_proc, partitions_per_process, seed = int(num_proc), int(partitions_per_process), int(seed)
+    features, labels, num_proc, partitions_per_process, seed = _normalize(
+        feature_cols, label_cols, sample_weight_col, validation, num_proc, partitions_per_process, seed
+    )
 
     # -- columns: exist, supported types (from the schema only: nothing runs yet)
     roles: dict[str, str] = {}
@@ -197,23 +250,15 @@ def prepare_data(
         if w.kind != "scalar":
             raise UnsupportedColumnTypeError(sample_weight_col, w.spark_type, "sample weight column")
     if isinstance(validation, str):
-        vplan = _plan_column(validation, fields[validation], "validation column")
-        if vplan.kind != "scalar":
+        vtype = fields[validation].simpleString()
+        if vtype not in _SCALAR_DTYPES and not vtype.startswith("decimal"):
             raise ValidationParamError(
                 f"validation column {validation!r} has type {fields[validation].simpleString()}; "
                 "it must be boolean or numeric (true or > 0 marks a validation row)"
             )
 
     num_parts = num_proc * partitions_per_process
-    params = {
-        "features": features,
-        "labels": labels,
-        "weight": sample_weight_col,
-        "validation": validation,
-        "num_parts": num_parts,
-        "seed": seed,
-        "compression": compression,
-    }
+    params = _params(features, labels, sample_weight_col, validation, num_parts, seed, compression)
     fingerprint = _fingerprint(df, params)
     key = "ds-" + fingerprint[:20]
     data_path = store.data_path(key)
@@ -243,7 +288,12 @@ def prepare_data(
                 has_null = F.exists(col(p.name), lambda x: x.isNull())
                 aggs.append(F.sum(F.when(has_null, 1).otherwise(0)).alias(f"elnull{i}"))
     if isinstance(validation, str):
-        aggs.append(F.sum(F.when(col(validation).isNull(), 1).otherwise(0)).alias("vnull"))
+        vcol = col(validation)
+        flag = vcol if isinstance(fields[validation], BooleanType) else (vcol > 0)
+        aggs.append(F.sum(F.when(vcol.isNull(), 1).otherwise(0)).alias("vnull"))
+        aggs.append(F.sum(F.when(flag, 1).otherwise(0)).alias("nval"))
+    elif validation is not None:
+        flag = F.rand(seed) < float(validation)
     stats = df.agg(*aggs).collect()[0].asDict()
 
     total = int(stats["n"])
@@ -273,6 +323,13 @@ def prepare_data(
         shapes[p.name] = (lo,)
     if total < num_proc:
         raise TooFewRowsError(f"the DataFrame has {total} rows, fewer than num_proc={num_proc}: some rank gets none")
+    if isinstance(validation, str):
+        nval = int(stats["nval"] or 0)
+        for split, rows in (("validation", nval), ("training", total - nval)):
+            if rows < num_proc:
+                raise TooFewRowsError(
+                    f"validation column {validation!r} leaves {rows} {split} rows, fewer than num_proc={num_proc}"
+                )
 
     # -- the projected, converted DataFrame and its split
     out_cols = []
@@ -286,11 +343,6 @@ def prepare_data(
     if validation is None:
         splits = {"train": df.select(*out_cols)}
     else:
-        if isinstance(validation, str):
-            vcol = col(validation)
-            flag = vcol if isinstance(fields[validation], BooleanType) else (vcol > 0)
-        else:
-            flag = F.rand(seed) < float(validation)
         flagged = df.select(*out_cols, flag.alias(_VAL_FLAG))
         splits = {
             "train": flagged.filter(~F.col(_VAL_FLAG)).drop(_VAL_FLAG),
