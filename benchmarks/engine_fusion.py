@@ -66,8 +66,8 @@ def _rank(env: dict[str, str], iters: int, warmup: int, queue: multiprocessing.Q
             if it >= warmup:
                 times["tensors"].append(t1 - t0)
                 times["single"].append(t3 - t2)
-        stats = dict(core.engine().stats)
-        queue.put((core.rank(), times, stats, core.backend_name(), getattr(core.engine().backend, "transport", "")))
+        stats = dict(core.get_engine().stats)
+        queue.put((core.rank(), times, stats, core.backend_name(), getattr(core.get_engine().backend, "transport", "")))
     finally:
         core.shutdown()
 

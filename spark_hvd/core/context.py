@@ -198,9 +198,9 @@ def backend_name() -> str:
     return _get("backend_name()").backend_name
 
 
-def engine() -> Engine:
-    """This process's engine (for bindings and tests: ``engine().stats``)."""
-    return _get("engine()").engine
+def get_engine() -> Engine:
+    """This process's engine (for bindings and tests: ``get_engine().stats``)."""
+    return _get("get_engine()").engine
 
 
 # ---------------------------------------------------------------------- asynchronous collectives

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import _thread
 import copy
-import itertools
 import json
 import logging
 import struct
@@ -46,7 +45,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -197,15 +196,17 @@ class _Request:
     sent: bool = False
 
 
-@dataclass
 class _Entry:
-    """One outstanding tensor in the table every rank keeps identical."""
+    """One outstanding tensor in the table every rank keeps identical (``meta``: the first rank's)."""
 
-    name: str
-    seq: int
-    metas: dict[int, Meta] = field(default_factory=dict)
-    created: float = field(default_factory=time.monotonic)
-    warned: float = 0.0
+    __slots__ = ("name", "meta", "metas", "created", "warned")
+
+    def __init__(self, name: str, meta: Meta) -> None:
+        self.name = name
+        self.meta = meta
+        self.metas: dict[int, Meta] = {}
+        self.created = time.monotonic()
+        self.warned = 0.0
 
 
 class _ResponseCache:
@@ -303,7 +304,6 @@ class Engine:
         self._stopped = False
         # State identical on every rank.
         self._pending: dict[str, _Entry] = {}
-        self._seq = itertools.count()
         self._joined: set[int] = set()
         self._cache = _ResponseCache(settings.cache_capacity)
         # Pacing.
@@ -565,7 +565,7 @@ class Engine:
     def _add(self, name: str, rank: int, meta: Meta) -> None:
         entry = self._pending.get(name)
         if entry is None:
-            entry = self._pending[name] = _Entry(name, next(self._seq))
+            entry = self._pending[name] = _Entry(name, meta)
         entry.metas[rank] = meta
 
     def _ready(self) -> list[tuple[_Entry, TensorMismatchError | None]]:
@@ -612,7 +612,7 @@ class Engine:
                 if request is not None:
                     request.handle._set_error(error)
                 continue
-            meta = next(iter(entry.metas.values()))
+            meta = entry.meta
             if meta.kind == "allreduce":
                 key = (meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
                 if key not in groups:
@@ -633,7 +633,7 @@ class Engine:
         chunk: list[tuple[_Entry, _Request | None, np.ndarray]] = []
         chunk_bytes = 0
         for entry, request in items:
-            meta = next(iter(entry.metas.values()))
+            meta = entry.meta
             if request is not None:
                 buf = request.buf
             else:
@@ -715,7 +715,7 @@ class Engine:
         return buf[:count]
 
     def _run_one(self, entry: _Entry, request: _Request | None) -> None:
-        meta = next(iter(entry.metas.values())) if request is None else request.meta
+        meta = entry.meta if request is None else request.meta
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None

@@ -33,9 +33,9 @@ def test_not_initialized_errors():
 
 
 def test_init_is_idempotent_and_topology(single):
-    engine = core.engine()
+    engine = core.get_engine()
     core.init()
-    assert core.engine() is engine
+    assert core.get_engine() is engine
     assert core.is_initialized()
     assert (core.rank(), core.size(), core.local_rank(), core.local_size(), core.cross_rank(),
             core.cross_size()) == (0, 1, 0, 1, 0, 1)
@@ -79,7 +79,7 @@ def test_async_handles_and_poll(single):
     for i, h in enumerate(handles):
         assert core.synchronize(h) is bufs[i]
         assert core.poll(h)
-    assert core.engine().stats["fused_collectives"] >= 1
+    assert core.get_engine().stats["fused_collectives"] >= 1
 
 
 def test_bfloat16_scaling(single):

@@ -121,7 +121,7 @@ def different_orders(seed: int = 1, count: int = 24) -> None:
 def fusion(count: int = 100) -> dict:
     """Many small tensors: fewer collectives than tensors, and one fusion group per threshold's worth."""
     n, r = core.size(), core.rank()
-    stats = core.engine().stats
+    stats = core.get_engine().stats
     before = dict(stats)
     datas = [[_data(777 + i, q, (50,), np.float32) for q in range(n)] for i in range(count)]
     bufs = [d[r].copy() for d in datas]
