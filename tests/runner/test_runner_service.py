@@ -12,7 +12,7 @@ import pytest
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.wire import FramedSocket, make_secret
 from spark_hvd.runner.service import DriverService, ServiceClient
-from spark_hvd.runner.spark import BarrierRendezvous, topology
+from spark_hvd.runner.spark import BarrierRendezvous, _gpu_for_task, topology
 
 
 def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
@@ -139,3 +139,24 @@ def test_topology_from_hosts():
     hosts = ["h1", "h2", "h1", "h2", "h3"]
     assert [topology(hosts, r) for r in range(5)] == [
         (0, 2, 0, 3), (0, 2, 1, 3), (1, 2, 0, 3), (1, 2, 1, 3), (0, 1, 2, 3)]
+
+
+class _Resource:
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+
+
+class _Ctx:
+    def __init__(self, resources: dict) -> None:
+        self._resources = resources
+
+    def resources(self) -> dict:
+        return self._resources
+
+
+def test_gpu_from_spark_resources_then_local_rank():
+    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, None) == "3"
+    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, True) == "3"
+    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, False) is None
+    assert _gpu_for_task(_Ctx({}), 1, None) is None
+    assert _gpu_for_task(_Ctx({}), 1, True) == "1"

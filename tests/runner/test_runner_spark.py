@@ -50,9 +50,12 @@ def test_results_by_rank_and_allreduce_sum(spark):
 
 
 def _fails_on_rank_1() -> str:
+    import spark_hvd.core as hvd
+
     rank = _rank()
     if rank == 1:
         raise ValueError(f"boom from rank {rank}")
+    hvd.allreduce(np.ones(10))  # rank 0 waits in a collective that rank 1 never joins: it must be stopped
     return "ok"
 
 
