@@ -194,11 +194,17 @@ class DriverService:
         finished = False
         try:
             hello = conn.recv_object(max_size=4096)
-            if (not isinstance(hello, tuple) or len(hello) != 3 or hello[0] != "hello"
+            if (not isinstance(hello, tuple) or len(hello) != 4 or hello[0] != "hello"
                     or hello[1] != self.job_id or not isinstance(hello[2], int)
-                    or not 0 <= hello[2] < self.num_proc):
+                    or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux")):
                 logger.warning("driver service: dropped a connection from %s with an unexpected hello", conn.peer)
                 return
+            if hello[3] == "aux":  # report() from a helper process: events only, no lifecycle
+                conn.peer = f"rank {hello[2]} (helper)"
+                while True:
+                    msg = conn.recv_object(max_size=_MAX_FRAME)
+                    if msg[0] == "event":
+                        self._add_event(msg[1])
             rank = hello[2]
             conn.peer = f"rank {rank}"
             with self._lock:
@@ -296,10 +302,14 @@ class DriverService:
 
 
 class ServiceClient:
-    """A rank's connection to the driver service (thread-safe; silently disabled if the driver goes away)."""
+    """A rank's connection to the driver service (thread-safe; silently disabled if the driver goes away).
+
+    ``role="rank"`` is the rank's own connection, whose end (done, error, or closed) the driver tracks;
+    ``role="aux"`` only carries ``report()`` events (a launched process, or a helper process of a rank).
+    """
 
     def __init__(self, address: str, secret: bytes, job_id: str, rank: int, *, attempt: int = 0,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, role: str = "rank") -> None:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         sock.settimeout(timeout_s)
@@ -309,7 +319,8 @@ class ServiceClient:
         self._conn = FramedSocket(sock, secret, "driver")
         self._lock = threading.Lock()
         self._alive = True
-        self._send(("hello", job_id, rank))
+        self.pid = os.getpid()
+        self._send(("hello", job_id, rank, role))
 
     def _send(self, msg: tuple) -> None:
         with self._lock:
@@ -357,8 +368,10 @@ def set_client(client: ServiceClient | None) -> None:
 def _get_client() -> ServiceClient | None:
     global _client, _client_from_env
     with _client_lock:
-        if _client is not None:
+        if _client is not None and _client.pid == os.getpid():
             return _client
+        if _client is not None:  # a forked child must not write on its parent's connection
+            _client, _client_from_env = None, False
         address = os.environ.get(SERVICE_ENV)
         if not address or _client_from_env:
             return None
@@ -366,7 +379,8 @@ def _get_client() -> ServiceClient | None:
         try:
             _client = ServiceClient(address, secret_from_env(), os.environ.get("SPARK_HVD_JOB_ID", ""),
                                     int(os.environ.get("SPARK_HVD_RANK", "0")),
-                                    attempt=int(os.environ.get("SPARK_HVD_RUN_ATTEMPT", "0")), timeout_s=30.0)
+                                    attempt=int(os.environ.get("SPARK_HVD_RUN_ATTEMPT", "0")), timeout_s=30.0,
+                                    role="aux")
         except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
             logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)
             _client = None

@@ -66,6 +66,21 @@ def test_wrong_job_id_and_lost_connection():
         service.stop()
 
 
+def test_helper_connection_carries_events_without_lifecycle():
+    secret = make_secret()
+    failures = []
+    service = DriverService(secret, 1, job_id="job3", verbose=0, bind_host="127.0.0.1", on_failure=failures.append)
+    _, port = service.start()
+    try:
+        helper = ServiceClient(f"127.0.0.1:{port}", secret, "job3", 0, role="aux")
+        helper.send_event(0, 1, {"x": 1})
+        assert _wait_for(lambda: len(service.events) == 1)
+        helper.close()  # a helper going away is not a failure, and does not count as the rank starting
+        assert not _wait_for(lambda: bool(failures) or bool(service.started), timeout_s=1.0)
+    finally:
+        service.stop()
+
+
 class _FakeBarrier:
     """allGather for threads: every caller gets every caller's message, in rank order."""
 
