@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -15,9 +16,12 @@ class KerasBatchDataset(keras.utils.PyDataset):
     """Batches of a :class:`BatchReader` as ``(x, y)`` or ``(x, y, sample_weight)`` for ``model.fit``.
 
     ``x`` is the array of the one feature column, or a list of arrays in ``feature_cols`` order (same for ``y``).
-    ``len()`` is the reader's ``steps_per_epoch`` (equal on every rank). Keras asks for the batches of an epoch
-    in order (``workers=1``, the default); each epoch reads the next epoch of the reader, so shuffles differ from
-    epoch to epoch. Read-ahead happens on the reader's own thread.
+    ``len()`` is the reader's ``steps_per_epoch``, equal on every rank.
+
+    The reader is a stream, already shuffled: whatever index Keras asks for (``fit`` visits indices in a random
+    order), the next batch of the stream is returned. An epoch of the reader ends after ``len()`` batches, and the
+    next one starts (so shuffles differ from epoch to epoch); an ``on_epoch_end`` in the middle of an epoch (Keras
+    peeks at the first batches before training) restarts that epoch. Read-ahead happens on the reader's thread.
     """
 
     def __init__(
@@ -34,9 +38,10 @@ class KerasBatchDataset(keras.utils.PyDataset):
         self.feature_cols = list(feature_cols)
         self.label_cols = list(label_cols or [])
         self.sample_weight_col = sample_weight_col
-        self._epoch = int(first_epoch)
+        self.epoch = int(first_epoch)
         self._it: Iterator[dict[str, np.ndarray]] | None = None
-        self._next_index = 0
+        self._count = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -46,18 +51,16 @@ class KerasBatchDataset(keras.utils.PyDataset):
         return len(self.reader)
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
-        if index >= len(self):
+        if not 0 <= index < len(self):
             raise IndexError(f"batch {index} of an epoch of {len(self)} batches")
-        if self._it is None or index != self._next_index:
-            if index != 0:
-                raise IndexError(f"batches are read in order: asked for {index}, next is {self._next_index}")
-            if self._it is not None and hasattr(self._it, "close"):
-                self._it.close()  # a restart of the same epoch (Keras peeks at the first batches)
-            self._it = iter(self.reader.epoch(self._epoch))
-        batch = next(self._it)
-        self._next_index = index + 1
-        if self._next_index == len(self):
-            self._finish_epoch()
+        with self._lock:
+            if self._it is None:
+                self._it = iter(self.reader.epoch(self.epoch))
+            batch = next(self._it)
+            self._count += 1
+            if self._count == len(self):
+                self._close()
+                self.epoch += 1
         x = _pick(batch, self.feature_cols)
         if not self.label_cols:
             return (x,)
@@ -67,15 +70,14 @@ class KerasBatchDataset(keras.utils.PyDataset):
         return x, y
 
     def on_epoch_end(self) -> None:
-        if self._it is not None:
-            self._finish_epoch()
+        """Restart the current epoch if it was only partly read (a finished epoch has already moved on)."""
+        with self._lock:
+            self._close()
 
-    def _finish_epoch(self) -> None:
-        it, self._it = self._it, None
+    def _close(self) -> None:
+        it, self._it, self._count = self._it, None, 0
         if it is not None and hasattr(it, "close"):
             it.close()
-        self._next_index = 0
-        self._epoch += 1
 
 
 def _pick(batch: dict[str, np.ndarray], cols: list[str]) -> Any:
