@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from spark_hvd.runner import run_local
@@ -115,3 +117,28 @@ def test_console_script_success_and_timeout(tmp_path):
                            "import time; time.sleep(600)"], capture_output=True, text=True, timeout=180)
     assert slow.returncode == 124
     assert "--timeout 1 s" in slow.stderr
+
+
+def test_launched_ranks_join_the_core_and_allreduce(tmp_path):
+    script = _script(tmp_path, """
+        import json
+        import numpy as np
+        import spark_hvd.core as hvd
+        from spark_hvd.core.backend import ReduceOp
+        hvd.init()
+        data = np.random.default_rng(100 + hvd.rank()).standard_normal(1001)
+        out = hvd.allreduce(data.copy(), op=ReduceOp.SUM)
+        print("RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "sum": out.tolist()}))
+        hvd.shutdown()
+    """)
+    result = run_local([sys.executable, script], 3, timeout=240, capture=True)
+    assert result.returncode == 0, "\n".join(result.stderr[-30:])
+    found = {}
+    for line in result.stdout:
+        rank, _, text = line.partition(" ")
+        if text.startswith("RESULT "):
+            found[int(rank.strip("[]"))] = json.loads(text[len("RESULT "):])
+    assert sorted(found) == [0, 1, 2] and all(r["size"] == 3 for r in found.values())
+    expected = sum(np.random.default_rng(100 + r).standard_normal(1001) for r in range(3))
+    for r in found.values():
+        np.testing.assert_allclose(r["sum"], expected, rtol=1e-12)
