@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from parquet_files import write_dataset
 
 from spark_hvd.data.reader import BatchReader
-
-from .test_reader import write_dataset
 
 
 @pytest.fixture

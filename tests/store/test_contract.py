@@ -169,3 +169,27 @@ def test_spark_url(any_store):
 
 def test_create_returns_same_kind(any_store):
     assert type(Store.create(any_store.url, **any_store.storage_options)) is type(any_store)
+
+
+def test_sharded_reader_reads_through_the_store(any_store):
+    """The worker-side read path: spark_hvd's BatchReader over the store's pyarrow filesystem (S3 included)."""
+    from spark_hvd.data.reader import BatchReader
+
+    s = any_store
+    fs = s.pyarrow_filesystem()
+    out = s.train_data_path("k")
+    s._makedirs(out)
+    ids = np.arange(250, dtype=np.int64)
+    for f in range(2):
+        part = ids[f * 125 : (f + 1) * 125]
+        table = pa.table({"id": part, "v": pa.array([[float(i), -float(i)] for i in part], pa.list_(pa.float32()))})
+        pq.write_table(table, posixpath.join(out, f"part-{f}.parquet"), filesystem=fs, row_group_size=30)
+    seen = []
+    for rank in range(3):
+        rd = BatchReader(out, filesystem=fs, rank=rank, size=3, batch_size=16, shuffle=True, seed=1, shapes={"v": (2,)})
+        got = [b for b in rd.epoch(0)]
+        ids_r = np.concatenate([b["id"] for b in got])[: rd.shard_rows]
+        for b in got:
+            np.testing.assert_array_equal(b["v"][:, 1], -b["id"].astype(np.float32))
+        seen.append(set(ids_r.tolist()))
+    assert set().union(*seen) == set(range(250)) and sum(map(len, seen)) == 250
