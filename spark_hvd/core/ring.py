@@ -41,6 +41,7 @@ from spark_hvd.core.shm import ShmGroup, shm_available, unlink_quietly
 from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
+    PeerAbort,
     PeerSocket,
     PeerWatcher,
     ProtocolError,
@@ -109,7 +110,10 @@ def _collective(name: str) -> Callable[[F], F]:
             try:
                 return method(self, *args, **kwargs)
             except (PeerFailureError, ProtocolError, AuthenticationError) as exc:
-                self._fail(exc, name)
+                reported = self._reported_failure(exc, name)
+                self._fail(reported or exc, name)
+                if reported is not None:
+                    raise reported from exc
                 raise
 
         return run  # type: ignore[return-value]
@@ -132,7 +136,7 @@ class RingBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
-                 shm_slots: int = 4) -> None:
+                 shm_slots: int = 4, frame_bytes: int = FRAME_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -148,6 +152,7 @@ class RingBackend(Backend):
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
         self.transport = "none"
+        self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -226,6 +231,20 @@ class RingBackend(Backend):
             raise PeerFailureError(f"{operation}: the job is unusable since an earlier failure: {self._broken}",
                                    rank=self._broken.rank, operation=operation)
 
+    def _reported_failure(self, exc: BaseException, operation: str) -> PeerAbort | None:
+        """After a connection failed: did some peer already report which rank failed (a pending ABORT frame)?
+
+        A rank that noticed the failure first tells everyone and may close before its ABORT frame is read
+        here; without this check this rank would blame that messenger instead of the rank that died.
+        """
+        if isinstance(exc, PeerAbort) or not isinstance(exc, PeerFailureError):
+            return None
+        for peer in self.peers.values():
+            reported = peer.find_abort(operation)
+            if reported is not None and reported.rank is not None:
+                return reported
+        return None
+
     def _fail(self, exc: BaseException, operation: str) -> None:
         culprit = getattr(exc, "rank", None)
         if self._broken is None:
@@ -273,8 +292,8 @@ class RingBackend(Backend):
                 peer.send_data([memoryview(data)], operation)
             return False
         assert self._worker is not None
-        for lo in range(0, n, FRAME_BYTES):
-            self._worker.post(peer, [memoryview(data[lo:lo + FRAME_BYTES])], operation)
+        for lo in range(0, n, self._frame):
+            self._worker.post(peer, [memoryview(data[lo:lo + self._frame])], operation)
         return True
 
     def _wait_sent(self, posted: bool, operation: str) -> None:
@@ -290,8 +309,8 @@ class RingBackend(Backend):
             if n:
                 peer.recv_data_into(memoryview(into), operation)
             return
-        for lo in range(0, n, FRAME_BYTES):
-            peer.recv_data_into(memoryview(into[lo:lo + FRAME_BYTES]), operation)
+        for lo in range(0, n, self._frame):
+            peer.recv_data_into(memoryview(into[lo:lo + self._frame]), operation)
 
     def _recv_reduce(self, src: int, acc: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Receive ``acc.size`` elements from ``src`` and reduce them into ``acc`` (frame by frame)."""
@@ -300,7 +319,7 @@ class RingBackend(Backend):
         n = raw.nbytes
         if not n:
             return
-        step = n if n <= INLINE_SEND_BYTES else FRAME_BYTES
+        step = n if n <= INLINE_SEND_BYTES else self._frame
         scratch = self._scratch_bytes(min(n, step))
         for lo in range(0, n, step):
             hi = min(n, lo + step)

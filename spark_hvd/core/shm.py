@@ -82,6 +82,8 @@ class ShmGroup:
         self.timeout_s = timeout_s
         self.block_bytes = block_bytes - block_bytes % 64
         self.nslots = nslots
+        #: blocks up to this many bytes are reduced in full by every rank (one synchronisation less)
+        self.small_bytes = min(SMALL_BLOCK, self.block_bytes // 4)
         self.seq = 0
         self.path = segment_path(job_id, self.ranks[local])
         self._bytes = CTRL_BYTES + self.nslots * self.block_bytes
@@ -234,7 +236,7 @@ class ShmGroup:
                         divide_average(dst, 2, bfloat16)
                 own[OUT] = g
                 return
-            if n * itemsize <= SMALL_BLOCK:
+            if n * itemsize <= self.small_bytes:
                 self._wait_all(IN, g, operation, check_peers)
                 for arr, s0, s1, at in pieces(lo, hi):
                     dst = arr[s0:s1]

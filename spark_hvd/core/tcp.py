@@ -51,19 +51,22 @@ class ProtocolError(SparkHvdError):
 
 
 class PeerSocket(FramedSocket):
-    """A ``FramedSocket`` to one peer rank, with typed frames, a send lock and liveness probing."""
+    """A ``FramedSocket`` to one peer rank, with typed frames, a send lock and liveness probing.
+
+    ``recv_broken`` / ``send_broken``: a direction whose stream may be out of frame alignment after an error.
+    """
 
     def __init__(self, sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> None:
         super().__init__(sock, secret, f"rank {rank}")
         self.rank = rank
         self.timeout_s = timeout_s
         self.send_lock = threading.Lock()
-        self.broken = False
+        self.recv_broken = False
+        self.send_broken = False
         sock.settimeout(timeout_s)
 
     # -- receiving -------------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException, operation: str) -> PeerFailureError:
-        self.broken = True
         if isinstance(exc, TimeoutError | socket.timeout):
             return CollectiveTimeoutError(
                 f"{operation}: rank {self.rank} sent nothing for {self.timeout_s:.0f}s (SPARK_HVD_TIMEOUT); "
@@ -75,13 +78,14 @@ class PeerSocket(FramedSocket):
         try:
             recv_exactly(self.sock, view)
         except (OSError, ConnectionError) as exc:
+            self.recv_broken = True
             raise self._fail(exc, operation) from exc
 
     def _verify(self, digest: bytes, length: int, *parts: memoryview | bytes) -> None:
         expected = sign(self.secret, _COUNTER.pack(self._received), _LENGTH.pack(length), *parts)
         self._received += 1
         if not hmac.compare_digest(expected, digest):
-            self.broken = True
+            self.recv_broken = True
             logger.warning("dropped a frame from rank %d whose HMAC does not match the job's secret", self.rank)
             raise AuthenticationError(f"a frame from rank {self.rank} failed the HMAC check; connection dropped")
 
@@ -90,13 +94,13 @@ class PeerSocket(FramedSocket):
         self._read(memoryview(head), operation)
         (length,) = _LENGTH.unpack_from(head)
         if length < 1:
-            self.broken = True
+            self.recv_broken = True
             raise AuthenticationError(f"an empty frame from rank {self.rank}; connection dropped")
         return length, bytes(head[_LENGTH.size:HEADER_SIZE]), bytes(head[HEADER_SIZE:])
 
     def _control(self, length: int, digest: bytes, kind: bytes, operation: str) -> bytes:
         if length - 1 > MAX_CONTROL_FRAME:
-            self.broken = True
+            self.recv_broken = True
             raise AuthenticationError(f"a control frame from rank {self.rank} claims {length} bytes; dropped")
         payload = bytearray(length - 1)
         self._read(memoryview(payload), operation)
@@ -117,7 +121,7 @@ class PeerSocket(FramedSocket):
             self._control(length, digest, kind, operation)
             raise ProtocolError(f"{operation}: unexpected control frame from rank {self.rank}")
         if length - 1 != buffer.nbytes:
-            self.broken = True
+            self.recv_broken = True
             raise ProtocolError(
                 f"{operation}: rank {self.rank} sent {length - 1} bytes where {buffer.nbytes} were expected; the "
                 "ranks called collectives in different orders or with different shapes")
@@ -139,19 +143,19 @@ class PeerSocket(FramedSocket):
             try:
                 self.send_bytes(kind, *parts)
             except PeerFailureError as exc:
-                self.broken = True
+                self.send_broken = True
                 cause = exc.__cause__ or exc
                 raise self._fail(cause, operation) from exc
 
     def send_abort(self, culprit: int | None, reason: str) -> None:
         """Best effort: tell the peer that ``culprit`` failed (skipped if a send to it is under way)."""
-        if self.broken or not self.send_lock.acquire(blocking=False):
+        if self.send_broken or not self.send_lock.acquire(blocking=False):
             return
         try:
             self.sock.settimeout(0.5)
             self.send_bytes(ABORT, _ABORT_HEAD.pack(-1 if culprit is None else culprit), reason.encode()[:4000])
         except (PeerFailureError, OSError):
-            self.broken = True
+            self.send_broken = True
         finally:
             try:
                 self.sock.settimeout(self.timeout_s)
@@ -160,23 +164,85 @@ class PeerSocket(FramedSocket):
             self.send_lock.release()
 
     # -- liveness --------------------------------------------------------------------------------------------
-    def probe(self, operation: str) -> None:
-        """Raise ``PeerFailureError`` if the peer closed the connection or sent an ABORT frame (non-blocking).
-
-        Pending DATA frames (a peer already in the next collective) are left untouched.
-        """
+    def _peek(self) -> bytes | None:
+        """The next frame's header + type byte if fully arrived, b"" at EOF, None if nothing (complete) is there."""
+        # a socket in timeout mode polls before recv (ignoring MSG_DONTWAIT): make it non-blocking meanwhile
+        timeout = self.sock.gettimeout()
         try:
-            head = self.sock.recv(HEADER_SIZE + 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            self.sock.settimeout(0.0)
+            head = self.sock.recv(HEADER_SIZE + 1, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return b""
+        finally:
+            try:
+                self.sock.settimeout(timeout)
+            except OSError:
+                pass
+        if head and len(head) < HEADER_SIZE + 1:
+            return None
+        return head
+
+    def probe(self, operation: str, closed: bool = False) -> None:
+        """Raise ``PeerFailureError`` if the peer sent an ABORT frame or closed the connection (non-blocking).
+
+        A pending DATA frame (the peer already in the next collective) is left in place, unless ``closed`` says
+        the peer shut the connection: then pending frames are read in search of an ABORT naming the culprit.
+        """
+        if self.recv_broken:
             return
-        except OSError as exc:
-            raise self._fail(exc, operation) from exc
-        if not head:
+        head = self._peek()
+        if head is None and not closed:
+            return
+        if head and head[HEADER_SIZE:] == ABORT:
+            self._control(*self._header(operation), operation)  # raises PeerAbort
+        if head and closed:
+            reported = self.find_abort(operation)
+            if reported is not None:
+                raise reported
+        if not head or closed:
+            self.recv_broken = True
             raise self._fail(ConnectionError("connection closed by peer"), operation)
-        if len(head) == HEADER_SIZE + 1 and head[HEADER_SIZE:] == ABORT:
-            self.sock.settimeout(self.timeout_s)
-            length, digest, kind = self._header(operation)
-            self._control(length, digest, kind, operation)
+
+    def find_abort(self, operation: str, wait_s: float = 0.05) -> PeerAbort | None:
+        """Read (and drop) pending frames looking for an ABORT; its ``PeerAbort``, or None.
+
+        Used once a collective has failed, to name the rank a peer blamed rather than the peer that closed.
+        """
+        if self.recv_broken:
+            return None
+        deadline = time.monotonic() + wait_s
+        try:
+            while True:
+                head = self._peek()
+                if head is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+                        return None
+                    continue
+                if not head:
+                    return None
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                length, digest, kind = self._header(operation)
+                if kind == DATA:
+                    if length > 64 * 1024 * 1024:
+                        return None
+                    payload = bytearray(length - 1)
+                    self._read(memoryview(payload), operation)
+                    self._verify(digest, length, kind, payload)
+                else:
+                    self._control(length, digest, kind, operation)
+        except PeerAbort as abort:
+            return abort
+        except (SparkHvdError, OSError):
+            self.recv_broken = True
+            return None
+        finally:
+            try:
+                self.sock.settimeout(self.timeout_s)
+            except OSError:
+                pass
 
 
 class PeerWatcher:
@@ -189,10 +255,10 @@ class PeerWatcher:
             self._poll.register(fd, select.POLLIN | _POLL_BAD)
 
     def check(self, operation: str) -> None:
-        for fd, _events in self._poll.poll(0):
+        for fd, events in self._poll.poll(0):
             peer = self._peers.get(fd)
             if peer is not None:
-                peer.probe(operation)
+                peer.probe(operation, closed=bool(events & _POLL_BAD))
 
 
 class SendWorker:

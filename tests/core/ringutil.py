@@ -139,8 +139,12 @@ def run_ranks(fn: Callable[..., Any], n: int, env: EnvSpec = None, timeout: floa
         server.stop()
 
 
-def backend_from_env(**settings: Any):
-    """A ``RingBackend`` for this rank from the environment set by ``run_ranks`` (``settings`` override)."""
+def backend_from_env(backend_kwargs: dict[str, Any] | None = None, **settings: Any):
+    """A ``RingBackend`` for this rank from the environment set by ``run_ranks``.
+
+    ``settings`` override fields of ``Settings.from_env()``; ``backend_kwargs`` go to ``RingBackend``
+    (e.g. small ``shm_block_bytes`` / ``frame_bytes`` so that small tests cross block and frame boundaries).
+    """
     from dataclasses import replace
 
     from spark_hvd.core.rendezvous import KVRendezvous
@@ -153,7 +157,7 @@ def backend_from_env(**settings: Any):
     job_id = os.environ["SPARK_HVD_JOB_ID"]
     rdzv = KVRendezvous(os.environ["SPARK_HVD_RENDEZVOUS"], secret, job_id, cfg.timeout_s)
     return RingBackend(int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"]), rdzv, secret, cfg,
-                       job_id)
+                       job_id, **(backend_kwargs or {}))
 
 
 def shm_leftovers(job_id: str) -> list[str]:

@@ -21,8 +21,10 @@ from spark_hvd.core.tcp import PeerSocket, connect_mesh, open_listener
 from spark_hvd.core.wire import make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
-# element counts: empty, tiny, odd, more than one shared-memory block (1 MiB) / TCP frame (4 MiB) of float32
-SIZES = [0, 1, 7, 1001, 300_007, 1_100_003]
+# element counts: empty, tiny, odd, and (with the small blocks and frames below) many shared-memory blocks,
+# more blocks than slots, and several TCP frames per ring chunk
+SIZES = [0, 1, 7, 1001, 200_003]
+SMALL = {"shm_block_bytes": 128 * 1024, "frame_bytes": 64 * 1024}
 
 
 def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
@@ -58,7 +60,7 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
 
 def _all_collectives(seed: int) -> dict:
     """Run on every rank: each collective on fresh random data, checked against numpy."""
-    be = backend_from_env()
+    be = backend_from_env(SMALL)
     r, n = be.rank, be.size
     digest = hashlib.sha256()
     try:
@@ -73,7 +75,7 @@ def _all_collectives(seed: int) -> dict:
                     _close(buf, want, dtype, f"allreduce {dtype} {op} n={count}")
                     digest.update(buf.tobytes())
         # fused: several arrays of one dtype (including an empty one) reduced as one collective
-        shapes = [(3, 5), (0,), (70_001,), (1,), (300, 1000)]
+        shapes = [(3, 5), (0,), (70_001,), (1,), (300, 500)]
         for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
             mine = [_data(seed + 1, r * 10 + i, int(np.prod(s)), "float32").reshape(s) for i, s in enumerate(shapes)]
             bufs = [m.copy() for m in mine]
@@ -89,12 +91,12 @@ def _all_collectives(seed: int) -> dict:
                 return _data(seed + 2, k, k * 3 * 2, dtype).reshape(k * 3, 2)
             got = be.allgather(rows(r))
             np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(n)]))
-        big = _data(seed + 3, r, 1_200_000, "float32")
-        np.testing.assert_array_equal(be.allgather(big),
-                                      np.concatenate([_data(seed + 3, k, 1_200_000, "float32") for k in range(n)]))
+        big = _data(seed + 3, r, 100_000 + r, "float32")
+        np.testing.assert_array_equal(be.allgather(big), np.concatenate(
+            [_data(seed + 3, k, 100_000 + k, "float32") for k in range(n)]))
         # broadcast from every root, small and large
         for root in range(n):
-            for count in (5, 1_500_000):
+            for count in (5, 100_001):
                 buf = _data(seed + 4, r, count, "float64")
                 be.broadcast(buf, root)
                 np.testing.assert_array_equal(buf, _data(seed + 4, root, count, "float64"))
