@@ -65,6 +65,7 @@ _LEN = struct.Struct("!I")
 _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
+_BURST_CYCLES = 5
 
 
 class Meta(NamedTuple):
@@ -313,6 +314,7 @@ class Engine:
         self._last_start = 0.0
         self._idle_rounds = 0
         self._progress_at = 0.0
+        self._last_enqueue = 0.0
         self._backend_fuses = type(backend).allreduce_fused is not Backend.allreduce_fused
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self.timeline: Timeline | None = None
@@ -368,6 +370,7 @@ class Engine:
                                  "wait for it before submitting the name again")
             self._local[name] = request
             self._outbox.append(request)
+            self._last_enqueue = request.enqueued
             wake, self._sleeping = self._sleeping, False
         if wake:  # the engine already knows of earlier work: no wake-up (and GIL hand-over) per tensor
             self._wake.set()
@@ -469,6 +472,12 @@ class Engine:
                 target = self._last_start + self._cycle
                 if idle_before:  # collect a cycle's worth of submissions after idling
                     target = max(target, first_seen + self._cycle)
+                if self._cycle > 0 and target <= now:
+                    # a burst of submissions still under way (a loop enqueueing gradients): let it finish, so
+                    # the ranks negotiate it in one round, for at most _BURST_CYCLES cycles
+                    quiet_at = self._last_enqueue + self._cycle / 2
+                    if quiet_at > now and now < first_seen + _BURST_CYCLES * self._cycle:
+                        target = quiet_at
             elif self._pending or self._joined:
                 cap = self._backoff_cap
                 if now - self._progress_at > _LONG_WAIT_S:
