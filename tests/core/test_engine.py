@@ -189,3 +189,30 @@ def test_idle_engine_sleeps_and_long_idle_peer_does_not_time_out():
         # CPU seconds per wall second of the whole rank process (generous bounds for a loaded machine)
         assert r["idle"] < 0.1, results
         assert r["waiting"] < 0.3, results
+
+
+def _early_shutdown_job() -> str:
+    core.init()
+    if core.rank() == 1:
+        core.shutdown()
+        return "left"
+    try:
+        core.allreduce(np.ones(3), name="never")
+    except core.ShutdownError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("allreduce succeeded although rank 1 had shut down")
+    try:
+        core.allreduce(np.ones(3), name="later")
+    except core.ShutdownError:
+        pass
+    else:
+        raise AssertionError("a later call did not raise")
+    core.shutdown()
+    return message
+
+
+def test_peer_shutdown_fails_pending_and_later_calls_naming_it():
+    results = run_ranks(_early_shutdown_job, 2, env=FAST, timeout=60)
+    assert results[1] == "left"
+    assert "rank 1 shut down" in results[0], results[0]
