@@ -22,8 +22,19 @@ O(size x new requests), small for the sizes this project runs at.
 
 Response cache: the table entries of completed allreduce / broadcast / reducescatter / barrier requests are
 remembered (LRU, ``cache_capacity`` entries, identical on every rank because every rank updates it from the same
-responses). A request that matches its cached entry is sent as a 4-byte cache id instead of its name and metadata,
+responses). A request that matches its cached entry is sent as a small integer id instead of its name and metadata,
 so a steady training loop exchanges a few bytes per tensor.
+
+Pacing: a round starts ``cycle_time_ms`` after the previous one (or after the first submission following an idle
+spell), extended while a burst of submissions is still arriving (up to 5 cycles) so one round carries it.
+
+Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
+reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
+alltoall, and a dummy buffer to a broadcast; ``join`` completes for everyone once every rank has joined.
+
+A ``PeerFailureError`` from the backend stops the engine: every pending handle and every later call raises it.
+A rank that shuts down tells the others in its last round; their pending and later calls raise ``ShutdownError``
+naming it.
 
 Idle behaviour: a round is a collective, but a rank with nothing to do does not spin. With nothing outstanding
 anywhere it sleeps until local work arrives, or for a heartbeat round every ``min(1 s, timeout / 4)`` (which keeps
