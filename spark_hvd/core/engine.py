@@ -12,7 +12,9 @@ same gathered data, so all ranks reach the same answer without a coordinator:
 - the same name with a different shape, dtype or op on different ranks fails on every rank with a
   ``TensorMismatchError`` naming the tensor and the ranks that disagree;
 - ready allreduces of one dtype / op / scale are packed into fusion groups of up to ``fusion_threshold`` bytes,
-  each run as one collective;
+  each run as one collective (``backend.allreduce_fused`` where the backend has its own staging area, as the
+  ring's shared memory does; otherwise the engine packs a reusable fusion buffer, and reduces tensors of 4 MiB
+  and more in place on their own, since copying them would cost more than their collective's latency);
 - a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks.
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
@@ -77,6 +79,7 @@ _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
+_DIRECT_BYTES = 4 * 1024 * 1024
 
 
 class Meta(NamedTuple):
@@ -327,6 +330,8 @@ class Engine:
         self._progress_at = 0.0
         self._last_enqueue = 0.0
         self._backend_fuses = type(backend).allreduce_fused is not Backend.allreduce_fused
+        # where the engine packs the fusion buffer itself, tensors this large are reduced in place, alone
+        self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self.timeline: Timeline | None = None
         if settings.timeline:
@@ -659,12 +664,16 @@ class Engine:
             else:
                 buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
             nbytes = buf.nbytes
+            self._cache.put(entry.name, meta)
+            if nbytes >= self._direct_bytes:
+                # packing a large tensor would cost more copying than its own collective's latency
+                self._allreduce_chunk(key, [(entry, request, buf)])
+                continue
             if chunk and chunk_bytes + nbytes > limit:
                 self._allreduce_chunk(key, chunk)
                 chunk, chunk_bytes = [], 0
             chunk.append((entry, request, buf))
             chunk_bytes += nbytes
-            self._cache.put(entry.name, meta)
         if chunk:
             self._allreduce_chunk(key, chunk)
 
