@@ -136,7 +136,7 @@ class RingBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
-                 shm_slots: int = 4, frame_bytes: int = FRAME_BYTES) -> None:
+                 shm_slots: int = 16, frame_bytes: int = FRAME_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size

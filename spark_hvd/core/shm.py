@@ -30,13 +30,14 @@ import mmap
 import os
 import re
 import secrets
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import CollectiveTimeoutError
+from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import divide_average, reduce_into, ufunc_for
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,40 @@ IN, RED, OUT, PID = 0, 8, 16, 24
 SPIN_CHECKS = 3000
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
+
+
+def _load_futex() -> tuple[Callable[[int, int, float], None], Callable[[int], None]] | None:
+    """(wait(addr, expected, timeout_s), wake(addr)) on a shared futex, or None where unavailable."""
+    import ctypes
+    import platform
+
+    number = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+    if number is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    futex_wait, futex_wake, c_void_p, c_int, byref = 0, 1, ctypes.c_void_p, ctypes.c_int, ctypes.byref
+
+    def wait(addr: int, expected: int, timeout_s: float) -> None:
+        low = expected & 0xFFFFFFFF
+        ts = Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+        syscall(number, c_void_p(addr), futex_wait, c_int(low - (1 << 32) if low >= 1 << 31 else low), byref(ts),
+                None, 0)
+
+    def wake(addr: int) -> None:
+        syscall(number, c_void_p(addr), futex_wake, c_int(0x7FFFFFFF), None, None, 0)
+
+    return wait, wake
+
+
+_FUTEX = _load_futex() if os.environ.get("SPARK_HVD_SHM_FUTEX", "1") != "0" else None
 
 
 def shm_available() -> bool:
@@ -75,7 +110,7 @@ class ShmGroup:
     """
 
     def __init__(self, job_id: str, local: int, ranks: Sequence[int], timeout_s: float,
-                 block_bytes: int = 1 << 20, nslots: int = 4) -> None:
+                 block_bytes: int = 1 << 20, nslots: int = 16) -> None:
         self.local = local
         self.ranks = list(ranks)
         self.size = len(self.ranks)
@@ -85,6 +120,8 @@ class ShmGroup:
         #: blocks up to this many bytes are reduced in full by every rank (one synchronisation less)
         self.small_bytes = min(SMALL_BLOCK, self.block_bytes // 4)
         self.seq = 0
+        #: set to a dict to accumulate seconds spent in "copy_in", "finish" and "wait" (profiling)
+        self.profile: dict[str, float] | None = None
         self.path = segment_path(job_id, self.ranks[local])
         self._bytes = CTRL_BYTES + self.nslots * self.block_bytes
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -100,6 +137,7 @@ class ShmGroup:
         self.ctrl: list[memoryview] = []
         self.slots: list[np.ndarray] = []
         self.paths: list[str] = []
+        self._addr: list[int] = []
         memoryview(self._own)[:CTRL_BYTES].cast("q")[PID] = os.getpid()
 
     def attach(self, paths: Sequence[str]) -> None:
@@ -116,6 +154,7 @@ class ShmGroup:
                     os.close(fd)
                 self._maps.append(m)
             self.ctrl.append(memoryview(m)[:CTRL_BYTES].cast("q"))
+            self._addr.append(np.frombuffer(m, dtype=np.uint8, count=CTRL_BYTES).ctypes.data)
             self.slots.append(np.frombuffer(m, dtype=np.uint8, count=self.nslots * self.block_bytes,
                                             offset=CTRL_BYTES))
 
@@ -140,25 +179,54 @@ class ShmGroup:
         self._maps = []
 
     # -- synchronisation ---------------------------------------------------------------------------------------
-    def _wait(self, k: int, word: int, target: int, operation: str, check_peers: Callable[[str], None]) -> None:
+    def _publish(self, word: int, value: int) -> None:
+        """Store ``value`` in this rank's control ``word`` and wake peers sleeping on it."""
+        self.ctrl[self.local][word] = value
+        if _FUTEX is not None:
+            _FUTEX[1](self._addr[self.local] + 8 * word)
+
+    def _wait(self, k: int, word: int, target: int, operation: str, check_peers: Callable[[str], None],
+              idle: Callable[[], bool] | None = None) -> None:
+        if self.profile is None:
+            return self._wait_for(k, word, target, operation, check_peers, idle)
+        t0 = time.perf_counter()
+        try:
+            return self._wait_for(k, word, target, operation, check_peers, idle)
+        finally:
+            self.profile["wait"] = self.profile.get("wait", 0.0) + time.perf_counter() - t0
+
+    def _wait_for(self, k: int, word: int, target: int, operation: str, check_peers: Callable[[str], None],
+                  idle: Callable[[], bool] | None) -> None:
+        """Wait until rank k's ``word`` >= ``target``: useful ``idle`` work first, a short spin, then sleep on a
+        futex (or poll with short sleeps), checking peers every 2 ms and giving up after the timeout."""
         ctrl = self.ctrl[k]
+        while idle is not None and ctrl[word] < target:
+            if not idle():
+                break
         for _ in range(SPIN_CHECKS):
             if ctrl[word] >= target:
                 return
         start = time.monotonic()
         next_check = start
-        delay = 0.0
-        while ctrl[word] < target:
-            if delay == 0.0:
-                os.sched_yield()
-                if time.monotonic() - start > 0.0005:
-                    delay = 20e-6
+        delay = 20e-6
+        addr = self._addr[k] + 8 * word
+        while True:
+            value = ctrl[word]
+            if value >= target:
+                return
+            if _FUTEX is not None:
+                _FUTEX[0](addr, value, 0.002)
             else:
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.001)
             now = time.monotonic()
             if now >= next_check:
-                check_peers(operation)
+                try:
+                    check_peers(operation)
+                except PeerFailureError:
+                    if ctrl[word] >= target:  # it finished its part (and left) after our last look
+                        return
+                    raise
                 if now - start > self.timeout_s:
                     rank = self.ranks[k]
                     raise CollectiveTimeoutError(
@@ -167,10 +235,14 @@ class ShmGroup:
                         operation=operation)
                 next_check = now + 0.002
 
-    def _wait_all(self, word: int, target: int, operation: str, check_peers: Callable[[str], None]) -> None:
+    def _wait_all(self, word: int, target: int, operation: str, check_peers: Callable[[str], None],
+                  idle: Callable[[], bool] | None = None) -> None:
         for k in range(self.size):
             if k != self.local and self.ctrl[k][word] < target:
-                self._wait(k, word, target, operation, check_peers)
+                self._wait(k, word, target, operation, check_peers, idle)
+
+    def _ready_all(self, word: int, target: int) -> bool:
+        return all(self.ctrl[k][word] >= target for k in range(self.size) if k != self.local)
 
     # -- allreduce ---------------------------------------------------------------------------------------------
     def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
@@ -188,7 +260,6 @@ class ShmGroup:
         block = self.block_bytes // itemsize
         nblocks = -(-total // block)
         size, me = self.size, self.local
-        own = self.ctrl[me]
         slots = [s.view(dtype) for s in self.slots]
         ufunc = ufunc_for(op)
         average = op is ReduceOp.AVERAGE
@@ -204,6 +275,8 @@ class ShmGroup:
                 lo = seg_hi
                 i += 1
 
+        next_in = 0
+
         def copy_in(b: int) -> None:
             g = base + b + 1
             if g > self.nslots:
@@ -213,7 +286,19 @@ class ShmGroup:
             slot = slots[me][((g - 1) % self.nslots) * block:][:hi - lo]
             for arr, s0, s1, at in pieces(lo, hi):
                 slot[at - lo:at - lo + s1 - s0] = arr[s0:s1]
-            own[IN] = g
+            self._publish(IN, g)
+
+        def copy_ahead() -> bool:
+            """Idle work while waiting: copy in the next block if its slot is free (never waits)."""
+            nonlocal next_in
+            if next_in >= nblocks:
+                return False
+            g = base + next_in + 1
+            if g > self.nslots and not self._ready_all(OUT, g - self.nslots):
+                return False
+            copy_in(next_in)
+            next_in += 1
+            return True
 
         def finish(b: int) -> None:
             g = base + b + 1
@@ -224,7 +309,7 @@ class ShmGroup:
             if size == 2:
                 peer = 1 - me
                 if self.ctrl[peer][IN] < g:
-                    self._wait(peer, IN, g, operation, check_peers)
+                    self._wait(peer, IN, g, operation, check_peers, copy_ahead)
                 theirs = slots[peer][off:off + n]
                 for arr, s0, s1, at in pieces(lo, hi):
                     dst = arr[s0:s1]
@@ -234,10 +319,10 @@ class ShmGroup:
                         ufunc(dst, theirs[at - lo:at - lo + s1 - s0], out=dst)
                     if average:
                         divide_average(dst, 2, bfloat16)
-                own[OUT] = g
+                self._publish(OUT, g)
                 return
             if n * itemsize <= self.small_bytes:
-                self._wait_all(IN, g, operation, check_peers)
+                self._wait_all(IN, g, operation, check_peers, copy_ahead)
                 for arr, s0, s1, at in pieces(lo, hi):
                     dst = arr[s0:s1]
                     a = at - lo
@@ -251,30 +336,41 @@ class ShmGroup:
                             ufunc(dst, slots[k][off + a:off + a + s1 - s0], out=dst)
                     if average:
                         divide_average(dst, size, bfloat16)
-                own[OUT] = g
+                self._publish(OUT, g)
                 return
             # scatter: reduce my chunk into my slot, then gather every chunk
             c0, c1 = me * n // size, (me + 1) * n // size
-            self._wait_all(IN, g, operation, check_peers)
+            self._wait_all(IN, g, operation, check_peers, copy_ahead)
             acc = slots[me][off + c0:off + c1]
             for k in range(size):
                 if k != me:
                     reduce_into(acc, slots[k][off + c0:off + c1], op, bfloat16)
             if average:
                 divide_average(acc, size, bfloat16)
-            own[RED] = g
+            self._publish(RED, g)
             for step in range(size):
                 k = (me + step) % size
                 if k != me and self.ctrl[k][RED] < g:
-                    self._wait(k, RED, g, operation, check_peers)
+                    self._wait(k, RED, g, operation, check_peers, copy_ahead)
                 k0, k1 = lo + k * n // size, lo + (k + 1) * n // size
                 src = slots[k][off + k0 - lo:off + k1 - lo]
                 for arr, s0, s1, at in pieces(k0, k1):
                     arr[s0:s1] = src[at - k0:at - k0 + s1 - s0]
-            own[OUT] = g
+            self._publish(OUT, g)
 
-        copy_in(0)
+        prof = self.profile
+        if prof is not None:
+            def timed(fn: Callable[[int], None], key: str) -> Callable[[int], None]:
+                def run(b: int) -> None:
+                    t0 = time.perf_counter()
+                    fn(b)
+                    prof[key] = prof.get(key, 0.0) + time.perf_counter() - t0
+                return run
+            copy_in, finish = timed(copy_in, "copy_in"), timed(finish, "finish")  # type: ignore[assignment]
+            prof["blocks"] = prof.get("blocks", 0) + nblocks
+
         for b in range(nblocks):
-            if b + 1 < nblocks:
-                copy_in(b + 1)
+            while next_in <= b:  # this block must be in before it is finished (may wait for a free slot)
+                copy_in(next_in)
+                next_in += 1
             finish(b)

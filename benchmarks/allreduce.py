@@ -1,0 +1,295 @@
+"""Allreduce benchmark: spark_hvd's RingBackend vs torch.distributed (gloo) vs mpi4py on Open MPI, interleaved.
+
+For each job size N, one group of N processes per implementation is started and kept alive; the driver then
+asks the groups in turn (rotating the order every round) to time ``iters`` float32 SUM allreduces of one size,
+so every implementation sees the same machine conditions. Idle groups block on their control socket and use no
+CPU. Each measurement is the slowest rank's mean time per allreduce; the table shows the median over rounds, the
+bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to gloo's (> 1: faster than gloo)::
+
+    .venv/bin/python benchmarks/allreduce.py                 # N=2 and 4, 4 KiB .. 256 MiB, 5 rounds
+    .venv/bin/python benchmarks/allreduce.py --quick         # N=2, 4 KiB .. 64 MiB, 3 rounds
+    .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,gloo --sizes 4K,16M --rounds 7
+    .venv/bin/python benchmarks/allreduce.py --fusion        # + 161 ResNet-50 tensors through the engine (ring)
+
+The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
+
+logger = logging.getLogger("bench")
+IMPLS = ("ring", "gloo", "mpi")
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    if text[-1] in UNITS:
+        return int(float(text[:-1]) * UNITS[text[-1]])
+    return int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def iterations(nbytes: int, quick: bool) -> int:
+    budget = (48 if quick else 128) * (1 << 20)
+    return max(3, min(1000 if quick else 2000, budget // max(nbytes, 1)))
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+def _connect_control() -> FramedSocket:
+    host, port = os.environ["BENCH_CONTROL"].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=120)
+    sock.settimeout(None)
+    return FramedSocket(sock, bytes.fromhex(os.environ["BENCH_SECRET"]), "bench driver")
+
+
+def _worker(impl: str) -> None:
+    """One rank of one implementation: connect, then serve ("run", nbytes, iters) until ("stop",)."""
+    if impl == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
+
+        def allreduce(buf: np.ndarray) -> None:
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+        barrier = comm.Barrier
+        close = lambda: None  # noqa: E731
+    elif impl == "gloo":
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        rank, size = int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"])
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_GLOO_PORT']}",
+                                rank=rank, world_size=size)
+
+        def allreduce(buf: np.ndarray) -> None:
+            dist.all_reduce(torch.from_numpy(buf))
+
+        barrier = dist.barrier
+        close = dist.destroy_process_group
+    else:
+        from spark_hvd.core.backend import ReduceOp
+        from spark_hvd.core.rendezvous import KVRendezvous
+        from spark_hvd.core.ring import RingBackend
+        from spark_hvd.core.settings import Settings
+        from spark_hvd.core.wire import secret_from_env
+
+        rank, size = int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"])
+        secret = secret_from_env()
+        settings = Settings.from_env()
+        rdzv = KVRendezvous(os.environ["SPARK_HVD_RENDEZVOUS"], secret, os.environ["SPARK_HVD_JOB_ID"],
+                            settings.timeout_s)
+        backend = RingBackend(rank, size, rdzv, secret, settings, os.environ["SPARK_HVD_JOB_ID"])
+
+        def allreduce(buf: np.ndarray) -> None:
+            backend.allreduce(buf, ReduceOp.SUM)
+
+        barrier = backend.barrier
+        close = backend.close
+    control = _connect_control()
+    control.send_object(("hello", impl, rank))
+    buffers: dict[int, np.ndarray] = {}
+    rng = np.random.default_rng(rank)
+    while True:
+        command = control.recv_object()
+        if command[0] == "stop":
+            break
+        _, nbytes, iters, warmup = command
+        buf = buffers.get(nbytes)
+        if buf is None:
+            buffers.clear()
+            buf = buffers[nbytes] = rng.standard_normal(nbytes // 4).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # repeated sums of the same buffer overflow to inf
+            for _ in range(warmup):
+                allreduce(buf)
+            barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                allreduce(buf)
+            elapsed = time.perf_counter() - start
+        control.send_object(("result", elapsed / iters))
+    barrier()
+    close()
+    control.close()
+
+
+# ---------------------------------------------------------------------------------------------- driver side
+class Group:
+    """The N processes of one implementation and their control connections (by rank)."""
+
+    def __init__(self, impl: str, n: int, control_addr: str, secret: bytes, kv_addr: str | None) -> None:
+        self.impl, self.n = impl, n
+        self.conns: dict[int, FramedSocket] = {}
+        env = dict(os.environ, BENCH_CONTROL=control_addr, BENCH_SECRET=secret.hex(), OMP_NUM_THREADS="1")
+        script = [sys.executable, str(Path(__file__).resolve()), "--worker", impl]
+        self.procs: list[subprocess.Popen] = []
+        if impl == "mpi":
+            mpirun = str(Path(sys.executable).parent / "mpirun")
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            self.procs.append(subprocess.Popen([mpirun, "-np", str(n), "--oversubscribe", *script], env=env))
+            return
+        job = f"bench{os.getpid()}{impl}{n}"
+        extra = {"SPARK_HVD_SIZE": str(n), "SPARK_HVD_JOB_ID": job, "SPARK_HVD_SECRET": secret.hex()}
+        if impl == "gloo":
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                extra["BENCH_GLOO_PORT"] = str(probe.getsockname()[1])
+        else:
+            extra["SPARK_HVD_RENDEZVOUS"] = kv_addr or ""
+        for rank in range(n):
+            self.procs.append(subprocess.Popen(script, env={**env, **extra, "SPARK_HVD_RANK": str(rank)}))
+
+    def run(self, nbytes: int, iters: int, warmup: int) -> float:
+        for conn in self.conns.values():
+            conn.send_object(("run", nbytes, iters, warmup))
+        return max(conn.recv_object()[1] for conn in self.conns.values())
+
+    def stop(self) -> None:
+        for conn in self.conns.values():
+            try:
+                conn.send_object(("stop",))
+            except Exception:  # a dead worker: killed below
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group]:
+    from spark_hvd.core.rendezvous import KVStoreServer
+
+    secret = make_secret()
+    kv = KVStoreServer(secret)
+    kv_host, kv_port = kv.start()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(1.0)
+    control_addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    groups = {impl: Group(impl, n, control_addr, secret, f"{kv_host}:{kv_port}") for impl in impls}
+    deadline = time.monotonic() + timeout_s
+    while any(len(g.conns) < n for g in groups.values()):
+        if time.monotonic() > deadline:
+            missing = {i: n - len(g.conns) for i, g in groups.items() if len(g.conns) < n}
+            raise TimeoutError(f"workers did not start within {timeout_s:.0f}s: {missing}")
+        for g in groups.values():
+            for p in g.procs:
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"a {g.impl} worker exited with code {p.returncode} during start-up")
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        sock.settimeout(None)
+        conn = FramedSocket(sock, secret, "bench worker")
+        _, impl, rank = conn.recv_object()
+        groups[impl].conns[rank] = conn
+    listener.close()
+    groups_list = [groups[i] for i in impls]
+    groups_list[0].kv = kv  # type: ignore[attr-defined]  # keep the KV service alive with the groups
+    return groups_list
+
+
+def bench(n: int, impls: list[str], sizes: list[int], rounds: int, quick: bool) -> dict[tuple[str, int], list[float]]:
+    groups = start_groups(impls, n)
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for rnd in range(rounds):
+            order = groups[rnd % len(groups):] + groups[:rnd % len(groups)]
+            for nbytes in sizes:
+                iters = iterations(nbytes, quick)
+                warmup = 1 if rnd or nbytes >= (16 << 20) else 3
+                for g in order:
+                    times.setdefault((g.impl, nbytes), []).append(g.run(nbytes, iters, warmup))
+            logger.info("N=%d: round %d/%d done", n, rnd + 1, rounds)
+    finally:
+        for g in groups:
+            g.stop()
+        getattr(groups[0], "kv", None) and groups[0].kv.stop()  # type: ignore[attr-defined]
+    return times
+
+
+def table(n: int, impls: list[str], sizes: list[int], times: dict[tuple[str, int], list[float]]) -> str:
+    head = ["size"] + [f"{i} {col}" for i in impls for col in ("time", "busbw")] + \
+        [f"{i}/gloo" for i in impls if i != "gloo" and "gloo" in impls]
+    lines = [f"N={n} (median of {len(next(iter(times.values())))} rounds; busbw in GB/s; x/gloo = busbw ratio)",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    factor = 2 * (n - 1) / n
+    for nbytes in sizes:
+        med = {i: statistics.median(times[(i, nbytes)]) for i in impls}
+        row = [human(nbytes)]
+        for i in impls:
+            t = med[i]
+            row += [f"{t * 1e3:.3f} ms" if t < 1 else f"{t:.2f} s", f"{factor * nbytes / t / 1e9:.2f}"]
+        if "gloo" in impls:
+            row += [f"{med['gloo'] / med[i]:.2f}x" for i in impls if i != "gloo"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def fusion_case(n: int, iters: int) -> str:
+    """161 ResNet-50-shaped tensors through spark_hvd.core's engine vs one allreduce of the same bytes."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_fusion.py"), "--np", str(n), "--iters", str(iters)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return out.stdout.strip() + ("\n" + out.stderr.strip()[-2000:] if out.returncode else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="N=2, 4 KiB..64 MiB, 3 rounds")
+    parser.add_argument("--np", default=None, help="comma-separated job sizes (default 2,4)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of ring,gloo,mpi")
+    parser.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 4K,1M,256M")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--fusion", action="store_true", help="also run benchmarks/engine_fusion.py (ring, N=2)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    impls = [i for i in args.impls.split(",") if i]
+    nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
+    default_sizes = "4K,64K,1M,16M,64M" if args.quick else "4K,64K,1M,4M,16M,64M,256M"
+    sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
+    rounds = args.rounds or (3 if args.quick else 5)
+    print(f"# allreduce float32 SUM, interleaved; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
+          f"at start; command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}")
+    for n in nps:
+        times = bench(n, impls, sizes, rounds, args.quick)
+        print(table(n, impls, sizes, times))
+        print(f"load average {os.getloadavg()[0]:.1f} after N={n}", flush=True)
+    if args.fusion:
+        print(fusion_case(2, 10))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
