@@ -216,3 +216,22 @@ def test_peer_shutdown_fails_pending_and_later_calls_naming_it():
     results = run_ranks(_early_shutdown_job, 2, env=FAST, timeout=60)
     assert results[1] == "left"
     assert "rank 1 shut down" in results[0], results[0]
+
+
+def test_engine_packing_sends_large_tensors_alone():
+    from test_timeline import PackingBackend
+
+    engine = Engine(PackingBackend(), Settings(cycle_time_ms=50))
+    try:
+        big = np.ones(2 * 1024 * 1024, np.float32)  # 8 MiB
+        small = [np.full(10, float(i), np.float32) for i in range(3)]
+        handles = [engine.enqueue("allreduce", big, "big")]
+        handles += [engine.enqueue("allreduce", b, f"small.{i}") for i, b in enumerate(small)]
+        for h in handles:
+            h.wait()
+        assert np.all(big == 1) and all(np.all(b == i) for i, b in enumerate(small))
+        assert engine.stats["allreduce_tensors"] == 4
+        assert engine.stats["allreduce_collectives"] == 2  # the big one alone, the small ones fused
+        assert engine.stats["fused_collectives"] == 1
+    finally:
+        engine.shutdown()
