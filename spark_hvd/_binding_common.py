@@ -107,6 +107,23 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return core().allgather_object(obj, name=name)
 
 
+def mpi_threads_supported() -> bool:
+    """Horovod compatibility: spark_hvd does not run user code on MPI threads."""
+    return False
+
+
+def mpi_built() -> bool:
+    """True when mpi4py is importable (the core's MPI backend is then available under mpirun)."""
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def gloo_built() -> bool:
+    """Horovod compatibility: the built-in TCP ring plays gloo's part and is always there."""
+    return True
+
+
 def resolve_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
     """Horovod's ``average=`` (deprecated) and ``op=`` arguments resolved to one :class:`ReduceOp`."""
     if op is not None and average is not None:

@@ -39,6 +39,7 @@ from spark_hvd.torch.mpi_ops import (
     broadcast_object,
     cross_rank,
     cross_size,
+    gloo_built,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
@@ -48,6 +49,9 @@ from spark_hvd.torch.mpi_ops import (
     join,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_threads_supported,
+    nccl_built,
     poll,
     rank,
     reducescatter,
@@ -59,11 +63,12 @@ from spark_hvd.torch.mpi_ops import (
 from spark_hvd.torch.optimizer import DistributedOptimizer
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product",
-    "Sum", "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
+    "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
-    "cross_size", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "init", "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "shutdown", "size", "synchronize",
+    "cross_size", "gloo_built", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
+    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
+    "synchronize",
 ]

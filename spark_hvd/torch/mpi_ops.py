@@ -25,10 +25,13 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     broadcast_object,
     cross_rank,
     cross_size,
+    gloo_built,
     is_initialized,
     join,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_threads_supported,
     rank,
     shutdown,
     size,
@@ -48,6 +51,12 @@ Product = common.Product
 # --------------------------------------------------------------------------------------------------------------
 # process API
 # --------------------------------------------------------------------------------------------------------------
+
+def nccl_built() -> bool:
+    """True when torch has CUDA and NCCL (the core's torch backend can then use NCCL)."""
+    return bool(torch.cuda.is_available() and torch.distributed.is_available()
+                and torch.distributed.is_nccl_available())
+
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`; none are needed under

@@ -131,6 +131,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:
                 # this rank computed no gradient for p (unused in its graph); others may have: send zeros
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif p.grad.is_sparse:
+                raise ValueError(f"parameter {self._hvd_names[id(p)]!r} has a sparse gradient, which "
+                                 "DistributedOptimizer does not reduce; use dense gradients (e.g. "
+                                 "nn.Embedding(..., sparse=False))")
             c, ctx = self._hvd_compression.compress(p.grad)
             compressed.append(c)
             ctxs.append(ctx)
