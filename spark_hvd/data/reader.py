@@ -19,12 +19,15 @@ has it, unless ``memory_pool`` says otherwise.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import logging
 import math
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +116,7 @@ class BatchReader:
             columns hold one numpy array per row); its output columns make the batch (arrays of one length per
             column are stacked to 2-D).
         prefetch: batches read ahead on a thread (0: read on the caller's thread).
+        read_ahead_pieces: row groups decoded at once on a thread pool (default ``min(4, cpu_count)``; 1: none).
         timeout_s: how long the caller waits for the read-ahead thread's next batch before raising.
         memory_pool: Arrow allocator for decoding (see :func:`resolve_memory_pool`).
         use_threads: let Arrow decode columns in parallel.
@@ -136,6 +140,7 @@ class BatchReader:
         drop_last: bool = False,
         transformation_fn: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
         prefetch: int = 4,
+        read_ahead_pieces: int | None = None,
         timeout_s: float = 600.0,
         memory_pool: str | pa.MemoryPool | None = "jemalloc",
         use_threads: bool = True,
@@ -158,6 +163,8 @@ class BatchReader:
         self.drop_last = bool(drop_last)
         self.transformation_fn = transformation_fn
         self.prefetch = max(0, int(prefetch))
+        cpus = os.cpu_count() or 1
+        self.read_ahead_pieces = max(1, int(read_ahead_pieces if read_ahead_pieces is not None else min(4, cpus)))
         self.timeout_s = float(timeout_s)
         self.use_threads = bool(use_threads)
         self._pool = resolve_memory_pool(memory_pool)
@@ -296,6 +303,8 @@ class BatchReader:
             thread.join(timeout=self.timeout_s)
             if thread.is_alive():  # pragma: no cover - a read stuck in the filesystem
                 logger.warning("%s: the read-ahead thread did not stop within %.0f s", self._where, self.timeout_s)
+            else:
+                gen.close()  # stops the decoding pool of this epoch
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
         rng = np.random.default_rng([self.seed, epoch, self.rank])
@@ -310,12 +319,33 @@ class BatchReader:
 
     # ------------------------------------------------------------------ reading
     def _passes(self, rng: np.random.Generator | None) -> Iterator[Batch | None]:
-        """Chunks of the shard, pass after pass (a ``None`` after each pass), pieces shuffled by ``rng``."""
-        while True:
-            order = rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces))
-            for i in order:
-                yield self._read(self.pieces[i])
-            yield None
+        """Chunks of the shard, pass after pass (a ``None`` after each pass), pieces shuffled by ``rng``.
+
+        Up to ``read_ahead_pieces`` pieces are decoded at once on a small thread pool (Arrow releases the GIL), and
+        handed on in order: one row group's big list column decodes on one core, so this is what keeps every core
+        busy, as a plain ``pyarrow.dataset`` scan does.
+        """
+        workers = self.read_ahead_pieces
+        if workers <= 1:
+            while True:
+                order = rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces))
+                for i in order:
+                    yield self._read(self.pieces[i])
+                yield None
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-decode-r{self.rank}")
+        try:
+            while True:
+                order = list(rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces)))
+                pending: collections.deque = collections.deque()
+                nxt = 0
+                while nxt < len(order) or pending:
+                    while nxt < len(order) and len(pending) < workers:
+                        pending.append(pool.submit(self._read, self.pieces[order[nxt]]))
+                        nxt += 1
+                    yield pending.popleft().result(timeout=self.timeout_s)
+                yield None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the reads under way
 
     def _shuffled_blocks(self, rng: np.random.Generator) -> Iterator[Block]:
         """Blocks of row ids in shuffled order, over a buffer of chunks.
