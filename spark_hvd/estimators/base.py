@@ -18,8 +18,11 @@ variable and are deserialised once per Python worker (a cache keyed by a hash of
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -394,3 +397,330 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
 
 class BaseEstimator(Estimator, _PersistableStage):
     """The shared ``fit``: check, prepare data, train with the runner, build the model. See ``torch.py``."""
+
+    #: the Model class ``fit`` returns (set by the framework subclass)
+    _model_class: type[BaseModel] = BaseModel
+
+    # ---- framework hooks
+    def _check_model(self, model: Any) -> bytes:
+        """Raise ``TypeError`` unless ``model`` is a model of this framework that serialises; return its bytes."""
+        raise NotImplementedError
+
+    def _check_loss(self, n_labels: int) -> None:
+        """Raise ``ValueError`` unless the loss param fits ``n_labels`` labels."""
+        raise NotImplementedError
+
+    def _train_function(self) -> Callable[[dict], Any]:
+        """A module-level function ``fn(spec) -> history`` run on every rank (``spec`` from ``_train_spec``)."""
+        raise NotImplementedError
+
+    def _train_spec(self, model_bytes: bytes) -> dict:
+        """The framework's part of what every rank receives (optimizer, loss, metrics ...), all picklable."""
+        raise NotImplementedError
+
+    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+        """The final model that rank 0 wrote to ``store.model_path(run_id)``."""
+        raise NotImplementedError
+
+    def _model_params(self) -> dict:
+        """Extra params of the returned Model (e.g. input_shapes)."""
+        return {}
+
+    def _log_mlflow_model(self, model: Any) -> None:
+        raise NotImplementedError
+
+    # ---- checks (all before anything runs or is written)
+    def _check(self, df: Any) -> dict:
+        """Check every param and the DataFrame's columns; return the resolved settings. Writes nothing."""
+        name = type(self).__name__
+        get = self.getOrDefault
+        store = get(self.store) if self.isDefined(self.store) else None
+        if store is None:
+            raise ValueError(f"{name}: set store, e.g. store=Store.create('/tmp/spark_hvd_store') "
+                             "(or an s3://, hdfs://, dbfs:/ URL)")
+        if isinstance(store, str):
+            from spark_hvd.store import Store
+
+            store = Store.create(store)
+        for param in ("batch_size", "epochs", "backward_passes_per_step", "partitions_per_process"):
+            value = get(getattr(self, param))
+            if value is None or value <= 0:
+                raise ValueError(f"{name}: {param} must be a positive integer, got {value!r}")
+        for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc"):
+            value = get(getattr(self, param))
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: {param} must be a positive integer or None, got {value!r}")
+        if get(self.max_retries) < 0:
+            raise ValueError(f"{name}: max_retries must be >= 0, got {get(self.max_retries)}")
+        features, labels = get(self.feature_cols), get(self.label_cols)
+        if not features:
+            raise ValueError(f"{name}: feature_cols is empty: name the column(s) the model takes as input")
+        if not labels:
+            raise ValueError(f"{name}: label_cols is empty: name the column(s) the model is trained to predict")
+        weight_col = get(self.sample_weight_col)
+        validation = get(self.validation)
+        wanted = [("feature_cols", c) for c in features] + [("label_cols", c) for c in labels]
+        if weight_col:
+            wanted.append(("sample_weight_col", weight_col))
+        if isinstance(validation, str):
+            wanted.append(("validation", validation))
+        _check_columns(df, wanted)
+        if len(set(features) | set(labels)) != len(features) + len(labels):
+            raise ValueError(f"{name}: a column is both a feature and a label: {sorted(set(features) & set(labels))}")
+        model = get(self.model) if self.isDefined(self.model) else None
+        if model is None:
+            raise ValueError(f"{name}: set model")
+        model_bytes = self._check_model(model)
+        self._check_loss(len(labels))
+        weights = get(self.loss_weights)
+        if weights is not None and len(weights) != len(labels):
+            raise ValueError(f"{name}: loss_weights has {len(weights)} entries for {len(labels)} label columns")
+        run_id = get(self.run_id) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        store.run_path(run_id)  # checks the name
+        if get(self.mlflow) is not None:
+            try:
+                import mlflow  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
+        from spark_hvd.runner.spark import check_slots
+
+        sc = df.sparkSession.sparkContext
+        num_proc = get(self.num_proc) or sc.defaultParallelism
+        check_slots(sc, num_proc)
+        return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
+
+    # ---- fit
+    def _fit(self, df: Any) -> BaseModel:
+        get = self.getOrDefault
+        plan = self._check(df)
+        store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
+        data = _prepare_data(self, df, store, num_proc)
+        spec = {
+            "store": store,
+            "run_id": run_id,
+            "data": data,
+            "feature_cols": list(get(self.feature_cols)),
+            "label_cols": list(get(self.label_cols)),
+            "sample_weight_col": get(self.sample_weight_col),
+            "batch_size": get(self.batch_size),
+            "val_batch_size": get(self.val_batch_size) or get(self.batch_size),
+            "epochs": get(self.epochs),
+            "train_steps_per_epoch": get(self.train_steps_per_epoch),
+            "validation_steps_per_epoch": get(self.validation_steps_per_epoch),
+            "shuffle": get(self.shuffle),
+            "random_seed": get(self.random_seed),
+            "callbacks": list(get(self.callbacks) or []) if self.isDefined(self.callbacks) else [],
+            "transformation_fn": get(self.transformation_fn) if self.isDefined(self.transformation_fn) else None,
+            "backward_passes_per_step": get(self.backward_passes_per_step),
+            "gradient_compression": (get(self.gradient_compression)
+                                     if self.isDefined(self.gradient_compression) else None),
+            "use_gpu": get(self.use_gpu),
+            "verbose": get(self.verbose),
+        }
+        spec.update(self._train_spec(plan["model_bytes"]))
+        from spark_hvd.runner.spark import run
+
+        log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
+        results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
+                      max_retries=get(self.max_retries), verbose=get(self.verbose))
+        history, output_shapes = results[0]["history"], results[0]["output_shapes"]
+        trained = self._load_trained_model(store, run_id)
+        metadata = {"features": data.get("features", {}), "labels": data.get("labels", {}),
+                    "output_shapes": output_shapes, "dataset": data.get("key")}
+        model = self._model_class(
+            model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
+            history=history, run_id=run_id, metadata=metadata, **self._model_params(),
+        )
+        if get(self.mlflow) is not None:
+            self._log_mlflow(model)
+        return model
+
+    def _log_mlflow(self, model: BaseModel) -> None:
+        """Params, per-epoch metrics and the model to the active MLflow tracking URI."""
+        import mlflow
+
+        experiment = self.getOrDefault(self.mlflow)
+        if experiment:
+            mlflow.set_experiment(experiment)
+        nested = mlflow.active_run() is not None
+        with mlflow.start_run(run_name=model.getRunId(), nested=nested):
+            params = {p.name: v for p, v in self.extractParamMap().items()
+                      if p.name not in OBJECT_PARAMS and v is not None}
+            params["model_class"] = type(self.getOrDefault(self.model)).__name__
+            if self.isDefined(self.optimizer) and self.getOrDefault(self.optimizer) is not None:
+                params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
+            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+            self._log_mlflow_model(model.getModel())  # first: MLflow 3 copies metrics logged before it to the model
+            for key, values in model.getHistory().items():
+                for epoch, value in enumerate(values):
+                    mlflow.log_metric(key, float(value), step=epoch)
+
+
+def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:
+    """Every (param, column) must name a column of ``df``; the error suggests the nearest existing names."""
+    import difflib
+
+    names = df.columns
+    for param, col in wanted:
+        if col not in names:
+            near = difflib.get_close_matches(col, names, n=3)
+            hint = f"; did you mean {near}?" if near else ""
+            raise ValueError(f"{param}: column {col!r} is not in the DataFrame (columns: {names}){hint}")
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+
+
+class RunFiles:
+    """A training run's files in the store, as the ranks use them (rank 0 writes, every rank may read).
+
+    ``runs/<run_id>/checkpoints/epoch-<e>/`` (committed atomically; ``e`` is the 0-based epoch just finished) holds
+    the framework's files plus ``state.json`` (``{"epoch": e, "history": {...}}``), so a resumed run continues
+    at epoch ``e + 1`` with the history so far. ``runs/<run_id>/logs/metrics.jsonl`` has one JSON line per epoch.
+    ``runs/<run_id>/model/`` holds the final model.
+    """
+
+    STATE = "state.json"
+
+    def __init__(self, store: Any, run_id: str) -> None:
+        self.store = store
+        self.run_id = run_id
+
+    def latest_checkpoint(self, local_dir: str) -> tuple[int, dict] | None:
+        """Download the newest complete checkpoint into ``local_dir``; ``(epoch, history)`` or None."""
+        latest = self.store.latest_checkpoint(self.run_id)
+        if latest is None:
+            return None
+        epoch, _ = latest
+        self.store.download_checkpoint(self.run_id, epoch, local_dir)
+        with open(f"{local_dir}/{self.STATE}") as f:
+            state = json.load(f)
+        return int(state["epoch"]), dict(state.get("history") or {})
+
+    def write_checkpoint(self, epoch: int, local_dir: str, history: dict) -> None:
+        """Commit ``local_dir`` (plus ``state.json``) as the checkpoint of ``epoch``, and the metrics log."""
+        with open(f"{local_dir}/{self.STATE}", "w") as f:
+            json.dump({"epoch": epoch, "history": history, "time": time.time()}, f)
+        self.store.write_checkpoint(self.run_id, epoch, local_dir)
+        self.write_metrics(history)
+
+    def write_metrics(self, history: dict) -> None:
+        """Rewrite ``logs/metrics.jsonl``: one line per epoch so far (the store has no append)."""
+        n = max((len(v) for v in history.values()), default=0)
+        lines = [json.dumps({"epoch": e, **{k: v[e] for k, v in history.items() if e < len(v)}}) for e in range(n)]
+        self.store.write_bytes(f"{self.store.logs_path(self.run_id)}/metrics.jsonl",
+                               ("\n".join(lines) + "\n").encode())
+
+    def write_model(self, local_dir: str) -> None:
+        """Commit ``local_dir`` as ``runs/<run_id>/model``."""
+        with self.store.atomic_dir(self.store.model_path(self.run_id)) as target:
+            self.store.upload_dir(local_dir, target)
+
+    def read_model_file(self, name: str) -> bytes:
+        """A file of the final model directory."""
+        return self.store.read_bytes(f"{self.store.model_path(self.run_id)}/{name}")
+
+
+def append_history(history: dict[str, list[float]], metrics: dict[str, float]) -> None:
+    """Add one epoch's metrics to ``history`` (``{name: [per epoch]}``)."""
+    for key, value in metrics.items():
+        history.setdefault(key, []).append(float(value))
+
+
+# ------------------------------------------------------------------------------------------------ data glue
+
+
+def model_input_dtype(stored: str | None) -> Any:
+    """The numpy dtype a model gets for a column stored as ``stored``: floats and bools as float32 (the
+    frameworks' default parameter dtype), integers as int64 (class indices, embedding ids). Used by training and
+    by ``transform`` alike, so both feed the model the same arrays."""
+    if stored is None:
+        return None
+    dt = np.dtype(stored)
+    return np.int64 if np.issubdtype(dt, np.integer) else np.float32
+
+
+def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> dict:
+    """``spark_hvd.data.prepare_data`` with the estimator's params; returns the dataset metadata as JSON."""
+    from spark_hvd.data.prepare import prepare_data
+
+    get = est.getOrDefault
+    validation = get(est.validation)
+    if validation == 0.0:
+        validation = None
+    info = prepare_data(
+        df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
+        sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
+        partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
+    )
+    data = info.to_json()
+    data["features"] = {c: {"dtype": np.dtype(model_input_dtype(info.columns[c].dtype)).name,
+                            "shape": list(info.columns[c].shape), "kind": info.columns[c].kind}
+                        for c in info.feature_cols}
+    data["labels"] = {c: {"dtype": info.columns[c].dtype, "shape": list(info.columns[c].shape),
+                          "kind": info.columns[c].kind} for c in info.label_cols}
+    return data
+
+
+class ShardReaders:
+    """On a rank: its shard of the prepared train/val data as numpy batches (``spark_hvd.data.BatchReader``).
+
+    Feature columns come as ``model_input_dtype`` arrays of shape ``(rows, *shape)``; labels and weights as stored.
+    Every rank yields the same number of training batches per epoch (the reader guarantees it), so the
+    collectives of the training step stay in step across ranks.
+    """
+
+    def __init__(self, spec: dict, rank: int, size: int) -> None:
+        from spark_hvd.data.metadata import DatasetInfo
+        from spark_hvd.data.reader import BatchReader
+
+        self.spec = spec
+        self.info = DatasetInfo.from_json(spec["data"])
+        cols = list(spec["feature_cols"]) + list(spec["label_cols"])
+        if spec["sample_weight_col"]:
+            cols.append(spec["sample_weight_col"])
+        self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec["feature_cols"]}
+        seed = spec["random_seed"] or 0
+        self.readers = {"train": BatchReader.from_dataset(
+            spec["store"], self.info, "train", columns=cols, rank=rank, size=size, batch_size=spec["batch_size"],
+            shuffle=spec["shuffle"], seed=seed, transformation_fn=spec["transformation_fn"])}
+        if self.info.has_validation:
+            self.readers["val"] = BatchReader.from_dataset(
+                spec["store"], self.info, "val", columns=cols, rank=rank, size=size,
+                batch_size=spec["val_batch_size"], shuffle=False, seed=seed,
+                transformation_fn=spec["transformation_fn"])
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether the dataset has a validation split."""
+        return "val" in self.readers
+
+    def steps(self, split: str) -> int:
+        """Batches per epoch of ``split`` on every rank."""
+        limit = self.spec["train_steps_per_epoch" if split == "train" else "validation_steps_per_epoch"]
+        return int(limit) if limit else len(self.readers[split])
+
+    def epoch(self, split: str, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        """Exactly ``steps(split)`` batches (passing over the shard again if ``*_steps_per_epoch`` asks for more)."""
+        reader, steps = self.readers[split], self.steps(split)
+        done, lap = 0, 0
+        while done < steps:
+            gen = reader.epoch(epoch * 1000 + lap)
+            try:
+                for batch in gen:
+                    yield self._cast(batch)
+                    done += 1
+                    if done >= steps:
+                        break
+            finally:
+                close = getattr(gen, "close", None)
+                if close is not None:
+                    close()
+            lap += 1
+
+    def _cast(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        for col, dt in self._dtypes.items():
+            arr = batch.get(col)
+            if arr is not None and dt is not None and arr.dtype != dt:
+                batch[col] = arr.astype(dt)
+        return batch

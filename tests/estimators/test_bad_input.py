@@ -1,0 +1,103 @@
+"""Every bad input of TorchEstimator.fit fails with a clear error before any Spark job runs, the store untouched."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from spark_hvd.estimators import TorchEstimator
+from spark_hvd.store import Store
+
+pytestmark = pytest.mark.spark
+
+
+class _Unpicklable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.fixture(scope="module")
+def df(spark):
+    from pyspark.ml.linalg import Vectors
+
+    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2)) for i in range(8)],
+                                 ["features", "label", "weight"])
+
+
+def _kwargs(store, **kw):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 1))
+    args = dict(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss="mse",
+                feature_cols=["features"], label_cols=["label"], batch_size=4, epochs=1, verbose=0)
+    args.update(kw)
+    return args
+
+
+CASES = [
+    ("missing feature column", dict(feature_cols=["nope"]), ValueError, r"feature_cols: column 'nope' is not in"),
+    ("misspelt label column", dict(label_cols=["lable"]), ValueError, r"'lable'.*did you mean \['label'\]"),
+    ("misspelt weight column", dict(sample_weight_col="wieght"), ValueError, r"sample_weight_col.*'weight'"),
+    ("misspelt validation column", dict(validation="is_val"), ValueError, r"validation: column 'is_val'"),
+    ("two losses, one label", dict(loss=["mse", "l1"]), ValueError, r"2 losses for 1 label columns"),
+    ("unknown loss name", dict(loss="hinge"), ValueError, r"unknown loss name 'hinge'"),
+    ("no loss", dict(loss=None), ValueError, r"set loss"),
+    ("loss weights", dict(loss_weights=[1.0, 2.0]), ValueError, r"loss_weights has 2 entries for 1"),
+    ("unpicklable model", dict(model=_Unpicklable()), TypeError, r"_Unpicklable\) cannot be pickled"),
+    ("not a module", dict(model="resnet"), TypeError, r"torch.nn.Module"),
+    ("zero batch size", dict(batch_size=0), ValueError, r"batch_size must be a positive integer, got 0"),
+    ("negative epochs", dict(epochs=-1), ValueError, r"epochs must be a positive integer, got -1"),
+    ("zero epochs", dict(epochs=0), ValueError, r"epochs must be a positive integer"),
+    ("too many processes", dict(num_proc=3), Exception, r"num_proc=3.*only \d+ free task slots"),
+    ("no store", dict(store=None), ValueError, r"set store"),
+    ("foreign optimizer", dict(optimizer="adam"), TypeError, r"torch.optim.Optimizer"),
+    ("bad run id", dict(run_id="../escape"), Exception, r"run_id"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,exc,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_before_anything_runs(spark, df, tmp_path, what, kwargs, exc, match):
+    root = tmp_path / "store"
+    store = None if kwargs.get("store", 1) is None else Store.create(str(root))
+    kwargs = {k: v for k, v in kwargs.items() if k != "store"}
+    if kwargs.get("optimizer") == "adam":
+        est = TorchEstimator(**_kwargs(store))
+        est.setOptimizer("adam")
+    else:
+        est = TorchEstimator(**_kwargs(store, **kwargs))
+    sc = spark.sparkContext
+    group = f"bad-input-{abs(hash(what))}"
+    sc.setJobGroup(group, what)
+    try:
+        with pytest.raises(exc, match=match):
+            est.fit(df)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert list(sc.statusTracker().getJobIdsForGroup(group)) == [], "a Spark job ran before the error"
+    assert not root.exists() or not any(root.rglob("*")), "the store was written to"
+
+
+def test_non_int_params_are_rejected_when_set():
+    with pytest.raises(TypeError):
+        TorchEstimator(batch_size="big")
+    with pytest.raises(ValueError, match="validation fraction"):
+        TorchEstimator(validation=1.5)
+
+
+def test_estimator_params_spark_style():
+    est = TorchEstimator(batch_size=16)
+    assert est.getBatchSize() == 16 and est.getEpochs() == 1 and est.getShuffle() is True
+    assert est.setEpochs(3) is est and est.getEpochs() == 3
+    est.setFeatureCols("f")
+    assert est.getFeatureCols() == ["f"]
+    text = est.explainParams()
+    for name in ("num_proc", "loss_weights", "backward_passes_per_step", "mlflow", "input_shapes", "store"):
+        assert name in text
+    copy = est.copy({est.batch_size: 64})
+    assert copy.getBatchSize() == 64 and est.getBatchSize() == 16
