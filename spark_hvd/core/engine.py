@@ -530,7 +530,11 @@ class Engine:
                 ids.append(cache_id)
         self.stats["cache_hits"] += len(ids)
         self.stats["full_requests"] += len(full)
-        payload = json.dumps([int(join_flag), int(shutdown_flag), ids, full], separators=(",", ":")).encode()
+        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full]
+        first_round = self.stats["rounds"] == 0
+        if first_round:  # every rank must plan fusion and the cache alike
+            fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
+        payload = json.dumps(fields, separators=(",", ":")).encode()
         message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
         gathered = self.backend.allgather(message)
         self.stats["rounds"] += 1
@@ -539,7 +543,9 @@ class Engine:
         shutdown_ranks: list[int] = []
         new_joins: list[int] = []
         progress = False
-        for r, (jf, sf, r_ids, r_full) in enumerate(messages):
+        if first_round:
+            self._check_same_settings([m[4] for m in messages])
+        for r, (jf, sf, r_ids, r_full, *_) in enumerate(messages):
             if sf:
                 shutdown_ranks.append(r)
             if jf:
@@ -573,6 +579,13 @@ class Engine:
         if self.timeline is not None and (progress or ready):
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
         return False
+
+    def _check_same_settings(self, configs: list[list[int]]) -> None:
+        if all(c == configs[0] for c in configs):
+            return
+        detail = "; ".join(f"rank {r}: fusion_threshold={c[0]} cache_capacity={c[1]}" for r, c in enumerate(configs))
+        raise SparkHvdError("the ranks of this job run with different SPARK_HVD_FUSION_THRESHOLD / "
+                            f"SPARK_HVD_CACHE_CAPACITY ({detail}); every rank must use the same values")
 
     def _parse(self, gathered: np.ndarray) -> list[list]:
         data = gathered.tobytes()

@@ -235,3 +235,21 @@ def test_engine_packing_sends_large_tensors_alone():
         assert engine.stats["fused_collectives"] == 1
     finally:
         engine.shutdown()
+
+
+def _different_settings_job() -> str:
+    core.init()
+    try:
+        core.allreduce(np.ones(2), name="x")
+    except core.SparkHvdError as exc:
+        return str(exc)
+    finally:
+        core.shutdown()
+    return "no error"
+
+
+def test_ranks_with_different_fusion_settings_fail_clearly():
+    results = run_ranks(_different_settings_job, 2, env=lambda r: {"SPARK_HVD_FUSION_THRESHOLD": str(1024 * (r + 1))},
+                        timeout=60)
+    for message in results:
+        assert "rank 0: fusion_threshold=1024" in message and "rank 1: fusion_threshold=2048" in message, message
