@@ -456,14 +456,12 @@ class Engine:
                 self._wait_for_round()
                 if self._round():
                     break
-        except PeerFailureError as exc:
+        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ by rank
             logger.error("rank %d: %s", self.rank, exc)
             self._fail_all(exc)
-        except BaseException as exc:  # a bug or a backend error: every waiter must hear of it
+        except BaseException as exc:  # a bug: every waiter must hear of it
             logger.exception("the spark_hvd engine of rank %d failed", self.rank)
-            error = exc if isinstance(exc, SparkHvdError) else SparkHvdError(
-                f"the spark_hvd engine of rank {self.rank} failed: {exc!r}")
-            self._fail_all(error)
+            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} failed: {exc!r}"))
         finally:
             self._stopped = True
             if self.timeline is not None:
@@ -737,7 +735,7 @@ class Engine:
                         tl.event(entry.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
                         tl.event(entry.name, "ALLREDUCE", t1, t2, fused=len(bufs))
                         tl.event(entry.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-        except PeerFailureError:
+        except (PeerFailureError, ShutdownError):
             raise
         except Exception as exc:
             error = SparkHvdError(f"allreduce of {[e.name for e, _, _ in chunk]} failed on rank {self.rank}: {exc}")
@@ -791,7 +789,7 @@ class Engine:
                 scale_inplace(result, meta.postscale, meta.bfloat16)
             else:  # pragma: no cover - enqueue rejects unknown kinds
                 raise SparkHvdError(f"unknown collective {kind!r}")
-        except PeerFailureError:
+        except (PeerFailureError, ShutdownError):
             raise
         except Exception as exc:
             if request is not None:

@@ -23,7 +23,7 @@ def _ring_job() -> dict:
     try:
         n = core.size()
         assert core.backend_name() == ("local" if n == 1 else "ring")
-        report = {"checked": sc.collectives(seed=30 + n)}
+        report = {"checked": sc.collectives(seed=30 + n, full_matrix=n <= 2)}
         sc.different_orders(seed=n)
         report["fusion"] = sc.fusion()
         report["fusion_again"] = sc.fusion()
@@ -41,7 +41,7 @@ def _ring_job() -> dict:
 def test_engine_on_ring(n):
     reports = run_ranks(_ring_job, n, env=FAST, timeout=170)
     for report in reports:
-        assert report["checked"] > 20
+        assert report["checked"] >= (27 if n <= 2 else 14)
         first, again = report["fusion"], report["fusion_again"]
         assert first["allreduce_tensors"] == again["allreduce_tensors"] == 100
         # fused: far fewer collectives than tensors (they may arrive in a few rounds on a loaded machine)
@@ -67,9 +67,9 @@ def _stall_job() -> str:
 
 def test_stall_warning_names_tensor_and_missing_ranks():
     env = dict(FAST, SPARK_HVD_STALL_CHECK_TIME="0.5")
-    messages = run_ranks(_stall_job, 3, env=env, timeout=120)
+    messages = run_ranks(_stall_job, 2, env=env, timeout=120)
     assert "'lonely'" in messages[0]
-    assert "ranks [0]" in messages[0] and "ranks [1, 2]" in messages[0], messages[0]
+    assert "ranks [0]" in messages[0] and "ranks [1]" in messages[0], messages[0]
 
 
 def _killed_peer_job() -> str:
@@ -168,13 +168,13 @@ def _idle_job() -> dict:
         # 1. nobody has work: the engines sleep (heartbeat rounds only)
         core.barrier()
         c0, t0 = cpu(), time.monotonic()
-        time.sleep(2.0)  # the idle period under test, not a synchronisation
+        time.sleep(1.5)  # the idle period under test, not a synchronisation
         idle = (cpu() - c0) / (time.monotonic() - t0)
-        # 2. rank 0 "validates" for 3 timeouts while rank 1 waits in an allreduce: no timeout, little CPU
+        # 2. rank 0 "validates" for 2 timeouts while rank 1 waits in an allreduce: no timeout, little CPU
         buf = np.full(3, float(core.rank() + 1))
         c0, t0 = cpu(), time.monotonic()
         if core.rank() == 0:
-            time.sleep(3 * core.settings().timeout_s)
+            time.sleep(2 * core.settings().timeout_s)
         core.allreduce(buf, name="after_validation", op=core.Sum)
         waiting = (cpu() - c0) / (time.monotonic() - t0)
         assert np.all(buf == 3.0)
