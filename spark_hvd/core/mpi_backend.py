@@ -28,7 +28,10 @@ class MpiBackend(Backend):
     name = "mpi"
 
     def __init__(self, settings: Settings | None = None, comm: Any = None) -> None:
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ImportError("the MPI backend needs mpi4py and an MPI library: pip install 'spark_hvd[mpi]'") from exc
 
         self._mpi = MPI
         self.settings = settings or Settings.from_env()

@@ -39,8 +39,12 @@ class TorchBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, settings: Settings | None = None,
                  job_id: str = "", device: str | None = None) -> None:
-        import torch
-        import torch.distributed as dist
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:
+            raise ImportError("the torch backend (SPARK_HVD_BACKEND=torch) needs PyTorch: "
+                              "pip install 'spark_hvd[torch]'") from exc
 
         self._torch = torch
         self._dist = dist
