@@ -220,7 +220,7 @@ class DriverService:
                 elif kind == "error":
                     finished = True
                     self._add_failure(RankFailure(rank, "exception", msg[1], msg[2], msg[3], time.time(),
-                                                  consequence=msg[1] in CONSEQUENCE_TYPES or self._cancelled))
+                                                  consequence=msg[1] in CONSEQUENCE_TYPES))
                     return
                 elif kind == "done":
                     finished = True
@@ -470,6 +470,7 @@ class OutputForwarder:
                 stream_obj.reconfigure(line_buffering=value)
             except (AttributeError, ValueError, OSError):
                 pass
+        self._line_buffering.clear()
         for fd, saved in self._saved.items():
             os.dup2(saved, fd)  # drops our write end of the pipe: the reader sees EOF
         deadline = time.monotonic() + timeout_s

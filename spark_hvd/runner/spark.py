@@ -191,6 +191,10 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
         payload = cloudpickle.dumps(result)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the driver, then to Spark
         error = exc
+        # tell the driver before shutting the core down: the peers' errors that the shutdown causes must
+        # arrive after this rank's own, so the driver names the cause and not a consequence
+        forwarder.stop()
+        client.send_error(error)
     finally:
         if core is not None:
             try:
@@ -204,9 +208,7 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-        if error is not None:
-            client.send_error(error)
-        else:
+        if error is None:
             client.send_done()
         client.close()
     if error is not None:
@@ -371,7 +373,11 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
         started_by = time.monotonic() + start_timeout
         timed_out = False
         while thread.is_alive():
-            service.changed.wait(0.5)
+            try:
+                service.changed.wait(0.5)
+            except KeyboardInterrupt:  # the caller gave up: stop the ranks rather than leave them running
+                cancel()
+                raise
             service.changed.clear()
             if service.failures and not cancelled.is_set():
                 cancel()
