@@ -18,6 +18,7 @@ import base64
 import hmac
 import json
 import logging
+import operator
 import os
 import secrets
 import socket
@@ -287,7 +288,11 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
         raise RunnerError("spark_hvd.runner.run needs an active SparkContext: create a SparkSession first")
     if num_proc is None:
         num_proc = sc.defaultParallelism
-    if not isinstance(num_proc, int) or num_proc < 1:
+    try:
+        num_proc = operator.index(num_proc)
+    except TypeError:
+        raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}") from None
+    if num_proc < 1:
         raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}")
     if max_retries < 0:
         raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
