@@ -33,7 +33,7 @@ CHECKS = [
 # at size 1 (no launcher): the size-1 paths, not every feature again
 QUICK_CHECKS = ["before_init_error", "collectives_float32_eager", "collectives_bfloat16_eager",
                 "collectives_float32_tf_function", "objects_barrier", "fit_matches_single_process",
-                "one_grouped_collective_per_step", "broadcast_callback_and_metric_average", "save_and_load_model"]
+                "save_and_load_model"]
 
 
 @pytest.fixture(scope="module")
