@@ -110,6 +110,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         log.debug("DistributedOptimizer ignores Horovod-only arguments %s", sorted(kwargs))
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
+            keras.config.dtype_policy().name == "mixed_float16":
+        # LossScaleOptimizer skips the inner update on non-finite local gradients, so ranks could disagree on
+        # whether the collective runs and wait on each other: refuse rather than risk a hang
+        raise NotImplementedError("DistributedOptimizer does not support loss scaling (LossScaleOptimizer / the "
+                                  "mixed_float16 policy) yet; use float32 or bfloat16 ('mixed_bfloat16')")
     cls = wrap_optimizer_class(type(optimizer), compression, op, gradient_predivide_factor)
     config = optimizer.get_config()
     if name is not None:
