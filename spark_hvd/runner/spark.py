@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
 #: Seconds to wait for the Spark job to end after it was cancelled.
 CANCEL_WAIT_S = 120.0
+#: Seconds a failed run waits for its killed tasks to leave their slots.
+TASKS_GONE_WAIT_S = 60.0
 
 _last_events: list[Event] = []
 
@@ -402,6 +404,7 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
             by_rank = dict(outcome["results"])
             return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
         service.wait_finished(10.0, only_started=True)
+        _wait_tasks_gone(sc, group, TASKS_GONE_WAIT_S)
         root = service.root_failure()
         detail = _spark_message(outcome.get("error"))
         if root is not None:
@@ -409,6 +412,30 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
         raise RunnerError(f"spark_hvd run {job_id} failed before any rank reported an error: {detail}")
     finally:
         service.stop()
+
+
+def _wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
+    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            active = 0
+            for job_id in tracker.getJobIdsForGroup(group):
+                job = tracker.getJobInfo(job_id)
+                for stage_id in (job.stageIds if job else []):
+                    stage = tracker.getStageInfo(stage_id)
+                    active += stage.numActiveTasks if stage else 0
+        except Exception:  # the status tracker is best effort
+            logger.debug("spark_hvd: status tracker query failed", exc_info=True)
+            return False
+        if active == 0:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("spark_hvd: %d task(s) of job group %s still running %.0f s after the run failed",
+                           active, group, timeout_s)
+            return False
+        threading.Event().wait(0.2)
 
 
 def _spark_message(exc: BaseException | None, limit: int = 2000) -> str:
