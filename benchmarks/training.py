@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     configs = [(m, n) for n in (1, 2) for m in MODES]
+    load_before = os.getloadavg()[0]
     samples: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -147,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         a, b = med[("spark_hvd", n)], med[("ddp", n)]
         lines.append(f"| {n} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
     eff = {m: med[(m, 2)] / (2 * med[(m, 1)]) for m in MODES}
+    lines += ["", f"1-minute load average of this {os.cpu_count()}-core host: {load_before:.1f} at the start, "
+              f"{os.getloadavg()[0]:.1f} at the end (other jobs were running)"]
     lines += ["", f"scaling efficiency 1 -> 2 processes: spark_hvd {eff['spark_hvd']:.2f}, DDP {eff['ddp']:.2f}",
               "", "all runs (samples/s): " + "; ".join(
                   f"{m} np={n}: " + ", ".join(f"{v:.1f}" for v in samples[(m, n)]) for m, n in configs)]
