@@ -128,11 +128,11 @@ def _worker(impl: str) -> None:
             for _ in range(warmup):
                 allreduce(buf)
             barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 allreduce(buf)
-            elapsed = time.perf_counter() - start
-        control.send_object(("result", elapsed / iters))
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        control.send_object(("result", elapsed / iters, cpu / iters))
     barrier()
     close()
     control.close()
@@ -164,10 +164,12 @@ class Group:
         for rank in range(n):
             self.procs.append(subprocess.Popen(script, env={**env, **extra, "SPARK_HVD_RANK": str(rank)}))
 
-    def run(self, nbytes: int, iters: int, warmup: int) -> float:
+    def run(self, nbytes: int, iters: int, warmup: int) -> tuple[float, float]:
+        """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
         for conn in self.conns.values():
             conn.send_object(("run", nbytes, iters, warmup))
-        return max(conn.recv_object()[1] for conn in self.conns.values())
+        replies = [conn.recv_object() for conn in self.conns.values()]
+        return max(r[1] for r in replies), sum(r[2] for r in replies) / len(replies)
 
     def stop(self) -> None:
         for conn in self.conns.values():
@@ -217,9 +219,10 @@ def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group
     return groups_list
 
 
-def bench(n: int, impls: list[str], sizes: list[int], rounds: int, quick: bool) -> dict[tuple[str, int], list[float]]:
+def bench(n: int, impls: list[str], sizes: list[int], rounds: int,
+          quick: bool) -> dict[tuple[str, int], list[tuple[float, float]]]:
     groups = start_groups(impls, n)
-    times: dict[tuple[str, int], list[float]] = {}
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for rnd in range(rounds):
             order = groups[rnd % len(groups):] + groups[:rnd % len(groups)]
@@ -236,18 +239,21 @@ def bench(n: int, impls: list[str], sizes: list[int], rounds: int, quick: bool) 
     return times
 
 
-def table(n: int, impls: list[str], sizes: list[int], times: dict[tuple[str, int], list[float]]) -> str:
-    head = ["size"] + [f"{i} {col}" for i in impls for col in ("time", "busbw")] + \
+def table(n: int, impls: list[str], sizes: list[int], times: dict[tuple[str, int], list[tuple[float, float]]]) -> str:
+    head = ["size"] + [f"{i} {col}" for i in impls for col in ("time", "busbw", "cpu")] + \
         [f"{i}/gloo" for i in impls if i != "gloo" and "gloo" in impls]
-    lines = [f"N={n} (median of {len(next(iter(times.values())))} rounds; busbw in GB/s; x/gloo = busbw ratio)",
+    lines = [f"N={n} (median of {len(next(iter(times.values())))} rounds; time: slowest rank per allreduce; busbw in "
+             "GB/s; cpu: CPU time per allreduce per rank; x/gloo = busbw ratio)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     factor = 2 * (n - 1) / n
     for nbytes in sizes:
-        med = {i: statistics.median(times[(i, nbytes)]) for i in impls}
+        med = {i: statistics.median(t for t, _ in times[(i, nbytes)]) for i in impls}
+        cpu = {i: statistics.median(c for _, c in times[(i, nbytes)]) for i in impls}
         row = [human(nbytes)]
         for i in impls:
             t = med[i]
-            row += [f"{t * 1e3:.3f} ms" if t < 1 else f"{t:.2f} s", f"{factor * nbytes / t / 1e9:.2f}"]
+            row += [f"{t * 1e3:.3f} ms" if t < 1 else f"{t:.2f} s", f"{factor * nbytes / t / 1e9:.2f}",
+                    f"{cpu[i] * 1e3:.3f} ms"]
         if "gloo" in impls:
             row += [f"{med['gloo'] / med[i]:.2f}x" for i in impls if i != "gloo"]
         lines.append("| " + " | ".join(row) + " |")

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import socket
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -121,6 +122,13 @@ def _collective(name: str) -> Callable[[F], F]:
     return wrap
 
 
+def _unpack(packed: np.ndarray, segs: Sequence[np.ndarray]) -> None:
+    offset = 0
+    for seg in segs:
+        seg[...] = packed[offset:offset + seg.size]
+        offset += seg.size
+
+
 def _flat(buf: np.ndarray, what: str) -> np.ndarray:
     if not isinstance(buf, np.ndarray):
         raise TypeError(f"{what} expects a numpy array, got {type(buf).__name__}")
@@ -136,7 +144,7 @@ class RingBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
-                 shm_slots: int = 16, frame_bytes: int = FRAME_BYTES) -> None:
+                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -146,6 +154,7 @@ class RingBackend(Backend):
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
         self.peers: dict[int, PeerSocket] = {}
         self.shm: ShmGroup | None = None
+        self._leaders: list[int] = []
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
@@ -182,12 +191,14 @@ class RingBackend(Backend):
             self._watcher = PeerWatcher(list(self.peers.values()))
             self._worker = SendWorker()
             self.transport = "tcp"
-            all_local = self.local_size == size
+            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy
+            local_ranks = [r for r, i in enumerate(infos) if i["host_id"] == host_id]
             attached = False
-            if own_segment is not None and all_local and all(i.get("shm") for i in infos):
-                own_segment.local, own_segment.ranks, own_segment.size = rank, list(range(size)), size
+            if own_segment is not None and all(i.get("shm") for i in infos):
+                own_segment.local, own_segment.ranks = self.local_rank, local_ranks
+                own_segment.size = len(local_ranks)
                 try:
-                    own_segment.attach([i["shm"] for i in infos])
+                    own_segment.attach([infos[r]["shm"] for r in local_ranks])
                     attached = True
                 except OSError as exc:
                     logger.warning("rank %d could not map the shared memory of its peers (%s); using TCP", rank, exc)
@@ -197,9 +208,14 @@ class RingBackend(Backend):
                 own_segment.unlink()
                 for path in known_paths:
                     unlink_quietly(path)
-            if attached and all(f == b"1" for f in flags):
-                self.shm = own_segment
-                self.transport = "shm"
+            if attached and all(f == b"1" for f in flags) and max(Counter(i["host_id"] for i in infos).values()) > 1:
+                self.shm = own_segment if self.local_size > 1 else None
+                if self.shm is None:
+                    own_segment.close()
+                self.transport = "shm" if self.local_size == size else "hier"
+                # host leaders (local rank 0), in host order, run the TCP ring between hosts
+                self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h)
+                                 for h in dict.fromkeys(i["host_id"] for i in infos)]
             elif own_segment is not None:
                 own_segment.close()
             own_segment = None
@@ -338,33 +354,71 @@ class RingBackend(Backend):
         return out
 
     # -- ring steps over TCP -----------------------------------------------------------------------------------
+    def _neighbours(self, members: Sequence[int] | None) -> tuple[int, int, int, int]:
+        """(position, ring size, right rank, left rank) of this rank in the ring of ``members`` (default: all)."""
+        if members is None:
+            n, r = self.size, self.rank
+            return r, n, (r + 1) % n, (r - 1) % n
+        n, r = len(members), members.index(self.rank)
+        return r, n, members[(r + 1) % n], members[(r - 1) % n]
+
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
-                             operation: str) -> None:
-        """After N-1 steps rank r holds the reduction of elements ``bounds[r]:bounds[r+1]``."""
-        n, r = self.size, self.rank
-        right, left = (r + 1) % n, (r - 1) % n
+                             operation: str, members: Sequence[int] | None = None) -> None:
+        """After N-1 steps the member at ring position p holds the reduction of ``bounds[p]:bounds[p+1]``."""
+        r, n, right, left = self._neighbours(members)
         for s in range(n - 1):
             send_c, recv_c = (r - s - 1) % n, (r - s - 2) % n
             posted = self._post(right, flat[bounds[send_c]:bounds[send_c + 1]].view(np.uint8), operation)
             self._recv_reduce(left, flat[bounds[recv_c]:bounds[recv_c + 1]], op, bfloat16, operation)
             self._wait_sent(posted, operation)
 
-    def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
-        """Rank r holds bytes ``bounds[r]:bounds[r+1]`` of ``raw``; afterwards every rank holds all."""
-        n, r = self.size, self.rank
-        right, left = (r + 1) % n, (r - 1) % n
+    def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
+                        members: Sequence[int] | None = None) -> None:
+        """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""
+        r, n, right, left = self._neighbours(members)
         for s in range(n - 1):
             send_c, recv_c = (r - s) % n, (r - s - 1) % n
             posted = self._post(right, raw[bounds[send_c]:bounds[send_c + 1]], operation)
             self._recv(left, raw[bounds[recv_c]:bounds[recv_c + 1]], operation)
             self._wait_sent(posted, operation)
 
-    def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        bounds = even_bounds(flat.size, self.size)
-        self._ring_reduce_scatter(flat, bounds, op, bfloat16, operation)
+    def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                       members: Sequence[int] | None = None) -> None:
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank)."""
+        r, n, _, _ = self._neighbours(members)
+        bounds = even_bounds(flat.size, n)
+        self._ring_reduce_scatter(flat, bounds, op, bfloat16, operation, members)
         if op is ReduceOp.AVERAGE:
-            divide_average(flat[bounds[self.rank]:bounds[self.rank + 1]], self.size, bfloat16)
-        self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation)
+            divide_average(flat[bounds[r]:bounds[r + 1]], n, bfloat16)
+        self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation, members)
+
+    def _allreduce_segments(self, segs: list[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """Allreduce the concatenation of flat same-dtype arrays, in place, with the best transport."""
+        if self.transport == "shm":
+            assert self.shm is not None
+            self.shm.allreduce(segs, op, bfloat16, operation, self._check_peers)
+            return
+        if self.transport == "hier":
+            # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
+            # result within the host again; AVERAGE is a SUM divided once at the end
+            inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+            if self.shm is not None:
+                self.shm.allreduce(segs, inner, bfloat16, operation, self._check_peers)
+            if self.local_rank == 0:
+                packed = segs[0] if len(segs) == 1 else np.concatenate(segs)
+                self._tcp_allreduce(packed, inner, bfloat16, operation, self._leaders)
+                if len(segs) > 1:
+                    _unpack(packed, segs)
+            if self.shm is not None:
+                self.shm.broadcast(segs, 0, operation, self._check_peers)
+            if op is ReduceOp.AVERAGE:
+                for seg in segs:
+                    divide_average(seg, self.size, bfloat16)
+            return
+        packed = segs[0] if len(segs) == 1 else np.concatenate(segs)
+        self._tcp_allreduce(packed, op, bfloat16, operation)
+        if len(segs) > 1:
+            _unpack(packed, segs)
 
     # -- Backend API -------------------------------------------------------------------------------------------
     @_collective("allreduce")
@@ -374,10 +428,7 @@ class RingBackend(Backend):
         check_dtype(flat, bfloat16)
         if self.size == 1 or flat.size == 0:
             return
-        if self.shm is not None:
-            self.shm.allreduce([flat], op, bfloat16, "allreduce", self._check_peers)
-        else:
-            self._tcp_allreduce(flat, op, bfloat16, "allreduce")
+        self._allreduce_segments([flat], op, bfloat16, "allreduce")
 
     @_collective("allreduce")
     def allreduce_fused(self, bufs: Sequence[np.ndarray], op: ReduceOp, *, bfloat16: bool = False) -> None:
@@ -394,19 +445,9 @@ class RingBackend(Backend):
             if f.dtype != dtype:
                 raise TypeError(f"allreduce_fused: array {i} has dtype {f.dtype}, array 0 has {dtype}")
             check_dtype(f, bfloat16)
-        if self.shm is not None:
-            self.shm.allreduce(flats, op, bfloat16, "allreduce", self._check_peers)
-            return
-        total = sum(f.size for f in flats)
-        if total == 0:
-            return
-        packed = np.concatenate(flats) if len(flats) > 1 else flats[0]
-        self._tcp_allreduce(packed, op, bfloat16, "allreduce")
-        if len(flats) > 1:
-            offset = 0
-            for f in flats:
-                f[...] = packed[offset:offset + f.size]
-                offset += f.size
+        flats = [f for f in flats if f.size]
+        if flats:
+            self._allreduce_segments(flats, op, bfloat16, "allreduce")
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:
@@ -443,6 +484,10 @@ class RingBackend(Backend):
             raise ValueError(f"broadcast: root rank {root} is outside a job of size {self.size}")
         flat = _flat(buf, "broadcast")
         if self.size == 1 or flat.size == 0:
+            return
+        if self.transport == "shm":
+            assert self.shm is not None
+            self.shm.broadcast([flat], root, "broadcast", self._check_peers)
             return
         raw = flat.view(np.uint8)
         if self.rank == root:
@@ -509,8 +554,8 @@ class RingBackend(Backend):
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         work = np.array(buf, copy=True, order="C").reshape(-1)
         if self.size > 1 and work.size:
-            if self.shm is not None:
-                self.shm.allreduce([work], op, bfloat16, "reducescatter", self._check_peers)
+            if self.transport in ("shm", "hier"):
+                self._allreduce_segments([work], op, bfloat16, "reducescatter")
             else:
                 self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
                 if op is ReduceOp.AVERAGE:

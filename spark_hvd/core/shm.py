@@ -46,7 +46,7 @@ SHM_DIR = "/dev/shm"
 CTRL_BYTES = 4096
 # control words (int64 index into the control page), one cache line apart
 IN, RED, OUT, PID = 0, 8, 16, 24
-SPIN_CHECKS = 3000
+SPIN_CHECKS = 500
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
 
@@ -243,6 +243,52 @@ class ShmGroup:
 
     def _ready_all(self, word: int, target: int) -> bool:
         return all(self.ctrl[k][word] >= target for k in range(self.size) if k != self.local)
+
+    # -- broadcast ---------------------------------------------------------------------------------------------
+    def broadcast(self, segs: Sequence[np.ndarray], root: int, operation: str,
+                  check_peers: Callable[[str], None]) -> None:
+        """Overwrite the flat arrays ``segs`` with those of group member ``root``, block by block.
+
+        The root copies each block into its slot and publishes ``IN`` and ``OUT``; the others copy it out and
+        publish ``OUT`` (which frees the slot for the root's next round of blocks).
+        """
+        segs = [s for s in segs if s.size]
+        if not segs or self.size == 1:
+            return
+        raw = [s.view(np.uint8) for s in segs]
+        starts = [0]
+        for r in raw:
+            starts.append(starts[-1] + r.size)
+        total, block = starts[-1], self.block_bytes
+        nblocks = -(-total // block)
+        base = self.seq
+        self.seq += nblocks
+        me = self.local
+        slot_area = self.slots[root]
+        for b in range(nblocks):
+            g = base + b + 1
+            lo, hi = b * block, min(total, (b + 1) * block)
+            off = ((g - 1) % self.nslots) * block
+            if me == root:
+                if g > self.nslots:
+                    self._wait_all(OUT, g - self.nslots, operation, check_peers)
+            elif self.ctrl[root][IN] < g:
+                self._wait(root, IN, g, operation, check_peers)
+            i = bisect.bisect_right(starts, lo) - 1
+            at = lo
+            while at < hi:
+                seg_hi = min(hi, starts[i + 1])
+                mine = raw[i][at - starts[i]:seg_hi - starts[i]]
+                theirs = slot_area[off + at - lo:off + seg_hi - lo]
+                if me == root:
+                    theirs[...] = mine  # slot_area is this rank's own (writable) slot here
+                else:
+                    mine[...] = theirs
+                at = seg_hi
+                i += 1
+            if me == root:
+                self._publish(IN, g)
+            self._publish(OUT, g)
 
     # -- allreduce ---------------------------------------------------------------------------------------------
     def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
