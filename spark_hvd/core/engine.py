@@ -175,6 +175,19 @@ class Handle:
         self._finish(None, error)
 
 
+def _finish_all(results: list[tuple[Handle, Any]]) -> None:
+    """``_set_result`` for many handles under one acquisition of the finish lock."""
+    released = []
+    with _FINISH:
+        for handle, result in results:
+            if not handle._done:
+                handle._result = result
+                handle._done = True
+                released.append(handle._latch)
+    for latch in released:
+        latch.release()
+
+
 class GroupHandle(Handle):
     """A handle over several handles (grouped allreduce); its result is the list of their results."""
 
@@ -606,9 +619,11 @@ class Engine:
 
     def _ready(self) -> list[tuple[_Entry, TensorMismatchError | None]]:
         active = [r for r in range(self.size) if r not in self._joined]
+        size = self.size
+        joined = bool(self._joined)
         ready = []
         for entry in list(self._pending.values()):
-            if all(r in entry.metas for r in active):
+            if len(entry.metas) == size if not joined else all(r in entry.metas for r in active):
                 del self._pending[entry.name]
                 ready.append((entry, self._mismatch(entry)))
         return ready
@@ -699,16 +714,18 @@ class Engine:
             self.stats["fused_collectives"] += 1
         try:
             if len(bufs) == 1 or self._backend_fuses:
-                for buf in bufs:
-                    scale_inplace(buf, prescale, bfloat16)
+                if prescale != 1.0:
+                    for buf in bufs:
+                        scale_inplace(buf, prescale, bfloat16)
                 t0 = time.perf_counter()
                 if len(bufs) == 1:
                     self.backend.allreduce(bufs[0], op, bfloat16=bfloat16)
                 else:
                     self.backend.allreduce_fused(bufs, op, bfloat16=bfloat16)
                 t1 = time.perf_counter()
-                for buf in bufs:
-                    scale_inplace(buf, postscale, bfloat16)
+                if postscale != 1.0:
+                    for buf in bufs:
+                        scale_inplace(buf, postscale, bfloat16)
                 if tl is not None:
                     for entry, _, _ in chunk:
                         tl.event(entry.name, "ALLREDUCE", t0, t1, fused=len(bufs))
@@ -744,9 +761,7 @@ class Engine:
                     request.handle._set_error(error)
             return
         # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
-        for _, request, buf in reversed(chunk):
-            if request is not None:
-                request.handle._set_result(buf)
+        _finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._fusion_buffers.get(dtype.str)
