@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -38,7 +39,7 @@ def _ring_job() -> dict:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_engine_on_ring(n, monkeypatch):
+def test_engine_on_ring(n, monkeypatch, tmp_path):
     if n == 1:  # a job of one rank uses no sockets: run it in this process
         for var in ("SPARK_HVD_RANK", "SPARK_HVD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
             monkeypatch.delenv(var, raising=False)
@@ -47,7 +48,16 @@ def test_engine_on_ring(n, monkeypatch):
         core.shutdown()
         reports = [_ring_job()]
     else:
-        reports = run_ranks(_ring_job, n, env=FAST, timeout=170)
+        env = dict(FAST)
+        if n == 2:  # and a timeline per rank
+            env["SPARK_HVD_TIMELINE"] = str(tmp_path / "timeline-{rank}.json")
+        reports = run_ranks(_ring_job, n, env=env, timeout=170)
+        if n == 2:
+            for r in range(2):
+                with open(tmp_path / f"timeline-{r}.json", encoding="utf-8") as f:
+                    events = json.load(f)
+                assert {"NEGOTIATE", "ALLREDUCE", "ALLGATHER", "BROADCAST"} <= {e["name"] for e in events}
+                assert {e["pid"] for e in events} == {r}
     for report in reports:
         assert report["checked"] >= (27 if n <= 2 else 14)
         first, again = report["fusion"], report["fusion_again"]
