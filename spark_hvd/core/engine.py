@@ -775,6 +775,8 @@ class Engine:
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None
         self.stats[f"{kind}_collectives"] += 1
+        if kind in _CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
+            self._cache.put(entry.name, entry.meta)
         t0 = time.perf_counter()
         try:
             if kind == "barrier":
@@ -812,8 +814,6 @@ class Engine:
             return
         if self.timeline is not None and request is not None:
             self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
-        if kind in _CACHEABLE:
-            self._cache.put(entry.name, meta)
         if request is not None:
             request.handle._set_result(result)
 
