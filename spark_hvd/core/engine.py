@@ -64,8 +64,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
-from spark_hvd.core.errors import PeerFailureError, ShutdownError, SparkHvdError, TensorMismatchError
-from spark_hvd.core.reduce import scale_inplace
+from spark_hvd.core.errors import ShutdownError, SparkHvdError, TensorMismatchError
+from spark_hvd.core.reduce import check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -410,6 +410,11 @@ class Engine:
             raise TypeError(f"{kind} of '{name}': expected a numpy array, got {type(buf).__name__}")
         if bfloat16 and buf.dtype != np.uint16:
             raise TypeError(f"{kind} of '{name}': bfloat16 data must be passed as a uint16 view, got {buf.dtype}")
+        if kind in ("allreduce", "reducescatter"):
+            try:
+                check_dtype(buf, bfloat16)
+            except TypeError as exc:
+                raise TypeError(f"{kind} of '{name}': {exc}") from None
         if kind in ("allreduce", "broadcast"):
             if not buf.flags.c_contiguous or not buf.flags.writeable:
                 raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
@@ -752,14 +757,13 @@ class Engine:
                         tl.event(entry.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
                         tl.event(entry.name, "ALLREDUCE", t1, t2, fused=len(bufs))
                         tl.event(entry.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-        except (PeerFailureError, ShutdownError):
+        except SparkHvdError:  # a peer failure, a closed backend: as it is
             raise
         except Exception as exc:
-            error = SparkHvdError(f"allreduce of {[e.name for e, _, _ in chunk]} failed on rank {self.rank}: {exc}")
-            for _, request, _ in chunk:
-                if request is not None:
-                    request.handle._set_error(error)
-            return
+            names = [e.name for e, _, _ in chunk]
+            raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} failed on rank "
+                                f"{self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
+                                "stopped") from exc
         # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
         _finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
 
@@ -806,12 +810,11 @@ class Engine:
                 scale_inplace(result, meta.postscale, meta.bfloat16)
             else:  # pragma: no cover - enqueue rejects unknown kinds
                 raise SparkHvdError(f"unknown collective {kind!r}")
-        except (PeerFailureError, ShutdownError):
+        except SparkHvdError:  # a peer failure, a closed backend: as it is
             raise
         except Exception as exc:
-            if request is not None:
-                request.handle._set_error(SparkHvdError(f"{kind} of '{entry.name}' failed on rank {self.rank}: {exc}"))
-            return
+            raise SparkHvdError(f"{kind} of '{entry.name}' failed on rank {self.rank}: {exc!r}; the ranks can no "
+                                "longer be kept in step, so spark_hvd stopped") from exc
         if self.timeline is not None and request is not None:
             self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
         if request is not None:

@@ -99,6 +99,9 @@ def test_errors_name_the_tensor(single):
         core.broadcast(np.ones(2), 3, name="b")
     with pytest.raises(TypeError, match="numpy"):
         core.allreduce([1.0, 2.0])
+    with pytest.raises(TypeError, match="allreduce of 'cplx'.*complex"):
+        core.allreduce(np.ones(3, np.complex64), name="cplx")
+    assert np.array_equal(core.allreduce(np.ones(3)), np.ones(3))  # the engine is still fine
 
 
 def test_shutdown_then_init_again(single):
