@@ -1,4 +1,8 @@
-"""The Horovod Keras API for Keras 3 (TensorFlow backend) over the spark_hvd core: ``import spark_hvd.keras as hvd``.
+"""The Horovod Keras API for Keras 3 over the spark_hvd core: ``import spark_hvd.keras as hvd``.
+
+TensorFlow backend: collectives take TF tensors (eagerly or inside ``tf.function``). Torch backend
+(``KERAS_BACKEND=torch``): they take torch tensors (``spark_hvd.torch``'s functions); ``DistributedOptimizer``,
+the callbacks and ``load_model`` work on both.
 
 Example::
 
@@ -40,22 +44,34 @@ from spark_hvd._binding_common import (
 )
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.keras import callbacks
-from spark_hvd.keras.compression import Compression
-from spark_hvd.keras.mpi_ops import (
-    allgather,
-    allreduce,
-    alltoall,
-    broadcast,
-    broadcast_variables,
-    grouped_allreduce,
-    init,
-    reducescatter,
-)
+from spark_hvd.keras.functions import broadcast_variables
 from spark_hvd.keras.optimizer import DistributedOptimizer, wrap_optimizer_class
 
-if keras.backend.backend() != "tensorflow":
-    raise ImportError(f"spark_hvd.keras needs the Keras TensorFlow backend (KERAS_BACKEND=tensorflow); this process "
-                      f"runs Keras on {keras.backend.backend()!r}")
+if keras.backend.backend() == "tensorflow":
+    from spark_hvd.keras.compression import Compression
+    from spark_hvd.keras.mpi_ops import (
+        allgather,
+        allreduce,
+        alltoall,
+        broadcast,
+        grouped_allreduce,
+        init,
+        reducescatter,
+    )
+elif keras.backend.backend() == "torch":  # Keras on torch: the tensors are torch tensors
+    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
+    from spark_hvd.torch.mpi_ops import (  # type: ignore[assignment]
+        allgather,
+        allreduce,
+        alltoall,
+        broadcast,
+        grouped_allreduce,
+        init,
+        reducescatter,
+    )
+else:
+    raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow and torch backends; this process runs Keras on "
+                      f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow)")
 
 
 def _builtin_optimizer_classes() -> list[type]:
@@ -69,7 +85,7 @@ def _builtin_optimizer_classes() -> list[type]:
 
 
 def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
-               compression: type = Compression.none, op: Any = Average, gradient_predivide_factor: float = 1.0,
+               compression: Any = None, op: Any = Average, gradient_predivide_factor: float = 1.0,
                compile: bool = True, safe_mode: bool = True) -> keras.Model:  # noqa: A002 - Keras's name
     """Load a saved model (``.keras``) with its optimizer wrapped in :func:`DistributedOptimizer` again.
 

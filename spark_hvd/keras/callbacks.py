@@ -8,7 +8,7 @@ import keras
 import numpy as np
 
 from spark_hvd import _binding_common as common
-from spark_hvd.keras import mpi_ops
+from spark_hvd.keras.functions import broadcast_variables
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = getattr(self.model, "optimizer", None)
         if opt is not None and getattr(opt, "built", False):
             variables += list(opt.variables)
-        mpi_ops.broadcast_variables(variables, root_rank=self.root_rank, prefix="bcast.keras.var")
+        broadcast_variables(variables, root_rank=self.root_rank, prefix="bcast.keras.var")
         self.broadcast_done = True
 
 

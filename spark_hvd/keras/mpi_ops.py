@@ -193,18 +193,3 @@ def reducescatter(value: Any, name: str | None = None, op: ReduceOp | None = Non
     if not tf.executing_eagerly():
         out.set_shape([None] + t.shape.as_list()[1:])
     return out
-
-
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, prefix: str = "bcast.var") -> None:
-    """Assign root's values to ``variables`` (Keras or tf.Variables) on every rank; eager only."""
-    common.require_init("broadcast_variables()")
-    c = common.core()
-    bufs, handles = [], []
-    for i, v in enumerate(variables):
-        buf = _host_copy(np.asarray(v.numpy()))
-        view, _ = common.to_core_buffer(buf)
-        bufs.append(buf)
-        handles.append(c.broadcast_async(view, root_rank, name=f"{prefix}.{i}"))
-    for v, buf, h in zip(variables, bufs, handles, strict=True):
-        c.synchronize(h)
-        v.assign(buf)

@@ -3,7 +3,9 @@
 The wrapper is a subclass of the user's optimizer class that reduces the gradients where Keras is about to
 clip and apply them (``_clip_gradients``): after local gradient accumulation (Keras's own
 ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets) and before clipping and the update.
-Inside a compiled ``model.fit`` this is one ``tf.numpy_function`` holding one grouped allreduce.
+Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_function`` holding one grouped
+allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
+allreduce.
 
 The subclass keeps the base class's name and module, and ``get_config`` is the base's, so a saved model
 reloads anywhere as the plain optimizer; :func:`spark_hvd.keras.load_model` wraps it again.
@@ -15,12 +17,9 @@ import logging
 from typing import Any
 
 import keras
-import tensorflow as tf
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.keras import mpi_ops
-from spark_hvd.keras.compression import Compression, Compressor
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +27,7 @@ log = logging.getLogger(__name__)
 class _DistributedOptimizerMixin:
     """Placed in front of a Keras optimizer class; the settings are class attributes of the subclass."""
 
-    _hvd_compression: type[Compressor] = Compression.none
+    _hvd_compression: Any = None  # a Compressor class of the active backend's binding; None: no compression
     _hvd_op: ReduceOp = ReduceOp.AVERAGE
     _hvd_prescale: float = 1.0
     _hvd_postscale: float = 1.0
@@ -41,10 +40,21 @@ class _DistributedOptimizerMixin:
         if common.core().size() == 1:
             return grads
         present = [i for i, g in enumerate(grads) if g is not None]
-        dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            from spark_hvd.keras import mpi_ops
+            from spark_hvd.keras.compression import Compression
+
+            dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
+        else:  # torch backend: the gradients are torch tensors
+            from spark_hvd.torch import mpi_ops  # type: ignore[no-redef]
+            from spark_hvd.torch.compression import Compression  # type: ignore[no-redef]
+
+            dense = [grads[i] for i in present]
         reduced = mpi_ops.grouped_allreduce(
-            dense, name=f"{self.name}.grads", compression=self._hvd_compression, op=self._hvd_op,
-            prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale)
+            dense, name=f"{self.name}.grads", compression=self._hvd_compression or Compression.none,
+            op=self._hvd_op, prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale)
         out = list(grads)
         for i, r in zip(present, reduced, strict=True):
             out[i] = r
@@ -54,7 +64,7 @@ class _DistributedOptimizerMixin:
 _class_cache: dict[tuple, type] = {}
 
 
-def wrap_optimizer_class(base: type, compression: type[Compressor] = Compression.none,
+def wrap_optimizer_class(base: type, compression: Any = None,
                          op: ReduceOp = common.Average, gradient_predivide_factor: float = 1.0) -> type:
     """The distributed subclass of Keras optimizer class ``base`` (cached, so equal settings give one class)."""
     if not (isinstance(base, type) and issubclass(base, keras.optimizers.Optimizer)):
@@ -83,7 +93,7 @@ def wrap_optimizer_class(base: type, compression: type[Compressor] = Compression
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - Horovod's name
                          name: str | None = None,
-                         compression: type[Compressor] = Compression.none,
+                         compression: Any = None,
                          backward_passes_per_step: int = 1,
                          op: ReduceOp = common.Average,
                          gradient_predivide_factor: float = 1.0,
@@ -94,7 +104,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` (Adam, SGD, ... or a subclass of your own).
         name: a name for the new optimizer (default: the wrapped one's).
-        compression: ``Compression.none`` or ``Compression.fp16`` (send gradients as float16).
+        compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16`` (send gradients as float16).
         backward_passes_per_step: accumulate this many batches' gradients locally (their average, Keras's
             ``gradient_accumulation_steps``) before one allreduce and one update.
         op: ``Average`` (default) or ``Sum``.

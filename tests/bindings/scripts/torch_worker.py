@@ -23,7 +23,7 @@ RESULTS: dict[str, str] = {}
 # with "quick" as second argument only these run (the one-rank launch: the size-1 paths, not every feature)
 QUICK = {"before_init_error", "collectives_float32", "collectives_bfloat16", "collectives_int64",
          "allreduce_autograd", "objects_barrier", "train_matches_single_process", "backward_passes_per_step_2",
-         "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches"}
+         "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches", "keras_torch_backend_fit"}
 ONLY_QUICK = len(sys.argv) > 2 and sys.argv[2] == "quick"
 
 
@@ -366,6 +366,47 @@ def _join() -> None:
     last = hvd.join()
     assert 0 <= last < N, f"join returned {last}"
     hvd.barrier()
+
+
+@check("keras_torch_backend_fit")
+def _keras_torch() -> None:
+    """spark_hvd.keras on Keras's torch backend: DistributedOptimizer + callbacks in model.fit."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+
+    import spark_hvd.keras as khvd
+
+    assert keras.backend.backend() == "torch"
+    assert "tensorflow" not in sys.modules, "spark_hvd.keras imported TensorFlow on the torch backend"
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(6 * B, IN)).astype(np.float32)
+    y = np.tanh(x[:, :OUT_F]).astype(np.float32)
+    per = B // N
+    mine = np.concatenate([np.arange(s * B + R * per, s * B + (R + 1) * per) for s in range(6)])
+
+    def model(seed: int) -> keras.Model:
+        m = keras.Sequential([keras.Input((IN,)), keras.layers.Dense(12, activation="tanh"),
+                              keras.layers.Dense(OUT_F)])
+        init = np.random.default_rng(seed)  # not keras.utils.set_random_seed: it would import TensorFlow
+        for v in m.weights:
+            v.assign(init.normal(scale=0.3, size=v.shape).astype(np.float32))
+        return m
+
+    dist = model(400 + R)  # different initial weights: the broadcast callback makes them root's
+    dist.compile(optimizer=khvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    hist = dist.fit(x[mine], y[mine], batch_size=per, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[khvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                               khvd.callbacks.MetricAverageCallback()])
+    ref = model(400)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    ref.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(dist.weights, ref.weights, strict=True):
+        np.testing.assert_allclose(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), rtol=1e-5,
+                                   atol=1e-6, err_msg=a.path)
+    losses = hvd.allgather_object(hist.history["loss"])
+    assert all(v == losses[0] for v in losses), f"averaged metrics differ by rank: {losses}"
+    t = khvd.allreduce(torch.full((2,), float(R)), op=khvd.Sum)
+    assert torch.equal(t, torch.full((2,), float(N * (N - 1) / 2))), t
 
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
