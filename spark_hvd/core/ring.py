@@ -4,11 +4,14 @@
 identity and, when shared memory is on, the name of its shared-memory segment), connects a full TCP mesh (every
 frame HMAC-authenticated) and then:
 
-* allreduce: when every rank is on this host and ``settings.shm`` is on, a pipelined shared-memory allreduce
-  (``spark_hvd.core.shm``); otherwise the bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps
-  each, the send of a step overlapped with its receive by a sender thread, reduction in place into the caller's
-  buffer from a preallocated scratch frame);
-* allgather / reducescatter: ring steps over TCP; broadcast: root to every rank; alltoall: pairwise exchange.
+* allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
+  shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
+  shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
+  broadcast within each host; ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
+  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, the send of a step overlapped with
+  its receive by a sender thread, reduction in place into the caller's buffer from a preallocated scratch frame);
+* allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
+  broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
 A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
 peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job

@@ -290,12 +290,45 @@ class ShmGroup:
                 self._publish(IN, g)
             self._publish(OUT, g)
 
-    # -- allreduce ---------------------------------------------------------------------------------------------
+    # -- allreduce ----------------------------------------------------------------------------------------------
+    def _allreduce_small(self, arr: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                         check_peers: Callable[[str], None]) -> None:
+        """One block, one array: the latency path (same protocol as ``allreduce``, less bookkeeping)."""
+        g = self.seq = self.seq + 1
+        if g > self.nslots:
+            self._wait_all(OUT, g - self.nslots, operation, check_peers)
+        off = ((g - 1) % self.nslots) * self.block_bytes
+        nbytes = arr.nbytes
+        me, size = self.local, self.size
+        self.slots[me][off:off + nbytes] = arr.view(np.uint8)
+        self._publish(IN, g)
+        self._wait_all(IN, g, operation, check_peers)
+        dtype = arr.dtype
+        slots = [s[off:off + nbytes].view(dtype) for s in self.slots]
+        if bfloat16:
+            arr[...] = slots[0]
+            for k in range(1, size):
+                reduce_into(arr, slots[k], op, True)
+        elif size == 2:
+            ufunc_for(op)(arr, slots[1 - me], out=arr)  # commutative: both ranks get the same bits
+        else:
+            ufunc = ufunc_for(op)
+            ufunc(slots[0], slots[1], out=arr)
+            for k in range(2, size):
+                ufunc(arr, slots[k], out=arr)
+        if op is ReduceOp.AVERAGE:
+            divide_average(arr, size, bfloat16)
+        self._publish(OUT, g)
+
+    # -- allreduce (general) ------------------------------------------------------------------------------------
     def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
                   check_peers: Callable[[str], None]) -> None:
         """Allreduce the concatenation of the flat, contiguous, same-dtype arrays ``segs`` in place."""
         segs = [s for s in segs if s.size]
         if not segs:
+            return
+        if len(segs) == 1 and segs[0].nbytes <= self.small_bytes and self.profile is None:
+            self._allreduce_small(segs[0], op, bfloat16, operation, check_peers)
             return
         dtype = segs[0].dtype
         itemsize = dtype.itemsize
