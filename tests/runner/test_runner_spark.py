@@ -172,3 +172,46 @@ def test_report_events_reach_the_driver(spark, capsys):
         assert isinstance(mine[1].metrics["loss"], float) and mine[1].metrics["loss"] == pytest.approx(0.5)
     out, _ = capsys.readouterr()
     assert "[spark_hvd] rank 0 epoch 2: loss=0.3333" in out
+
+
+@pytest.mark.timeout(240)
+def test_ranks_that_cannot_start_time_out_with_their_names(spark, monkeypatch):
+    import threading
+
+    import spark_hvd.runner.spark as runner_spark
+    from spark_hvd.runner import StartTimeoutError
+
+    sc = spark.sparkContext
+    holder = threading.Thread(target=lambda: _run_in_group(sc, "runner-test-hold-slot"), daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 120
+        while runner_spark._slots(sc)[0] > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert runner_spark._slots(sc)[0] == 1
+        # pretend the slot check passed (a slot taken between the check and the launch)
+        monkeypatch.setattr(runner_spark, "check_slots", lambda *a, **k: 2)
+        with pytest.raises(StartTimeoutError) as info:
+            run(_rank, num_proc=2, start_timeout=5)
+        assert info.value.missing == [0, 1]
+        assert "did not start within start_timeout=5 s" in str(info.value)
+    finally:
+        sc.cancelJobGroup("runner-test-hold-slot")
+        holder.join(120)
+        runner_spark._wait_tasks_gone(sc, "runner-test-hold-slot", 60)
+
+
+def _run_in_group(sc, group: str) -> None:
+    def hold_slot(_partition):  # nested: Spark's own cloudpickle ships it by value
+        import time
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        yield 0
+
+    sc.setJobGroup(group, "holds one task slot", interruptOnCancel=True)
+    try:
+        sc.parallelize([0], 1).mapPartitions(hold_slot).collect()
+    except Exception:  # cancelled by the test
+        pass
