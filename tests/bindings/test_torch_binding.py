@@ -31,7 +31,7 @@ CHECKS = [
 # at size 1 (no launcher): the size-1 paths, not every feature again
 QUICK_CHECKS = ["before_init_error", "collectives_float32", "collectives_bfloat16", "collectives_int64",
                 "allreduce_autograd", "objects_barrier", "train_matches_single_process", "backward_passes_per_step_2",
-                "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches", "keras_torch_backend_fit"]
+                "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches"]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ RESULTS: dict[str, str] = {}
 # with "quick" as second argument only these run (the one-rank launch: the size-1 paths, not every feature)
 QUICK = {"before_init_error", "collectives_float32", "collectives_bfloat16", "collectives_int64",
          "allreduce_autograd", "objects_barrier", "train_matches_single_process", "backward_passes_per_step_2",
-         "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches", "keras_torch_backend_fit"}
+         "broadcast_parameters", "broadcast_optimizer_state", "join_uneven_batches"}
 ONLY_QUICK = len(sys.argv) > 2 and sys.argv[2] == "quick"
 
 
