@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_ENV = "SPARK_HVD_DRIVER_SERVICE"
 _MAX_FRAME = 64 << 20
+HELLO_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,6 @@ class DriverService:
                 continue
             except OSError:
                 return
-            sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = FramedSocket(sock, self.secret, f"{addr[0]}:{addr[1]}")
             with self._lock:
@@ -193,7 +193,9 @@ class DriverService:
         rank: int | None = None
         finished = False
         try:
+            conn.sock.settimeout(HELLO_TIMEOUT_S)  # a connection that never says hello is dropped
             hello = conn.recv_object(max_size=4096)
+            conn.sock.settimeout(None)
             if (not isinstance(hello, tuple) or len(hello) != 4 or hello[0] != "hello"
                     or hello[1] != self.job_id or not isinstance(hello[2], int)
                     or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux")):
