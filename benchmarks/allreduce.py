@@ -53,8 +53,8 @@ def human(nbytes: int) -> str:
 
 
 def iterations(nbytes: int, quick: bool) -> int:
-    budget = (48 if quick else 128) * (1 << 20)
-    return max(3, min(1000 if quick else 2000, budget // max(nbytes, 1)))
+    budget = (32 if quick else 64) * (1 << 20)
+    return max(3, min(200 if quick else 400, budget // max(nbytes, 1)))
 
 
 # ---------------------------------------------------------------------------------------------- worker side

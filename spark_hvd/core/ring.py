@@ -41,7 +41,7 @@ from spark_hvd.core.errors import (
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
 from spark_hvd.core.rendezvous import parse_address, routable_address
 from spark_hvd.core.settings import Settings
-from spark_hvd.core.shm import ShmGroup, shm_available, unlink_quietly
+from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
 from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
@@ -171,21 +171,18 @@ class RingBackend(Backend):
             return
         if rendezvous is None:
             raise ValueError("a job of more than one rank needs a rendezvous")
-        own_segment: ShmGroup | None = None
-        known_paths: list[str] = []
+        segment: ShmGroup | None = None
+        local_paths: list[str] = []
         try:
             bind, publish = _bind_host(rendezvous)
             self._listener = open_listener(bind)
             port = self._listener.getsockname()[1]
             host_id = host_identity()
             use_shm = bool(self.settings.shm) and shm_available()
-            if use_shm:
-                own_segment = ShmGroup(job_id, 0, [rank], self.timeout_s, shm_block_bytes, shm_slots)
-            info = {"host": publish, "port": port, "host_id": host_id, "pid": os.getpid(),
-                    "shm": own_segment.path if own_segment else None}
+            info = {"host": publish, "port": port, "host_id": host_id, "pid": os.getpid(), "shm": use_shm,
+                    "nonce": new_nonce()}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
-            known_paths = [i["shm"] for i in infos if i.get("shm")]
             self._topology(infos)
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
                                       secret, job_id, self.timeout_s)
@@ -194,38 +191,45 @@ class RingBackend(Backend):
             self._watcher = PeerWatcher(list(self.peers.values()))
             self._worker = SendWorker()
             self.transport = "tcp"
-            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy
-            local_ranks = [r for r, i in enumerate(infos) if i["host_id"] == host_id]
-            attached = False
-            if own_segment is not None and all(i.get("shm") for i in infos):
-                own_segment.local, own_segment.ranks = self.local_rank, local_ranks
-                own_segment.size = len(local_ranks)
+            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy.
+            # Segments are created only now (after every rank joined) and unlinked as soon as every local rank
+            # mapped them; their names are known to every rank, which removes them all if setup fails.
+            hosts = Counter(i["host_id"] for i in infos)
+            if all(i["shm"] for i in infos) and max(hosts.values()) > 1:
+                local_ranks = [r for r, i in enumerate(infos) if i["host_id"] == host_id]
+                local_paths = [segment_path(job_id, infos[0]["nonce"], r) for r in local_ranks]
+                ok = True
                 try:
-                    own_segment.attach([infos[r]["shm"] for r in local_ranks])
-                    attached = True
+                    segment = ShmGroup(local_paths, self.local_rank, local_ranks, self.timeout_s, shm_block_bytes,
+                                       shm_slots)
                 except OSError as exc:
-                    logger.warning("rank %d could not map the shared memory of its peers (%s); using TCP", rank, exc)
-            # everyone must agree (and have mapped every segment) before the names are unlinked
-            flags = self._small_allgather(b"1" if attached else b"0", "setup")
-            if own_segment is not None:
-                own_segment.unlink()
-                for path in known_paths:
+                    logger.warning("rank %d could not create shared memory (%s); using TCP", rank, exc)
+                    ok = False
+                created = self._small_allgather(b"1" if ok else b"0", "setup")
+                if segment is not None and all(f == b"1" for f in created):
+                    try:
+                        segment.attach()
+                    except OSError as exc:
+                        logger.warning("rank %d could not map its peers' shared memory (%s); using TCP", rank, exc)
+                        ok = False
+                else:
+                    ok = False
+                attached = self._small_allgather(b"1" if ok else b"0", "setup")
+                for path in local_paths:
                     unlink_quietly(path)
-            if attached and all(f == b"1" for f in flags) and max(Counter(i["host_id"] for i in infos).values()) > 1:
-                self.shm = own_segment if self.local_size > 1 else None
-                if self.shm is None:
-                    own_segment.close()
-                self.transport = "shm" if self.local_size == size else "hier"
-                # host leaders (local rank 0), in host order, run the TCP ring between hosts
-                self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h)
-                                 for h in dict.fromkeys(i["host_id"] for i in infos)]
-            elif own_segment is not None:
-                own_segment.close()
-            own_segment = None
+                if all(f == b"1" for f in attached):
+                    self.transport = "shm" if self.local_size == size else "hier"
+                    # host leaders (local rank 0), in host order, run the TCP ring between hosts
+                    self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h) for h in hosts]
+                    if self.local_size > 1:
+                        self.shm, segment = segment, None
+                if segment is not None:
+                    segment.close()
+                    segment = None
         except BaseException:
-            if own_segment is not None:
-                own_segment.close()
-            for path in known_paths:
+            if segment is not None:
+                segment.close()
+            for path in local_paths:
                 unlink_quietly(path)
             self.close()
             raise

@@ -90,9 +90,15 @@ def shm_available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
-def segment_path(job_id: str, rank: int) -> str:
+def segment_path(job_id: str, nonce: str, rank: int) -> str:
+    """The name of ``rank``'s segment: the job id plus a nonce agreed at the rendezvous (so every rank of the
+    job knows every name and can remove a dead peer's segment)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40] or "job"
-    return os.path.join(SHM_DIR, f"spark_hvd-{safe}-{rank}-{secrets.token_hex(4)}")
+    return os.path.join(SHM_DIR, f"spark_hvd-{safe}-{re.sub(r'[^0-9a-f]', '', nonce)[:16]}-{rank}")
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(4)
 
 
 def unlink_quietly(path: str) -> None:
@@ -106,10 +112,11 @@ class ShmGroup:
     """Shared-memory staging and synchronisation among ``size`` ranks of one host.
 
     ``local`` is this rank's index in the group, ``ranks`` the job ranks of the group (for error messages).
-    Create it (which creates this rank's segment), publish ``path``, then ``attach`` to every member's path.
+    ``paths`` are the members' segment names (``segment_path``). Create it on every member (which creates this
+    rank's segment), wait until all did, ``attach``, wait until all did, ``unlink``.
     """
 
-    def __init__(self, job_id: str, local: int, ranks: Sequence[int], timeout_s: float,
+    def __init__(self, paths: Sequence[str], local: int, ranks: Sequence[int], timeout_s: float,
                  block_bytes: int = 1 << 20, nslots: int = 16) -> None:
         self.local = local
         self.ranks = list(ranks)
@@ -122,7 +129,7 @@ class ShmGroup:
         self.seq = 0
         #: set to a dict to accumulate seconds spent in "copy_in", "finish" and "wait" (profiling)
         self.profile: dict[str, float] | None = None
-        self.path = segment_path(job_id, self.ranks[local])
+        self.path = paths[local]
         self._bytes = CTRL_BYTES + self.nslots * self.block_bytes
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -136,14 +143,13 @@ class ShmGroup:
         self._maps: list[mmap.mmap] = []
         self.ctrl: list[memoryview] = []
         self.slots: list[np.ndarray] = []
-        self.paths: list[str] = []
+        self.paths = list(paths)
         self._addr: list[int] = []
         memoryview(self._own)[:CTRL_BYTES].cast("q")[PID] = os.getpid()
 
-    def attach(self, paths: Sequence[str]) -> None:
-        """Map every member's segment (read-only for peers)."""
-        self.paths = list(paths)
-        for k, path in enumerate(paths):
+    def attach(self) -> None:
+        """Map every member's segment (read-only for peers); every member must have created its own."""
+        for k, path in enumerate(self.paths):
             if k == self.local:
                 m = self._own
             else:
