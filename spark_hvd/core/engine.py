@@ -75,6 +75,7 @@ KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "ba
 _CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
 _RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
 _LEN = struct.Struct("!I")
+_OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
 _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
@@ -387,7 +388,7 @@ class Engine:
                 if len(splits) != self.size or sum(splits) != rows or min(splits, default=0) < 0:
                     raise ValueError(f"alltoall of '{name}': splits {splits} must be {self.size} non-negative "
                                      f"counts summing to the {rows} rows of the tensor")
-            meta = Meta(kind, buf.dtype.str, tuple(buf.shape), op.value, int(root), float(prescale),
+            meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
                         float(postscale), bool(bfloat16))
         handle = Handle(name, kind, self)
         request = _Request(name, meta, buf, op, list(splits) if splits is not None else None, handle,
@@ -416,7 +417,8 @@ class Engine:
             except TypeError as exc:
                 raise TypeError(f"{kind} of '{name}': {exc}") from None
         if kind in ("allreduce", "broadcast"):
-            if not buf.flags.c_contiguous or not buf.flags.writeable:
+            flags = buf.flags
+            if not flags.c_contiguous or not flags.writeable:
                 raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
         else:
             buf = np.ascontiguousarray(buf)
@@ -636,7 +638,12 @@ class Engine:
     def _mismatch(self, entry: _Entry) -> TensorMismatchError | None:
         metas = list(entry.metas.values())
         meta = metas[0]
-        if all(m == meta for m in metas) or len({m.agreement_key() for m in metas}) == 1:
+        same = True
+        for m in metas:
+            if m != meta:
+                same = False
+                break
+        if same or len({m.agreement_key() for m in metas}) == 1:
             if meta.kind == "broadcast" and meta.root in self._joined and meta.root not in entry.metas:
                 return TensorMismatchError(
                     f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
