@@ -120,20 +120,24 @@ class _PersistableStage(MLWritable, MLReadable):
             raise TypeError(f"param {name!r} of {type(self).__name__} cannot be pickled: {exc}") from exc
 
     def _load_objects(self, blobs: dict[str, bytes]) -> dict[str, Any]:
-        out = {}
+        """The object params from their bytes. The others are set on ``self`` before the model is deserialised,
+        so a framework's ``_deserialize_model`` may use them (e.g. Keras ``custom_objects``)."""
+        out = {name: cloudpickle.loads(data) for name, data in blobs.items() if name != "model"}
+        if out:
+            self._set(**out)
         if "model" in blobs:
             out["model"] = self._deserialize_model(blobs["model"])
-        for name, data in blobs.items():
-            if name != "model":
-                out[name] = cloudpickle.loads(data)
         return out
 
+    # A framework may define these two as instance methods instead (to use params such as custom_objects).
     @classmethod
     def _serialize_model(cls, model: Any) -> bytes:
+        """The model -> bytes (also what ``transform`` broadcasts to the executors)."""
         raise NotImplementedError
 
     @classmethod
     def _deserialize_model(cls, data: bytes) -> Any:
+        """The inverse of ``_serialize_model``."""
         raise NotImplementedError
 
 
@@ -180,6 +184,10 @@ def feature_to_numpy(column: Any, name: str, dtype: Any = None, shape: list[int]
         dtype = np.int64 if np.issubdtype(values.dtype, np.integer) else np.float32
     values = values.astype(dtype, copy=False)
     if shape is not None:
+        per_row = int(np.prod(shape, dtype=np.int64))
+        if values.size != n * per_row:
+            raise ValueError(f"feature column {name!r} has {values.size // max(n, 1)} values per row; the model "
+                             f"was trained on shape {list(shape)} ({per_row} values)")
         return values.reshape((n, *shape))
     if depth == 0:
         return values
@@ -396,7 +404,20 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
 
 
 class BaseEstimator(Estimator, _PersistableStage):
-    """The shared ``fit``: check, prepare data, train with the runner, build the model. See ``torch.py``."""
+    """The shared ``fit``: check everything, prepare the data, train with the runner, build the Model.
+
+    ``fit(df)``: ``_check`` (store, positive sizes, columns with near-name hints, model via ``_check_model``, loss
+    via ``_check_loss``, loss weights, run id, free task slots: nothing is written and no Spark job runs before
+    these pass), then ``spark_hvd.data.prepare_data``, then ``spark_hvd.runner.run(self._train_function(),
+    args=(spec,))`` where ``spec`` holds the shared settings plus ``_train_spec(model_bytes)``; rank 0's result
+    must be ``{"history": {...}, "output_shapes": [[...] per output]}``. The Model is ``_model_class`` built from
+    ``_load_trained_model(store, run_id)``; with ``mlflow`` set, params, per-epoch metrics and
+    ``_log_mlflow_model(model)`` go to the active tracking URI.
+
+    On the ranks a framework's training function uses ``ShardReaders`` (its shard, same step count on every
+    rank), ``RunFiles`` (checkpoints with the history inside, metrics log, final model) and ``append_history``.
+    A resumed run (same ``run_id``, or a retry after a failed rank) starts after the newest complete checkpoint.
+    """
 
     #: the Model class ``fit`` returns (set by the framework subclass)
     _model_class: type[BaseModel] = BaseModel

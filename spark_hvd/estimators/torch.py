@@ -232,8 +232,12 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
 
     def _log_mlflow_model(self, model: Any) -> None:
         import mlflow.pytorch
+        import torch
 
-        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle")
+        # explicit requirements: MLflow's inference of them loads the model in a subprocess (tens of seconds)
+        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                                   f"cloudpickle=={cloudpickle.__version__}"])
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -1,0 +1,319 @@
+"""TorchEstimator / TorchModel against their peers, all in one invocation on one local[2] Spark session.
+
+transform: rows/s of ``TorchModel.transform`` (mapInArrow, batches of 1024) on a cached DataFrame, against
+  (a) the same module called on in-memory tensors in batches of 1024 with as many torch threads as Spark has cores
+      (target: transform >= 50% of it), and
+  (b) a row-at-a-time ``rdd.mapPartitions`` that calls the module once per row (Horovod's way; target >= 10x).
+fit: wall time of ``TorchEstimator.fit`` (num_proc=2) against
+  (c) the same loop on in-memory tensors in 2 processes under ``spark-hvd-run`` (DistributedOptimizer, same model,
+      optimizer, batch size, epochs, steps per epoch; target fit <= 1.25x + 15 s), and
+  (d) pyspark's ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)`` training the same model with
+      DDP (gloo) for the same epochs on the same Parquet (the estimator's prepared files) read with pandas inside
+      its function (target fit <= 1.0x).
+
+    .venv/bin/python benchmarks/estimator.py [--rows 200000] [--row-at-a-time-rows 20000] [--fit-rows 50000]
+        [--epochs 3] [--batch 128] [--out results.json]
+
+Each measured item is run ``--repeats`` times (median); fits are timed warm (a first fit prepares the data and
+starts the Python workers; later fits reuse the prepared data, as a user re-fitting would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+log = logging.getLogger("benchmarks.estimator")
+
+WIDTH = 32
+
+
+def _model(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def _features_df(spark, rows: int, seed: int):
+    from pyspark.sql import functions as F
+
+    cols = [F.rand(seed * 100 + i).cast("float") for i in range(WIDTH)]
+    df = spark.range(rows).select(F.array(*cols).alias("features"))
+    return df.withColumn("y", F.aggregate("features", F.lit(0.0).cast("double"),
+                                          lambda acc, v: acc + F.sin(v * 3.0)).cast("double"))
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------ transform
+def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
+    import numpy as np
+    import torch
+
+    from spark_hvd.estimators import TorchModel
+
+    cores = spark.sparkContext.defaultParallelism
+    df = _features_df(spark, rows, seed=1).repartition(cores).cache()
+    df.count()
+    net = _model().eval()
+    tm = TorchModel(model=net, feature_cols=["features"], label_cols=["y"], batch_size=1024)
+
+    def run_transform():
+        tm.transform(df).write.format("noop").mode("overwrite").save()
+
+    t_first = _median_time(run_transform, 1)
+    t_transform = _median_time(run_transform, repeats)
+
+    x = torch.from_numpy(np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32))
+    prev = torch.get_num_threads()
+    torch.set_num_threads(cores)
+
+    def run_memory():
+        with torch.inference_mode():
+            for i in range(0, len(x), 1024):
+                net(x[i:i + 1024])
+
+    t_memory = _median_time(run_memory, repeats)
+    torch.set_num_threads(prev)
+
+    small = df.limit(slow_rows).repartition(cores).cache()
+    small.count()
+
+    def row_at_a_time(it):
+        import torch as t
+
+        t.set_num_threads(1)
+        for row in it:
+            with t.no_grad():
+                out = net(t.tensor(row.features, dtype=t.float32).unsqueeze(0))
+            yield (*row, float(out[0, 0]))
+
+    from pyspark.sql.types import DoubleType, StructField, StructType
+
+    schema = StructType(list(small.schema.fields) + [StructField("y__output", DoubleType())])
+
+    def run_rows():
+        spark.createDataFrame(small.rdd.mapPartitions(row_at_a_time), schema).write.format("noop") \
+            .mode("overwrite").save()
+
+    t_rows = _median_time(run_rows, repeats)
+    res = {
+        "rows": rows,
+        "transform_rows_per_s": rows / t_transform,
+        "transform_first_call_s": t_first,
+        "in_memory_rows_per_s": rows / t_memory,
+        "row_at_a_time_rows": slow_rows,
+        "row_at_a_time_rows_per_s": slow_rows / t_rows,
+    }
+    res["transform_vs_in_memory"] = res["transform_rows_per_s"] / res["in_memory_rows_per_s"]
+    res["transform_vs_row_at_a_time"] = res["transform_rows_per_s"] / res["row_at_a_time_rows_per_s"]
+    df.unpersist()
+    small.unpersist()
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ fit
+_PLAIN_LOOP = r'''
+import math, os, sys, time, json
+import numpy as np, pyarrow.dataset as ds, torch
+import spark_hvd.torch as hvd
+sys.path.insert(0, {bench_dir!r})
+from estimator import _model
+hvd.init()
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+t0 = time.perf_counter()
+table = ds.dataset({path!r}, format="parquet").to_table()
+feats = table.column("features").combine_chunks().flatten().to_numpy().reshape(len(table), -1).astype(np.float32)
+y = table.column("y").to_numpy().astype(np.float32)
+rank, size, bs, epochs = hvd.rank(), hvd.size(), {batch}, {epochs}
+x_r, y_r = torch.from_numpy(feats[rank::size].copy()), torch.from_numpy(y[rank::size].copy()).reshape(-1, 1)
+steps = math.ceil(math.ceil(len(feats) / size) / bs)
+t_load = time.perf_counter() - t0
+model = _model()
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+t1 = time.perf_counter()
+g = torch.Generator().manual_seed(rank)
+for epoch in range(epochs):
+    perm = torch.randperm(len(x_r), generator=g)
+    for s in range(steps):
+        idx = perm[(s * bs) % len(x_r):(s * bs) % len(x_r) + bs]
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x_r[idx]), y_r[idx])
+        loss.backward()
+        opt.step()
+    avg = hvd.allreduce(loss.detach(), name=f"loss{{epoch}}")
+t_train = time.perf_counter() - t1
+if rank == 0:
+    print("RESULT", json.dumps({{"load_s": t_load, "train_s": t_train, "loss": float(avg)}}), flush=True)
+'''
+
+
+def _distributor_train(path: str, epochs: int, batch: int) -> dict:
+    """TorchDistributor's function: DDP (gloo) on the Parquet read with pandas, same loop as the others."""
+    import math
+    import os
+    import time
+
+    import numpy as np
+    import pandas as pd
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    t0 = time.perf_counter()
+    pdf = pd.read_parquet(path)
+    feats = np.stack(pdf["features"].to_numpy()).astype(np.float32)
+    y = pdf["y"].to_numpy().astype(np.float32)
+    x_r, y_r = torch.from_numpy(feats[rank::size].copy()), torch.from_numpy(y[rank::size].copy()).reshape(-1, 1)
+    steps = math.ceil(math.ceil(len(feats) / size) / batch)
+    t_load = time.perf_counter() - t0
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    t1 = time.perf_counter()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x_r), generator=g)
+        for s in range(steps):
+            idx = perm[(s * batch) % len(x_r):(s * batch) % len(x_r) + batch]
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x_r[idx]), y_r[idx])
+            loss.backward()
+            opt.step()
+    t_train = time.perf_counter() - t1
+    dist.destroy_process_group()
+    return {"load_s": t_load, "train_s": t_train, "loss": float(loss)}
+
+
+def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int, distributor: bool) -> dict:
+    import torch
+
+    from spark_hvd.estimators import TorchEstimator
+    from spark_hvd.store import Store
+
+    tmp = tempfile.mkdtemp(prefix="bench_estimator_")
+    store = Store.create(os.path.join(tmp, "store"))
+    df = _features_df(spark, rows, seed=2).cache()
+    df.count()
+
+    def estimator():
+        net = _model()
+        return TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
+                              loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=batch,
+                              epochs=epochs, shuffle=True, random_seed=0, partitions_per_process=4, verbose=0)
+
+    t0 = time.perf_counter()
+    model = estimator().fit(df)
+    t_first = time.perf_counter() - t0
+    losses = model.getHistory()["loss"]
+    t_fit = _median_time(lambda: estimator().fit(df), repeats)
+    from spark_hvd.data.metadata import DatasetInfo
+
+    key = store.list_datasets()[0]
+    train_path = DatasetInfo.load(store, key).train_path(store)
+
+    script = os.path.join(tmp, "plain_loop.py")
+    with open(script, "w") as f:
+        f.write(_PLAIN_LOOP.format(bench_dir=os.path.dirname(os.path.abspath(__file__)), path=train_path,
+                                   batch=batch, epochs=epochs))
+    runner = os.path.join(os.path.dirname(sys.executable), "spark-hvd-run")
+    plain = {}
+
+    def run_plain():
+        out = subprocess.run([runner, "-np", "2", sys.executable, script], capture_output=True, text=True,
+                             timeout=1200, check=True)
+        for line in out.stdout.splitlines():
+            if "RESULT" in line:
+                plain.update(json.loads(line.split("RESULT", 1)[1]))
+
+    t_plain = _median_time(run_plain, repeats)
+    res = {
+        "fit_rows": rows, "epochs": epochs, "batch": batch,
+        "fit_first_s (prepares data)": t_first, "fit_s": t_fit, "fit_loss_per_epoch": losses,
+        "plain_spark_hvd_run_s": t_plain, "plain_detail": plain,
+        "fit_vs_plain": t_fit / t_plain, "fit_minus_1.25x_plain_s": t_fit - 1.25 * t_plain,
+    }
+    if distributor:
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        detail = {}
+
+        def run_distributor():
+            d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+            detail.update(d.run(_distributor_train, train_path, epochs, batch) or {})
+
+        try:
+            res["torch_distributor_s"] = _median_time(run_distributor, repeats)
+            res["torch_distributor_detail"] = detail
+            res["fit_vs_torch_distributor"] = t_fit / res["torch_distributor_s"]
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            log.exception("TorchDistributor failed")
+            res["torch_distributor_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+    df.unpersist()
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--row-at-a-time-rows", type=int, default=20_000)
+    parser.add_argument("--fit-rows", type=int, default=50_000)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", choices=["transform", "fit", "distributor"], action="append", default=[])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # TorchDistributor's function pickles _model
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("bench-estimator").config("spark.ui.enabled", "false")
+             .config("spark.sql.shuffle.partitions", "4").config("spark.driver.memory", "4g")
+             .config("spark.python.worker.reuse", "true").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    results: dict = {"cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    if "transform" not in args.skip:
+        results["transform"] = bench_transform(spark, args.rows, args.row_at_a_time_rows, args.repeats)
+        log.info("transform: %s", json.dumps(results["transform"]))
+    if "fit" not in args.skip:
+        results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats,
+                                   "distributor" not in args.skip)
+        log.info("fit: %s", json.dumps(results["fit"]))
+    results["load_after"] = os.getloadavg()
+    text = json.dumps(results, indent=2, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    spark.stop()
+    return results
+
+
+if __name__ == "__main__":
+    main()
