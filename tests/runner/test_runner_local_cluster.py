@@ -59,17 +59,17 @@ SCRIPT = textwrap.dedent("""
 """) % {"cannot_start": CANNOT_START}
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(660)
 def test_allreduce_across_two_executor_jvms(tmp_path):
     script = tmp_path / "local_cluster_run.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable,
                SPARK_LOCAL_IP="127.0.0.1")
     try:
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=360,
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                               env=env, cwd=Path(__file__).resolve().parents[2])
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"local-cluster run did not finish within 360 s; output tail: {str(exc.stdout)[-2000:]}")
+        pytest.fail(f"local-cluster run did not finish within 600 s; output tail: {str(exc.stdout)[-2000:]}")
     if proc.returncode == CANNOT_START:
         pytest.skip("local-cluster[2,1,1024] cannot start here: "
                     + next((line for line in proc.stdout.splitlines() if line.startswith("CANNOT_START")), "?"))
