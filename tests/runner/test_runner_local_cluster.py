@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent("""
                 "pid": os.getpid()}
 
     try:
-        results = run(fn, args=(99,), num_proc=2, start_timeout=240)
+        results = run(fn, args=(99,), num_proc=2, start_timeout=400)
         print("RESULT:" + json.dumps(results), flush=True)
     finally:
         spark.stop()
