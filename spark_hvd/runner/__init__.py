@@ -5,6 +5,9 @@
 - ``report(epoch=..., step=..., **metrics)`` from training code: progress shown on the driver and handed to
   ``on_event`` / ``last_events()``.
 - ``run_local(argv, np, env, timeout)``: the Python API of ``spark-hvd-run``.
+- ``check_slots(sc, num_proc)``: the slot check ``run`` does first (``NotEnoughSlotsError`` with both numbers).
+
+Events carry ``attempt``: with ``max_retries`` the events of failed attempts are kept too.
 
 Importing this package does not import pyspark (``run`` imports it when called).
 """
@@ -18,7 +21,7 @@ from spark_hvd.runner.errors import (
 )
 from spark_hvd.runner.launch import LaunchResult, run_local
 from spark_hvd.runner.service import Event, report
-from spark_hvd.runner.spark import last_events, run
+from spark_hvd.runner.spark import check_slots, last_events, run
 
 __all__ = [
     "Event",
@@ -28,6 +31,7 @@ __all__ = [
     "RankFailure",
     "RunnerError",
     "StartTimeoutError",
+    "check_slots",
     "last_events",
     "report",
     "run",
