@@ -1,0 +1,51 @@
+"""The runnable examples a new user meets first: ``make demo`` (examples/demo.py) and the Horovod-style scripts.
+
+Each runs as a user would run it, in a subprocess, and is checked on what it prints. (examples/horovod_torch.py
+and its timeline run in notebooks/horovod_api.ipynb, tested by tests/test_notebooks.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+LAUNCHER = [sys.executable, "-m", "spark_hvd.runner"]
+
+
+def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\n" \
+                                 f"stderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_demo_help():
+    proc = _run([sys.executable, str(EXAMPLES / "demo.py"), "--help"], timeout=120)
+    assert "--epochs" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_and_prints_the_summary(tmp_path: Path):
+    """``make demo`` in short: one epoch; the Keras part runs where KerasEstimator exists."""
+    proc = _run([sys.executable, str(EXAMPLES / "demo.py"), "--epochs", "1", "--keep", str(tmp_path)], timeout=900)
+    out = proc.stdout
+    assert re.search(r"torch: holdout accuracy 0\.\d+", out), out
+    summary = [line for line in out.splitlines() if line.startswith("SUMMARY")]
+    assert len(summary) == 1 and "save/load ok" in summary[0], out
+    assert (tmp_path / "torch_pipeline" / "metadata").exists()
+
+
+@pytest.mark.slow
+def test_horovod_keras_example_two_ranks():
+    pytest.importorskip("keras")
+    proc = _run([*LAUNCHER, "-np", "2", "--timeout", "600", sys.executable, str(EXAMPLES / "horovod_keras.py"),
+                 "--epochs", "2"], timeout=700)
+    assert "ranks=2 weights identical on every rank: True" in proc.stdout, proc.stdout
