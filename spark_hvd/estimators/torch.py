@@ -439,15 +439,19 @@ def train_on_rank(spec: dict) -> dict | None:
         return total / bpps if bpps > 1 else total
 
     def tensors(batch: dict) -> tuple[list, list, Any]:
-        inputs = []
-        for i, col in enumerate(spec["feature_cols"]):
-            t = torch.from_numpy(np.ascontiguousarray(batch[col]))
-            if shapes is not None:
-                t = t.reshape(t.shape[0], *shapes[i])
-            inputs.append(t.to(device))
-        labels = [torch.from_numpy(np.ascontiguousarray(batch[c])).to(device) for c in spec["label_cols"]]
-        sw = batch.get(spec["sample_weight_col"]) if weighted else None
-        return inputs, labels, (torch.from_numpy(np.ascontiguousarray(sw)).to(device) if sw is not None else None)
+        with warnings.catch_warnings():
+            # the reader's arrays may be read-only views of Arrow buffers; the tensors are never written in place
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            inputs = []
+            for i, col in enumerate(spec["feature_cols"]):
+                t = torch.from_numpy(np.ascontiguousarray(batch[col]))
+                if shapes is not None:
+                    t = t.reshape(t.shape[0], *shapes[i])
+                inputs.append(t.to(device))
+            labels = [torch.from_numpy(np.ascontiguousarray(batch[c])).to(device) for c in spec["label_cols"]]
+            sw = batch.get(spec["sample_weight_col"]) if weighted else None
+            sw = torch.from_numpy(np.ascontiguousarray(sw)).to(device) if sw is not None else None
+        return inputs, labels, sw
 
     def add_metrics(acc: dict, prefix: str, outputs: list, labels: list, loss: Any, n: int) -> None:
         acc[f"{prefix}loss"] = acc.get(f"{prefix}loss", 0.0) + float(loss) * (bpps if prefix == "" else 1) * n
