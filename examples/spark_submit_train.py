@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-proc", type=int, default=None, help="ranks (default: spark.default.parallelism)")
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--batch-size", type=int, default=64)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
