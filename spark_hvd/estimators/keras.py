@@ -1,0 +1,604 @@
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``).
+
+The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
+``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
+travel by value). The optimizer travels as its class and ``get_config()`` (or a Keras name such as ``"adam"``) and is
+rebuilt on every rank, then wrapped in ``spark_hvd.keras.DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import numpy as np
+from pyspark import keyword_only
+
+from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, ShardReaders, append_history
+from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams
+
+__all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
+
+log = logging.getLogger(__name__)
+
+_MODEL_FILE = "model.keras"
+_OPTIMIZER_FILE = "optimizer.npz"
+#: metric names Keras resolves at compile time from the loss (not through ``keras.metrics.get``)
+_COMPILE_METRIC_NAMES = ("accuracy", "acc", "crossentropy", "ce")
+
+
+# ------------------------------------------------------------------------------------------------ model bytes
+
+
+def serialize_keras_model(model: Any, custom_objects: dict | None = None) -> bytes:
+    """A built Keras 3 model -> bytes: its ``.keras`` file plus ``custom_objects`` (cloudpickle envelope)."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        kind = type(model).__module__ + "." + type(model).__name__
+        hint = " (a tf.keras / tf_keras model of Keras 2? build it with `import keras`, Keras 3)" \
+            if "keras" in kind else ""
+        raise TypeError(f"model must be a Keras 3 keras.Model, got {kind}{hint}")
+    if not model.built:
+        raise ValueError("the Keras model is not built: give it an input shape (keras.Input(shape=...) or "
+                         "model.build((None, ...))) before passing it to KerasEstimator")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, _MODEL_FILE)
+        try:
+            model.save(path)
+        except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+            raise TypeError(f"the Keras model cannot be saved as .keras: {exc}. Custom layers need get_config(); "
+                            "pass them in custom_objects") from exc
+        with open(path, "rb") as f:
+            data = f.read()
+    try:
+        objects = cloudpickle.dumps(dict(custom_objects or {}))
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(f"custom_objects cannot be pickled: {exc}") from exc
+    return cloudpickle.dumps({"format": "keras", "keras": data, "custom_objects": objects})
+
+
+def _unpack(data: bytes) -> tuple[bytes, dict]:
+    env = cloudpickle.loads(data)
+    if not isinstance(env, dict) or env.get("format") != "keras":
+        raise ValueError("these bytes are not a model serialised by spark_hvd.estimators.keras")
+    return env["keras"], cloudpickle.loads(env["custom_objects"])
+
+
+def _load_keras_file(path: str, custom_objects: dict, compile: bool) -> Any:  # noqa: A002 - Keras's name
+    import keras
+
+    # safe_mode=False: Lambda layers load too; these bytes come from the user's own estimator (as do the pickles)
+    return keras.saving.load_model(path, custom_objects=custom_objects or None, compile=compile, safe_mode=False)
+
+
+def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa: A002 - Keras's name
+    """The inverse of :func:`serialize_keras_model`: a plain Keras model (``compile=True``: with its optimizer,
+    loss and metrics if they can be rebuilt; falls back to an uncompiled model)."""
+    keras_bytes, objects = _unpack(data)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, _MODEL_FILE)
+        with open(path, "wb") as f:
+            f.write(keras_bytes)
+        if compile:
+            try:
+                return _load_keras_file(path, objects, compile=True)
+            except Exception as exc:  # noqa: BLE001 - the weights still load; say why it is not compiled
+                log.warning("Keras model loaded without its compile state (%s: %s)", type(exc).__name__, exc)
+        return _load_keras_file(path, objects, compile=False)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+class KerasModel(BaseModel, KerasModelParams):
+    """A trained Keras 3 model as a Spark ML ``Model``.
+
+    ``transform(df)`` calls ``model.predict_on_batch`` on batches of ``batch_size`` rows, one array per feature
+    column (Vector and array columns as ``(rows, size)`` float32, or ``(rows, *shape)`` as recorded at fit time;
+    scalar columns as ``(rows,)``), and adds one column per label: ``<label>__output`` by default
+    (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
+    The model is loaded once per Python worker.
+    """
+
+    @keyword_only
+    def __init__(self, *, model: Any = None, feature_cols: list[str] | None = None,
+                 label_cols: list[str] | None = None, output_cols: list[str] | None = None, batch_size: int = 1024,
+                 history: dict | None = None, run_id: str | None = None, metadata: dict | None = None,
+                 custom_objects: dict | None = None) -> None:
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(self, *, model: Any = None, feature_cols: list[str] | None = None,  # noqa: N802
+                  label_cols: list[str] | None = None, output_cols: list[str] | None = None, batch_size: int = 1024,
+                  history: dict | None = None, run_id: str | None = None, metadata: dict | None = None,
+                  custom_objects: dict | None = None) -> KerasModel:
+        """Sets params by keyword and returns ``self``."""
+        return self._set(**self._input_kwargs)
+
+    def _custom_objects(self) -> dict:
+        if self.isDefined(self.custom_objects):
+            return dict(self.getOrDefault(self.custom_objects) or {})
+        return {}
+
+    def _serialize_model(self, model: Any) -> bytes:  # instance method: uses custom_objects
+        return serialize_keras_model(model, self._custom_objects())
+
+    def _deserialize_model(self, data: bytes) -> Any:
+        return deserialize_keras_model(data, compile=False)
+
+    @classmethod
+    def _load_for_inference(cls, data: bytes) -> Any:
+        import tensorflow as tf
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if ctx is not None:  # the tasks of an executor share its cores
+            try:
+                tf.config.threading.set_intra_op_parallelism_threads(max(1, int(ctx.cpus())))
+                tf.config.threading.set_inter_op_parallelism_threads(1)
+            except RuntimeError:  # TensorFlow's runtime already started in this worker: keep its setting
+                pass
+        return deserialize_keras_model(data, compile=False)
+
+    @classmethod
+    def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        out = model.predict_on_batch(inputs[0] if len(inputs) == 1 else list(inputs))
+        if isinstance(out, dict):
+            out = [out[name] for name in model.output_names]
+        if not isinstance(out, list | tuple):
+            out = [out]
+        return [np.asarray(o) for o in out]
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+
+
+def optimizer_spec(optimizer: Any) -> dict:
+    """What rebuilds ``optimizer`` on a rank: a Keras name, or its class (the user's, not a distributed wrapper)
+    and ``get_config()``. Raises ``ValueError``/``TypeError`` naming what is wrong."""
+    import keras
+
+    if optimizer is None:
+        raise ValueError("KerasEstimator: set optimizer, e.g. keras.optimizers.Adam(learning_rate=1e-3) or 'adam'")
+    if isinstance(optimizer, str):
+        try:
+            keras.optimizers.get(optimizer)
+        except ValueError:
+            raise ValueError(f"KerasEstimator: unknown optimizer name {optimizer!r}; use a Keras optimizer name "
+                             "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object") from None
+        return {"name": optimizer}
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"KerasEstimator: optimizer must be a keras.optimizers.Optimizer or a Keras optimizer name, "
+                        f"got {type(optimizer).__name__}")
+    from spark_hvd.keras.optimizer import _DistributedOptimizerMixin
+
+    cls = type(optimizer)
+    if issubclass(cls, _DistributedOptimizerMixin):  # already wrapped: rebuild the user's class
+        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, _DistributedOptimizerMixin)
+                   and issubclass(c, keras.optimizers.Optimizer))
+    return {"cls": cls, "config": optimizer.get_config()}
+
+
+def build_optimizer(spec: dict) -> Any:
+    """The optimizer described by :func:`optimizer_spec` (a fresh, unbuilt one)."""
+    import keras
+
+    if "name" in spec:
+        return keras.optimizers.get(spec["name"])
+    return spec["cls"].from_config(spec["config"])
+
+
+# ------------------------------------------------------------------------------------------------ loss, metrics
+
+
+def check_losses(loss: Any, n_labels: int) -> None:
+    """``loss`` fits ``n_labels`` labels: one Keras loss (name, ``Loss`` or callable) or a list with one per label."""
+    import keras
+
+    if loss is None:
+        raise ValueError("KerasEstimator: set loss: a Keras loss name ('mse', 'sparse_categorical_crossentropy', "
+                         "...), a keras.losses.Loss or a callable, or a list with one per label")
+    if isinstance(loss, dict):
+        raise TypeError("KerasEstimator: give loss as a list in label_cols order, not a dict")
+    losses = list(loss) if isinstance(loss, list | tuple) else [loss]
+    if isinstance(loss, list | tuple) and len(losses) != n_labels:
+        raise ValueError(f"KerasEstimator: {len(losses)} losses for {n_labels} label columns; give one loss per "
+                         "label (or a single loss for all of them)")
+    for i, item in enumerate(losses):
+        if isinstance(item, str):
+            try:
+                keras.losses.get(item)
+            except ValueError:
+                raise ValueError(f"KerasEstimator: unknown loss name {item!r} (label {i}); use a Keras loss name, "
+                                 "a keras.losses.Loss or a callable") from None
+        elif not callable(item):
+            raise ValueError(f"KerasEstimator: loss {i} is a {type(item).__name__}, not a Keras loss or a name")
+
+
+def check_metrics(metrics: list) -> None:
+    """Every metric is a Keras metric name, a ``Metric`` or a callable (lists per output allowed)."""
+    import keras
+
+    for m in metrics:
+        items = m if isinstance(m, list | tuple) else [m]
+        for item in items:
+            if isinstance(item, str):
+                if item in _COMPILE_METRIC_NAMES:
+                    continue
+                try:
+                    keras.metrics.get(item)
+                except ValueError:
+                    raise ValueError(f"KerasEstimator: unknown metric name {item!r}; use a Keras metric name, a "
+                                     "keras.metrics.Metric or a callable") from None
+            elif not callable(item):
+                raise ValueError(f"KerasEstimator: metric {item!r} is not a Keras metric, a callable or a name")
+
+
+def _model_output_count(model: Any) -> int | None:
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError):
+        return None
+    return len(outputs) if outputs is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ the estimator
+
+
+class KerasEstimator(BaseEstimator, KerasEstimatorParams):
+    """Data-parallel training of a Keras 3 model (TensorFlow backend) on a Spark DataFrame; ``fit`` -> ``KerasModel``.
+
+    Example::
+
+        model = keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(10, activation="softmax")])
+        est = KerasEstimator(num_proc=2, store=Store.create("/tmp/store"), model=model,
+                             optimizer=keras.optimizers.Adam(learning_rate=1e-3),
+                             loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                             feature_cols=["features"], label_cols=["label"], batch_size=64, epochs=5,
+                             validation=0.1)
+        fitted = est.fit(train_df)         # or Pipeline(stages=[assembler, est]).fit(train_df)
+
+    The model gets one input per feature column (a list for several) and gives one output per label, in
+    ``label_cols`` order. On every rank ``model.fit`` runs on the rank's shard of the prepared data
+    (``spark_hvd.data.keras_loader.KerasBatchDataset``), compiled with the optimizer rebuilt from its config and
+    wrapped in ``spark_hvd.keras.DistributedOptimizer``, ``loss``, ``loss_weights`` and ``metrics`` (Keras names
+    or objects; a flat metric list applies to every output). Callbacks on every rank, in this order:
+    ``BroadcastGlobalVariablesCallback(0)``, ``MetricAverageCallback()`` (so what follows sees metrics averaged
+    over ranks), the user's ``callbacks``, then the checkpointing of rank 0 and the progress reports.
+
+    The learning rate is used as given: gradients are averaged over ranks, so the effective batch is
+    ``num_proc * batch_size``; to keep the per-example step of a single-process run, scale the rate yourself
+    (often by ``num_proc``) and consider ``spark_hvd.keras.callbacks.LearningRateWarmupCallback`` in ``callbacks``.
+
+    Checkpoints: after every epoch rank 0 commits ``model.keras`` (with the optimizer) and the optimizer's
+    variables to ``runs/<run_id>/checkpoints/epoch-<e>``. ``checkpoint_callback`` (a
+    ``keras.callbacks.ModelCheckpoint``) may restrict this to improvements of its ``monitor`` (``save_best_only``;
+    its ``filepath`` is not used); the final model is then the best checkpoint. A fit with the ``run_id`` of an
+    earlier run, or a retry (``max_retries``) after a failed rank, continues after the newest checkpoint.
+    """
+
+    _model_class = KerasModel
+
+    @keyword_only
+    def __init__(self, *, num_proc: int | None = None, model: Any = None, optimizer: Any = None, loss: Any = None,
+                 loss_weights: list[float] | None = None, metrics: list | None = None,
+                 custom_objects: dict | None = None, feature_cols: list[str] | None = None,
+                 label_cols: list[str] | None = None, sample_weight_col: str | None = None,
+                 validation: float | str | None = None, batch_size: int = 32, val_batch_size: int | None = None,
+                 epochs: int = 1, train_steps_per_epoch: int | None = None,
+                 validation_steps_per_epoch: int | None = None, shuffle: bool = True, random_seed: int | None = None,
+                 store: Any = None, run_id: str | None = None, callbacks: list | None = None,
+                 checkpoint_callback: Any = None, transformation_fn: Callable | None = None,
+                 backward_passes_per_step: int = 1, gradient_compression: Any = None, use_gpu: bool | None = None,
+                 partitions_per_process: int = 10, verbose: int = 1, mlflow: bool | str | None = None,
+                 max_retries: int = 0) -> None:
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    @keyword_only
+    def setParams(self, *, num_proc: int | None = None, model: Any = None, optimizer: Any = None,  # noqa: N802
+                  loss: Any = None, loss_weights: list[float] | None = None, metrics: list | None = None,
+                  custom_objects: dict | None = None, feature_cols: list[str] | None = None,
+                  label_cols: list[str] | None = None, sample_weight_col: str | None = None,
+                  validation: float | str | None = None, batch_size: int = 32, val_batch_size: int | None = None,
+                  epochs: int = 1, train_steps_per_epoch: int | None = None,
+                  validation_steps_per_epoch: int | None = None, shuffle: bool = True,
+                  random_seed: int | None = None, store: Any = None, run_id: str | None = None,
+                  callbacks: list | None = None, checkpoint_callback: Any = None,
+                  transformation_fn: Callable | None = None, backward_passes_per_step: int = 1,
+                  gradient_compression: Any = None, use_gpu: bool | None = None, partitions_per_process: int = 10,
+                  verbose: int = 1, mlflow: bool | str | None = None, max_retries: int = 0) -> KerasEstimator:
+        """Sets params by keyword and returns ``self``."""
+        return self._set(**self._input_kwargs)
+
+    def _opt(self, param: Any) -> Any:
+        return self.getOrDefault(param) if self.isDefined(param) else None
+
+    def _custom_objects(self) -> dict:
+        return dict(self._opt(self.custom_objects) or {})
+
+    # ---- persistence: the model as .keras bytes, the optimizer as its spec
+    def _serialize_model(self, model: Any) -> bytes:
+        return serialize_keras_model(model, self._custom_objects())
+
+    def _deserialize_model(self, data: bytes) -> Any:
+        return deserialize_keras_model(data, compile=False)
+
+    def _dump_object(self, name: str, value: Any) -> bytes:
+        if name == "optimizer":
+            return cloudpickle.dumps(optimizer_spec(value))
+        return super()._dump_object(name, value)
+
+    def _load_objects(self, blobs: dict[str, bytes]) -> dict[str, Any]:
+        spec = blobs.pop("optimizer", None)
+        out = super()._load_objects(blobs)
+        if spec is not None:
+            spec = cloudpickle.loads(spec)
+            out["optimizer"] = spec["name"] if "name" in spec else build_optimizer(spec)
+            self._set(optimizer=out["optimizer"])
+        return out
+
+    # ---- framework hooks of BaseEstimator
+    def _check_model(self, model: Any) -> bytes:
+        data = serialize_keras_model(model, self._custom_objects())
+        self._optimizer_spec = optimizer_spec(self._opt(self.optimizer))
+        n_labels = len(self.getOrDefault(self.label_cols))
+        n_out = _model_output_count(model)
+        if n_out is not None and n_out != n_labels:
+            raise ValueError(f"KerasEstimator: the model has {n_out} outputs for {n_labels} label columns "
+                             f"{self.getOrDefault(self.label_cols)}; give one label column per output")
+        cb = self._opt(self.checkpoint_callback)
+        if cb is not None:
+            import keras
+
+            if not isinstance(cb, keras.callbacks.ModelCheckpoint):
+                raise TypeError(f"KerasEstimator: checkpoint_callback must be a keras.callbacks.ModelCheckpoint, "
+                                f"got {type(cb).__name__}")
+        return data
+
+    def _check_loss(self, n_labels: int) -> None:
+        check_losses(self._opt(self.loss), n_labels)
+        check_metrics(self._metrics())
+
+    def _metrics(self) -> list:
+        return list(self._opt(self.metrics) or [])
+
+    def _checkpoint_policy(self) -> dict | None:
+        cb = self._opt(self.checkpoint_callback)
+        if cb is None or not cb.save_best_only:
+            return None
+        mode = cb.mode if cb.mode in ("min", "max") else (
+            "max" if any(k in cb.monitor for k in ("acc", "auc", "precision", "recall")) else "min")
+        return {"monitor": cb.monitor, "mode": mode, "min_delta": abs(float(cb.min_delta or 0.0))}
+
+    def _train_spec(self, model_bytes: bytes) -> dict:
+        return {
+            "model_bytes": model_bytes,
+            "optimizer": self._optimizer_spec,
+            "loss": self._opt(self.loss),
+            "loss_weights": self.getOrDefault(self.loss_weights),
+            "metrics": self._metrics(),
+            "checkpoint_policy": self._checkpoint_policy(),
+        }
+
+    def _train_function(self) -> Callable[[dict], Any]:
+        return train_on_rank
+
+    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+        data = RunFiles(store, run_id).read_model_file(_MODEL_FILE)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, _MODEL_FILE)
+            with open(path, "wb") as f:
+                f.write(data)
+            try:
+                return _load_keras_file(path, self._custom_objects(), compile=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. a custom loss that is not registered
+                log.warning("the trained model is returned uncompiled (%s: %s)", type(exc).__name__, exc)
+                return _load_keras_file(path, self._custom_objects(), compile=False)
+
+    def _model_params(self) -> dict:
+        return {"custom_objects": self._custom_objects()}
+
+    def _log_mlflow_model(self, model: Any) -> None:
+        import keras
+        import mlflow.keras
+
+        reqs = [f"keras=={keras.__version__}", f"cloudpickle=={cloudpickle.__version__}"]
+        try:
+            import tensorflow as tf
+
+            reqs.append(f"tensorflow=={tf.__version__}")
+        except ImportError:
+            pass
+        # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow)
+        mlflow.keras.log_model(model, name="model", pip_requirements=reqs)
+
+
+# ------------------------------------------------------------------------------------------------ on every rank
+
+
+def _limit_threads(local_size: int) -> None:
+    """TensorFlow threads per rank: the host's cores shared among its ranks (before TF starts, if it has not)."""
+    n = max(1, (os.cpu_count() or 1) // max(1, local_size))
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(n))
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    except RuntimeError:  # the runtime already started in this (reused) Python worker
+        pass
+
+
+def _select_devices(use_gpu: bool | None) -> None:
+    import tensorflow as tf
+
+    try:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return
+        if use_gpu is False:
+            tf.config.set_visible_devices([], "GPU")
+            return
+        index = os.environ.get("SPARK_HVD_GPU") or os.environ.get("SPARK_HVD_LOCAL_RANK", "0")
+        tf.config.set_visible_devices(gpus[int(index) % len(gpus)], "GPU")
+    except (RuntimeError, ValueError) as exc:  # devices already initialised in this worker
+        log.debug("GPU selection left as it is: %s", exc)
+
+
+def _per_output_metrics(metrics: list, n_outputs: int) -> Any:
+    """A flat metric list applies to every output (Keras 3 wants one list per output for several outputs)."""
+    if not metrics:
+        return None
+    if n_outputs <= 1 or any(isinstance(m, list | tuple | dict) for m in metrics):
+        return list(metrics)
+    return [[m if isinstance(m, str) else copy.deepcopy(m) for m in metrics] for _ in range(n_outputs)]
+
+
+def _improved(value: float, best: float | None, policy: dict) -> bool:
+    if best is None:
+        return True
+    if policy["mode"] == "max":
+        return value > best + policy["min_delta"]
+    return value < best - policy["min_delta"]
+
+
+def train_on_rank(spec: dict) -> dict | None:
+    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
+    _limit_threads(int(os.environ.get("SPARK_HVD_LOCAL_SIZE", "1")))
+    _select_devices(spec["use_gpu"])
+    import keras
+
+    import spark_hvd.keras as hvd
+    from spark_hvd.data.keras_loader import KerasBatchDataset
+    from spark_hvd.runner import report
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if spec["random_seed"] is not None:
+        keras.utils.set_random_seed(spec["random_seed"])
+    keras_bytes, custom_objects = _unpack(spec["model_bytes"])
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, _MODEL_FILE), "wb") as f:
+            f.write(keras_bytes)
+        model = _load_keras_file(os.path.join(tmp, _MODEL_FILE), custom_objects, compile=False)
+    n_outputs = len(spec["label_cols"])
+    kwargs: dict[str, Any] = {"backward_passes_per_step": spec["backward_passes_per_step"]}
+    if spec["gradient_compression"] is not None:
+        kwargs["compression"] = spec["gradient_compression"]
+    optimizer = hvd.DistributedOptimizer(build_optimizer(spec["optimizer"]), **kwargs)
+    model.compile(optimizer=optimizer, loss=spec["loss"], loss_weights=spec["loss_weights"],
+                  metrics=_per_output_metrics(spec["metrics"], n_outputs), jit_compile=False)
+    optimizer.build(model.trainable_variables)  # on every rank, so the broadcast covers the same variables
+
+    files = RunFiles(spec["store"], spec["run_id"])
+    policy = spec["checkpoint_policy"]
+    start, history = 0, {}
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            found = files.latest_checkpoint(tmp)
+            if found is not None:
+                last, history = found
+                model.load_weights(os.path.join(tmp, _MODEL_FILE))
+                with np.load(os.path.join(tmp, _OPTIMIZER_FILE)) as saved:
+                    values = [saved[f"v{i}"] for i in range(len(saved.files))]
+                if len(values) != len(optimizer.variables):
+                    raise ValueError(f"checkpoint of epoch {last} has {len(values)} optimizer variables, the "
+                                     f"optimizer {len(optimizer.variables)}: was the optimizer changed?")
+                for var, value in zip(optimizer.variables, values, strict=True):
+                    var.assign(value)
+                start = last + 1
+                log.info("run %s: resuming after epoch %d", spec["run_id"], last)
+    start, history = hvd.broadcast_object((start, history), root_rank=0)
+    best = None
+    if policy is not None and history.get(policy["monitor"]):
+        for value in history[policy["monitor"]]:
+            best = value if _improved(value, best, policy) else best
+
+    readers = ShardReaders(spec, rank, size)
+    label_cols, weight_col = spec["label_cols"], spec["sample_weight_col"]
+    train = KerasBatchDataset(readers.readers["train"], spec["feature_cols"], label_cols, weight_col,
+                              first_epoch=start)
+    steps = min(readers.steps("train"), len(train))
+    val, val_steps = None, None
+    if readers.has_validation:
+        val = KerasBatchDataset(readers.readers["val"], spec["feature_cols"], label_cols, weight_col)
+        val_steps = min(readers.steps("val"), len(val))
+    wrote = {"any": False}
+
+    class _RunCallback(keras.callbacks.Callback):
+        """History, rank 0's checkpoints and metrics log, progress to the driver (after the metric average)."""
+
+        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+            nonlocal best
+            logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
+                    if isinstance(v, int | float | np.number | np.ndarray) or hasattr(v, "numpy")}
+            append_history(history, logs)
+            save = True
+            if policy is not None:
+                value = logs.get(policy["monitor"])
+                if value is None:
+                    log.warning("checkpoint_callback monitors %r, not in the logs %s: checkpointing every epoch",
+                                policy["monitor"], sorted(logs))
+                else:
+                    save = _improved(value, best, policy)
+                    best = value if save else best
+            if rank == 0:
+                if save:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        self.model.save(os.path.join(tmp, _MODEL_FILE))
+                        np.savez(os.path.join(tmp, _OPTIMIZER_FILE),
+                                 **{f"v{i}": np.asarray(v) for i, v in enumerate(self.model.optimizer.variables)})
+                        files.write_checkpoint(epoch, tmp, history)
+                    wrote["any"] = True
+                else:
+                    files.write_metrics(history)
+            report(epoch=epoch, **logs)
+
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                 *spec["callbacks"], _RunCallback()]
+    if start < spec["epochs"]:
+        model.fit(train, epochs=spec["epochs"], initial_epoch=start, steps_per_epoch=steps, validation_data=val,
+                  validation_steps=val_steps, callbacks=callbacks,
+                  verbose=2 if (spec["verbose"] >= 2 and rank == 0) else 0)
+    if rank != 0:
+        return None
+    output_shapes = _output_shapes(model, readers, spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        if policy is not None and (wrote["any"] or start > 0) and files.store.latest_checkpoint(spec["run_id"]):
+            ck = os.path.join(tmp, "ck")
+            os.makedirs(ck)
+            files.latest_checkpoint(ck)  # the best epoch's model
+            out = os.path.join(tmp, "model")
+            os.makedirs(out)
+            shutil.copy(os.path.join(ck, _MODEL_FILE), os.path.join(out, _MODEL_FILE))
+        else:
+            out = tmp
+            model.save(os.path.join(out, _MODEL_FILE))
+        files.write_model(out)
+    return {"history": history, "output_shapes": output_shapes}
+
+
+def _output_shapes(model: Any, readers: ShardReaders, spec: dict) -> list[list[int]]:
+    """Per-row shape of each output: from the model's symbolic outputs, else by predicting one batch."""
+    try:
+        shapes = [list(o.shape[1:]) for o in model.outputs]
+        if all(d is not None for s in shapes for d in s):
+            return shapes
+    except (AttributeError, ValueError):
+        pass
+    gen = readers.epoch("train", 0)
+    batch = next(gen)
+    gen.close()
+    x = [batch[c] for c in spec["feature_cols"]]
+    out = KerasModel._predict(model, x)
+    return [list(np.asarray(o).shape[1:]) for o in out]
