@@ -86,8 +86,12 @@ _FUTEX = _load_futex() if os.environ.get("SPARK_HVD_SHM_FUTEX", "1") != "0" else
 
 
 def shm_available() -> bool:
-    """Whether POSIX shared memory can be used here (Linux with a writable /dev/shm)."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+    """Whether the shared-memory transport can be used here: Linux with a writable /dev/shm, on x86 (whose
+    stores become visible in program order, which the flag protocol relies on; other CPUs use TCP)."""
+    import platform
+
+    return (platform.machine().lower() in ("x86_64", "amd64", "i686", "i386") and os.path.isdir(SHM_DIR)
+            and os.access(SHM_DIR, os.W_OK))
 
 
 def segment_path(job_id: str, nonce: str, rank: int) -> str:
