@@ -1,0 +1,97 @@
+"""Every bad input of KerasEstimator.fit fails with a clear error before any Spark job runs, the store untouched."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+from spark_hvd.estimators import KerasEstimator
+from spark_hvd.store import Store
+
+pytestmark = pytest.mark.spark
+
+
+@pytest.fixture(scope="module")
+def df(spark):
+    from pyspark.ml.linalg import Vectors
+
+    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2), float(i)) for i in range(8)],
+                                 ["features", "label", "weight", "other"])
+
+
+def _model(outputs: int = 1) -> keras.Model:
+    inp = keras.Input(shape=(2,))
+    outs = [keras.layers.Dense(1, name=f"out{i}")(inp) for i in range(outputs)]
+    return keras.Model(inp, outs if outputs > 1 else outs[0])
+
+
+def _kwargs(store, **kw):
+    args = dict(num_proc=2, store=store, model=_model(), optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                feature_cols=["features"], label_cols=["label"], batch_size=4, epochs=1, verbose=0)
+    args.update(kw)
+    return args
+
+
+class _Torchish:
+    """Stands for a model of another framework."""
+
+
+CASES = [
+    ("missing feature column", dict(feature_cols=["nope"]), ValueError, r"feature_cols: column 'nope' is not in"),
+    ("misspelt label column", dict(label_cols=["lable"]), ValueError, r"'lable'.*did you mean \['label'\]"),
+    ("misspelt weight column", dict(sample_weight_col="wieght"), ValueError, r"sample_weight_col.*'weight'"),
+    ("two losses, one label", dict(loss=["mse", "mae"]), ValueError, r"2 losses for 1 label columns"),
+    ("unknown loss name", dict(loss="msee"), ValueError, r"unknown loss name 'msee'"),
+    ("no loss", dict(loss=None), ValueError, r"set loss"),
+    ("unknown metric", dict(metrics=["acuracy"]), ValueError, r"unknown metric name 'acuracy'"),
+    ("loss weights", dict(loss_weights=[1.0, 2.0]), ValueError, r"loss_weights has 2 entries for 1"),
+    ("outputs vs labels", dict(label_cols=["label", "other"]), ValueError, r"1 outputs for 2 label columns"),
+    ("two outputs, one label", dict(model=_model(2)), ValueError, r"2 outputs for 1 label columns"),
+    ("not a keras model", dict(model=_Torchish()), TypeError, r"Keras 3 keras.Model, got .*_Torchish"),
+    ("unbuilt model", dict(model=keras.Sequential([keras.layers.Dense(1)])), ValueError, r"not built"),
+    ("unknown optimizer name", dict(optimizer="adamm"), ValueError, r"unknown optimizer name 'adamm'"),
+    ("no optimizer", dict(optimizer=None), ValueError, r"set optimizer"),
+    ("foreign optimizer", dict(optimizer=object()), TypeError, r"keras.optimizers.Optimizer"),
+    ("checkpoint callback", dict(checkpoint_callback=keras.callbacks.EarlyStopping()), TypeError,
+     r"ModelCheckpoint"),
+    ("zero batch size", dict(batch_size=0), ValueError, r"batch_size must be a positive integer, got 0"),
+    ("negative epochs", dict(epochs=-1), ValueError, r"epochs must be a positive integer, got -1"),
+    ("too many processes", dict(num_proc=3), Exception, r"num_proc=3.*only \d+ free task slots"),
+    ("no store", dict(store=None), ValueError, r"set store"),
+]
+
+
+@pytest.mark.parametrize("what,kwargs,exc,match", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_before_anything_runs(spark, df, tmp_path, what, kwargs, exc, match):
+    root = tmp_path / "store"
+    store = None if kwargs.get("store", 1) is None else Store.create(str(root))
+    kwargs = {k: v for k, v in kwargs.items() if k != "store"}
+    est = KerasEstimator(**_kwargs(store, **kwargs))
+    sc = spark.sparkContext
+    group = f"keras-bad-input-{abs(hash(what))}"
+    sc.setJobGroup(group, what)
+    try:
+        with pytest.raises(exc, match=match):
+            est.fit(df)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert list(sc.statusTracker().getJobIdsForGroup(group)) == [], "a Spark job ran before the error"
+    assert not root.exists() or not any(root.rglob("*")), "the store was written to"
+
+
+def test_optimizer_by_name_passes_the_checks(spark, df, tmp_path):
+    root = tmp_path / "store"
+    est = KerasEstimator(**_kwargs(Store.create(str(root)), optimizer="adam", loss="mean_squared_error",
+                                   metrics=["accuracy", keras.metrics.MeanAbsoluteError()]))
+    plan = est._check(df)
+    assert plan["num_proc"] == 2 and est._optimizer_spec == {"name": "adam"}
+    assert not root.exists() or not any(root.rglob("*")), "the checks wrote to the store"
+
+
+def test_params_spark_style_and_copy():
+    est = KerasEstimator(batch_size=16, custom_objects={"x": 1})
+    assert est.getBatchSize() == 16 and est.getCustomObjects() == {"x": 1}
+    text = est.explainParams()
+    for name in ("custom_objects", "checkpoint_callback", "loss_weights", "mlflow", "store"):
+        assert name in text
+    assert est.copy({est.epochs: 3}).getEpochs() == 3 and est.getEpochs() == 1
