@@ -49,3 +49,15 @@ def test_horovod_keras_example_two_ranks():
     proc = _run([*LAUNCHER, "-np", "2", "--timeout", "600", sys.executable, str(EXAMPLES / "horovod_keras.py"),
                  "--epochs", "2"], timeout=700)
     assert "ranks=2 weights identical on every rank: True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_spark_submit_command_of_the_readme():
+    """README: ``spark-submit --master 'local[2]' examples/spark_submit_train.py`` (with this venv's Python)."""
+    spark_submit = Path(sys.executable).parent / "spark-submit"
+    if not spark_submit.exists():
+        pytest.skip("no spark-submit next to this Python (pyspark not installed here)")
+    proc = _run([str(spark_submit), "--master", "local[2]", "--conf", "spark.ui.enabled=false",
+                 str(EXAMPLES / "spark_submit_train.py")], timeout=900,
+                PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    assert proc.stdout.rstrip().splitlines()[-1] == "OK", proc.stdout[-3000:]
