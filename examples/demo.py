@@ -114,7 +114,7 @@ def run_torch(train, holdout, workdir: str, epochs: int) -> dict:
         num_proc=NUM_PROC,
         store=Store.create(os.path.join(workdir, "store")),
         model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
+        optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
         loss="cross_entropy",
         metrics=["accuracy"],
         feature_cols=["features"],
@@ -164,7 +164,7 @@ def run_keras(train, holdout, workdir: str, epochs: int) -> dict | None:
         num_proc=NUM_PROC,
         store=Store.create(os.path.join(workdir, "store")),  # same store: the prepared data is reused
         model=model,
-        optimizer=keras.optimizers.Adam(learning_rate=3e-3),
+        optimizer=keras.optimizers.Adam(learning_rate=1e-2),
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
         feature_cols=["features"],
@@ -193,7 +193,7 @@ def run_keras(train, holdout, workdir: str, epochs: int) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5, help="epochs of each fit (default 5)")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of each fit (default 4)")
     parser.add_argument("--keep", metavar="DIR", default=None,
                         help="keep the store and the saved Pipelines in DIR (default: a temporary directory)")
     parser.add_argument("--skip-keras", action="store_true", help="run the Torch part only")
