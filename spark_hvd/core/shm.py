@@ -149,6 +149,10 @@ class ShmGroup:
         self.slots: list[np.ndarray] = []
         self.paths = list(paths)
         self._addr: list[int] = []
+        # spinning only helps when every member can run at once; with more ranks than cores it steals the CPU
+        # from the very peer being waited for, so sleep on the futex straight away
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.spin_checks = SPIN_CHECKS if len(self.ranks) <= cores else 0
         memoryview(self._own)[:CTRL_BYTES].cast("q")[PID] = os.getpid()
 
     def attach(self) -> None:
@@ -213,7 +217,7 @@ class ShmGroup:
         while idle is not None and ctrl[word] < target:
             if not idle():
                 break
-        for _ in range(SPIN_CHECKS):
+        for _ in range(self.spin_checks):
             if ctrl[word] >= target:
                 return
         start = time.monotonic()
@@ -389,6 +393,34 @@ class ShmGroup:
             next_in += 1
             return True
 
+        next_red = 0
+
+        def reduce_chunk(b: int) -> None:
+            """Scatter mode: reduce this rank's chunk of block b over every slot into its own slot."""
+            g = base + b + 1
+            n = min(total, (b + 1) * block) - b * block
+            off = ((g - 1) % self.nslots) * block
+            c0, c1 = me * n // size, (me + 1) * n // size
+            acc = slots[me][off + c0:off + c1]
+            for k in range(size):
+                if k != me:
+                    reduce_into(acc, slots[k][off + c0:off + c1], op, bfloat16)
+            if average:
+                divide_average(acc, size, bfloat16)
+            self._publish(RED, g)
+
+        def work_ahead() -> bool:
+            """Idle work in scatter mode: copy in ahead, else reduce the next full block whose data is all in."""
+            nonlocal next_red
+            if copy_ahead():
+                return True
+            if next_red < next_in and (next_red + 1) * block <= total and \
+                    self._ready_all(IN, base + next_red + 1):
+                reduce_chunk(next_red)
+                next_red += 1
+                return True
+            return False
+
         def finish(b: int) -> None:
             g = base + b + 1
             lo = b * block
@@ -427,20 +459,16 @@ class ShmGroup:
                         divide_average(dst, size, bfloat16)
                 self._publish(OUT, g)
                 return
-            # scatter: reduce my chunk into my slot, then gather every chunk
-            c0, c1 = me * n // size, (me + 1) * n // size
-            self._wait_all(IN, g, operation, check_peers, copy_ahead)
-            acc = slots[me][off + c0:off + c1]
-            for k in range(size):
-                if k != me:
-                    reduce_into(acc, slots[k][off + c0:off + c1], op, bfloat16)
-            if average:
-                divide_average(acc, size, bfloat16)
-            self._publish(RED, g)
+            # scatter: reduce my chunk into my slot (unless done ahead), then gather every chunk
+            nonlocal next_red
+            while next_red <= b:
+                self._wait_all(IN, base + next_red + 1, operation, check_peers, copy_ahead)
+                reduce_chunk(next_red)
+                next_red += 1
             for step in range(size):
                 k = (me + step) % size
                 if k != me and self.ctrl[k][RED] < g:
-                    self._wait(k, RED, g, operation, check_peers, copy_ahead)
+                    self._wait(k, RED, g, operation, check_peers, work_ahead)
                 k0, k1 = lo + k * n // size, lo + (k + 1) * n // size
                 src = slots[k][off + k0 - lo:off + k1 - lo]
                 for arr, s0, s1, at in pieces(k0, k1):
