@@ -13,15 +13,12 @@ import re
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-#: Files other engineers are still writing; a link to them warns instead of failing while they are missing.
-PENDING = {"benchmarks/RESULTS.md", "examples/spark_submit_train.py", "benchmarks/estimator.py"}
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _BLOCK = re.compile(r"(<!-- doctest -->\n)?```python\n(.*?)```", re.S)
@@ -51,11 +48,7 @@ def test_relative_links_resolve(page: Path):
             continue
         path = (page.parent / target.split("#", 1)[0]).resolve()
         if not path.exists():
-            rel = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-            if rel in PENDING:
-                warnings.warn(f"{_page_id(page)} links to {rel}, which is not written yet", stacklevel=1)
-            else:
-                missing.append(target)
+            missing.append(target)
     assert not missing, f"{_page_id(page)}: links to missing files {missing}"
 
 

@@ -81,4 +81,5 @@ class KerasBatchDataset(keras.utils.PyDataset):
 
 
 def _pick(batch: dict[str, np.ndarray], cols: list[str]) -> Any:
-    return batch[cols[0]] if len(cols) == 1 else [batch[c] for c in cols]
+    # A tuple, not a list: Keras's TensorFlow adapter accepts no lists inside a batch's structure.
+    return batch[cols[0]] if len(cols) == 1 else tuple(batch[c] for c in cols)

@@ -495,22 +495,6 @@ def _improved(value: float, best: float | None, policy: dict) -> bool:
     return value < best - policy["min_delta"]
 
 
-def _tuple_batches_class() -> type:
-    from spark_hvd.data.keras_loader import KerasBatchDataset
-
-    class TupleBatches(KerasBatchDataset):
-        """Several inputs/labels as tuples: Keras's TensorFlow adapter takes no lists in a batch's structure."""
-
-        def __getitem__(self, index: int) -> tuple[Any, ...]:
-            return tuple(tuple(p) if isinstance(p, list) else p for p in super().__getitem__(index))
-
-    return TupleBatches
-
-
-def _TupleBatches(*args: Any, **kwargs: Any) -> Any:  # noqa: N802 - stands for a class
-    return _tuple_batches_class()(*args, **kwargs)
-
-
 def train_on_rank(spec: dict) -> dict | None:
     """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
     _limit_threads(int(os.environ.get("SPARK_HVD_LOCAL_SIZE", "1")))
@@ -562,14 +546,16 @@ def train_on_rank(spec: dict) -> dict | None:
         for value in history[policy["monitor"]]:
             best = value if _improved(value, best, policy) else best
 
+    from spark_hvd.data.keras_loader import KerasBatchDataset
+
     readers = ShardReaders(spec, rank, size)
     label_cols, weight_col = spec["label_cols"], spec["sample_weight_col"]
-    train = _TupleBatches(readers.readers["train"], spec["feature_cols"], label_cols, weight_col,
+    train = KerasBatchDataset(readers.readers["train"], spec["feature_cols"], label_cols, weight_col,
                               first_epoch=start)
     steps = min(readers.steps("train"), len(train))
     val, val_steps = None, None
     if readers.has_validation:
-        val = _TupleBatches(readers.readers["val"], spec["feature_cols"], label_cols, weight_col)
+        val = KerasBatchDataset(readers.readers["val"], spec["feature_cols"], label_cols, weight_col)
         val_steps = min(readers.steps("val"), len(val))
     wrote = {"any": False}
 

@@ -61,3 +61,7 @@ def test_keras_dataset_feeds_fit(dataset):
     history = model.fit(fit_ds, epochs=2, verbose=0)
     assert len(history.history["loss"]) == 2 and np.isfinite(history.history["loss"]).all()
     assert fit_ds.epoch == 2
+
+    several = KerasBatchDataset(BatchReader(dataset, batch_size=40, columns=["v", "x", "id"]), ["v", "id"], ["x"])
+    x, _ = several[0]
+    assert isinstance(x, tuple) and len(x) == 2  # Keras's TensorFlow adapter rejects lists in a batch
