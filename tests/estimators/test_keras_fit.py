@@ -87,7 +87,7 @@ def _estimator(store, model, **kw) -> KerasEstimator:
 
 
 def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spark, store, reg_df, tmp_path,
-                                                                            monkeypatch):
+                                                                            mlflow_tracking):
     from pyspark.ml import Pipeline, PipelineModel
     from pyspark.ml.feature import VectorAssembler
 
@@ -130,9 +130,6 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
 
     # resume by run_id: a fit to 4 epochs runs only the 4th, starting from the checkpointed weights and history;
     # with mlflow set, params, per-epoch metrics and the model (Keras flavour) go to the tracking URI
-    tracking = tmp_path / "mlruns"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tracking}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(reg_df)
     second = _estimator(store, _linear_with_custom_layer(), epochs=4, metrics=["mae"], run_id="keras-resume",
                         callbacks=[EpochLog(str(tmp_path))], mlflow="spark_hvd-keras-test").fit(df)
@@ -143,7 +140,6 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
 
     import mlflow
 
-    mlflow.set_tracking_uri(f"file://{tracking}")
     exp = mlflow.get_experiment_by_name("spark_hvd-keras-test")
     runs = mlflow.search_runs([exp.experiment_id], output_format="list")
     assert len(runs) == 1 and runs[0].data.params["optimizer"] == "SGD"

@@ -139,16 +139,13 @@ def _epochs_begun(directory, rank: int = 0) -> list[int]:
         return [int(line) for line in f]
 
 
-def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, monkeypatch):
+def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, mlflow_tracking):
     from pyspark.ml.feature import VectorAssembler
 
     df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(reg_df)
     first = _estimator(store, _linear(), epochs=2, run_id="resume-me", callbacks=[_EpochLog(str(tmp_path))]).fit(df)
     assert _epochs_begun(tmp_path) == [0, 1]
 
-    tracking = tmp_path / "mlruns"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tracking}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     second = _estimator(store, _linear(), epochs=3, run_id="resume-me", callbacks=[_EpochLog(str(tmp_path))],
                         mlflow="spark_hvd-test").fit(df)
     assert _epochs_begun(tmp_path) == [0, 1, 2], "the second fit continues after the last checkpoint"
@@ -157,7 +154,6 @@ def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, monkeypatch
 
     import mlflow
 
-    mlflow.set_tracking_uri(f"file://{tracking}")
     exp = mlflow.get_experiment_by_name("spark_hvd-test")
     runs = mlflow.search_runs([exp.experiment_id], output_format="list")
     assert len(runs) == 1
