@@ -598,6 +598,8 @@ class RunFiles:
     ``runs/<run_id>/checkpoints/epoch-<e>/`` (committed atomically; ``e`` is the 0-based epoch just finished) holds
     the framework's files plus ``state.json`` (``{"epoch": e, "history": {...}}``), so a resumed run continues
     at epoch ``e + 1`` with the history so far. ``runs/<run_id>/logs/metrics.jsonl`` has one JSON line per epoch.
+    ``runs/<run_id>/logs/events.out.tfevents.*`` has the same metrics as TensorBoard scalars (``train/<name>``,
+    ``val/<name>``, step = epoch; see ``spark_hvd.estimators.tensorboard``).
     ``runs/<run_id>/model/`` holds the final model.
     """
 
@@ -606,6 +608,7 @@ class RunFiles:
     def __init__(self, store: Any, run_id: str) -> None:
         self.store = store
         self.run_id = run_id
+        self._events: Any = None
 
     def latest_checkpoint(self, local_dir: str) -> tuple[int, dict] | None:
         """Download the newest complete checkpoint into ``local_dir``; ``(epoch, history)`` or None."""
@@ -626,11 +629,17 @@ class RunFiles:
         self.write_metrics(history)
 
     def write_metrics(self, history: dict) -> None:
-        """Rewrite ``logs/metrics.jsonl``: one line per epoch so far (the store has no append)."""
+        """Rewrite ``logs/metrics.jsonl`` (one line per epoch so far; the store has no append) and the
+        TensorBoard event file."""
         n = max((len(v) for v in history.values()), default=0)
         lines = [json.dumps({"epoch": e, **{k: v[e] for k, v in history.items() if e < len(v)}}) for e in range(n)]
-        self.store.write_bytes(f"{self.store.logs_path(self.run_id)}/metrics.jsonl",
-                               ("\n".join(lines) + "\n").encode())
+        logs = self.store.logs_path(self.run_id)
+        self.store.write_bytes(f"{logs}/metrics.jsonl", ("\n".join(lines) + "\n").encode())
+        if self._events is None:
+            from spark_hvd.estimators.tensorboard import EventFileWriter
+
+            self._events = EventFileWriter(self.store, logs)
+        self._events.write_history(history)
 
     def write_model(self, local_dir: str) -> None:
         """Commit ``local_dir`` as ``runs/<run_id>/model``."""
