@@ -1,4 +1,9 @@
-"""Gradient compression for allreduce: none, or float16 on the wire (Horovod's ``hvd.Compression``)."""
+"""Gradient compression for allreduce: none, or float16 on the wire (Horovod's ``hvd.Compression``).
+
+One implementation serves every tensor type. ``FP16Compressor`` here works on numpy arrays; a framework binding
+subclasses it and supplies its own ``half`` dtype, ``is_floating`` test and ``cast`` (``spark_hvd.torch.compression``,
+``spark_hvd.keras.compression``), so the rule of what is compressed and how it is restored lives in one place.
+"""
 
 from __future__ import annotations
 
@@ -8,52 +13,74 @@ import numpy as np
 
 
 class Compressor:
-    """Turns an array into what is reduced, and back. ``ctx`` carries what ``decompress`` needs."""
+    """Interface: ``compress(tensor) -> (tensor, ctx)`` before the allreduce, ``decompress(tensor, ctx)`` after.
+
+    ``ctx`` carries what ``decompress`` needs. Implementations are used as classes (``Compression.fp16.compress(t)``),
+    as in Horovod.
+    """
 
     @staticmethod
-    def compress(arr: np.ndarray) -> tuple[np.ndarray, Any]:
+    def compress(tensor: Any) -> tuple[Any, Any]:
         raise NotImplementedError
 
     @staticmethod
-    def decompress(arr: np.ndarray, ctx: Any) -> np.ndarray:
+    def decompress(tensor: Any, ctx: Any) -> Any:
         raise NotImplementedError
 
 
 class NoneCompressor(Compressor):
-    """Leaves arrays as they are."""
+    """Sends tensors as they are (any tensor type)."""
 
     @staticmethod
-    def compress(arr: np.ndarray) -> tuple[np.ndarray, Any]:
-        return arr, None
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor, None
 
     @staticmethod
-    def decompress(arr: np.ndarray, ctx: Any) -> np.ndarray:
-        return arr
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
 
 
 class FP16Compressor(Compressor):
-    """Sends floating-point arrays as float16 (half the bytes); other dtypes pass unchanged.
+    """Sends floating-point tensors as float16 (half the bytes); other dtypes pass unchanged.
 
-    ``ctx`` is the original dtype, restored by ``decompress``. Values beyond float16's range (65504) become inf,
-    so use it for gradients, not for arbitrary sums.
+    ``ctx`` is the original dtype, restored by ``decompress`` when the tensor comes back in another dtype. Values
+    beyond float16's range (65504) become inf, so use it for gradients, not for arbitrary sums.
+
+    This class handles numpy arrays. For another tensor type, subclass it and set ``half`` (the framework's float16
+    dtype) and override the static methods ``is_floating(dtype)`` and ``cast(tensor, dtype)``.
     """
 
-    @staticmethod
-    def compress(arr: np.ndarray) -> tuple[np.ndarray, Any]:
-        dtype = arr.dtype
-        if np.issubdtype(dtype, np.floating) and dtype != np.float16:
-            return np.ascontiguousarray(arr, dtype=np.float16), dtype
-        return arr, None
+    half: Any = np.dtype(np.float16)
 
     @staticmethod
-    def decompress(arr: np.ndarray, ctx: Any) -> np.ndarray:
-        if ctx is None:
-            return arr
-        return arr.astype(ctx)
+    def is_floating(dtype: Any) -> bool:
+        """Whether ``dtype`` is a floating-point dtype (the ones compressed)."""
+        return bool(np.issubdtype(dtype, np.floating))
+
+    @staticmethod
+    def cast(tensor: Any, dtype: Any) -> Any:
+        """``tensor`` converted to ``dtype`` (a new C-contiguous array of the same shape)."""
+        return np.asarray(tensor).astype(dtype, order="C")
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        dtype = tensor.dtype
+        if cls.is_floating(dtype) and dtype != cls.half:
+            return cls.cast(tensor, cls.half), dtype
+        return tensor, dtype
+
+    @classmethod
+    def decompress(cls, tensor: Any, ctx: Any) -> Any:
+        if ctx is not None and tensor.dtype != ctx:
+            return cls.cast(tensor, ctx)
+        return tensor
 
 
 class Compression:
-    """The available compressors: ``Compression.none`` and ``Compression.fp16``."""
+    """The available compressors: ``Compression.none`` and ``Compression.fp16``.
 
-    none = NoneCompressor
-    fp16 = FP16Compressor
+    A framework binding subclasses this with its own ``fp16``; ``none`` serves every tensor type.
+    """
+
+    none: type[Compressor] = NoneCompressor
+    fp16: type[Compressor] = FP16Compressor

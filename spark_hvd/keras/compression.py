@@ -1,4 +1,7 @@
-"""Gradient compression for TensorFlow tensors (Horovod's ``hvd.Compression.none`` / ``hvd.Compression.fp16``)."""
+"""Gradient compression for TensorFlow tensors (Horovod's ``hvd.Compression.none`` / ``hvd.Compression.fp16``).
+
+The logic is ``spark_hvd.core.compression``'s; this module only supplies TensorFlow's float16 dtype and cast.
+"""
 
 from __future__ import annotations
 
@@ -6,50 +9,28 @@ from typing import Any
 
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface: ``compress(tensor) -> (tensor, ctx)`` before the allreduce, ``decompress(tensor, ctx)`` after."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        raise NotImplementedError
+from spark_hvd.core import compression as _core
+from spark_hvd.core.compression import Compressor, NoneCompressor
 
 
-class NoneCompressor(Compressor):
-    """Sends tensors as they are."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_core.FP16Compressor):
     """Sends floating-point tensors as float16 (half the bytes), restoring the dtype afterwards."""
 
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
-        dtype = tensor.dtype
-        if dtype.is_floating and dtype != tf.float16:
-            return tf.cast(tensor, tf.float16), dtype
-        return tensor, dtype
+    half = tf.float16
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
-        if ctx is not None and tensor.dtype != ctx:
-            return tf.cast(tensor, ctx)
-        return tensor
+    def is_floating(dtype: tf.DType) -> bool:
+        return dtype.is_floating
+
+    @staticmethod
+    def cast(tensor: tf.Tensor, dtype: Any) -> tf.Tensor:
+        return tf.cast(tensor, dtype)
 
 
-class Compression:
+class Compression(_core.Compression):
     """``Compression.none`` and ``Compression.fp16``, as in Horovod."""
 
-    none = NoneCompressor
     fp16 = FP16Compressor
+
+
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
