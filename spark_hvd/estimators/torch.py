@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
+import io
 import logging
 import os
+import pickle
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -57,7 +58,7 @@ class TorchModel(BaseModel, TorchModelParams):
 
     @classmethod
     def _deserialize_model(cls, data: bytes) -> Any:
-        return cloudpickle.loads(data)
+        return deserialize_module(data)
 
     @classmethod
     def _load_for_inference(cls, data: bytes) -> Any:
@@ -67,7 +68,7 @@ class TorchModel(BaseModel, TorchModelParams):
         ctx = TaskContext.get()
         if ctx is not None:  # one intra-op thread per task core: tasks of an executor share its cores
             torch.set_num_threads(max(1, int(ctx.cpus())))
-        model = cls._deserialize_model(data)
+        model = cls._deserialize_model(data)  # on the CPU, wherever it was trained
         model.eval()
         return model
 
@@ -83,6 +84,34 @@ class TorchModel(BaseModel, TorchModelParams):
         if isinstance(out, torch.Tensor):
             out = [out]
         return [o.detach().cpu().numpy() for o in out]
+
+
+class _CPUUnpickler(pickle.Unpickler):
+    """Unpickles a cloudpickled module with every tensor storage loaded on the CPU.
+
+    A tensor pickles as its storage's ``torch.save`` bytes, loaded back by ``torch.storage._load_from_bytes``,
+    which restores the storage on the device it was saved from: a module pickled on a GPU (trained there, or
+    built there by the user) would fail to load on a CPU-only executor or driver. This unpickler swaps that one
+    function for a ``torch.load(..., map_location="cpu")``.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch.storage" and name == "_load_from_bytes":
+            return _load_storage_on_cpu
+        return super().find_class(module, name)
+
+
+def _load_storage_on_cpu(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def deserialize_module(data: bytes) -> Any:
+    """The inverse of :func:`serialize_module`, with every parameter and buffer on the CPU (whatever device the
+    module was on when it was pickled); move it with ``.to(device)``."""
+    model = _CPUUnpickler(io.BytesIO(data)).load()
+    return model.to("cpu") if hasattr(model, "to") else model
 
 
 def serialize_module(model: Any) -> bytes:
@@ -166,7 +195,7 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
 
     @classmethod
     def _deserialize_model(cls, data: bytes) -> Any:
-        return cloudpickle.loads(data)
+        return deserialize_module(data)
 
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":
@@ -177,7 +206,7 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
         spec = blobs.pop("optimizer", None)
         out = super()._load_objects(blobs)
         if spec is not None:
-            out["optimizer"] = build_optimizer(cloudpickle.loads(spec), out["model"])
+            out["optimizer"] = build_optimizer(_CPUUnpickler(io.BytesIO(spec)).load(), out["model"])
         return out
 
     # ---- framework hooks of BaseEstimator
@@ -218,11 +247,10 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
         return train_on_rank
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        import io
-
         import torch
 
-        model = copy.deepcopy(self.getOrDefault(self.model))
+        # a CPU copy of the user's module (which may sit on a GPU of the driver), then the trained weights
+        model = deserialize_module(serialize_module(self.getOrDefault(self.model)))
         state = torch.load(io.BytesIO(RunFiles(store, run_id).read_model_file("model.pt")), map_location="cpu")
         model.load_state_dict(state)
         return model.eval()
@@ -262,7 +290,22 @@ def optimizer_spec(optimizer: Any, model: Any) -> dict:
     cls = type(optimizer)
     if getattr(cls, "__module__", "") == "spark_hvd.torch.optimizer":  # a DistributedOptimizer: its base class
         cls = cls.__mro__[2]
-    return {"cls": cls, "groups": groups, "defaults": dict(optimizer.defaults), "state": optimizer.state_dict()}
+    # the state on the CPU (load_state_dict moves it to each parameter's device), so it unpickles anywhere
+    return {"cls": cls, "groups": groups, "defaults": dict(optimizer.defaults),
+            "state": _to_cpu(optimizer.state_dict())}
+
+
+def _to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples moved to the CPU."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def build_optimizer(spec: dict, model: Any) -> Any:
@@ -375,8 +418,6 @@ def default_train_minibatch(model: Any, optimizer: Any, transform_outputs: Calla
 
 def train_on_rank(spec: dict) -> dict | None:
     """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    import io
-
     import torch
 
     import spark_hvd.torch as hvd
@@ -390,7 +431,7 @@ def train_on_rank(spec: dict) -> dict | None:
         np.random.seed(spec["random_seed"] % (2**32))
     use_gpu = spec["use_gpu"] is not False and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
-    model = cloudpickle.loads(spec["model_bytes"]).to(device)
+    model = deserialize_module(spec["model_bytes"]).to(device)
     optimizer = build_optimizer(spec["optimizer"], model)
     files = RunFiles(spec["store"], spec["run_id"])
     start, history = 0, {}
