@@ -93,6 +93,46 @@ class Backend(ABC):
         """Release sockets, shared memory and threads. Safe to call twice."""
 
 
+def alltoall_args(buf: np.ndarray, splits: Sequence[int] | None, size: int) -> tuple[np.ndarray, list[int]]:
+    """An alltoall's arguments in the form every backend sends: ``(contiguous buf, splits)``.
+
+    ``buf`` becomes C-contiguous with at least one dimension (a scalar is one row); ``splits`` becomes ``size``
+    ints, the rows for each rank, or an even split of the rows when it is None. Raises ``ValueError`` when the rows
+    do not divide evenly, or the splits are not ``size`` non-negative counts summing to the rows.
+    """
+    buf = np.ascontiguousarray(buf)
+    if buf.ndim == 0:
+        buf = buf.reshape(1)
+    rows = buf.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"alltoall without splits needs rows divisible by {size}, got {rows}")
+        return buf, [rows // size] * size
+    counts = [int(s) for s in splits]
+    if len(counts) != size or any(c < 0 for c in counts) or sum(counts) != rows:
+        raise ValueError(f"alltoall splits {counts} must be {size} non-negative row counts summing to {rows}")
+    return buf, counts
+
+
+def rank_rows(rows: int, size: int, rank: int) -> slice:
+    """The rows of ``rank`` when ``rows`` are split as evenly as possible, the first ``rows % size`` ranks getting
+    one more (the reducescatter split)."""
+    base, extra = divmod(rows, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def reducescatter_by_allreduce(backend: Backend, buf: np.ndarray, op: ReduceOp, *,
+                               bfloat16: bool = False) -> np.ndarray:
+    """``backend.reducescatter`` for backends without a native one: allreduce a copy of ``buf`` (a scalar is one
+    row) and return this rank's rows of it (``rank_rows``) as a new contiguous array."""
+    work = np.array(buf, copy=True)
+    if work.ndim == 0:
+        work = work.reshape(1)
+    backend.allreduce(work, op, bfloat16=bfloat16)
+    return np.ascontiguousarray(work[rank_rows(work.shape[0], backend.size, backend.rank)])
+
+
 class Rendezvous(ABC):
     """How the ranks of a job find each other (pluggable: launcher KV service, Spark allGather, static list)."""
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 
 
 class LocalBackend(Backend):
@@ -36,10 +36,8 @@ class LocalBackend(Backend):
             raise ValueError(f"broadcast root {root} does not exist in a job of size 1")
 
     def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
-        rows = buf.shape[0] if buf.ndim else 1
-        if splits is not None and (len(splits) != 1 or int(splits[0]) != rows):
-            raise ValueError(f"alltoall splits {list(splits)} do not cover the {rows} rows of a job of size 1")
-        return np.array(buf, copy=True), [rows]
+        _, counts = alltoall_args(buf, splits, 1)  # checks the splits; a scalar keeps its shape here
+        return np.array(buf, copy=True), counts
 
     def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
         return np.array(buf, copy=True)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args, reducescatter_by_allreduce
 from spark_hvd.core.errors import CollectiveTimeoutError
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
@@ -107,14 +107,7 @@ class MpiBackend(Backend):
         self._wait(self.comm.Ibcast(buf.reshape(-1).view(np.uint8), root=root), "broadcast")
 
     def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
-        buf = np.ascontiguousarray(buf)
-        if buf.ndim == 0:
-            buf = buf.reshape(1)
-        rows = buf.shape[0]
-        if splits is None:
-            if rows % self.size:
-                raise ValueError(f"alltoall without splits needs rows divisible by {self.size}, got {rows}")
-            splits = [rows // self.size] * self.size
+        buf, splits = alltoall_args(buf, splits, self.size)
         send_splits = np.asarray(splits, dtype=np.int64)
         recv_splits = np.empty(self.size, dtype=np.int64)
         self._wait(self.comm.Ialltoall(send_splits, recv_splits), "alltoall")
@@ -130,15 +123,7 @@ class MpiBackend(Backend):
         return out, [int(r) for r in recv_splits]
 
     def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
-        work = np.array(buf, copy=True)
-        if work.ndim == 0:
-            work = work.reshape(1)
-        self.allreduce(work, op, bfloat16=bfloat16)
-        rows = work.shape[0]
-        base, extra = divmod(rows, self.size)
-        start = self.rank * base + min(self.rank, extra)
-        stop = start + base + (1 if self.rank < extra else 0)
-        return np.ascontiguousarray(work[start:stop])
+        return reducescatter_by_allreduce(self, buf, op, bfloat16=bfloat16)
 
     def barrier(self) -> None:
         self._wait(self.comm.Ibarrier(), "barrier")

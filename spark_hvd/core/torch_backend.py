@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
@@ -162,14 +162,7 @@ class TorchBackend(Backend):
         self._back(t, flat)
 
     def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
-        buf = np.ascontiguousarray(buf)
-        if buf.ndim == 0:
-            buf = buf.reshape(1)
-        rows = buf.shape[0]
-        if splits is None:
-            if rows % self.size:
-                raise ValueError(f"alltoall without splits needs rows divisible by {self.size}, got {rows}")
-            splits = [rows // self.size] * self.size
+        buf, splits = alltoall_args(buf, splits, self.size)
         send = np.asarray(splits, dtype=np.int64)
         recv = np.zeros(self.size, dtype=np.int64)
         # every rank's splits, so each knows what it receives (gloo's all_to_all needs sizes on both sides)
@@ -187,14 +180,7 @@ class TorchBackend(Backend):
         return out, [int(r) for r in recv]
 
     def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
-        work = np.array(buf, copy=True)
-        if work.ndim == 0:
-            work = work.reshape(1)
-        self.allreduce(work, op, bfloat16=bfloat16)
-        base, extra = divmod(work.shape[0], self.size)
-        start = self.rank * base + min(self.rank, extra)
-        stop = start + base + (1 if self.rank < extra else 0)
-        return np.ascontiguousarray(work[start:stop])
+        return reducescatter_by_allreduce(self, buf, op, bfloat16=bfloat16)
 
     def barrier(self) -> None:
         self.allreduce(np.zeros(1, dtype=np.float32), ReduceOp.SUM)
