@@ -24,15 +24,12 @@ import argparse
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
+from _timing import WIDTH, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
 
 log = logging.getLogger("benchmarks.estimator")
-
-WIDTH = 32
 
 
 def _model(seed: int = 0):
@@ -43,24 +40,6 @@ def _model(seed: int = 0):
                                torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
 
-def _features_df(spark, rows: int, seed: int):
-    from pyspark.sql import functions as F
-
-    cols = [F.rand(seed * 100 + i).cast("float") for i in range(WIDTH)]
-    df = spark.range(rows).select(F.array(*cols).alias("features"))
-    return df.withColumn("y", F.aggregate("features", F.lit(0.0).cast("double"),
-                                          lambda acc, v: acc + F.sin(v * 3.0)).cast("double"))
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # ------------------------------------------------------------------------------------------------ transform
 def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
     import numpy as np
@@ -69,7 +48,7 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
     from spark_hvd.estimators import TorchModel
 
     cores = spark.sparkContext.defaultParallelism
-    df = _features_df(spark, rows, seed=1).repartition(cores).cache()
+    df = features_df(spark, rows, seed=1).repartition(cores).cache()
     df.count()
     net = _model().eval()
     tm = TorchModel(model=net, feature_cols=["features"], label_cols=["y"], batch_size=1024)
@@ -77,8 +56,8 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
     def run_transform():
         tm.transform(df).write.format("noop").mode("overwrite").save()
 
-    t_first = _median_time(run_transform, 1)
-    t_transform = _median_time(run_transform, repeats)
+    t_first = median_time(run_transform, 1)
+    t_transform = median_time(run_transform, repeats)
 
     x = torch.from_numpy(np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32))
     prev = torch.get_num_threads()
@@ -89,7 +68,7 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
             for i in range(0, len(x), 1024):
                 net(x[i:i + 1024])
 
-    t_memory = _median_time(run_memory, repeats)
+    t_memory = median_time(run_memory, repeats)
     torch.set_num_threads(prev)
 
     small = df.limit(slow_rows).repartition(cores).cache()
@@ -112,7 +91,7 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
         spark.createDataFrame(small.rdd.mapPartitions(row_at_a_time), schema).write.format("noop") \
             .mode("overwrite").save()
 
-    t_rows = _median_time(run_rows, repeats)
+    t_rows = median_time(run_rows, repeats)
     res = {
         "rows": rows,
         "transform_rows_per_s": rows / t_transform,
@@ -135,12 +114,11 @@ import numpy as np, pyarrow.dataset as ds, torch
 import spark_hvd.torch as hvd
 sys.path.insert(0, {bench_dir!r})
 from estimator import _model
+from _timing import load_prepared
 hvd.init()
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
 t0 = time.perf_counter()
-table = ds.dataset({path!r}, format="parquet").to_table()
-feats = table.column("features").combine_chunks().flatten().to_numpy().reshape(len(table), -1).astype(np.float32)
-y = table.column("y").to_numpy().astype(np.float32)
+feats, y = load_prepared({path!r})
 rank, size, bs, epochs = hvd.rank(), hvd.size(), {batch}, {epochs}
 x_r, y_r = torch.from_numpy(feats[rank::size].copy()), torch.from_numpy(y[rank::size].copy()).reshape(-1, 1)
 steps = math.ceil(math.ceil(len(feats) / size) / bs)
@@ -208,50 +186,16 @@ def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int, distribut
     import torch
 
     from spark_hvd.estimators import TorchEstimator
-    from spark_hvd.store import Store
 
-    tmp = tempfile.mkdtemp(prefix="bench_estimator_")
-    store = Store.create(os.path.join(tmp, "store"))
-    df = _features_df(spark, rows, seed=2).cache()
-    df.count()
-
-    def estimator():
+    def estimator(store):
         net = _model()
         return TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
                               loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=batch,
                               epochs=epochs, shuffle=True, random_seed=0, partitions_per_process=4, verbose=0)
 
-    t0 = time.perf_counter()
-    model = estimator().fit(df)
-    t_first = time.perf_counter() - t0
-    losses = model.getHistory()["loss"]
-    t_fit = _median_time(lambda: estimator().fit(df), repeats)
-    from spark_hvd.data.metadata import DatasetInfo
-
-    key = store.list_datasets()[0]
-    train_path = DatasetInfo.load(store, key).train_path(store)
-
-    script = os.path.join(tmp, "plain_loop.py")
-    with open(script, "w") as f:
-        f.write(_PLAIN_LOOP.format(bench_dir=os.path.dirname(os.path.abspath(__file__)), path=train_path,
-                                   batch=batch, epochs=epochs))
-    runner = os.path.join(os.path.dirname(sys.executable), "spark-hvd-run")
-    plain = {}
-
-    def run_plain():
-        out = subprocess.run([runner, "-np", "2", sys.executable, script], capture_output=True, text=True,
-                             timeout=1200, check=True)
-        for line in out.stdout.splitlines():
-            if "RESULT" in line:
-                plain.update(json.loads(line.split("RESULT", 1)[1]))
-
-    t_plain = _median_time(run_plain, repeats)
-    res = {
-        "fit_rows": rows, "epochs": epochs, "batch": batch,
-        "fit_first_s (prepares data)": t_first, "fit_s": t_fit, "fit_loss_per_epoch": losses,
-        "plain_spark_hvd_run_s": t_plain, "plain_detail": plain,
-        "fit_vs_plain": t_fit / t_plain, "fit_minus_1.25x_plain_s": t_fit - 1.25 * t_plain,
-    }
+    res, train_path, df = fit_vs_plain(spark, estimator, _PLAIN_LOOP, "plain_loop.py", rows, epochs, batch, repeats,
+                                       "bench_estimator_")
+    t_fit = res["fit_s"]
     if distributor:
         from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -262,7 +206,7 @@ def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int, distribut
             detail.update(d.run(_distributor_train, train_path, epochs, batch) or {})
 
         try:
-            res["torch_distributor_s"] = _median_time(run_distributor, repeats)
+            res["torch_distributor_s"] = median_time(run_distributor, repeats)
             res["torch_distributor_detail"] = detail
             res["fit_vs_torch_distributor"] = t_fit / res["torch_distributor_s"]
         except Exception as exc:  # noqa: BLE001 - reported, not hidden
@@ -283,21 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip", choices=["transform", "fit", "distributor"], action="append", default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # TorchDistributor's function pickles _model
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("bench-estimator").config("spark.ui.enabled", "false")
-             .config("spark.sql.shuffle.partitions", "4").config("spark.driver.memory", "4g")
-             .config("spark.python.worker.reuse", "true").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    results: dict = {"cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    spark, results = start("bench-estimator", __name__)  # TorchDistributor's function pickles _model by value
     if "transform" not in args.skip:
         results["transform"] = bench_transform(spark, args.rows, args.row_at_a_time_rows, args.repeats)
         log.info("transform: %s", json.dumps(results["transform"]))
@@ -305,12 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats,
                                    "distributor" not in args.skip)
         log.info("fit: %s", json.dumps(results["fit"]))
-    results["load_after"] = os.getloadavg()
-    text = json.dumps(results, indent=2, default=str)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    finish(results, args.out)
     spark.stop()
     return results
 

@@ -24,15 +24,12 @@ import argparse
 import json
 import logging
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
+from _timing import WIDTH, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
 
 log = logging.getLogger("benchmarks.estimator_keras")
-
-WIDTH = 32
 
 
 def _model(seed: int = 0):
@@ -43,31 +40,13 @@ def _model(seed: int = 0):
                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
 
 
-def _features_df(spark, rows: int, seed: int):
-    from pyspark.sql import functions as F
-
-    cols = [F.rand(seed * 100 + i).cast("float") for i in range(WIDTH)]
-    df = spark.range(rows).select(F.array(*cols).alias("features"))
-    return df.withColumn("y", F.aggregate("features", F.lit(0.0).cast("double"),
-                                          lambda acc, v: acc + F.sin(v * 3.0)).cast("double"))
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def bench_transform(spark, rows: int, repeats: int) -> dict:
     import numpy as np
 
     from spark_hvd.estimators import KerasModel
 
     cores = spark.sparkContext.defaultParallelism
-    df = _features_df(spark, rows, seed=1).repartition(cores).cache()
+    df = features_df(spark, rows, seed=1).repartition(cores).cache()
     df.count()
     model = _model()
     km = KerasModel(model=model, feature_cols=["features"], label_cols=["y"], batch_size=1024)
@@ -75,12 +54,12 @@ def bench_transform(spark, rows: int, repeats: int) -> dict:
     def run_transform():
         km.transform(df).write.format("noop").mode("overwrite").save()
 
-    t_first = _median_time(run_transform, 1)
-    t_transform = _median_time(run_transform, repeats)
+    t_first = median_time(run_transform, 1)
+    t_transform = median_time(run_transform, repeats)
     x = np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32)
     model.predict(x[:2048], batch_size=1024, verbose=0)  # warm: trace the predict function
 
-    t_memory = _median_time(lambda: model.predict(x, batch_size=1024, verbose=0), repeats)
+    t_memory = median_time(lambda: model.predict(x, batch_size=1024, verbose=0), repeats)
     res = {"rows": rows, "transform_rows_per_s": rows / t_transform, "transform_first_call_s": t_first,
            "in_memory_predict_rows_per_s": rows / t_memory}
     res["transform_vs_in_memory"] = res["transform_rows_per_s"] / res["in_memory_predict_rows_per_s"]
@@ -98,11 +77,10 @@ import numpy as np, pyarrow.dataset as ds, keras
 import spark_hvd.keras as hvd
 sys.path.insert(0, {bench_dir!r})
 from estimator_keras import _model
+from _timing import load_prepared
 hvd.init()
 t0 = time.perf_counter()
-table = ds.dataset({path!r}, format="parquet").to_table()
-feats = table.column("features").combine_chunks().flatten().to_numpy().reshape(len(table), -1).astype(np.float32)
-y = table.column("y").to_numpy().astype(np.float32)
+feats, y = load_prepared({path!r})
 rank, size, bs, epochs = hvd.rank(), hvd.size(), {batch}, {epochs}
 x_r, y_r = feats[rank::size], y[rank::size]
 steps = math.ceil(math.ceil(len(feats) / size) / bs)
@@ -124,45 +102,14 @@ def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int) -> dict:
     import keras
 
     from spark_hvd.estimators import KerasEstimator
-    from spark_hvd.store import Store
 
-    tmp = tempfile.mkdtemp(prefix="bench_estimator_keras_")
-    store = Store.create(os.path.join(tmp, "store"))
-    df = _features_df(spark, rows, seed=2).cache()
-    df.count()
-
-    def estimator():
+    def estimator(store):
         return KerasEstimator(num_proc=2, store=store, model=_model(), optimizer=keras.optimizers.Adam(1e-3),
                               loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=batch,
                               epochs=epochs, shuffle=True, random_seed=0, partitions_per_process=4, verbose=0)
 
-    t0 = time.perf_counter()
-    model = estimator().fit(df)
-    t_first = time.perf_counter() - t0
-    losses = model.getHistory()["loss"]
-    t_fit = _median_time(lambda: estimator().fit(df), repeats)
-    from spark_hvd.data.metadata import DatasetInfo
-
-    key = store.list_datasets()[0]
-    train_path = DatasetInfo.load(store, key).train_path(store)
-    script = os.path.join(tmp, "plain_fit.py")
-    with open(script, "w") as f:
-        f.write(_PLAIN_FIT.format(bench_dir=os.path.dirname(os.path.abspath(__file__)), path=train_path,
-                                  batch=batch, epochs=epochs))
-    runner = os.path.join(os.path.dirname(sys.executable), "spark-hvd-run")
-    plain: dict = {}
-
-    def run_plain():
-        out = subprocess.run([runner, "-np", "2", sys.executable, script], capture_output=True, text=True,
-                             timeout=1200, check=True)
-        for line in out.stdout.splitlines():
-            if "RESULT" in line:
-                plain.update(json.loads(line.split("RESULT", 1)[1]))
-
-    t_plain = _median_time(run_plain, repeats)
-    res = {"fit_rows": rows, "epochs": epochs, "batch": batch, "fit_first_s (prepares data)": t_first,
-           "fit_s": t_fit, "fit_loss_per_epoch": losses, "plain_spark_hvd_run_s": t_plain, "plain_detail": plain,
-           "fit_vs_plain": t_fit / t_plain, "fit_minus_1.25x_plain_s": t_fit - 1.25 * t_plain}
+    res, _, df = fit_vs_plain(spark, estimator, _PLAIN_FIT, "plain_fit.py", rows, epochs, batch, repeats,
+                              "bench_estimator_keras_")
     df.unpersist()
     return res
 
@@ -177,33 +124,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip", choices=["transform", "fit"], action="append", default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("bench-estimator-keras")
-             .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
-             .config("spark.driver.memory", "4g").config("spark.python.worker.reuse", "true").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    results: dict = {"cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    spark, results = start("bench-estimator-keras", __name__)
     if "transform" not in args.skip:
         results["transform"] = bench_transform(spark, args.rows, args.repeats)
         log.info("transform: %s", json.dumps(results["transform"]))
     if "fit" not in args.skip:
         results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats)
         log.info("fit: %s", json.dumps(results["fit"]))
-    results["load_after"] = os.getloadavg()
-    text = json.dumps(results, indent=2, default=str)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    finish(results, args.out)
     spark.stop()
     return results
 
