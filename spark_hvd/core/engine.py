@@ -150,6 +150,8 @@ class Handle:
         The engine bounds every collective by the timeout, so this returns or raises; a tensor that other ranks
         never submit is reported by the engine's stall warnings while this waits.
         """
+        if not self._done and self._engine is not None:
+            self._engine.hurry()
         while not self._done:
             if self._latch.acquire(timeout=0.5):
                 self._latch.release()  # let any other waiter through
@@ -323,6 +325,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sleeping = True  # the engine waits without local work: the next enqueue must wake it
+        self._hurried = False  # a caller waits on a handle: send what is submitted now, not after the cycle
         self._outbox: list[_Request] = []
         self._local: dict[str, _Request] = {}
         self._counters: Counter[str] = Counter()
@@ -343,8 +346,11 @@ class Engine:
         self._idle_rounds = 0
         self._progress_at = 0.0
         self._last_enqueue = 0.0
-        self._backend_fuses = type(backend).allreduce_fused is not Backend.allreduce_fused
-        # where the engine packs the fusion buffer itself, tensors this large are reduced in place, alone
+        # A backend that reduces many arrays where they lie (shared memory staging) gets a whole round's
+        # tensors of one kind in one collective: the fusion threshold bounds a fusion buffer, and there is none.
+        # Otherwise the engine packs a reusable fusion buffer of up to the threshold, and reduces tensors this
+        # large in place on their own.
+        self._backend_fuses = bool(getattr(backend, "fuses_in_place", False))
         self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self.timeline: Timeline | None = None
@@ -438,6 +444,16 @@ class Engine:
         self._wake.set()
         return handle
 
+    def hurry(self) -> None:
+        """A caller is about to wait: start the next round now rather than collecting a cycle's worth more.
+
+        Nothing submitted later could join the waited-for operation's round anyway, so waiting out the cycle
+        would only add latency (a blocking ``allreduce`` would otherwise pay a whole cycle).
+        """
+        if self._outbox and not self._hurried:
+            self._hurried = True
+            self._wake.set()
+
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
             raise _copy_error(self._error)
@@ -501,6 +517,10 @@ class Engine:
                 local_work = self._has_local_work()
                 self._sleeping = not local_work
             if local_work:
+                if self._hurried:
+                    with self._lock:
+                        self._sleeping = False
+                    return
                 if first_seen is None:
                     first_seen = now
                 target = self._last_start + self._cycle
@@ -532,6 +552,7 @@ class Engine:
         self._last_start = start
         with self._lock:
             outgoing, self._outbox = self._outbox, []
+            self._hurried = False
             join_flag = self._join_handle is not None and not self._join_sent
             if join_flag:
                 self._join_sent = True
@@ -558,30 +579,33 @@ class Engine:
         self.stats["rounds"] += 1
         messages = self._parse(gathered)
 
-        shutdown_ranks: list[int] = []
         new_joins: list[int] = []
-        progress = False
         if first_round:
             self._check_same_settings([m[4] for m in messages])
-        for r, (jf, sf, r_ids, r_full, *_) in enumerate(messages):
-            if sf:
-                shutdown_ranks.append(r)
-            if jf:
-                self._joined.add(r)
-                new_joins.append(r)
-                progress = True
-            for cache_id in r_ids:
-                name, meta = self._cache.get(int(cache_id))
-                self._add(name, r, meta)
-            for item in r_full:
-                name, meta = Meta.from_wire(item)
-                self._add(name, r, meta)
-            progress = progress or bool(r_ids) or bool(r_full)
-        if shutdown_ranks:
-            self._stop_for_shutdown(shutdown_ranks)
-            return True
-
-        ready = self._ready()
+        if not self._pending and not self._joined and not any(m[0] or m[1] or m[3] for m in messages):
+            ready = self._ready_from_cache([m[2] for m in messages])
+            progress = any(m[2] for m in messages)
+        else:
+            shutdown_ranks: list[int] = []
+            progress = False
+            for r, (jf, sf, r_ids, r_full, *_) in enumerate(messages):
+                if sf:
+                    shutdown_ranks.append(r)
+                if jf:
+                    self._joined.add(r)
+                    new_joins.append(r)
+                    progress = True
+                for cache_id in r_ids:
+                    name, meta = self._cache.get(int(cache_id))
+                    self._add(name, r, meta)
+                for item in r_full:
+                    name, meta = Meta.from_wire(item)
+                    self._add(name, r, meta)
+                progress = progress or bool(r_ids) or bool(r_full)
+            if shutdown_ranks:
+                self._stop_for_shutdown(shutdown_ranks)
+                return True
+            ready = self._ready()
         negotiated = time.perf_counter()
         if ready:
             progress = True
@@ -617,6 +641,28 @@ class Engine:
             messages.append(json.loads(data[offset:offset + length]))
             offset += length
         return messages
+
+    def _ready_from_cache(self, id_lists: list[list[int]]) -> list[tuple[_Entry, TensorMismatchError | None]]:
+        """The steady state of a training loop: nothing outstanding, no joins, only response-cache ids sent.
+
+        An id names one (name, metadata) pair on every rank, so the ids that every rank sent are ready without
+        comparing metadata, in rank 0's order (the order the general path gives them too); the rest become
+        outstanding entries as usual.
+        """
+        common = set(id_lists[0]).intersection(*id_lists[1:])
+        get = self._cache.get
+        ready = []
+        for cache_id in id_lists[0]:
+            if cache_id in common:
+                name, meta = get(cache_id)
+                ready.append((_Entry(name, meta), None))
+        if len(ready) < max(len(ids) for ids in id_lists):
+            for r, ids in enumerate(id_lists):
+                for cache_id in ids:
+                    if cache_id not in common:
+                        name, meta = get(cache_id)
+                        self._add(name, r, meta)
+        return ready
 
     def _add(self, name: str, rank: int, meta: Meta) -> None:
         entry = self._pending.get(name)
@@ -692,7 +738,7 @@ class Engine:
 
     def _run_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
         dtype = np.dtype(key[0])
-        limit = max(int(self.settings.fusion_threshold), 0)
+        limit = float("inf") if self._backend_fuses else max(int(self.settings.fusion_threshold), 0)
         chunk: list[tuple[_Entry, _Request | None, np.ndarray]] = []
         chunk_bytes = 0
         for entry, request in items:

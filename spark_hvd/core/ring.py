@@ -427,6 +427,12 @@ class RingBackend(Backend):
         if len(segs) > 1:
             _unpack(packed, segs)
 
+    @property
+    def fuses_in_place(self) -> bool:
+        """True on shared memory: ``allreduce_fused`` copies the arrays straight into the staging slots and the
+        results straight back, with no fusion buffer (over TCP it would have to pack one)."""
+        return self.transport == "shm" or self.size == 1
+
     # -- Backend API -------------------------------------------------------------------------------------------
     @_collective("allreduce")
     def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:

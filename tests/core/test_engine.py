@@ -26,6 +26,7 @@ def _ring_job() -> dict:
         assert core.backend_name() == ("local" if n == 1 else "ring")
         report = {"checked": sc.collectives(seed=30 + n, full_matrix=n <= 2)}
         sc.different_orders(seed=n)
+        report["partial"] = sc.cached_partial_rounds()
         report["fusion"] = sc.fusion()
         report["fusion_again"] = sc.fusion()
         if n > 1:
@@ -67,6 +68,7 @@ def test_engine_on_ring(n, monkeypatch, tmp_path):
         assert again["allreduce_collectives"] <= 25, again
         # the second pass over the same names is answered from the response cache
         assert again["cache_hits"] == 100, again
+        assert report["partial"]["cache_hits"] == 40  # the second and third passes are sent as cache ids
         assert report["join"] == n - 1
         if n > 1:
             assert len(report["mismatch"]) == 3

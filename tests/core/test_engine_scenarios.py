@@ -123,6 +123,28 @@ def different_orders(seed: int = 1, count: int = 24) -> None:
         _check(bufs[i], reference_reduce(datas[i], ReduceOp.SUM), f"tensor ord.{i}")
 
 
+def cached_partial_rounds(seed: int = 5, count: int = 20, passes: int = 3) -> dict:
+    """Cached names submitted in a different order per rank, rank 1 waiting after every 5th: rounds in which
+    the ranks sent different subsets of cached ids (some ready at once, the rest outstanding) stay correct."""
+    n, r = core.size(), core.rank()
+    stats = core.get_engine().stats
+    before = stats["cache_hits"]
+    for p in range(passes):
+        order = np.random.default_rng([seed, p, r]).permutation(count)
+        datas = {i: [_data(seed * 1000 + p * 100 + i, q, (i + 3,), np.float32) for q in range(n)]
+                 for i in range(count)}
+        bufs = {int(i): datas[int(i)][r].copy() for i in order}
+        handles = {}
+        for k, i in enumerate(bufs):
+            handles[i] = core.allreduce_async(bufs[i], name=f"partial.{i}")
+            if r == 1 and k % 5 == 4:  # one waiting rank only: two could wait on each other
+                core.synchronize(handles[i])
+        for i, h in handles.items():
+            core.synchronize(h)
+            _check(bufs[i], reference_reduce(datas[i], ReduceOp.AVERAGE), f"pass {p} tensor partial.{i}")
+    return {"cache_hits": stats["cache_hits"] - before}
+
+
 def fusion(count: int = 100) -> dict:
     """Many small tensors: fewer collectives than tensors, and one fusion group per threshold's worth."""
     n, r = core.size(), core.rank()
