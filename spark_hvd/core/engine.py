@@ -11,10 +11,12 @@ same gathered data, so all ranks reach the same answer without a coordinator:
   tensors submitted in different orders on different ranks still meet;
 - the same name with a different shape, dtype or op on different ranks fails on every rank with a
   ``TensorMismatchError`` naming the tensor and the ranks that disagree;
-- ready allreduces of one dtype / op / scale are packed into fusion groups of up to ``fusion_threshold`` bytes,
-  each run as one collective (``backend.allreduce_fused`` where the backend has its own staging area, as the
-  ring's shared memory does; otherwise the engine packs a reusable fusion buffer, and reduces tensors of 4 MiB
-  and more in place on their own, since copying them would cost more than their collective's latency);
+- ready allreduces of one dtype / op / scale are fused: where the backend reduces many arrays where they lie
+  (``backend.fuses_in_place``: the ring's shared memory copies them straight into its staging slots), a round's
+  group is one ``allreduce_fused`` collective, since the threshold bounds a fusion buffer and there is none;
+  otherwise the engine packs a reusable fusion buffer of up to ``fusion_threshold`` bytes per collective, and
+  reduces tensors of 4 MiB and more in place on their own, since copying them would cost more than their
+  collective's latency;
 - a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks.
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
@@ -28,7 +30,12 @@ responses). A request that matches its cached entry is sent as a small integer i
 so a steady training loop exchanges a few bytes per tensor.
 
 Pacing: a round starts ``cycle_time_ms`` after the previous one (or after the first submission following an idle
-spell), extended while a burst of submissions is still arriving (up to 5 cycles) so one round carries it.
+spell), extended while a burst of submissions is still arriving (up to 5 cycles) so one round carries it. A caller
+that waits on a handle whose request is still unsent starts the round at once (``hurry``): nothing submitted
+later could join that operation, so the cycle would only add latency.
+
+A steady training loop sends only cache ids and leaves nothing outstanding; such a round skips the table: the ids
+every rank sent are ready as they are (``_ready_from_cache``).
 
 Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
