@@ -12,6 +12,7 @@ import cloudpickle
 import keras
 import numpy as np
 import pytest
+from estimator_helpers import EpochRecorder, assert_events_match_history, epochs_begun
 
 from spark_hvd.estimators import KerasEstimator, KerasModel
 from spark_hvd.store import Store
@@ -37,22 +38,25 @@ class Scale(keras.layers.Layer):
 
 
 class EpochLog(keras.callbacks.Callback):
-    """Every rank appends the epochs it begins to a file."""
+    """Every rank logs the epochs it begins; optionally rank 1 dies once mid-epoch (``EpochRecorder``)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, kill_at_epoch: int | None = None) -> None:
         super().__init__()
-        self.directory = directory
+        self.recorder = EpochRecorder(directory, kill_at_epoch)
+        self.epoch = -1
 
-    def on_epoch_begin(self, epoch, logs=None):
+    @staticmethod
+    def _rank() -> int:
         import spark_hvd.keras as hvd
 
-        with open(os.path.join(self.directory, f"rank{hvd.rank()}.log"), "a") as f:
-            f.write(f"{epoch}\n")
+        return hvd.rank()
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+        self.recorder.epoch_begin(self._rank(), epoch)
 
-def _epochs_begun(directory, rank: int = 0) -> list[int]:
-    with open(os.path.join(directory, f"rank{rank}.log")) as f:
-        return [int(line) for line in f]
+    def on_train_batch_end(self, batch, logs=None):
+        self.recorder.batch_end(self._rank(), self.epoch, batch)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +117,7 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
         "the user's model must stay untouched"
     trained = km.getModel()
     assert isinstance(trained.layers[-1], Scale) and type(trained.optimizer).__mro__[0] is keras.optimizers.SGD
-    assert _epochs_begun(tmp_path, 0) == [0, 1, 2] and _epochs_begun(tmp_path, 1) == [0, 1, 2]
+    assert epochs_begun(tmp_path, 0) == [0, 1, 2] and epochs_begun(tmp_path, 1) == [0, 1, 2]
     assert store.list_checkpoints("keras-resume") == [0, 1, 2]
 
     # transform == model.predict on the same rows
@@ -133,10 +137,11 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
     df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(reg_df)
     second = _estimator(store, _linear_with_custom_layer(), epochs=4, metrics=["mae"], run_id="keras-resume",
                         callbacks=[EpochLog(str(tmp_path))], mlflow="spark_hvd-keras-test").fit(df)
-    assert _epochs_begun(tmp_path, 0) == [0, 1, 2, 3], "the second fit continues after the last checkpoint"
+    assert epochs_begun(tmp_path, 0) == [0, 1, 2, 3], "the second fit continues after the last checkpoint"
     h2 = second.getHistory()
     assert h2["loss"][:3] == hist["loss"] and len(h2["loss"]) == 4
     assert h2["loss"][3] < hist["loss"][0] / 10, "the resumed epoch started from the trained weights"
+    assert_events_match_history(store, "keras-resume", h2, tmp_path)  # TensorBoard: one file, every epoch once
 
     import mlflow
 
@@ -173,7 +178,7 @@ def test_digits_classification_accuracy(spark, store):
     assert len(pred[0].digit__output) == 10  # class probabilities per row: array<float>
 
 
-def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg_df):
+def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg_df, tmp_path):
     from pyspark.sql.types import ArrayType, DoubleType, FloatType
 
     keras.utils.set_random_seed(0)
@@ -194,6 +199,7 @@ def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg
     val = hist["val_loss"]
     improved = [e for e in range(len(val)) if val[e] < min(val[:e], default=np.inf)]
     assert store.list_checkpoints(fitted.getRunId()) == improved
+    assert_events_match_history(store, fitted.getRunId(), hist, tmp_path)  # every epoch, checkpointed or not
 
     out = fitted.setOutputCols(["y_pred", "z_pred"]).transform(df)
     assert out.schema["y_pred"].dataType == DoubleType()
@@ -203,3 +209,20 @@ def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg
     py, pz = fitted.getModel().predict(x, verbose=0)
     np.testing.assert_allclose([r.y_pred for r in rows], py.reshape(-1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.array([r.z_pred for r in rows]), pz, rtol=1e-5, atol=1e-6)
+
+
+def test_killed_rank_costs_at_most_its_epoch(spark, store, reg_df, tmp_path):
+    from pyspark.ml.feature import VectorAssembler
+
+    df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(reg_df)
+    est = _estimator(store, _linear_with_custom_layer(), epochs=3, max_retries=1,
+                     callbacks=[EpochLog(str(tmp_path), kill_at_epoch=1)])
+    fitted = est.fit(df)
+    assert os.path.exists(tmp_path / "killed"), "rank 1 was to die in epoch 1"
+    # epoch 0 was checkpointed, so the retry began again at epoch 1 (the one that was interrupted)
+    assert epochs_begun(tmp_path, 0) == [0, 1, 1, 2]
+    hist = fitted.getHistory()
+    assert len(hist["loss"]) == 3 and len(hist["val_loss"]) == 3, hist
+    assert hist["loss"][-1] < hist["loss"][0], hist
+    assert store.list_checkpoints(fitted.getRunId()) == [0, 1, 2]
+    assert_events_match_history(store, fitted.getRunId(), hist, tmp_path)

@@ -13,6 +13,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from estimator_helpers import EpochRecorder, assert_events_match_history, epochs_begun
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
 from spark_hvd.store import Store
@@ -89,6 +90,7 @@ def test_pipeline_regression_fit_save_load_transform(spark, store, reg_df, tmp_p
     assert store.list_checkpoints(tm.getRunId()) == [0, 1, 2, 3]
     lines = store.read_bytes(f"{store.logs_path(tm.getRunId())}/metrics.jsonl").decode().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1, 2, 3]
+    assert_events_match_history(store, tm.getRunId(), hist, tmp_path)
 
 
 def test_digits_classification_accuracy(spark, store):
@@ -112,11 +114,10 @@ def test_digits_classification_accuracy(spark, store):
 
 
 class _EpochLog:
-    """Callback: every rank appends the epochs it begins to a file; optionally kills rank 1 once mid-epoch."""
+    """Callback: every rank logs the epochs it begins; optionally rank 1 dies once mid-epoch (``EpochRecorder``)."""
 
     def __init__(self, directory: str, kill_at_epoch: int | None = None) -> None:
-        self.directory = directory
-        self.kill_at_epoch = kill_at_epoch
+        self.recorder = EpochRecorder(directory, kill_at_epoch)
 
     def _rank(self) -> int:
         import spark_hvd.torch as hvd
@@ -124,19 +125,10 @@ class _EpochLog:
         return hvd.rank()
 
     def on_epoch_begin(self, epoch: int) -> None:
-        with open(os.path.join(self.directory, f"rank{self._rank()}.log"), "a") as f:
-            f.write(f"{epoch}\n")
+        self.recorder.epoch_begin(self._rank(), epoch)
 
     def on_batch_end(self, epoch: int, step: int, loss: float) -> None:
-        marker = os.path.join(self.directory, "killed")
-        if epoch == self.kill_at_epoch and step == 1 and self._rank() == 1 and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(17)  # the process dies in the middle of the epoch
-
-
-def _epochs_begun(directory, rank: int = 0) -> list[int]:
-    with open(os.path.join(directory, f"rank{rank}.log")) as f:
-        return [int(line) for line in f]
+        self.recorder.batch_end(self._rank(), epoch, step)
 
 
 def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, mlflow_tracking):
@@ -144,13 +136,14 @@ def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, mlflow_trac
 
     df = VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(reg_df)
     first = _estimator(store, _linear(), epochs=2, run_id="resume-me", callbacks=[_EpochLog(str(tmp_path))]).fit(df)
-    assert _epochs_begun(tmp_path) == [0, 1]
+    assert epochs_begun(tmp_path) == [0, 1]
 
     second = _estimator(store, _linear(), epochs=3, run_id="resume-me", callbacks=[_EpochLog(str(tmp_path))],
                         mlflow="spark_hvd-test").fit(df)
-    assert _epochs_begun(tmp_path) == [0, 1, 2], "the second fit continues after the last checkpoint"
+    assert epochs_begun(tmp_path) == [0, 1, 2], "the second fit continues after the last checkpoint"
     h1, h2 = first.getHistory(), second.getHistory()
     assert h2["loss"][:2] == h1["loss"][:2] and len(h2["loss"]) == 3
+    assert_events_match_history(store, "resume-me", h2, tmp_path)  # one file, every epoch once
 
     import mlflow
 
@@ -176,6 +169,7 @@ def test_killed_rank_costs_at_most_its_epoch(spark, store, reg_df, tmp_path):
     model = est.fit(df)
     assert os.path.exists(tmp_path / "killed")
     # epoch 0 was checkpointed, so the retry began again at epoch 1 (the one that was interrupted)
-    assert _epochs_begun(tmp_path) == [0, 1, 1, 2]
+    assert epochs_begun(tmp_path) == [0, 1, 1, 2]
     assert len(model.getHistory()["loss"]) == 3
     assert model.getHistory()["loss"][-1] < model.getHistory()["loss"][0]
+    assert_events_match_history(store, model.getRunId(), model.getHistory(), tmp_path)
