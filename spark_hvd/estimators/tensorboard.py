@@ -225,6 +225,7 @@ class EventFileWriter:
         self._name: str | None = None
         self._start = 0.0
         self._times: dict[int, float] = {}
+        self._records: dict[int, tuple[tuple, bytes]] = {}  # epoch -> (its scalars, its framed record)
 
     @property
     def path(self) -> str | None:
@@ -262,8 +263,13 @@ class EventFileWriter:
         records = [frame_record(encode_event(self._start, 0, file_version=FILE_VERSION))]
         for epoch in range(epochs):
             scalars = {scalar_tag(k): float(v[epoch]) for k, v in sorted(history.items()) if epoch < len(v)}
-            wall = self._times.setdefault(epoch, now)
-            records.append(frame_record(encode_event(wall, epoch, scalars=scalars)))
+            key = tuple(scalars.items())
+            cached = self._records.get(epoch)
+            if cached is None or cached[0] != key:  # encoded once per epoch (the CRC is pure Python)
+                wall = self._times.setdefault(epoch, now)
+                cached = (key, frame_record(encode_event(wall, epoch, scalars=scalars)))
+                self._records[epoch] = cached
+            records.append(cached[1])
         path = self.path
         assert path is not None
         self.store.write_bytes(path, b"".join(records))

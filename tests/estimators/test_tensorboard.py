@@ -51,6 +51,13 @@ def test_encoded_events_read_by_tensorflow(tmp_path):
                           "scalars": {k: float(np.float32(v)) for k, v in scalars.items()}}
     with pytest.raises(ValueError, match="CRC"):
         list(read_records(data[:20] + bytes([data[20] ^ 1]) + data[21:]))
+    # TensorFlow checks both CRCs too: reading the file above back means they were right
+    import tensorflow as tf
+
+    bad = tmp_path / "events.out.tfevents.2.bad"
+    bad.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(tf.errors.DataLossError, match="corrupted record"):
+        tf_events(bad)
 
 
 def test_writer_rewrites_per_epoch_and_resumes_without_duplicates(tmp_path):
