@@ -10,6 +10,12 @@ bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to glo
     .venv/bin/python benchmarks/allreduce.py --quick         # N=2, 4 KiB .. 64 MiB, 3 rounds
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,gloo --sizes 4K,16M --rounds 7
     .venv/bin/python benchmarks/allreduce.py --fusion        # + 161 ResNet-50 tensors through the engine (ring)
+    .venv/bin/python benchmarks/allreduce.py --np 4 --impls ring,ring-tcp,ring-hier,gloo   # the ring's other paths
+
+``ring`` is the built-in backend as a user gets it (shared memory between the ranks of one host); ``ring-tcp``
+forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and second half of the ranks look like
+two hosts (``SPARK_HVD_HOST_ID``), so it runs the hierarchical path: shared memory within a "host", the TCP ring
+between the two leaders (needs N >= 4 to differ from the TCP ring).
 
 The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
 """
@@ -34,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
-IMPLS = ("ring", "gloo", "mpi")
+IMPLS = ("ring", "gloo", "mpi", "ring-tcp", "ring-hier")
+DEFAULT_IMPLS = ("ring", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -78,6 +85,7 @@ def _worker(impl: str) -> None:
 
         barrier = comm.Barrier
         close = lambda: None  # noqa: E731
+        transport = "open mpi defaults"
     elif impl == "gloo":
         import torch
         import torch.distributed as dist
@@ -92,6 +100,7 @@ def _worker(impl: str) -> None:
 
         barrier = dist.barrier
         close = dist.destroy_process_group
+        transport = "gloo tcp"
     else:
         from spark_hvd.core.backend import ReduceOp
         from spark_hvd.core.rendezvous import KVRendezvous
@@ -111,8 +120,9 @@ def _worker(impl: str) -> None:
 
         barrier = backend.barrier
         close = backend.close
+        transport = backend.transport
     control = _connect_control()
-    control.send_object(("hello", impl, rank))
+    control.send_object(("hello", impl, rank, transport))
     buffers: dict[int, np.ndarray] = {}
     rng = np.random.default_rng(rank)
     while True:
@@ -145,6 +155,7 @@ class Group:
     def __init__(self, impl: str, n: int, control_addr: str, secret: bytes, kv_addr: str | None) -> None:
         self.impl, self.n = impl, n
         self.conns: dict[int, FramedSocket] = {}
+        self.transports: set[str] = set()
         env = dict(os.environ, BENCH_CONTROL=control_addr, BENCH_SECRET=secret.hex(), OMP_NUM_THREADS="1")
         script = [sys.executable, str(Path(__file__).resolve()), "--worker", impl]
         self.procs: list[subprocess.Popen] = []
@@ -155,6 +166,8 @@ class Group:
             return
         job = f"bench{os.getpid()}{impl}{n}"
         extra = {"SPARK_HVD_SIZE": str(n), "SPARK_HVD_JOB_ID": job, "SPARK_HVD_SECRET": secret.hex()}
+        if impl == "ring-tcp":
+            extra["SPARK_HVD_SHM"] = "0"
         if impl == "gloo":
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
@@ -162,7 +175,10 @@ class Group:
         else:
             extra["SPARK_HVD_RENDEZVOUS"] = kv_addr or ""
         for rank in range(n):
-            self.procs.append(subprocess.Popen(script, env={**env, **extra, "SPARK_HVD_RANK": str(rank)}))
+            own = {"SPARK_HVD_RANK": str(rank)}
+            if impl == "ring-hier":
+                own["SPARK_HVD_HOST_ID"] = f"bench-host-{2 * rank // n}"
+            self.procs.append(subprocess.Popen(script, env={**env, **extra, **own}))
 
     def run(self, nbytes: int, iters: int, warmup: int) -> tuple[float, float]:
         """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
@@ -211,8 +227,9 @@ def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group
             continue
         sock.settimeout(None)
         conn = FramedSocket(sock, secret, "bench worker")
-        _, impl, rank = conn.recv_object()
+        _, impl, rank, transport = conn.recv_object()
         groups[impl].conns[rank] = conn
+        groups[impl].transports.add(transport)
     listener.close()
     groups_list = [groups[i] for i in impls]
     groups_list[0].kv = kv  # type: ignore[attr-defined]  # keep the KV service alive with the groups
@@ -222,6 +239,7 @@ def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group
 def bench(n: int, impls: list[str], sizes: list[int], rounds: int,
           quick: bool) -> dict[tuple[str, int], list[tuple[float, float]]]:
     groups = start_groups(impls, n)
+    print(f"N={n} transports: " + "; ".join(f"{g.impl}: {'/'.join(sorted(g.transports))}" for g in groups))
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for rnd in range(rounds):
@@ -272,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="N=2, 4 KiB..64 MiB, 3 rounds")
     parser.add_argument("--np", default=None, help="comma-separated job sizes (default 2,4)")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of ring,gloo,mpi")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
+                        help=f"comma-separated subset of {','.join(IMPLS)} (default {','.join(DEFAULT_IMPLS)})")
     parser.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 4K,1M,256M")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--fusion", action="store_true", help="also run benchmarks/engine_fusion.py (ring, N=2)")
