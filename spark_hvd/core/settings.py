@@ -32,10 +32,12 @@ class Settings:
 
     fusion_threshold: int = _setting(
         "SPARK_HVD_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", 64 * MIB, int,
-        "bytes packed into one fusion buffer before a collective runs")
+        "most bytes packed into one fusion buffer per collective (shared memory needs no buffer: a round's "
+        "tensors go in one collective)")
     cycle_time_ms: float = _setting(
         "SPARK_HVD_CYCLE_TIME", "HOROVOD_CYCLE_TIME", 1.0, float,
-        "milliseconds the background engine waits between negotiation cycles")
+        "milliseconds the engine collects submissions before a negotiation round (a caller waiting on a "
+        "handle starts the round at once)")
     cache_capacity: int = _setting(
         "SPARK_HVD_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", 1024, int,
         "entries of the response cache (0 turns it off)")
