@@ -93,6 +93,12 @@ class Backend(ABC):
         """Release sockets, shared memory and threads. Safe to call twice."""
 
 
+def as_rows(buf: np.ndarray) -> np.ndarray:
+    """``buf`` as a C-contiguous array of at least one dimension (a scalar becomes one row), copied only if needed."""
+    buf = np.ascontiguousarray(buf)
+    return buf.reshape(1) if buf.ndim == 0 else buf
+
+
 def alltoall_args(buf: np.ndarray, splits: Sequence[int] | None, size: int) -> tuple[np.ndarray, list[int]]:
     """An alltoall's arguments in the form every backend sends: ``(contiguous buf, splits)``.
 
@@ -100,9 +106,7 @@ def alltoall_args(buf: np.ndarray, splits: Sequence[int] | None, size: int) -> t
     ints, the rows for each rank, or an even split of the rows when it is None. Raises ``ValueError`` when the rows
     do not divide evenly, or the splits are not ``size`` non-negative counts summing to the rows.
     """
-    buf = np.ascontiguousarray(buf)
-    if buf.ndim == 0:
-        buf = buf.reshape(1)
+    buf = as_rows(buf)
     rows = buf.shape[0]
     if splits is None:
         if rows % size:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args, reducescatter_by_allreduce
+from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import CollectiveTimeoutError
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
@@ -86,9 +86,7 @@ class MpiBackend(Backend):
             divide_average(flat, self.size)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
-        buf = np.ascontiguousarray(buf)
-        if buf.ndim == 0:
-            buf = buf.reshape(1)
+        buf = as_rows(buf)
         rows = np.array([buf.shape[0]], dtype=np.int64)
         all_rows = np.empty(self.size, dtype=np.int64)
         self._wait(self.comm.Iallgather(rows, all_rows), "allgather")

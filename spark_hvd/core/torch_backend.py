@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, reducescatter_by_allreduce
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
@@ -127,9 +127,7 @@ class TorchBackend(Backend):
         return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
     def allgather(self, buf: np.ndarray) -> np.ndarray:
-        buf = np.ascontiguousarray(buf)
-        if buf.ndim == 0:
-            buf = buf.reshape(1)
+        buf = as_rows(buf)
         rows = np.array([buf.shape[0]], dtype=np.int64)
         all_rows = np.zeros(self.size, dtype=np.int64)
         self._gather_bytes(self._bytes(rows), all_rows.view(np.uint8), 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spark_hvd.core.backend import ReduceOp, alltoall_args, rank_rows, reducescatter_by_allreduce
+from spark_hvd.core.backend import ReduceOp, alltoall_args, as_rows, rank_rows, reducescatter_by_allreduce
 from spark_hvd.core.local_backend import LocalBackend
 from spark_hvd.core.reduce import reference_reduce
 
@@ -71,3 +71,11 @@ def test_local_backend_alltoall_checks_splits():
         be.alltoall(np.arange(5), [4])
     out, splits = be.alltoall(np.array(3.0))
     assert out.shape == () and splits == [1]
+
+
+def test_as_rows():
+    a = np.arange(6.0).reshape(2, 3)
+    assert as_rows(a) is a
+    t = as_rows(a.T)
+    assert t.flags.c_contiguous and np.array_equal(t, a.T)
+    assert as_rows(np.array(7)).shape == (1,)
