@@ -237,14 +237,7 @@ def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None) ->
 
 def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None) -> Handle:
     """Send ``splits[i]`` rows to rank i (even split when None); result ``(array, recv_splits)``."""
-    ctx = _get("alltoall_async()")
-    if splits is None:
-        rows = buf.shape[0] if np.ndim(buf) else 1
-        n = ctx.backend.size
-        if rows % n:
-            raise ValueError(f"alltoall without splits needs a first dimension divisible by {n}, got {rows}")
-        splits = [rows // n] * n
-    return ctx.engine.enqueue("alltoall", buf, name, splits=splits)
+    return _get("alltoall_async()").engine.enqueue("alltoall", buf, name, splits=splits)
 
 
 def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> Handle:

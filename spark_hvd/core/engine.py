@@ -70,7 +70,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.errors import ShutdownError, SparkHvdError, TensorMismatchError
 from spark_hvd.core.reduce import check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
@@ -395,12 +395,11 @@ class Engine:
             if kind == "broadcast" and not 0 <= int(root) < self.size:
                 raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size "
                                  f"{self.size}")
-            if splits is not None:
-                splits = [int(s) for s in splits]
-                rows = buf.shape[0]
-                if len(splits) != self.size or sum(splits) != rows or min(splits, default=0) < 0:
-                    raise ValueError(f"alltoall of '{name}': splits {splits} must be {self.size} non-negative "
-                                     f"counts summing to the {rows} rows of the tensor")
+            if kind == "alltoall":
+                try:
+                    buf, splits = alltoall_args(buf, splits, self.size)
+                except ValueError as exc:
+                    raise ValueError(f"alltoall of '{name}': {exc}") from None
             meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
                         float(postscale), bool(bfloat16))
         handle = Handle(name, kind, self)

@@ -3,7 +3,12 @@
 Every collective is started non-blocking (``Iallreduce``, ``Iallgatherv``, ...) and its request is polled with
 short sleeps, so a rank waiting for its peers does not spin a core (Open MPI's blocking calls busy-poll) and a
 peer that never arrives raises ``CollectiveTimeoutError`` after ``SPARK_HVD_TIMEOUT`` seconds instead of hanging.
-MPI cannot tell which peer is late, so those errors name no rank; a peer that dies makes ``mpirun`` end the job.
+
+MPI itself cannot say which peer is late, so the backend asks: while it polls, a rank answers "which collective
+are you in?" queries on a private communicator with its count of collectives; a rank that times out sends the
+query to every peer and waits briefly for the answers. Peers that do not answer (frozen, or busy outside
+spark_hvd) or answer with another count (in another collective) are the late ones, and the error names them. A
+peer that dies makes ``mpirun`` end the job.
 
 float16 and bfloat16 (a uint16 view) are reduced in float32, which MPI supports everywhere.
 """
@@ -20,6 +25,10 @@ from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args, as_rows, re
 from spark_hvd.core.errors import CollectiveTimeoutError
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
+
+_QUERY, _ANSWER = 1, 2  # tags on the diagnosis communicator
+_ANSWER_WAIT_S = 2.0  # how long a rank that timed out waits for its peers' answers
+
 
 
 class MpiBackend(Backend):
@@ -47,10 +56,14 @@ class MpiBackend(Backend):
         self.cross_size = self._cross.Get_size()
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVERAGE: MPI.SUM, ReduceOp.MIN: MPI.MIN,
                      ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+        self._diag = self.comm.Dup()  # "which collective are you in?" queries and answers (see module doc)
+        self._collectives = 0
         self._closed = False
 
     def _wait(self, request: Any, what: str) -> None:
-        """Poll ``request`` with growing sleeps (no busy core) until done or the timeout."""
+        """Poll ``request`` with growing sleeps (no busy core) until done or the timeout; answer peers' queries
+        meanwhile. On timeout, raise an error naming the ranks that are not in this collective."""
+        self._collectives += 1
         spins = 0
         pause = 50e-6
         deadline = time.monotonic() + self.timeout_s
@@ -59,11 +72,52 @@ class MpiBackend(Backend):
             if spins < 200:
                 continue
             if time.monotonic() > deadline:
+                late, detail = self._late_ranks()
                 raise CollectiveTimeoutError(
                     f"MPI {what} on rank {self.rank} waited more than {self.timeout_s:.0f} s for the other ranks "
-                    "(SPARK_HVD_TIMEOUT); one of them is stuck or gone", rank=None, operation=what)
+                    f"(SPARK_HVD_TIMEOUT): {detail}", rank=late[0] if late else None, operation=what)
+            self._answer_queries()
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
+
+    def _answer_queries(self) -> None:
+        """Tell every peer that asked which collective this rank is in (its count of collectives)."""
+        status = self._mpi.Status()
+        while self._diag.Iprobe(self._mpi.ANY_SOURCE, _QUERY, status):
+            source = status.Get_source()
+            self._diag.Recv(np.empty(1, np.int64), source, _QUERY)
+            self._diag.Send(np.array([self._collectives], np.int64), source, _ANSWER)  # 8 bytes: sent eagerly
+
+    def _late_ranks(self, answer_wait_s: float = _ANSWER_WAIT_S) -> tuple[list[int], str]:
+        """Ask every peer which collective it is in: (the late ranks, a sentence saying why each is late)."""
+        mine = np.array([self._collectives], np.int64)
+        peers = [r for r in range(self.size) if r != self.rank]
+        for r in peers:
+            self._diag.Send(mine, r, _QUERY)
+        answers: dict[int, int] = {}
+        status = self._mpi.Status()
+        got = np.empty(1, np.int64)
+        deadline = time.monotonic() + answer_wait_s
+        while len(answers) < len(peers) and time.monotonic() < deadline:
+            self._answer_queries()  # peers that timed out too are asking at the same time
+            if self._diag.Iprobe(self._mpi.ANY_SOURCE, _ANSWER, status):
+                source = status.Get_source()
+                self._diag.Recv(got, source, _ANSWER)
+                answers[source] = int(got[0])
+            else:
+                time.sleep(1e-3)
+        silent = [r for r in peers if r not in answers]
+        elsewhere = [r for r in peers if r in answers and answers[r] != self._collectives]
+        parts = []
+        if silent:
+            parts.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer "
+                         f"within {answer_wait_s:.0f} s (stuck outside spark_hvd, or gone)")
+        if elsewhere:
+            parts.append("; ".join(f"rank {r} is in collective #{answers[r]}, not #{self._collectives}"
+                                   for r in elsewhere))
+        if not parts:
+            parts.append("every rank is in this collective, yet it did not complete")
+        return sorted(silent + elsewhere), "; ".join(parts)
 
     def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
         check_dtype(buf, bfloat16)
@@ -130,7 +184,7 @@ class MpiBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        for comm in (self._cross, self._local, self.comm):
+        for comm in (self._diag, self._cross, self._local, self.comm):
             try:
                 comm.Free()
             except Exception:  # MPI already finalized at interpreter exit

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
     PeerFailureError,
@@ -517,18 +517,7 @@ class RingBackend(Backend):
         """Send ``splits[i]`` rows of ``buf`` to rank i; return the rows received and how many from each."""
         if not isinstance(buf, np.ndarray):
             raise TypeError(f"alltoall expects a numpy array, got {type(buf).__name__}")
-        buf = np.ascontiguousarray(buf)
-        if buf.ndim == 0:
-            raise ValueError("alltoall needs an array with at least one dimension")
-        rows = buf.shape[0]
-        if splits is None:
-            if rows % self.size:
-                raise ValueError(f"alltoall: {rows} rows cannot be split evenly over {self.size} ranks; "
-                                 "pass splits")
-            splits = [rows // self.size] * self.size
-        splits = [int(s) for s in splits]
-        if len(splits) != self.size or any(s < 0 for s in splits) or sum(splits) != rows:
-            raise ValueError(f"alltoall: splits {splits} must be {self.size} non-negative counts summing to {rows}")
+        buf, splits = alltoall_args(buf, splits, self.size)
         if self.size == 1:
             return buf.copy(), splits
         meta = json.dumps([splits, buf.dtype.str, list(buf.shape[1:])]).encode()
