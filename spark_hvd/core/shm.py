@@ -118,6 +118,24 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def _block_pieces(segs: Sequence[np.ndarray], block: int) -> list[list[tuple[np.ndarray, int]]]:
+    """Cut the concatenation of the flat arrays ``segs`` into blocks of ``block`` elements: for every block, the
+    pieces that make it up, as (view of one array, offset of the piece in the block)."""
+    blocks: list[list[tuple[np.ndarray, int]]] = []
+    room = 0
+    for seg in segs:
+        pos, n = 0, seg.size
+        while pos < n:
+            if room == 0:
+                blocks.append([])
+                room = block
+            take = min(room, n - pos)
+            blocks[-1].append((seg[pos:pos + take], block - room))
+            pos += take
+            room -= take
+    return blocks
+
+
 class ShmGroup:
     """Shared-memory staging and synchronisation among ``size`` ranks of one host.
 
@@ -362,6 +380,11 @@ class ShmGroup:
         slots = [s.view(dtype) for s in self.slots]
         ufunc = ufunc_for(op)
         average = op is ReduceOp.AVERAGE
+        # two ranks averaging floats: each halves its data on the way into its slot (exact in binary floating
+        # point, as halving the sum is) and the result is the sum of the two slots: no pass dividing the sum
+        halve = average and size == 2 and not bfloat16 and dtype.kind == "f" and dtype.itemsize >= 4
+        # every block's pieces, (view of a segment, offset in the block), worked out once for copy-in and finish
+        plan = _block_pieces(segs, block)
         base = self.seq
         self.seq += nblocks
 
@@ -383,8 +406,14 @@ class ShmGroup:
             lo = b * block
             hi = min(total, lo + block)
             slot = slots[me][((g - 1) % self.nslots) * block:][:hi - lo]
-            for arr, s0, s1, at in pieces(lo, hi):
-                slot[at - lo:at - lo + s1 - s0] = arr[s0:s1]
+            parts = plan[b]
+            if halve:
+                for view, at in parts:
+                    np.multiply(view, 0.5, out=slot[at:at + view.size])
+            elif len(parts) == 1:
+                slot[...] = parts[0][0]
+            else:
+                np.concatenate([view for view, _ in parts], out=slot)  # one call, not one per piece
             self._publish(IN, g)
 
         def copy_ahead() -> bool:
@@ -438,29 +467,33 @@ class ShmGroup:
                 if self.ctrl[peer][IN] < g:
                     self._wait(peer, IN, g, operation, check_peers, copy_ahead)
                 theirs = slots[peer][off:off + n]
-                for arr, s0, s1, at in pieces(lo, hi):
-                    dst = arr[s0:s1]
+                if halve:
+                    mine = slots[me][off:off + n]
+                    for dst, at in plan[b]:
+                        np.add(mine[at:at + dst.size], theirs[at:at + dst.size], out=dst)
+                    self._publish(OUT, g)
+                    return
+                for dst, at in plan[b]:
                     if bfloat16:
-                        reduce_into(dst, theirs[at - lo:at - lo + s1 - s0], op, True)
+                        reduce_into(dst, theirs[at:at + dst.size], op, True)
                     else:
-                        ufunc(dst, theirs[at - lo:at - lo + s1 - s0], out=dst)
+                        ufunc(dst, theirs[at:at + dst.size], out=dst)
                     if average:
                         divide_average(dst, 2, bfloat16)
                 self._publish(OUT, g)
                 return
             if n * itemsize <= self.small_bytes:
                 self._wait_all(IN, g, operation, check_peers, copy_ahead)
-                for arr, s0, s1, at in pieces(lo, hi):
-                    dst = arr[s0:s1]
-                    a = at - lo
+                for dst, a in plan[b]:
+                    m = dst.size
                     if bfloat16:
-                        dst[...] = slots[0][off + a:off + a + s1 - s0]
+                        dst[...] = slots[0][off + a:off + a + m]
                         for k in range(1, size):
-                            reduce_into(dst, slots[k][off + a:off + a + s1 - s0], op, True)
+                            reduce_into(dst, slots[k][off + a:off + a + m], op, True)
                     else:
-                        ufunc(slots[0][off + a:off + a + s1 - s0], slots[1][off + a:off + a + s1 - s0], out=dst)
+                        ufunc(slots[0][off + a:off + a + m], slots[1][off + a:off + a + m], out=dst)
                         for k in range(2, size):
-                            ufunc(dst, slots[k][off + a:off + a + s1 - s0], out=dst)
+                            ufunc(dst, slots[k][off + a:off + a + m], out=dst)
                     if average:
                         divide_average(dst, size, bfloat16)
                 self._publish(OUT, g)
