@@ -43,6 +43,26 @@ def features_df(spark: Any, rows: int, seed: int) -> Any:
                                           lambda acc, v: acc + F.sin(v * 3.0)).cast("double"))
 
 
+def arrow_floor_rows_per_s(df: Any, output: str, repeats: int) -> float:
+    """Rows/s of Spark's own Arrow round trip on ``df``: a ``mapInArrow`` that passes the columns through and adds
+    a zero ``output`` double column, written to the noop sink. No model: what any batched Python transform pays for
+    moving the rows to Python and back, the ceiling a model transform can approach."""
+    import numpy as np
+    import pyarrow as pa
+
+    names = list(df.columns)
+
+    def identity(batches):
+        for batch in batches:
+            yield pa.RecordBatch.from_arrays([*batch.columns, pa.array(np.zeros(batch.num_rows))],
+                                             names=[*names, output])
+
+    schema = f"{df.schema.simpleString()[len('struct<'):-1]},{output}:double"
+    run = lambda: df.mapInArrow(identity, schema).write.format("noop").mode("overwrite").save()  # noqa: E731
+    run()  # warm the Python workers
+    return df.count() / median_time(run, repeats)
+
+
 def local_spark(app_name: str) -> Any:
     """The benchmarks' local[2] session (environment defaults set first, the benchmark directory on sys.path)."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

@@ -3,7 +3,9 @@
 transform: rows/s of ``TorchModel.transform`` (mapInArrow, batches of 1024) on a cached DataFrame, against
   (a) the same module called on in-memory tensors in batches of 1024 with as many torch threads as Spark has cores
       (target: transform >= 50% of it), and
-  (b) a row-at-a-time ``rdd.mapPartitions`` that calls the module once per row (Horovod's way; target >= 10x).
+  (b) a row-at-a-time ``rdd.mapPartitions`` that calls the module once per row (Horovod's way; target >= 10x),
+  and, for reading them, (c) Spark's own Arrow round trip with no model (``arrow_floor_rows_per_s``): the ceiling
+  any batched Python transform can approach on this DataFrame.
 fit: wall time of ``TorchEstimator.fit`` (num_proc=2) against
   (c) the same loop on in-memory tensors in 2 processes under ``spark-hvd-run`` (DistributedOptimizer, same model,
       optimizer, batch size, epochs, steps per epoch; target fit <= 1.25x + 15 s), and
@@ -27,21 +29,29 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
-from _timing import WIDTH, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
+from _timing import (  # noqa: E402
+    WIDTH,
+    arrow_floor_rows_per_s,
+    features_df,
+    finish,
+    fit_vs_plain,
+    median_time,
+    start,
+)
 
 log = logging.getLogger("benchmarks.estimator")
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, hidden: int = 64):
     import torch
 
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(WIDTH, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                               torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    return torch.nn.Sequential(torch.nn.Linear(WIDTH, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
 
 
 # ------------------------------------------------------------------------------------------------ transform
-def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
+def bench_transform(spark, rows: int, slow_rows: int, repeats: int, hidden: int = 64) -> dict:
     import numpy as np
     import torch
 
@@ -50,7 +60,7 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
     cores = spark.sparkContext.defaultParallelism
     df = features_df(spark, rows, seed=1).repartition(cores).cache()
     df.count()
-    net = _model().eval()
+    net = _model(hidden=hidden).eval()
     tm = TorchModel(model=net, feature_cols=["features"], label_cols=["y"], batch_size=1024)
 
     def run_transform():
@@ -58,6 +68,7 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
 
     t_first = median_time(run_transform, 1)
     t_transform = median_time(run_transform, repeats)
+    floor = arrow_floor_rows_per_s(df, "y__output", repeats)
 
     x = torch.from_numpy(np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32))
     prev = torch.get_num_threads()
@@ -99,7 +110,10 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int) -> dict:
         "in_memory_rows_per_s": rows / t_memory,
         "row_at_a_time_rows": slow_rows,
         "row_at_a_time_rows_per_s": slow_rows / t_rows,
+        "arrow_floor_rows_per_s": floor,
+        "hidden": hidden,
     }
+    res["transform_vs_arrow_floor"] = res["transform_rows_per_s"] / floor
     res["transform_vs_in_memory"] = res["transform_rows_per_s"] / res["in_memory_rows_per_s"]
     res["transform_vs_row_at_a_time"] = res["transform_rows_per_s"] / res["row_at_a_time_rows_per_s"]
     df.unpersist()
@@ -224,12 +238,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transform-hidden", type=int, default=64,
+                        help="width of the MLP's hidden layers in the transform measurement (a costlier model)")
     parser.add_argument("--skip", choices=["transform", "fit", "distributor"], action="append", default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     spark, results = start("bench-estimator", __name__)  # TorchDistributor's function pickles _model by value
     if "transform" not in args.skip:
-        results["transform"] = bench_transform(spark, args.rows, args.row_at_a_time_rows, args.repeats)
+        results["transform"] = bench_transform(spark, args.rows, args.row_at_a_time_rows, args.repeats,
+                                               args.transform_hidden)
         log.info("transform: %s", json.dumps(results["transform"]))
     if "fit" not in args.skip:
         results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats,

@@ -4,7 +4,8 @@ The Keras counterpart of ``benchmarks/estimator.py`` (same data, same model shap
 
 transform: rows/s of ``KerasModel.transform`` (mapInArrow, batches of 1024) on a cached DataFrame, against
   ``model.predict(x, batch_size=1024)`` on the same rows as an in-memory numpy array in the driver (TensorFlow's
-  default threads: all cores). Target: transform >= 50% of it.
+  default threads: all cores). Target: transform >= 50% of it. Also Spark's own Arrow round trip with no model
+  (``arrow_floor_rows_per_s``), the ceiling any batched Python transform can approach on this DataFrame.
 fit: wall time of ``KerasEstimator.fit`` (num_proc=2) against the same ``model.fit`` on in-memory arrays in 2
   processes under ``spark-hvd-run`` (the estimator's prepared Parquet read with pyarrow, rank-strided shards,
   DistributedOptimizer + BroadcastGlobalVariablesCallback + MetricAverageCallback, same model, optimizer, batch
@@ -27,7 +28,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
-from _timing import WIDTH, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
+from _timing import WIDTH, arrow_floor_rows_per_s, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
 
 log = logging.getLogger("benchmarks.estimator_keras")
 
@@ -56,13 +57,15 @@ def bench_transform(spark, rows: int, repeats: int) -> dict:
 
     t_first = median_time(run_transform, 1)
     t_transform = median_time(run_transform, repeats)
+    floor = arrow_floor_rows_per_s(df, "y__output", repeats)
     x = np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32)
     model.predict(x[:2048], batch_size=1024, verbose=0)  # warm: trace the predict function
 
     t_memory = median_time(lambda: model.predict(x, batch_size=1024, verbose=0), repeats)
     res = {"rows": rows, "transform_rows_per_s": rows / t_transform, "transform_first_call_s": t_first,
-           "in_memory_predict_rows_per_s": rows / t_memory}
+           "in_memory_predict_rows_per_s": rows / t_memory, "arrow_floor_rows_per_s": floor}
     res["transform_vs_in_memory"] = res["transform_rows_per_s"] / res["in_memory_predict_rows_per_s"]
+    res["transform_vs_arrow_floor"] = res["transform_rows_per_s"] / floor
     df.unpersist()
     return res
 
