@@ -35,6 +35,10 @@ class Backend(ABC):
     """
 
     name: str = "abstract"
+    #: True when ``allreduce_fused`` reduces the arrays where they lie, with no fusion buffer (shared-memory
+    #: staging slots, or nothing to move at all): the engine then hands it a whole round's tensors at once, since
+    #: the fusion threshold only bounds a fusion buffer. Otherwise the engine packs its own reusable buffer.
+    fuses_in_place: bool = False
     rank: int
     size: int
     local_rank: int

@@ -357,7 +357,7 @@ class Engine:
         # tensors of one kind in one collective: the fusion threshold bounds a fusion buffer, and there is none.
         # Otherwise the engine packs a reusable fusion buffer of up to the threshold, and reduces tensors this
         # large in place on their own.
-        self._backend_fuses = bool(getattr(backend, "fuses_in_place", False))
+        self._backend_fuses = backend.fuses_in_place
         self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self.timeline: Timeline | None = None

@@ -13,6 +13,7 @@ class LocalBackend(Backend):
     """Collectives over one rank. Used when a process is started without any launcher environment."""
 
     name = "local"
+    fuses_in_place = True  # one rank: every array already holds its result
 
     def __init__(self) -> None:
         self.rank = 0

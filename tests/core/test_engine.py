@@ -127,9 +127,15 @@ def test_sigkilled_rank_fails_the_others_with_its_name():
         assert "2" in message
 
 
+class _PackingLocalBackend(LocalBackend):
+    """A single rank whose engine packs a fusion buffer, as it does for the TCP ring, MPI and torch."""
+
+    fuses_in_place = False
+
+
 def test_fusion_threshold_splits_groups():
     settings = Settings(fusion_threshold=1024, cycle_time_ms=50)
-    engine = Engine(LocalBackend(), settings)
+    engine = Engine(_PackingLocalBackend(), settings)
     try:
         bufs = [np.full(50, float(i), np.float32) for i in range(40)]  # 200 bytes each
         handles = [engine.enqueue("allreduce", b, f"t{i}") for i, b in enumerate(bufs)]
@@ -139,6 +145,20 @@ def test_fusion_threshold_splits_groups():
         assert engine.stats["allreduce_tensors"] == 40
         assert engine.stats["allreduce_collectives"] >= 8  # at most 5 tensors of 200 B per 1024 B group
         assert engine.stats["fused_collectives"] >= 1
+    finally:
+        engine.shutdown()
+
+
+def test_in_place_backend_gets_a_whole_round_in_one_collective():
+    engine = Engine(LocalBackend(), Settings(fusion_threshold=1024, cycle_time_ms=50))
+    try:
+        bufs = [np.full(50, float(i), np.float32) for i in range(40)]  # 8000 bytes: past the 1024-byte threshold
+        handles = [engine.enqueue("allreduce", b, f"t{i}") for i, b in enumerate(bufs)]
+        for i, h in enumerate(handles):
+            assert h.wait() is bufs[i] and np.all(bufs[i] == i)
+        # one collective per round (normally one round), not one per 1024 bytes as with a packing backend
+        stats = dict(engine.stats)
+        assert stats["allreduce_collectives"] <= stats["rounds"] and stats["allreduce_collectives"] < 8, stats
     finally:
         engine.shutdown()
 
