@@ -1,14 +1,21 @@
-"""``import spark_hvd`` stays light: no torch, tensorflow or pyspark."""
+"""The light layers stay light: ``import spark_hvd`` and the store/data layers pull in no torch, tensorflow, keras
+or pyspark at module level (DESIGN.md: heavy frameworks are imported where they are used)."""
 
 import subprocess
 import sys
 
+import pytest
 
-def test_import_spark_hvd_pulls_in_no_framework():
+
+@pytest.mark.parametrize("modules", [
+    "spark_hvd, spark_hvd.core",
+    "spark_hvd.store, spark_hvd.data, spark_hvd.data.reader, spark_hvd.data.prepare",
+], ids=["spark_hvd", "store-and-data"])
+def test_import_pulls_in_no_framework(modules):
     code = (
-        "import sys, spark_hvd, spark_hvd.core\n"
+        f"import sys, {modules}\n"
         "heavy = [m for m in ('torch', 'tensorflow', 'keras', 'pyspark') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "", f"import spark_hvd imported {out}"
+    assert out == "", f"import {modules} imported {out}"

@@ -399,33 +399,25 @@ class RingBackend(Backend):
             divide_average(flat[bounds[r]:bounds[r + 1]], n, bfloat16)
         self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation, members)
 
-    def _allreduce_segments(self, segs: list[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        """Allreduce the concatenation of flat same-dtype arrays, in place, with the best transport."""
+    def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """Allreduce one flat array in place with the best transport."""
         if self.transport == "shm":
             assert self.shm is not None
-            self.shm.allreduce(segs, op, bfloat16, operation, self._check_peers)
-            return
-        if self.transport == "hier":
+            self.shm.allreduce([flat], op, bfloat16, operation, self._check_peers)
+        elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
             # result within the host again; AVERAGE is a SUM divided once at the end
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
             if self.shm is not None:
-                self.shm.allreduce(segs, inner, bfloat16, operation, self._check_peers)
+                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
             if self.local_rank == 0:
-                packed = segs[0] if len(segs) == 1 else np.concatenate(segs)
-                self._tcp_allreduce(packed, inner, bfloat16, operation, self._leaders)
-                if len(segs) > 1:
-                    _unpack(packed, segs)
+                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
             if self.shm is not None:
-                self.shm.broadcast(segs, 0, operation, self._check_peers)
+                self.shm.broadcast([flat], 0, operation, self._check_peers)
             if op is ReduceOp.AVERAGE:
-                for seg in segs:
-                    divide_average(seg, self.size, bfloat16)
-            return
-        packed = segs[0] if len(segs) == 1 else np.concatenate(segs)
-        self._tcp_allreduce(packed, op, bfloat16, operation)
-        if len(segs) > 1:
-            _unpack(packed, segs)
+                divide_average(flat, self.size, bfloat16)
+        else:
+            self._tcp_allreduce(flat, op, bfloat16, operation)
 
     @property
     def fuses_in_place(self) -> bool:
@@ -441,7 +433,7 @@ class RingBackend(Backend):
         check_dtype(flat, bfloat16)
         if self.size == 1 or flat.size == 0:
             return
-        self._allreduce_segments([flat], op, bfloat16, "allreduce")
+        self._allreduce_flat(flat, op, bfloat16, "allreduce")
 
     @_collective("allreduce")
     def allreduce_fused(self, bufs: Sequence[np.ndarray], op: ReduceOp, *, bfloat16: bool = False) -> None:
@@ -459,8 +451,16 @@ class RingBackend(Backend):
                 raise TypeError(f"allreduce_fused: array {i} has dtype {f.dtype}, array 0 has {dtype}")
             check_dtype(f, bfloat16)
         flats = [f for f in flats if f.size]
-        if flats:
-            self._allreduce_segments(flats, op, bfloat16, "allreduce")
+        if not flats:
+            return
+        if self.transport == "shm":
+            assert self.shm is not None
+            self.shm.allreduce(flats, op, bfloat16, "allreduce", self._check_peers)
+            return
+        packed = flats[0] if len(flats) == 1 else np.concatenate(flats)  # the TCP paths need one array
+        self._allreduce_flat(packed, op, bfloat16, "allreduce")
+        if len(flats) > 1:
+            _unpack(packed, flats)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:
@@ -557,7 +557,7 @@ class RingBackend(Backend):
         work = np.array(buf, copy=True, order="C").reshape(-1)
         if self.size > 1 and work.size:
             if self.transport in ("shm", "hier"):
-                self._allreduce_segments([work], op, bfloat16, "reducescatter")
+                self._allreduce_flat(work, op, bfloat16, "reducescatter")
             else:
                 self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
                 if op is ReduceOp.AVERAGE:

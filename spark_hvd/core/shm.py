@@ -24,7 +24,6 @@ briefly, then yields and sleeps with a growing back-off; every few milliseconds 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import mmap
 import os
@@ -293,37 +292,27 @@ class ShmGroup:
         segs = [s for s in segs if s.size]
         if not segs or self.size == 1:
             return
-        raw = [s.view(np.uint8) for s in segs]
-        starts = [0]
-        for r in raw:
-            starts.append(starts[-1] + r.size)
-        total, block = starts[-1], self.block_bytes
-        nblocks = -(-total // block)
+        block = self.block_bytes
+        plan = _block_pieces([s.view(np.uint8) for s in segs], block)
+        nblocks = len(plan)
         base = self.seq
         self.seq += nblocks
         me = self.local
         slot_area = self.slots[root]
         for b in range(nblocks):
             g = base + b + 1
-            lo, hi = b * block, min(total, (b + 1) * block)
             off = ((g - 1) % self.nslots) * block
             if me == root:
                 if g > self.nslots:
                     self._wait_all(OUT, g - self.nslots, operation, check_peers)
             elif self.ctrl[root][IN] < g:
                 self._wait(root, IN, g, operation, check_peers)
-            i = bisect.bisect_right(starts, lo) - 1
-            at = lo
-            while at < hi:
-                seg_hi = min(hi, starts[i + 1])
-                mine = raw[i][at - starts[i]:seg_hi - starts[i]]
-                theirs = slot_area[off + at - lo:off + seg_hi - lo]
+            for mine, at in plan[b]:
+                theirs = slot_area[off + at:off + at + mine.size]
                 if me == root:
                     theirs[...] = mine  # slot_area is this rank's own (writable) slot here
                 else:
                     mine[...] = theirs
-                at = seg_hi
-                i += 1
             if me == root:
                 self._publish(IN, g)
             self._publish(OUT, g)
@@ -371,9 +360,6 @@ class ShmGroup:
         dtype = segs[0].dtype
         itemsize = dtype.itemsize
         total = sum(s.size for s in segs)
-        starts = [0]
-        for s in segs:
-            starts.append(starts[-1] + s.size)
         block = self.block_bytes // itemsize
         nblocks = -(-total // block)
         size, me = self.size, self.local
@@ -387,15 +373,6 @@ class ShmGroup:
         plan = _block_pieces(segs, block)
         base = self.seq
         self.seq += nblocks
-
-        def pieces(lo: int, hi: int):
-            """(array, start, stop, offset in block) covering global elements [lo, hi)."""
-            i = bisect.bisect_right(starts, lo) - 1
-            while lo < hi:
-                seg_hi = min(hi, starts[i + 1])
-                yield segs[i], lo - starts[i], seg_hi - starts[i], lo
-                lo = seg_hi
-                i += 1
 
         next_in = 0
 
@@ -508,10 +485,11 @@ class ShmGroup:
                 k = (me + step) % size
                 if k != me and self.ctrl[k][RED] < g:
                     self._wait(k, RED, g, operation, check_peers, work_ahead)
-                k0, k1 = lo + k * n // size, lo + (k + 1) * n // size
-                src = slots[k][off + k0 - lo:off + k1 - lo]
-                for arr, s0, s1, at in pieces(k0, k1):
-                    arr[s0:s1] = src[at - k0:at - k0 + s1 - s0]
+                c0, c1 = k * n // size, (k + 1) * n // size  # member k's chunk of the block
+                for dst, at in plan[b]:
+                    a0, a1 = max(at, c0), min(at + dst.size, c1)
+                    if a0 < a1:
+                        dst[a0 - at:a1 - at] = slots[k][off + a0:off + a1]
             self._publish(OUT, g)
 
         prof = self.profile

@@ -83,3 +83,21 @@ def assert_events_match_history(store: Any, run_id: str, history: dict[str, list
     for tag, vals in expect.items():
         assert values[tag] == [np.float32(v) for v in vals], tag
         assert steps[tag] == list(range(len(vals))), tag
+
+
+def assert_fit_fails_before_anything_runs(spark: Any, estimator: Any, df: Any, root: Any, what: str,
+                                          exc: type[BaseException], match: str) -> None:
+    """``estimator.fit(df)`` raises ``exc`` matching ``match`` with no Spark job run (a job group tells) and
+    nothing written under the store directory ``root``."""
+    import pytest
+
+    sc = spark.sparkContext
+    group = f"bad-input-{type(estimator).__name__}-{abs(hash(what))}"
+    sc.setJobGroup(group, what)
+    try:
+        with pytest.raises(exc, match=match):
+            estimator.fit(df)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert list(sc.statusTracker().getJobIdsForGroup(group)) == [], "a Spark job ran before the error"
+    assert not root.exists() or not any(root.rglob("*")), "the store was written to"

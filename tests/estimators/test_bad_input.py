@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from estimator_helpers import assert_fit_fails_before_anything_runs
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.store import Store
@@ -71,16 +72,7 @@ def test_bad_input_fails_before_anything_runs(spark, df, tmp_path, what, kwargs,
         est.setOptimizer("adam")
     else:
         est = TorchEstimator(**_kwargs(store, **kwargs))
-    sc = spark.sparkContext
-    group = f"bad-input-{abs(hash(what))}"
-    sc.setJobGroup(group, what)
-    try:
-        with pytest.raises(exc, match=match):
-            est.fit(df)
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    assert list(sc.statusTracker().getJobIdsForGroup(group)) == [], "a Spark job ran before the error"
-    assert not root.exists() or not any(root.rglob("*")), "the store was written to"
+    assert_fit_fails_before_anything_runs(spark, est, df, root, what, exc, match)
 
 
 def test_non_int_params_are_rejected_when_set():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import pytest
+from estimator_helpers import assert_fit_fails_before_anything_runs
 
 from spark_hvd.estimators import KerasEstimator
 from spark_hvd.store import Store
@@ -67,16 +68,7 @@ def test_bad_input_fails_before_anything_runs(spark, df, tmp_path, what, kwargs,
     store = None if kwargs.get("store", 1) is None else Store.create(str(root))
     kwargs = {k: v for k, v in kwargs.items() if k != "store"}
     est = KerasEstimator(**_kwargs(store, **kwargs))
-    sc = spark.sparkContext
-    group = f"keras-bad-input-{abs(hash(what))}"
-    sc.setJobGroup(group, what)
-    try:
-        with pytest.raises(exc, match=match):
-            est.fit(df)
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    assert list(sc.statusTracker().getJobIdsForGroup(group)) == [], "a Spark job ran before the error"
-    assert not root.exists() or not any(root.rglob("*")), "the store was written to"
+    assert_fit_fails_before_anything_runs(spark, est, df, root, what, exc, match)
 
 
 def test_optimizer_by_name_passes_the_checks(spark, df, tmp_path):
