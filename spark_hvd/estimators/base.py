@@ -422,6 +422,14 @@ class BaseEstimator(Estimator, _PersistableStage):
     #: the Model class ``fit`` returns (set by the framework subclass)
     _model_class: type[BaseModel] = BaseModel
 
+    def _opt(self, param: Any) -> Any:
+        """The value of ``param``, or None when it was never set and has no default."""
+        return self.getOrDefault(param) if self.isDefined(param) else None
+
+    def _metrics(self) -> list:
+        """The ``metrics`` param as a list (empty when unset)."""
+        return list(self._opt(self.metrics) or [])
+
     # ---- framework hooks
     def _check_model(self, model: Any) -> bytes:
         """Raise ``TypeError`` unless ``model`` is a model of this framework that serialises; return its bytes."""
@@ -455,7 +463,7 @@ class BaseEstimator(Estimator, _PersistableStage):
         """Check every param and the DataFrame's columns; return the resolved settings. Writes nothing."""
         name = type(self).__name__
         get = self.getOrDefault
-        store = get(self.store) if self.isDefined(self.store) else None
+        store = self._opt(self.store)
         if store is None:
             raise ValueError(f"{name}: set store, e.g. store=Store.create('/tmp/spark_hvd_store') "
                              "(or an s3://, hdfs://, dbfs:/ URL)")
@@ -488,7 +496,7 @@ class BaseEstimator(Estimator, _PersistableStage):
         _check_columns(df, wanted)
         if len(set(features) | set(labels)) != len(features) + len(labels):
             raise ValueError(f"{name}: a column is both a feature and a label: {sorted(set(features) & set(labels))}")
-        model = get(self.model) if self.isDefined(self.model) else None
+        model = self._opt(self.model)
         if model is None:
             raise ValueError(f"{name}: set model")
         model_bytes = self._check_model(model)
@@ -530,11 +538,10 @@ class BaseEstimator(Estimator, _PersistableStage):
             "validation_steps_per_epoch": get(self.validation_steps_per_epoch),
             "shuffle": get(self.shuffle),
             "random_seed": get(self.random_seed),
-            "callbacks": list(get(self.callbacks) or []) if self.isDefined(self.callbacks) else [],
-            "transformation_fn": get(self.transformation_fn) if self.isDefined(self.transformation_fn) else None,
+            "callbacks": list(self._opt(self.callbacks) or []),
+            "transformation_fn": self._opt(self.transformation_fn),
             "backward_passes_per_step": get(self.backward_passes_per_step),
-            "gradient_compression": (get(self.gradient_compression)
-                                     if self.isDefined(self.gradient_compression) else None),
+            "gradient_compression": self._opt(self.gradient_compression),
             "use_gpu": get(self.use_gpu),
             "verbose": get(self.verbose),
         }
@@ -568,7 +575,7 @@ class BaseEstimator(Estimator, _PersistableStage):
             params = {p.name: v for p, v in self.extractParamMap().items()
                       if p.name not in OBJECT_PARAMS and v is not None}
             params["model_class"] = type(self.getOrDefault(self.model)).__name__
-            if self.isDefined(self.optimizer) and self.getOrDefault(self.optimizer) is not None:
+            if self._opt(self.optimizer) is not None:
                 params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
             mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
             self._log_mlflow_model(model.getModel())  # first: MLflow 3 copies metrics logged before it to the model

@@ -342,9 +342,6 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
         """Sets params by keyword and returns ``self``."""
         return self._set(**self._input_kwargs)
 
-    def _opt(self, param: Any) -> Any:
-        return self.getOrDefault(param) if self.isDefined(param) else None
-
     def _custom_objects(self) -> dict:
         return dict(self._opt(self.custom_objects) or {})
 
@@ -390,9 +387,6 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
     def _check_loss(self, n_labels: int) -> None:
         check_losses(self._opt(self.loss), n_labels)
         check_metrics(self._metrics())
-
-    def _metrics(self) -> list:
-        return list(self._opt(self.metrics) or [])
 
     def _checkpoint_policy(self) -> dict | None:
         cb = self._opt(self.checkpoint_callback)

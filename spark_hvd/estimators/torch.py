@@ -212,7 +212,7 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
     # ---- framework hooks of BaseEstimator
     def _check_model(self, model: Any) -> bytes:
         data = serialize_module(model)
-        opt = self.getOrDefault(self.optimizer) if self.isDefined(self.optimizer) else None
+        opt = self._opt(self.optimizer)
         if opt is None:
             raise ValueError("TorchEstimator: set optimizer, e.g. torch.optim.Adam(model.parameters(), lr=1e-3)")
         self._optimizer_spec = optimizer_spec(opt, model)
@@ -223,13 +223,9 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
         return data
 
     def _check_loss(self, n_labels: int) -> None:
-        losses = resolve_losses(self.getOrDefault(self.loss) if self.isDefined(self.loss) else None, n_labels)
+        resolve_losses(self._opt(self.loss), n_labels)
         for m in self._metrics():
             _resolve_metric(m)
-        del losses
-
-    def _metrics(self) -> list:
-        return list(self.getOrDefault(self.metrics) or []) if self.isDefined(self.metrics) else []
 
     def _train_spec(self, model_bytes: bytes) -> dict:
         get = self.getOrDefault
@@ -240,7 +236,7 @@ class TorchEstimator(BaseEstimator, TorchEstimatorParams):
             "loss_weights": get(self.loss_weights),
             "metrics": self._metrics(),
             "input_shapes": get(self.input_shapes),
-            "train_minibatch_fn": get(self.train_minibatch_fn) if self.isDefined(self.train_minibatch_fn) else None,
+            "train_minibatch_fn": self._opt(self.train_minibatch_fn),
         }
 
     def _train_function(self) -> Callable[[dict], Any]:
