@@ -72,15 +72,6 @@ def scheme_of(url: str) -> str:
     return m.group(1).lower()
 
 
-def _store_table() -> dict[str, type[Store]]:
-    """Scheme -> store class. Any scheme not here goes to :class:`~spark_hvd.store.fsspec_store.FsspecStore`."""
-    from spark_hvd.store.dbfs import DBFSStore
-    from spark_hvd.store.hdfs import HDFSStore
-    from spark_hvd.store.local import LocalStore
-
-    return {"": LocalStore, "file": LocalStore, "dbfs": DBFSStore, "hdfs": HDFSStore, "viewfs": HDFSStore}
-
-
 def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) -> Store:
     return cls(url, **storage_options)
 
@@ -88,7 +79,8 @@ def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) 
 class Store(ABC):
     """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
 
-    Create one with :meth:`Store.create`; the subclasses are chosen by URL scheme.
+    Create one with :meth:`Store.create`; the subclass is chosen by URL scheme from
+    :mod:`spark_hvd.store.registry` (where users register their own).
 
     Attributes:
         url: the canonical URL of the prefix (a relative local path is made absolute).
@@ -115,17 +107,14 @@ class Store(ABC):
         - ``hdfs://host:port/path`` (or ``hdfs:///path``): :class:`~spark_hvd.store.hdfs.HDFSStore`;
         - any other fsspec protocol (``s3://``, ``gs://``, ``abfs://``, ``memory://``, ...):
           :class:`~spark_hvd.store.fsspec_store.FsspecStore`, with ``storage_options`` passed to
-          ``fsspec.filesystem(protocol, **storage_options)`` untouched.
+          ``fsspec.filesystem(protocol, **storage_options)`` untouched;
+        - a scheme registered with :func:`~spark_hvd.store.registry.register_store`: that class.
         """
         if not isinstance(url, str) or not url.strip():
             raise StoreURLError(f"Store.create needs a non-empty URL string, got {url!r}")
-        scheme = scheme_of(url)
-        table = _store_table()
-        if scheme in table:
-            return table[scheme](url, **storage_options)
-        from spark_hvd.store.fsspec_store import FsspecStore
+        from spark_hvd.store.registry import store_class
 
-        return FsspecStore(url, **storage_options)
+        return store_class(scheme_of(url))(url, **storage_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_restore_store, (type(self), self.url, self.storage_options))
