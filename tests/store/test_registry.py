@@ -63,5 +63,7 @@ def test_base_imports_no_implementation():
     tree = ast.parse(Path(registry.__file__).with_name("base.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    store_modules = {m for m in imported if m and m.startswith("spark_hvd.store.")}
-    assert store_modules <= {"spark_hvd.store.errors", "spark_hvd.store.registry"}, store_modules
+    implementations = {path.rpartition(".")[0] for path in [*registered_schemes().values(), registry.DEFAULT_STORE]}
+    assert implementations == {"spark_hvd.store.local", "spark_hvd.store.dbfs", "spark_hvd.store.hdfs",
+                               "spark_hvd.store.fsspec_store"}
+    assert not imported & implementations
