@@ -31,7 +31,9 @@ datasets are written this way.
 
 Pickling. A store pickles as its URL and storage options (no open connection), so it can be shipped to Spark
 executors and training processes; the filesystem is opened again lazily on first use there. A ``memory://`` store
-is per process: its files are not visible to other processes.
+is per process: its files are not visible to other processes. A store written into a saved stage goes through
+:meth:`Store.without_secrets` first: its pickle keeps the URL and non-secret options only (see
+:mod:`spark_hvd.store.secrets` for how the secrets come back at load time).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import os
 import posixpath
 import re
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -79,6 +82,27 @@ def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) 
     return cls(url, **storage_options)
 
 
+def _restore_store_without_secrets(cls: type[Store], url: str, public: dict[str, Any], dropped: list[str]) -> Store:
+    """Unpickle what :meth:`Store.without_secrets` pickled: the options in ``SPARK_HVD_STORAGE_OPTIONS`` are merged
+    in; options that were dropped and not given back are named in a log line."""
+    from spark_hvd.store.secrets import STORAGE_OPTIONS_ENV, merge_options, options_from_env
+
+    env = options_from_env()
+    missing = [name for name in dropped if not _has_dotted(env, name)]
+    if missing:
+        logger.info("the store %s was saved without its options %s; give them back with "
+                    "store.with_options(...) or %s, else the filesystem's own credentials apply",
+                    url, missing, STORAGE_OPTIONS_ENV)
+    return cls(url, **merge_options(public, env))
+
+
+def _has_dotted(options: dict[str, Any], dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    if head not in options:
+        return False
+    return not rest or (isinstance(options[head], dict) and _has_dotted(options[head], rest))
+
+
 class Store(ABC):
     """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
 
@@ -100,6 +124,7 @@ class Store(ABC):
         self._pa_fs: pyarrow.fs.FileSystem | None = None
         self._synced: dict[tuple[str, str], tuple[int, int]] = {}
         self._recorded: dict[str, tuple[int, str]] = {}  # path -> (size, sha256) of files this process wrote
+        self._dropped_secrets: list[str] | None = None  # set by without_secrets
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -121,7 +146,29 @@ class Store(ABC):
         return store_class(scheme_of(url))(url, **storage_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._dropped_secrets is not None:
+            return (_restore_store_without_secrets,
+                    (type(self), self.url, self.storage_options, self._dropped_secrets))
         return (_restore_store, (type(self), self.url, self.storage_options))
+
+    def without_secrets(self) -> Store:
+        """This store, minus its secret storage options (keys, secrets, tokens, passwords, credential objects),
+        for pickles that are saved (an estimator's ``save``). Unpickled, it takes its options from
+        ``SPARK_HVD_STORAGE_OPTIONS``; :meth:`with_options` adds them back by hand."""
+        from spark_hvd.store.secrets import split_secrets
+
+        public, dropped = split_secrets(self.storage_options)
+        clone = type(self)(self.url, **public)
+        clone._dropped_secrets = dropped
+        return clone
+
+    def with_options(self, **storage_options: Any) -> Store:
+        """A store of the same URL with ``storage_options`` added to (or replacing) this one's, e.g. the
+        credentials of a store loaded from a saved stage: ``est.setStore(est.getStore().with_options(key=...,
+        secret=...))``."""
+        from spark_hvd.store.secrets import merge_options
+
+        return type(self)(self.url, **merge_options(self.storage_options, storage_options))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -171,6 +218,24 @@ class Store(ABC):
         if self._pa_fs is None:
             self._pa_fs = self._make_pyarrow_fs()
         return self._pa_fs
+
+    def check_writable(self) -> None:
+        """Write and delete a small probe file under the prefix, so an unwritable store fails on the driver before
+        any task starts rather than in a training process after the data was prepared.
+
+        Raises:
+            StoreError: naming the URL and what the filesystem said.
+        """
+        probe = self.path(f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:12]}")
+        try:
+            self.write_bytes(probe, b"spark_hvd write probe")
+            self.delete(probe)
+        except Exception as e:  # noqa: BLE001 - any failure means the same to the user
+            raise StoreError(f"the store {self.url!r} is not writable ({type(e).__name__}: {e}); spark_hvd writes "
+                             "prepared data, checkpoints and the model there: check the path, its permissions "
+                             "or the credentials in the storage options") from e
+        finally:
+            self._recorded.pop(posixpath.normpath(probe), None)
 
     # ------------------------------------------------------------------ layout
     def path(self, *parts: str) -> str:
