@@ -1,5 +1,9 @@
 """The :class:`Store` contract: where prepared data, checkpoints, logs and models of a job live.
 
+(Longer than ~400 lines on purpose: this is the one class a store implementer reads, the whole contract every
+store honours: layout, bytes and listings, directories, atomic commits, checkpoints, visibility. The commit protocol,
+the manifest, the scheme registry and the handling of secrets live in their own modules.)
+
 A store is a root (a *prefix*) on some filesystem. Every store, whatever its URL, lays its files out the same way::
 
     <prefix>/data/<dataset_key>/train/part-*.parquet   written by spark_hvd.data (Spark or pyarrow)
@@ -82,27 +86,6 @@ def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) 
     return cls(url, **storage_options)
 
 
-def _restore_store_without_secrets(cls: type[Store], url: str, public: dict[str, Any], dropped: list[str]) -> Store:
-    """Unpickle what :meth:`Store.without_secrets` pickled: the options in ``SPARK_HVD_STORAGE_OPTIONS`` are merged
-    in; options that were dropped and not given back are named in a log line."""
-    from spark_hvd.store.secrets import STORAGE_OPTIONS_ENV, merge_options, options_from_env
-
-    env = options_from_env()
-    missing = [name for name in dropped if not _has_dotted(env, name)]
-    if missing:
-        logger.info("the store %s was saved without its options %s; give them back with "
-                    "store.with_options(...) or %s, else the filesystem's own credentials apply",
-                    url, missing, STORAGE_OPTIONS_ENV)
-    return cls(url, **merge_options(public, env))
-
-
-def _has_dotted(options: dict[str, Any], dotted: str) -> bool:
-    head, _, rest = dotted.partition(".")
-    if head not in options:
-        return False
-    return not rest or (isinstance(options[head], dict) and _has_dotted(options[head], rest))
-
-
 class Store(ABC):
     """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
 
@@ -147,8 +130,9 @@ class Store(ABC):
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._dropped_secrets is not None:
-            return (_restore_store_without_secrets,
-                    (type(self), self.url, self.storage_options, self._dropped_secrets))
+            from spark_hvd.store.secrets import restore_without_secrets
+
+            return (restore_without_secrets, (type(self), self.url, self.storage_options, self._dropped_secrets))
         return (_restore_store, (type(self), self.url, self.storage_options))
 
     def without_secrets(self) -> Store:

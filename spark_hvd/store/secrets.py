@@ -22,9 +22,12 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_hvd.store.errors import StoreURLError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spark_hvd.store.base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,25 @@ def merge_options(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]
         else:
             out[name] = value
     return out
+
+
+def restore_without_secrets(cls: type[Store], url: str, public: dict[str, Any], dropped: list[str]) -> Store:
+    """Unpickle what :meth:`Store.without_secrets` pickled: the options in ``SPARK_HVD_STORAGE_OPTIONS`` are merged
+    in; options that were dropped and not given back are named in a log line."""
+    env = options_from_env()
+    missing = [name for name in dropped if not _has_dotted(env, name)]
+    if missing:
+        logger.info("the store %s was saved without its options %s; give them back with "
+                    "store.with_options(...) or %s, else the filesystem's own credentials apply",
+                    url, missing, STORAGE_OPTIONS_ENV)
+    return cls(url, **merge_options(public, env))
+
+
+def _has_dotted(options: dict[str, Any], dotted: str) -> bool:
+    head, _, rest = dotted.partition(".")
+    if head not in options:
+        return False
+    return not rest or (isinstance(options[head], dict) and _has_dotted(options[head], rest))
 
 
 def _plain(value: Any) -> bool:

@@ -55,7 +55,7 @@ def test_pickle_for_shipping_keeps_secrets_saved_pickle_does_not(monkeypatch):
 def test_secrets_come_back_from_the_environment(monkeypatch, caplog):
     saved = pickle.dumps(_s3().without_secrets())
     monkeypatch.setenv(STORAGE_OPTIONS_ENV, json.dumps({"key": KEY, "secret": SECRET}))
-    with caplog.at_level(logging.INFO, logger="spark_hvd.store.base"):
+    with caplog.at_level(logging.INFO, logger="spark_hvd.store.secrets"):
         back = pickle.loads(saved)
     assert back.storage_options["key"] == KEY and back.storage_options["secret"] == SECRET
     assert "client_kwargs.aws_session_token" in caplog.text and "'key'" not in caplog.text  # only what is missing
