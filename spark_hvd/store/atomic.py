@@ -11,9 +11,10 @@ Writing ``path``:
    cannot rename deletes the old ``path`` only once the new copy is committed beside it, copies it in (manifest
    last) and deletes the copy.
 
-A crash at any step leaves a committed copy: in ``path``, or in a hidden sibling. :func:`recover` (run before every
-write of ``path``, and on a run's whole checkpoint directory when a run starts) finishes such a replacement,
-and deletes hidden siblings that were never committed (stale partial writes).
+A crash at any step leaves a committed copy: in ``path``, or in a hidden sibling. :func:`recover`, run on a run's
+checkpoint directory when the run starts (:meth:`Store.latest_checkpoint`), finishes such a replacement and deletes
+hidden siblings that were never committed (stale partial writes). It is not run before other writes: a directory
+such as a prepared dataset may be written by two fits at once, and one must not take the other's work for stale.
 """
 
 from __future__ import annotations
@@ -49,8 +50,6 @@ def hidden_sibling(path: str, kind: str) -> str:
 def atomic_dir(store: Store, path: str, overwrite: bool = True) -> Iterator[str]:
     """The body of :meth:`Store.atomic_dir` (see the module docstring)."""
     path = path.rstrip("/")
-    parent, name = posixpath.split(path)
-    recover(store, parent, name)
     committed = store.is_committed(path)
     if committed and not overwrite:
         raise StoreError(f"{path!r} already exists in {store!r}; pass overwrite=True to replace it")
@@ -70,8 +69,8 @@ def atomic_dir(store: Store, path: str, overwrite: bool = True) -> Iterator[str]
         try:
             replace(store, target, path)
         except BaseException:
-            logger.warning("replacing %s in %r was interrupted; the committed new copy stays at %s and the next "
-                           "write or run start finishes the replacement", path, store, target)
+            logger.warning("replacing %s in %r was interrupted; the committed new copy stays at %s (a run's "
+                           "start finishes the replacement of its checkpoints)", path, store, target)
             raise
 
 

@@ -405,8 +405,7 @@ class Store(ABC):
         ``path`` itself where nothing is committed there yet and the store cannot rename). On leaving the block
         normally the files are fsynced, the manifest is written last, and the new directory replaces ``path``
         without a moment in which neither version is committed (see :mod:`spark_hvd.store.atomic`). On an exception
-        everything written is deleted and the exception propagates. What an interrupted earlier write of ``path``
-        left is finished or cleaned first.
+        everything written is deleted and the exception propagates.
 
         Args:
             path: the final store path of the directory.
