@@ -17,7 +17,9 @@ same gathered data, so all ranks reach the same answer without a coordinator:
   otherwise the engine packs a reusable fusion buffer of up to ``fusion_threshold`` bytes per collective, and
   reduces tensors of 4 MiB and more in place on their own, since copying them would cost more than their
   collective's latency;
-- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks.
+- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks; after
+  ``stall_shutdown_time_s`` every rank raises a ``StallError`` naming it, in the same round (each rank reports the
+  tensors it finds too old by its own clock in its message, and every rank acts on the union).
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
 (half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
@@ -34,8 +36,17 @@ spell), extended while a burst of submissions is still arriving (up to 5 cycles)
 that waits on a handle whose request is still unsent starts the round at once (``hurry``): nothing submitted
 later could join that operation, so the cycle would only add latency.
 
-A steady training loop sends only cache ids and leaves nothing outstanding; such a round skips the table: the ids
-every rank sent are ready as they are (``_ready_from_cache``).
+Fast rounds: a steady training loop sends only cache ids and leaves nothing outstanding. When the table is empty
+(which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
+with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
+no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
+some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``).
+
+Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
+the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
+between threads. Both run the same deterministic round, so every rank still makes the same sequence of
+collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
+thread unless they cannot take the lock.
 
 Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
@@ -71,7 +82,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.errors import ShutdownError, SparkHvdError, TensorMismatchError
+from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
 from spark_hvd.core.reduce import check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
@@ -158,7 +169,7 @@ class Handle:
         never submit is reported by the engine's stall warnings while this waits.
         """
         if not self._done and self._engine is not None:
-            self._engine.hurry()
+            self._engine.drive(self)
         while not self._done:
             if self._latch.acquire(timeout=0.5):
                 self._latch.release()  # let any other waiter through
@@ -294,6 +305,10 @@ class _ResponseCache:
     def __len__(self) -> int:
         return len(self._by_name)
 
+    def id_count(self) -> int:
+        """How many ids were ever handed out (ids are ``0 .. id_count() - 1``); identical on every rank."""
+        return self._next
+
 
 _BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
 
@@ -341,6 +356,10 @@ class Engine:
         self._shutdown_requested = False
         self._error: BaseException | None = None
         self._stopped = False
+        # Rounds run one at a time, in the engine thread or in a caller waiting on a handle (``drive``).
+        self._round_lock = threading.Lock()
+        self._rounds_done = 0
+        self._finished = False  # a round ended the engine (failure, shutdown): no more rounds
         # State identical on every rank.
         self._pending: dict[str, _Entry] = {}
         self._joined: set[int] = set()
@@ -372,8 +391,12 @@ class Engine:
 
     def enqueue(self, kind: str, buf: np.ndarray | None = None, name: str | None = None, *,
                 op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                bfloat16: bool = False, root: int = 0, splits: Sequence[int] | None = None) -> Handle:
+                bfloat16: bool = False, root: int = 0, splits: Sequence[int] | None = None,
+                start_engine: bool = True) -> Handle:
         """Submit one collective; returns at once with a ``Handle``.
+
+        ``start_engine=False`` (the blocking calls, which wait at once) leaves a sleeping engine thread asleep:
+        the caller's ``wait()`` runs the round itself, and wakes the engine thread only if it cannot.
 
         ``allreduce`` and ``broadcast`` work in place on ``buf`` (C-contiguous and writable); the others read
         ``buf`` and return a new array (``alltoall``: ``(array, recv_splits)``). Ops without a name get
@@ -413,8 +436,10 @@ class Engine:
             self._local[name] = request
             self._outbox.append(request)
             self._last_enqueue = request.enqueued
-            wake, self._sleeping = self._sleeping, False
-        if wake:  # the engine already knows of earlier work: no wake-up (and GIL hand-over) per tensor
+            wake = self._sleeping
+            if start_engine:
+                self._sleeping = False
+        if wake and start_engine:  # the engine knows of earlier work: no wake-up (and GIL hand-over) per tensor
             self._wake.set()
         return handle
 
@@ -449,6 +474,30 @@ class Engine:
             handle = self._join_handle
         self._wake.set()
         return handle
+
+    def drive(self, handle: Handle) -> None:
+        """Run negotiation rounds in the calling thread while ``handle`` waits, instead of handing them over.
+
+        A blocking ``allreduce`` then costs one round and its collective, with no thread hand-off: the caller
+        takes the round lock (only when the engine thread is not in a round itself) and runs the same round the
+        engine thread would, so every rank still runs the same sequence of collectives whichever thread runs
+        them. It goes on while rounds make progress (the peers are submitting too), and leaves the rest to the
+        engine thread's pacing once a round moves nothing (a peer is busy elsewhere), so a wait never spins.
+        """
+        while not handle._done and not self._finished:
+            if not self._round_lock.acquire(blocking=False):
+                break  # the engine thread is in a round: it will answer, or pace the next one
+            try:
+                if self._finished:
+                    break
+                progress = self._guarded_round(in_caller=True)
+            finally:
+                self._round_lock.release()
+            if not progress:
+                break
+        if not handle._done:
+            self.hurry()
+            self._wake.set()  # the engine thread may sleep towards a heartbeat: let it pace the new state
 
     def hurry(self) -> None:
         """A caller is about to wait: start the next round now rather than collecting a cycle's worth more.
@@ -494,20 +543,47 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while True:
+            while not self._finished:
+                seen = self._rounds_done
                 self._wait_for_round()
-                if self._round():
-                    break
-        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ by rank
-            logger.error("rank %d: %s", self.rank, exc)
-            self._fail_all(exc)
-        except BaseException as exc:  # a bug: every waiter must hear of it
-            logger.exception("the spark_hvd engine of rank %d failed", self.rank)
-            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} failed: {exc!r}"))
+                with self._round_lock:
+                    if self._finished:
+                        break
+                    if self._rounds_done != seen:
+                        continue  # a waiting caller ran a round meanwhile: pace again from the new state
+                    self._guarded_round(in_caller=False)
         finally:
             self._stopped = True
             if self.timeline is not None:
                 self.timeline.flush()
+
+    def _guarded_round(self, in_caller: bool) -> bool:
+        """``_round`` under the round lock, turning its failure into the engine's error. True on progress."""
+        try:
+            progress, stop = self._round()
+        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ, a stall
+            logger.error("rank %d: %s", self.rank, exc)
+            self._fail_all(exc)
+            progress, stop = False, True
+        except BaseException as exc:  # a bug, or an interrupt of a caller in the middle of a round
+            if isinstance(exc, Exception):
+                logger.exception("the spark_hvd engine of rank %d failed", self.rank)
+            what = "was interrupted in the middle of a round" if in_caller else "failed"
+            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} {what}: {exc!r}; the ranks "
+                                         "can no longer be kept in step, so spark_hvd stopped"))
+            self._rounds_done += 1
+            self._stop_engine()
+            if in_caller and not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends reach the user
+            return False
+        self._rounds_done += 1
+        if stop:
+            self._stop_engine()
+        return progress
+
+    def _stop_engine(self) -> None:
+        self._finished = True
+        self._wake.set()
 
     def _has_local_work(self) -> bool:
         return bool(self._outbox) or self._shutdown_requested or (
@@ -516,7 +592,7 @@ class Engine:
     def _wait_for_round(self) -> None:
         first_seen: float | None = None
         idle_before = not (self._pending or self._joined)
-        while True:
+        while not self._finished:
             self._wake.clear()
             now = time.perf_counter()
             with self._lock:
@@ -552,8 +628,8 @@ class Engine:
                 return
             self._wake.wait(remaining)
 
-    def _round(self) -> bool:
-        """One negotiation round and the collectives it agrees on. True when the engine must stop."""
+    def _round(self) -> tuple[bool, bool]:
+        """One negotiation round and the collectives it agrees on. Returns (progress, the engine must stop)."""
         start = time.perf_counter()
         self._last_start = start
         with self._lock:
@@ -575,58 +651,130 @@ class Engine:
                 ids.append(cache_id)
         self.stats["cache_hits"] += len(ids)
         self.stats["full_requests"] += len(full)
-        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full]
         first_round = self.stats["rounds"] == 0
+        self.stats["rounds"] += 1
+        ready: list[tuple[_Entry, TensorMismatchError | None]] = []
+        progress = False
+        # The table, the joins and the round count are identical on every rank, so every rank takes the same
+        # branch here; the fast round then tells every rank whether another needs the full one.
+        if not (first_round or self._pending or self._joined):
+            fast = self._fast_round(ids, irregular=bool(full) or join_flag or shutdown_flag)
+            if fast is not None:
+                common, partial = fast
+                get = self._cache.get
+                ready = [(_Entry(*get(cache_id)), None) for cache_id in common]
+                progress = bool(common) or partial
+                if not partial:
+                    self._finish_round(ready, start, progress)
+                    return progress, False
+                # some ids were sent by only some ranks: they become outstanding entries through the full round
+                ids = [cache_id for cache_id in ids if cache_id not in set(common)]
+        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-        payload = json.dumps(fields, separators=(",", ":")).encode()
-        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
-        gathered = self.backend.allgather(message)
-        self.stats["rounds"] += 1
-        messages = self._parse(gathered)
-
-        new_joins: list[int] = []
+        messages = self._gather(fields)
         if first_round:
-            self._check_same_settings([m[4] for m in messages])
-        if not self._pending and not self._joined and not any(m[0] or m[1] or m[3] for m in messages):
-            ready = self._ready_from_cache([m[2] for m in messages])
-            progress = any(m[2] for m in messages)
-        else:
-            shutdown_ranks: list[int] = []
-            progress = False
-            for r, (jf, sf, r_ids, r_full, *_) in enumerate(messages):
-                if sf:
-                    shutdown_ranks.append(r)
-                if jf:
-                    self._joined.add(r)
-                    new_joins.append(r)
-                    progress = True
-                for cache_id in r_ids:
-                    name, meta = self._cache.get(int(cache_id))
-                    self._add(name, r, meta)
-                for item in r_full:
-                    name, meta = Meta.from_wire(item)
-                    self._add(name, r, meta)
-                progress = progress or bool(r_ids) or bool(r_full)
-            if shutdown_ranks:
-                self._stop_for_shutdown(shutdown_ranks)
-                return True
-            ready = self._ready()
-        negotiated = time.perf_counter()
-        if ready:
-            progress = True
-            self._execute(ready, negotiated)
+            self._check_same_settings([m[5] for m in messages])
+        new_joins: list[int] = []
+        shutdown_ranks: list[int] = []
+        expired: set[str] = set()
+        for r, (jf, sf, r_ids, r_full, r_expired, *_) in enumerate(messages):
+            if sf:
+                shutdown_ranks.append(r)
+            if jf:
+                self._joined.add(r)
+                new_joins.append(r)
+                progress = True
+            for cache_id in r_ids:
+                name, meta = self._cache.get(int(cache_id))
+                self._add(name, r, meta)
+            for item in r_full:
+                name, meta = Meta.from_wire(item)
+                self._add(name, r, meta)
+            expired.update(str(name) for name in r_expired)
+            progress = progress or bool(r_ids) or bool(r_full)
+        if shutdown_ranks:
+            self._stop_for_shutdown(shutdown_ranks)
+            return progress, True
+        ready += self._ready()
+        self._finish_round(ready, start, progress)
         if self._joined and len(self._joined) == self.size:
             self._complete_join(max(new_joins) if new_joins else max(self._joined))
+        if expired:
+            self._raise_stall(expired)
+        return progress or bool(ready), False
+
+    def _fast_round(self, ids: list[int], irregular: bool) -> tuple[list[int], bool] | None:
+        """Negotiate response-cache hits with one small allreduce instead of gathering messages.
+
+        Every rank adds a 1 at the position of each cache id it submits (the cache, hence the vector's length,
+        is identical on every rank) and a 1 in front when it has anything else to say (a new tensor, a join, a
+        shutdown). Returns None when some rank did (then every rank goes on to the full round), else the ids
+        every rank submitted, in id order, and whether some ids were submitted by only some ranks.
+        """
+        vec = np.zeros(1 + self._cache.id_count(), np.int32)
+        if irregular:
+            vec[0] = 1
+        elif ids:
+            vec[1 + np.asarray(ids)] = 1
+        self.backend.allreduce(vec, ReduceOp.SUM)
+        self.stats["fast_rounds"] += 1
+        if vec[0]:
+            return None
+        counts = vec[1:]
+        common = np.flatnonzero(counts == self.size).tolist()
+        return common, len(common) < np.count_nonzero(counts)
+
+    def _gather(self, fields: list[Any]) -> list[list]:
+        payload = json.dumps(fields, separators=(",", ":")).encode()
+        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
+        return self._parse(self.backend.allgather(message))
+
+    def _finish_round(self, ready: list[tuple[_Entry, TensorMismatchError | None]], start: float,
+                      progress: bool) -> None:
+        if ready:
+            progress = True
+            self._execute(ready, time.perf_counter())
         self._check_stalls()
         if progress:
             self._idle_rounds = 0
             self._progress_at = time.perf_counter()
         else:
             self._idle_rounds += 1
-        if self.timeline is not None and (progress or ready):
+        if self.timeline is not None and progress:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
-        return False
+
+    def _expired_names(self) -> list[str]:
+        """Outstanding tensors older than the stall-shutdown time by this rank's clock (at most 5, oldest first).
+
+        Each rank reports its own; every rank acts on the union in the same round, so all raise together.
+        """
+        limit = self.settings.stall_shutdown_time_s
+        if not self._pending or limit <= 0:
+            return []
+        now = time.monotonic()
+        old = sorted((e.created, e.name) for e in self._pending.values() if now - e.created >= limit)
+        return [name for _, name in old[:5]]
+
+    def _raise_stall(self, names: set[str]) -> None:
+        """Stop the job on every rank with an error naming the stalled tensors and the ranks that lack them."""
+        entries = sorted((e for n, e in self._pending.items() if n in names), key=lambda e: (e.created, e.name))
+        if not entries:  # they completed in this very round
+            return
+        now = time.monotonic()
+
+        def missing(entry: _Entry) -> list[int]:
+            return [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
+
+        first = entries[0]
+        text = (f"stall: tensor '{first.name}' was submitted by ranks {sorted(first.metas)} "
+                f"{now - first.created:.0f} s ago but ranks {missing(first)} never submitted it within "
+                "SPARK_HVD_STALL_SHUTDOWN_TIME="
+                f"{self.settings.stall_shutdown_time_s:g} s, so spark_hvd stopped the job on every rank; one of "
+                "them may be stuck or running a different code path")
+        if len(entries) > 1:
+            text += "; also stalled: " + ", ".join(f"'{e.name}' (missing ranks {missing(e)})" for e in entries[1:])
+        raise StallError(text, name=first.name, ranks=missing(first))
 
     def _check_same_settings(self, configs: list[list[int]]) -> None:
         if all(c == configs[0] for c in configs):
@@ -647,28 +795,6 @@ class Engine:
             messages.append(json.loads(data[offset:offset + length]))
             offset += length
         return messages
-
-    def _ready_from_cache(self, id_lists: list[list[int]]) -> list[tuple[_Entry, TensorMismatchError | None]]:
-        """The steady state of a training loop: nothing outstanding, no joins, only response-cache ids sent.
-
-        An id names one (name, metadata) pair on every rank, so the ids that every rank sent are ready without
-        comparing metadata, in rank 0's order (the order the general path gives them too); the rest become
-        outstanding entries as usual.
-        """
-        common = set(id_lists[0]).intersection(*id_lists[1:])
-        get = self._cache.get
-        ready = []
-        for cache_id in id_lists[0]:
-            if cache_id in common:
-                name, meta = get(cache_id)
-                ready.append((_Entry(name, meta), None))
-        if len(ready) < max(len(ids) for ids in id_lists):
-            for r, ids in enumerate(id_lists):
-                for cache_id in ids:
-                    if cache_id not in common:
-                        name, meta = get(cache_id)
-                        self._add(name, r, meta)
-        return ready
 
     def _add(self, name: str, rank: int, meta: Meta) -> None:
         entry = self._pending.get(name)
