@@ -99,6 +99,25 @@ _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a pe
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
 _DIRECT_BYTES = 4 * 1024 * 1024
+_SPEC_BYTES = 64 * 1024  # rounds of at most this many bytes are run speculatively (one collective, see _Spec)
+
+
+class _Spec(NamedTuple):
+    """A round every rank expects to repeat: the same cache ids, one small float SUM/AVERAGE group.
+
+    Armed (identically on every rank) after two consecutive clean fast rounds that agreed on these ids. The next
+    round is then a single allreduce of ``[flag, tensors...]``: every rank whose submissions are exactly ``ids``
+    packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the packed part
+    is the answer (negotiation and data in one collective); otherwise every rank drops it, disarms, and negotiates
+    the round as usual, having spent one small collective.
+    """
+
+    ids: tuple[int, ...]
+    dtype: np.dtype
+    op: ReduceOp
+    prescale: float
+    postscale: float
+    count: int
 
 
 class Meta(NamedTuple):
@@ -379,6 +398,8 @@ class Engine:
         self._backend_fuses = backend.fuses_in_place
         self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
+        self._spec: _Spec | None = None  # identical on every rank
+        self._last_common: list[int] = []
         self.timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -641,6 +662,7 @@ class Engine:
             shutdown_flag = self._shutdown_requested
         ids: list[int] = []
         full: list[list] = []
+        by_id: dict[int, _Request] = {}
         for request in outgoing:
             request.taken = start
             request.sent = True
@@ -649,6 +671,7 @@ class Engine:
                 full.append(request.meta.to_wire(request.name))
             else:
                 ids.append(cache_id)
+                by_id[cache_id] = request
         self.stats["cache_hits"] += len(ids)
         self.stats["full_requests"] += len(full)
         first_round = self.stats["rounds"] == 0
@@ -658,17 +681,25 @@ class Engine:
         # The table, the joins and the round count are identical on every rank, so every rank takes the same
         # branch here; the fast round then tells every rank whether another needs the full one.
         if not (first_round or self._pending or self._joined):
-            fast = self._fast_round(ids, irregular=bool(full) or join_flag or shutdown_flag)
+            irregular = bool(full) or join_flag or shutdown_flag
+            if self._spec is not None:
+                exact = not irregular and sorted(ids) == list(self._spec.ids)
+                if self._speculative_round(self._spec, by_id if exact else None, start):
+                    return True, False
+                self._spec = None
+            fast = self._fast_round(ids, irregular)
             if fast is not None:
                 common, partial = fast
                 get = self._cache.get
                 ready = [(_Entry(*get(cache_id)), None) for cache_id in common]
                 progress = bool(common) or partial
                 if not partial:
+                    self._arm(common)
                     self._finish_round(ready, start, progress)
                     return progress, False
                 # some ids were sent by only some ranks: they become outstanding entries through the full round
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
+        self._last_common = []
         fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
@@ -724,6 +755,73 @@ class Engine:
         counts = vec[1:]
         common = np.flatnonzero(counts == self.size).tolist()
         return common, len(common) < np.count_nonzero(counts)
+
+    def _arm(self, common: list[int]) -> None:
+        """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
+        previous, self._last_common = self._last_common, common
+        if not common or common != previous:
+            return
+        metas = [self._cache.get(cache_id)[1] for cache_id in common]
+        first = metas[0]
+        dtype = np.dtype(first.dtype)
+        key = (first.dtype, first.op, first.prescale, first.postscale, False)
+        if dtype.kind != "f" or first.op not in ("sum", "average") or any(
+                m.kind != "allreduce" or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
+            return
+        count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
+        if count * dtype.itemsize <= _SPEC_BYTES:
+            self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count)
+
+    def _speculative_round(self, spec: _Spec, mine: dict[int, _Request] | None, start: float) -> bool:
+        """One allreduce of ``[flag, tensors...]`` (see ``_Spec``); True when every rank submitted exactly
+        ``spec.ids`` and the tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
+        staging = self._fusion_buffer(spec.dtype, 1 + spec.count)
+        if mine is None:
+            staging[...] = 0
+        else:
+            staging[0] = 1
+            offset = 1
+            for cache_id in spec.ids:
+                buf = mine[cache_id].buf
+                staging[offset:offset + buf.size] = buf.reshape(-1)
+                offset += buf.size
+            scale_inplace(staging[1:], spec.prescale)
+        t0 = time.perf_counter()
+        try:
+            self.backend.allreduce(staging, spec.op)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        t1 = time.perf_counter()
+        self.stats["speculative_rounds"] += 1
+        agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
+        if not staging[0] > agreed - 0.5 / self.size:  # some rank submitted something else
+            self.stats["speculation_misses"] += 1
+            return False
+        assert mine is not None  # every rank's flag was 1, this one's included
+        scale_inplace(staging[1:], spec.postscale)
+        with self._lock:
+            requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
+        offset = 1
+        for request in requests:
+            buf = request.buf
+            buf.reshape(-1)[...] = staging[offset:offset + buf.size]
+            offset += buf.size
+            self._cache.put(request.name, request.meta)
+            if self.timeline is not None:
+                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(requests), speculative=True)
+        self.stats["allreduce_collectives"] += 1
+        self.stats["allreduce_tensors"] += len(requests)
+        if len(requests) > 1:
+            self.stats["fused_collectives"] += 1
+        self._idle_rounds = 0
+        self._progress_at = t1
+        _finish_all([(request.handle, request.buf) for request in reversed(requests)])
+        if self.timeline is not None:
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
+        return True
 
     def _gather(self, fields: list[Any]) -> list[list]:
         payload = json.dumps(fields, separators=(",", ":")).encode()
