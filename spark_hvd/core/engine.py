@@ -699,7 +699,7 @@ class Engine:
                     return progress, False
                 # some ids were sent by only some ranks: they become outstanding entries through the full round
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
-        self._last_common = []
+        self._spec, self._last_common = None, []  # a full round may change the cache: re-arm from scratch
         fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
@@ -759,6 +759,7 @@ class Engine:
     def _arm(self, common: list[int]) -> None:
         """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
         previous, self._last_common = self._last_common, common
+        self._spec = None
         if not common or common != previous:
             return
         metas = [self._cache.get(cache_id)[1] for cache_id in common]
