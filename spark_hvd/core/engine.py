@@ -63,18 +63,21 @@ outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms whi
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
+
+Why this module is long (~950 lines): a round (pacing, fast, speculative and full negotiation, execution, stalls)
+is one state machine whose state must stay identical on every rank, and splitting it would spread that invariant
+over several files; what it does not own lives beside it (``handle.py``: handles; ``negotiation.py``: metadata,
+the table's entries, the response cache).
 """
 
 from __future__ import annotations
 
-import _thread
-import copy
 import json
 import logging
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -83,15 +86,22 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
+from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
+from spark_hvd.core.negotiation import (
+    CACHEABLE,
+    KINDS,
+    RAGGED,
+    Meta,
+    ResponseCache,
+    TableEntry,
+    reduction_identity,
+)
 from spark_hvd.core.reduce import check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
-_CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
-_RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
 _LEN = struct.Struct("!I")
 _OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
 _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
@@ -120,135 +130,6 @@ class _Spec(NamedTuple):
     count: int
 
 
-class Meta(NamedTuple):
-    """What every rank must agree on for one named tensor."""
-
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    op: str
-    root: int
-    prescale: float
-    postscale: float
-    bfloat16: bool
-
-    def to_wire(self, name: str) -> list:
-        return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,
-                self.bfloat16]
-
-    @classmethod
-    def from_wire(cls, item: list) -> tuple[str, Meta]:
-        name, kind, dtype, shape, op, root, pre, post, bf16 = item
-        return str(name), cls(str(kind), str(dtype), tuple(int(s) for s in shape), str(op), int(root), float(pre),
-                              float(post), bool(bf16))
-
-    def agreement_key(self) -> tuple:
-        if self.kind in _RAGGED:
-            return (self.kind, self.dtype, self.shape[1:], self.bfloat16)
-        return tuple(self)
-
-    def describe(self) -> str:
-        dtype = "bfloat16" if self.bfloat16 else (np.dtype(self.dtype).name if self.dtype else "-")
-        text = f"{self.kind} shape={self.shape} dtype={dtype}"
-        if self.kind in ("allreduce", "reducescatter"):
-            text += f" op={self.op}"
-            if self.prescale != 1.0 or self.postscale != 1.0:
-                text += f" prescale={self.prescale} postscale={self.postscale}"
-        if self.kind == "broadcast":
-            text += f" root={self.root}"
-        return text
-
-
-_FINISH = threading.Lock()  # makes "finish a handle once" atomic between the engine and a shutting-down caller
-
-
-class Handle:
-    """The pending result of one enqueued operation. ``wait()`` returns it or raises the operation's error."""
-
-    __slots__ = ("name", "kind", "_engine", "_latch", "_done", "_result", "_error")
-
-    def __init__(self, name: str, kind: str, engine: Engine | None) -> None:
-        self.name = name
-        self.kind = kind
-        self._engine = engine
-        self._latch = _thread.allocate_lock()  # held until the operation finishes (cheaper than an Event)
-        self._latch.acquire()
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        """True once the operation has finished (successfully or not); never blocks."""
-        return self._done
-
-    def wait(self) -> Any:
-        """Block until the operation finishes; return its result or raise its error.
-
-        The engine bounds every collective by the timeout, so this returns or raises; a tensor that other ranks
-        never submit is reported by the engine's stall warnings while this waits.
-        """
-        if not self._done and self._engine is not None:
-            self._engine.drive(self)
-        while not self._done:
-            if self._latch.acquire(timeout=0.5):
-                self._latch.release()  # let any other waiter through
-                break
-            if self._engine is not None:
-                self._engine.check_alive(self)
-        if self._error is not None:
-            raise _copy_error(self._error)
-        return self._result
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        with _FINISH:
-            if self._done:
-                return
-            self._result = result
-            self._error = error
-            self._done = True
-        self._latch.release()
-
-    def _set_result(self, result: Any) -> None:
-        self._finish(result, None)
-
-    def _set_error(self, error: BaseException) -> None:
-        self._finish(None, error)
-
-
-def _finish_all(results: list[tuple[Handle, Any]]) -> None:
-    """``_set_result`` for many handles under one acquisition of the finish lock."""
-    released = []
-    with _FINISH:
-        for handle, result in results:
-            if not handle._done:
-                handle._result = result
-                handle._done = True
-                released.append(handle._latch)
-    for latch in released:
-        latch.release()
-
-
-class GroupHandle(Handle):
-    """A handle over several handles (grouped allreduce); its result is the list of their results."""
-
-    def __init__(self, name: str, handles: Sequence[Handle]) -> None:
-        super().__init__(name, "grouped_allreduce", None)
-        self.handles = list(handles)
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def wait(self) -> list[Any]:
-        return [h.wait() for h in self.handles]
-
-
-def _copy_error(error: BaseException) -> BaseException:
-    try:
-        return copy.copy(error)
-    except Exception:  # an exception type that cannot be copied: raise the original
-        return error
-
-
 @dataclass
 class _Request:
     """One operation submitted on this rank (local state only)."""
@@ -262,89 +143,6 @@ class _Request:
     enqueued: float
     taken: float = 0.0
     sent: bool = False
-
-
-class _Entry:
-    """One outstanding tensor in the table every rank keeps identical (``meta``: the first rank's)."""
-
-    __slots__ = ("name", "meta", "metas", "created", "warned")
-
-    def __init__(self, name: str, meta: Meta) -> None:
-        self.name = name
-        self.meta = meta
-        self.metas: dict[int, Meta] = {}
-        self.created = time.monotonic()
-        self.warned = 0.0
-
-
-class _ResponseCache:
-    """LRU of agreed metadata by name, with small integer ids; updated identically on every rank."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(int(capacity), 0)
-        self._by_name: OrderedDict[str, tuple[int, Meta]] = OrderedDict()
-        self._by_id: dict[int, tuple[str, Meta]] = {}
-        self._free: list[int] = []
-        self._next = 0
-
-    def lookup(self, name: str, meta: Meta) -> int | None:
-        hit = self._by_name.get(name)
-        if hit is not None and hit[1] == meta:
-            return hit[0]
-        return None
-
-    def get(self, cache_id: int) -> tuple[str, Meta]:
-        try:
-            return self._by_id[cache_id]
-        except KeyError:
-            raise SparkHvdError(f"response cache id {cache_id} is unknown on this rank: the ranks' caches "
-                                "diverged (a bug; please report it)") from None
-
-    def put(self, name: str, meta: Meta) -> None:
-        if self.capacity == 0:
-            return
-        hit = self._by_name.get(name)
-        if hit is not None:
-            if hit[1] == meta:
-                self._by_name.move_to_end(name)
-                return
-            cache_id = hit[0]
-            del self._by_name[name]
-        elif len(self._by_name) >= self.capacity:
-            _, (cache_id, _) = self._by_name.popitem(last=False)
-            del self._by_id[cache_id]
-        elif self._free:
-            cache_id = self._free.pop()
-        else:
-            cache_id = self._next
-            self._next += 1
-        self._by_name[name] = (cache_id, meta)
-        self._by_id[cache_id] = (name, meta)
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-    def id_count(self) -> int:
-        """How many ids were ever handed out (ids are ``0 .. id_count() - 1``); identical on every rank."""
-        return self._next
-
-
-_BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
-
-
-def _identity(shape: tuple[int, ...], dtype: np.dtype, op: str, bfloat16: bool) -> np.ndarray:
-    """What a joined rank contributes to a reduction: the identity of ``op``."""
-    if op in ("sum", "average"):
-        return np.zeros(shape, dtype)
-    if bfloat16:
-        value = {"product": "one", "min": "inf", "max": "-inf"}[op]
-        return np.full(shape, _BF16_BITS[value], np.uint16)
-    if op == "product":
-        return np.ones(shape, dtype)
-    if np.issubdtype(dtype, np.floating):
-        return np.full(shape, np.inf if op == "min" else -np.inf, dtype)
-    info = np.iinfo(dtype)
-    return np.full(shape, info.max if op == "min" else info.min, dtype)
 
 
 class Engine:
@@ -380,9 +178,9 @@ class Engine:
         self._rounds_done = 0
         self._finished = False  # a round ended the engine (failure, shutdown): no more rounds
         # State identical on every rank.
-        self._pending: dict[str, _Entry] = {}
+        self._pending: dict[str, TableEntry] = {}
         self._joined: set[int] = set()
-        self._cache = _ResponseCache(settings.cache_capacity)
+        self._cache = ResponseCache(settings.cache_capacity)
         # Pacing.
         self._cycle = max(settings.cycle_time_ms, 0.0) / 1000.0
         self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
@@ -480,7 +278,7 @@ class Engine:
                 raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
         else:
             buf = np.ascontiguousarray(buf)
-            if kind in _RAGGED and buf.ndim == 0:
+            if kind in RAGGED and buf.ndim == 0:
                 buf = buf.reshape(1)
         return buf
 
@@ -532,7 +330,7 @@ class Engine:
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
-            raise _copy_error(self._error)
+            raise copy_error(self._error)
         if self._shutdown_requested or self._stopped:
             raise ShutdownError(f"the spark_hvd engine of rank {self.rank} has been shut down")
 
@@ -666,7 +464,7 @@ class Engine:
         for request in outgoing:
             request.taken = start
             request.sent = True
-            cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in _CACHEABLE else None
+            cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in CACHEABLE else None
             if cache_id is None:
                 full.append(request.meta.to_wire(request.name))
             else:
@@ -676,7 +474,7 @@ class Engine:
         self.stats["full_requests"] += len(full)
         first_round = self.stats["rounds"] == 0
         self.stats["rounds"] += 1
-        ready: list[tuple[_Entry, TensorMismatchError | None]] = []
+        ready: list[tuple[TableEntry, TensorMismatchError | None]] = []
         progress = False
         # The table, the joins and the round count are identical on every rank, so every rank takes the same
         # branch here; the fast round then tells every rank whether another needs the full one.
@@ -691,7 +489,7 @@ class Engine:
             if fast is not None:
                 common, partial = fast
                 get = self._cache.get
-                ready = [(_Entry(*get(cache_id)), None) for cache_id in common]
+                ready = [(TableEntry(*get(cache_id)), None) for cache_id in common]
                 progress = bool(common) or partial
                 if not partial:
                     self._arm(common)
@@ -819,7 +617,7 @@ class Engine:
             self.stats["fused_collectives"] += 1
         self._idle_rounds = 0
         self._progress_at = t1
-        _finish_all([(request.handle, request.buf) for request in reversed(requests)])
+        finish_all([(request.handle, request.buf) for request in reversed(requests)])
         if self.timeline is not None:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
         return True
@@ -829,7 +627,7 @@ class Engine:
         message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
         return self._parse(self.backend.allgather(message))
 
-    def _finish_round(self, ready: list[tuple[_Entry, TensorMismatchError | None]], start: float,
+    def _finish_round(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], start: float,
                       progress: bool) -> None:
         if ready:
             progress = True
@@ -862,7 +660,7 @@ class Engine:
             return
         now = time.monotonic()
 
-        def missing(entry: _Entry) -> list[int]:
+        def missing(entry: TableEntry) -> list[int]:
             return [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
 
         first = entries[0]
@@ -898,10 +696,10 @@ class Engine:
     def _add(self, name: str, rank: int, meta: Meta) -> None:
         entry = self._pending.get(name)
         if entry is None:
-            entry = self._pending[name] = _Entry(name, meta)
+            entry = self._pending[name] = TableEntry(name, meta)
         entry.metas[rank] = meta
 
-    def _ready(self) -> list[tuple[_Entry, TensorMismatchError | None]]:
+    def _ready(self) -> list[tuple[TableEntry, TensorMismatchError | None]]:
         active = [r for r in range(self.size) if r not in self._joined]
         size = self.size
         joined = bool(self._joined)
@@ -912,7 +710,7 @@ class Engine:
                 ready.append((entry, self._mismatch(entry)))
         return ready
 
-    def _mismatch(self, entry: _Entry) -> TensorMismatchError | None:
+    def _mismatch(self, entry: TableEntry) -> TensorMismatchError | None:
         metas = list(entry.metas.values())
         meta = metas[0]
         same = True
@@ -938,8 +736,8 @@ class Engine:
             f"others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
             name=entry.name, ranks=bad)
 
-    def _execute(self, ready: list[tuple[_Entry, TensorMismatchError | None]], negotiated: float) -> None:
-        groups: dict[tuple, list[tuple[_Entry, _Request | None]]] = {}
+    def _execute(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], negotiated: float) -> None:
+        groups: dict[tuple, list[tuple[TableEntry, _Request | None]]] = {}
         plan: list[tuple[str, Any]] = []
         with self._lock:
             requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
@@ -967,17 +765,17 @@ class Engine:
             else:
                 self._run_one(*item)
 
-    def _run_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
+    def _run_allreduces(self, key: tuple, items: list[tuple[TableEntry, _Request | None]]) -> None:
         dtype = np.dtype(key[0])
         limit = float("inf") if self._backend_fuses else max(int(self.settings.fusion_threshold), 0)
-        chunk: list[tuple[_Entry, _Request | None, np.ndarray]] = []
+        chunk: list[tuple[TableEntry, _Request | None, np.ndarray]] = []
         chunk_bytes = 0
         for entry, request in items:
             meta = entry.meta
             if request is not None:
                 buf = request.buf
             else:
-                buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
             nbytes = buf.nbytes
             self._cache.put(entry.name, meta)
             if nbytes >= self._direct_bytes:
@@ -992,7 +790,7 @@ class Engine:
         if chunk:
             self._allreduce_chunk(key, chunk)
 
-    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[_Entry, _Request | None, np.ndarray]]) -> None:
+    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[TableEntry, _Request | None, np.ndarray]]) -> None:
         dtype_str, op_value, prescale, postscale, bfloat16 = key
         op = ReduceOp(op_value)
         bufs = [buf for _, _, buf in chunk]
@@ -1049,7 +847,7 @@ class Engine:
                                 f"{self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
                                 "stopped") from exc
         # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
-        _finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
+        finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._fusion_buffers.get(dtype.str)
@@ -1057,13 +855,13 @@ class Engine:
             buf = self._fusion_buffers[dtype.str] = np.empty(count, dtype)
         return buf[:count]
 
-    def _run_one(self, entry: _Entry, request: _Request | None) -> None:
+    def _run_one(self, entry: TableEntry, request: _Request | None) -> None:
         meta = entry.meta if request is None else request.meta
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None
         self.stats[f"{kind}_collectives"] += 1
-        if kind in _CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
+        if kind in CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
             self._cache.put(entry.name, entry.meta)
         t0 = time.perf_counter()
         try:
@@ -1088,7 +886,7 @@ class Engine:
                 if request is not None:
                     buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
                 else:
-                    buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                    buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
                 scale_inplace(buf, meta.prescale, meta.bfloat16)
                 result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
                 scale_inplace(result, meta.postscale, meta.bfloat16)
