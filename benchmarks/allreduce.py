@@ -46,7 +46,7 @@ from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
 IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier")
-DEFAULT_IMPLS = ("ring", "gloo", "mpi")
+DEFAULT_IMPLS = ("api", "ring", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
