@@ -13,7 +13,10 @@ import test_engine_scenarios as sc
 from ringutil import run_ranks
 
 import spark_hvd.core as core
+from spark_hvd.core.engine import Engine
+from spark_hvd.core.local_backend import LocalBackend
 from spark_hvd.core.reduce import reference_reduce
+from spark_hvd.core.settings import Settings
 
 ReduceOp = core.ReduceOp
 
@@ -94,3 +97,41 @@ def test_fast_path_matches_numpy_while_ranks_queue_differently(n):
         assert steady["speculative_rounds"] >= 12, steady
         assert steady["allreduce_tensors"] == 24, steady
         assert stats["speculation_misses"] >= 1, stats  # the ranks' different queues were seen and survived
+
+
+class _RecordingBackend(LocalBackend):
+    """A single rank that records which thread ran each collective."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().allreduce(buf, op, bfloat16=bfloat16)
+
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        self.threads.append(threading.current_thread().name)
+        return super().allgather(buf)
+
+
+def test_blocking_calls_run_their_rounds_in_the_calling_thread():
+    backend = _RecordingBackend()
+    engine = Engine(backend, Settings(cycle_time_ms=50))
+    try:
+        deadline = time.monotonic() + 30
+        while engine.stats["rounds"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine thread's start-up round (every rank's first round checks the settings)
+        assert backend.threads == ["spark_hvd-engine-rank0"], backend.threads
+        backend.threads.clear()
+        for i in range(6):
+            buf = np.full(4, float(i))
+            assert engine.enqueue("allreduce", buf, "x", op=ReduceOp.SUM, start_engine=False).wait() is buf
+            assert np.all(buf == i)
+        # no hand-off: every collective ran in this thread. A new name: a flagged fast round, the gather, the data;
+        # two clean fast rounds (fast allreduce + data) arm speculation; then one collective per call
+        assert set(backend.threads) == {threading.current_thread().name}, backend.threads
+        assert len(backend.threads) == 3 + 2 * 2 + 3, backend.threads
+        assert engine.stats["speculative_rounds"] == 3 and engine.stats["rounds"] == 7, engine.stats
+    finally:
+        engine.shutdown()
