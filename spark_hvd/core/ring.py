@@ -45,6 +45,7 @@ from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available,
 from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
+    SUB_CHUNK_MIN_BYTES,
     PeerAbort,
     PeerSocket,
     PeerWatcher,
@@ -335,22 +336,6 @@ class RingBackend(Backend):
         for lo in range(0, n, self._frame):
             peer.recv_data_into(memoryview(into[lo:lo + self._frame]), operation)
 
-    def _recv_reduce(self, src: int, acc: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        """Receive ``acc.size`` elements from ``src`` and reduce them into ``acc`` (frame by frame)."""
-        peer = self.peers[src]
-        raw = acc.view(np.uint8)
-        n = raw.nbytes
-        if not n:
-            return
-        step = n if n <= INLINE_SEND_BYTES else self._frame
-        scratch = self._scratch_bytes(min(n, step))
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            view = scratch[:hi - lo]
-            peer.recv_data_into(memoryview(view), operation)
-            e0, e1 = lo // acc.itemsize, hi // acc.itemsize
-            reduce_into(acc[e0:e1], view.view(acc.dtype), op, bfloat16)
-
     def _small_allgather(self, payload: bytes, operation: str) -> list[bytes]:
         """Every rank's small ``payload`` (< 32 KiB), by rank, over the mesh."""
         for peer in self.peers.values():
@@ -369,35 +354,93 @@ class RingBackend(Backend):
         n, r = len(members), members.index(self.rank)
         return r, n, members[(r + 1) % n], members[(r - 1) % n]
 
+    def _sub_bytes(self, bounds: Sequence[int], itemsize: int) -> int:
+        """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements): the same on every rank."""
+        largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
+        eighth = -(-largest // 8)
+        return max(SUB_CHUNK_MIN_BYTES, min(self._frame, eighth + (-eighth % 64)))
+
+    def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
+              *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
+              average: bool = False) -> None:
+        """Pipelined ring steps on ``flat`` split at ``bounds`` (elements): ``reduce_steps`` reduce-scatter steps,
+        then ``gather_steps`` allgather steps.
+
+        With ``reduce_steps`` > 0, step t sends chunk ``p - t - 1`` and receives chunk ``p - t - 2`` (p: ring
+        position), else (a plain allgather) ``p - t`` and ``p - t - 1``; either way the chunk received at step t
+        is the one sent at step t + 1. Each chunk moves in sub-chunks (one frame each): as soon as a sub-chunk is
+        received (and reduced into place from a preallocated scratch frame) it is queued to the sender thread
+        for the next step, so receiving, reducing and sending overlap, across steps and phases. ``average``
+        divides this rank's chunk by the ring size at the end of the reduce-scatter. Chunks of at most
+        ``INLINE_SEND_BYTES`` go out from this thread (they fit the socket buffers).
+        """
+        p, n, right, left = self._neighbours(members)
+        total = reduce_steps + gather_steps
+        if total == 0 or flat.size == 0:
+            return
+        item = flat.itemsize
+        raw = flat.view(np.uint8)
+        sub = self._sub_bytes(bounds, item)
+        inline = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * item <= INLINE_SEND_BYTES
+        send_peer, recv_peer = self.peers[right], self.peers[left]
+        worker = self._worker
+        assert worker is not None
+        scratch = self._scratch_bytes(sub) if reduce_steps else None
+        shift = 1 if reduce_steps else 0
+
+        def pieces(chunk: int) -> list[tuple[int, int]]:
+            lo, hi = bounds[chunk] * item, bounds[chunk + 1] * item
+            if inline:
+                return [(lo, hi)] if hi > lo else []
+            return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
+
+        def send(lo: int, hi: int) -> None:
+            if inline:
+                send_peer.send_data([memoryview(raw[lo:hi])], operation)
+            else:
+                worker.post(send_peer, [memoryview(raw[lo:hi])], operation)
+
+        for lo, hi in pieces((p - shift) % n):
+            send(lo, hi)
+        for t in range(total):
+            chunk = (p - t - shift - 1) % n
+            forward = t + 1 < total
+            divide = average and t == reduce_steps - 1
+            for lo, hi in pieces(chunk):
+                if t < reduce_steps:
+                    view = scratch[:hi - lo]
+                    recv_peer.recv_data_into(memoryview(view), operation)
+                    part = flat[lo // item:hi // item]
+                    reduce_into(part, view.view(flat.dtype), op, bfloat16)
+                    if divide:
+                        divide_average(part, n, bfloat16)
+                else:
+                    recv_peer.recv_data_into(memoryview(raw[lo:hi]), operation)
+                if forward:
+                    send(lo, hi)
+                if not inline:
+                    worker.check()
+        if not inline:
+            worker.wait(self.timeout_s * 2, operation)
+
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                              operation: str, members: Sequence[int] | None = None) -> None:
         """After N-1 steps the member at ring position p holds the reduction of ``bounds[p]:bounds[p+1]``."""
-        r, n, right, left = self._neighbours(members)
-        for s in range(n - 1):
-            send_c, recv_c = (r - s - 1) % n, (r - s - 2) % n
-            posted = self._post(right, flat[bounds[send_c]:bounds[send_c + 1]].view(np.uint8), operation)
-            self._recv_reduce(left, flat[bounds[recv_c]:bounds[recv_c + 1]], op, bfloat16, operation)
-            self._wait_sent(posted, operation)
+        n = self._neighbours(members)[1]
+        self._ring(flat, bounds, operation, members, reduce_steps=n - 1, op=op, bfloat16=bfloat16)
 
     def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
                         members: Sequence[int] | None = None) -> None:
         """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""
-        r, n, right, left = self._neighbours(members)
-        for s in range(n - 1):
-            send_c, recv_c = (r - s) % n, (r - s - 1) % n
-            posted = self._post(right, raw[bounds[send_c]:bounds[send_c + 1]], operation)
-            self._recv(left, raw[bounds[recv_c]:bounds[recv_c + 1]], operation)
-            self._wait_sent(posted, operation)
+        n = self._neighbours(members)[1]
+        self._ring(raw, bounds, operation, members, gather_steps=n - 1)
 
     def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None = None) -> None:
-        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank)."""
-        r, n, _, _ = self._neighbours(members)
-        bounds = even_bounds(flat.size, n)
-        self._ring_reduce_scatter(flat, bounds, op, bfloat16, operation, members)
-        if op is ReduceOp.AVERAGE:
-            divide_average(flat[bounds[r]:bounds[r + 1]], n, bfloat16)
-        self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation, members)
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined."""
+        n = self._neighbours(members)[1]
+        self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
+                   op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
 
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Allreduce one flat array in place with the best transport."""
