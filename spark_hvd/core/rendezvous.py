@@ -188,28 +188,30 @@ class KVClient:
         host, port = parse_address(address) if isinstance(address, str) else address
         self.address = f"{host}:{port}"
         deadline = time.monotonic() + timeout_s
-        last: OSError | None = None
         delay = 0.02
-        while True:  # the service may still be starting: retry until the timeout
+        while True:  # the service may still be starting, or busy: retry until the timeout
             try:
-                sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as exc:
-                last = exc
+                self._sock = self._connect(host, port, secret, max(0.1, deadline - time.monotonic()))
+                return
+            except (OSError, PeerFailureError) as exc:  # not AuthenticationError: a wrong secret stays wrong
                 if time.monotonic() + delay > deadline:
                     raise PeerFailureError(
-                        f"could not reach the rendezvous service at {self.address} within {timeout_s:.0f}s: {last}",
+                        f"could not reach the rendezvous service at {self.address} within {timeout_s:.0f}s: {exc}",
                         operation="rendezvous") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _connect(self, host: str, port: int, secret: bytes, timeout_s: float) -> FramedSocket:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock = FramedSocket(sock, secret, f"rendezvous service {self.address}")
+        framed = FramedSocket(sock, secret, f"rendezvous service {self.address}")
         try:
-            self._sock.handshake("client", max(1.0, deadline - time.monotonic()))
+            framed.handshake("client", timeout_s)
         except BaseException:
-            self._sock.close()
+            framed.close()
             raise
         sock.settimeout(None)
+        return framed
 
     def _call(self, *request: Any) -> Any:
         self._sock.send_object(request)
