@@ -8,8 +8,9 @@ frame HMAC-authenticated) and then:
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host; ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
-  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, the send of a step overlapped with
-  its receive by a sender thread, reduction in place into the caller's buffer from a preallocated scratch frame);
+  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is
+  received, reduced in place from a preallocated scratch frame and forwarded at once, in one thread over
+  non-blocking sockets);
 * allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
   broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
@@ -50,6 +51,7 @@ from spark_hvd.core.tcp import (
     PeerSocket,
     PeerWatcher,
     ProtocolError,
+    RingExchange,
     SendWorker,
     connect_mesh,
     open_listener,
@@ -369,10 +371,9 @@ class RingBackend(Backend):
         With ``reduce_steps`` > 0, step t sends chunk ``p - t - 1`` and receives chunk ``p - t - 2`` (p: ring
         position), else (a plain allgather) ``p - t`` and ``p - t - 1``; either way the chunk received at step t
         is the one sent at step t + 1. Each chunk moves in sub-chunks (one frame each): as soon as a sub-chunk is
-        received (and reduced into place from a preallocated scratch frame) it is queued to the sender thread
-        for the next step, so receiving, reducing and sending overlap, across steps and phases. ``average``
-        divides this rank's chunk by the ring size at the end of the reduce-scatter. Chunks of at most
-        ``INLINE_SEND_BYTES`` go out from this thread (they fit the socket buffers).
+        received (and reduced into place from a preallocated scratch frame) it is queued for the next step, so
+        receiving, reducing and sending overlap across steps and phases (``RingExchange``, no thread hand-off).
+        ``average`` divides this rank's chunk by the ring size at the end of the reduce-scatter.
         """
         p, n, right, left = self._neighbours(members)
         total = reduce_steps + gather_steps
@@ -381,47 +382,27 @@ class RingBackend(Backend):
         item = flat.itemsize
         raw = flat.view(np.uint8)
         sub = self._sub_bytes(bounds, item)
-        inline = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * item <= INLINE_SEND_BYTES
-        send_peer, recv_peer = self.peers[right], self.peers[left]
-        worker = self._worker
-        assert worker is not None
-        scratch = self._scratch_bytes(sub) if reduce_steps else None
+        scratch = memoryview(self._scratch_bytes(sub)) if reduce_steps else memoryview(b"")
         shift = 1 if reduce_steps else 0
 
         def pieces(chunk: int) -> list[tuple[int, int]]:
             lo, hi = bounds[chunk] * item, bounds[chunk + 1] * item
-            if inline:
-                return [(lo, hi)] if hi > lo else []
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
-        def send(lo: int, hi: int) -> None:
-            if inline:
-                send_peer.send_data([memoryview(raw[lo:hi])], operation)
-            else:
-                worker.post(send_peer, [memoryview(raw[lo:hi])], operation)
+        plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+        receives = [scratch[:hi - lo] if t < reduce_steps else memoryview(raw[lo:hi]) for t, lo, hi in plan]
 
-        for lo, hi in pieces((p - shift) % n):
-            send(lo, hi)
-        for t in range(total):
-            chunk = (p - t - shift - 1) % n
-            forward = t + 1 < total
-            divide = average and t == reduce_steps - 1
-            for lo, hi in pieces(chunk):
-                if t < reduce_steps:
-                    view = scratch[:hi - lo]
-                    recv_peer.recv_data_into(memoryview(view), operation)
-                    part = flat[lo // item:hi // item]
-                    reduce_into(part, view.view(flat.dtype), op, bfloat16)
-                    if divide:
-                        divide_average(part, n, bfloat16)
-                else:
-                    recv_peer.recv_data_into(memoryview(raw[lo:hi]), operation)
-                if forward:
-                    send(lo, hi)
-                if not inline:
-                    worker.check()
-        if not inline:
-            worker.wait(self.timeout_s * 2, operation)
+        def received(i: int) -> memoryview | None:
+            t, lo, hi = plan[i]
+            if t < reduce_steps:
+                part = flat[lo // item:hi // item]
+                reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
+                if average and t == reduce_steps - 1:
+                    divide_average(part, n, bfloat16)
+            return memoryview(raw[lo:hi]) if t + 1 < total else None
+
+        first = [memoryview(raw[lo:hi]) for lo, hi in pieces((p - shift) % n)]
+        RingExchange(self.peers[right], self.peers[left], operation).run(first, receives, received)
 
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                              operation: str, members: Sequence[int] | None = None) -> None:

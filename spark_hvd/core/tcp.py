@@ -15,6 +15,7 @@ an unexpected rank is dropped and logged.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import select
@@ -22,7 +23,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
 from spark_hvd.core.listener import HANDSHAKE_TIMEOUT_S, Listener
@@ -142,6 +143,12 @@ class PeerSocket(FramedSocket):
         return payload
 
     # -- sending ---------------------------------------------------------------------------------------------
+    def data_header(self, payload: memoryview) -> bytes:
+        """Header and type byte of the next DATA frame carrying ``payload`` (advances the send counter)."""
+        direction = self._sending()
+        length = payload.nbytes + 1
+        return _LENGTH.pack(length) + direction.tag(length, (DATA, payload), True) + DATA
+
     def send_data(self, parts: Sequence[memoryview | bytes], operation: str, kind: bytes = DATA) -> None:
         """Send one frame of type ``kind`` made of ``parts``."""
         with self.send_lock:
@@ -250,6 +257,131 @@ class PeerSocket(FramedSocket):
                 pass
 
 
+class RingExchange:
+    """Streams DATA frames to one neighbour and from another in the calling thread (non-blocking sockets, poll).
+
+    A ring step's receive, reduce and send overlap without thread hand-offs: while a frame is being received the
+    kernel drains the frames already handed to the outgoing socket, and each frame is verified, used and (if the
+    ring forwards it) queued for sending as soon as it is complete. ``run`` returns when every expected frame
+    arrived and every queued frame left; nothing waits longer than ``timeout_s`` without progress.
+    """
+
+    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str) -> None:
+        self.send_peer, self.recv_peer, self.operation = send_peer, recv_peer, operation
+        self.timeout_s = max(send_peer.timeout_s, recv_peer.timeout_s)
+
+    def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
+            on_received: Callable[[int], memoryview | None]) -> None:
+        """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
+        view to send next."""
+        out, recv, op = self.send_peer, self.recv_peer, self.operation
+        queue_out: collections.deque[memoryview] = collections.deque(sends)
+        pending: list[memoryview] = []  # the frame being sent: what is left of [header, payload]
+        head = bytearray(HEADER_SIZE + 1)
+        head_view = memoryview(head)
+        index, got_head, target, target_got = 0, 0, None, 0
+        same = out.sock.fileno() == recv.sock.fileno()
+        last = time.monotonic()
+        with out.send_lock:
+            try:
+                out.sock.settimeout(0.0)
+                recv.sock.settimeout(0.0)
+                while index < len(receives) or pending or queue_out:
+                    progressed = False
+                    # -- send as much as the socket takes
+                    while pending or queue_out:
+                        if not pending:
+                            payload = queue_out.popleft()
+                            pending = [memoryview(out.data_header(payload)), payload]
+                        try:
+                            sent = out.sock.sendmsg(pending)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as exc:
+                            out.send_broken = True
+                            raise out._fail(exc, op) from exc
+                        progressed = True
+                        while sent and pending:
+                            take = min(sent, pending[0].nbytes)
+                            sent -= take
+                            pending[0] = pending[0][take:]
+                            if not pending[0].nbytes:
+                                pending.pop(0)
+                    # -- receive what has arrived
+                    while index < len(receives):
+                        view = head_view[got_head:] if target is None else target[target_got:]
+                        try:
+                            n = recv.sock.recv_into(view)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as exc:
+                            recv.recv_broken = True
+                            raise recv._fail(exc, op) from exc
+                        if n == 0:
+                            recv.recv_broken = True
+                            raise recv._fail(ConnectionError("connection closed by peer"), op)
+                        progressed = True
+                        if target is None:
+                            got_head += n
+                            if got_head < len(head):
+                                continue
+                            target, target_got = self._start_frame(bytes(head), receives[index]), 0
+                            if target.nbytes:
+                                continue
+                        else:
+                            target_got += n
+                            if target_got < target.nbytes:
+                                continue
+                        recv._verify(self._tag, self._length, DATA, target, fast=True)
+                        forward = on_received(index)
+                        if forward is not None:
+                            queue_out.append(forward)
+                        index, got_head, target = index + 1, 0, None
+                    if index == len(receives) and not pending and not queue_out:
+                        break
+                    now = time.monotonic()
+                    if progressed:
+                        last = now
+                        continue
+                    if now - last > self.timeout_s:
+                        waiting = recv if index < len(receives) else out
+                        raise waiting._fail(TimeoutError("no progress"), op)
+                    mask_in = select.POLLIN if index < len(receives) else 0
+                    mask_out = select.POLLOUT if (pending or queue_out) else 0
+                    poll = select.poll()
+                    if same:
+                        poll.register(out.sock, mask_in | mask_out)
+                    else:
+                        if mask_in:
+                            poll.register(recv.sock, mask_in)
+                        if mask_out:
+                            poll.register(out.sock, mask_out)
+                    poll.poll(max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000)))
+            finally:
+                for peer in (out, recv):
+                    try:
+                        peer.sock.settimeout(peer.timeout_s)
+                    except OSError:
+                        pass
+
+    def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
+        """Check a received header against the frame expected next; the view to read its payload into."""
+        recv = self.recv_peer
+        (length,) = _LENGTH.unpack_from(head)
+        self._length, self._tag = length, head[_LENGTH.size:HEADER_SIZE]
+        kind = head[HEADER_SIZE:]
+        if kind != DATA:  # an ABORT (or a stray control frame): read it whole, blocking
+            recv.sock.settimeout(recv.timeout_s)
+            recv._control(length, self._tag, kind, self.operation)  # raises PeerAbort for an ABORT
+            raise ProtocolError(f"{self.operation}: unexpected control frame from rank {recv.rank}")
+        if length - 1 != into.nbytes:
+            recv.recv_broken = True
+            raise ProtocolError(
+                f"{self.operation}: rank {recv.rank} sent {length - 1} bytes where {into.nbytes} were expected; "
+                "the ranks called collectives in different orders or with different shapes")
+        return into
+
+
 class PeerWatcher:
     """Checks many peer sockets at once for EOF / ABORT frames (one ``poll`` system call)."""
 
@@ -331,6 +463,7 @@ def open_listener(host: str) -> socket.socket:
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
 
 
 def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],

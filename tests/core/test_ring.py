@@ -154,7 +154,7 @@ def test_collectives_match_numpy(n, shm):
     assert shm_leftovers(job_id) == []
 
 
-@pytest.mark.parametrize("hosts", ["abb"])
+@pytest.mark.parametrize("hosts", ["abb", "aabb"])
 def test_hierarchical_across_faked_hosts(hosts):
     # ranks grouped on "hosts" by faked host identities: shared memory within a host, a TCP ring between hosts
     n = len(hosts)
