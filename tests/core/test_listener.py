@@ -28,8 +28,8 @@ def _closed_by_server(sock: socket.socket, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def _conn_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == "spark-hvd-kv-conn"]
+def _conn_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "spark-hvd-kv-conn" and t not in before]
 
 
 _SERVER = textwrap.dedent("""
@@ -74,6 +74,7 @@ def test_idle_connections_and_no_file_descriptors_left_then_a_client_succeeds():
 
 def test_slow_loris_does_not_hold_the_service():
     secret = make_secret()
+    before = frozenset(_conn_threads())
     with KVStoreServer(secret, handshake_timeout_s=1.0) as server:
         assert server.address is not None
         loris = socket.create_connection(server.address)
@@ -87,9 +88,9 @@ def test_slow_loris_does_not_hold_the_service():
         assert _closed_by_server(loris)  # dropped after the handshake timeout
         client.close()
         deadline = time.monotonic() + 10
-        while _conn_threads() and time.monotonic() < deadline:
+        while _conn_threads(before) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _conn_threads() == []  # every connection's thread ended with it
+        assert _conn_threads(before) == []  # every connection's thread ended with it
         assert server.rejected == 2
         loris.close()
         huge.close()
