@@ -33,8 +33,8 @@ def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
             forged = FramedSocket(socket.create_connection(("127.0.0.1", port), timeout=10), make_secret(), "test")
             with pytest.raises(AuthenticationError):
                 forged.send_object(("hello", "job1", 0, "rank"))
-            assert _wait_for(lambda: service.rejected == 1)
             forged.close()
+            assert _wait_for(lambda: service.rejected == 1)
         assert any("before authentication" in r.getMessage() for r in caplog.records)
         assert service.started == set()
 
