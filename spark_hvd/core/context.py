@@ -240,9 +240,12 @@ def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: s
     return _get("alltoall_async()").engine.enqueue("alltoall", buf, name, splits=splits)
 
 
-def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> Handle:
-    """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more)."""
-    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op)
+def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                        prescale: float = 1.0, postscale: float = 1.0) -> Handle:
+    """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more);
+    ``prescale`` multiplies each rank's input before the reduction, ``postscale`` the result after it."""
+    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op, prescale=prescale,
+                                                        postscale=postscale)
 
 
 def synchronize(handle: Handle) -> Any:
@@ -287,9 +290,10 @@ def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | N
     return alltoall_async(buf, splits, name).wait()
 
 
-def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> np.ndarray:
+def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
     """Blocking ``reducescatter_async``."""
-    return reducescatter_async(buf, op, name).wait()
+    return reducescatter_async(buf, op, name, prescale, postscale).wait()
 
 
 def barrier() -> None:

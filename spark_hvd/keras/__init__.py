@@ -59,16 +59,16 @@ if keras.backend.backend() == "tensorflow":
         reducescatter,
     )
 elif keras.backend.backend() == "torch":  # Keras on torch: the tensors are torch tensors
-    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
-    from spark_hvd.torch.mpi_ops import (  # type: ignore[assignment]
+    from spark_hvd.torch.collectives import (  # type: ignore[assignment]
         allgather,
         allreduce,
         alltoall,
         broadcast,
         grouped_allreduce,
-        init,
         reducescatter,
     )
+    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
+    from spark_hvd.torch.mpi_ops import init  # type: ignore[assignment]
 else:
     raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow and torch backends; this process runs Keras on "
                       f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow)")

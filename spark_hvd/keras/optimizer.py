@@ -48,7 +48,7 @@ class _DistributedOptimizerMixin:
 
             dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
         else:  # torch backend: the gradients are torch tensors
-            from spark_hvd.torch import mpi_ops  # type: ignore[no-redef]
+            from spark_hvd.torch import collectives as mpi_ops  # type: ignore[no-redef]
             from spark_hvd.torch.compression import Compression  # type: ignore[no-redef]
 
             dense = [grads[i] for i in present]

@@ -30,6 +30,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # set by _hvd_setup
     _hvd_groups: list[list[torch.Tensor]]
     _hvd_group_names: list[str]
+    _hvd_sparse_as_dense: bool = False
 
     def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                    compression: type[Compressor], backward_passes_per_step: int, op: ReduceOp,
@@ -134,9 +135,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 # this rank computed no gradient for p (unused in its graph); others may have: send zeros
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif p.grad.is_sparse:
-                raise ValueError(f"parameter {self._hvd_names[id(p)]!r} has a sparse gradient, which "
-                                 "DistributedOptimizer does not reduce; use dense gradients (e.g. "
-                                 "nn.Embedding(..., sparse=False))")
+                if not self._hvd_sparse_as_dense:
+                    raise ValueError(f"parameter {self._hvd_names[id(p)]!r} has a sparse gradient, which "
+                                     "DistributedOptimizer reduces only with sparse_as_dense=True (or use dense "
+                                     "gradients, e.g. nn.Embedding(..., sparse=False))")
+                p.grad = p.grad.to_dense()
             c, ctx = self._hvd_compression.compress(p.grad)
             compressed.append(c)
             ctxs.append(ctx)
@@ -269,7 +272,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             many MiB, as torch DDP does: a step then runs a few large collectives instead of one per tensor, while
             the first buckets still overlap the rest of backward. ``None`` or 0: one allreduce per tensor (left to
             the core's fusion), Horovod's behaviour. Results are identical either way; only timing changes.
-        sparse_as_dense: accepted for Horovod compatibility; sparse gradients are not supported.
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(..., sparse=True)``) into dense ones before the
+            allreduce, as Horovod does (the update then sees a dense gradient); without it a sparse gradient is an
+            error naming the parameter.
 
     Returns:
         an optimizer of a subclass of ``type(optimizer)`` (``isinstance`` checks and ``state_dict`` still work)
@@ -287,6 +292,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     obj.__dict__.update(optimizer.__dict__)
     # no _patch_step_function(): the base class's step is already wrapped with the step hooks, and our step
     # calls it, so the hooks run once, after the gradients were averaged
+    obj._hvd_sparse_as_dense = bool(sparse_as_dense)
     obj._hvd_setup(named_parameters, compression, backward_passes_per_step, rop, gradient_predivide_factor, groups,
                    bucket_cap_mb)
     return obj
