@@ -86,7 +86,8 @@ def _builtin_optimizer_classes() -> list[type]:
 
 def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
                compression: Any = None, op: Any = Average, gradient_predivide_factor: float = 1.0,
-               compile: bool = True, safe_mode: bool = True) -> keras.Model:  # noqa: A002 - Keras's name
+               compile: bool = True, safe_mode: bool = True,  # noqa: A002 - Keras's name
+               average_aggregated_gradients: bool = False) -> keras.Model:
     """Load a saved model (``.keras``) with its optimizer wrapped in :func:`DistributedOptimizer` again.
 
     The optimizer's saved state (iterations, moments) is restored into the wrapped optimizer. Optimizer

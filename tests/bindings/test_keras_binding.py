@@ -22,6 +22,7 @@ CHECKS = [
     "fit_matches_single_process",
     "one_grouped_collective_per_step",
     "backward_passes_per_step_2",
+    "horovod_optimizer_arguments",
     "fp16_compression_loss_within_5pct",
     "broadcast_callback_and_metric_average",
     "broadcast_callback_optimizer_state",

@@ -223,10 +223,36 @@ def _bpps() -> None:
     per = (2 * B) // (2 * N)
     idx = np.concatenate([np.arange(s * 2 * B + (R * 2 + j) * per, s * 2 * B + (R * 2 + j + 1) * per)
                           for s in range(steps) for j in range(2)])
-    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2),
-        x[idx], y[idx], per)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2,
+                                        average_aggregated_gradients=True), x[idx], y[idx], per)
     ref, _ = single_process(x, y, 2 * B)
     assert_same_weights(model, ref)
+    # Horovod's default sums the two passes: the update of the averaged gradient times 2, i.e. SGD at lr 0.2
+    summed = make_model(0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2)
+    fit(summed, opt, x[idx], y[idx], per)
+    ref2 = make_model(0)
+    fit(ref2, keras.optimizers.SGD(0.2, momentum=0.9), x, y, 2 * B)
+    assert_same_weights(summed, ref2)
+    assert int(opt.iterations) == steps, f"iterations counts updates: {int(opt.iterations)} != {steps}"
+
+
+@check("horovod_optimizer_arguments")
+def _opt_args() -> None:
+    # Horovod's positional order (optimizer, name, device_dense, device_sparse, compression, ...) and keywords
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), "dist", "", "", hvd.Compression.none,
+                                   num_groups=2, groups=None, sparse_as_dense=False)
+    assert opt.name == "dist"
+    for kwargs, err in (({"process_set": type("PS", (), {"process_set_id": 1})()}, NotImplementedError),
+                        ({"scale_local_gradients": False}, NotImplementedError),
+                        ({"num_groups": -1}, ValueError), ({"groups": "all"}, ValueError),
+                        ({"no_such_argument": 1}, TypeError)):
+        try:
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+        except err as e:
+            assert next(iter(kwargs)) in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for {kwargs}")
 
 
 @check("fp16_compression_loss_within_5pct")
