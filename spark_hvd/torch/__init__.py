@@ -77,9 +77,11 @@ from spark_hvd.torch.mpi_ops import (
     synchronize,
 )
 from spark_hvd.torch.optimizer import DistributedOptimizer
+from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "SyncBatchNorm",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",

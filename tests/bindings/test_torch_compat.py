@@ -24,6 +24,7 @@ CHECKS = [
     "bad_input_errors_keep_the_engine",
     "sparse_as_dense_matches_single_process",
     "broadcast_optimizer_state_zero_grads",
+    "sync_batch_norm_matches_single_process",
     "build_queries",
     "start_stop_timeline",
 ]

@@ -279,6 +279,39 @@ def _zero_grads() -> None:
     close(b, rnd(220 + R, 4), "no parameter moved")
 
 
+@check("sync_batch_norm_matches_single_process")
+def _sync_bn() -> None:
+    rows = [r + 3 for r in range(N)]  # uneven per-rank batches
+    xs = [rnd(230 + r, rows[r], 3, 4) for r in range(N)]
+    ws = [rnd(240 + r, rows[r], 3, 4) for r in range(N)]
+
+    def bn(cls: type) -> torch.nn.Module:
+        m = cls(3, momentum=0.3).double()
+        with torch.no_grad():
+            m.weight.copy_(torch.from_numpy(rnd(250, 3)))
+            m.bias.copy_(torch.from_numpy(rnd(251, 3)))
+        return m
+
+    sync, ref = bn(hvd.SyncBatchNorm), bn(torch.nn.BatchNorm1d)
+    x = leaf(xs[R])
+    out = sync(x)
+    (out * torch.from_numpy(ws[R])).sum().backward()
+    full = leaf(np.concatenate(xs))
+    ref_out = ref(full)
+    (ref_out * torch.from_numpy(np.concatenate(ws))).sum().backward()  # the sum of every rank's loss
+    start = sum(rows[:R])
+    close(out, ref_out.detach().numpy()[start:start + rows[R]], "output")
+    close(x.grad, full.grad.numpy()[start:start + rows[R]], "input gradient")
+    for name in ("weight", "bias"):
+        local = getattr(sync, name).grad
+        close(hvd.allreduce(local, op=hvd.Sum), getattr(ref, name).grad.numpy(), f"{name} gradient summed")
+    close(sync.running_mean, ref.running_mean.numpy(), "running_mean")
+    close(sync.running_var, ref.running_var.numpy(), "running_var")
+    sync.eval()
+    ref.eval()
+    close(sync(x.detach()), ref(x.detach()).detach().numpy(), "eval mode")
+
+
 # ------------------------------------------------------------------------------------------------- process API
 @check("build_queries")
 def _queries() -> None:
