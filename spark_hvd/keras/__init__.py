@@ -29,22 +29,29 @@ from spark_hvd._binding_common import (
     allgather_object,
     barrier,
     broadcast_object,
+    ccl_built,
     cross_rank,
     cross_size,
+    ddl_built,
     gloo_built,
+    gloo_enabled,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
     local_size,
     mpi_built,
+    mpi_enabled,
     mpi_threads_supported,
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.keras import callbacks
-from spark_hvd.keras.functions import broadcast_variables
+from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
 from spark_hvd.keras.optimizer import DistributedOptimizer, wrap_optimizer_class
 
 if keras.backend.backend() == "tensorflow":
@@ -104,10 +111,21 @@ def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
     return keras.saving.load_model(filepath, custom_objects=objects, compile=compile, safe_mode=safe_mode)
 
 
+def nccl_built() -> int:
+    """Horovod's NCCL version number (see ``spark_hvd.torch.nccl_built``) on the Keras torch backend; 0 on the
+    TensorFlow backend, whose collectives go through the core's host buffers."""
+    if keras.backend.backend() == "torch":
+        from spark_hvd.torch.mpi_ops import nccl_built as torch_nccl_built
+
+        return torch_nccl_built()
+    return 0
+
+
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Max", "Min", "NotInitializedError", "Product", "Sum",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
-    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "gloo_built", "grouped_allreduce", "init",
-    "is_initialized", "join", "load_model", "local_rank", "local_size", "mpi_built", "mpi_threads_supported", "rank",
-    "reducescatter", "shutdown", "size",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
+    "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
+    "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",
+    "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "rank", "reducescatter", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

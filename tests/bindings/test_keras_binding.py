@@ -27,6 +27,7 @@ CHECKS = [
     "broadcast_callback_and_metric_average",
     "broadcast_callback_optimizer_state",
     "lr_warmup",
+    "lr_schedule_best_checkpoint_local_variables",
     "save_and_load_model",
     "join_uneven_batches",
 ]

@@ -315,6 +315,48 @@ def _warmup() -> None:
     assert all(abs(v - 0.4) < 1e-6 for v in seen[8:]), f"LR after warmup: {seen[8:]}"
 
 
+@check("lr_schedule_best_checkpoint_local_variables")
+def _schedule() -> None:
+    x, y = data(B, steps=4)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        epochs=4, callbacks=[hvd.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5 ** e, start_epoch=1,
+                                                                         end_epoch=3), Spy()])
+    want = [0.1] * 4 + [0.2] * 4 + [0.1] * 8  # before start_epoch: unchanged; after end_epoch: left as it was
+    np.testing.assert_allclose(seen, want, rtol=1e-6, err_msg="staircase schedule")
+    seen.clear()
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        epochs=1, callbacks=[hvd.callbacks.LearningRateScheduleCallback(1.0, lambda e: 1 + e, staircase=False),
+                             Spy()])
+    np.testing.assert_allclose(seen, [1.0, 1.25, 1.5, 1.75], rtol=1e-6, err_msg="per-batch schedule")
+    # BestModelCheckpoint keeps improvements only
+    cb = hvd.callbacks.BestModelCheckpoint(monitor="loss")
+    assert cb.save_best_only and cb.monitor == "loss" and isinstance(cb, keras.callbacks.ModelCheckpoint)
+    # local variables are left out of the broadcast
+    model = make_model(500 + R)
+    local = model.layers[1].kernel
+    before = np.asarray(local).copy()
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[local])])
+    np.testing.assert_array_equal(np.asarray(local), before, err_msg="a local variable was broadcast")
+    kernel0 = hvd.broadcast(model.layers[0].kernel.value, 0)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].kernel), np.asarray(kernel0))
+    try:
+        hvd.broadcast_global_variables(0)
+    except NotImplementedError as e:
+        assert "BroadcastGlobalVariablesCallback" in str(e), str(e)
+    else:
+        raise AssertionError("broadcast_global_variables did not raise")
+    assert hvd.nccl_built() == 0 and not hvd.ccl_built() and hvd.gloo_enabled() and not hvd.mpi_enabled()
+
+
 @check("save_and_load_model")
 def _save_load() -> None:
     x, y = data(B)
