@@ -119,11 +119,17 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
 def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size: int | None = None,
          backend: str | Backend | None = None, secret: bytes | str | None = None, settings: Settings | None = None,
          job_id: str | None = None) -> None:
-    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once."""
+    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once,
+    unless the engine has stopped on an error (a peer failed or shut down): then the dead engine is shut down and
+    the rank joins the job again (every rank must call ``init()`` again, as after ``shutdown()``)."""
     global _ctx, _atexit_registered
     with _lock:
         if _ctx is not None:
-            return
+            if _ctx.engine.error is None:
+                return
+            logger.warning("init(): rank %d's engine stopped on an error (%s); joining the job again",
+                           _ctx.backend.rank, _ctx.engine.error)
+            shutdown()
         settings = settings or Settings.from_env()
         be = _make_backend(rendezvous=rendezvous, rank=rank, size=size, backend=backend, secret=secret,
                            settings=settings, job_id=job_id)

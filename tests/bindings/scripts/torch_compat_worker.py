@@ -338,6 +338,25 @@ def _timeline() -> None:
     os.remove(mine)
 
 
+@check("init_after_failure")
+def _reinit() -> None:
+    # the last rank leaves while the others still work: their engines stop on the error; init() on every rank
+    # then gives a working job again
+    if R == N - 1:
+        hvd.shutdown()
+    else:
+        try:
+            hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="orphan"))
+        except Exception as e:  # noqa: BLE001 - any error naming the shutdown
+            assert "shut down" in str(e), str(e)
+        else:
+            raise AssertionError("an allreduce with a rank gone succeeded")
+    hvd.init()
+    assert (hvd.rank(), hvd.size()) == (R, N)
+    close(hvd.allreduce(torch.ones(3, dtype=torch.float64) * (R + 1), op=hvd.Sum), np.full(3, N * (N + 1) / 2),
+          "allreduce after init()")
+
+
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
 with open(os.path.join(out_dir, f"torch-rank{R}.json"), "w") as f:
     json.dump({"rank": R, "size": N, "results": RESULTS}, f)
