@@ -12,9 +12,12 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.errors import NotInitializedError, SparkHvdError
 
 log = logging.getLogger(__name__)
+
+# Horovod's name of the error a failed collective raises (``except hvd.HorovodInternalError``)
+HorovodInternalError = SparkHvdError
 
 # Horovod's names for the reductions: ``hvd.Average``, ``hvd.Sum`` ...
 Average = ReduceOp.AVERAGE

@@ -22,6 +22,7 @@ import keras
 
 from spark_hvd._binding_common import (
     Average,
+    HorovodInternalError,
     Max,
     Min,
     Product,
@@ -122,7 +123,8 @@ def nccl_built() -> int:
 
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "NotInitializedError",
+    "Product", "Sum",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",

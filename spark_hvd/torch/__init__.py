@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from spark_hvd._binding_common import HorovodInternalError
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.torch.collectives import (
     allgather,
@@ -80,7 +81,8 @@ from spark_hvd.torch.optimizer import DistributedOptimizer
 from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError", "Max", "Min",
+    "NotInitializedError", "Product", "Sum",
     "SyncBatchNorm",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
