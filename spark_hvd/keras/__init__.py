@@ -53,7 +53,7 @@ from spark_hvd._binding_common import (
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.keras import callbacks
 from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
-from spark_hvd.keras.optimizer import DistributedOptimizer, wrap_optimizer_class
+from spark_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap_optimizer_class
 
 if keras.backend.backend() == "tensorflow":
     from spark_hvd.keras.compression import Compression
@@ -124,7 +124,7 @@ def nccl_built() -> int:
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "NotInitializedError",
-    "Product", "Sum",
+    "PartialDistributedOptimizer", "Product", "Sum",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",

@@ -32,10 +32,31 @@ class _DistributedOptimizerMixin:
     _hvd_prescale: float = 1.0
     _hvd_postscale: float = 1.0
     _hvd_average_aggregated: bool = False  # backward_passes_per_step > 1: average the passes (True) or sum them
+    _hvd_scale_local: bool = True  # divide the gradients of local variables by size (Horovod's default)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var`` local to each rank (Horovod's): its gradient is not reduced, only divided by ``size``
+        when ``scale_local_gradients`` (the default)."""
+        local = self.__dict__.setdefault("_hvd_local_ids", {})
+        local[id(var)] = var  # the variable itself is kept, so its id stays unique
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        self.__dict__["_hvd_apply_vars"] = list(trainable_variables)  # the variables of _clip_gradients' grads
+        return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
 
     def _clip_gradients(self, grads: Any) -> Any:
         grads = self._hvd_allreduce_gradients(list(grads))
         return super()._clip_gradients(grads)  # type: ignore[misc]
+
+    def _hvd_local_indices(self, count: int) -> set[int]:
+        local = self.__dict__.get("_hvd_local_ids")
+        if not local:
+            return set()
+        variables = self.__dict__.get("_hvd_apply_vars") or []
+        if len(variables) != count:
+            raise RuntimeError(f"DistributedOptimizer with local variables: {count} gradients but "
+                               f"{len(variables)} variables to apply them to")
+        return {i for i, v in enumerate(variables) if id(v) in local}
 
     def _hvd_pass_factor(self) -> float:
         """Keras hands over the *average* of the accumulated passes; Horovod's default sums them."""
@@ -43,10 +64,16 @@ class _DistributedOptimizerMixin:
         return 1.0 if self._hvd_average_aggregated else float(steps)
 
     def _hvd_allreduce_gradients(self, grads: list[Any]) -> list[Any]:
-        if common.core().size() == 1:
+        size = common.core().size()
+        local = self._hvd_local_indices(len(grads))
+        if local:
+            factor = self._hvd_pass_factor() / (size if self._hvd_scale_local else 1)
+            grads = [g * factor if i in local and g is not None and factor != 1.0 else g for i, g in enumerate(grads)]
+        if size == 1:
             factor = self._hvd_pass_factor()
-            return grads if factor == 1.0 else [None if g is None else g * factor for g in grads]
-        present = [i for i, g in enumerate(grads) if g is not None]
+            return [g * factor if i not in local and g is not None and factor != 1.0 else g
+                    for i, g in enumerate(grads)]
+        present = [i for i, g in enumerate(grads) if g is not None and i not in local]
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
@@ -137,7 +164,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
             go out as one grouped collective that the engine fuses, so grouping changes no result; the values are
             checked (``num_groups >= 0``; ``groups`` an int or a list of variable lists) and otherwise unused.
         process_set: only ``None`` or the global set: spark_hvd has no process sets (see the migration guide).
-        scale_local_gradients: only ``True`` (there are no local variables to scale; see the migration guide).
+        scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
+            :func:`PartialDistributedOptimizer`'s ``local_layers``) by ``size`` (True, Horovod's default).
 
     Compile the model with ``jit_compile=False`` on GPU hosts (the collective cannot run inside XLA).
     The new optimizer is built from ``optimizer.get_config()``; a wrapped optimizer that was already built has
@@ -152,9 +180,6 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
     if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
         raise NotImplementedError("DistributedOptimizer(process_set=...): spark_hvd has no process sets; every "
                                   "collective spans the whole job")
-    if not scale_local_gradients:
-        raise NotImplementedError("DistributedOptimizer(scale_local_gradients=False): spark_hvd has no local "
-                                  "(non-reduced) variables to scale")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
@@ -171,6 +196,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
     new = cls.from_config(config)
+    new._hvd_scale_local = bool(scale_local_gradients)
     if optimizer.built:
         variables = list(getattr(optimizer, "_trainable_variables", []))
         if variables:
@@ -181,4 +207,22 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
             else:
                 log.warning("DistributedOptimizer: the wrapped optimizer's state was not copied (its variables "
                             "do not match one to one after changing backward_passes_per_step)")
+    return new
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - Horovod's name
+                                name: str | None = None, local_layers: Any = None,
+                                **kwargs: Any) -> keras.optimizers.Optimizer:
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a layer or a list of layers) keep their variables
+    local to each rank: their gradients are not reduced (Horovod's). Other arguments are
+    :func:`DistributedOptimizer`'s."""
+    new = DistributedOptimizer(optimizer, name=name, **kwargs)
+    layers = [] if local_layers is None else (local_layers if isinstance(local_layers, (list, tuple))
+                                              else [local_layers])
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"PartialDistributedOptimizer: local_layers must hold Keras layers, got "
+                            f"{type(layer).__name__}")
+        for var in layer.trainable_weights:
+            new.register_local_var(var)
     return new

@@ -28,6 +28,7 @@ CHECKS = [
     "broadcast_callback_optimizer_state",
     "lr_warmup",
     "lr_schedule_best_checkpoint_local_variables",
+    "partial_distributed_optimizer",
     "save_and_load_model",
     "join_uneven_batches",
 ]

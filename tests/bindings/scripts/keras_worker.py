@@ -244,7 +244,6 @@ def _opt_args() -> None:
                                    num_groups=2, groups=None, sparse_as_dense=False)
     assert opt.name == "dist"
     for kwargs, err in (({"process_set": type("PS", (), {"process_set_id": 1})()}, NotImplementedError),
-                        ({"scale_local_gradients": False}, NotImplementedError),
                         ({"num_groups": -1}, ValueError), ({"groups": "all"}, ValueError),
                         ({"no_such_argument": 1}, TypeError)):
         try:
@@ -355,6 +354,24 @@ def _schedule() -> None:
     else:
         raise AssertionError("broadcast_global_variables did not raise")
     assert hvd.nccl_built() == 0 and not hvd.ccl_built() and hvd.gloo_enabled() and not hvd.mpi_enabled()
+
+
+@check("partial_distributed_optimizer")
+def _partial() -> None:
+    x, y = data(B, steps=1, seed=600 + R)  # one step on different data per rank
+    model = make_model(0)
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[model.layers[1]])
+    fit(model, opt, x, y, B)
+    # the reduced layer is the same everywhere; the local one moved by lr * (own gradient) / size (Horovod's
+    # scale_local_gradients), i.e. as a plain SGD(0.1 / size) step on this rank's data
+    gathered0 = hvd.allgather(np.asarray(model.layers[0].kernel)[None]).numpy()
+    assert all(np.array_equal(k, gathered0[0]) for k in gathered0)
+    ref = make_model(0)
+    fit(ref, keras.optimizers.SGD(0.1 / N), x, y, B)
+    for a, b in zip(model.layers[1].weights, ref.layers[1].weights, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=a.path)
+    kernels = hvd.allgather(np.asarray(model.layers[1].kernel)[None]).numpy()
+    assert N == 1 or not np.array_equal(kernels[0], kernels[1]), "the local layer was reduced"
 
 
 @check("save_and_load_model")
