@@ -116,7 +116,7 @@ def nccl_built() -> int:
     """Horovod's NCCL version number (see ``spark_hvd.torch.nccl_built``) on the Keras torch backend; 0 on the
     TensorFlow backend, whose collectives go through the core's host buffers."""
     if keras.backend.backend() == "torch":
-        from spark_hvd.torch.mpi_ops import nccl_built as torch_nccl_built
+        from spark_hvd.torch.build import nccl_built as torch_nccl_built
 
         return torch_nccl_built()
     return 0

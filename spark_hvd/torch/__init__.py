@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from spark_hvd._binding_common import HorovodInternalError
 from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.torch.build import cuda_built, nccl_built, rocm_built
 from spark_hvd.torch.collectives import (
     allgather,
     allreduce,
@@ -47,7 +48,6 @@ from spark_hvd.torch.mpi_ops import (
     ccl_built,
     cross_rank,
     cross_size,
-    cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
@@ -65,11 +65,9 @@ from spark_hvd.torch.mpi_ops import (
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
-    nccl_built,
     poll,
     rank,
     reducescatter_async,
-    rocm_built,
     shutdown,
     size,
     sparse_allreduce_async,
