@@ -154,6 +154,10 @@ class Handle:
             self._core_handle = None
         return self._result
 
+    def __call__(self) -> Any:
+        """The result, as :meth:`wait` (Horovod's ``sparse_allreduce_async`` hands out a callable)."""
+        return self.wait()
+
     def __repr__(self) -> str:
         return f"Handle(name={self._name!r}, done={self._done})"
 

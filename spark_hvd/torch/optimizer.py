@@ -97,7 +97,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_names = name_of
         self._hvd_delay = {id(p): backward_passes_per_step for p in self._hvd_requires_update}
         self._hvd_ready: dict[int, set[int]] = {}
-        self._hvd_handles: dict[int, tuple[mpi_ops.Handle, list[Any]]] = {}
+        self._hvd_handles: dict[int, tuple[mpi_ops.Handle, list[torch.Tensor], list[Any]]] = {}
+        self._hvd_sparse: dict[int, tuple[torch.Tensor, mpi_ops.Handle]] = {}  # sparse gradients in flight
+        self._parameter_names = {p: name_of[id(p)] for p in all_params}  # Horovod's attribute
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
         self._hvd_hook_handles = []
@@ -127,20 +129,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._hvd_submit(gi)
 
     def _hvd_submit(self, gi: int) -> None:
-        params = self._hvd_groups[gi]
+        params: list[torch.Tensor] = []
         compressed: list[torch.Tensor] = []
         ctxs: list[Any] = []
-        for p in params:
+        for p in self._hvd_groups[gi]:
             if p.grad is None:
                 # this rank computed no gradient for p (unused in its graph); others may have: send zeros
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif p.grad.is_sparse:
-                if not self._hvd_sparse_as_dense:
-                    raise ValueError(f"parameter {self._hvd_names[id(p)]!r} has a sparse gradient, which "
-                                     "DistributedOptimizer reduces only with sparse_as_dense=True (or use dense "
-                                     "gradients, e.g. nn.Embedding(..., sparse=False))")
+                if not self._hvd_sparse_as_dense:  # Horovod's sparse allreduce: gather indices and values
+                    self._hvd_sparse[id(p)] = (p, mpi_ops.sparse_allreduce_async(
+                        p.grad, name=f"grad.sparse.{self._hvd_names[id(p)]}", op=self._hvd_op))
+                    continue
                 p.grad = p.grad.to_dense()
             c, ctx = self._hvd_compression.compress(p.grad)
+            params.append(p)
             compressed.append(c)
             ctxs.append(ctx)
         name = self._hvd_group_names[gi]
@@ -151,20 +154,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             h = mpi_ops.grouped_allreduce_async_(compressed, name=name, op=self._hvd_op,
                                                  prescale_factor=self._hvd_prescale,
                                                  postscale_factor=self._hvd_postscale)
-        self._hvd_handles[gi] = (h, ctxs)
+        self._hvd_handles[gi] = (h, params, ctxs)
 
     def _hvd_wait_all(self, apply: bool) -> None:
-        for gi, (h, ctxs) in list(self._hvd_handles.items()):
+        for h, params, ctxs in list(self._hvd_handles.values()):
             out = mpi_ops.synchronize(h)
             if not apply:
                 continue
             outs = out if isinstance(out, list) else [out]
-            for p, o, ctx in zip(self._hvd_groups[gi], outs, ctxs, strict=True):
+            for p, o, ctx in zip(params, outs, ctxs, strict=True):
                 d = self._hvd_compression.decompress(o, ctx)
                 if d is not p.grad:
                     with torch.no_grad():
                         p.grad.copy_(d)
+        for p, h in list(self._hvd_sparse.values()):
+            reduced = mpi_ops.synchronize(h)
+            if apply:
+                p.grad = reduced
         self._hvd_handles.clear()
+        self._hvd_sparse.clear()
         self._hvd_ready.clear()
         for pid in self._hvd_delay:
             self._hvd_delay[pid] = self.backward_passes_per_step
@@ -273,8 +281,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             the first buckets still overlap the rest of backward. ``None`` or 0: one allreduce per tensor (left to
             the core's fusion), Horovod's behaviour. Results are identical either way; only timing changes.
         sparse_as_dense: turn sparse gradients (``nn.Embedding(..., sparse=True)``) into dense ones before the
-            allreduce, as Horovod does (the update then sees a dense gradient); without it a sparse gradient is an
-            error naming the parameter.
+            allreduce (the update then sees a dense gradient); without it a sparse gradient goes through
+            :func:`sparse_allreduce_async` (every rank's indices and values gathered) and stays sparse, as in Horovod.
 
     Returns:
         an optimizer of a subclass of ``type(optimizer)`` (``isinstance`` checks and ``state_dict`` still work)

@@ -22,7 +22,7 @@ CHECKS = [
     "grouped_async_and_scaled_values",
     "sparse_allreduce_async",
     "bad_input_errors_keep_the_engine",
-    "sparse_as_dense_matches_single_process",
+    "sparse_gradients_match_single_process",
     "broadcast_optimizer_state_zero_grads",
     "sync_batch_norm_matches_single_process",
     "build_queries",
