@@ -99,6 +99,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_ready: dict[int, set[int]] = {}
         self._hvd_handles: dict[int, tuple[mpi_ops.Handle, list[torch.Tensor], list[Any]]] = {}
         self._hvd_sparse: dict[int, tuple[torch.Tensor, mpi_ops.Handle]] = {}  # sparse gradients in flight
+        self._hvd_densified: set[int] = set()  # sparse gradients sent dense (sparse_as_dense)
         self._parameter_names = {p: name_of[id(p)] for p in all_params}  # Horovod's attribute
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
@@ -142,6 +143,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad, name=f"grad.sparse.{self._hvd_names[id(p)]}", op=self._hvd_op))
                     continue
                 p.grad = p.grad.to_dense()
+                self._hvd_densified.add(id(p))  # back to sparse before the update, as Horovod does
             c, ctx = self._hvd_compression.compress(p.grad)
             params.append(p)
             compressed.append(c)
@@ -167,12 +169,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if d is not p.grad:
                     with torch.no_grad():
                         p.grad.copy_(d)
+                if id(p) in self._hvd_densified:
+                    p.grad = p.grad.to_sparse()
         for p, h in list(self._hvd_sparse.values()):
             reduced = mpi_ops.synchronize(h)
             if apply:
                 p.grad = reduced
         self._hvd_handles.clear()
         self._hvd_sparse.clear()
+        self._hvd_densified.clear()
         self._hvd_ready.clear()
         for pid in self._hvd_delay:
             self._hvd_delay[pid] = self.backward_passes_per_step
@@ -280,8 +285,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             many MiB, as torch DDP does: a step then runs a few large collectives instead of one per tensor, while
             the first buckets still overlap the rest of backward. ``None`` or 0: one allreduce per tensor (left to
             the core's fusion), Horovod's behaviour. Results are identical either way; only timing changes.
-        sparse_as_dense: turn sparse gradients (``nn.Embedding(..., sparse=True)``) into dense ones before the
-            allreduce (the update then sees a dense gradient); without it a sparse gradient goes through
+        sparse_as_dense: send sparse gradients (``nn.Embedding(..., sparse=True)``) as dense tensors in the
+            allreduce, and make them sparse again for the update (Horovod's); without it a sparse gradient goes through
             :func:`sparse_allreduce_async` (every rank's indices and values gathered) and stays sparse, as in Horovod.
 
     Returns:
