@@ -12,9 +12,12 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.errors import NotInitializedError, SparkHvdError
 
 log = logging.getLogger(__name__)
+
+# Horovod's name of the error a failed collective raises (``except hvd.HorovodInternalError``)
+HorovodInternalError = SparkHvdError
 
 # Horovod's names for the reductions: ``hvd.Average``, ``hvd.Sum`` ...
 Average = ReduceOp.AVERAGE
@@ -107,6 +110,31 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return core().allgather_object(obj, name=name)
 
 
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing the engine's Chrome-trace timeline to ``file_path`` (rank 0 only, unless the path holds
+    ``{rank}``), replacing any timeline being written. Call it on every rank. ``mark_cycles`` is accepted for
+    Horovod compatibility; the engine's ``ROUND`` events mark its cycles always. The activity names are
+    spark_hvd's (see ``spark_hvd.core.timeline``), not Horovod's."""
+    require_init("start_timeline()")
+    from spark_hvd.core.timeline import Timeline, timeline_path
+
+    if not file_path or file_path == "DYNAMIC":
+        raise ValueError(f"start_timeline needs a file path, got {file_path!r}")
+    engine = core().get_engine()
+    path = timeline_path(file_path, rank())
+    old, engine.timeline = engine.timeline, (Timeline(path, rank()) if path else None)
+    if old is not None:
+        old.close()  # the engine thread may still hold it: a closed timeline ignores events
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline started by :func:`start_timeline` (or ``HOROVOD_TIMELINE``) and close it."""
+    require_init("stop_timeline()")
+    timeline = core().get_engine().timeline
+    if timeline is not None:
+        timeline.close()  # left in place, closed: the engine thread may be about to record an event on it
+
+
 def mpi_threads_supported() -> bool:
     """Horovod compatibility: spark_hvd does not run user code on MPI threads."""
     return False
@@ -122,6 +150,32 @@ def mpi_built() -> bool:
 def gloo_built() -> bool:
     """Horovod compatibility: the built-in TCP ring plays gloo's part and is always there."""
     return True
+
+
+def mpi_enabled() -> bool:
+    """True when this job runs on the MPI backend (launched by ``mpirun``)."""
+    return is_initialized() and core().backend_name() == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """True when this job runs on spark_hvd's own TCP ring, which plays gloo's part (Horovod's meaning: not MPI)."""
+    return is_initialized() and core().backend_name() in ("ring", "local")
+
+
+def ccl_built() -> bool:
+    """Horovod compatibility: there is no oneCCL support."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Horovod compatibility: there is no IBM DDL support."""
+    return False
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks."""
+    require_init("is_homogeneous()")
+    return size() == local_size() * cross_size()
 
 
 def resolve_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:

@@ -119,11 +119,17 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
 def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size: int | None = None,
          backend: str | Backend | None = None, secret: bytes | str | None = None, settings: Settings | None = None,
          job_id: str | None = None) -> None:
-    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once."""
+    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once,
+    unless the engine has stopped on an error (a peer failed or shut down): then the dead engine is shut down and
+    the rank joins the job again (every rank must call ``init()`` again, as after ``shutdown()``)."""
     global _ctx, _atexit_registered
     with _lock:
         if _ctx is not None:
-            return
+            if _ctx.engine.error is None:
+                return
+            logger.warning("init(): rank %d's engine stopped on an error (%s); joining the job again",
+                           _ctx.backend.rank, _ctx.engine.error)
+            shutdown()
         settings = settings or Settings.from_env()
         be = _make_backend(rendezvous=rendezvous, rank=rank, size=size, backend=backend, secret=secret,
                            settings=settings, job_id=job_id)
@@ -240,9 +246,12 @@ def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: s
     return _get("alltoall_async()").engine.enqueue("alltoall", buf, name, splits=splits)
 
 
-def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> Handle:
-    """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more)."""
-    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op)
+def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                        prescale: float = 1.0, postscale: float = 1.0) -> Handle:
+    """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more);
+    ``prescale`` multiplies each rank's input before the reduction, ``postscale`` the result after it."""
+    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op, prescale=prescale,
+                                                        postscale=postscale)
 
 
 def synchronize(handle: Handle) -> Any:
@@ -292,9 +301,10 @@ def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | N
     return alltoall_async(buf, splits, name).wait()
 
 
-def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None) -> np.ndarray:
+def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
     """Blocking ``reducescatter_async``."""
-    return reducescatter_async(buf, op, name).wait()
+    return reducescatter_async(buf, op, name, prescale, postscale).wait()
 
 
 def barrier() -> None:

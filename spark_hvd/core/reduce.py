@@ -82,6 +82,8 @@ def scale_inplace(buf: np.ndarray, factor: float, bfloat16: bool = False) -> Non
         wide = bf16_to_f32(buf)
         np.multiply(wide, np.float32(factor), out=wide)
         f32_to_bf16(wide, buf)
+    elif buf.dtype == np.float16:  # scaled in float32 and rounded once, as Horovod does (not by a float16 factor)
+        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32, casting="unsafe")
     elif buf.dtype.kind == "f":
         np.multiply(buf, buf.dtype.type(factor), out=buf)
     else:

@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 
 def timeline_path(path: str, rank: int) -> str | None:
-    """Where ``rank`` writes its timeline, or ``None`` when it writes none."""
+    """Where ``rank`` writes its timeline, or ``None`` when it writes none (``DYNAMIC``, Horovod's "started later
+    by ``start_timeline()``", writes none at start)."""
+    if path == "DYNAMIC":
+        return None
     if "{rank}" in path:
         return path.replace("{rank}", str(rank))
     return path if rank == 0 else None

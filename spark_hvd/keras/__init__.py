@@ -22,6 +22,7 @@ import keras
 
 from spark_hvd._binding_common import (
     Average,
+    HorovodInternalError,
     Max,
     Min,
     Product,
@@ -29,23 +30,30 @@ from spark_hvd._binding_common import (
     allgather_object,
     barrier,
     broadcast_object,
+    ccl_built,
     cross_rank,
     cross_size,
+    ddl_built,
     gloo_built,
+    gloo_enabled,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
     local_size,
     mpi_built,
+    mpi_enabled,
     mpi_threads_supported,
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.keras import callbacks
-from spark_hvd.keras.functions import broadcast_variables
-from spark_hvd.keras.optimizer import DistributedOptimizer, wrap_optimizer_class
+from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
+from spark_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap_optimizer_class
 
 if keras.backend.backend() == "tensorflow":
     from spark_hvd.keras.compression import Compression
@@ -59,16 +67,16 @@ if keras.backend.backend() == "tensorflow":
         reducescatter,
     )
 elif keras.backend.backend() == "torch":  # Keras on torch: the tensors are torch tensors
-    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
-    from spark_hvd.torch.mpi_ops import (  # type: ignore[assignment]
+    from spark_hvd.torch.collectives import (  # type: ignore[assignment]
         allgather,
         allreduce,
         alltoall,
         broadcast,
         grouped_allreduce,
-        init,
         reducescatter,
     )
+    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
+    from spark_hvd.torch.mpi_ops import init  # type: ignore[assignment]
 else:
     raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow and torch backends; this process runs Keras on "
                       f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow)")
@@ -86,7 +94,8 @@ def _builtin_optimizer_classes() -> list[type]:
 
 def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
                compression: Any = None, op: Any = Average, gradient_predivide_factor: float = 1.0,
-               compile: bool = True, safe_mode: bool = True) -> keras.Model:  # noqa: A002 - Keras's name
+               compile: bool = True, safe_mode: bool = True,  # noqa: A002 - Keras's name
+               average_aggregated_gradients: bool = False) -> keras.Model:
     """Load a saved model (``.keras``) with its optimizer wrapped in :func:`DistributedOptimizer` again.
 
     The optimizer's saved state (iterations, moments) is restored into the wrapped optimizer. Optimizer
@@ -103,10 +112,22 @@ def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
     return keras.saving.load_model(filepath, custom_objects=objects, compile=compile, safe_mode=safe_mode)
 
 
+def nccl_built() -> int:
+    """Horovod's NCCL version number (see ``spark_hvd.torch.nccl_built``) on the Keras torch backend; 0 on the
+    TensorFlow backend, whose collectives go through the core's host buffers."""
+    if keras.backend.backend() == "torch":
+        from spark_hvd.torch.build import nccl_built as torch_nccl_built
+
+        return torch_nccl_built()
+    return 0
+
+
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Max", "Min", "NotInitializedError", "Product", "Sum",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_object",
-    "broadcast_variables", "callbacks", "cross_rank", "cross_size", "gloo_built", "grouped_allreduce", "init",
-    "is_initialized", "join", "load_model", "local_rank", "local_size", "mpi_built", "mpi_threads_supported", "rank",
-    "reducescatter", "shutdown", "size",
+    "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "NotInitializedError",
+    "PartialDistributedOptimizer", "Product", "Sum",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
+    "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
+    "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",
+    "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "rank", "reducescatter", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

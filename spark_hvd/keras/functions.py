@@ -26,3 +26,14 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, prefix: st
     for v, buf, h in zip(variables, bufs, handles, strict=True):
         c.synchronize(h)
         v.assign(buf)
+
+
+def broadcast_global_variables(root_rank: int = 0) -> None:
+    """Horovod's TF1-style broadcast of "all global variables": Keras 3 has no global variable collection.
+
+    Always raises ``NotImplementedError`` naming what to use instead.
+    """
+    raise NotImplementedError(
+        "broadcast_global_variables() needs TensorFlow 1's global variable collection, which Keras 3 does not have; "
+        "use hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in model.fit, or "
+        f"hvd.broadcast_variables(model.variables, root_rank={root_rank})")

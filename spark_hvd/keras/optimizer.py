@@ -31,15 +31,49 @@ class _DistributedOptimizerMixin:
     _hvd_op: ReduceOp = ReduceOp.AVERAGE
     _hvd_prescale: float = 1.0
     _hvd_postscale: float = 1.0
+    _hvd_average_aggregated: bool = False  # backward_passes_per_step > 1: average the passes (True) or sum them
+    _hvd_scale_local: bool = True  # divide the gradients of local variables by size (Horovod's default)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var`` local to each rank (Horovod's): its gradient is not reduced, only divided by ``size``
+        when ``scale_local_gradients`` (the default)."""
+        local = self.__dict__.setdefault("_hvd_local_ids", {})
+        local[id(var)] = var  # the variable itself is kept, so its id stays unique
+
+    def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
+        self.__dict__["_hvd_apply_vars"] = list(trainable_variables)  # the variables of _clip_gradients' grads
+        return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
 
     def _clip_gradients(self, grads: Any) -> Any:
         grads = self._hvd_allreduce_gradients(list(grads))
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
+    def _hvd_local_indices(self, count: int) -> set[int]:
+        local = self.__dict__.get("_hvd_local_ids")
+        if not local:
+            return set()
+        variables = self.__dict__.get("_hvd_apply_vars") or []
+        if len(variables) != count:
+            raise RuntimeError(f"DistributedOptimizer with local variables: {count} gradients but "
+                               f"{len(variables)} variables to apply them to")
+        return {i for i, v in enumerate(variables) if id(v) in local}
+
+    def _hvd_pass_factor(self) -> float:
+        """Keras hands over the *average* of the accumulated passes; Horovod's default sums them."""
+        steps = getattr(self, "gradient_accumulation_steps", None) or 1
+        return 1.0 if self._hvd_average_aggregated else float(steps)
+
     def _hvd_allreduce_gradients(self, grads: list[Any]) -> list[Any]:
-        if common.core().size() == 1:
-            return grads
-        present = [i for i, g in enumerate(grads) if g is not None]
+        size = common.core().size()
+        local = self._hvd_local_indices(len(grads))
+        if local:
+            factor = self._hvd_pass_factor() / (size if self._hvd_scale_local else 1)
+            grads = [g * factor if i in local and g is not None and factor != 1.0 else g for i, g in enumerate(grads)]
+        if size == 1:
+            factor = self._hvd_pass_factor()
+            return [g * factor if i not in local and g is not None and factor != 1.0 else g
+                    for i, g in enumerate(grads)]
+        present = [i for i, g in enumerate(grads) if g is not None and i not in local]
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
@@ -48,13 +82,14 @@ class _DistributedOptimizerMixin:
 
             dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
         else:  # torch backend: the gradients are torch tensors
-            from spark_hvd.torch import mpi_ops  # type: ignore[no-redef]
+            from spark_hvd.torch import collectives as mpi_ops  # type: ignore[no-redef]
             from spark_hvd.torch.compression import Compression  # type: ignore[no-redef]
 
             dense = [grads[i] for i in present]
         reduced = mpi_ops.grouped_allreduce(
             dense, name=f"{self.name}.grads", compression=self._hvd_compression or Compression.none,
-            op=self._hvd_op, prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale)
+            op=self._hvd_op, prescale_factor=self._hvd_prescale,
+            postscale_factor=self._hvd_postscale * self._hvd_pass_factor())
         out = list(grads)
         for i, r in zip(present, reduced, strict=True):
             out[i] = r
@@ -65,7 +100,8 @@ _class_cache: dict[tuple, type] = {}
 
 
 def wrap_optimizer_class(base: type, compression: Any = None,
-                         op: ReduceOp = common.Average, gradient_predivide_factor: float = 1.0) -> type:
+                         op: ReduceOp = common.Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False) -> type:
     """The distributed subclass of Keras optimizer class ``base`` (cached, so equal settings give one class)."""
     if not (isinstance(base, type) and issubclass(base, keras.optimizers.Optimizer)):
         raise TypeError(f"expected a keras.optimizers.Optimizer subclass, got {base!r}")
@@ -75,7 +111,7 @@ def wrap_optimizer_class(base: type, compression: Any = None,
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {rop}")
     prescale, postscale = common.gradient_scales(rop, gradient_predivide_factor)
-    key = (base, compression, rop, prescale, postscale)
+    key = (base, compression, rop, prescale, postscale, bool(average_aggregated_gradients))
     cls = _class_cache.get(key)
     if cls is None:
         cls = type(base.__name__, (_DistributedOptimizerMixin, base), {
@@ -86,6 +122,7 @@ def wrap_optimizer_class(base: type, compression: Any = None,
             "_hvd_op": rop,
             "_hvd_prescale": prescale,
             "_hvd_postscale": postscale,
+            "_hvd_average_aggregated": bool(average_aggregated_gradients),
         })
         _class_cache[key] = cls
     return cls
@@ -93,31 +130,56 @@ def wrap_optimizer_class(base: type, compression: Any = None,
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - Horovod's name
                          name: str | None = None,
+                         device_dense: str = "",
+                         device_sparse: str = "",
                          compression: Any = None,
-                         backward_passes_per_step: int = 1,
-                         op: ReduceOp = common.Average,
-                         gradient_predivide_factor: float = 1.0,
                          sparse_as_dense: bool = True,
-                         **kwargs: Any) -> keras.optimizers.Optimizer:
+                         gradient_predivide_factor: float = 1.0,
+                         op: ReduceOp = common.Average,
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False,
+                         num_groups: int = 0,
+                         groups: Any = None,
+                         process_set: Any = None,
+                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that ``model.fit`` applies gradients averaged over all ranks.
+
+    The arguments are Horovod's, in Horovod's order:
 
     Args:
         optimizer: a ``keras.optimizers.Optimizer`` (Adam, SGD, ... or a subclass of your own).
         name: a name for the new optimizer (default: the wrapped one's).
+        device_dense, device_sparse: Horovod's device placement of the collective ops; no effect here (the
+            collectives run in spark_hvd's engine, GPU tensors through its NCCL backend). Accepted so scripts run.
         compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16`` (send gradients as float16).
-        backward_passes_per_step: accumulate this many batches' gradients locally (their average, Keras's
-            ``gradient_accumulation_steps``) before one allreduce and one update.
-        op: ``Average`` (default) or ``Sum``.
+        sparse_as_dense: sparse gradients (``IndexedSlices``) are always sent dense; ``False`` is accepted too
+            (Horovod would allgather them instead: the update is the same).
         gradient_predivide_factor: divide before the sum and multiply after (Average only).
-        sparse_as_dense: sparse gradients are always sent dense (accepted for Horovod compatibility).
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: accumulate this many batches' gradients locally (Keras's
+            ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts updates.
+        average_aggregated_gradients: with ``backward_passes_per_step > 1``, whether the update uses the average
+            of the accumulated passes (``True``) or their sum (``False``, Horovod's default).
+        num_groups, groups: how Horovod splits the gradients into grouped allreduces. Here every step's gradients
+            go out as one grouped collective that the engine fuses, so grouping changes no result; the values are
+            checked (``num_groups >= 0``; ``groups`` an int or a list of variable lists) and otherwise unused.
+        process_set: only ``None`` or the global set: spark_hvd has no process sets (see the migration guide).
+        scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
+            :func:`PartialDistributedOptimizer`'s ``local_layers``) by ``size`` (True, Horovod's default).
 
     Compile the model with ``jit_compile=False`` on GPU hosts (the collective cannot run inside XLA).
     The new optimizer is built from ``optimizer.get_config()``; a wrapped optimizer that was already built has
     its variables (iterations, moments) copied over.
     """
     common.require_init("DistributedOptimizer()")
-    if kwargs:
-        log.debug("DistributedOptimizer ignores Horovod-only arguments %s", sorted(kwargs))
+    del device_dense, device_sparse, sparse_as_dense  # no effect here (see the docstring)
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+    if groups is not None and not (isinstance(groups, int) and groups > 0) and not isinstance(groups, (list, tuple)):
+        raise ValueError(f"groups must be a positive int or a list of lists of variables, got {groups!r}")
+    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
+        raise NotImplementedError("DistributedOptimizer(process_set=...): spark_hvd has no process sets; every "
+                                  "collective spans the whole job")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
@@ -126,13 +188,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         # whether the collective runs and wait on each other: refuse rather than risk a hang
         raise NotImplementedError("DistributedOptimizer does not support loss scaling (LossScaleOptimizer / the "
                                   "mixed_float16 policy) yet; use float32 or bfloat16 ('mixed_bfloat16')")
-    cls = wrap_optimizer_class(type(optimizer), compression, op, gradient_predivide_factor)
+    cls = wrap_optimizer_class(type(optimizer), compression, op, gradient_predivide_factor,
+                               average_aggregated_gradients)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
     if backward_passes_per_step > 1:
         config["gradient_accumulation_steps"] = backward_passes_per_step
     new = cls.from_config(config)
+    new._hvd_scale_local = bool(scale_local_gradients)
     if optimizer.built:
         variables = list(getattr(optimizer, "_trainable_variables", []))
         if variables:
@@ -143,4 +207,22 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
             else:
                 log.warning("DistributedOptimizer: the wrapped optimizer's state was not copied (its variables "
                             "do not match one to one after changing backward_passes_per_step)")
+    return new
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - Horovod's name
+                                name: str | None = None, local_layers: Any = None,
+                                **kwargs: Any) -> keras.optimizers.Optimizer:
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a layer or a list of layers) keep their variables
+    local to each rank: their gradients are not reduced (Horovod's). Other arguments are
+    :func:`DistributedOptimizer`'s."""
+    new = DistributedOptimizer(optimizer, name=name, **kwargs)
+    layers = [] if local_layers is None else (local_layers if isinstance(local_layers, (list, tuple))
+                                              else [local_layers])
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(f"PartialDistributedOptimizer: local_layers must hold Keras layers, got "
+                            f"{type(layer).__name__}")
+        for var in layer.trainable_weights:
+            new.register_local_var(var)
     return new

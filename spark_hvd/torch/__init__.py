@@ -12,7 +12,19 @@ Example::
 
 from __future__ import annotations
 
+from spark_hvd._binding_common import HorovodInternalError
 from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.torch.build import cuda_built, nccl_built, rocm_built
+from spark_hvd.torch.collectives import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
 from spark_hvd.torch.compression import Compression
 from spark_hvd.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from spark_hvd.torch.mpi_ops import (
@@ -22,53 +34,61 @@ from spark_hvd.torch.mpi_ops import (
     Min,
     Product,
     Sum,
-    allgather,
     allgather_async,
     allgather_object,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     alltoall_async,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    ccl_built,
     cross_rank,
     cross_size,
+    ddl_built,
     gloo_built,
-    grouped_allreduce,
+    gloo_enabled,
+    grouped_allgather_async,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter_async,
     init,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
     local_size,
     mpi_built,
+    mpi_enabled,
     mpi_threads_supported,
-    nccl_built,
     poll,
     rank,
-    reducescatter,
     reducescatter_async,
     shutdown,
     size,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from spark_hvd.torch.optimizer import DistributedOptimizer
+from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "Handle", "Max", "Min", "NotInitializedError", "Product", "Sum",
+    "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError", "Max", "Min",
+    "NotInitializedError", "Product", "Sum",
+    "SyncBatchNorm",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
-    "cross_size", "gloo_built", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
-    "mpi_threads_supported", "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "shutdown", "size",
-    "synchronize",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "rocm_built", "shutdown", "size",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]

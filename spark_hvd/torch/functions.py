@@ -87,6 +87,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     its ``state_dict()`` as an object and the tensors with tensor broadcasts; the other ranks load it.
     """
     common.require_init("broadcast_optimizer_state()")
+    if not optimizer.state_dict()["state"]:
+        # Horovod's visible side effect, which scripts may rely on: a trainable parameter without a gradient gets a
+        # zero one when the optimizer has no state yet (Horovod then takes a step to create the state; here the
+        # state is root's as it is, so no step is taken and no parameter moves)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     is_root = mpi_ops.rank() == root_rank
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None

@@ -23,21 +23,27 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     allgather_object,
     barrier,
     broadcast_object,
+    ccl_built,
     cross_rank,
     cross_size,
+    ddl_built,
     gloo_built,
+    gloo_enabled,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
     local_size,
     mpi_built,
+    mpi_enabled,
     mpi_threads_supported,
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.torch.compression import Compression, Compressor
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +57,6 @@ Product = common.Product
 # --------------------------------------------------------------------------------------------------------------
 # process API
 # --------------------------------------------------------------------------------------------------------------
-
-def nccl_built() -> bool:
-    """True when torch has CUDA and NCCL (the core's torch backend can then use NCCL)."""
-    return bool(torch.cuda.is_available() and torch.distributed.is_available()
-                and torch.distributed.is_nccl_available())
-
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`; none are needed under
@@ -154,6 +154,10 @@ class Handle:
             self._core_handle = None
         return self._result
 
+    def __call__(self) -> Any:
+        """The result, as :meth:`wait` (Horovod's ``sparse_allreduce_async`` hands out a callable)."""
+        return self.wait()
+
     def __repr__(self) -> str:
         return f"Handle(name={self._name!r}, done={self._done})"
 
@@ -209,43 +213,6 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return staged.write_back()
 
 
-class _AllreduceFunction(torch.autograd.Function):
-    """Differentiable allreduce: the gradient of an allreduce is the allreduce of the gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-                postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale))
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
-        if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise RuntimeError("allreduce with op Min/Max/Product is not differentiable")
-        grad = synchronize(allreduce_async(grad_output, op=ctx.op, prescale_factor=ctx.prescale,
-                                           postscale_factor=ctx.postscale))
-        return grad, None, None, None, None
-
-
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks (default: average) and return the result as a new tensor.
-
-    ``compression=Compression.fp16`` sends floating-point data as float16. Differentiable.
-    """
-    common.require_init("allreduce()")
-    rop = common.resolve_op(op, average)
-    compressed, ctx = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled():
-        out = _AllreduceFunction.apply(compressed, name, rop, prescale_factor, postscale_factor)
-    else:
-        out = synchronize(allreduce_async(compressed, name=name, op=rop, prescale_factor=prescale_factor,
-                                          postscale_factor=postscale_factor))
-    return compression.decompress(out, ctx)
-
-
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: ReduceOp | None = None,
                              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
@@ -282,17 +249,6 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    """Reduce several tensors as one collective; returns new tensors."""
-    common.require_init("grouped_allreduce()")
-    pairs = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_allreduce_async([p[0] for p in pairs], average, name, op, prescale_factor,
-                                               postscale_factor))
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs, strict=True)]
-
-
 # --------------------------------------------------------------------------------------------------------------
 # allgather, broadcast, alltoall, reducescatter
 # --------------------------------------------------------------------------------------------------------------
@@ -304,20 +260,46 @@ def _host_array(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     return _np_view(tensor.detach().to("cpu").contiguous())
 
 
+def _allgather_start(tensor: torch.Tensor, name: str | None) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    if tensor.dim() == 0:
+        raise ValueError(f"allgather of {name or 'a tensor'} needs a tensor with at least one dimension, got a 0-d "
+                         "tensor (use tensor.reshape(1))")
+    arr, _ = _host_array(tensor)
+    dtype, device = tensor.dtype, tensor.device
+    return common.core().allgather_async(arr, name=name), lambda res: _from_numpy(res, dtype, device)
+
+
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
     """Start an allgather; :func:`synchronize` returns every rank's tensor concatenated on dimension 0."""
     common.require_init("allgather_async()")
-    if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension")
-    arr, _ = _host_array(tensor)
-    dtype, device = tensor.dtype, tensor.device
-    h = common.core().allgather_async(arr, name=name)
-    return Handle(h, lambda res: _from_numpy(res, dtype, device), name=name)
+    h, finish = _allgather_start(tensor, name)
+    return Handle(h, finish, name=name)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` concatenated on dimension 0 (the first dimension may differ by rank)."""
-    return synchronize(allgather_async(tensor, name))
+def _member_names(name: str | None, count: int) -> list[str | None]:
+    return [None] * count if name is None else [f"{name}.{i}" for i in range(count)]
+
+
+def _grouped(started: list[tuple[Any, Callable[[Any], Any]]], name: str | None,
+             then: Callable[[list[Any]], Any] | None = None) -> Handle:
+    """One handle over several started collectives; its result is the list of their results (``then`` of it)."""
+    from spark_hvd.core.engine import GroupHandle
+
+    group = GroupHandle(name or "group", [h for h, _ in started])
+    finishes = [f for _, f in started]
+
+    def finish(results: list[Any]) -> Any:
+        out = [f(r) for f, r in zip(finishes, results, strict=True)]
+        return then(out) if then is not None else out
+    return Handle(group, finish, name=name)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
+    """Start an allgather of each of ``tensors`` together; :func:`synchronize` returns the list of results."""
+    common.require_init("grouped_allgather_async()")
+    tensors = list(tensors)
+    return _grouped([_allgather_start(t, n) for t, n in zip(tensors, _member_names(name, len(tensors)),
+                                                            strict=True)], name)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
@@ -340,17 +322,20 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """Root's ``tensor``, as a new tensor on every rank."""
-    return synchronize(broadcast_async(tensor, root_rank, name))
-
-
 def _splits_list(splits: Any) -> list[int] | None:
+    """``splits`` as a list of ints; a float tensor or a non-integral number is an error, as in Horovod."""
     if splits is None:
         return None
     if isinstance(splits, torch.Tensor):
-        return [int(x) for x in splits.tolist()]
-    return [int(x) for x in splits]
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise ValueError(f"alltoall splits must be an integer tensor (torch.int32 in Horovod), got {splits.dtype}")
+        return [int(x) for x in splits.reshape(-1).tolist()]
+    out = []
+    for x in splits:
+        if isinstance(x, bool) or not float(x).is_integer():
+            raise ValueError(f"alltoall splits must be integers, got {x!r}")
+        out.append(int(x))
+    return out
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
@@ -366,35 +351,63 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     return Handle(h, finish, name=name)
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
-    """Send ``splits[i]`` rows of ``tensor`` to rank i (an even split when None) and gather what others sent.
-
-    Returns the received rows concatenated in rank order; with ``splits`` given, ``(output, received_splits)``
-    as in Horovod.
-    """
-    out, rsplits = synchronize(alltoall_async(tensor, splits, name))
-    if splits is None:
-        return out
-    return out, rsplits
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                        average: bool | None = None) -> Handle:
-    """Start a reducescatter; :func:`synchronize` returns this rank's part of the reduced tensor."""
-    common.require_init("reducescatter_async()")
-    rop = common.resolve_op(op, average)
+def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+                         postscale: float) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    if tensor.dim() == 0:
+        raise ValueError(f"reducescatter of {name or 'a tensor'} needs a tensor with at least one dimension, got a "
+                         "0-d tensor")
     dtype, device = tensor.dtype, tensor.device
     src = tensor.detach()
     if dtype == torch.bfloat16:
         src = src.float()  # the core's reducescatter has no bfloat16 mode: reduce in float32, round at the end
     arr = _np_view(src.to("cpu").contiguous())[0].copy()  # the core may reduce in place: keep the input intact
     out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    h = common.core().reducescatter_async(arr, op=rop, name=name)
-    return Handle(h, lambda res: _from_numpy(res, out_dtype, device).to(dtype), name=name)
+    h = common.core().reducescatter_async(arr, op=op, name=name, prescale=prescale, postscale=postscale)
+    return h, lambda res: _from_numpy(res, out_dtype, device).to(dtype)
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
-                  average: bool | None = None) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks and return this rank's rows of the result (first dim split evenly,
-    the first ``rows % size`` ranks getting one row more)."""
-    return synchronize(reducescatter_async(tensor, name, op, average))
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                        average: bool | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter; :func:`synchronize` returns this rank's part of the reduced tensor.
+
+    ``prescale_factor`` multiplies every rank's input before the reduction, ``postscale_factor`` the result."""
+    common.require_init("reducescatter_async()")
+    h, finish = _reducescatter_start(tensor, name, common.resolve_op(op, average), prescale_factor,
+                                     postscale_factor)
+    return Handle(h, finish, name=name)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ReduceOp | None = None, average: bool | None = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter of each of ``tensors`` together; :func:`synchronize` returns the list of parts."""
+    common.require_init("grouped_reducescatter_async()")
+    rop = common.resolve_op(op, average)
+    tensors = list(tensors)
+    return _grouped([_reducescatter_start(t, n, rop, prescale_factor, postscale_factor)
+                     for t, n in zip(tensors, _member_names(name, len(tensors)), strict=True)], name)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None) -> Handle:
+    """Start an allreduce of a sparse COO tensor as Horovod does it: every rank's indices and values are
+    allgathered; :func:`synchronize` returns the sparse sum (``Sum``) or average (``Average``, the default),
+    uncoalesced (duplicate indices add up when it is coalesced or used)."""
+    common.require_init("sparse_allreduce_async()")
+    rop = common.resolve_op(op)
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"sparse_allreduce supports op=Average or op=Sum, got {rop}")
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async expects a sparse COO tensor; use allreduce_async for dense ones")
+    t = tensor.detach().coalesce()
+    names = _member_names(name, 2)
+    started = [_allgather_start(t.indices().t().contiguous(), names[0]),
+               _allgather_start(t.values().contiguous(), names[1])]
+    shape, scale = t.shape, (1.0 / common.size() if rop is ReduceOp.AVERAGE else 1.0)
+
+    def to_sparse(results: list[torch.Tensor]) -> torch.Tensor:
+        indices, values = results
+        return torch.sparse_coo_tensor(indices.t(), values * scale if scale != 1.0 else values, shape)
+    return _grouped(started, name, to_sparse)

@@ -30,6 +30,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # set by _hvd_setup
     _hvd_groups: list[list[torch.Tensor]]
     _hvd_group_names: list[str]
+    _hvd_sparse_as_dense: bool = False
 
     def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                    compression: type[Compressor], backward_passes_per_step: int, op: ReduceOp,
@@ -96,7 +97,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_names = name_of
         self._hvd_delay = {id(p): backward_passes_per_step for p in self._hvd_requires_update}
         self._hvd_ready: dict[int, set[int]] = {}
-        self._hvd_handles: dict[int, tuple[mpi_ops.Handle, list[Any]]] = {}
+        self._hvd_handles: dict[int, tuple[mpi_ops.Handle, list[torch.Tensor], list[Any]]] = {}
+        self._hvd_sparse: dict[int, tuple[torch.Tensor, mpi_ops.Handle]] = {}  # sparse gradients in flight
+        self._hvd_densified: set[int] = set()  # sparse gradients sent dense (sparse_as_dense)
+        self._parameter_names = {p: name_of[id(p)] for p in all_params}  # Horovod's attribute
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
         self._hvd_hook_handles = []
@@ -126,18 +130,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._hvd_submit(gi)
 
     def _hvd_submit(self, gi: int) -> None:
-        params = self._hvd_groups[gi]
+        params: list[torch.Tensor] = []
         compressed: list[torch.Tensor] = []
         ctxs: list[Any] = []
-        for p in params:
+        for p in self._hvd_groups[gi]:
             if p.grad is None:
                 # this rank computed no gradient for p (unused in its graph); others may have: send zeros
                 p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
             elif p.grad.is_sparse:
-                raise ValueError(f"parameter {self._hvd_names[id(p)]!r} has a sparse gradient, which "
-                                 "DistributedOptimizer does not reduce; use dense gradients (e.g. "
-                                 "nn.Embedding(..., sparse=False))")
+                if not self._hvd_sparse_as_dense:  # Horovod's sparse allreduce: gather indices and values
+                    self._hvd_sparse[id(p)] = (p, mpi_ops.sparse_allreduce_async(
+                        p.grad, name=f"grad.sparse.{self._hvd_names[id(p)]}", op=self._hvd_op))
+                    continue
+                p.grad = p.grad.to_dense()
+                self._hvd_densified.add(id(p))  # back to sparse before the update, as Horovod does
             c, ctx = self._hvd_compression.compress(p.grad)
+            params.append(p)
             compressed.append(c)
             ctxs.append(ctx)
         name = self._hvd_group_names[gi]
@@ -148,20 +156,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             h = mpi_ops.grouped_allreduce_async_(compressed, name=name, op=self._hvd_op,
                                                  prescale_factor=self._hvd_prescale,
                                                  postscale_factor=self._hvd_postscale)
-        self._hvd_handles[gi] = (h, ctxs)
+        self._hvd_handles[gi] = (h, params, ctxs)
 
     def _hvd_wait_all(self, apply: bool) -> None:
-        for gi, (h, ctxs) in list(self._hvd_handles.items()):
+        for h, params, ctxs in list(self._hvd_handles.values()):
             out = mpi_ops.synchronize(h)
             if not apply:
                 continue
             outs = out if isinstance(out, list) else [out]
-            for p, o, ctx in zip(self._hvd_groups[gi], outs, ctxs, strict=True):
+            for p, o, ctx in zip(params, outs, ctxs, strict=True):
                 d = self._hvd_compression.decompress(o, ctx)
                 if d is not p.grad:
                     with torch.no_grad():
                         p.grad.copy_(d)
+                if id(p) in self._hvd_densified:
+                    p.grad = p.grad.to_sparse()
+        for p, h in list(self._hvd_sparse.values()):
+            reduced = mpi_ops.synchronize(h)
+            if apply:
+                p.grad = reduced
         self._hvd_handles.clear()
+        self._hvd_sparse.clear()
+        self._hvd_densified.clear()
         self._hvd_ready.clear()
         for pid in self._hvd_delay:
             self._hvd_delay[pid] = self.backward_passes_per_step
@@ -269,7 +285,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
             many MiB, as torch DDP does: a step then runs a few large collectives instead of one per tensor, while
             the first buckets still overlap the rest of backward. ``None`` or 0: one allreduce per tensor (left to
             the core's fusion), Horovod's behaviour. Results are identical either way; only timing changes.
-        sparse_as_dense: accepted for Horovod compatibility; sparse gradients are not supported.
+        sparse_as_dense: send sparse gradients (``nn.Embedding(..., sparse=True)``) as dense tensors in the
+            allreduce, and make them sparse again for the update (Horovod's); without it a sparse gradient goes through
+            :func:`sparse_allreduce_async` (every rank's indices and values gathered) and stays sparse, as in Horovod.
 
     Returns:
         an optimizer of a subclass of ``type(optimizer)`` (``isinstance`` checks and ``state_dict`` still work)
@@ -287,6 +305,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     obj.__dict__.update(optimizer.__dict__)
     # no _patch_step_function(): the base class's step is already wrapped with the step hooks, and our step
     # calls it, so the hooks run once, after the gradients were averaged
+    obj._hvd_sparse_as_dense = bool(sparse_as_dense)
     obj._hvd_setup(named_parameters, compression, backward_passes_per_step, rop, gradient_predivide_factor, groups,
                    bucket_cap_mb)
     return obj

@@ -22,10 +22,13 @@ CHECKS = [
     "fit_matches_single_process",
     "one_grouped_collective_per_step",
     "backward_passes_per_step_2",
+    "horovod_optimizer_arguments",
     "fp16_compression_loss_within_5pct",
     "broadcast_callback_and_metric_average",
     "broadcast_callback_optimizer_state",
     "lr_warmup",
+    "lr_schedule_best_checkpoint_local_variables",
+    "partial_distributed_optimizer",
     "save_and_load_model",
     "join_uneven_batches",
 ]

@@ -223,10 +223,35 @@ def _bpps() -> None:
     per = (2 * B) // (2 * N)
     idx = np.concatenate([np.arange(s * 2 * B + (R * 2 + j) * per, s * 2 * B + (R * 2 + j + 1) * per)
                           for s in range(steps) for j in range(2)])
-    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2),
-        x[idx], y[idx], per)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2,
+                                        average_aggregated_gradients=True), x[idx], y[idx], per)
     ref, _ = single_process(x, y, 2 * B)
     assert_same_weights(model, ref)
+    # Horovod's default sums the two passes: the update of the averaged gradient times 2, i.e. SGD at lr 0.2
+    summed = make_model(0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2)
+    fit(summed, opt, x[idx], y[idx], per)
+    ref2 = make_model(0)
+    fit(ref2, keras.optimizers.SGD(0.2, momentum=0.9), x, y, 2 * B)
+    assert_same_weights(summed, ref2)
+    assert int(opt.iterations) == steps, f"iterations counts updates: {int(opt.iterations)} != {steps}"
+
+
+@check("horovod_optimizer_arguments")
+def _opt_args() -> None:
+    # Horovod's positional order (optimizer, name, device_dense, device_sparse, compression, ...) and keywords
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), "dist", "", "", hvd.Compression.none,
+                                   num_groups=2, groups=None, sparse_as_dense=False)
+    assert opt.name == "dist"
+    for kwargs, err in (({"process_set": type("PS", (), {"process_set_id": 1})()}, NotImplementedError),
+                        ({"num_groups": -1}, ValueError), ({"groups": "all"}, ValueError),
+                        ({"no_such_argument": 1}, TypeError)):
+        try:
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+        except err as e:
+            assert next(iter(kwargs)) in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for {kwargs}")
 
 
 @check("fp16_compression_loss_within_5pct")
@@ -287,6 +312,66 @@ def _warmup() -> None:
     assert abs(seen[0] - 0.4 / N * (1 + 0.25 * (N - 1) / 2)) < 1e-6, seen  # Horovod's ramp, first batch
     assert all(a <= b + 1e-9 for a, b in zip(seen, seen[1:], strict=False)), f"warmup not increasing: {seen}"
     assert all(abs(v - 0.4) < 1e-6 for v in seen[8:]), f"LR after warmup: {seen[8:]}"
+
+
+@check("lr_schedule_best_checkpoint_local_variables")
+def _schedule() -> None:
+    x, y = data(B, steps=4)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        epochs=4, callbacks=[hvd.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5 ** e, start_epoch=1,
+                                                                         end_epoch=3), Spy()])
+    want = [0.1] * 4 + [0.2] * 4 + [0.1] * 8  # before start_epoch: unchanged; after end_epoch: left as it was
+    np.testing.assert_allclose(seen, want, rtol=1e-6, err_msg="staircase schedule")
+    seen.clear()
+    model = make_model(0)
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        epochs=1, callbacks=[hvd.callbacks.LearningRateScheduleCallback(1.0, lambda e: 1 + e, staircase=False),
+                             Spy()])
+    np.testing.assert_allclose(seen, [1.0, 1.25, 1.5, 1.75], rtol=1e-6, err_msg="per-batch schedule")
+    # BestModelCheckpoint keeps improvements only
+    cb = hvd.callbacks.BestModelCheckpoint(monitor="loss")
+    assert cb.save_best_only and cb.monitor == "loss" and isinstance(cb, keras.callbacks.ModelCheckpoint)
+    # local variables are left out of the broadcast
+    model = make_model(500 + R)
+    local = model.layers[1].kernel
+    before = np.asarray(local).copy()
+    fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), shard(x, B, N, R), shard(y, B, N, R), B // N,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[local])])
+    np.testing.assert_array_equal(np.asarray(local), before, err_msg="a local variable was broadcast")
+    kernel0 = hvd.broadcast(model.layers[0].kernel.value, 0)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].kernel), np.asarray(kernel0))
+    try:
+        hvd.broadcast_global_variables(0)
+    except NotImplementedError as e:
+        assert "BroadcastGlobalVariablesCallback" in str(e), str(e)
+    else:
+        raise AssertionError("broadcast_global_variables did not raise")
+    assert hvd.nccl_built() == 0 and not hvd.ccl_built() and hvd.gloo_enabled() and not hvd.mpi_enabled()
+
+
+@check("partial_distributed_optimizer")
+def _partial() -> None:
+    x, y = data(B, steps=1, seed=600 + R)  # one step on different data per rank
+    model = make_model(0)
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[model.layers[1]])
+    fit(model, opt, x, y, B)
+    # the reduced layer is the same everywhere; the local one moved by lr * (own gradient) / size (Horovod's
+    # scale_local_gradients), i.e. as a plain SGD(0.1 / size) step on this rank's data
+    gathered0 = hvd.allgather(np.asarray(model.layers[0].kernel)[None]).numpy()
+    assert all(np.array_equal(k, gathered0[0]) for k in gathered0)
+    ref = make_model(0)
+    fit(ref, keras.optimizers.SGD(0.1 / N), x, y, B)
+    for a, b in zip(model.layers[1].weights, ref.layers[1].weights, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=a.path)
+    kernels = hvd.allgather(np.asarray(model.layers[1].kernel)[None]).numpy()
+    assert N == 1 or not np.array_equal(kernels[0], kernels[1]), "the local layer was reduced"
 
 
 @check("save_and_load_model")

@@ -1,0 +1,301 @@
+"""The blocking, differentiable collectives of ``spark_hvd.torch``, with Horovod's gradients.
+
+Each returns a new tensor. When an input requires a gradient (and grad mode is on) the call goes through a
+``torch.autograd.Function`` whose backward is Horovod's, so a script migrated from Horovod gets the same
+gradients:
+
+============================  =========================================================================
+forward                       backward (``g``: the gradient of this rank's output)
+============================  =========================================================================
+allreduce (Average / Sum)     the same allreduce of ``g`` (same op, prescale and postscale)
+grouped_allreduce             the same, for every tensor of the group
+allgather                     this rank's rows of the *average* over ranks of ``g``
+grouped_allgather             the same, for every tensor of the group
+broadcast                     on the root: the average over ranks of ``g``; elsewhere zeros
+alltoall                      ``g`` sent back where it came from (alltoall with the received splits)
+reducescatter                 allgather of ``g``, times ``size`` for Sum, times prescale and postscale
+grouped_reducescatter         the same, for every tensor of the group
+============================  =========================================================================
+
+The allgather and broadcast gradients are averages, not sums: Horovod's convention (each rank's loss counts
+``1/size``, as when gradients are averaged by ``DistributedOptimizer``); docs/migrating-from-horovod.md says more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from spark_hvd import _binding_common as common
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.torch import mpi_ops
+from spark_hvd.torch.compression import Compression, Compressor
+
+
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _row_offset(rows: int) -> int:
+    """The index of this rank's first row in an allgather of ``rows`` rows from every rank."""
+    counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([rows], dtype=torch.int64)))
+    return int(counts[:mpi_ops.rank()].sum())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# allreduce
+# --------------------------------------------------------------------------------------------------------------
+
+class _Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+                postscale: float) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return mpi_ops.synchronize(mpi_ops.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
+                                                           postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise RuntimeError(f"allreduce with op {ctx.op.name.title()} is not differentiable; use Average or Sum")
+        out = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ctx.op, prescale_factor=ctx.prescale,
+                                                          postscale_factor=ctx.postscale))
+        return out, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (default: average) and return the result as a new tensor.
+
+    ``compression=Compression.fp16`` sends floating-point data as float16. Differentiable.
+    """
+    common.require_init("allreduce()")
+    rop = common.resolve_op(op, average)
+    compressed, cctx = compression.compress(tensor)
+    if _wants_grad(compressed):
+        out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    else:
+        out = mpi_ops.synchronize(mpi_ops.allreduce_async(compressed, name=name, op=rop,
+                                                          prescale_factor=prescale_factor,
+                                                          postscale_factor=postscale_factor))
+    return compression.decompress(out, cctx)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(tensors), name=name, op=op,
+                                                                         prescale_factor=prescale,
+                                                                         postscale_factor=postscale)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise RuntimeError(f"grouped_allreduce with op {ctx.op.name.title()} is not differentiable")
+        outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ctx.op,
+                                                                   prescale_factor=ctx.prescale,
+                                                                   postscale_factor=ctx.postscale))
+        return (None, None, None, None, *outs)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce several tensors as one collective; returns new tensors. Differentiable."""
+    common.require_init("grouped_allreduce()")
+    rop = common.resolve_op(op, average)
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [p[0] for p in pairs]
+    if compressed and _wants_grad(*compressed):
+        outs = list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, *compressed))
+    else:
+        outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(compressed, name=name, op=rop,
+                                                                   prescale_factor=prescale_factor,
+                                                                   postscale_factor=postscale_factor))
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# allgather
+# --------------------------------------------------------------------------------------------------------------
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.rows = tensor.shape[0]
+        return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE))
+        return averaged.narrow(0, _row_offset(ctx.rows), ctx.rows), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated on dimension 0 (the first dimension may differ by rank).
+    Differentiable."""
+    common.require_init("allgather()")
+    if _wants_grad(tensor):
+        return _Allgather.apply(tensor, name)
+    return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name))
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] for t in tensors]
+        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allgather_async(list(tensors), name)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        averaged = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ReduceOp.AVERAGE))
+        counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
+        offsets = counts[:mpi_ops.rank()].sum(dim=0).tolist()
+        return (None, *[g.narrow(0, int(o), n) for g, o, n in zip(averaged, offsets, ctx.rows, strict=True)])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list[torch.Tensor]:
+    """:func:`allgather` of several tensors submitted together; returns the list. Differentiable."""
+    common.require_init("grouped_allgather()")
+    tensors = list(tensors)
+    if tensors and _wants_grad(*tensors):
+        return list(_GroupedAllgather.apply(name, *tensors))
+    return mpi_ops.synchronize(mpi_ops.grouped_allgather_async(tensors, name))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# broadcast
+# --------------------------------------------------------------------------------------------------------------
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+        ctx.root_rank = root_rank
+        return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE))
+        if mpi_ops.rank() != ctx.root_rank:
+            averaged.zero_()
+        return averaged, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Root's ``tensor``, as a new tensor on every rank. Differentiable."""
+    common.require_init("broadcast()")
+    if _wants_grad(tensor):
+        return _Broadcast.apply(tensor, root_rank, name)
+    return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# alltoall
+# --------------------------------------------------------------------------------------------------------------
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _dead: Any) -> tuple:
+        back, _ = mpi_ops.synchronize(mpi_ops.alltoall_async(grad.contiguous(), ctx.received))
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+    """Send ``splits[i]`` rows of ``tensor`` to rank i (an even split when None) and gather what others sent.
+
+    Returns the received rows concatenated in rank order; with ``splits`` given, ``(output, received_splits)``
+    as in Horovod. ``splits`` must hold integers (a float tensor is an error). Differentiable.
+    """
+    common.require_init("alltoall()")
+    if _wants_grad(tensor):
+        out, received = _Alltoall.apply(tensor, splits, name)
+    else:
+        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name))
+    return out if splits is None else (out, received)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reducescatter
+# --------------------------------------------------------------------------------------------------------------
+
+def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
+    factor = (mpi_ops.size() if op is ReduceOp.SUM else 1) * prescale * postscale
+    return grad * factor if factor != 1 else grad
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+                postscale: float) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return mpi_ops.synchronize(mpi_ops.reducescatter_async(tensor, name, op, prescale_factor=prescale,
+                                                               postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        scaled = _reducescatter_grad(grad, ctx.op, ctx.prescale, ctx.postscale)
+        return mpi_ops.synchronize(mpi_ops.allgather_async(scaled.contiguous())), None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
+                  average: bool | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (default: average) and return this rank's rows of the result (first dim
+    split evenly, the first ``rows % size`` ranks getting one row more). Differentiable for Average and Sum."""
+    common.require_init("reducescatter()")
+    rop = common.resolve_op(op, average)
+    compressed, cctx = compression.compress(tensor)
+    if _wants_grad(compressed):
+        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
+        out = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor)
+    else:
+        out = mpi_ops.synchronize(mpi_ops.reducescatter_async(compressed, name, rop, prescale_factor=prescale_factor,
+                                                              postscale_factor=postscale_factor))
+    return compression.decompress(out, cctx)
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return tuple(mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
+            list(tensors), name, op, prescale_factor=prescale, postscale_factor=postscale)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        scaled = [_reducescatter_grad(g, ctx.op, ctx.prescale, ctx.postscale).contiguous() for g in grads]
+        return (None, None, None, None, *mpi_ops.synchronize(mpi_ops.grouped_allgather_async(scaled)))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
+                          average: bool | None = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of several tensors submitted together; returns the list. Differentiable."""
+    common.require_init("grouped_reducescatter()")
+    rop = common.resolve_op(op, average)
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [p[0] for p in pairs]
+    if compressed and _wants_grad(*compressed):
+        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
+        outs = list(_GroupedReducescatter.apply(name, rop, prescale_factor, postscale_factor, *compressed))
+    else:
+        outs = mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
+            compressed, name, rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
