@@ -13,6 +13,7 @@ One job per process. ``init()`` chooses the backend:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -25,7 +26,8 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.engine import Engine, GroupHandle, Handle
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.errors import AuthenticationError, NotInitializedError
+from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class _Context:
     engine: Engine
     settings: Settings
     backend_name: str
+    job: JobEnv
 
 
 _lock = threading.RLock()
@@ -53,16 +56,6 @@ def _get(what: str) -> _Context:
     return ctx
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int | None, backend: Any,
                   secret: bytes | str | None, settings: Settings, job_id: str | None) -> Backend:
     if isinstance(backend, Backend):
@@ -71,10 +64,11 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     name = (backend or env.get("SPARK_HVD_BACKEND") or "").strip().lower() or None
     if name not in (None, "ring", "mpi", "torch", "local"):
         raise ValueError(f"unknown backend {name!r}; expected 'ring', 'mpi', 'torch' or 'local'")
-    if rank is None:
-        rank = _env_int("SPARK_HVD_RANK")
-    if size is None:
-        size = _env_int("SPARK_HVD_SIZE")
+    job = JobEnv.from_env()
+    if rank is None and job is not None:
+        rank = job.rank
+    if size is None and job is not None:
+        size = job.size
     under_mpi = rank is None and any(k in env for k in _MPI_ENV)
     if name == "mpi" or (name is None and under_mpi):
         from spark_hvd.core.mpi_backend import MpiBackend
@@ -92,15 +86,16 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a job of size {size}")
     if job_id is None:
-        job_id = env.get("SPARK_HVD_JOB_ID", "")
+        job_id = job.job_id if job is not None else ""
     if secret is None:
-        from spark_hvd.core.wire import secret_from_env
-
-        secret = secret_from_env()
+        secret = job.secret if job is not None else None
+        if secret is None:
+            raise AuthenticationError("SPARK_HVD_SECRET is not set and no secret= was given: every rank needs "
+                                      "the job's secret to join.")
     elif isinstance(secret, str):
         secret = bytes.fromhex(secret)
     if rendezvous is None:
-        address = env.get("SPARK_HVD_RENDEZVOUS")
+        address = job.rendezvous if job is not None else None
         if not address:
             raise ValueError("SPARK_HVD_RENDEZVOUS (host:port of the launcher's KV service) is not set and no "
                              f"rendezvous= was given: rank {rank} cannot find the other ranks")
@@ -132,11 +127,20 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
         except BaseException:
             be.close()
             raise
-        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__))
+        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), _job_of(be))
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
         logger.debug("spark_hvd initialised: rank %d of %d on the %s backend", be.rank, be.size, _ctx.backend_name)
+
+
+def _job_of(be: Backend) -> JobEnv:
+    """The launch contract as the job runs it: the launcher's ``JobEnv`` with the topology the backend found
+    (the same under spark_hvd's launchers; the only source under mpirun or ``init(rank=, size=)``)."""
+    launched = JobEnv.from_env()
+    topo = {"rank": be.rank, "size": be.size, "local_rank": be.local_rank, "local_size": be.local_size,
+            "cross_rank": be.cross_rank, "cross_size": be.cross_size}
+    return dataclasses.replace(launched, **topo) if launched is not None else JobEnv(**topo)
 
 
 def shutdown() -> None:
@@ -186,6 +190,11 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """The number of hosts in the job."""
     return _get("cross_size()").backend.cross_size
+
+
+def job_env() -> JobEnv:
+    """This rank's launch contract (rank, sizes, job id, GPU ...), its topology as the backend found it."""
+    return _get("job_env()").job
 
 
 def settings() -> Settings:

@@ -21,15 +21,9 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
 from spark_hvd.core.settings import Settings
-
-
-def _local_topology(rank: int, hosts: Sequence[str]) -> tuple[int, int, int, int]:
-    order = list(dict.fromkeys(hosts))
-    mine = hosts[rank]
-    local = [r for r, h in enumerate(hosts) if h == mine]
-    return local.index(rank), len(local), order.index(mine), len(order)
 
 
 class TorchBackend(Backend):
@@ -74,7 +68,7 @@ class TorchBackend(Backend):
             hosts = [hostname] * size
             init = {"init_method": "env://"}
         if self.cuda:
-            gpu = int(os.environ.get("SPARK_HVD_GPU", os.environ.get("SPARK_HVD_LOCAL_RANK", "0")))
+            gpu = gpu_index(JobEnv.from_env(), torch.cuda.device_count(), required=True)
             self.device = torch.device("cuda", gpu)
             torch.cuda.set_device(self.device)
         else:
@@ -83,7 +77,7 @@ class TorchBackend(Backend):
         if self._owns_group:
             dist.init_process_group("nccl" if self.cuda else "gloo", rank=rank, world_size=size, timeout=timeout,
                                     **init)
-        self.local_rank, self.local_size, self.cross_rank, self.cross_size = _local_topology(rank, hosts)
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(hosts, rank)
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
                      ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
                      ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}

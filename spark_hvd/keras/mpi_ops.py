@@ -31,7 +31,7 @@ def init(*args: Any, **kwargs: Any) -> None:
     try:
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
-            index = common.gpu_index(c.local_rank(), len(gpus))
+            index = common.gpu_index(len(gpus))
             if index is not None:
                 tf.config.experimental.set_memory_growth(gpus[index], True)
                 tf.config.set_visible_devices(gpus[index], "GPU")

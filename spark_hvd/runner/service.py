@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
+from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.wire import FramedSocket, secret_from_env
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
@@ -379,10 +380,9 @@ def _get_client() -> ServiceClient | None:
             return None
         _client_from_env = True  # try once per process
         try:
-            _client = ServiceClient(address, secret_from_env(), os.environ.get("SPARK_HVD_JOB_ID", ""),
-                                    int(os.environ.get("SPARK_HVD_RANK", "0")),
-                                    attempt=int(os.environ.get("SPARK_HVD_RUN_ATTEMPT", "0")), timeout_s=30.0,
-                                    role="aux")
+            job = JobEnv.from_env()
+            _client = ServiceClient(address, secret_from_env(), job.job_id if job else "", job.rank if job else 0,
+                                    attempt=job.attempt if job else 0, timeout_s=30.0, role="aux")
         except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
             logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)
             _client = None

@@ -65,7 +65,7 @@ def init(*args: Any, **kwargs: Any) -> None:
     c = common.core()
     c.init(*args, **kwargs)
     if torch.cuda.is_available():
-        index = common.gpu_index(c.local_rank(), torch.cuda.device_count())
+        index = common.gpu_index(torch.cuda.device_count())
         if index is not None:
             torch.cuda.set_device(index)
 
