@@ -171,7 +171,10 @@ def to_core_buffer(arr: np.ndarray) -> tuple[np.ndarray, bool]:
 def gpu_index(device_count: int) -> int | None:
     """The GPU this rank uses, by the one GPU policy (``spark_hvd.core.jobenv.gpu_index``): the GPU Spark
     assigned to the task (``SPARK_HVD_GPU``), else the local rank; None when that local rank has no GPU.
-    Raises ``ValueError`` naming the rank when an assigned GPU is not visible (never wrapped around)."""
+    Raises ``ValueError`` naming the rank when an assigned GPU is not visible (never wrapped around), or when
+    ``SPARK_HVD_DEVICE_BACKEND=nccl`` asks for NCCL and this rank has no GPU."""
     from spark_hvd.core.jobenv import gpu_index as policy
 
-    return policy(core().job_env(), device_count)
+    c = core()
+    required = (c.settings().device_backend or "").strip().lower() == "nccl"
+    return policy(c.job_env(), device_count, required=required)

@@ -13,7 +13,6 @@ One job per process. ``init()`` chooses the backend:
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
 import pickle
@@ -27,7 +26,7 @@ import numpy as np
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.engine import Engine, GroupHandle, Handle
 from spark_hvd.core.errors import AuthenticationError, NotInitializedError
-from spark_hvd.core.jobenv import JobEnv
+from spark_hvd.core.jobenv import JobEnv, running_job
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -127,20 +126,11 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
         except BaseException:
             be.close()
             raise
-        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), _job_of(be))
+        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), running_job(be))
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
         logger.debug("spark_hvd initialised: rank %d of %d on the %s backend", be.rank, be.size, _ctx.backend_name)
-
-
-def _job_of(be: Backend) -> JobEnv:
-    """The launch contract as the job runs it: the launcher's ``JobEnv`` with the topology the backend found
-    (the same under spark_hvd's launchers; the only source under mpirun or ``init(rank=, size=)``)."""
-    launched = JobEnv.from_env()
-    topo = {"rank": be.rank, "size": be.size, "local_rank": be.local_rank, "local_size": be.local_size,
-            "cross_rank": be.cross_rank, "cross_size": be.cross_size}
-    return dataclasses.replace(launched, **topo) if launched is not None else JobEnv(**topo)
 
 
 def shutdown() -> None:

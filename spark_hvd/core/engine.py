@@ -71,8 +71,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
+from spark_hvd.core.device import DeviceBuffer, DeviceGroup, open_device_group
 from spark_hvd.core.errors import ShutdownError, SparkHvdError, TensorMismatchError
-from spark_hvd.core.reduce import check_dtype, scale_inplace
+from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -101,20 +102,21 @@ class Meta(NamedTuple):
     prescale: float
     postscale: float
     bfloat16: bool
+    device: str = ""  # "" in host memory; a device kind ("cuda") for a DeviceBuffer
 
     def to_wire(self, name: str) -> list:
         return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,
-                self.bfloat16]
+                self.bfloat16, self.device]
 
     @classmethod
     def from_wire(cls, item: list) -> tuple[str, Meta]:
-        name, kind, dtype, shape, op, root, pre, post, bf16 = item
+        name, kind, dtype, shape, op, root, pre, post, bf16, device = item
         return str(name), cls(str(kind), str(dtype), tuple(int(s) for s in shape), str(op), int(root), float(pre),
-                              float(post), bool(bf16))
+                              float(post), bool(bf16), str(device))
 
     def agreement_key(self) -> tuple:
         if self.kind in _RAGGED:
-            return (self.kind, self.dtype, self.shape[1:], self.bfloat16)
+            return (self.kind, self.dtype, self.shape[1:], self.bfloat16, self.device)
         return tuple(self)
 
     def describe(self) -> str:
@@ -126,6 +128,8 @@ class Meta(NamedTuple):
                 text += f" prescale={self.prescale} postscale={self.postscale}"
         if self.kind == "broadcast":
             text += f" root={self.root}"
+        if self.device:
+            text += f" on {self.device}"
         return text
 
 
@@ -365,6 +369,7 @@ class Engine:
             path = timeline_path(settings.timeline, self.rank)
             if path:
                 self.timeline = Timeline(path, self.rank)
+        self._device_groups: dict[str, DeviceGroup] = {}  # opened by the engine thread at first use
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -390,6 +395,10 @@ class Engine:
         if kind == "barrier":
             buf = None
             meta = Meta(kind, "", (), "", 0, 1.0, 1.0, False)
+        elif isinstance(buf, DeviceBuffer):
+            splits = self._check_device_buffer(kind, buf, name, root, splits)
+            meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
+                        float(postscale), buf.bfloat16, buf.device)
         else:
             buf = self._check_buffer(kind, buf, name, bfloat16)
             if kind == "broadcast" and not 0 <= int(root) < self.size:
@@ -505,6 +514,7 @@ class Engine:
             logger.exception("the spark_hvd engine of rank %d failed", self.rank)
             self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} failed: {exc!r}"))
         finally:
+            self._close_device_groups()
             self._stopped = True
             if self.timeline is not None:
                 self.timeline.flush()
@@ -701,6 +711,9 @@ class Engine:
                     f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
                     "of a broadcast must not call join() before it.", name=entry.name, ranks=[meta.root])
             return None
+        devices = {r: m.device for r, m in entry.metas.items()}
+        if len(set(devices.values())) > 1:
+            return _device_mismatch(entry.name, devices)
         keys = {r: m.agreement_key() for r, m in entry.metas.items()}
         distinct = set(keys.values())
         counts = Counter(keys.values())
@@ -728,7 +741,13 @@ class Engine:
                     request.handle._set_error(error)
                 continue
             meta = entry.meta
-            if meta.kind == "allreduce":
+            if meta.kind == "allreduce" and meta.device:  # fused per device kind, on the device group
+                key = ("device", meta.device, meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
+                if key not in groups:
+                    groups[key] = []
+                    plan.append(("device_allreduce", key))
+                groups[key].append((entry, request))
+            elif meta.kind == "allreduce":
                 key = (meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
                 if key not in groups:
                     groups[key] = []
@@ -739,6 +758,8 @@ class Engine:
         for what, item in plan:
             if what == "allreduce":
                 self._run_allreduces(item, groups[item])
+            elif what == "device_allreduce":
+                self._run_device_allreduces(item, groups[item])
             else:
                 self._run_one(*item)
 
@@ -834,6 +855,9 @@ class Engine:
 
     def _run_one(self, entry: _Entry, request: _Request | None) -> None:
         meta = entry.meta if request is None else request.meta
+        if meta.device:
+            self._run_device_one(entry, request)
+            return
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None
@@ -925,3 +949,137 @@ class Engine:
             request.handle._set_error(error)
         if join is not None:
             join._set_error(error)
+
+    # ------------------------------------------------------------------ device tensors (spark_hvd.core.device)
+    # CUDA tensors (DeviceBuffer) are negotiated like host arrays; only where they are reduced differs: on a
+    # DeviceGroup (NCCL; gloo stands in on CPU), opened at the first device collective every rank submitted.
+
+    def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
+                             splits: Sequence[int] | None) -> list[int] | None:
+        if kind in ("allreduce", "reducescatter") and buf.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{kind} of '{name}': cannot reduce tensors of dtype {buf.dtype}")
+        if kind == "broadcast" and not 0 <= int(root) < self.size:
+            raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size {self.size}")
+        if kind in _RAGGED and not buf.shape:
+            raise ValueError(f"{kind} of '{name}' needs a tensor with at least one dimension")
+        if kind == "alltoall":
+            try:  # the splits rules of host arrays, checked on an empty stand-in of the same rows
+                return alltoall_args(np.empty((buf.shape[0], 0)), splits, self.size)[1]
+            except ValueError as exc:
+                raise ValueError(f"alltoall of '{name}': {exc}") from None
+        return None
+
+
+    def _device_group(self, device: str) -> DeviceGroup:
+        group = self._device_groups.get(device)
+        if group is None:
+            try:
+                group = open_device_group(device, self.backend, self.settings)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise SparkHvdError(f"rank {self.rank} could not set up the collectives on {device} tensors: {exc!r}"
+                                    ) from exc
+            self._device_groups[device] = group
+        return group
+
+
+    def _run_device_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
+        _, device, dtype_str, op_value, prescale, postscale, bfloat16 = key
+        group = self._device_group(device)
+        limit = max(int(self.settings.fusion_threshold), 1)
+        dtype = np.dtype(dtype_str)
+        chunks: list[list[tuple[_Entry, _Request | None, DeviceBuffer]]] = [[]]
+        chunk_bytes = 0
+        for entry, request in items:
+            meta = entry.meta
+            buf = request.buf if request is not None else group.placeholder(meta.shape, dtype, bfloat16, meta.op)
+            self._cache.put(entry.name, meta)
+            if chunks[-1] and chunk_bytes + buf.nbytes > limit:
+                chunks.append([])
+                chunk_bytes = 0
+            chunks[-1].append((entry, request, buf))
+            chunk_bytes += buf.nbytes
+        for chunk in chunks:
+            names = [e.name for e, _, _ in chunk]
+            self.stats["allreduce_collectives"] += 1
+            self.stats["device_collectives"] += 1
+            self.stats["allreduce_tensors"] += len(chunk)
+            if len(chunk) > 1:
+                self.stats["fused_collectives"] += 1
+            t0 = time.perf_counter()
+            try:
+                group.allreduce([b for _, _, b in chunk], ReduceOp(op_value), prescale, postscale)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} on {device} failed on "
+                                    f"rank {self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
+                                    "stopped") from exc
+            if self.timeline is not None:
+                for name in names:
+                    self.timeline.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=len(chunk))
+            _finish_all([(r.handle, b.tensor) for _, r, b in reversed(chunk) if r is not None])
+
+
+    def _run_device_one(self, entry: _Entry, request: _Request | None) -> None:
+        meta = entry.meta if request is None else request.meta
+        kind = meta.kind
+        group = self._device_group(meta.device)
+        self.stats[f"{kind}_collectives"] += 1
+        self.stats["device_collectives"] += 1
+        if kind in _CACHEABLE:
+            self._cache.put(entry.name, entry.meta)
+        dtype = np.dtype(meta.dtype)
+        ragged = kind in _RAGGED
+        if request is not None:
+            buf = request.buf
+        else:  # a joined rank: no rows to move, the identity to reduce
+            shape = (0, *meta.shape[1:]) if ragged else meta.shape
+            buf = group.placeholder(shape, dtype, meta.bfloat16, meta.op if kind == "reducescatter" else "sum")
+        t0 = time.perf_counter()
+        try:
+            if kind == "broadcast":
+                group.broadcast(buf, meta.root)
+                result: Any = buf.tensor
+            elif kind == "allgather":
+                result = group.allgather(buf)
+            elif kind == "alltoall":
+                splits = request.splits if request is not None else [0] * self.size
+                out, recv = group.alltoall(buf, splits)
+                result = (out, list(recv))
+            elif kind == "reducescatter":
+                result = group.reducescatter(buf, ReduceOp(meta.op), meta.prescale, meta.postscale)
+            else:
+                raise SparkHvdError(f"{kind} is not a collective on device tensors")
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on rank {self.rank}: {exc!r}; the "
+                                "ranks can no longer be kept in step, so spark_hvd stopped") from exc
+        if self.timeline is not None and request is not None:
+            self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
+        if request is not None:
+            request.handle._set_result(result)
+
+
+    def _close_device_groups(self) -> None:
+        groups, self._device_groups = list(self._device_groups.values()), {}
+        for group in groups:
+            try:
+                group.close()
+            except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
+                logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
+
+
+def _device_mismatch(name: str, devices: dict[int, str]) -> TensorMismatchError:
+    where = {r: d or "host memory" for r, d in devices.items()}
+    by_place: dict[str, list[int]] = {}
+    for r, place in sorted(where.items()):
+        by_place.setdefault(place, []).append(r)
+    detail = "; ".join(f"on {place} on ranks {ranks}" for place, ranks in by_place.items())
+    majority = max(by_place.values(), key=len)
+    return TensorMismatchError(
+        f"tensor '{name}' is {detail}: a collective's tensors must be on the GPU on every rank or in host memory on "
+        "every rank (move them with .cuda() / .cpu(), or set SPARK_HVD_DEVICE_BACKEND=none to reduce CUDA "
+        "tensors through host memory)", name=name, ranks=sorted(r for r in where if r not in majority))

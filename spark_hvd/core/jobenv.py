@@ -15,6 +15,7 @@ Three policies live beside it, so that every layer applies the same rule:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -110,6 +111,15 @@ class JobEnv:
                 continue
             out[f.metadata["env"]] = value.hex() if isinstance(value, bytes) else str(value)
         return out
+
+
+def running_job(backend: Any) -> JobEnv:
+    """The launch contract as a job runs it: the launcher's ``JobEnv`` with the topology ``backend`` found (the
+    same under spark_hvd's launchers; the only source under ``mpirun`` or ``init(rank=, size=)``)."""
+    topo = {name: getattr(backend, name) for name in
+            ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")}
+    launched = JobEnv.from_env()
+    return dataclasses.replace(launched, **topo) if launched is not None else JobEnv(**topo)
 
 
 def env_names() -> list[str]:

@@ -50,6 +50,10 @@ class Settings:
     stall_check_time_s: float = _setting(
         "SPARK_HVD_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, float,
         "seconds after which a tensor that some ranks never submitted is reported")
+    device_backend: str | None = _setting(
+        "SPARK_HVD_DEVICE_BACKEND", None, None, _optional_str,
+        "collectives on CUDA tensors: unset: NCCL, where the tensors lie; 'none': through host memory and the "
+        "ring; 'gloo': gloo, and CPU torch tensors take the device path too (the CPU stand-in for NCCL in tests)")
     shm: bool = _setting(
         "SPARK_HVD_SHM", None, True, _bool,
         "use shared memory between ranks on the same host")
