@@ -4,9 +4,9 @@ One job per process. ``init()`` chooses the backend:
 
 - ``backend=`` a ``Backend`` instance: used as given;
 - under ``mpirun`` (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` set, no ``SPARK_HVD_RANK``) or ``backend="mpi"``: MPI;
-- ``SPARK_HVD_RANK``/``SPARK_HVD_SIZE`` (set by ``spark-hvd-run`` and the Spark runner) or ``rank=``/``size=``: the
-  built-in ring (``SPARK_HVD_BACKEND=torch`` or ``backend="torch"``: torch.distributed), meeting the other ranks
-  through ``rendezvous`` or the KV service at ``SPARK_HVD_RENDEZVOUS``;
+- a launched rank (its ``JobEnv``: ``SPARK_HVD_RANK``/``SPARK_HVD_SIZE`` ..., written by ``spark-hvd-run`` and the
+  Spark runner) or ``rank=``/``size=``: the built-in ring (``SPARK_HVD_BACKEND=torch`` or ``backend="torch"``:
+  torch.distributed), meeting the other ranks through ``rendezvous`` or the KV service at ``JobEnv.rendezvous``;
 - nothing at all (or a size of 1): a single-process job, no sockets.
 """
 

@@ -51,6 +51,11 @@ a peer waiting in a round from timing out, e.g. while rank 0 runs validation, an
 outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made, and to
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
+Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
+host arrays, with their device kind in the metadata (one name on the GPU on some ranks and in host memory on others
+is a ``TensorMismatchError``); their allreduces are fused per device kind and run on a ``DeviceGroup`` (NCCL) that
+the engine opens at the first device collective, instead of on the backend.
+
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 """
 
@@ -969,7 +974,6 @@ class Engine:
                 raise ValueError(f"alltoall of '{name}': {exc}") from None
         return None
 
-
     def _device_group(self, device: str) -> DeviceGroup:
         group = self._device_groups.get(device)
         if group is None:
@@ -982,7 +986,6 @@ class Engine:
                                     ) from exc
             self._device_groups[device] = group
         return group
-
 
     def _run_device_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
         _, device, dtype_str, op_value, prescale, postscale, bfloat16 = key
@@ -1020,7 +1023,6 @@ class Engine:
                 for name in names:
                     self.timeline.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=len(chunk))
             _finish_all([(r.handle, b.tensor) for _, r, b in reversed(chunk) if r is not None])
-
 
     def _run_device_one(self, entry: _Entry, request: _Request | None) -> None:
         meta = entry.meta if request is None else request.meta
@@ -1061,7 +1063,6 @@ class Engine:
             self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
         if request is not None:
             request.handle._set_result(result)
-
 
     def _close_device_groups(self) -> None:
         groups, self._device_groups = list(self._device_groups.values()), {}

@@ -22,6 +22,16 @@ def _optional_str(value: str) -> str | None:
     return value or None
 
 
+def _choice(*allowed: str) -> Callable[[str], str | None]:
+    def parse(value: str) -> str | None:
+        value = value.strip().lower()
+        if value and value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value or None
+
+    return parse
+
+
 def _bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -51,7 +61,7 @@ class Settings:
         "SPARK_HVD_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, float,
         "seconds after which a tensor that some ranks never submitted is reported")
     device_backend: str | None = _setting(
-        "SPARK_HVD_DEVICE_BACKEND", None, None, _optional_str,
+        "SPARK_HVD_DEVICE_BACKEND", None, None, _choice("nccl", "gloo", "none"),
         "collectives on CUDA tensors: unset: NCCL, where the tensors lie; 'none': through host memory and the "
         "ring; 'gloo': gloo, and CPU torch tensors take the device path too (the CPU stand-in for NCCL in tests)")
     shm: bool = _setting(

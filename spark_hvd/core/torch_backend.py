@@ -1,12 +1,15 @@
-"""The torch.distributed backend: gloo for CPU, NCCL when CUDA is chosen. torch is imported only here.
+"""torch.distributed in the core, two ways. torch is imported only when one of them is chosen.
 
-Chosen with ``SPARK_HVD_BACKEND=torch`` (or ``init(backend="torch")``). The ranks meet through the job's own
-rendezvous: rank 0 starts a ``torch.distributed.TCPStore`` on a free port and publishes its address through
-``Rendezvous.exchange``; with no rendezvous, ``MASTER_ADDR``/``MASTER_PORT`` (``env://``) are used.
+``TorchBackend``: the backend of host-memory data with ``SPARK_HVD_BACKEND=torch`` (or ``init(backend="torch")``):
+gloo, or NCCL with ``SPARK_HVD_TORCH_DEVICE=cuda``. The ranks meet through the job's own rendezvous: rank 0 starts
+a ``torch.distributed.TCPStore`` on a free port and publishes its address through ``Rendezvous.exchange``; with no
+rendezvous, ``MASTER_ADDR``/``MASTER_PORT`` (``env://``) are used. Buffers stay numpy arrays: on CPU they are
+shared with torch tensors (no copy); with NCCL they are copied to this rank's GPU (the one GPU policy,
+``spark_hvd.core.jobenv.gpu_index``) and back. float16 and bfloat16 (uint16 view) are reduced in float32; data
+that is only moved (broadcast, allgather, alltoall) travels as raw bytes.
 
-Buffers stay numpy arrays: on CPU they are shared with torch tensors (no copy); with NCCL they are copied to this
-rank's GPU (``SPARK_HVD_GPU`` or the local rank) and back. float16 and bfloat16 (uint16 view) are reduced in
-float32; data that is only moved (broadcast, allgather, alltoall) travels as raw bytes.
+``TorchDeviceGroup``: the engine's ``DeviceGroup`` for tensors that stay on their device (CUDA tensors by NCCL by
+default; gloo stands in on CPU): see ``spark_hvd.core.device``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`.
 
-    On a host with GPUs, TensorFlow is limited to this rank's GPU (``SPARK_HVD_GPU`` or the local rank) with
-    memory growth, when TensorFlow has not initialised its devices yet.
+    On a host with GPUs, TensorFlow is limited to this rank's GPU (the one GPU policy,
+    ``spark_hvd.core.jobenv.gpu_index``: the GPU Spark assigned, else the local rank) with memory growth, when
+    TensorFlow has not initialised its devices yet.
     """
     c = common.core()
     c.init(*args, **kwargs)

@@ -1,8 +1,9 @@
 """``spark-hvd-run -np N [--timeout S] [--env K=V] command ...``: N local ranks of a spark_hvd job, no Spark.
 
 The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
-driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes with the
-``SPARK_HVD_*`` environment (rank, size, local rank/size, cross rank/size, rendezvous, secret, job id). Their
+driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes, each with
+its ``JobEnv`` in the environment (``SPARK_HVD_*``: rank, size, local rank/size, cross rank/size, rendezvous,
+secret, job id, driver service; a launching process's own launch variables are not handed on). Their
 output lines are printed prefixed with ``[rank]``. When one exits non-zero the others get SIGTERM, then SIGKILL
 after a grace period, and the launcher exits with that rank's exit code after printing the tail of its stderr.
 """

@@ -27,7 +27,7 @@ from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.wire import FramedSocket, secret_from_env
+from spark_hvd.core.wire import FramedSocket
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
 logger = logging.getLogger(__name__)
@@ -381,8 +381,10 @@ def _get_client() -> ServiceClient | None:
         _client_from_env = True  # try once per process
         try:
             job = JobEnv.from_env()
-            _client = ServiceClient(address, secret_from_env(), job.job_id if job else "", job.rank if job else 0,
-                                    attempt=job.attempt if job else 0, timeout_s=30.0, role="aux")
+            if job is None or job.secret is None:
+                raise ValueError("this process is not a rank of a job: SPARK_HVD_RANK/_SIZE/_SECRET are not set")
+            _client = ServiceClient(address, job.secret, job.job_id, job.rank, attempt=job.attempt, timeout_s=30.0,
+                                    role="aux")
         except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
             logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)
             _client = None

@@ -61,8 +61,9 @@ def nccl_built() -> bool:
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`; none are needed under
-    ``spark-hvd-run`` or the Spark runner. On a CUDA host this rank's device is selected: ``SPARK_HVD_GPU``
-    when the launcher set it, else the local rank."""
+    ``spark-hvd-run`` or the Spark runner. On a CUDA host this rank's GPU becomes torch's current device, by the
+    one GPU policy (``spark_hvd.core.jobenv.gpu_index``): the GPU Spark assigned to the task, else the local rank;
+    an assigned GPU that is not visible raises ``ValueError`` naming the rank."""
     c = common.core()
     c.init(*args, **kwargs)
     if torch.cuda.is_available():

@@ -44,3 +44,14 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
         assert "'mixed' is on cpu on ranks [0]; on host memory on ranks" in report["mixed"]
     # the joined rank contributed zeros on its device; the last to join is one of the others, the same everywhere
     assert len({report["join"] for report in reports}) == 1 and reports[0]["join"] in range(n - 1)
+
+
+def test_which_tensors_take_the_device_path():
+    from spark_hvd.core.device import device_key
+    from spark_hvd.core.settings import Settings
+
+    assert [device_key("cuda", b) for b in (None, "nccl", "gloo", "none")] == ["cuda", "cuda", "cuda", None]
+    assert [device_key("cpu", b) for b in (None, "nccl", "gloo", "none")] == [None, None, "cpu", None]
+    assert Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": " NCCL "}).device_backend == "nccl"
+    with pytest.raises(ValueError, match="SPARK_HVD_DEVICE_BACKEND='mpi' is not valid: expected one of nccl"):
+        Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": "mpi"})
