@@ -224,6 +224,7 @@ class TorchDeviceGroup(DeviceGroup):
 
         self._torch, self._dist = torch, dist
         self.device, self.kind = device, kind
+        self._widen = {getattr(torch, n) for n in ("int16", "uint16", "uint32") if hasattr(torch, n)}
         self.rank, self.size = backend.rank, backend.size
         timeout = timedelta(seconds=settings.timeout_s)
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
@@ -296,7 +297,12 @@ class TorchDeviceGroup(DeviceGroup):
         self._enter(bufs)
         tensors = [b.tensor for b in bufs]
         flat = tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
-        work = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+        if flat.dtype in (torch.float16, torch.bfloat16):
+            work = flat.float()
+        elif flat.dtype in self._widen:  # integer types NCCL cannot reduce (exact in int64)
+            work = flat.long()
+        else:
+            work = flat
         self._scale(work, prescale)
         if work.numel():
             self._call("allreduce", self._dist.all_reduce, work, op=_TORCH_OPS[op](self._dist))
@@ -328,8 +334,7 @@ class TorchDeviceGroup(DeviceGroup):
         self._enter([buf])
         t = buf.tensor
         rows = self._gather_counts(t.shape[0])
-        row_bytes = t[0:1].numel() * t.element_size() if t.dim() and t.shape[0] else \
-            int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
+        row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
         most = max(rows) * row_bytes
         padded = torch.zeros(most, dtype=torch.uint8, device=self._dev)
         mine = self._bytes(t)

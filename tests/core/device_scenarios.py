@@ -16,8 +16,6 @@ import spark_hvd.torch as hvd
 from spark_hvd.core.reduce import reference_reduce
 
 ReduceOp = core.ReduceOp
-TORCH = {np.float32: torch.float32, np.float64: torch.float64, np.float16: torch.float16, np.int32: torch.int32,
-         np.int64: torch.int64, np.uint8: torch.uint8}
 
 
 def _on(arr: np.ndarray, device: str) -> torch.Tensor:
@@ -45,6 +43,11 @@ def collectives(device: str, seed: int = 3) -> dict:
             assert out is t and t.device.type == device
             sc._check(_back(t), reference_reduce(datas, op), f"device allreduce {dtype.__name__} {op.value}")
             checked += 1
+    # int16: NCCL has no int16 reduction, so the group widens it to int64
+    datas = [sc._data(seed + 6, q, (11,), np.int16) for q in range(n)]
+    t = _on(datas[r], device)
+    hvd.allreduce_(t, name="dev.int16", op=ReduceOp.SUM)
+    sc._check(_back(t), reference_reduce(datas, ReduceOp.SUM), "device allreduce int16")
     # bfloat16 (reduced in float32, rounded once)
     datas = [sc._data(seed + 7, q, (40,), np.float32) for q in range(n)]
     t = _on(datas[r], device).to(torch.bfloat16)
