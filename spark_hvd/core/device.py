@@ -124,7 +124,7 @@ class DeviceGroup(ABC):
 
 def open_device_group(device: str, backend: Any, settings: Any) -> DeviceGroup:
     """Set up the group for ``device`` (collective: every rank calls it in the same engine round)."""
-    from spark_hvd.core.torch_backend import TorchDeviceGroup
+    from spark_hvd.core.torch_device import TorchDeviceGroup
 
     kind = check_device_backend(settings.device_backend)
     if kind in (None, "none"):
