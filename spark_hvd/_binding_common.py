@@ -6,7 +6,6 @@ Everything here speaks numpy and the core's process API; nothing imports torch o
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -223,26 +222,13 @@ def to_core_buffer(arr: np.ndarray) -> tuple[np.ndarray, bool]:
     return arr, False
 
 
-def gpu_index(local_rank: int, device_count: int) -> int | None:
-    """The GPU this rank should use: ``SPARK_HVD_GPU`` when the launcher set it, else the local rank.
+def gpu_index(device_count: int) -> int | None:
+    """The GPU this rank uses, by the one GPU policy (``spark_hvd.core.jobenv.gpu_index``): the GPU Spark
+    assigned to the task (``SPARK_HVD_GPU``), else the local rank; None when that local rank has no GPU.
+    Raises ``ValueError`` naming the rank when an assigned GPU is not visible (never wrapped around), or when
+    ``SPARK_HVD_DEVICE_BACKEND=nccl`` asks for NCCL and this rank has no GPU."""
+    from spark_hvd.core.jobenv import gpu_index as policy
 
-    Returns ``None`` (and logs why) when that index does not exist on this host.
-    """
-    env = os.environ.get("SPARK_HVD_GPU", "").strip()
-    if env:
-        try:
-            index = int(env.split(",")[0])
-        except ValueError:
-            log.warning("SPARK_HVD_GPU=%r is not an integer; using local rank %d", env, local_rank)
-            index = local_rank
-    else:
-        index = local_rank
-    if device_count <= 0:
-        return None
-    if index >= device_count:
-        log.warning(
-            "rank's GPU index %d (SPARK_HVD_GPU or local rank) is out of range: %d GPU(s) visible; "
-            "not selecting a device", index, device_count,
-        )
-        return None
-    return index
+    c = core()
+    required = (c.settings().device_backend or "").strip().lower() == "nccl"
+    return policy(c.job_env(), device_count, required=required)

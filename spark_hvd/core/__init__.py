@@ -30,6 +30,7 @@ from spark_hvd.core.context import (
     grouped_allreduce_async,
     init,
     is_initialized,
+    job_env,
     join,
     local_rank,
     local_size,
@@ -68,6 +69,6 @@ __all__ = [
     "allreduce",
     "allreduce_async", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast", "broadcast_async",
     "broadcast_object", "cross_rank", "cross_size", "get_engine", "grouped_allreduce", "grouped_allreduce_async",
-    "init", "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
+    "init", "is_initialized", "job_env", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
     "reducescatter_async", "settings", "shutdown", "size", "synchronize",
 ]

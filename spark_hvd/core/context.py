@@ -4,9 +4,9 @@ One job per process. ``init()`` chooses the backend:
 
 - ``backend=`` a ``Backend`` instance: used as given;
 - under ``mpirun`` (``OMPI_COMM_WORLD_SIZE`` / ``PMI_SIZE`` set, no ``SPARK_HVD_RANK``) or ``backend="mpi"``: MPI;
-- ``SPARK_HVD_RANK``/``SPARK_HVD_SIZE`` (set by ``spark-hvd-run`` and the Spark runner) or ``rank=``/``size=``: the
-  built-in ring (``SPARK_HVD_BACKEND=torch`` or ``backend="torch"``: torch.distributed), meeting the other ranks
-  through ``rendezvous`` or the KV service at ``SPARK_HVD_RENDEZVOUS``;
+- a launched rank (its ``JobEnv``: ``SPARK_HVD_RANK``/``SPARK_HVD_SIZE`` ..., written by ``spark-hvd-run`` and the
+  Spark runner) or ``rank=``/``size=``: the built-in ring (``SPARK_HVD_BACKEND=torch`` or ``backend="torch"``:
+  torch.distributed), meeting the other ranks through ``rendezvous`` or the KV service at ``JobEnv.rendezvous``;
 - nothing at all (or a size of 1): a single-process job, no sockets.
 """
 
@@ -25,7 +25,8 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.engine import Engine, GroupHandle, Handle
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.errors import AuthenticationError, NotInitializedError
+from spark_hvd.core.jobenv import JobEnv, running_job
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class _Context:
     engine: Engine
     settings: Settings
     backend_name: str
+    job: JobEnv
 
 
 _lock = threading.RLock()
@@ -53,16 +55,6 @@ def _get(what: str) -> _Context:
     return ctx
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int | None, backend: Any,
                   secret: bytes | str | None, settings: Settings, job_id: str | None) -> Backend:
     if isinstance(backend, Backend):
@@ -71,10 +63,11 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     name = (backend or env.get("SPARK_HVD_BACKEND") or "").strip().lower() or None
     if name not in (None, "ring", "mpi", "torch", "local"):
         raise ValueError(f"unknown backend {name!r}; expected 'ring', 'mpi', 'torch' or 'local'")
-    if rank is None:
-        rank = _env_int("SPARK_HVD_RANK")
-    if size is None:
-        size = _env_int("SPARK_HVD_SIZE")
+    job = JobEnv.from_env()
+    if rank is None and job is not None:
+        rank = job.rank
+    if size is None and job is not None:
+        size = job.size
     under_mpi = rank is None and any(k in env for k in _MPI_ENV)
     if name == "mpi" or (name is None and under_mpi):
         from spark_hvd.core.mpi_backend import MpiBackend
@@ -92,15 +85,16 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a job of size {size}")
     if job_id is None:
-        job_id = env.get("SPARK_HVD_JOB_ID", "")
+        job_id = job.job_id if job is not None else ""
     if secret is None:
-        from spark_hvd.core.wire import secret_from_env
-
-        secret = secret_from_env()
+        secret = job.secret if job is not None else None
+        if secret is None:
+            raise AuthenticationError("SPARK_HVD_SECRET is not set and no secret= was given: every rank needs "
+                                      "the job's secret to join.")
     elif isinstance(secret, str):
         secret = bytes.fromhex(secret)
     if rendezvous is None:
-        address = env.get("SPARK_HVD_RENDEZVOUS")
+        address = job.rendezvous if job is not None else None
         if not address:
             raise ValueError("SPARK_HVD_RENDEZVOUS (host:port of the launcher's KV service) is not set and no "
                              f"rendezvous= was given: rank {rank} cannot find the other ranks")
@@ -138,7 +132,7 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
         except BaseException:
             be.close()
             raise
-        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__))
+        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), running_job(be))
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -192,6 +186,11 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """The number of hosts in the job."""
     return _get("cross_size()").backend.cross_size
+
+
+def job_env() -> JobEnv:
+    """This rank's launch contract (rank, sizes, job id, GPU ...), its topology as the backend found it."""
+    return _get("job_env()").job
 
 
 def settings() -> Settings:

@@ -62,12 +62,17 @@ a peer waiting in a round from timing out, e.g. while rank 0 runs validation, an
 outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made, and to
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
+Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
+host arrays, with their device kind in the metadata (one name on the GPU on some ranks and in host memory on others
+is a ``TensorMismatchError``); their allreduces are fused per device kind and run on a ``DeviceGroup`` (NCCL) that
+the engine opens at the first device collective, instead of on the backend.
+
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-Why this module is long (~950 lines): a round (pacing, fast, speculative and full negotiation, execution, stalls)
-is one state machine whose state must stay identical on every rank, and splitting it would spread that invariant
-over several files; what it does not own lives beside it (``handle.py``: handles; ``negotiation.py``: metadata,
-the table's entries, the response cache).
+Why this module is long (~1100 lines): a round (pacing, fast, speculative and full negotiation, execution of host
+and device collectives, stalls) is one state machine whose state must stay identical on every rank, and splitting
+it would spread that invariant over several files; what it does not own lives beside it (``handle.py``: handles;
+``negotiation.py``: metadata, the table's entries, the response cache; ``device.py``: device tensors and groups).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
+from spark_hvd.core.device import DeviceBuffer, DeviceGroup, open_device_group
 from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
 from spark_hvd.core.negotiation import (
@@ -96,7 +102,7 @@ from spark_hvd.core.negotiation import (
     TableEntry,
     reduction_identity,
 )
-from spark_hvd.core.reduce import check_dtype, scale_inplace
+from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -203,6 +209,7 @@ class Engine:
             path = timeline_path(settings.timeline, self.rank)
             if path:
                 self.timeline = Timeline(path, self.rank)
+        self._device_groups: dict[str, DeviceGroup] = {}  # opened by the engine thread at first use
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -232,6 +239,10 @@ class Engine:
         if kind == "barrier":
             buf = None
             meta = Meta(kind, "", (), "", 0, 1.0, 1.0, False)
+        elif isinstance(buf, DeviceBuffer):
+            splits = self._check_device_buffer(kind, buf, name, root, splits)
+            meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
+                        float(postscale), buf.bfloat16, buf.device)
         else:
             buf = self._check_buffer(kind, buf, name, bfloat16)
             if kind == "broadcast" and not 0 <= int(root) < self.size:
@@ -372,6 +383,7 @@ class Engine:
                         continue  # a waiting caller ran a round meanwhile: pace again from the new state
                     self._guarded_round(in_caller=False)
         finally:
+            self._close_device_groups()
             self._stopped = True
             if self.timeline is not None:
                 self.timeline.flush()
@@ -565,7 +577,8 @@ class Engine:
         dtype = np.dtype(first.dtype)
         key = (first.dtype, first.op, first.prescale, first.postscale, False)
         if dtype.kind != "f" or first.op not in ("sum", "average") or any(
-                m.kind != "allreduce" or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
+                m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
+                or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
             return
         count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
         if count * dtype.itemsize <= _SPEC_BYTES:
@@ -724,6 +737,9 @@ class Engine:
                     f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
                     "of a broadcast must not call join() before it.", name=entry.name, ranks=[meta.root])
             return None
+        devices = {r: m.device for r, m in entry.metas.items()}
+        if len(set(devices.values())) > 1:
+            return _device_mismatch(entry.name, devices)
         keys = {r: m.agreement_key() for r, m in entry.metas.items()}
         distinct = set(keys.values())
         counts = Counter(keys.values())
@@ -751,7 +767,13 @@ class Engine:
                     request.handle._set_error(error)
                 continue
             meta = entry.meta
-            if meta.kind == "allreduce":
+            if meta.kind == "allreduce" and meta.device:  # fused per device kind, on the device group
+                key = ("device", meta.device, meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
+                if key not in groups:
+                    groups[key] = []
+                    plan.append(("device_allreduce", key))
+                groups[key].append((entry, request))
+            elif meta.kind == "allreduce":
                 key = (meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
                 if key not in groups:
                     groups[key] = []
@@ -762,6 +784,8 @@ class Engine:
         for what, item in plan:
             if what == "allreduce":
                 self._run_allreduces(item, groups[item])
+            elif what == "device_allreduce":
+                self._run_device_allreduces(item, groups[item])
             else:
                 self._run_one(*item)
 
@@ -857,6 +881,9 @@ class Engine:
 
     def _run_one(self, entry: TableEntry, request: _Request | None) -> None:
         meta = entry.meta if request is None else request.meta
+        if meta.device:
+            self._run_device_one(entry, request)
+            return
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None
@@ -948,3 +975,133 @@ class Engine:
             request.handle._set_error(error)
         if join is not None:
             join._set_error(error)
+
+    # ------------------------------------------------------------------ device tensors (spark_hvd.core.device)
+    # CUDA tensors (DeviceBuffer) are negotiated like host arrays; only where they are reduced differs: on a
+    # DeviceGroup (NCCL; gloo stands in on CPU), opened at the first device collective every rank submitted.
+
+    def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
+                             splits: Sequence[int] | None) -> list[int] | None:
+        if kind in ("allreduce", "reducescatter") and buf.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{kind} of '{name}': cannot reduce tensors of dtype {buf.dtype}")
+        if kind == "broadcast" and not 0 <= int(root) < self.size:
+            raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size {self.size}")
+        if kind in RAGGED and not buf.shape:
+            raise ValueError(f"{kind} of '{name}' needs a tensor with at least one dimension")
+        if kind == "alltoall":
+            try:  # the splits rules of host arrays, checked on an empty stand-in of the same rows
+                return alltoall_args(np.empty((buf.shape[0], 0)), splits, self.size)[1]
+            except ValueError as exc:
+                raise ValueError(f"alltoall of '{name}': {exc}") from None
+        return None
+
+    def _device_group(self, device: str) -> DeviceGroup:
+        group = self._device_groups.get(device)
+        if group is None:
+            try:
+                group = open_device_group(device, self.backend, self.settings)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise SparkHvdError(f"rank {self.rank} could not set up the collectives on {device} tensors: {exc!r}"
+                                    ) from exc
+            self._device_groups[device] = group
+        return group
+
+    def _run_device_allreduces(self, key: tuple, items: list[tuple[TableEntry, _Request | None]]) -> None:
+        _, device, dtype_str, op_value, prescale, postscale, bfloat16 = key
+        group = self._device_group(device)
+        limit = max(int(self.settings.fusion_threshold), 1)
+        dtype = np.dtype(dtype_str)
+        chunks: list[list[tuple[TableEntry, _Request | None, DeviceBuffer]]] = [[]]
+        chunk_bytes = 0
+        for entry, request in items:
+            meta = entry.meta
+            buf = request.buf if request is not None else group.placeholder(meta.shape, dtype, bfloat16, meta.op)
+            self._cache.put(entry.name, meta)
+            if chunks[-1] and chunk_bytes + buf.nbytes > limit:
+                chunks.append([])
+                chunk_bytes = 0
+            chunks[-1].append((entry, request, buf))
+            chunk_bytes += buf.nbytes
+        for chunk in chunks:
+            names = [e.name for e, _, _ in chunk]
+            self.stats["allreduce_collectives"] += 1
+            self.stats["device_collectives"] += 1
+            self.stats["allreduce_tensors"] += len(chunk)
+            if len(chunk) > 1:
+                self.stats["fused_collectives"] += 1
+            t0 = time.perf_counter()
+            try:
+                group.allreduce([b for _, _, b in chunk], ReduceOp(op_value), prescale, postscale)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} on {device} failed on "
+                                    f"rank {self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
+                                    "stopped") from exc
+            if self.timeline is not None:
+                for name in names:
+                    self.timeline.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=len(chunk))
+            finish_all([(r.handle, b.tensor) for _, r, b in reversed(chunk) if r is not None])
+
+    def _run_device_one(self, entry: TableEntry, request: _Request | None) -> None:
+        meta = entry.meta if request is None else request.meta
+        kind = meta.kind
+        group = self._device_group(meta.device)
+        self.stats[f"{kind}_collectives"] += 1
+        self.stats["device_collectives"] += 1
+        if kind in CACHEABLE:
+            self._cache.put(entry.name, entry.meta)
+        dtype = np.dtype(meta.dtype)
+        ragged = kind in RAGGED
+        if request is not None:
+            buf = request.buf
+        else:  # a joined rank: no rows to move, the identity to reduce
+            shape = (0, *meta.shape[1:]) if ragged else meta.shape
+            buf = group.placeholder(shape, dtype, meta.bfloat16, meta.op if kind == "reducescatter" else "sum")
+        t0 = time.perf_counter()
+        try:
+            if kind == "broadcast":
+                group.broadcast(buf, meta.root)
+                result: Any = buf.tensor
+            elif kind == "allgather":
+                result = group.allgather(buf)
+            elif kind == "alltoall":
+                splits = request.splits if request is not None else [0] * self.size
+                out, recv = group.alltoall(buf, splits)
+                result = (out, list(recv))
+            elif kind == "reducescatter":
+                result = group.reducescatter(buf, ReduceOp(meta.op), meta.prescale, meta.postscale)
+            else:
+                raise SparkHvdError(f"{kind} is not a collective on device tensors")
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on rank {self.rank}: {exc!r}; the "
+                                "ranks can no longer be kept in step, so spark_hvd stopped") from exc
+        if self.timeline is not None and request is not None:
+            self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
+        if request is not None:
+            request.handle._set_result(result)
+
+    def _close_device_groups(self) -> None:
+        groups, self._device_groups = list(self._device_groups.values()), {}
+        for group in groups:
+            try:
+                group.close()
+            except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
+                logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
+
+
+def _device_mismatch(name: str, devices: dict[int, str]) -> TensorMismatchError:
+    where = {r: d or "host memory" for r, d in devices.items()}
+    by_place: dict[str, list[int]] = {}
+    for r, place in sorted(where.items()):
+        by_place.setdefault(place, []).append(r)
+    detail = "; ".join(f"on {place} on ranks {ranks}" for place, ranks in by_place.items())
+    majority = max(by_place.values(), key=len)
+    return TensorMismatchError(
+        f"tensor '{name}' is {detail}: a collective's tensors must be on the GPU on every rank or in host memory on "
+        "every rank (move them with .cuda() / .cpu(), or set SPARK_HVD_DEVICE_BACKEND=none to reduce CUDA "
+        "tensors through host memory)", name=name, ranks=sorted(r for r in where if r not in majority))

@@ -29,20 +29,21 @@ class Meta(NamedTuple):
     prescale: float
     postscale: float
     bfloat16: bool
+    device: str = ""  # "" in host memory; a device kind ("cuda") for a DeviceBuffer (spark_hvd.core.device)
 
     def to_wire(self, name: str) -> list:
         return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,
-                self.bfloat16]
+                self.bfloat16, self.device]
 
     @classmethod
     def from_wire(cls, item: list) -> tuple[str, Meta]:
-        name, kind, dtype, shape, op, root, pre, post, bf16 = item
+        name, kind, dtype, shape, op, root, pre, post, bf16, device = item
         return str(name), cls(str(kind), str(dtype), tuple(int(s) for s in shape), str(op), int(root), float(pre),
-                              float(post), bool(bf16))
+                              float(post), bool(bf16), str(device))
 
     def agreement_key(self) -> tuple:
         if self.kind in RAGGED:
-            return (self.kind, self.dtype, self.shape[1:], self.bfloat16)
+            return (self.kind, self.dtype, self.shape[1:], self.bfloat16, self.device)
         return tuple(self)
 
     def describe(self) -> str:
@@ -54,6 +55,8 @@ class Meta(NamedTuple):
                 text += f" prescale={self.prescale} postscale={self.postscale}"
         if self.kind == "broadcast":
             text += f" root={self.root}"
+        if self.device:
+            text += f" on {self.device}"
         return text
 
 

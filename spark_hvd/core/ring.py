@@ -39,6 +39,7 @@ from spark_hvd.core.errors import (
     ShutdownError,
     TensorMismatchError,
 )
+from spark_hvd.core.jobenv import JobEnv, topology
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
 from spark_hvd.core.rendezvous import parse_address, routable_address
 from spark_hvd.core.settings import Settings
@@ -86,7 +87,8 @@ def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
         return iface, iface
     towards = getattr(rendezvous, "host", None)
     if not towards:
-        address = os.environ.get("SPARK_HVD_RENDEZVOUS")
+        job = JobEnv.from_env()
+        address = job.rendezvous if job is not None else None
         if address:
             try:
                 towards = parse_address(address)[0]
@@ -240,14 +242,8 @@ class RingBackend(Backend):
                      self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
 
     def _topology(self, infos: list[dict[str, Any]]) -> None:
-        hosts: list[str] = []
-        for info in infos:
-            if info["host_id"] not in hosts:
-                hosts.append(info["host_id"])
-        mine = infos[self.rank]["host_id"]
-        local = [r for r, info in enumerate(infos) if info["host_id"] == mine]
-        self.local_rank, self.local_size = local.index(self.rank), len(local)
-        self.cross_rank, self.cross_size = hosts.index(mine), len(hosts)
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(
+            [info["host_id"] for info in infos], self.rank)
 
     # -- state -------------------------------------------------------------------------------------------------
     def _check_usable(self, operation: str) -> None:

@@ -24,6 +24,16 @@ def _optional_str(value: str) -> str | None:
     return value or None
 
 
+def _choice(*allowed: str) -> Callable[[str], str | None]:
+    def parse(value: str) -> str | None:
+        value = value.strip().lower()
+        if value and value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value or None
+
+    return parse
+
+
 def _bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -56,6 +66,10 @@ class Settings:
         "SPARK_HVD_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 180.0, float,
         "seconds after which such a tensor stops the job: every rank raises a StallError naming it and the "
         "missing ranks (0: never; unset: three stall-check periods)")
+    device_backend: str | None = _setting(
+        "SPARK_HVD_DEVICE_BACKEND", None, None, _choice("nccl", "gloo", "none"),
+        "collectives on CUDA tensors: unset: NCCL, where the tensors lie; 'none': through host memory and the "
+        "ring; 'gloo': gloo, and CPU torch tensors take the device path too (the CPU stand-in for NCCL in tests)")
     shm: bool = _setting(
         "SPARK_HVD_SHM", None, True, _bool,
         "use shared memory between ranks on the same host")

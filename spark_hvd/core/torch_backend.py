@@ -5,8 +5,9 @@ rendezvous: rank 0 starts a ``torch.distributed.TCPStore`` on a free port and pu
 ``Rendezvous.exchange``; with no rendezvous, ``MASTER_ADDR``/``MASTER_PORT`` (``env://``) are used.
 
 Buffers stay numpy arrays: on CPU they are shared with torch tensors (no copy); with NCCL they are copied to this
-rank's GPU (``SPARK_HVD_GPU`` or the local rank) and back. float16 and bfloat16 (uint16 view) are reduced in
-float32; data that is only moved (broadcast, allgather, alltoall) travels as raw bytes.
+rank's GPU (the one GPU policy, ``spark_hvd.core.jobenv.gpu_index``) and back. float16 and bfloat16 (uint16 view)
+are reduced in float32; data that is only moved (broadcast, allgather, alltoall) travels as raw bytes. CUDA
+tensors need none of this: they are reduced where they lie (``spark_hvd.core.torch_device``).
 """
 
 from __future__ import annotations
@@ -21,15 +22,10 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
+from spark_hvd.core.rendezvous import routable_address
 from spark_hvd.core.settings import Settings
-
-
-def _local_topology(rank: int, hosts: Sequence[str]) -> tuple[int, int, int, int]:
-    order = list(dict.fromkeys(hosts))
-    mine = hosts[rank]
-    local = [r for r, h in enumerate(hosts) if h == mine]
-    return local.index(rank), len(local), order.index(mine), len(order)
 
 
 class TorchBackend(Backend):
@@ -59,8 +55,6 @@ class TorchBackend(Backend):
             store = None
             value = hostname.encode()
             if rank == 0:
-                from spark_hvd.core.rendezvous import routable_address
-
                 host = routable_address(getattr(rendezvous, "host", None))
                 store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
                 value += f"|{host}:{store.port}".encode()
@@ -74,7 +68,7 @@ class TorchBackend(Backend):
             hosts = [hostname] * size
             init = {"init_method": "env://"}
         if self.cuda:
-            gpu = int(os.environ.get("SPARK_HVD_GPU", os.environ.get("SPARK_HVD_LOCAL_RANK", "0")))
+            gpu = gpu_index(JobEnv.from_env(), torch.cuda.device_count(), required=True)
             self.device = torch.device("cuda", gpu)
             torch.cuda.set_device(self.device)
         else:
@@ -83,7 +77,7 @@ class TorchBackend(Backend):
         if self._owns_group:
             dist.init_process_group("nccl" if self.cuda else "gloo", rank=rank, world_size=size, timeout=timeout,
                                     **init)
-        self.local_rank, self.local_size, self.cross_rank, self.cross_size = _local_topology(rank, hosts)
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(hosts, rank)
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVERAGE: dist.ReduceOp.SUM,
                      ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX,
                      ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}

@@ -23,15 +23,16 @@ log = logging.getLogger(__name__)
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`.
 
-    On a host with GPUs, TensorFlow is limited to this rank's GPU (``SPARK_HVD_GPU`` or the local rank) with
-    memory growth, when TensorFlow has not initialised its devices yet.
+    On a host with GPUs, TensorFlow is limited to this rank's GPU (the one GPU policy,
+    ``spark_hvd.core.jobenv.gpu_index``: the GPU Spark assigned, else the local rank) with memory growth, when
+    TensorFlow has not initialised its devices yet.
     """
     c = common.core()
     c.init(*args, **kwargs)
     try:
         gpus = tf.config.list_physical_devices("GPU")
         if gpus:
-            index = common.gpu_index(c.local_rank(), len(gpus))
+            index = common.gpu_index(len(gpus))
             if index is not None:
                 tf.config.experimental.set_memory_growth(gpus[index], True)
                 tf.config.set_visible_devices(gpus[index], "GPU")

@@ -1,8 +1,9 @@
 """``spark-hvd-run -np N [--timeout S] [--env K=V] command ...``: N local ranks of a spark_hvd job, no Spark.
 
 The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
-driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes with the
-``SPARK_HVD_*`` environment (rank, size, local rank/size, cross rank/size, rendezvous, secret, job id). Their
+driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes, each with
+its ``JobEnv`` in the environment (``SPARK_HVD_*``: rank, size, local rank/size, cross rank/size, rendezvous,
+secret, job id, driver service; a launching process's own launch variables are not handed on). Their
 output lines are printed prefixed with ``[rank]``.
 
 Failure. The rank reported is the first to fail *by time*: the launcher watches every rank through a pidfd in one
@@ -32,9 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner.errors import LaunchFailure
-from spark_hvd.runner.service import SERVICE_ENV, DriverService, Event
+from spark_hvd.runner.service import DriverService, Event
 
 logger = logging.getLogger(__name__)
 
@@ -240,18 +242,16 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
                             bind_host="127.0.0.1")
     _, service_port = service.start()
     ranks: list[_Rank] = []
+    launch_vars = set(env_names())
     try:
         for rank in range(np):
-            child_env = dict(os.environ)
+            # a launcher started inside another job's rank must not hand that job's variables on
+            child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
             child_env.update(env or {})
-            child_env.update({
-                "SPARK_HVD_RANK": str(rank), "SPARK_HVD_SIZE": str(np),
-                "SPARK_HVD_LOCAL_RANK": str(rank), "SPARK_HVD_LOCAL_SIZE": str(np),
-                "SPARK_HVD_CROSS_RANK": "0", "SPARK_HVD_CROSS_SIZE": "1",
-                "SPARK_HVD_RENDEZVOUS": f"{kv_host}:{kv_port}", "SPARK_HVD_SECRET": secret.hex(),
-                "SPARK_HVD_JOB_ID": job_id, SERVICE_ENV: f"127.0.0.1:{service_port}",
-                "PYTHONUNBUFFERED": "1",
-            })
+            job = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job_id, secret=secret,
+                         rendezvous=f"{kv_host}:{kv_port}", service_address=f"127.0.0.1:{service_port}")
+            child_env.update(job.to_env())
+            child_env["PYTHONUNBUFFERED"] = "1"
             proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
             ranks.append(_Rank(rank, proc, sink))

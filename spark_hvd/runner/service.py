@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
+from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.listener import Listener
-from spark_hvd.core.wire import FramedSocket, secret_from_env
+from spark_hvd.core.wire import FramedSocket
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
 logger = logging.getLogger(__name__)
@@ -358,9 +359,10 @@ def _get_client() -> ServiceClient | None:
             return None
         _client_from_env = True  # try once per process
         try:
-            _client = ServiceClient(address, secret_from_env(), os.environ.get("SPARK_HVD_JOB_ID", ""),
-                                    int(os.environ.get("SPARK_HVD_RANK", "0")),
-                                    attempt=int(os.environ.get("SPARK_HVD_RUN_ATTEMPT", "0")), timeout_s=30.0,
+            job = JobEnv.from_env()
+            if job is None or job.secret is None:
+                raise ValueError("this process is not a rank of a job: SPARK_HVD_RANK/_SIZE/_SECRET are not set")
+            _client = ServiceClient(address, job.secret, job.job_id, job.rank, attempt=job.attempt, timeout_s=30.0,
                                     role="aux")
         except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
             logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)

@@ -5,9 +5,10 @@ failures), submit ``rdd.barrier().mapPartitions`` under a job group of its own, 
 reported by any rank (or a rank whose process disappears) cancels the job group at once, so the other ranks
 stop; the error raised names the rank and carries its remote type, message and traceback.
 
-Task side (``_run_rank``): rank = partition id; the ranks exchange their host names through
-``BarrierTaskContext.allGather`` (HMAC-signed with the job's secret: ``BarrierRendezvous``) to get local rank,
-local size, cross rank and cross size; the task pins a GPU, sets the ``SPARK_HVD_*`` environment, initialises
+Task side (``_run_rank``): rank = partition id; the ranks exchange their host names and the GPU address Spark
+assigned to each task through ``BarrierTaskContext.allGather`` (HMAC-signed with the job's secret:
+``BarrierRendezvous``) to get local rank, local size, cross rank and cross size and to check that no two ranks of a
+host share a GPU; the task writes its ``JobEnv`` (``SPARK_HVD_*``) into the environment, initialises
 ``spark_hvd.core`` over the same allGather rendezvous (a user's own ``hvd.init()`` is then a no-op), forwards
 its stdout/stderr to the driver and runs ``fn``. Everything is undone afterwards, since Spark reuses Python workers.
 """
@@ -32,6 +33,7 @@ import cloudpickle
 
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
+from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
 from spark_hvd.core.wire import make_secret, sign
 from spark_hvd.runner import service as _service
 from spark_hvd.runner.errors import (
@@ -41,7 +43,7 @@ from spark_hvd.runner.errors import (
     RunnerError,
     StartTimeoutError,
 )
-from spark_hvd.runner.service import SERVICE_ENV, DriverService, Event, OutputForwarder, ServiceClient
+from spark_hvd.runner.service import DriverService, Event, OutputForwarder, ServiceClient
 
 logger = logging.getLogger(__name__)
 
@@ -109,14 +111,6 @@ class BarrierRendezvous(Rendezvous):
         return values
 
 
-def topology(hosts: Sequence[str], rank: int) -> tuple[int, int, int, int]:
-    """``(local_rank, local_size, cross_rank, cross_size)`` of ``rank`` given every rank's host name."""
-    host = hosts[rank]
-    same = [r for r, h in enumerate(hosts) if h == host]
-    order = list(dict.fromkeys(hosts))
-    return same.index(rank), len(same), order.index(host), len(order)
-
-
 # ---------------------------------------------------------------------------------------------- task side
 @dataclass(frozen=True)
 class _TaskSetup:
@@ -131,17 +125,33 @@ class _TaskSetup:
     tee: bool
 
 
-def _gpu_for_task(ctx: Any, local_rank: int, use_gpu: bool | None) -> str | None:
-    if use_gpu is False:
-        return None
+def _assigned_gpu(ctx: Any) -> str | None:
+    """The first GPU address Spark assigned to this task (``resources()["gpu"]``), or None."""
     try:
         resources = ctx.resources()
     except Exception:  # older contexts / no resource support
         resources = {}
     gpu = resources.get("gpu")
-    if gpu is not None and list(gpu.addresses):
-        return str(list(gpu.addresses)[0])
-    return str(local_rank) if use_gpu else None
+    addresses = list(gpu.addresses) if gpu is not None else []
+    return str(addresses[0]).strip() if addresses else None
+
+
+def task_gpus(hosts: Sequence[str], assigned: Sequence[str | None], use_gpu: bool | None) -> list[str | None]:
+    """Every rank's GPU by the runner's policy: the address Spark assigned; with ``use_gpu=True`` and none
+    assigned, the local rank; with ``use_gpu=False``, none. Two ranks of one host on one GPU raise ``RunnerError``
+    naming them (never wrapped around)."""
+    gpus: list[str | None] = []
+    for rank, gpu in enumerate(assigned):
+        if use_gpu is False:
+            gpu = None
+        elif gpu is None and use_gpu:
+            gpu = str(topology(hosts, rank)[0])
+        gpus.append(gpu)
+    try:
+        check_distinct_gpus(hosts, gpus)
+    except ValueError as exc:
+        raise RunnerError(str(exc)) from None
+    return gpus
 
 
 def _make_mapper(setup: _TaskSetup) -> Callable:
@@ -169,18 +179,14 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
     try:
         forwarder.start()
         rendezvous = BarrierRendezvous(ctx.allGather, setup.secret, setup.job_id)
-        hosts = [h.decode() for h in rendezvous.exchange(rank, size, socket.gethostname().encode())]
+        mine = json.dumps([socket.gethostname(), _assigned_gpu(ctx)]).encode()
+        hosts, assigned = zip(*(json.loads(v) for v in rendezvous.exchange(rank, size, mine)), strict=True)
         local_rank, local_size, cross_rank, cross_size = topology(hosts, rank)
-        gpu = _gpu_for_task(ctx, local_rank, setup.use_gpu)
-        env = {
-            "SPARK_HVD_RANK": str(rank), "SPARK_HVD_SIZE": str(size),
-            "SPARK_HVD_LOCAL_RANK": str(local_rank), "SPARK_HVD_LOCAL_SIZE": str(local_size),
-            "SPARK_HVD_CROSS_RANK": str(cross_rank), "SPARK_HVD_CROSS_SIZE": str(cross_size),
-            "SPARK_HVD_SECRET": setup.secret.hex(), "SPARK_HVD_JOB_ID": setup.job_id,
-            "SPARK_HVD_RUN_ATTEMPT": str(setup.attempt), SERVICE_ENV: setup.service_address,
-        }
-        if gpu is not None:
-            env["SPARK_HVD_GPU"] = gpu
+        job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
+                     cross_size=cross_size, job_id=setup.job_id, secret=setup.secret,
+                     service_address=setup.service_address, attempt=setup.attempt,
+                     gpu=task_gpus(hosts, assigned, setup.use_gpu)[rank])
+        env = job.to_env()
         env.update(setup.env)
         for key, value in env.items():
             saved_env[key] = os.environ.get(key)

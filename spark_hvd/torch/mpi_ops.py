@@ -1,13 +1,13 @@
-"""Collectives on torch tensors, over the core's numpy buffers.
+"""Collectives on torch tensors, over the core's engine.
 
 A CPU tensor is handed to the core as a numpy view of its own memory (no copy): ``tensor.numpy()``, and for
-bfloat16 an int16 view read as uint16 with ``bfloat16=True``. A tensor the core cannot see directly (a CUDA
-tensor, a non-contiguous view) is staged through a contiguous host copy and written back when the handle is
-synchronized. CUDA tensors therefore also go through the core's engine (negotiation, fusion) and reach NCCL through
-the core's torch backend (``SPARK_HVD_BACKEND=torch``, ``SPARK_HVD_TORCH_DEVICE=cuda``). They are deliberately not
-sent to ``torch.distributed`` from this thread: the engine's thread drives the same communicator, and two threads
-issuing collectives could order them differently on different ranks and deadlock.
-"""
+bfloat16 an int16 view read as uint16 with ``bfloat16=True``; the ring reduces it. A CUDA tensor is handed over as
+it is (a ``spark_hvd.core.device.DeviceBuffer``) and reduced where it lies by NCCL, with the same negotiation,
+fusion and error naming (``SPARK_HVD_DEVICE_BACKEND=none`` stages it through host memory and the ring instead;
+``gloo`` also sends CPU tensors down the device path, the CPU stand-in that tests it). A tensor the core cannot see
+directly (a non-contiguous view) is staged through a contiguous copy written back when the handle is synchronized.
+Nothing is sent to ``torch.distributed`` from this thread: the engine's thread drives the communicator, and two
+threads issuing collectives could order them differently on different ranks and deadlock."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     stop_timeline,
 )
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.device import DeviceBuffer, device_key
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,13 @@ Product = common.Product
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Join the job (idempotent). Arguments go to :func:`spark_hvd.core.init`; none are needed under
-    ``spark-hvd-run`` or the Spark runner. On a CUDA host this rank's device is selected: ``SPARK_HVD_GPU``
-    when the launcher set it, else the local rank."""
+    ``spark-hvd-run`` or the Spark runner. On a CUDA host this rank's GPU becomes torch's current device, by the
+    one GPU policy (``spark_hvd.core.jobenv.gpu_index``): the GPU Spark assigned to the task, else the local rank;
+    an assigned GPU that is not visible raises ``ValueError`` naming the rank."""
     c = common.core()
     c.init(*args, **kwargs)
     if torch.cuda.is_available():
-        index = common.gpu_index(c.local_rank(), torch.cuda.device_count())
+        index = common.gpu_index(torch.cuda.device_count())
         if index is not None:
             torch.cuda.set_device(index)
 
@@ -88,13 +90,42 @@ def _direct_view_ok(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
 
 
+def _device_key(tensor: torch.Tensor) -> str | None:
+    """The core's device kind when ``tensor`` is reduced where it lies (CUDA: NCCL), None for host memory."""
+    if tensor.is_sparse:
+        return None
+    return device_key(tensor.device.type, common.core().settings().device_backend)
+
+
+def _device_buffer(tensor: torch.Tensor, key: str) -> DeviceBuffer:
+    """``tensor`` (contiguous) as the engine carries a device tensor, with an event marking its data ready."""
+    t = tensor.detach()
+    if t.dtype == torch.bfloat16:
+        dtype, bf16 = np.dtype(np.uint16), True
+    else:
+        dtype, bf16 = torch.empty(0, dtype=t.dtype).numpy().dtype, False
+    ready = None
+    if t.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(t.device))
+    return DeviceBuffer(t, key, dtype, tuple(t.shape), bf16, ready)
+
+
 class _Staged:
-    """A buffer the core works on for ``tensor``: the tensor's own memory, or a host copy written back later."""
+    """A buffer the core works on for ``tensor``: the tensor's own memory (host memory: a numpy view; a CUDA
+    tensor: the tensor itself), or a contiguous copy written back later."""
 
     __slots__ = ("tensor", "host", "array", "bf16")
 
     def __init__(self, tensor: torch.Tensor, need_input: bool = True) -> None:
         self.tensor = tensor
+        key = _device_key(tensor)
+        if key is not None:
+            src = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
+            self.host = None if src is tensor else src
+            self.array: Any = _device_buffer(src, key)
+            self.bf16 = self.array.bfloat16
+            return
         if _direct_view_ok(tensor):
             self.host = None
             src = tensor
@@ -223,6 +254,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     if not tensors:
         return Handle(None, lambda _: [], name=name, done=True)
     staged = [_Staged(t) for t in tensors]
+    if len({isinstance(s.array, DeviceBuffer) for s in staged}) > 1:
+        raise ValueError(f"grouped_allreduce{f' {name!r}' if name else ''} mixes CUDA and host-memory tensors in one "
+                         f"group (devices: {sorted({str(t.device) for t in tensors})}); move them to one device")
     bf16 = {s.bf16 for s in staged}
     if len(bf16) > 1:
         raise ValueError("grouped_allreduce cannot mix bfloat16 with other dtypes in one group")
@@ -264,6 +298,9 @@ def _allgather_start(tensor: torch.Tensor, name: str | None) -> tuple[Any, Calla
     if tensor.dim() == 0:
         raise ValueError(f"allgather of {name or 'a tensor'} needs a tensor with at least one dimension, got a 0-d "
                          "tensor (use tensor.reshape(1))")
+    key = _device_key(tensor)
+    if key is not None:
+        return common.core().allgather_async(_device_buffer(tensor.contiguous(), key), name=name), lambda res: res
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
     return common.core().allgather_async(arr, name=name), lambda res: _from_numpy(res, dtype, device)
@@ -341,6 +378,11 @@ def _splits_list(splits: Any) -> list[int] | None:
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
     """Start an alltoall; :func:`synchronize` returns ``(output, received_splits)``."""
     common.require_init("alltoall_async()")
+    key = _device_key(tensor)
+    if key is not None:
+        h = common.core().alltoall_async(_device_buffer(tensor.contiguous(), key), splits=_splits_list(splits),
+                                         name=name)
+        return Handle(h, lambda res: (res[0], torch.tensor(list(res[1]), dtype=torch.int32)), name=name)
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
     h = common.core().alltoall_async(arr, splits=_splits_list(splits), name=name)
@@ -351,13 +393,16 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     return Handle(h, finish, name=name)
 
 
-
-
 def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
                          postscale: float) -> tuple[Any, Callable[[Any], torch.Tensor]]:
     if tensor.dim() == 0:
         raise ValueError(f"reducescatter of {name or 'a tensor'} needs a tensor with at least one dimension, got a "
                          "0-d tensor")
+    key = _device_key(tensor)
+    if key is not None:  # the device group reduces bfloat16 in float32 and never writes the input
+        h = common.core().reducescatter_async(_device_buffer(tensor.contiguous(), key), op=op, name=name,
+                                              prescale=prescale, postscale=postscale)
+        return h, lambda res: res
     dtype, device = tensor.dtype, tensor.device
     src = tensor.detach()
     if dtype == torch.bfloat16:

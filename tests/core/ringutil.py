@@ -24,6 +24,7 @@ from typing import Any
 
 import cloudpickle
 
+from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.rendezvous import KVStoreServer
 from spark_hvd.core.wire import make_secret
 
@@ -63,13 +64,9 @@ def _child(payload: bytes, args: tuple, env: dict[str, str], rank: int, conn: An
 
 def rank_env(rank: int, size: int, address: str, secret: bytes, job_id: str) -> dict[str, str]:
     """The environment a launched rank sees (all ranks on this host)."""
-    return {
-        "SPARK_HVD_RANK": str(rank), "SPARK_HVD_SIZE": str(size),
-        "SPARK_HVD_LOCAL_RANK": str(rank), "SPARK_HVD_LOCAL_SIZE": str(size),
-        "SPARK_HVD_CROSS_RANK": "0", "SPARK_HVD_CROSS_SIZE": "1",
-        "SPARK_HVD_RENDEZVOUS": address, "SPARK_HVD_SECRET": secret.hex(), "SPARK_HVD_JOB_ID": job_id,
-        "OMP_NUM_THREADS": "1",
-    }
+    job = JobEnv(rank=rank, size=size, local_rank=rank, local_size=size, job_id=job_id, secret=secret,
+                 rendezvous=address)
+    return {**job.to_env(), "OMP_NUM_THREADS": "1"}
 
 
 def run_ranks(fn: Callable[..., Any], n: int, env: EnvSpec = None, timeout: float = 120.0, args: tuple = (),
@@ -150,14 +147,11 @@ def backend_from_env(backend_kwargs: dict[str, Any] | None = None, **settings: A
     from spark_hvd.core.rendezvous import KVRendezvous
     from spark_hvd.core.ring import RingBackend
     from spark_hvd.core.settings import Settings
-    from spark_hvd.core.wire import secret_from_env
 
     cfg = replace(Settings.from_env(), **settings)
-    secret = secret_from_env()
-    job_id = os.environ["SPARK_HVD_JOB_ID"]
-    rdzv = KVRendezvous(os.environ["SPARK_HVD_RENDEZVOUS"], secret, job_id, cfg.timeout_s)
-    return RingBackend(int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"]), rdzv, secret, cfg,
-                       job_id, **(backend_kwargs or {}))
+    job = JobEnv.from_env()
+    rdzv = KVRendezvous(job.rendezvous, job.secret, job.job_id, cfg.timeout_s)
+    return RingBackend(job.rank, job.size, rdzv, job.secret, cfg, job.job_id, **(backend_kwargs or {}))
 
 
 def shm_leftovers(job_id: str) -> list[str]:

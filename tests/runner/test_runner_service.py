@@ -11,8 +11,9 @@ import pytest
 
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.service import DriverService, ServiceClient
-from spark_hvd.runner.spark import BarrierRendezvous, _gpu_for_task, topology
+from spark_hvd.runner.spark import BarrierRendezvous, _assigned_gpu, task_gpus, topology
 
 
 def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
@@ -213,8 +214,20 @@ class _Ctx:
 
 
 def test_gpu_from_spark_resources_then_local_rank():
-    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, None) == "3"
-    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, True) == "3"
-    assert _gpu_for_task(_Ctx({"gpu": _Resource(["3"])}), 1, False) is None
-    assert _gpu_for_task(_Ctx({}), 1, None) is None
-    assert _gpu_for_task(_Ctx({}), 1, True) == "1"
+    assert _assigned_gpu(_Ctx({"gpu": _Resource(["3", "5"])})) == "3"
+    assert _assigned_gpu(_Ctx({"gpu": _Resource([])})) is None
+    assert _assigned_gpu(_Ctx({})) is None
+    hosts = ["h1", "h1", "h2"]
+    assert task_gpus(hosts, ["3", "1", "0"], None) == ["3", "1", "0"]
+    assert task_gpus(hosts, ["3", "1", "0"], True) == ["3", "1", "0"]
+    assert task_gpus(hosts, ["3", "1", "0"], False) == [None, None, None]
+    assert task_gpus(hosts, [None, None, None], None) == [None, None, None]
+    assert task_gpus(hosts, [None, None, None], True) == ["0", "1", "0"]  # the local rank
+
+
+def test_two_ranks_of_one_host_never_share_a_gpu():
+    with pytest.raises(RunnerError, match="ranks 0 and 1 on host h1 were both given GPU 0"):
+        task_gpus(["h1", "h1"], ["0", "0"], None)
+    with pytest.raises(RunnerError, match="ranks 0 and 1 on host h1 were both given GPU 1"):
+        task_gpus(["h1", "h1"], ["1", None], True)  # Spark's "1" and rank 1's local-rank fallback
+    assert task_gpus(["h1", "h2"], ["0", "0"], None) == ["0", "0"]  # other hosts: other GPUs

@@ -1,0 +1,100 @@
+"""Device path benchmark: torch tensors reduced where they lie vs staged through host memory and the ring.
+
+The same training-like step runs in two jobs of ``--np`` ranks launched back to back by this script (rounds
+alternate, so both see the same load): ResNet-50's 161 gradient shapes as torch tensors, allreduced with
+``grouped_allreduce_`` (negotiation, fusion, the collectives), ``--iters`` times after a warm-up.
+
+- on a CUDA host the tensors are on each rank's GPU (its local rank): ``device`` = NCCL on the GPUs,
+  ``host`` = ``SPARK_HVD_DEVICE_BACKEND=none`` (copied to host memory, reduced by the ring, copied back);
+- without CUDA the tensors are CPU tensors: ``device`` = gloo standing in for NCCL, ``host`` = the ring. This only
+  says what the stand-in costs, not what NCCL would.
+
+It prints the median seconds per step of each mode and host / device::
+
+    .venv/bin/python benchmarks/device_allreduce.py --np 2 --iters 10 [--rounds 2] [--scale 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _worker(iters: int, scale: float) -> None:
+    import torch
+    from engine_fusion import resnet50_shapes
+
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    shapes = resnet50_shapes()
+    if scale != 1.0:
+        shapes = [(max(1, int(s[0] * scale)), *s[1:]) for s in shapes]
+    grads = [torch.randn(s, device=device) for s in shapes]
+    times = []
+    for i in range(iters + 2):
+        hvd.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        hvd.grouped_allreduce_(grads, name="grads")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    if hvd.rank() == 0:
+        values = sum(int(np.prod(s)) for s in shapes)
+        print("RESULT " + json.dumps({"median_s": statistics.median(times), "values": values,
+                                      "device": device.type}), flush=True)
+    hvd.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each mode")
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor's first dimension")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.iters, args.scale)
+        return
+    import torch
+
+    from spark_hvd.runner.launch import run_local
+
+    cuda = torch.cuda.is_available()
+    modes = {"device": "nccl" if cuda else "gloo", "host": "none"}
+    results: dict[str, list[float]] = {m: [] for m in modes}
+    values, kind = 0, ""
+    for _ in range(args.rounds):
+        for mode, setting in modes.items():
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", "--iters", str(args.iters),
+                    "--scale", str(args.scale)]
+            out = run_local(argv, args.np, env={"SPARK_HVD_DEVICE_BACKEND": setting, "OMP_NUM_THREADS": "1"},
+                            timeout=900, capture=True)
+            if out.returncode != 0:
+                raise SystemExit(f"{mode} run failed ({out.returncode}):\n" + "\n".join(out.stderr[-30:]))
+            line = next(x for x in out.stdout if "RESULT " in x)
+            report = json.loads(line.split("RESULT ", 1)[1])
+            results[mode].append(report["median_s"])
+            values, kind = report["values"], report["device"]
+    device_s, host_s = statistics.median(results["device"]), statistics.median(results["host"])
+    print(f"np={args.np} tensors=161 values={values} ({values * 4 / 2**20:.1f} MiB float32) on {kind}")
+    print(f"device path ({modes['device']}): {device_s * 1000:.1f} ms/step   runs {results['device']}")
+    print(f"through host (ring):  {host_s * 1000:.1f} ms/step   runs {results['host']}")
+    print(f"host / device: {host_s / device_s:.2f}")
+
+
+if __name__ == "__main__":
+    main()

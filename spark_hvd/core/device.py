@@ -1,0 +1,132 @@
+"""Tensors that live on a device (CUDA), and the group that reduces them where they lie.
+
+A framework binding hands the engine a ``DeviceBuffer`` (the tensor itself, no host copy) instead of a numpy array
+when ``device_key`` says so. The engine negotiates it exactly like a host array (its ``Meta`` carries the device
+kind, so one name submitted on the GPU by some ranks and in host memory by others is a ``TensorMismatchError``
+naming them), fuses ready allreduces per device kind, and runs them on a ``DeviceGroup`` instead of its backend.
+
+The group is set up lazily, by the engine thread, at the first device collective that every rank has submitted:
+all ranks reach that point in the same round, so the setup (one small exchange over the job's own authenticated
+backend, then ``torch.distributed`` over NCCL) is itself in step, and a job that never reduces a CUDA tensor (a
+Keras job on GPUs, a numpy job) never imports torch or opens a communicator.
+
+``SPARK_HVD_DEVICE_BACKEND`` (``Settings.device_backend``): unset: NCCL for CUDA tensors; ``none``: CUDA tensors
+go through host memory and the ring, as before; ``gloo``: gloo serves the device path, and CPU torch tensors take
+it too. That last one is the CPU stand-in for NCCL which tests the whole device plumbing on every CI run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+
+DEVICE_BACKENDS = ("nccl", "gloo", "none")
+
+
+class DeviceBuffer:
+    """A framework tensor on a device, as the engine carries it.
+
+    ``device`` is the device *kind* every rank must agree on (``"cuda"``; ``"cpu"`` for the gloo stand-in), not
+    the ordinal (each rank has its own GPU). ``dtype`` is the numpy equivalent used in negotiation (bfloat16: a
+    uint16 view with ``bfloat16=True``, as for host arrays). ``ready`` is what the engine waits for before reading
+    the tensor (a CUDA event recorded on the producing stream), or None.
+    """
+
+    __slots__ = ("tensor", "device", "dtype", "shape", "bfloat16", "ready")
+
+    def __init__(self, tensor: Any, device: str, dtype: np.dtype, shape: tuple[int, ...], bfloat16: bool = False,
+                 ready: Any = None) -> None:
+        self.tensor = tensor
+        self.device = device
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(s) for s in shape)
+        self.bfloat16 = bfloat16
+        self.ready = ready
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data."""
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(device={self.device!r}, dtype={self.dtype}, shape={self.shape})"
+
+
+def device_key(device_type: str, device_backend: str | None) -> str | None:
+    """The engine's device kind for a tensor on ``device_type``, or None when it goes through host memory.
+
+    ``device_backend`` is ``Settings.device_backend``: None (default): CUDA tensors take the device path;
+    ``"none"``: nothing does; ``"gloo"``/``"nccl"``: CUDA tensors do, and with ``"gloo"`` CPU tensors too.
+    """
+    backend = check_device_backend(device_backend)
+    if backend == "none":
+        return None
+    if device_type == "cuda":
+        return "cuda"
+    if backend == "gloo" and device_type == "cpu":
+        return "cpu"
+    return None
+
+
+def check_device_backend(value: str | None) -> str | None:
+    """``value`` lower-cased, or ``ValueError`` naming ``SPARK_HVD_DEVICE_BACKEND`` when it is not one we know."""
+    if value is None:
+        return None
+    value = value.strip().lower()
+    if value not in DEVICE_BACKENDS:
+        raise ValueError(f"SPARK_HVD_DEVICE_BACKEND={value!r} is not one of {', '.join(DEVICE_BACKENDS)}")
+    return value
+
+
+class DeviceGroup(ABC):
+    """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only)."""
+
+    device: str
+
+    @abstractmethod
+    def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float) -> None:
+        """Reduce the buffers in place as one collective (fused when there are several)."""
+
+    @abstractmethod
+    def allgather(self, buf: DeviceBuffer) -> Any:
+        """Every rank's rows concatenated (the first dimension may differ by rank): a new tensor."""
+
+    @abstractmethod
+    def broadcast(self, buf: DeviceBuffer, root: int) -> None:
+        """Root's data into ``buf`` on every rank, in place."""
+
+    @abstractmethod
+    def alltoall(self, buf: DeviceBuffer, splits: Sequence[int]) -> tuple[Any, list[int]]:
+        """``splits[i]`` rows to rank i; returns the rows received (a new tensor) and how many from each rank."""
+
+    @abstractmethod
+    def reducescatter(self, buf: DeviceBuffer, op: ReduceOp, prescale: float, postscale: float) -> Any:
+        """This rank's rows of the reduction (the reducescatter split): a new tensor."""
+
+    @abstractmethod
+    def placeholder(self, shape: tuple[int, ...], dtype: np.dtype, bfloat16: bool, op: str) -> DeviceBuffer:
+        """What a joined rank contributes: the identity of ``op`` (zeros for the kinds that only move data)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the communicator. Safe to call twice."""
+
+
+def open_device_group(device: str, backend: Any, settings: Any) -> DeviceGroup:
+    """Set up the group for ``device`` (collective: every rank calls it in the same engine round)."""
+    from spark_hvd.core.torch_device import TorchDeviceGroup
+
+    kind = check_device_backend(settings.device_backend)
+    if kind in (None, "none"):
+        kind = "nccl" if device == "cuda" else "gloo"
+    return TorchDeviceGroup(device, kind, backend, settings)

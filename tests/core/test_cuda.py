@@ -1,0 +1,59 @@
+"""CUDA tensors reduced where they lie, by NCCL (the default for CUDA tensors), against numpy.
+
+Needs CUDA: skipped otherwise, with the reason. One GPU runs a one-rank job (the NCCL group's setup and every
+device collective at size 1); two GPUs run a two-rank job, one GPU per rank (``SPARK_HVD_GPU``, as the Spark
+runner sets it), with NCCL and, for comparison, with ``SPARK_HVD_DEVICE_BACKEND=none`` (CUDA tensors staged
+through host memory and the ring). The same scenarios run on CPU with gloo standing in: ``test_device_path.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ringutil import run_ranks
+
+torch = pytest.importorskip("torch")
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_cuda = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (torch.cuda.is_available() is False here)")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs two CUDA GPUs, one per rank ({GPUS} visible here)")
+
+
+def _job(full: bool) -> dict:
+    import device_scenarios as ds
+    import torch
+
+    import spark_hvd.core as core
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    try:
+        assert torch.cuda.current_device() == int(core.job_env().gpu or 0)
+        report = ds.collectives("cuda")
+        ds.host_arrays_keep_the_ring()
+        if full:
+            report["mixed"] = ds.mixed_devices("cuda")
+            report["join"] = ds.join_with_device_tensors("cuda")
+        return report
+    finally:
+        hvd.shutdown()
+
+
+@needs_cuda
+def test_cuda_collectives_one_rank_nccl():
+    (report,) = run_ranks(_job, 1, env={"SPARK_HVD_GPU": "0"}, args=(False,), timeout=240)
+    assert report["checked"] == 14 and report["device_collectives"] >= 20
+
+
+@needs_two
+@pytest.mark.parametrize("device_backend", ["", "none"], ids=["nccl", "through-host"])
+def test_cuda_collectives_two_ranks(device_backend):
+    env = lambda rank: {"SPARK_HVD_GPU": str(rank), "SPARK_HVD_DEVICE_BACKEND": device_backend,  # noqa: E731
+                        "SPARK_HVD_TIMEOUT": "60"}
+    reports = run_ranks(_job, 2, env=env, args=(device_backend == "",), timeout=300)
+    for report in reports:
+        assert report["checked"] == 14
+        if device_backend == "":
+            assert report["device_collectives"] >= 20 and report["fused"] >= 1
+            assert "'mixed' is on cuda on ranks [0]; on host memory on ranks [1]" in report["mixed"]
+        else:
+            assert report["device_collectives"] == 0

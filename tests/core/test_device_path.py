@@ -1,0 +1,57 @@
+"""The device path (CUDA tensors reduced where they lie) on CPU: gloo stands in for NCCL.
+
+``SPARK_HVD_DEVICE_BACKEND=gloo`` sends torch CPU tensors down exactly the code CUDA tensors take (a
+``DeviceBuffer`` through the engine's negotiation and per-device fusion, the lazily opened ``TorchDeviceGroup``,
+its rendezvous over the job's own backend), so the plumbing is tested on every run. The CUDA run of the same
+scenarios is in ``test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ringutil import run_ranks
+
+pytest.importorskip("torch")
+
+
+def _job(device: str) -> dict:
+    import device_scenarios as ds
+
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    try:
+        report = ds.collectives(device)
+        ds.host_arrays_keep_the_ring()
+        report["mixed"] = ds.mixed_devices(device)
+        report["join"] = ds.join_with_device_tensors(device)
+        return report
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.parametrize("n, host_backend", [(2, "ring"), (3, "torch")], ids=["np2-ring", "np3-torch"])
+def test_device_path_with_gloo_standing_in(n, host_backend):
+    # host arrays on the ring, or on torch.distributed (SPARK_HVD_BACKEND=torch, which then owns the default
+    # group: the device group is a new group beside it)
+    env = {"SPARK_HVD_DEVICE_BACKEND": "gloo", "SPARK_HVD_BACKEND": host_backend, "SPARK_HVD_TIMEOUT": "60",
+           "SPARK_HVD_CYCLE_TIME": "5"}
+    reports = run_ranks(_job, n, env=env, args=("cpu",), timeout=240)
+    for report in reports:
+        assert report["checked"] == 14
+        assert report["fused"] >= 1  # the grouped allreduce went as (at most a few) fused collectives
+        assert report["device_collectives"] >= 20
+        assert "'mixed' is on cpu on ranks [0]; on host memory on ranks" in report["mixed"]
+    # the joined rank contributed zeros on its device; the last to join is one of the others, the same everywhere
+    assert len({report["join"] for report in reports}) == 1 and reports[0]["join"] in range(n - 1)
+
+
+def test_which_tensors_take_the_device_path():
+    from spark_hvd.core.device import device_key
+    from spark_hvd.core.settings import Settings
+
+    assert [device_key("cuda", b) for b in (None, "nccl", "gloo", "none")] == ["cuda", "cuda", "cuda", None]
+    assert [device_key("cpu", b) for b in (None, "nccl", "gloo", "none")] == [None, None, "cpu", None]
+    assert Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": " NCCL "}).device_backend == "nccl"
+    with pytest.raises(ValueError, match="SPARK_HVD_DEVICE_BACKEND='mpi' is not valid: expected one of nccl"):
+        Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": "mpi"})
