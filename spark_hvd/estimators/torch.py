@@ -113,7 +113,40 @@ def serialize_module(model: Any) -> bytes:
 # ------------------------------------------------------------------------------------------------ the estimator
 
 
-class TorchEstimator(KeywordParams, BaseEstimator, TorchEstimatorParams):
+class TorchModuleEstimator(BaseEstimator):
+    """What the Torch and Lightning estimators share: module bytes, the trained module read back, MLflow."""
+
+    @classmethod
+    def _serialize_model(cls, model: Any) -> bytes:
+        return serialize_module(model)
+
+    @classmethod
+    def _deserialize_model(cls, data: bytes) -> Any:
+        return deserialize_module(data)
+
+    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+        import torch
+
+        # a CPU copy of the user's module (which may sit on a GPU of the driver), then the trained weights
+        model = deserialize_module(serialize_module(self.getOrDefault(self.model)))
+        state = torch.load(io.BytesIO(RunFiles(store, run_id).read_model_file("model.pt")), map_location="cpu")
+        model.load_state_dict(state)
+        return model.eval()
+
+    def _model_params(self) -> dict:
+        return {"input_shapes": self.getOrDefault(self.input_shapes)}
+
+    def _log_mlflow_model(self, model: Any) -> None:
+        import mlflow.pytorch
+        import torch
+
+        # explicit requirements: MLflow's inference of them loads the model in a subprocess (tens of seconds)
+        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                                   f"cloudpickle=={cloudpickle.__version__}"])
+
+
+class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
     """Data-parallel training of a ``torch.nn.Module`` on a Spark DataFrame; ``fit(df)`` returns a ``TorchModel``.
 
     Example::
@@ -141,14 +174,6 @@ class TorchEstimator(KeywordParams, BaseEstimator, TorchEstimatorParams):
     _spec_class = TorchSpec
 
     # ---- persistence: the optimizer is saved as a spec over the model's parameters, rebuilt on load
-    @classmethod
-    def _serialize_model(cls, model: Any) -> bytes:
-        return serialize_module(model)
-
-    @classmethod
-    def _deserialize_model(cls, data: bytes) -> Any:
-        return deserialize_module(data)
-
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":
             return cloudpickle.dumps(optimizer_spec(value, self.getOrDefault(self.model)))
@@ -201,26 +226,6 @@ class TorchEstimator(KeywordParams, BaseEstimator, TorchEstimatorParams):
     def _train_function(self) -> Callable[[TorchSpec], Any]:
         return train_on_rank
 
-    def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        import torch
-
-        # a CPU copy of the user's module (which may sit on a GPU of the driver), then the trained weights
-        model = deserialize_module(serialize_module(self.getOrDefault(self.model)))
-        state = torch.load(io.BytesIO(RunFiles(store, run_id).read_model_file("model.pt")), map_location="cpu")
-        model.load_state_dict(state)
-        return model.eval()
-
-    def _model_params(self) -> dict:
-        return {"input_shapes": self.getOrDefault(self.input_shapes)}
-
-    def _log_mlflow_model(self, model: Any) -> None:
-        import mlflow.pytorch
-        import torch
-
-        # explicit requirements: MLflow's inference of them loads the model in a subprocess (tens of seconds)
-        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                                   f"cloudpickle=={cloudpickle.__version__}"])
 
 
 # ------------------------------------------------------------------------------------------------ optimizer

@@ -131,7 +131,7 @@ def default_train_minibatch(model: Any, optimizer: Any, transform_outputs: Calla
 
 class TorchTrainer(RankTrainer):
     """The torch loop (see the module docstring); ``_build_training``, ``_train_batch``, ``_validate`` and
-    ``_epoch_metrics`` are what ``LightningTrainer`` replaces."""
+    ``_epoch_start``/``_epoch_end`` are what ``LightningTrainer`` replaces."""
 
     def init(self, spec: Any) -> None:
         import torch
@@ -226,6 +226,7 @@ class TorchTrainer(RankTrainer):
             for cb in callbacks:
                 getattr(cb, "on_epoch_begin", lambda e: None)(epoch)
             self.model.train()
+            self._epoch_start()
             acc: dict[str, float] = {}
             rows = 0
             for step, batch in enumerate(run.readers.epoch("train", epoch)):
@@ -238,6 +239,7 @@ class TorchTrainer(RankTrainer):
                     self.scheduler.step()
                 for cb in callbacks:
                     getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, loss)
+            self._epoch_end()
             logs = self._epoch_metrics(acc, rows)
             if run.readers.has_validation:
                 logs.update(self._validate(run, epoch))
@@ -249,6 +251,12 @@ class TorchTrainer(RankTrainer):
                 getattr(cb, "on_epoch_end", lambda e, logs: None)(epoch, logs)
             if run.end_epoch(epoch, logs, stop=self.context.stop_training):
                 break
+
+    def _epoch_start(self) -> None:
+        """Before an epoch's first batch (a hook for subclasses)."""
+
+    def _epoch_end(self) -> None:
+        """After an epoch's last batch (a hook for subclasses)."""
 
     def _tensors(self, batch: dict) -> tuple[list, list, Any]:
         import torch
