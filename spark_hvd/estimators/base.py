@@ -350,6 +350,8 @@ class BaseModel(Model, _PersistableStage):
         out_cols = self.getOutputCols()
         if not out_cols:
             raise ValueError("set label_cols or output_cols: transform adds one output column per label")
+        if len(set(out_cols)) != len(out_cols):
+            raise ValueError(f"output_cols has duplicate names {out_cols}; give each output its own column")
         clash = [c for c in out_cols if c in df.columns]
         if clash:
             raise ValueError(f"output column(s) {clash} already exist in the DataFrame; choose others with "
@@ -457,6 +459,21 @@ class BaseEstimator(Estimator, _PersistableStage):
         """Extra params of the returned Model (e.g. input_shapes)."""
         return {}
 
+    def _class_index_labels(self) -> list[bool]:
+        """Per label column: whether its loss takes class indices (default: none known)."""
+        return []
+
+    def _check_label_types(self, df: Any) -> None:
+        """A class-index loss given a fractional label column is an error (0.7 would silently become 0)."""
+        from pyspark.sql.types import DecimalType, DoubleType, FloatType
+
+        for col, class_index in zip(self.getOrDefault(self.label_cols), self._class_index_labels(), strict=False):
+            if class_index and isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType):
+                kind = df.schema[col].dataType.simpleString()
+                raise ValueError(f"{type(self).__name__}: label column {col!r} is {kind} but its loss takes class "
+                                 "indices; cast it to an integer type "
+                                 f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
+
     def _log_mlflow_model(self, model: Any) -> None:
         raise NotImplementedError
 
@@ -513,11 +530,13 @@ class BaseEstimator(Estimator, _PersistableStage):
                 import mlflow  # noqa: F401
             except ImportError as exc:
                 raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
+        self._check_label_types(df)
         from spark_hvd.runner.spark import check_slots
 
         sc = df.sparkSession.sparkContext
         num_proc = get(self.num_proc) or sc.defaultParallelism
         check_slots(sc, num_proc)
+        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
 
     # ---- fit
@@ -573,6 +592,21 @@ class BaseEstimator(Estimator, _PersistableStage):
             for key, values in model.getHistory().items():
                 for epoch, value in enumerate(values):
                     mlflow.log_metric(key, float(value), step=epoch)
+
+
+def _check_rows(df: Any, name: str, cols: list[str]) -> None:
+    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    aggs = [F.count(F.lit(1)).alias("rows")] + [F.sum(F.col(c).isNull().cast("long")).alias(f"n{i}")
+                                                 for i, c in enumerate(cols)]
+    counts = df.agg(*aggs).collect()[0]
+    if not counts["rows"]:
+        raise ValueError(f"{name}: the DataFrame given to fit is empty")
+    nulls = {c: counts[f"n{i}"] for i, c in enumerate(cols) if counts[f"n{i}"]}
+    if nulls:
+        raise ValueError(f"{name}: null values in column(s) {nulls} (column: rows); drop or fill them before fit "
+                         "(df.na.drop(subset=[...]) or df.na.fill(...))")
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

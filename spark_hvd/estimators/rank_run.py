@@ -26,7 +26,7 @@ from typing import Any
 from spark_hvd.estimators.base import RunFiles, ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
 
-__all__ = ["RankRun", "RankTrainer", "TrainingContext", "check_finite"]
+__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,37 @@ class TrainingContext:
         self.rank = rank
         self.size = size
         self.stop_training = False
+
+
+class EarlyStopping:
+    """A torch-loop callback (``TorchEstimator``, ``LightningEstimator``): stop when ``monitor`` (a logs key such as
+    ``val_loss``) has not improved by more than ``min_delta`` for ``patience`` epochs; ``mode`` min, max or auto."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
+                 min_delta: float = 0.0) -> None:
+        from spark_hvd.estimators.spec import BestPolicy
+
+        self.policy = BestPolicy.create(monitor, mode, min_delta)
+        self.patience = int(patience)
+        self.best: float | None = None
+        self.wait = 0
+        self.context: TrainingContext | None = None
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        self.context = context
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        value = logs.get(self.policy.monitor)
+        if value is None:
+            raise KeyError(f"EarlyStopping monitors {self.policy.monitor!r}, not in the logs {sorted(logs)}")
+        if self.policy.improved(value, self.best):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= max(self.patience, 1):  # as Keras: patience 0 and 1 stop at the first miss
+            log.info("early stopping after epoch %d: %s did not improve for %d epochs", epoch,
+                     self.policy.monitor, self.wait)
+            self.context.stop_training = True
 
 
 class RankTrainer(ABC):

@@ -15,10 +15,11 @@ import numpy as np
 
 from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
+from spark_hvd.estimators.rank_run import EarlyStopping
 from spark_hvd.estimators.spec import BestPolicy, TorchSpec
-from spark_hvd.estimators.torch_rank import resolve_losses, resolve_metric, train_on_rank
+from spark_hvd.estimators.torch_rank import is_class_index_loss, resolve_losses, resolve_metric, train_on_rank
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__all__ = ["TorchEstimator", "TorchModel", "EarlyStopping"]
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,10 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             value = self._opt(getattr(self, param))
             if value is not None and not callable(value):
                 raise TypeError(f"TorchEstimator: {param} must be a callable, got {type(value).__name__}")
+
+    def _class_index_labels(self) -> list[bool]:
+        losses = resolve_losses(self._opt(self.loss), len(self.getOrDefault(self.label_cols)))
+        return [is_class_index_loss(item) for item in losses]
 
     def _train_spec(self) -> dict:
         get = self.getOrDefault
