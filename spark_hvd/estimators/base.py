@@ -1,7 +1,13 @@
-"""What the Torch and Keras estimators share: persistence, batched Arrow inference, and the fit skeleton.
+"""What the Torch, Keras and Lightning estimators share: persistence, batched Arrow inference, the fit skeleton.
 
-A framework estimator (``torch.py``, ``keras.py``) adds only what differs: how its model and optimizer become bytes
-and back, the training function run on every rank, and how a batch of numpy inputs goes through the model.
+(Over 400 lines: this is the whole shared driver half of three estimators plus the rank-side data glue, kept in
+one module while the runner and store call sites in ``fit`` are being changed by other work; persistence and
+inference are the natural pieces to split out next.)
+
+A framework estimator (``torch.py``, ``keras.py``, ``lightning.py``) adds only what differs: how its model and
+optimizer become bytes and back, its typed spec (``spec.py``), the training function run on every rank (a
+``RankRun`` with the framework's ``RankTrainer``, ``rank_run.py``), and how a batch of numpy inputs goes through
+the model.
 
 Persistence (``MLWritable``/``MLReadable``): a stage saved at ``path`` is ``path/metadata`` (Spark's JSON metadata with
 the JSON-able params, as ``DefaultParamsWriter`` writes it, so ``Pipeline``/``PipelineModel.load`` find the class)

@@ -1,4 +1,5 @@
-"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``).
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``;
+the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -267,7 +268,7 @@ def _model_output_count(model: Any) -> int | None:
 
 
 class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
-    """Data-parallel training of a Keras 3 model (TensorFlow backend) on a Spark DataFrame; ``fit`` -> ``KerasModel``.
+    """Data-parallel training of a Keras 3 model (TensorFlow or torch backend) on a DataFrame -> ``KerasModel``.
 
     Example::
 
