@@ -94,7 +94,10 @@ def frames(spark):
 CASES = [  # (what, params, which frame, exception, message, whether no Spark job may run at all)
     ("missing feature column", dict(feature_cols=["nope"]), "df", ValueError, r"feature_cols: column 'nope'", True),
     ("misspelt label", dict(label_cols=["lable"]), "df", ValueError, r"did you mean \['label'\]", True),
+    ("misspelt weight column", dict(sample_weight_col="wieght"), "df", ValueError, r"sample_weight_col.*'weight'",
+     True),
     ("zero batch size", dict(batch_size=0), "df", ValueError, r"batch_size must be a positive integer", True),
+    ("negative epochs", dict(epochs=-1), "df", ValueError, r"epochs must be a positive integer, got -1", True),
     ("too many processes", dict(num_proc=3), "df", Exception, r"num_proc=3.*free task slots", True),
     ("bad run id", dict(run_id="../escape"), "df", Exception, r"run_id", True),
     ("no store", dict(store=None), "df", ValueError, r"set store", True),

@@ -1,6 +1,9 @@
-"""KerasEstimator on Keras's torch backend (KERAS_BACKEND=torch): fit and transform with TensorFlow never imported.
+"""KerasEstimator on Keras's torch backend (KERAS_BACKEND=torch) on a cluster without TensorFlow: fit and transform.
 
 Keras picks its backend once per process, so the fit runs in a fresh Python process with its own local[2] Spark.
+A ``tensorflow`` package that raises ImportError comes first on its PYTHONPATH (inherited by Spark's Python
+workers, which the script checks): a torch-only cluster, simulated. (With TensorFlow installed, Keras itself
+imports it to save a ``.keras`` file even on the torch backend; spark_hvd does not.)
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ SCRIPT = textwrap.dedent("""
     assert keras.backend.backend() == "torch"
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+
+    def probe(_):
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError:
+            return "no tensorflow"
+        return "tensorflow"
+
+    assert spark.sparkContext.parallelize([0], 1).map(probe).collect() == ["no tensorflow"]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 3)).astype(np.float32)
     y = x @ np.array([1.5, -2.0, 0.5]) + 0.3
@@ -44,14 +56,18 @@ SCRIPT = textwrap.dedent("""
     got = np.array([r.y__output for r in rows])
     expected = np.asarray(fitted.getModel().predict(np.array([r.features for r in rows], np.float32), verbose=0))
     np.testing.assert_allclose(got, expected.ravel(), rtol=1e-5, atol=1e-5)
-    assert "tensorflow" not in sys.modules, "the torch backend imported TensorFlow"
+    assert sys.modules.get("tensorflow") is None
     spark.stop()
     print("KERAS-TORCH-OK", hist["loss"][-1])
 """)
 
 
 def test_keras_estimator_on_the_torch_backend(tmp_path):
-    env = {**os.environ, "KERAS_BACKEND": "torch"}
+    blocker = tmp_path / "no_tf" / "tensorflow"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no TensorFlow on this torch-only cluster')\n")
+    path = os.pathsep.join([str(blocker.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "KERAS_BACKEND": "torch", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "store")], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0 and "KERAS-TORCH-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
