@@ -1,4 +1,5 @@
-"""Allreduce benchmark: spark_hvd's RingBackend vs torch.distributed (gloo) vs mpi4py on Open MPI, interleaved.
+"""Allreduce benchmark: spark_hvd as users call it and its bare RingBackend vs torch.distributed (gloo) vs mpi4py
+on Open MPI, interleaved.
 
 For each job size N, one group of N processes per implementation is started and kept alive; the driver then
 asks the groups in turn (rotating the order every round) to time ``iters`` float32 SUM allreduces of one size,
@@ -11,11 +12,15 @@ bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to glo
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,gloo --sizes 4K,16M --rounds 7
     .venv/bin/python benchmarks/allreduce.py --fusion        # + 161 ResNet-50 tensors through the engine (ring)
     .venv/bin/python benchmarks/allreduce.py --np 4 --impls ring,ring-tcp,ring-hier,gloo   # the ring's other paths
+    .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,ring-tcp,gloo,mpi   # the user's path
 
 ``ring`` is the built-in backend as a user gets it (shared memory between the ranks of one host); ``ring-tcp``
 forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and second half of the ranks look like
 two hosts (``SPARK_HVD_HOST_ID``), so it runs the hierarchical path: shared memory within a "host", the TCP ring
-between the two leaders (needs N >= 4 to differ from the TCP ring).
+between the two leaders (needs N >= 4 to differ from the TCP ring). ``api`` and ``api-tcp`` are what a user calls:
+``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
+torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``), one fixed tensor name per size as
+a training loop has.
 
 The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
 """
@@ -40,8 +45,8 @@ sys.path.insert(0, str(ROOT))
 from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
-IMPLS = ("ring", "gloo", "mpi", "ring-tcp", "ring-hier")
-DEFAULT_IMPLS = ("ring", "gloo", "mpi")
+IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier")
+DEFAULT_IMPLS = ("api", "ring", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -101,6 +106,27 @@ def _worker(impl: str) -> None:
         barrier = dist.barrier
         close = dist.destroy_process_group
         transport = "gloo tcp"
+    elif impl.startswith("api"):
+        import torch
+
+        import spark_hvd.core as core
+        import spark_hvd.torch as hvd
+
+        torch.set_num_threads(1)
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        tensors: dict[int, torch.Tensor] = {}
+
+        def allreduce(buf: np.ndarray) -> None:
+            tensor = tensors.get(id(buf))
+            if tensor is None:
+                tensors.clear()
+                tensor = tensors[id(buf)] = torch.from_numpy(buf)  # shares buf's memory
+            hvd.allreduce_(tensor, name=f"bench.{buf.nbytes}", op=hvd.Sum)
+
+        barrier = hvd.barrier
+        close = hvd.shutdown
+        transport = f"spark_hvd.torch.allreduce_ over {getattr(core.get_engine().backend, 'transport', '?')}"
     else:
         from spark_hvd.core.backend import ReduceOp
         from spark_hvd.core.rendezvous import KVRendezvous
@@ -166,7 +192,7 @@ class Group:
             return
         job = f"bench{os.getpid()}{impl}{n}"
         extra = {"SPARK_HVD_SIZE": str(n), "SPARK_HVD_JOB_ID": job, "SPARK_HVD_SECRET": secret.hex()}
-        if impl == "ring-tcp":
+        if impl in ("ring-tcp", "api-tcp"):
             extra["SPARK_HVD_SHM"] = "0"
         if impl == "gloo":
             with socket.socket() as probe:

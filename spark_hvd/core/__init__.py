@@ -50,6 +50,7 @@ from spark_hvd.core.errors import (
     PeerFailureError,
     ShutdownError,
     SparkHvdError,
+    StallError,
     TensorMismatchError,
 )
 from spark_hvd.core.settings import Settings
@@ -63,7 +64,8 @@ Product = ReduceOp.PRODUCT
 __all__ = [
     "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
     "NotInitializedError", "PeerFailureError", "Product", "ReduceOp", "Rendezvous", "Settings", "ShutdownError",
-    "SparkHvdError", "Sum", "TensorMismatchError", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "allgather", "allgather_async", "allgather_object",
+    "allreduce",
     "allreduce_async", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast", "broadcast_async",
     "broadcast_object", "cross_rank", "cross_size", "get_engine", "grouped_allreduce", "grouped_allreduce_async",
     "init", "is_initialized", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",

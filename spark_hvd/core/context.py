@@ -260,8 +260,13 @@ def poll(handle: Handle) -> bool:
 
 def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
               postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
-    """Blocking ``allreduce_async`` (in place; returns ``buf``)."""
-    return allreduce_async(buf, name, op, prescale, postscale, bfloat16).wait()
+    """Blocking ``allreduce_async`` (in place; returns ``buf``).
+
+    The calling thread runs the negotiation round and the collective itself when the engine thread is not in a
+    round (no hand-off between threads), so a small allreduce costs about what the backend's own does.
+    """
+    return _get("allreduce()").engine.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
+                                              bfloat16=bfloat16, start_engine=False).wait()
 
 
 def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
@@ -273,12 +278,12 @@ def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = 
 
 def allgather(buf: np.ndarray, name: str | None = None) -> np.ndarray:
     """Blocking ``allgather_async``."""
-    return allgather_async(buf, name).wait()
+    return _get("allgather()").engine.enqueue("allgather", buf, name, start_engine=False).wait()
 
 
 def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
     """Blocking ``broadcast_async`` (in place; returns ``buf``)."""
-    return broadcast_async(buf, root_rank, name).wait()
+    return _get("broadcast()").engine.enqueue("broadcast", buf, name, root=root_rank, start_engine=False).wait()
 
 
 def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None
@@ -294,7 +299,7 @@ def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | 
 
 def barrier() -> None:
     """Return once every rank has called ``barrier()``."""
-    _get("barrier()").engine.enqueue("barrier").wait()
+    _get("barrier()").engine.enqueue("barrier", start_engine=False).wait()
 
 
 def join() -> int:

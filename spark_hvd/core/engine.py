@@ -17,7 +17,9 @@ same gathered data, so all ranks reach the same answer without a coordinator:
   otherwise the engine packs a reusable fusion buffer of up to ``fusion_threshold`` bytes per collective, and
   reduces tensors of 4 MiB and more in place on their own, since copying them would cost more than their
   collective's latency;
-- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks.
+- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks; after
+  ``stall_shutdown_time_s`` every rank raises a ``StallError`` naming it, in the same round (each rank reports the
+  tensors it finds too old by its own clock in its message, and every rank acts on the union).
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
 (half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
@@ -34,8 +36,17 @@ spell), extended while a burst of submissions is still arriving (up to 5 cycles)
 that waits on a handle whose request is still unsent starts the round at once (``hurry``): nothing submitted
 later could join that operation, so the cycle would only add latency.
 
-A steady training loop sends only cache ids and leaves nothing outstanding; such a round skips the table: the ids
-every rank sent are ready as they are (``_ready_from_cache``).
+Fast rounds: a steady training loop sends only cache ids and leaves nothing outstanding. When the table is empty
+(which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
+with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
+no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
+some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``).
+
+Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
+the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
+between threads. Both run the same deterministic round, so every rank still makes the same sequence of
+collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
+thread unless they cannot take the lock.
 
 Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
@@ -52,18 +63,21 @@ outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms whi
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
+
+Why this module is long (~950 lines): a round (pacing, fast, speculative and full negotiation, execution, stalls)
+is one state machine whose state must stay identical on every rank, and splitting it would spread that invariant
+over several files; what it does not own lives beside it (``handle.py``: handles; ``negotiation.py``: metadata,
+the table's entries, the response cache).
 """
 
 from __future__ import annotations
 
-import _thread
-import copy
 import json
 import logging
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -71,16 +85,23 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.errors import ShutdownError, SparkHvdError, TensorMismatchError
+from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
+from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
+from spark_hvd.core.negotiation import (
+    CACHEABLE,
+    KINDS,
+    RAGGED,
+    Meta,
+    ResponseCache,
+    TableEntry,
+    reduction_identity,
+)
 from spark_hvd.core.reduce import check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.timeline import Timeline, timeline_path
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
-_CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
-_RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
 _LEN = struct.Struct("!I")
 _OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
 _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
@@ -88,135 +109,25 @@ _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a pe
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
 _DIRECT_BYTES = 4 * 1024 * 1024
+_SPEC_BYTES = 64 * 1024  # rounds of at most this many bytes are run speculatively (one collective, see _Spec)
 
 
-class Meta(NamedTuple):
-    """What every rank must agree on for one named tensor."""
+class _Spec(NamedTuple):
+    """A round every rank expects to repeat: the same cache ids, one small float SUM/AVERAGE group.
 
-    kind: str
-    dtype: str
-    shape: tuple[int, ...]
-    op: str
-    root: int
+    Armed (identically on every rank) after two consecutive clean fast rounds that agreed on these ids. The next
+    round is then a single allreduce of ``[flag, tensors...]``: every rank whose submissions are exactly ``ids``
+    packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the packed part
+    is the answer (negotiation and data in one collective); otherwise every rank drops it, disarms, and negotiates
+    the round as usual, having spent one small collective.
+    """
+
+    ids: tuple[int, ...]
+    dtype: np.dtype
+    op: ReduceOp
     prescale: float
     postscale: float
-    bfloat16: bool
-
-    def to_wire(self, name: str) -> list:
-        return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,
-                self.bfloat16]
-
-    @classmethod
-    def from_wire(cls, item: list) -> tuple[str, Meta]:
-        name, kind, dtype, shape, op, root, pre, post, bf16 = item
-        return str(name), cls(str(kind), str(dtype), tuple(int(s) for s in shape), str(op), int(root), float(pre),
-                              float(post), bool(bf16))
-
-    def agreement_key(self) -> tuple:
-        if self.kind in _RAGGED:
-            return (self.kind, self.dtype, self.shape[1:], self.bfloat16)
-        return tuple(self)
-
-    def describe(self) -> str:
-        dtype = "bfloat16" if self.bfloat16 else (np.dtype(self.dtype).name if self.dtype else "-")
-        text = f"{self.kind} shape={self.shape} dtype={dtype}"
-        if self.kind in ("allreduce", "reducescatter"):
-            text += f" op={self.op}"
-            if self.prescale != 1.0 or self.postscale != 1.0:
-                text += f" prescale={self.prescale} postscale={self.postscale}"
-        if self.kind == "broadcast":
-            text += f" root={self.root}"
-        return text
-
-
-_FINISH = threading.Lock()  # makes "finish a handle once" atomic between the engine and a shutting-down caller
-
-
-class Handle:
-    """The pending result of one enqueued operation. ``wait()`` returns it or raises the operation's error."""
-
-    __slots__ = ("name", "kind", "_engine", "_latch", "_done", "_result", "_error")
-
-    def __init__(self, name: str, kind: str, engine: Engine | None) -> None:
-        self.name = name
-        self.kind = kind
-        self._engine = engine
-        self._latch = _thread.allocate_lock()  # held until the operation finishes (cheaper than an Event)
-        self._latch.acquire()
-        self._done = False
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def done(self) -> bool:
-        """True once the operation has finished (successfully or not); never blocks."""
-        return self._done
-
-    def wait(self) -> Any:
-        """Block until the operation finishes; return its result or raise its error.
-
-        The engine bounds every collective by the timeout, so this returns or raises; a tensor that other ranks
-        never submit is reported by the engine's stall warnings while this waits.
-        """
-        if not self._done and self._engine is not None:
-            self._engine.hurry()
-        while not self._done:
-            if self._latch.acquire(timeout=0.5):
-                self._latch.release()  # let any other waiter through
-                break
-            if self._engine is not None:
-                self._engine.check_alive(self)
-        if self._error is not None:
-            raise _copy_error(self._error)
-        return self._result
-
-    def _finish(self, result: Any, error: BaseException | None) -> None:
-        with _FINISH:
-            if self._done:
-                return
-            self._result = result
-            self._error = error
-            self._done = True
-        self._latch.release()
-
-    def _set_result(self, result: Any) -> None:
-        self._finish(result, None)
-
-    def _set_error(self, error: BaseException) -> None:
-        self._finish(None, error)
-
-
-def _finish_all(results: list[tuple[Handle, Any]]) -> None:
-    """``_set_result`` for many handles under one acquisition of the finish lock."""
-    released = []
-    with _FINISH:
-        for handle, result in results:
-            if not handle._done:
-                handle._result = result
-                handle._done = True
-                released.append(handle._latch)
-    for latch in released:
-        latch.release()
-
-
-class GroupHandle(Handle):
-    """A handle over several handles (grouped allreduce); its result is the list of their results."""
-
-    def __init__(self, name: str, handles: Sequence[Handle]) -> None:
-        super().__init__(name, "grouped_allreduce", None)
-        self.handles = list(handles)
-
-    def done(self) -> bool:
-        return all(h.done() for h in self.handles)
-
-    def wait(self) -> list[Any]:
-        return [h.wait() for h in self.handles]
-
-
-def _copy_error(error: BaseException) -> BaseException:
-    try:
-        return copy.copy(error)
-    except Exception:  # an exception type that cannot be copied: raise the original
-        return error
+    count: int
 
 
 @dataclass
@@ -232,85 +143,6 @@ class _Request:
     enqueued: float
     taken: float = 0.0
     sent: bool = False
-
-
-class _Entry:
-    """One outstanding tensor in the table every rank keeps identical (``meta``: the first rank's)."""
-
-    __slots__ = ("name", "meta", "metas", "created", "warned")
-
-    def __init__(self, name: str, meta: Meta) -> None:
-        self.name = name
-        self.meta = meta
-        self.metas: dict[int, Meta] = {}
-        self.created = time.monotonic()
-        self.warned = 0.0
-
-
-class _ResponseCache:
-    """LRU of agreed metadata by name, with small integer ids; updated identically on every rank."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(int(capacity), 0)
-        self._by_name: OrderedDict[str, tuple[int, Meta]] = OrderedDict()
-        self._by_id: dict[int, tuple[str, Meta]] = {}
-        self._free: list[int] = []
-        self._next = 0
-
-    def lookup(self, name: str, meta: Meta) -> int | None:
-        hit = self._by_name.get(name)
-        if hit is not None and hit[1] == meta:
-            return hit[0]
-        return None
-
-    def get(self, cache_id: int) -> tuple[str, Meta]:
-        try:
-            return self._by_id[cache_id]
-        except KeyError:
-            raise SparkHvdError(f"response cache id {cache_id} is unknown on this rank: the ranks' caches "
-                                "diverged (a bug; please report it)") from None
-
-    def put(self, name: str, meta: Meta) -> None:
-        if self.capacity == 0:
-            return
-        hit = self._by_name.get(name)
-        if hit is not None:
-            if hit[1] == meta:
-                self._by_name.move_to_end(name)
-                return
-            cache_id = hit[0]
-            del self._by_name[name]
-        elif len(self._by_name) >= self.capacity:
-            _, (cache_id, _) = self._by_name.popitem(last=False)
-            del self._by_id[cache_id]
-        elif self._free:
-            cache_id = self._free.pop()
-        else:
-            cache_id = self._next
-            self._next += 1
-        self._by_name[name] = (cache_id, meta)
-        self._by_id[cache_id] = (name, meta)
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-
-_BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
-
-
-def _identity(shape: tuple[int, ...], dtype: np.dtype, op: str, bfloat16: bool) -> np.ndarray:
-    """What a joined rank contributes to a reduction: the identity of ``op``."""
-    if op in ("sum", "average"):
-        return np.zeros(shape, dtype)
-    if bfloat16:
-        value = {"product": "one", "min": "inf", "max": "-inf"}[op]
-        return np.full(shape, _BF16_BITS[value], np.uint16)
-    if op == "product":
-        return np.ones(shape, dtype)
-    if np.issubdtype(dtype, np.floating):
-        return np.full(shape, np.inf if op == "min" else -np.inf, dtype)
-    info = np.iinfo(dtype)
-    return np.full(shape, info.max if op == "min" else info.min, dtype)
 
 
 class Engine:
@@ -341,10 +173,14 @@ class Engine:
         self._shutdown_requested = False
         self._error: BaseException | None = None
         self._stopped = False
+        # Rounds run one at a time, in the engine thread or in a caller waiting on a handle (``drive``).
+        self._round_lock = threading.Lock()
+        self._rounds_done = 0
+        self._finished = False  # a round ended the engine (failure, shutdown): no more rounds
         # State identical on every rank.
-        self._pending: dict[str, _Entry] = {}
+        self._pending: dict[str, TableEntry] = {}
         self._joined: set[int] = set()
-        self._cache = _ResponseCache(settings.cache_capacity)
+        self._cache = ResponseCache(settings.cache_capacity)
         # Pacing.
         self._cycle = max(settings.cycle_time_ms, 0.0) / 1000.0
         self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
@@ -360,6 +196,8 @@ class Engine:
         self._backend_fuses = backend.fuses_in_place
         self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
+        self._spec: _Spec | None = None  # identical on every rank
+        self._last_common: list[int] = []
         self.timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -372,8 +210,12 @@ class Engine:
 
     def enqueue(self, kind: str, buf: np.ndarray | None = None, name: str | None = None, *,
                 op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                bfloat16: bool = False, root: int = 0, splits: Sequence[int] | None = None) -> Handle:
+                bfloat16: bool = False, root: int = 0, splits: Sequence[int] | None = None,
+                start_engine: bool = True) -> Handle:
         """Submit one collective; returns at once with a ``Handle``.
+
+        ``start_engine=False`` (the blocking calls, which wait at once) leaves a sleeping engine thread asleep:
+        the caller's ``wait()`` runs the round itself, and wakes the engine thread only if it cannot.
 
         ``allreduce`` and ``broadcast`` work in place on ``buf`` (C-contiguous and writable); the others read
         ``buf`` and return a new array (``alltoall``: ``(array, recv_splits)``). Ops without a name get
@@ -413,8 +255,10 @@ class Engine:
             self._local[name] = request
             self._outbox.append(request)
             self._last_enqueue = request.enqueued
-            wake, self._sleeping = self._sleeping, False
-        if wake:  # the engine already knows of earlier work: no wake-up (and GIL hand-over) per tensor
+            wake = self._sleeping
+            if start_engine:
+                self._sleeping = False
+        if wake and start_engine:  # the engine knows of earlier work: no wake-up (and GIL hand-over) per tensor
             self._wake.set()
         return handle
 
@@ -434,7 +278,7 @@ class Engine:
                 raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
         else:
             buf = np.ascontiguousarray(buf)
-            if kind in _RAGGED and buf.ndim == 0:
+            if kind in RAGGED and buf.ndim == 0:
                 buf = buf.reshape(1)
         return buf
 
@@ -450,6 +294,30 @@ class Engine:
         self._wake.set()
         return handle
 
+    def drive(self, handle: Handle) -> None:
+        """Run negotiation rounds in the calling thread while ``handle`` waits, instead of handing them over.
+
+        A blocking ``allreduce`` then costs one round and its collective, with no thread hand-off: the caller
+        takes the round lock (only when the engine thread is not in a round itself) and runs the same round the
+        engine thread would, so every rank still runs the same sequence of collectives whichever thread runs
+        them. It goes on while rounds make progress (the peers are submitting too), and leaves the rest to the
+        engine thread's pacing once a round moves nothing (a peer is busy elsewhere), so a wait never spins.
+        """
+        while not handle._done and not self._finished:
+            if not self._round_lock.acquire(blocking=False):
+                break  # the engine thread is in a round: it will answer, or pace the next one
+            try:
+                if self._finished:
+                    break
+                progress = self._guarded_round(in_caller=True)
+            finally:
+                self._round_lock.release()
+            if not progress:
+                break
+        if not handle._done:
+            self.hurry()
+            self._wake.set()  # the engine thread may sleep towards a heartbeat: let it pace the new state
+
     def hurry(self) -> None:
         """A caller is about to wait: start the next round now rather than collecting a cycle's worth more.
 
@@ -462,7 +330,7 @@ class Engine:
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
-            raise _copy_error(self._error)
+            raise copy_error(self._error)
         if self._shutdown_requested or self._stopped:
             raise ShutdownError(f"the spark_hvd engine of rank {self.rank} has been shut down")
 
@@ -494,20 +362,47 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            while True:
+            while not self._finished:
+                seen = self._rounds_done
                 self._wait_for_round()
-                if self._round():
-                    break
-        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ by rank
-            logger.error("rank %d: %s", self.rank, exc)
-            self._fail_all(exc)
-        except BaseException as exc:  # a bug: every waiter must hear of it
-            logger.exception("the spark_hvd engine of rank %d failed", self.rank)
-            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} failed: {exc!r}"))
+                with self._round_lock:
+                    if self._finished:
+                        break
+                    if self._rounds_done != seen:
+                        continue  # a waiting caller ran a round meanwhile: pace again from the new state
+                    self._guarded_round(in_caller=False)
         finally:
             self._stopped = True
             if self.timeline is not None:
                 self.timeline.flush()
+
+    def _guarded_round(self, in_caller: bool) -> bool:
+        """``_round`` under the round lock, turning its failure into the engine's error. True on progress."""
+        try:
+            progress, stop = self._round()
+        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ, a stall
+            logger.error("rank %d: %s", self.rank, exc)
+            self._fail_all(exc)
+            progress, stop = False, True
+        except BaseException as exc:  # a bug, or an interrupt of a caller in the middle of a round
+            if isinstance(exc, Exception):
+                logger.exception("the spark_hvd engine of rank %d failed", self.rank)
+            what = "was interrupted in the middle of a round" if in_caller else "failed"
+            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} {what}: {exc!r}; the ranks "
+                                         "can no longer be kept in step, so spark_hvd stopped"))
+            self._rounds_done += 1
+            self._stop_engine()
+            if in_caller and not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends reach the user
+            return False
+        self._rounds_done += 1
+        if stop:
+            self._stop_engine()
+        return progress
+
+    def _stop_engine(self) -> None:
+        self._finished = True
+        self._wake.set()
 
     def _has_local_work(self) -> bool:
         return bool(self._outbox) or self._shutdown_requested or (
@@ -516,7 +411,7 @@ class Engine:
     def _wait_for_round(self) -> None:
         first_seen: float | None = None
         idle_before = not (self._pending or self._joined)
-        while True:
+        while not self._finished:
             self._wake.clear()
             now = time.perf_counter()
             with self._lock:
@@ -552,8 +447,8 @@ class Engine:
                 return
             self._wake.wait(remaining)
 
-    def _round(self) -> bool:
-        """One negotiation round and the collectives it agrees on. True when the engine must stop."""
+    def _round(self) -> tuple[bool, bool]:
+        """One negotiation round and the collectives it agrees on. Returns (progress, the engine must stop)."""
         start = time.perf_counter()
         self._last_start = start
         with self._lock:
@@ -565,68 +460,218 @@ class Engine:
             shutdown_flag = self._shutdown_requested
         ids: list[int] = []
         full: list[list] = []
+        by_id: dict[int, _Request] = {}
         for request in outgoing:
             request.taken = start
             request.sent = True
-            cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in _CACHEABLE else None
+            cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in CACHEABLE else None
             if cache_id is None:
                 full.append(request.meta.to_wire(request.name))
             else:
                 ids.append(cache_id)
+                by_id[cache_id] = request
         self.stats["cache_hits"] += len(ids)
         self.stats["full_requests"] += len(full)
-        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full]
         first_round = self.stats["rounds"] == 0
+        self.stats["rounds"] += 1
+        ready: list[tuple[TableEntry, TensorMismatchError | None]] = []
+        progress = False
+        # The table, the joins and the round count are identical on every rank, so every rank takes the same
+        # branch here; the fast round then tells every rank whether another needs the full one.
+        if not (first_round or self._pending or self._joined):
+            irregular = bool(full) or join_flag or shutdown_flag
+            if self._spec is not None:
+                exact = not irregular and sorted(ids) == list(self._spec.ids)
+                if self._speculative_round(self._spec, by_id if exact else None, start):
+                    return True, False
+                self._spec = None
+            fast = self._fast_round(ids, irregular)
+            if fast is not None:
+                common, partial = fast
+                get = self._cache.get
+                ready = [(TableEntry(*get(cache_id)), None) for cache_id in common]
+                progress = bool(common) or partial
+                if not partial:
+                    self._arm(common)
+                    self._finish_round(ready, start, progress)
+                    return progress, False
+                # some ids were sent by only some ranks: they become outstanding entries through the full round
+                ids = [cache_id for cache_id in ids if cache_id not in set(common)]
+        self._spec, self._last_common = None, []  # a full round may change the cache: re-arm from scratch
+        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-        payload = json.dumps(fields, separators=(",", ":")).encode()
-        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
-        gathered = self.backend.allgather(message)
-        self.stats["rounds"] += 1
-        messages = self._parse(gathered)
-
-        new_joins: list[int] = []
+        messages = self._gather(fields)
         if first_round:
-            self._check_same_settings([m[4] for m in messages])
-        if not self._pending and not self._joined and not any(m[0] or m[1] or m[3] for m in messages):
-            ready = self._ready_from_cache([m[2] for m in messages])
-            progress = any(m[2] for m in messages)
-        else:
-            shutdown_ranks: list[int] = []
-            progress = False
-            for r, (jf, sf, r_ids, r_full, *_) in enumerate(messages):
-                if sf:
-                    shutdown_ranks.append(r)
-                if jf:
-                    self._joined.add(r)
-                    new_joins.append(r)
-                    progress = True
-                for cache_id in r_ids:
-                    name, meta = self._cache.get(int(cache_id))
-                    self._add(name, r, meta)
-                for item in r_full:
-                    name, meta = Meta.from_wire(item)
-                    self._add(name, r, meta)
-                progress = progress or bool(r_ids) or bool(r_full)
-            if shutdown_ranks:
-                self._stop_for_shutdown(shutdown_ranks)
-                return True
-            ready = self._ready()
-        negotiated = time.perf_counter()
-        if ready:
-            progress = True
-            self._execute(ready, negotiated)
+            self._check_same_settings([m[5] for m in messages])
+        new_joins: list[int] = []
+        shutdown_ranks: list[int] = []
+        expired: set[str] = set()
+        for r, (jf, sf, r_ids, r_full, r_expired, *_) in enumerate(messages):
+            if sf:
+                shutdown_ranks.append(r)
+            if jf:
+                self._joined.add(r)
+                new_joins.append(r)
+                progress = True
+            for cache_id in r_ids:
+                name, meta = self._cache.get(int(cache_id))
+                self._add(name, r, meta)
+            for item in r_full:
+                name, meta = Meta.from_wire(item)
+                self._add(name, r, meta)
+            expired.update(str(name) for name in r_expired)
+            progress = progress or bool(r_ids) or bool(r_full)
+        if shutdown_ranks:
+            self._stop_for_shutdown(shutdown_ranks)
+            return progress, True
+        ready += self._ready()
+        self._finish_round(ready, start, progress)
         if self._joined and len(self._joined) == self.size:
             self._complete_join(max(new_joins) if new_joins else max(self._joined))
+        if expired:
+            self._raise_stall(expired)
+        return progress or bool(ready), False
+
+    def _fast_round(self, ids: list[int], irregular: bool) -> tuple[list[int], bool] | None:
+        """Negotiate response-cache hits with one small allreduce instead of gathering messages.
+
+        Every rank adds a 1 at the position of each cache id it submits (the cache, hence the vector's length,
+        is identical on every rank) and a 1 in front when it has anything else to say (a new tensor, a join, a
+        shutdown). Returns None when some rank did (then every rank goes on to the full round), else the ids
+        every rank submitted, in id order, and whether some ids were submitted by only some ranks.
+        """
+        vec = np.zeros(1 + self._cache.id_count(), np.int32)
+        if irregular:
+            vec[0] = 1
+        elif ids:
+            vec[1 + np.asarray(ids)] = 1
+        self.backend.allreduce(vec, ReduceOp.SUM)
+        self.stats["fast_rounds"] += 1
+        if vec[0]:
+            return None
+        counts = vec[1:]
+        common = np.flatnonzero(counts == self.size).tolist()
+        return common, len(common) < np.count_nonzero(counts)
+
+    def _arm(self, common: list[int]) -> None:
+        """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
+        previous, self._last_common = self._last_common, common
+        self._spec = None
+        if not common or common != previous:
+            return
+        metas = [self._cache.get(cache_id)[1] for cache_id in common]
+        first = metas[0]
+        dtype = np.dtype(first.dtype)
+        key = (first.dtype, first.op, first.prescale, first.postscale, False)
+        if dtype.kind != "f" or first.op not in ("sum", "average") or any(
+                m.kind != "allreduce" or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
+            return
+        count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
+        if count * dtype.itemsize <= _SPEC_BYTES:
+            self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count)
+
+    def _speculative_round(self, spec: _Spec, mine: dict[int, _Request] | None, start: float) -> bool:
+        """One allreduce of ``[flag, tensors...]`` (see ``_Spec``); True when every rank submitted exactly
+        ``spec.ids`` and the tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
+        staging = self._fusion_buffer(spec.dtype, 1 + spec.count)
+        if mine is None:
+            staging[...] = 0
+        else:
+            staging[0] = 1
+            offset = 1
+            for cache_id in spec.ids:
+                buf = mine[cache_id].buf
+                staging[offset:offset + buf.size] = buf.reshape(-1)
+                offset += buf.size
+            scale_inplace(staging[1:], spec.prescale)
+        t0 = time.perf_counter()
+        try:
+            self.backend.allreduce(staging, spec.op)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        t1 = time.perf_counter()
+        self.stats["speculative_rounds"] += 1
+        agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
+        if not staging[0] > agreed - 0.5 / self.size:  # some rank submitted something else
+            self.stats["speculation_misses"] += 1
+            return False
+        assert mine is not None  # every rank's flag was 1, this one's included
+        scale_inplace(staging[1:], spec.postscale)
+        with self._lock:
+            requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
+        offset = 1
+        for request in requests:
+            buf = request.buf
+            buf.reshape(-1)[...] = staging[offset:offset + buf.size]
+            offset += buf.size
+            self._cache.put(request.name, request.meta)
+            if self.timeline is not None:
+                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(requests), speculative=True)
+        self.stats["allreduce_collectives"] += 1
+        self.stats["allreduce_tensors"] += len(requests)
+        if len(requests) > 1:
+            self.stats["fused_collectives"] += 1
+        self._idle_rounds = 0
+        self._progress_at = t1
+        finish_all([(request.handle, request.buf) for request in reversed(requests)])
+        if self.timeline is not None:
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
+        return True
+
+    def _gather(self, fields: list[Any]) -> list[list]:
+        payload = json.dumps(fields, separators=(",", ":")).encode()
+        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
+        return self._parse(self.backend.allgather(message))
+
+    def _finish_round(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], start: float,
+                      progress: bool) -> None:
+        if ready:
+            progress = True
+            self._execute(ready, time.perf_counter())
         self._check_stalls()
         if progress:
             self._idle_rounds = 0
             self._progress_at = time.perf_counter()
         else:
             self._idle_rounds += 1
-        if self.timeline is not None and (progress or ready):
+        if self.timeline is not None and progress:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
-        return False
+
+    def _expired_names(self) -> list[str]:
+        """Outstanding tensors older than the stall-shutdown time by this rank's clock (at most 5, oldest first).
+
+        Each rank reports its own; every rank acts on the union in the same round, so all raise together.
+        """
+        limit = self.settings.stall_shutdown_time_s
+        if not self._pending or limit <= 0:
+            return []
+        now = time.monotonic()
+        old = sorted((e.created, e.name) for e in self._pending.values() if now - e.created >= limit)
+        return [name for _, name in old[:5]]
+
+    def _raise_stall(self, names: set[str]) -> None:
+        """Stop the job on every rank with an error naming the stalled tensors and the ranks that lack them."""
+        entries = sorted((e for n, e in self._pending.items() if n in names), key=lambda e: (e.created, e.name))
+        if not entries:  # they completed in this very round
+            return
+        now = time.monotonic()
+
+        def missing(entry: TableEntry) -> list[int]:
+            return [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
+
+        first = entries[0]
+        text = (f"stall: tensor '{first.name}' was submitted by ranks {sorted(first.metas)} "
+                f"{now - first.created:.0f} s ago but ranks {missing(first)} never submitted it within "
+                "SPARK_HVD_STALL_SHUTDOWN_TIME="
+                f"{self.settings.stall_shutdown_time_s:g} s, so spark_hvd stopped the job on every rank; one of "
+                "them may be stuck or running a different code path")
+        if len(entries) > 1:
+            text += "; also stalled: " + ", ".join(f"'{e.name}' (missing ranks {missing(e)})" for e in entries[1:])
+        raise StallError(text, name=first.name, ranks=missing(first))
 
     def _check_same_settings(self, configs: list[list[int]]) -> None:
         if all(c == configs[0] for c in configs):
@@ -648,35 +693,13 @@ class Engine:
             offset += length
         return messages
 
-    def _ready_from_cache(self, id_lists: list[list[int]]) -> list[tuple[_Entry, TensorMismatchError | None]]:
-        """The steady state of a training loop: nothing outstanding, no joins, only response-cache ids sent.
-
-        An id names one (name, metadata) pair on every rank, so the ids that every rank sent are ready without
-        comparing metadata, in rank 0's order (the order the general path gives them too); the rest become
-        outstanding entries as usual.
-        """
-        common = set(id_lists[0]).intersection(*id_lists[1:])
-        get = self._cache.get
-        ready = []
-        for cache_id in id_lists[0]:
-            if cache_id in common:
-                name, meta = get(cache_id)
-                ready.append((_Entry(name, meta), None))
-        if len(ready) < max(len(ids) for ids in id_lists):
-            for r, ids in enumerate(id_lists):
-                for cache_id in ids:
-                    if cache_id not in common:
-                        name, meta = get(cache_id)
-                        self._add(name, r, meta)
-        return ready
-
     def _add(self, name: str, rank: int, meta: Meta) -> None:
         entry = self._pending.get(name)
         if entry is None:
-            entry = self._pending[name] = _Entry(name, meta)
+            entry = self._pending[name] = TableEntry(name, meta)
         entry.metas[rank] = meta
 
-    def _ready(self) -> list[tuple[_Entry, TensorMismatchError | None]]:
+    def _ready(self) -> list[tuple[TableEntry, TensorMismatchError | None]]:
         active = [r for r in range(self.size) if r not in self._joined]
         size = self.size
         joined = bool(self._joined)
@@ -687,7 +710,7 @@ class Engine:
                 ready.append((entry, self._mismatch(entry)))
         return ready
 
-    def _mismatch(self, entry: _Entry) -> TensorMismatchError | None:
+    def _mismatch(self, entry: TableEntry) -> TensorMismatchError | None:
         metas = list(entry.metas.values())
         meta = metas[0]
         same = True
@@ -713,8 +736,8 @@ class Engine:
             f"others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
             name=entry.name, ranks=bad)
 
-    def _execute(self, ready: list[tuple[_Entry, TensorMismatchError | None]], negotiated: float) -> None:
-        groups: dict[tuple, list[tuple[_Entry, _Request | None]]] = {}
+    def _execute(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], negotiated: float) -> None:
+        groups: dict[tuple, list[tuple[TableEntry, _Request | None]]] = {}
         plan: list[tuple[str, Any]] = []
         with self._lock:
             requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
@@ -742,17 +765,17 @@ class Engine:
             else:
                 self._run_one(*item)
 
-    def _run_allreduces(self, key: tuple, items: list[tuple[_Entry, _Request | None]]) -> None:
+    def _run_allreduces(self, key: tuple, items: list[tuple[TableEntry, _Request | None]]) -> None:
         dtype = np.dtype(key[0])
         limit = float("inf") if self._backend_fuses else max(int(self.settings.fusion_threshold), 0)
-        chunk: list[tuple[_Entry, _Request | None, np.ndarray]] = []
+        chunk: list[tuple[TableEntry, _Request | None, np.ndarray]] = []
         chunk_bytes = 0
         for entry, request in items:
             meta = entry.meta
             if request is not None:
                 buf = request.buf
             else:
-                buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
             nbytes = buf.nbytes
             self._cache.put(entry.name, meta)
             if nbytes >= self._direct_bytes:
@@ -767,7 +790,7 @@ class Engine:
         if chunk:
             self._allreduce_chunk(key, chunk)
 
-    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[_Entry, _Request | None, np.ndarray]]) -> None:
+    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[TableEntry, _Request | None, np.ndarray]]) -> None:
         dtype_str, op_value, prescale, postscale, bfloat16 = key
         op = ReduceOp(op_value)
         bufs = [buf for _, _, buf in chunk]
@@ -824,7 +847,7 @@ class Engine:
                                 f"{self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
                                 "stopped") from exc
         # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
-        _finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
+        finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buf = self._fusion_buffers.get(dtype.str)
@@ -832,13 +855,13 @@ class Engine:
             buf = self._fusion_buffers[dtype.str] = np.empty(count, dtype)
         return buf[:count]
 
-    def _run_one(self, entry: _Entry, request: _Request | None) -> None:
+    def _run_one(self, entry: TableEntry, request: _Request | None) -> None:
         meta = entry.meta if request is None else request.meta
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
         dtype = np.dtype(meta.dtype) if meta.dtype else None
         self.stats[f"{kind}_collectives"] += 1
-        if kind in _CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
+        if kind in CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
             self._cache.put(entry.name, entry.meta)
         t0 = time.perf_counter()
         try:
@@ -863,7 +886,7 @@ class Engine:
                 if request is not None:
                     buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
                 else:
-                    buf = _identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                    buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
                 scale_inplace(buf, meta.prescale, meta.bfloat16)
                 result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
                 scale_inplace(result, meta.postscale, meta.bfloat16)

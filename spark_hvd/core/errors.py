@@ -45,5 +45,19 @@ class TensorMismatchError(SparkHvdError):
         self.ranks = ranks or []
 
 
+class StallError(SparkHvdError):
+    """Some ranks never submitted a tensor that others did, for ``SPARK_HVD_STALL_SHUTDOWN_TIME`` seconds.
+
+    Attributes:
+        name: the stalled tensor (the oldest one when several stalled).
+        ranks: the ranks that did not submit it.
+    """
+
+    def __init__(self, message: str, name: str | None = None, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.name = name
+        self.ranks = ranks or []
+
+
 class ShutdownError(SparkHvdError):
     """The engine was shut down while an operation was pending."""

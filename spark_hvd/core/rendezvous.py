@@ -1,9 +1,10 @@
 """Rendezvous: how the ranks of a job learn each other's addresses.
 
-``KVStoreServer`` is a small key-value service (one thread per connection) that the launcher runs; ranks talk to
-it with ``KVClient`` and exchange their addresses with ``KVRendezvous``. Every frame in both directions is an
-authenticated ``FramedSocket`` frame: a frame whose HMAC does not match the job's secret is dropped and logged and
-its connection closed, and it is never unpickled.
+``KVStoreServer`` is a small key-value service (one thread per connection, accepted by the surviving
+``spark_hvd.core.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange their
+addresses with ``KVRendezvous``. Every connection proves the job's secret with a fresh challenge-response, and
+every frame in both directions is an authenticated ``FramedSocket`` frame: a frame that fails its check is dropped
+and logged and its connection closed, and it is never unpickled. A replayed connection fails the handshake.
 
 Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
 subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
@@ -20,6 +21,7 @@ from typing import Any
 
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
+from spark_hvd.core.listener import Listener
 from spark_hvd.core.wire import FramedSocket
 
 logger = logging.getLogger(__name__)
@@ -69,39 +71,41 @@ class KVStoreServer:
 
     Operations (pickled tuples inside authenticated frames): ``("set", key, value)``, ``("get", keys, timeout_s)``
     (waits until every key exists or the timeout passes, then answers the values present), ``("incr", key)``
-    (atomic counter, returns the new value), ``("delete", prefix)``.
+    (atomic counter, returns the new value), ``("delete", prefix)``. ``listener_options`` go to the
+    ``Listener`` (``max_pending``, ``handshake_timeout_s``).
     """
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, **listener_options: Any) -> None:
         self.secret = secret
+        self._listener_options = listener_options
         self._bind = (host, port)
         self._data: dict[str, bytes] = {}
         self._counters: dict[str, int] = {}
         self._cond = threading.Condition()
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._conns: set[socket.socket] = set()
+        self._listener: Listener | None = None
         self._stopped = threading.Event()
         self.address: tuple[str, int] | None = None
-        #: connections dropped because a frame failed the HMAC check (for tests and diagnostics)
-        self.rejected = 0
+        self._bad_frames = 0
+
+    @property
+    def rejected(self) -> int:
+        """Connections dropped because they failed the handshake or a frame failed its check."""
+        return (self._listener.rejected if self._listener is not None else 0) + self._bad_frames
 
     def start(self) -> tuple[str, int]:
         """Bind, start serving in a daemon thread, and return ``(host, port)`` for clients."""
         if self.address is not None:
             return self.address
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(self._bind)
-        listener.listen(256)
-        listener.settimeout(0.5)
-        self._listener = listener
-        host, port = listener.getsockname()[:2]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(self._bind)
+        sock.listen(256)
+        host, port = sock.getsockname()[:2]
         if host in ("0.0.0.0", ""):
             host = routable_address()
         self.address = (host, port)
-        self._thread = threading.Thread(target=self._serve, name="spark-hvd-kv", daemon=True)
-        self._thread.start()
+        self._listener = Listener(sock, self.secret, self._serve, name="spark-hvd-kv", **self._listener_options)
+        self._listener.start()
         logger.debug("KV rendezvous service listening on %s:%d", host, port)
         return self.address
 
@@ -110,16 +114,8 @@ class KVStoreServer:
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=5)
         if self._listener is not None:
-            self._listener.close()
+            self._listener.stop()
 
     def __enter__(self) -> KVStoreServer:
         self.start()
@@ -129,43 +125,24 @@ class KVStoreServer:
         self.stop()
 
     # -- server side -------------------------------------------------------------------------------------------
-    def _serve(self) -> None:
-        assert self._listener is not None
+    def _serve(self, framed: FramedSocket, peer: str) -> None:
+        """One authenticated client: answer its requests until it goes away (runs on the connection's thread)."""
+        framed.peer = f"KV client {peer}"
+        framed.sock.settimeout(None)
         while not self._stopped.is_set():
             try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._cond:
-                self._conns.add(conn)
-            threading.Thread(target=self._handle, args=(conn, f"{peer[0]}:{peer[1]}"),
-                             name="spark-hvd-kv-conn", daemon=True).start()
-
-    def _handle(self, conn: socket.socket, peer: str) -> None:
-        framed = FramedSocket(conn, self.secret, f"KV client {peer}")
-        try:
-            while not self._stopped.is_set():
-                try:
-                    request = framed.recv_object(MAX_KV_FRAME)
-                except AuthenticationError:
-                    self.rejected += 1
-                    logger.warning("KV service: dropped the connection from %s (a frame failed the HMAC check)", peer)
-                    return
-                except PeerFailureError:
-                    return  # the client went away
+                request = framed.recv_object(MAX_KV_FRAME)
+            except AuthenticationError:
+                with self._cond:
+                    self._bad_frames += 1
+                logger.warning("KV service: dropped the connection from %s (a frame failed its check)", peer)
+                return
+            except PeerFailureError:
+                return  # the client went away
+            try:
                 framed.send_object(self._apply(request))
-        except PeerFailureError:
-            pass
-        except Exception:  # a bug or a malformed (but authenticated) request: never kill the service
-            logger.exception("KV service: error while serving %s", peer)
-        finally:
-            with self._cond:
-                self._conns.discard(conn)
-            framed.close()
+            except PeerFailureError:
+                return
 
     def _apply(self, request: Any) -> tuple[Any, ...]:
         if not isinstance(request, tuple) or not request:
@@ -211,23 +188,30 @@ class KVClient:
         host, port = parse_address(address) if isinstance(address, str) else address
         self.address = f"{host}:{port}"
         deadline = time.monotonic() + timeout_s
-        last: OSError | None = None
         delay = 0.02
-        while True:  # the service may still be starting: retry until the timeout
+        while True:  # the service may still be starting, or busy: retry until the timeout
             try:
-                sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as exc:
-                last = exc
+                self._sock = self._connect(host, port, secret, max(0.1, deadline - time.monotonic()))
+                return
+            except (OSError, PeerFailureError) as exc:  # not AuthenticationError: a wrong secret stays wrong
                 if time.monotonic() + delay > deadline:
                     raise PeerFailureError(
-                        f"could not reach the rendezvous service at {self.address} within {timeout_s:.0f}s: {last}",
+                        f"could not reach the rendezvous service at {self.address} within {timeout_s:.0f}s: {exc}",
                         operation="rendezvous") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
-        sock.settimeout(None)
+
+    def _connect(self, host: str, port: int, secret: bytes, timeout_s: float) -> FramedSocket:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock = FramedSocket(sock, secret, f"rendezvous service {self.address}")
+        framed = FramedSocket(sock, secret, f"rendezvous service {self.address}")
+        try:
+            framed.handshake("client", timeout_s)
+        except BaseException:
+            framed.close()
+            raise
+        sock.settimeout(None)
+        return framed
 
     def _call(self, *request: Any) -> Any:
         self._sock.send_object(request)

@@ -8,8 +8,9 @@ frame HMAC-authenticated) and then:
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host; ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
-  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, the send of a step overlapped with
-  its receive by a sender thread, reduction in place into the caller's buffer from a preallocated scratch frame);
+  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is
+  received, reduced in place from a preallocated scratch frame and forwarded at once, in one thread over
+  non-blocking sockets);
 * allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
   broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
@@ -45,10 +46,12 @@ from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available,
 from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
+    SUB_CHUNK_MIN_BYTES,
     PeerAbort,
     PeerSocket,
     PeerWatcher,
     ProtocolError,
+    RingExchange,
     SendWorker,
     connect_mesh,
     open_listener,
@@ -335,22 +338,6 @@ class RingBackend(Backend):
         for lo in range(0, n, self._frame):
             peer.recv_data_into(memoryview(into[lo:lo + self._frame]), operation)
 
-    def _recv_reduce(self, src: int, acc: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        """Receive ``acc.size`` elements from ``src`` and reduce them into ``acc`` (frame by frame)."""
-        peer = self.peers[src]
-        raw = acc.view(np.uint8)
-        n = raw.nbytes
-        if not n:
-            return
-        step = n if n <= INLINE_SEND_BYTES else self._frame
-        scratch = self._scratch_bytes(min(n, step))
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            view = scratch[:hi - lo]
-            peer.recv_data_into(memoryview(view), operation)
-            e0, e1 = lo // acc.itemsize, hi // acc.itemsize
-            reduce_into(acc[e0:e1], view.view(acc.dtype), op, bfloat16)
-
     def _small_allgather(self, payload: bytes, operation: str) -> list[bytes]:
         """Every rank's small ``payload`` (< 32 KiB), by rank, over the mesh."""
         for peer in self.peers.values():
@@ -369,35 +356,72 @@ class RingBackend(Backend):
         n, r = len(members), members.index(self.rank)
         return r, n, members[(r + 1) % n], members[(r - 1) % n]
 
+    def _sub_bytes(self, bounds: Sequence[int], itemsize: int) -> int:
+        """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements): the same on every rank."""
+        largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
+        eighth = -(-largest // 8)
+        return max(SUB_CHUNK_MIN_BYTES, min(self._frame, eighth + (-eighth % 64)))
+
+    def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
+              *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
+              average: bool = False) -> None:
+        """Pipelined ring steps on ``flat`` split at ``bounds`` (elements): ``reduce_steps`` reduce-scatter steps,
+        then ``gather_steps`` allgather steps.
+
+        With ``reduce_steps`` > 0, step t sends chunk ``p - t - 1`` and receives chunk ``p - t - 2`` (p: ring
+        position), else (a plain allgather) ``p - t`` and ``p - t - 1``; either way the chunk received at step t
+        is the one sent at step t + 1. Each chunk moves in sub-chunks (one frame each): as soon as a sub-chunk is
+        received (and reduced into place from a preallocated scratch frame) it is queued for the next step, so
+        receiving, reducing and sending overlap across steps and phases (``RingExchange``, no thread hand-off).
+        ``average`` divides this rank's chunk by the ring size at the end of the reduce-scatter.
+        """
+        p, n, right, left = self._neighbours(members)
+        total = reduce_steps + gather_steps
+        if total == 0 or flat.size == 0:
+            return
+        item = flat.itemsize
+        raw = flat.view(np.uint8)
+        sub = self._sub_bytes(bounds, item)
+        scratch = memoryview(self._scratch_bytes(sub)) if reduce_steps else memoryview(b"")
+        shift = 1 if reduce_steps else 0
+
+        def pieces(chunk: int) -> list[tuple[int, int]]:
+            lo, hi = bounds[chunk] * item, bounds[chunk + 1] * item
+            return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
+
+        plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+        receives = [scratch[:hi - lo] if t < reduce_steps else memoryview(raw[lo:hi]) for t, lo, hi in plan]
+
+        def received(i: int) -> memoryview | None:
+            t, lo, hi = plan[i]
+            if t < reduce_steps:
+                part = flat[lo // item:hi // item]
+                reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
+                if average and t == reduce_steps - 1:
+                    divide_average(part, n, bfloat16)
+            return memoryview(raw[lo:hi]) if t + 1 < total else None
+
+        first = [memoryview(raw[lo:hi]) for lo, hi in pieces((p - shift) % n)]
+        RingExchange(self.peers[right], self.peers[left], operation).run(first, receives, received)
+
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                              operation: str, members: Sequence[int] | None = None) -> None:
         """After N-1 steps the member at ring position p holds the reduction of ``bounds[p]:bounds[p+1]``."""
-        r, n, right, left = self._neighbours(members)
-        for s in range(n - 1):
-            send_c, recv_c = (r - s - 1) % n, (r - s - 2) % n
-            posted = self._post(right, flat[bounds[send_c]:bounds[send_c + 1]].view(np.uint8), operation)
-            self._recv_reduce(left, flat[bounds[recv_c]:bounds[recv_c + 1]], op, bfloat16, operation)
-            self._wait_sent(posted, operation)
+        n = self._neighbours(members)[1]
+        self._ring(flat, bounds, operation, members, reduce_steps=n - 1, op=op, bfloat16=bfloat16)
 
     def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
                         members: Sequence[int] | None = None) -> None:
         """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""
-        r, n, right, left = self._neighbours(members)
-        for s in range(n - 1):
-            send_c, recv_c = (r - s) % n, (r - s - 1) % n
-            posted = self._post(right, raw[bounds[send_c]:bounds[send_c + 1]], operation)
-            self._recv(left, raw[bounds[recv_c]:bounds[recv_c + 1]], operation)
-            self._wait_sent(posted, operation)
+        n = self._neighbours(members)[1]
+        self._ring(raw, bounds, operation, members, gather_steps=n - 1)
 
     def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None = None) -> None:
-        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank)."""
-        r, n, _, _ = self._neighbours(members)
-        bounds = even_bounds(flat.size, n)
-        self._ring_reduce_scatter(flat, bounds, op, bfloat16, operation, members)
-        if op is ReduceOp.AVERAGE:
-            divide_average(flat[bounds[r]:bounds[r + 1]], n, bfloat16)
-        self._ring_allgather(flat.view(np.uint8), [b * flat.itemsize for b in bounds], operation, members)
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined."""
+        n = self._neighbours(members)[1]
+        self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
+                   op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
 
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Allreduce one flat array in place with the best transport."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MIB = 1024 * 1024
+#: An unset stall-shutdown time is this many stall-check periods (the default 60 s check: 180 s).
+STALL_SHUTDOWN_PERIODS = 3
 
 
 def _setting(name: str, alias: str | None, default: Any, parse: Callable[[str], Any], doc: str) -> Any:
@@ -50,6 +52,10 @@ class Settings:
     stall_check_time_s: float = _setting(
         "SPARK_HVD_STALL_CHECK_TIME", "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, float,
         "seconds after which a tensor that some ranks never submitted is reported")
+    stall_shutdown_time_s: float = _setting(
+        "SPARK_HVD_STALL_SHUTDOWN_TIME", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 180.0, float,
+        "seconds after which such a tensor stops the job: every rank raises a StallError naming it and the "
+        "missing ranks (0: never; unset: three stall-check periods)")
     shm: bool = _setting(
         "SPARK_HVD_SHM", None, True, _bool,
         "use shared memory between ranks on the same host")
@@ -70,6 +76,8 @@ class Settings:
                 except ValueError as exc:
                     name = meta["env"] if meta["env"] in env else meta["alias"]
                     raise ValueError(f"environment variable {name}={raw!r} is not valid: {exc}") from None
+        if "stall_shutdown_time_s" not in values and "stall_check_time_s" in values:
+            values["stall_shutdown_time_s"] = STALL_SHUTDOWN_PERIODS * values["stall_check_time_s"]
         return cls(**values)
 
     @classmethod

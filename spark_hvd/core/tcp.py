@@ -1,17 +1,21 @@
 """TCP transport of the ring backend: an authenticated full mesh between the ranks of a job.
 
-Every frame is a ``FramedSocket`` frame (HMAC-SHA256 of the job's secret over a per-direction counter, the
-length and the payload). The payload starts with one type byte: ``DATA`` frames carry collective payloads and
-are received straight into the destination buffer; ``ABORT`` frames tell a peer that a rank failed, so that every
-rank of the job fails fast and names the same culprit instead of waiting for its own timeout.
+Every connection first proves the job's secret (``FramedSocket.handshake``: fresh nonces from both ends,
+per-connection keys), then carries ``FramedSocket`` frames whose payload starts with one type byte: ``DATA``
+frames carry collective payloads, are authenticated with Poly1305 (cheap next to the copy) and received straight
+into the destination buffer, and are never unpickled; ``ABORT`` and ``HELLO`` frames are HMAC'd control frames.
+An ABORT tells a peer that a rank failed, so that every rank of the job fails fast and names the same culprit
+instead of waiting for its own timeout.
 
-The connection handshake says the job id and the connecting rank; a connection whose first frame fails the HMAC
-check, names another job or an unexpected rank is dropped and logged.
+Mesh setup: each rank accepts its higher-ranked peers on a ``Listener`` (concurrent handshakes, bounded in time,
+a cap on unauthenticated connections, accept errors survived), so one silent client cannot stall the setup. The
+first frame says the job id and the connecting rank; a connection that fails the handshake, names another job or
+an unexpected rank is dropped and logged.
 """
 
 from __future__ import annotations
 
-import hmac
+import collections
 import logging
 import queue
 import select
@@ -19,10 +23,11 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
-from spark_hvd.core.wire import _COUNTER, _LENGTH, HEADER_SIZE, FramedSocket, recv_exactly, sign
+from spark_hvd.core.listener import HANDSHAKE_TIMEOUT_S, Listener
+from spark_hvd.core.wire import _LENGTH, HEADER_SIZE, FramedSocket, recv_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +37,11 @@ HELLO = b"\x02"
 _ABORT_HEAD = struct.Struct("!q")
 MAX_CONTROL_FRAME = 64 * 1024
 #: Large payloads go out in frames of at most this many bytes (bounded sendall time, hashing overlaps sending).
-FRAME_BYTES = 4 * 1024 * 1024
+FRAME_BYTES = 1024 * 1024
+#: Send and receive buffer size asked for on mesh sockets (the kernel caps it at net.core.[rw]mem_max).
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+#: The ring splits each step's chunk into sub-chunks (frames) of at least this size, eight per chunk at most.
+SUB_CHUNK_MIN_BYTES = 64 * 1024
 #: Payloads up to this size are sent from the calling thread (they fit the socket buffers: no deadlock).
 INLINE_SEND_BYTES = 32 * 1024
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
@@ -81,13 +90,12 @@ class PeerSocket(FramedSocket):
             self.recv_broken = True
             raise self._fail(exc, operation) from exc
 
-    def _verify(self, digest: bytes, length: int, *parts: memoryview | bytes) -> None:
-        expected = sign(self.secret, _COUNTER.pack(self._received), _LENGTH.pack(length), *parts)
-        self._received += 1
-        if not hmac.compare_digest(expected, digest):
+    def _verify(self, tag: bytes, length: int, *parts: memoryview | bytes, fast: bool = False) -> None:
+        try:
+            self.verify(tag, length, *parts, fast=fast)
+        except AuthenticationError:
             self.recv_broken = True
-            logger.warning("dropped a frame from rank %d whose HMAC does not match the job's secret", self.rank)
-            raise AuthenticationError(f"a frame from rank {self.rank} failed the HMAC check; connection dropped")
+            raise
 
     def _header(self, operation: str) -> tuple[int, bytes, bytes]:
         head = bytearray(HEADER_SIZE + 1)
@@ -104,7 +112,7 @@ class PeerSocket(FramedSocket):
             raise AuthenticationError(f"a control frame from rank {self.rank} claims {length} bytes; dropped")
         payload = bytearray(length - 1)
         self._read(memoryview(payload), operation)
-        self._verify(digest, length, kind, payload)
+        self._verify(digest, length, kind, payload, fast=kind == DATA)
         if kind == ABORT:
             (culprit,) = _ABORT_HEAD.unpack_from(payload)
             reason = bytes(payload[_ABORT_HEAD.size:]).decode("utf-8", "replace")
@@ -126,7 +134,7 @@ class PeerSocket(FramedSocket):
                 f"{operation}: rank {self.rank} sent {length - 1} bytes where {buffer.nbytes} were expected; the "
                 "ranks called collectives in different orders or with different shapes")
         self._read(buffer, operation)
-        self._verify(digest, length, kind, buffer)
+        self._verify(digest, length, kind, buffer, fast=True)
 
     def recv_message(self, operation: str, kind_expected: bytes = DATA) -> bytes:
         """Receive one small frame of type ``kind_expected`` and return its payload."""
@@ -137,11 +145,17 @@ class PeerSocket(FramedSocket):
         return payload
 
     # -- sending ---------------------------------------------------------------------------------------------
+    def data_header(self, payload: memoryview) -> bytes:
+        """Header and type byte of the next DATA frame carrying ``payload`` (advances the send counter)."""
+        direction = self._sending()
+        length = payload.nbytes + 1
+        return _LENGTH.pack(length) + direction.tag(length, (DATA, payload), True) + DATA
+
     def send_data(self, parts: Sequence[memoryview | bytes], operation: str, kind: bytes = DATA) -> None:
         """Send one frame of type ``kind`` made of ``parts``."""
         with self.send_lock:
             try:
-                self.send_bytes(kind, *parts)
+                self.send_bytes(kind, *parts, fast=kind == DATA)
             except PeerFailureError as exc:
                 self.send_broken = True
                 cause = exc.__cause__ or exc
@@ -230,7 +244,7 @@ class PeerSocket(FramedSocket):
                         return None
                     payload = bytearray(length - 1)
                     self._read(memoryview(payload), operation)
-                    self._verify(digest, length, kind, payload)
+                    self._verify(digest, length, kind, payload, fast=True)
                 else:
                     self._control(length, digest, kind, operation)
         except PeerAbort as abort:
@@ -243,6 +257,131 @@ class PeerSocket(FramedSocket):
                 self.sock.settimeout(self.timeout_s)
             except OSError:
                 pass
+
+
+class RingExchange:
+    """Streams DATA frames to one neighbour and from another in the calling thread (non-blocking sockets, poll).
+
+    A ring step's receive, reduce and send overlap without thread hand-offs: while a frame is being received the
+    kernel drains the frames already handed to the outgoing socket, and each frame is verified, used and (if the
+    ring forwards it) queued for sending as soon as it is complete. ``run`` returns when every expected frame
+    arrived and every queued frame left; nothing waits longer than ``timeout_s`` without progress.
+    """
+
+    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str) -> None:
+        self.send_peer, self.recv_peer, self.operation = send_peer, recv_peer, operation
+        self.timeout_s = max(send_peer.timeout_s, recv_peer.timeout_s)
+
+    def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
+            on_received: Callable[[int], memoryview | None]) -> None:
+        """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
+        view to send next."""
+        out, recv, op = self.send_peer, self.recv_peer, self.operation
+        queue_out: collections.deque[memoryview] = collections.deque(sends)
+        pending: list[memoryview] = []  # the frame being sent: what is left of [header, payload]
+        head = bytearray(HEADER_SIZE + 1)
+        head_view = memoryview(head)
+        index, got_head, target, target_got = 0, 0, None, 0
+        same = out.sock.fileno() == recv.sock.fileno()
+        last = time.monotonic()
+        with out.send_lock:
+            try:
+                out.sock.settimeout(0.0)
+                recv.sock.settimeout(0.0)
+                while index < len(receives) or pending or queue_out:
+                    progressed = False
+                    # -- send as much as the socket takes
+                    while pending or queue_out:
+                        if not pending:
+                            payload = queue_out.popleft()
+                            pending = [memoryview(out.data_header(payload)), payload]
+                        try:
+                            sent = out.sock.sendmsg(pending)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as exc:
+                            out.send_broken = True
+                            raise out._fail(exc, op) from exc
+                        progressed = True
+                        while sent and pending:
+                            take = min(sent, pending[0].nbytes)
+                            sent -= take
+                            pending[0] = pending[0][take:]
+                            if not pending[0].nbytes:
+                                pending.pop(0)
+                    # -- receive what has arrived
+                    while index < len(receives):
+                        view = head_view[got_head:] if target is None else target[target_got:]
+                        try:
+                            n = recv.sock.recv_into(view)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError as exc:
+                            recv.recv_broken = True
+                            raise recv._fail(exc, op) from exc
+                        if n == 0:
+                            recv.recv_broken = True
+                            raise recv._fail(ConnectionError("connection closed by peer"), op)
+                        progressed = True
+                        if target is None:
+                            got_head += n
+                            if got_head < len(head):
+                                continue
+                            target, target_got = self._start_frame(bytes(head), receives[index]), 0
+                            if target.nbytes:
+                                continue
+                        else:
+                            target_got += n
+                            if target_got < target.nbytes:
+                                continue
+                        recv._verify(self._tag, self._length, DATA, target, fast=True)
+                        forward = on_received(index)
+                        if forward is not None:
+                            queue_out.append(forward)
+                        index, got_head, target = index + 1, 0, None
+                    if index == len(receives) and not pending and not queue_out:
+                        break
+                    now = time.monotonic()
+                    if progressed:
+                        last = now
+                        continue
+                    if now - last > self.timeout_s:
+                        waiting = recv if index < len(receives) else out
+                        raise waiting._fail(TimeoutError("no progress"), op)
+                    mask_in = select.POLLIN if index < len(receives) else 0
+                    mask_out = select.POLLOUT if (pending or queue_out) else 0
+                    poll = select.poll()
+                    if same:
+                        poll.register(out.sock, mask_in | mask_out)
+                    else:
+                        if mask_in:
+                            poll.register(recv.sock, mask_in)
+                        if mask_out:
+                            poll.register(out.sock, mask_out)
+                    poll.poll(max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000)))
+            finally:
+                for peer in (out, recv):
+                    try:
+                        peer.sock.settimeout(peer.timeout_s)
+                    except OSError:
+                        pass
+
+    def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
+        """Check a received header against the frame expected next; the view to read its payload into."""
+        recv = self.recv_peer
+        (length,) = _LENGTH.unpack_from(head)
+        self._length, self._tag = length, head[_LENGTH.size:HEADER_SIZE]
+        kind = head[HEADER_SIZE:]
+        if kind != DATA:  # an ABORT (or a stray control frame): read it whole, blocking
+            recv.sock.settimeout(recv.timeout_s)
+            recv._control(length, self._tag, kind, self.operation)  # raises PeerAbort for an ABORT
+            raise ProtocolError(f"{self.operation}: unexpected control frame from rank {recv.rank}")
+        if length - 1 != into.nbytes:
+            recv.recv_broken = True
+            raise ProtocolError(
+                f"{self.operation}: rank {recv.rank} sent {length - 1} bytes where {into.nbytes} were expected; "
+                "the ranks called collectives in different orders or with different shapes")
+        return into
 
 
 class PeerWatcher:
@@ -293,6 +432,11 @@ class SendWorker:
         self._posted += 1
         self._jobs.put((peer, parts, operation))
 
+    def check(self) -> None:
+        """Re-raise a send error now (cheap; the caller keeps receiving otherwise)."""
+        if self._error is not None:
+            raise self._error
+
     def wait(self, timeout_s: float, operation: str) -> None:
         """Wait until every posted frame went out; re-raise a send error."""
         deadline = time.monotonic() + timeout_s
@@ -320,18 +464,59 @@ def open_listener(host: str) -> socket.socket:
 
 
 def _tune(sock: socket.socket) -> None:
+    """No Nagle delay; socket buffers large enough that a ring step's sends rarely block (fewer sleeps)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:  # capped or refused by the system: keep its default
+            pass
+
 
 
 def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],
                  secret: bytes, job_id: str, timeout_s: float) -> dict[int, PeerSocket]:
     """Connect every pair of ranks once (rank i dials every lower rank, accepts every higher one).
 
-    Dialling never waits for the other side (the listen backlog holds the connection), so the three phases
-    (dial lower ranks, accept higher ranks, read the lower ranks' acknowledgements) cannot deadlock.
+    Higher ranks are accepted concurrently by a ``Listener`` on ``listener`` (started first, closed on return),
+    so dialling lower ranks, waiting for the higher ones and reading the lower ranks' acknowledgements cannot
+    deadlock, and a silent or forged connection only costs its own thread.
     """
     deadline = time.monotonic() + timeout_s
     peers: dict[int, PeerSocket] = {}
+    arrived: queue.SimpleQueue[tuple[int, PeerSocket]] = queue.SimpleQueue()
+    done = threading.Lock()
+    finished = False
+    handshake_s = max(1.0, min(HANDSHAKE_TIMEOUT_S, timeout_s))
+
+    def wrap(sock: socket.socket, address: str) -> PeerSocket:
+        candidate = PeerSocket(sock, secret, -1, handshake_s)
+        candidate.peer = f"connection from {address}"
+        return candidate
+
+    def serve(candidate: PeerSocket, address: str) -> bool:
+        """An authenticated higher rank: read which job and rank it is, hand it to the main thread."""
+        _tune(candidate.sock)
+        try:
+            their_job, their_rank = candidate.recv_message("setup", HELLO).decode().rsplit("\n", 1)
+            j = int(their_rank)
+        except (SparkHvdError, ValueError) as exc:
+            logger.warning("rank %d dropped a connection from %s during setup: %s", rank, address, exc)
+            return False
+        if their_job != job_id or not rank < j < size:
+            logger.warning("rank %d dropped a connection from %s claiming job %r rank %d", rank, address,
+                           their_job, j)
+            return False
+        with done:
+            if finished:
+                return False
+            candidate.rank, candidate.peer = j, f"rank {j}"
+            arrived.put((j, candidate))
+            return True
+
+    accepting = Listener(listener, secret, serve, name=f"spark-hvd-mesh-{rank}", handshake_timeout_s=handshake_s,
+                         wrap=wrap)
+    accepting.start()
     hello = f"{job_id}\n{rank}".encode()
     try:
         for j in range(rank):
@@ -347,36 +532,26 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
                     time.sleep(0.05)
             _tune(sock)
             peer = PeerSocket(sock, secret, j, timeout_s)
-            peer.send_data([hello], "setup", HELLO)
             peers[j] = peer
+            peer.handshake("client", max(0.1, deadline - time.monotonic()))
+            peer.sock.settimeout(timeout_s)
+            peer.send_data([hello], "setup", HELLO)
         expected = set(range(rank + 1, size))
-        listener.settimeout(0.5)
         while expected:
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"setup: rank {rank} waited {timeout_s:.0f}s for rank(s) {sorted(expected)} to connect",
-                    rank=min(expected), operation="setup")
+            left = deadline - time.monotonic()
             try:
-                sock, addr = listener.accept()
-            except TimeoutError:
+                j, candidate = arrived.get(timeout=max(0.0, min(left, 0.5)))
+            except queue.Empty:
+                if left <= 0:
+                    raise CollectiveTimeoutError(
+                        f"setup: rank {rank} waited {timeout_s:.0f}s for rank(s) {sorted(expected)} to connect",
+                        rank=min(expected), operation="setup") from None
                 continue
-            _tune(sock)
-            candidate = PeerSocket(sock, secret, -1, max(1.0, min(timeout_s, deadline - time.monotonic())))
-            candidate.peer = f"connection from {addr[0]}:{addr[1]}"
-            try:
-                payload = candidate.recv_message("setup", HELLO)
-                their_job, their_rank = payload.decode().rsplit("\n", 1)
-                j = int(their_rank)
-            except (AuthenticationError, ProtocolError, PeerFailureError, ValueError) as exc:
-                logger.warning("rank %d dropped a connection from %s:%s during setup: %s", rank, addr[0], addr[1], exc)
+            if j not in expected:
+                logger.warning("rank %d dropped a second connection claiming rank %d", rank, j)
                 candidate.close()
                 continue
-            if their_job != job_id or j not in expected:
-                logger.warning("rank %d dropped a connection from %s claiming job %r rank %d", rank, addr[0],
-                               their_job, j)
-                candidate.close()
-                continue
-            candidate.rank, candidate.peer, candidate.timeout_s = j, f"rank {j}", timeout_s
+            candidate.timeout_s = timeout_s
             candidate.sock.settimeout(timeout_s)
             candidate.send_data([b"ok"], "setup", HELLO)
             peers[j] = candidate
@@ -388,4 +563,13 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
         for peer in peers.values():
             peer.close()
         raise
+    finally:
+        with done:
+            finished = True
+        accepting.stop(close_connections=False)
+        while True:
+            try:
+                arrived.get_nowait()[1].close()
+            except queue.Empty:
+                break
     return peers

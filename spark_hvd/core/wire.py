@@ -1,13 +1,37 @@
-"""Authenticated framing for every socket of a job.
+"""Authenticated framing for every socket of a job (ring mesh, KV rendezvous, driver service).
 
-A frame is ``header | payload`` where the header holds the payload length and an HMAC-SHA256 over
-(the connection's frame counter, the length, the payload) keyed with the job's secret. The receiver checks the
-HMAC before it looks at the payload, so nothing unauthenticated is ever unpickled. The counter, kept per
-direction by both ends, makes a replayed or reordered frame fail the check as well.
+**Handshake.** Before any frame, the two ends of a connection run a challenge-response on the job's secret ``S``
+(fixed-size messages, so nothing before it is length-prefixed)::
+
+    client -> server   MAGIC | Nc                                   (Nc: 32 fresh random bytes)
+    server -> client   MAGIC | Ns | HMAC(S, "server" | Nc | Ns)     (Ns: 32 fresh random bytes)
+    client -> server   HMAC(S, "client" | Nc | Ns)
+
+Each end checks the other's proof before it reads anything else; the "client"/"server" labels stop one end's proof
+from being reflected as the other's. Both ends then derive a key per direction, ``HMAC(S, "c2s"|Nc|Ns)`` and
+``HMAC(S, "s2c"|Nc|Ns)``, so keys are fresh for every connection even when one end's nonce is replayed. The side
+that speaks first is the client: ``handshake()`` runs explicitly, or lazily on the first send (client) or the first
+receive (server).
+
+**Frames.** A frame is ``length (8 bytes) | tag (16 bytes) | payload``. The tag covers the direction's frame
+counter, the length and the payload, and is checked before the payload is used:
+
+* control frames (everything that is ever unpickled): HMAC-SHA256 with the direction key, truncated to 128 bits;
+* data frames (raw collective payloads, ``fast=True``, never unpickled): Poly1305 under a one-time key,
+  ``BLAKE2b(key=direction data key, counter)``; the counter never repeats on a direction, so no Poly1305 key is
+  ever used twice (measured here: Poly1305 ~3.4 GB/s next to HMAC-SHA256's ~1.4 GB/s, on a loaded machine).
+
+**What is guaranteed.** Nothing from a peer is used or unpickled unless the peer knows the job's secret and the
+frame's tag verifies. A frame tampered with, reordered, dropped, replayed within a connection, moved to the other
+direction, or replayed from an earlier connection (whose keys came from other nonces) fails its check; the
+connection is then closed. Before authentication, a listener reads at most the 37-byte client hello and 32-byte
+proof, under a time limit (``handshake(timeout_s=...)``). Not provided: confidentiality (payloads travel in clear),
+and protection of a job whose secret leaked.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -23,11 +47,17 @@ from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "SPARK_HVD_SECRET"
-DIGEST_SIZE = hashlib.sha256().digest_size
+MAGIC = b"SHVD\x02"
+NONCE_SIZE = 32
+PROOF_SIZE = hashlib.sha256().digest_size
+TAG_SIZE = 16
 _LENGTH = struct.Struct("!Q")
 _COUNTER = struct.Struct("!Q")
-HEADER_SIZE = _LENGTH.size + DIGEST_SIZE
+HEADER_SIZE = _LENGTH.size + TAG_SIZE
+#: Bytes a listener reads from a peer before it is authenticated (client hello, then its proof).
+PRE_AUTH_BYTES = len(MAGIC) + NONCE_SIZE + PROOF_SIZE
 MAX_OBJECT_FRAME = 1 << 30
+HANDSHAKE_TIMEOUT_S = 30.0
 
 
 def make_secret() -> bytes:
@@ -51,6 +81,14 @@ def sign(secret: bytes, *parts: bytes | memoryview) -> bytes:
     return mac.digest()
 
 
+@functools.cache
+def _poly1305() -> Any:
+    # imported on first use: ``import spark_hvd`` stays light
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+    return Poly1305
+
+
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` from ``sock``; a closed connection raises ``ConnectionError``."""
     while len(view):
@@ -60,18 +98,44 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
-class FramedSocket:
-    """A connected socket whose every frame is authenticated with the job's secret.
+class _Direction:
+    """The keys and frame counter of one direction of a connection."""
 
-    ``peer`` is a human label (``"rank 3"``, ``"driver"``) used in error messages.
+    __slots__ = ("key", "data_key", "counter")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.data_key = sign(key, b"spark_hvd data frames")
+        self.counter = 0
+
+    def tag(self, length: int, parts: tuple[bytes | memoryview, ...], fast: bool) -> bytes:
+        """The tag of the next frame on this direction (advances the counter)."""
+        counter = _COUNTER.pack(self.counter)
+        self.counter += 1
+        if fast:
+            one_time = hashlib.blake2b(counter, key=self.data_key, digest_size=32).digest()
+            mac = _poly1305()(one_time)
+            mac.update(_LENGTH.pack(length))
+            for part in parts:
+                mac.update(part)
+            return mac.finalize()
+        return sign(self.key, counter, _LENGTH.pack(length), *parts)[:TAG_SIZE]
+
+
+class FramedSocket:
+    """A connected socket that proves the job's secret once (handshake) and authenticates every frame.
+
+    ``peer`` is a human label (``"rank 3"``, ``"driver"``) used in error messages. The handshake runs explicitly
+    (``handshake("client" | "server")``) or lazily: the first send makes this end the client, the first receive
+    the server.
     """
 
     def __init__(self, sock: socket.socket, secret: bytes, peer: str = "peer") -> None:
         self.sock = sock
         self.secret = secret
         self.peer = peer
-        self._sent = 0
-        self._received = 0
+        self._out: _Direction | None = None
+        self._in: _Direction | None = None
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -82,20 +146,99 @@ class FramedSocket:
         except OSError:
             pass
 
-    def send_bytes(self, *parts: bytes | memoryview) -> None:
-        """Send one frame made of ``parts`` (scatter-gather, no concatenation)."""
-        length = sum(memoryview(p).nbytes for p in parts)
-        header = _LENGTH.pack(length)
-        digest = sign(self.secret, _COUNTER.pack(self._sent), header, *parts)
-        self._sent += 1
+    # -- handshake -------------------------------------------------------------------------------------------
+    @property
+    def authenticated(self) -> bool:
+        return self._out is not None
+
+    def handshake(self, role: str, timeout_s: float | None = HANDSHAKE_TIMEOUT_S) -> None:
+        """Prove the secret to the peer and check its proof (``role``: "client" dials, "server" accepted).
+
+        ``timeout_s`` bounds the whole exchange (None: the socket's own timeout). Raises
+        ``AuthenticationError`` if the peer does not know the secret, ``PeerFailureError`` if it goes away or
+        is too slow.
+        """
+        if role not in ("client", "server"):
+            raise ValueError(f"handshake role must be 'client' or 'server', not {role!r}")
+        if self._out is not None:
+            return
+        saved = self.sock.gettimeout()
         try:
-            self.sock.sendall(header + digest)
+            if timeout_s is not None:
+                self.sock.settimeout(timeout_s)
+            mine = secrets.token_bytes(NONCE_SIZE)
+            if role == "client":
+                self.sock.sendall(MAGIC + mine)
+                reply = self._read_fixed(len(MAGIC) + NONCE_SIZE + PROOF_SIZE)
+                theirs = self._check_magic(reply)[:NONCE_SIZE]
+                nc, ns = mine, theirs
+                self._check_proof(b"server", nc, ns, reply[len(MAGIC) + NONCE_SIZE:])
+                self.sock.sendall(sign(self.secret, b"client", nc, ns))
+            else:
+                hello = self._read_fixed(len(MAGIC) + NONCE_SIZE)
+                nc, ns = self._check_magic(hello), mine
+                self.sock.sendall(MAGIC + ns + sign(self.secret, b"server", nc, ns))
+                self._check_proof(b"client", nc, ns, self._read_fixed(PROOF_SIZE))
+        except (OSError, ConnectionError) as exc:
+            raise PeerFailureError(f"handshake with {self.peer} failed: {exc}") from exc
+        finally:
+            try:
+                self.sock.settimeout(saved)
+            except OSError:
+                pass
+        c2s, s2c = _Direction(sign(self.secret, b"c2s", nc, ns)), _Direction(sign(self.secret, b"s2c", nc, ns))
+        self._out, self._in = (c2s, s2c) if role == "client" else (s2c, c2s)
+
+    def _read_fixed(self, n: int) -> bytes:
+        buf = bytearray(n)
+        recv_exactly(self.sock, memoryview(buf))
+        return bytes(buf)
+
+    def _check_magic(self, message: bytes) -> bytes:
+        if message[:len(MAGIC)] != MAGIC:
+            raise AuthenticationError(f"{self.peer} does not speak the spark_hvd protocol (bad handshake)")
+        return message[len(MAGIC):]
+
+    def _check_proof(self, label: bytes, nc: bytes, ns: bytes, proof: bytes) -> None:
+        if not hmac.compare_digest(sign(self.secret, label, nc, ns), proof):
+            logger.warning("%s failed the handshake: it does not know the job's secret", self.peer)
+            raise AuthenticationError(f"{self.peer} failed the handshake (wrong job secret, or a replayed "
+                                      "connection); connection dropped")
+
+    def _sending(self) -> _Direction:
+        if self._out is None:
+            self.handshake("client")
+        assert self._out is not None
+        return self._out
+
+    def _receiving(self) -> _Direction:
+        if self._in is None:
+            self.handshake("server")
+        assert self._in is not None
+        return self._in
+
+    # -- frames ----------------------------------------------------------------------------------------------
+    def send_bytes(self, *parts: bytes | memoryview, fast: bool = False) -> None:
+        """Send one frame made of ``parts`` (scatter-gather, no concatenation).
+
+        ``fast``: a data frame (Poly1305 tag), for payloads the receiver never unpickles.
+        """
+        try:
+            direction = self._sending()
+            length = sum(memoryview(p).nbytes for p in parts)
+            header = _LENGTH.pack(length) + direction.tag(length, parts, fast)
+            if length <= 65536:
+                self.sock.sendall(b"".join([header, *parts]))
+                return
+            self.sock.sendall(header)
             for part in parts:
                 self.sock.sendall(part)
         except OSError as exc:
             raise PeerFailureError(f"sending to {self.peer} failed: {exc}") from exc
 
-    def _recv_header(self) -> tuple[int, bytes]:
+    def recv_header(self) -> tuple[int, bytes]:
+        """The next frame's (length, tag); the payload is not yet trusted."""
+        self._receiving()
         header = bytearray(HEADER_SIZE)
         try:
             recv_exactly(self.sock, memoryview(header))
@@ -104,16 +247,16 @@ class FramedSocket:
         (length,) = _LENGTH.unpack_from(header)
         return length, bytes(header[_LENGTH.size:])
 
-    def _check(self, digest: bytes, length: int, payload: memoryview) -> None:
-        expected = sign(self.secret, _COUNTER.pack(self._received), _LENGTH.pack(length), payload)
-        self._received += 1
-        if not hmac.compare_digest(expected, digest):
-            logger.warning("dropped a frame from %s whose HMAC does not match the job's secret", self.peer)
+    def verify(self, tag: bytes, length: int, *parts: bytes | memoryview, fast: bool = False) -> None:
+        """Check a received frame's ``tag``; ``AuthenticationError`` (logged) when it fails."""
+        assert self._in is not None
+        if not hmac.compare_digest(self._in.tag(length, parts, fast), tag):
+            logger.warning("dropped a frame from %s that failed its authentication check", self.peer)
             raise AuthenticationError(f"a frame from {self.peer} failed the HMAC check; connection dropped")
 
     def recv_bytes(self, max_size: int = MAX_OBJECT_FRAME) -> bytes:
-        """Receive one frame and return its payload once its HMAC checked out."""
-        length, digest = self._recv_header()
+        """Receive one control frame and return its payload once its tag checked out."""
+        length, tag = self.recv_header()
         if length > max_size:
             raise AuthenticationError(f"a frame from {self.peer} claims {length} bytes (> {max_size}); dropped")
         payload = bytearray(length)
@@ -121,13 +264,13 @@ class FramedSocket:
             recv_exactly(self.sock, memoryview(payload))
         except (OSError, ConnectionError) as exc:
             raise PeerFailureError(f"receiving from {self.peer} failed: {exc}") from exc
-        self._check(digest, length, memoryview(payload))
+        self.verify(tag, length, payload)
         return bytes(payload)
 
-    def recv_into(self, buffer: memoryview) -> None:
+    def recv_into(self, buffer: memoryview, fast: bool = False) -> None:
         """Receive one frame straight into ``buffer``, whose size must equal the frame's length."""
         buffer = memoryview(buffer).cast("B")
-        length, digest = self._recv_header()
+        length, tag = self.recv_header()
         if length != buffer.nbytes:
             raise AuthenticationError(
                 f"a frame from {self.peer} has {length} bytes where {buffer.nbytes} were expected; dropped")
@@ -135,12 +278,12 @@ class FramedSocket:
             recv_exactly(self.sock, buffer)
         except (OSError, ConnectionError) as exc:
             raise PeerFailureError(f"receiving from {self.peer} failed: {exc}") from exc
-        self._check(digest, length, buffer)
+        self.verify(tag, length, buffer, fast=fast)
 
     def send_object(self, obj: Any) -> None:
-        """Pickle ``obj`` and send it as one authenticated frame."""
+        """Pickle ``obj`` and send it as one authenticated control frame."""
         self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def recv_object(self, max_size: int = MAX_OBJECT_FRAME) -> Any:
-        """Receive one frame, check its HMAC, and only then unpickle it."""
+        """Receive one control frame, check its tag, and only then unpickle it."""
         return pickle.loads(self.recv_bytes(max_size))

@@ -121,6 +121,8 @@ class _PersistableStage(MLWritable, MLReadable):
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "model":
             return self._serialize_model(value)
+        if name == "store" and hasattr(value, "without_secrets"):
+            value = value.without_secrets()  # saved files keep no credentials (see spark_hvd.store.secrets)
         try:
             return cloudpickle.dumps(value)
         except Exception as exc:  # noqa: BLE001 - re-raised with the param's name
@@ -542,7 +544,8 @@ class BaseEstimator(Estimator, _PersistableStage):
         sc = df.sparkSession.sparkContext
         num_proc = get(self.num_proc) or sc.defaultParallelism
         check_slots(sc, num_proc)
-        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))
+        store.check_writable()  # a probe write, only once every other check passed
+        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
 
     # ---- fit

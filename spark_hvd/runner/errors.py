@@ -96,4 +96,6 @@ class LaunchFailure:
 
     rank: int
     returncode: int
+    #: ``exited with code 3`` or ``was killed by SIGKILL (exit code 137)``.
+    description: str = ""
     stderr_tail: list[str] = field(default_factory=list)

@@ -3,8 +3,16 @@
 The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
 driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes with the
 ``SPARK_HVD_*`` environment (rank, size, local rank/size, cross rank/size, rendezvous, secret, job id). Their
-output lines are printed prefixed with ``[rank]``. When one exits non-zero the others get SIGTERM, then SIGKILL
-after a grace period, and the launcher exits with that rank's exit code after printing the tail of its stderr.
+output lines are printed prefixed with ``[rank]``.
+
+Failure. The rank reported is the first to fail *by time*: the launcher watches every rank through a pidfd in one
+epoll set, whose ready list is in the order the kernel saw the processes exit, so a rank SIGKILLed mid-allreduce is
+blamed rather than the peer that exited 1 a moment later because its socket closed. Its real exit status is
+reported (``killed by SIGKILL`` for a signal; the exit code is 128 + the signal number, as a shell reports it).
+Every rank runs in a session and process group of its own; stopping the job signals each *group* (SIGTERM, then
+SIGKILL after the grace period), whether or not the rank itself is still alive, so processes a rank started (data
+loader workers, a ``subprocess``) do not survive it. Output pipes that an escaped process may still hold are not
+waited on for more than a moment, so the launcher exits promptly.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import collections
 import logging
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -31,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 TIMEOUT_EXIT_CODE = 124
 STDERR_TAIL_LINES = 20
+#: Seconds the launcher waits for output pipes after every process group got SIGKILL.
+PIPE_DRAIN_S = 1.0
 
 
 @dataclass
@@ -53,6 +64,17 @@ class LaunchResult:
 
 def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with code 3`` or ``was killed by SIGKILL`` for a ``Popen.returncode``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name} (exit code {_exit_code(returncode)})"
+    return f"exited with code {returncode}"
 
 
 class _Rank:
@@ -85,16 +107,90 @@ class _Rank:
                 pass
 
     def signal(self, signum: int) -> None:
-        """Signal the rank's whole process group (it runs in a session of its own)."""
-        if self.proc.poll() is not None:
-            return
+        """Signal the rank's whole process group (it runs in a session of its own), even after the rank itself
+        exited: its children stay in the group (Linux does not reuse a pid while a group of that id lives)."""
         try:
             os.killpg(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):
-            try:
-                self.proc.send_signal(signum)
-            except ProcessLookupError:
-                pass
+            if self.proc.poll() is None:
+                try:
+                    self.proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def group_alive(self) -> bool:
+        """Whether a live (not zombie) process of the rank's group remains."""
+        return _group_alive(self.proc.pid)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie (orphans whose reaper is slow are
+    zombies for a while; they hold nothing). Reads ``/proc`` where there is one, else asks ``killpg(pgid, 0)``."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
+
+
+class _ExitOrder:
+    """Ranks in the order their processes exited: a pidfd per rank in one epoll set (its ready list is FIFO, so
+    the order is the kernel's, not the order in which this thread got to look). Falls back to polling in rank
+    order where pidfds are missing (not Linux, or an old kernel)."""
+
+    def __init__(self, ranks: list[_Rank]) -> None:
+        self.ranks = ranks
+        self.epoll: select.epoll | None = None
+        self.fds: dict[int, int] = {}
+        try:
+            self.epoll = select.epoll()
+            for r in ranks:
+                fd = os.pidfd_open(r.proc.pid)
+                self.fds[fd] = r.rank
+                self.epoll.register(fd, select.EPOLLIN)
+        except (AttributeError, OSError):
+            self.close()
+
+    def wait(self, pending: dict[int, _Rank], timeout: float) -> list[int]:
+        """Ranks of ``pending`` that exited (reaped), oldest exit first; waits at most ``timeout`` for one."""
+        if self.epoll is None:
+            done = [rank for rank, r in pending.items() if r.proc.poll() is not None]
+            if not done and pending:
+                try:
+                    next(iter(pending.values())).proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+                done = [rank for rank, r in pending.items() if r.proc.poll() is not None]
+            return done
+        order = []
+        for fd, _ in self.epoll.poll(timeout):
+            self.epoll.unregister(fd)
+            rank = self.fds.pop(fd)
+            os.close(fd)
+            if rank in pending:
+                pending[rank].proc.wait()
+                order.append(rank)
+        return order
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds.clear()
+        if self.epoll is not None:
+            self.epoll.close()
+            self.epoll = None
 
 
 def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, timeout: float | None = None,
@@ -161,17 +257,20 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             ranks.append(_Rank(rank, proc, sink))
         _wait(ranks, result, timeout, grace_s)
     finally:
-        for r in ranks:  # an exception above (KeyboardInterrupt ...): leave nothing behind
+        for r in ranks:  # every group, even of ranks that succeeded: a child they left must not outlive the job
             r.signal(signal.SIGKILL)
         for r in ranks:
             try:
                 r.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+        # A process that left its group (setsid) may still hold a pipe: wait a moment, not for it.
+        drain = time.monotonic() + PIPE_DRAIN_S
+        for r in ranks:
             for reader in r.readers:
-                reader.join(timeout=5.0)
+                reader.join(timeout=max(0.0, drain - time.monotonic()))
         result.returncodes = [r.proc.returncode for r in ranks]
-        service.wait_finished(5.0, only_started=True)
+        service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
         service.stop()
         kv.stop()
     if result.failure is not None:
@@ -182,32 +281,28 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
 def _wait(ranks: list[_Rank], result: LaunchResult, timeout: float | None, grace_s: float) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = {r.rank: r for r in ranks}
-    while pending:
-        for rank, r in list(pending.items()):
-            code = r.proc.poll()
-            if code is None:
-                continue
-            del pending[rank]
-            if code != 0:
-                result.returncode = _exit_code(code)
-                result.failure = LaunchFailure(rank, result.returncode)
-                _stop(list(pending.values()), grace_s)
+    exits = _ExitOrder(ranks)
+    try:
+        while pending:
+            for rank in exits.wait(pending, 0.1):
+                r = pending.pop(rank)
+                code = r.proc.returncode
+                if code != 0:
+                    result.returncode = _exit_code(code)
+                    result.failure = LaunchFailure(rank, result.returncode, description=describe_exit(code))
+                    _stop(ranks, grace_s)
+                    return
+            if deadline is not None and time.monotonic() > deadline:
+                result.timed_out = True
+                result.returncode = TIMEOUT_EXIT_CODE
+                _stop(ranks, grace_s)
                 return
-        if deadline is not None and time.monotonic() > deadline:
-            result.timed_out = True
-            result.returncode = TIMEOUT_EXIT_CODE
-            _stop(list(pending.values()), grace_s)
-            return
-        if pending:
-            # Bounded wait on one running rank; wakes at least every 0.1 s to look at the others.
-            try:
-                next(iter(pending.values())).proc.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
+    finally:
+        exits.close()
 
 
 def _stop(ranks: list[_Rank], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL for whoever is still running after ``grace_s``."""
+    """SIGTERM to every rank's process group, then SIGKILL to the groups still alive after ``grace_s``."""
     for r in ranks:
         r.signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -216,9 +311,10 @@ def _stop(ranks: list[_Rank], grace_s: float) -> None:
             r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    while time.monotonic() < deadline and any(r.group_alive() for r in ranks):
+        time.sleep(0.05)  # the ranks' children, still handling SIGTERM
     for r in ranks:
-        if r.proc.poll() is None:
-            r.signal(signal.SIGKILL)
+        r.signal(signal.SIGKILL)
 
 
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -284,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"(exit code {TIMEOUT_EXIT_CODE})\n")
     elif result.failure is not None:
         failure = result.failure
-        sys.stderr.write(f"spark-hvd-run: rank {failure.rank} exited with code {failure.returncode}; "
+        sys.stderr.write(f"spark-hvd-run: rank {failure.rank} {failure.description}, the first rank to fail; "
                          f"the other ranks were stopped.\n")
         if failure.stderr_tail:
             sys.stderr.write(f"spark-hvd-run: last lines of rank {failure.rank}'s stderr:\n")

@@ -8,8 +8,10 @@ as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked befo
 - ``("event", Event)``: progress from ``report(epoch=..., step=..., **metrics)``;
 - ``("error", type, message, traceback)`` when its function raised, ``("done",)`` when it finished.
 
-A connection that closes before ``done`` or ``error`` marks its rank as lost (the process died). A frame whose
-HMAC fails is dropped and logged and its connection closed; it never reaches ``pickle``.
+A connection first proves the job's secret (challenge-response with fresh nonces, ``Listener``: bounded in time,
+a cap on unauthenticated connections, accept errors survived), so a replayed hello is refused. A connection that
+closes before ``done`` or ``error`` marks its rank as lost (the process died). A frame that fails its check is
+dropped and logged and its connection closed; it never reaches ``pickle``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
+from spark_hvd.core.listener import Listener
 from spark_hvd.core.wire import FramedSocket, secret_from_env
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
@@ -87,7 +90,7 @@ class DriverService:
         self.bind_host = bind_host
         self.events: list[Event] = []
         self.failures: list[RankFailure] = []
-        self.rejected = 0
+        self._bad_frames = 0
         self.started: set[int] = set()
         self.finished: set[int] = set()
         self.changed = threading.Event()
@@ -95,44 +98,30 @@ class DriverService:
         self._print_lock = threading.Lock()
         self._stopping = threading.Event()
         self._cancelled = False
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._conns: list[FramedSocket] = []
+        self._listener: Listener | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> tuple[str, int]:
         """Listen on a free port; returns ``(bound host, port)``."""
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.bind_host, 0))
-        listener.listen(max(16, self.num_proc * 2))
-        listener.settimeout(0.5)
-        self._listener = listener
-        thread = threading.Thread(target=self._accept_loop, name="spark_hvd-driver-service", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-        host, port = listener.getsockname()[:2]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.bind_host, 0))
+        sock.listen(max(16, self.num_proc * 2))
+        self._listener = Listener(sock, self.secret, self._serve, name="spark_hvd-driver-service")
+        self._listener.start()
+        host, port = sock.getsockname()[:2]
         return host, port
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Close the listener and every connection; joins the service threads (bounded)."""
+        """Close the listener and every connection; joins the accept thread (bounded)."""
         self._stopping.set()
         if self._listener is not None:
-            try:
-                self._listener.close()
-            except OSError:
-                pass
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            conn.close()
-        deadline = time.monotonic() + timeout_s
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            self._listener.stop(timeout_s)
+
+    @property
+    def rejected(self) -> int:
+        """Connections dropped: failed handshakes (wrong secret, replayed, silent) and frames failing their check."""
+        return (self._listener.rejected if self._listener is not None else 0) + self._bad_frames
 
     def mark_cancelled(self) -> None:
         """From now on, ranks that go away are consequences of the cancellation, not causes."""
@@ -172,24 +161,9 @@ class DriverService:
         return ([root] if root else []) + rest
 
     # ------------------------------------------------------------------ internals
-    def _accept_loop(self) -> None:
-        assert self._listener is not None
-        while not self._stopping.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = FramedSocket(sock, self.secret, f"{addr[0]}:{addr[1]}")
-            with self._lock:
-                self._conns.append(conn)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="spark_hvd-driver-conn", daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _serve(self, conn: FramedSocket) -> None:
+    def _serve(self, conn: FramedSocket, address: str) -> None:
+        """One authenticated connection (on its own thread, see ``Listener``): hello, then messages until done."""
+        conn.peer = address
         rank: int | None = None
         finished = False
         try:
@@ -231,7 +205,7 @@ class DriverService:
                     logger.warning("driver service: unknown message %r from rank %s", kind, rank)
         except AuthenticationError:
             with self._lock:
-                self.rejected += 1
+                self._bad_frames += 1
             logger.warning("driver service: dropped a forged or corrupted frame from %s and closed its connection",
                            conn.peer)
         except PeerFailureError:
@@ -319,6 +293,11 @@ class ServiceClient:
         self.rank = rank
         self.attempt = attempt
         self._conn = FramedSocket(sock, secret, "driver")
+        try:
+            self._conn.handshake("client", timeout_s)
+        except BaseException:
+            self._conn.close()
+            raise
         self._lock = threading.Lock()
         self._alive = True
         self.pid = os.getpid()

@@ -9,6 +9,7 @@ from spark_hvd.store.errors import StoreError, StoreTimeoutError, StoreURLError
 from spark_hvd.store.fsspec_store import FsspecStore
 from spark_hvd.store.hdfs import HDFSStore
 from spark_hvd.store.local import LocalStore
+from spark_hvd.store.registry import register_store, registered_schemes
 
 __all__ = [
     "COMMIT_MARKER",
@@ -20,5 +21,7 @@ __all__ = [
     "StoreError",
     "StoreTimeoutError",
     "StoreURLError",
+    "register_store",
+    "registered_schemes",
     "scheme_of",
 ]

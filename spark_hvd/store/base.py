@@ -1,5 +1,9 @@
 """The :class:`Store` contract: where prepared data, checkpoints, logs and models of a job live.
 
+(Longer than ~400 lines on purpose: this is the one class a store implementer reads, the whole contract every
+store honours: layout, bytes and listings, directories, atomic commits, checkpoints, visibility. The commit protocol,
+the manifest, the scheme registry and the handling of secrets live in their own modules.)
+
 A store is a root (a *prefix*) on some filesystem. Every store, whatever its URL, lays its files out the same way::
 
     <prefix>/data/<dataset_key>/train/part-*.parquet   written by spark_hvd.data (Spark or pyarrow)
@@ -20,21 +24,26 @@ local or DBFS store, ``bucket/prefix/...`` for S3, ``/user/x/...`` for HDFS). Th
 ``dbfs:/...``, ``hdfs://nn:8020/...``, ``s3a://bucket/...``). Spark writes to S3, GCS or ADLS need the cluster's own
 connector setup (for S3: the hadoop-aws jars and ``fs.s3a.*`` credentials); the store does not provide them.
 
-Atomic directories. A directory written with :meth:`Store.atomic_dir` is either complete or absent to readers: on a
-store that can rename (local, HDFS) it is written under a temporary sibling name and renamed into place; on a store
-that cannot (object stores, DBFS) it is written in place and a ``_COMMITTED`` marker file is written last. Either
-way a complete directory holds the marker, :meth:`Store.is_committed` checks for it, and a failure inside the
-``with`` block deletes what was written. Checkpoints (:meth:`Store.write_checkpoint`,
-:meth:`Store.latest_checkpoint`) and prepared datasets are written this way.
+Atomic directories. A directory written with :meth:`Store.atomic_dir` is either complete or absent to readers, and
+a crash never removes its last committed version: files are written aside (or in place where nothing is committed
+yet and the store cannot rename), fsynced where the filesystem supports it, and committed by a manifest of sizes and
+checksums written last (``_MANIFEST.json``); a committed version is replaced only once its successor is committed.
+:mod:`spark_hvd.store.atomic` has the protocol and its recovery, :mod:`spark_hvd.store.manifest` the manifest.
+:meth:`Store.is_committed` checks for a manifest, :meth:`Store.verify` checks the files against it. Checkpoints
+(:meth:`Store.write_checkpoint`; :meth:`Store.latest_checkpoint` gives the newest that verifies) and prepared
+datasets are written this way.
 
 Pickling. A store pickles as its URL and storage options (no open connection), so it can be shipped to Spark
 executors and training processes; the filesystem is opened again lazily on first use there. A ``memory://`` store
-is per process: its files are not visible to other processes.
+is per process: its files are not visible to other processes. A store written into a saved stage goes through
+:meth:`Store.without_secrets` first: its pickle keeps the URL and non-secret options only (see
+:mod:`spark_hvd.store.secrets` for how the secrets come back at load time).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -46,7 +55,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from spark_hvd.store import atomic
+from spark_hvd.store.atomic import TMP_PREFIX
 from spark_hvd.store.errors import StoreError, StoreTimeoutError, StoreURLError
+from spark_hvd.store.manifest import LEGACY_MARKER, MANIFEST, Manifest, sha256_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import fsspec
@@ -54,10 +66,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-#: Name of the file that marks an atomically written directory as complete.
-COMMIT_MARKER = "_COMMITTED"
-#: Prefix of temporary sibling directories (ignored by listings).
-TMP_PREFIX = "._tmp-"
+#: Name of the file that marks an atomically written directory as complete: its manifest.
+COMMIT_MARKER = MANIFEST
 _EPOCH_RE = re.compile(r"^epoch-(\d+)$")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
@@ -72,15 +82,6 @@ def scheme_of(url: str) -> str:
     return m.group(1).lower()
 
 
-def _store_table() -> dict[str, type[Store]]:
-    """Scheme -> store class. Any scheme not here goes to :class:`~spark_hvd.store.fsspec_store.FsspecStore`."""
-    from spark_hvd.store.dbfs import DBFSStore
-    from spark_hvd.store.hdfs import HDFSStore
-    from spark_hvd.store.local import LocalStore
-
-    return {"": LocalStore, "file": LocalStore, "dbfs": DBFSStore, "hdfs": HDFSStore, "viewfs": HDFSStore}
-
-
 def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) -> Store:
     return cls(url, **storage_options)
 
@@ -88,7 +89,8 @@ def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) 
 class Store(ABC):
     """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
 
-    Create one with :meth:`Store.create`; the subclasses are chosen by URL scheme.
+    Create one with :meth:`Store.create`; the subclass is chosen by URL scheme from
+    :mod:`spark_hvd.store.registry` (where users register their own).
 
     Attributes:
         url: the canonical URL of the prefix (a relative local path is made absolute).
@@ -104,6 +106,8 @@ class Store(ABC):
         self._fs: fsspec.AbstractFileSystem | None = None
         self._pa_fs: pyarrow.fs.FileSystem | None = None
         self._synced: dict[tuple[str, str], tuple[int, int]] = {}
+        self._recorded: dict[str, tuple[int, str]] = {}  # path -> (size, sha256) of files this process wrote
+        self._dropped_secrets: list[str] | None = None  # set by without_secrets
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -115,20 +119,40 @@ class Store(ABC):
         - ``hdfs://host:port/path`` (or ``hdfs:///path``): :class:`~spark_hvd.store.hdfs.HDFSStore`;
         - any other fsspec protocol (``s3://``, ``gs://``, ``abfs://``, ``memory://``, ...):
           :class:`~spark_hvd.store.fsspec_store.FsspecStore`, with ``storage_options`` passed to
-          ``fsspec.filesystem(protocol, **storage_options)`` untouched.
+          ``fsspec.filesystem(protocol, **storage_options)`` untouched;
+        - a scheme registered with :func:`~spark_hvd.store.registry.register_store`: that class.
         """
         if not isinstance(url, str) or not url.strip():
             raise StoreURLError(f"Store.create needs a non-empty URL string, got {url!r}")
-        scheme = scheme_of(url)
-        table = _store_table()
-        if scheme in table:
-            return table[scheme](url, **storage_options)
-        from spark_hvd.store.fsspec_store import FsspecStore
+        from spark_hvd.store.registry import store_class
 
-        return FsspecStore(url, **storage_options)
+        return store_class(scheme_of(url))(url, **storage_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._dropped_secrets is not None:
+            from spark_hvd.store.secrets import restore_without_secrets
+
+            return (restore_without_secrets, (type(self), self.url, self.storage_options, self._dropped_secrets))
         return (_restore_store, (type(self), self.url, self.storage_options))
+
+    def without_secrets(self) -> Store:
+        """This store, minus its secret storage options (keys, secrets, tokens, passwords, credential objects),
+        for pickles that are saved (an estimator's ``save``). Unpickled, it takes its options from
+        ``SPARK_HVD_STORAGE_OPTIONS``; :meth:`with_options` adds them back by hand."""
+        from spark_hvd.store.secrets import split_secrets
+
+        public, dropped = split_secrets(self.storage_options)
+        clone = type(self)(self.url, **public)
+        clone._dropped_secrets = dropped
+        return clone
+
+    def with_options(self, **storage_options: Any) -> Store:
+        """A store of the same URL with ``storage_options`` added to (or replacing) this one's, e.g. the
+        credentials of a store loaded from a saved stage: ``est.setStore(est.getStore().with_options(key=...,
+        secret=...))``."""
+        from spark_hvd.store.secrets import merge_options
+
+        return type(self)(self.url, **merge_options(self.storage_options, storage_options))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -178,6 +202,24 @@ class Store(ABC):
         if self._pa_fs is None:
             self._pa_fs = self._make_pyarrow_fs()
         return self._pa_fs
+
+    def check_writable(self) -> None:
+        """Write and delete a small probe file under the prefix, so an unwritable store fails on the driver before
+        any task starts rather than in a training process after the data was prepared.
+
+        Raises:
+            StoreError: naming the URL and what the filesystem said.
+        """
+        probe = self.path(f"{TMP_PREFIX}probe-{uuid.uuid4().hex[:12]}")
+        try:
+            self.write_bytes(probe, b"spark_hvd write probe")
+            self.delete(probe)
+        except Exception as e:  # noqa: BLE001 - any failure means the same to the user
+            raise StoreError(f"the store {self.url!r} is not writable ({type(e).__name__}: {e}); spark_hvd writes "
+                             "prepared data, checkpoints and the model there: check the path, its permissions "
+                             "or the credentials in the storage options") from e
+        finally:
+            self._recorded.pop(posixpath.normpath(probe), None)
 
     # ------------------------------------------------------------------ layout
     def path(self, *parts: str) -> str:
@@ -251,8 +293,10 @@ class Store(ABC):
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write ``data`` to the file ``path`` (parents created). Readers never see a partial file."""
+        data = bytes(data)
         self._makedirs(posixpath.dirname(path))
-        self.fs.pipe_file(path, bytes(data))
+        self.fs.pipe_file(path, data)
+        self._record(path, data)
         self._invalidate(path)
 
     def read_json(self, path: str) -> Any:
@@ -303,6 +347,8 @@ class Store(ABC):
             remote = posixpath.join(path, rel)
             self._makedirs(posixpath.dirname(remote))
             self.fs.put_file(local, remote)
+            with open(local, "rb") as f:
+                self._recorded[posixpath.normpath(remote)] = (os.fstat(f.fileno()).st_size, sha256_of(f))
         self._invalidate(path)
 
     def download_dir(self, path: str, local_dir: str) -> str:
@@ -314,7 +360,7 @@ class Store(ABC):
         for remote in self.fs.find(base):
             remote = str(remote)
             rel = remote[len(base) :].lstrip("/") if remote.startswith(base) else posixpath.basename(remote)
-            if not rel or rel == COMMIT_MARKER:
+            if not rel or rel in (MANIFEST, LEGACY_MARKER):
                 continue
             target = os.path.join(local_dir, *rel.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -352,46 +398,33 @@ class Store(ABC):
 
         return sync
 
-    @contextlib.contextmanager
-    def atomic_dir(self, path: str, overwrite: bool = True) -> Iterator[str]:
-        """Write a directory that readers see complete or not at all.
+    def atomic_dir(self, path: str, overwrite: bool = True) -> contextlib.AbstractContextManager[str]:
+        """Write a directory that readers see complete or not at all, and that a crash never loses.
 
-        Yields the store path to write into (a temporary sibling where the store can rename, else ``path``
-        itself). On leaving the block normally the directory is committed: the ``_COMMITTED`` marker is written,
-        and on a renaming store the temporary directory replaces ``path``. On an exception everything written is
-        deleted and the exception propagates.
+        ``with store.atomic_dir(path) as target:`` yields the store path to write into (a hidden sibling, or
+        ``path`` itself where nothing is committed there yet and the store cannot rename). On leaving the block
+        normally the files are fsynced, the manifest is written last, and the new directory replaces ``path``
+        without a moment in which neither version is committed (see :mod:`spark_hvd.store.atomic`). On an exception
+        everything written is deleted and the exception propagates.
 
         Args:
             path: the final store path of the directory.
             overwrite: replace a committed directory already at ``path`` (else raise :class:`StoreError`).
         """
-        path = path.rstrip("/")
-        if self.exists(path):
-            if self.is_committed(path) and not overwrite:
-                raise StoreError(f"{path!r} already exists in {self!r}; pass overwrite=True to replace it")
-            if not self.supports_rename:
-                self.delete(path)  # leftovers of an earlier failed or replaced write
-        parent, name = posixpath.split(path)
-        target = posixpath.join(parent, f"{TMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}") if self.supports_rename else path
-        self._makedirs(target)
-        try:
-            yield target
-            self.write_bytes(posixpath.join(target, COMMIT_MARKER), json.dumps({"time": time.time()}).encode())
-            if self.supports_rename:
-                if self.exists(path):
-                    self.delete(path)
-                self._rename(target, path)
-                self._invalidate(path)
-        except BaseException:
-            try:
-                self.delete(target)
-            except Exception:  # pragma: no cover - best effort cleanup
-                logger.warning("could not delete the incomplete directory %s in %r", target, self, exc_info=True)
-            raise
+        return atomic.atomic_dir(self, path, overwrite)
 
     def is_committed(self, path: str) -> bool:
-        """Whether ``path`` is a directory committed by :meth:`atomic_dir`."""
-        return self.exists(posixpath.join(path.rstrip("/"), COMMIT_MARKER))
+        """Whether ``path`` holds a manifest, i.e. was committed by :meth:`atomic_dir` (:meth:`verify` checks it)."""
+        try:
+            Manifest.loads(self.read_bytes(posixpath.join(path.rstrip("/"), MANIFEST)))
+        except (FileNotFoundError, ValueError):
+            return False
+        return True
+
+    def verify(self, path: str) -> str | None:
+        """What is wrong with the directory ``path`` (no manifest, a missing, truncated or altered file), or ``None``
+        when every file matches the manifest. Reads every checksummed file."""
+        return atomic.verify(self, path.rstrip("/"))
 
     # ------------------------------------------------------------------ checkpoints
     def write_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
@@ -402,7 +435,7 @@ class Store(ABC):
         return final
 
     def list_checkpoints(self, run_id: str) -> list[int]:
-        """The epochs of the committed checkpoints of ``run_id``, ascending."""
+        """The epochs of the committed checkpoints of ``run_id`` (a manifest present; not verified), ascending."""
         root = self.checkpoints_path(run_id)
         epochs = []
         for name in self.listdir(root):
@@ -412,18 +445,52 @@ class Store(ABC):
         return sorted(epochs)
 
     def latest_checkpoint(self, run_id: str) -> tuple[int, str] | None:
-        """``(epoch, store path)`` of the newest committed checkpoint of ``run_id``, or ``None``."""
-        epochs = self.list_checkpoints(run_id)
-        if not epochs:
-            return None
-        return epochs[-1], self.checkpoint_path(run_id, epochs[-1])
+        """``(epoch, store path)`` of the newest checkpoint of ``run_id`` that verifies, or ``None``.
+
+        Called when a run starts (to resume), so it also tidies the run's checkpoint directory first: interrupted
+        replacements are finished, stale temporary directories and partial epochs (no manifest, no marker)
+        deleted. Each newer checkpoint that fails :meth:`verify` is skipped with a warning saying why; it is left
+        in place and replaced when that epoch is written again.
+        """
+        root = self.checkpoints_path(run_id)
+        atomic.recover(self, root)
+        epochs = []
+        for name in self.listdir(root):
+            m = _EPOCH_RE.match(name)
+            if m:
+                epochs.append((int(m.group(1)), posixpath.join(root, name)))
+        for epoch, path in sorted(epochs, reverse=True):
+            if not self.exists(posixpath.join(path, MANIFEST)) and not self.exists(posixpath.join(path, LEGACY_MARKER)):
+                logger.info("run %s: deleting the partial checkpoint of epoch %d (never committed)", run_id, epoch)
+                self.delete(path)
+                continue
+            problem = self.verify(path)
+            if problem is None:
+                return epoch, path
+            if not self.exists(posixpath.join(path, MANIFEST)):
+                problem = f"it has only the {LEGACY_MARKER} marker of a spark_hvd without manifests: cannot verify"
+            logger.warning("run %s: skipping the checkpoint of epoch %d in %r: %s", run_id, epoch, self, problem)
+        return None
 
     def download_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
-        """Copy the committed checkpoint of ``epoch`` into ``local_dir``; returns ``local_dir``."""
+        """Copy the committed checkpoint of ``epoch`` into ``local_dir`` and check the copy against its manifest;
+        returns ``local_dir``.
+
+        Raises:
+            FileNotFoundError: no committed checkpoint of that epoch.
+            StoreError: the downloaded files do not match the manifest (naming the file).
+        """
         path = self.checkpoint_path(run_id, epoch)
-        if not self.is_committed(path):
-            raise FileNotFoundError(f"no committed checkpoint for epoch {epoch} of run {run_id!r} in {self!r}")
-        return self.download_dir(path, local_dir)
+        try:
+            manifest = Manifest.loads(self.read_bytes(posixpath.join(path, MANIFEST)))
+        except (FileNotFoundError, ValueError) as e:
+            raise FileNotFoundError(f"no committed checkpoint for epoch {epoch} of run {run_id!r} in {self!r}") from e
+        self.download_dir(path, local_dir)
+        problem = manifest.problem_in_local_copy(local_dir)
+        if problem is not None:
+            raise StoreError(f"the checkpoint of epoch {epoch} of run {run_id!r} in {self!r} changed while "
+                             f"downloading: {problem}")
+        return local_dir
 
     # ------------------------------------------------------------------ visibility
     def wait_until_visible(self, path: str, timeout_s: float | None = None) -> None:
@@ -441,6 +508,52 @@ class Store(ABC):
     def _makedirs(self, path: str) -> None:
         if path:
             self.fs.makedirs(path, exist_ok=True)
+
+    def _fsync_tree(self, path: str, files: bool = True, recursive: bool = True) -> None:
+        """Make what is under ``path`` durable (files if ``files``, and directories). Only a store on a local or
+        mounted filesystem has anything to do: an object store's write is durable when it returns."""
+        return None
+
+    def _record(self, path: str, data: bytes) -> None:
+        """Remember the size and SHA-256 of a file this process wrote, for the manifest of its directory."""
+        self._recorded[posixpath.normpath(path)] = (len(data), hashlib.sha256(data).hexdigest())
+
+    def _take_recorded(self, directory: str) -> dict[str, tuple[int, str]]:
+        """Forget and return what :meth:`_record` kept for files under ``directory`` (keyed by relative path)."""
+        base = posixpath.normpath(directory) + "/"
+        taken = {key: self._recorded.pop(key) for key in [k for k in self._recorded if k.startswith(base)]}
+        return {key[len(base) :]: value for key, value in taken.items()}
+
+    def _raw_names(self, path: str) -> list[str]:
+        """Names of every entry of directory ``path``, hidden ones included (``[]`` when it is missing)."""
+        self._invalidate(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        base = path.rstrip("/")
+        names = {posixpath.basename(str(e).rstrip("/")) for e in entries if str(e).rstrip("/") != base}
+        return sorted(n for n in names if n)
+
+    def _file_sizes(self, path: str) -> dict[str, int]:
+        """Relative posix path -> size of every file under directory ``path``."""
+        self._invalidate(path)
+        base = str(self.fs._strip_protocol(path)).rstrip("/")
+        try:
+            found = self.fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        sizes = {}
+        for name, info in found.items():
+            name = str(name)
+            if info.get("type", "file") == "file" and name.startswith(base + "/"):
+                sizes[name[len(base) + 1 :]] = int(info["size"])
+        return sizes
+
+    def _sha256(self, path: str) -> str:
+        """Hex SHA-256 of the file ``path`` (streamed)."""
+        with self.fs.open(path, "rb") as f:
+            return sha256_of(f)
 
     def _invalidate(self, path: str) -> None:
         fs = self._fs

@@ -202,7 +202,11 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+    common.require_init("allreduce_()")
+    staged = _Staged(tensor)  # the core's blocking call runs the round in this thread (no hand-off)
+    common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
+                            postscale=postscale_factor, bfloat16=staged.bf16)
+    return staged.write_back()
 
 
 class _AllreduceFunction(torch.autograd.Function):

@@ -6,15 +6,16 @@ import pickle
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError
+from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, divide_average, f32_to_bf16, reduce_into, scale_inplace
 from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVStoreServer, parse_address
-from spark_hvd.core.wire import DIGEST_SIZE, FramedSocket, make_secret
+from spark_hvd.core.wire import FramedSocket, make_secret
 
 
 @pytest.fixture
@@ -75,7 +76,7 @@ def test_exchange_timeout_names_missing_ranks(server):
     assert info.value.rank == 0 and info.value.operation == "rendezvous"
 
 
-def test_forged_frame_is_dropped_never_unpickled(server):
+def test_forged_client_is_dropped_never_unpickled(server):
     srv, address, secret = server
     unpickled = []
 
@@ -84,23 +85,95 @@ def test_forged_frame_is_dropped_never_unpickled(server):
             return (unpickled.append, ("forged frame was unpickled",))
 
     host, port = parse_address(address)
+    # a client without the secret fails the handshake: it never gets to send a frame
+    forged = FramedSocket(socket.create_connection((host, port), timeout=30), make_secret(), "attacker")
+    with pytest.raises(AuthenticationError):
+        forged.send_object(("set", "k", Boom()))
+    forged.close()
+    # raw bytes claiming a huge frame: not a handshake, dropped after reading the fixed-size hello
     sock = socket.create_connection((host, port), timeout=30)
-    forged = FramedSocket(sock, make_secret(), "attacker")
-    forged.send_object(("set", "k", Boom()))
-    sock.settimeout(30)
-    assert sock.recv(1) == b""  # the service dropped the connection
+    sock.sendall(struct.pack("!Q", 1 << 40) + b"\0" * 64)
+    assert _closed_by_server(sock)
     sock.close()
-    # a frame claiming a huge length is dropped before anything is allocated
-    sock = socket.create_connection((host, port), timeout=30)
-    sock.sendall(struct.pack("!Q", 1 << 40) + b"\0" * DIGEST_SIZE)
-    assert sock.recv(1) == b""
-    sock.close()
-    assert unpickled == [] and srv.rejected == 2
+    assert unpickled == [] and _wait_for(lambda: srv.rejected == 2)
     # the service still serves honest clients
     client = KVClient(address, secret)
     client.set("ok", pickle.dumps(1))
     assert client.get("ok", 5) == pickle.dumps(1)
     client.close()
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """Read until the server closes (True) or 30 s pass (False); what it sent before (its hello) is ignored."""
+    sock.settimeout(30)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _recording_proxy(target: tuple[str, int]) -> tuple[tuple[str, int], bytearray]:
+    """A one-connection TCP relay to ``target`` that records what the client sends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    recorded = bytearray()
+
+    def pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if record is not None:
+                    record += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def run() -> None:
+        client, _ = listener.accept()
+        listener.close()
+        upstream = socket.create_connection(target)
+        threading.Thread(target=pump, args=(client, upstream, recorded), daemon=True).start()
+        pump(upstream, client, None)
+
+    threading.Thread(target=run, daemon=True).start()
+    return listener.getsockname()[:2], recorded
+
+
+def test_replayed_connection_does_not_revert_a_value(server):
+    srv, address, secret = server
+    target = parse_address(address)
+    proxy, recorded = _recording_proxy(target)
+    legit = KVClient(proxy, secret)
+    legit.set("k", b"old")
+    legit.close()
+    honest = KVClient(address, secret)
+    honest.set("k", b"new")
+    # an attacker replays the recorded connection (hello, proof, the 'set k old' frame) on a new connection
+    assert len(recorded) > 0
+    sock = socket.create_connection(target, timeout=30)
+    sock.sendall(bytes(recorded))
+    assert _closed_by_server(sock)
+    sock.close()
+    assert _wait_for(lambda: srv.rejected == 1)
+    assert honest.get("k", 5) == b"new"
+    honest.close()
 
 
 def test_unreachable_service_raises():

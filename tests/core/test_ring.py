@@ -154,7 +154,7 @@ def test_collectives_match_numpy(n, shm):
     assert shm_leftovers(job_id) == []
 
 
-@pytest.mark.parametrize("hosts", ["abb"])
+@pytest.mark.parametrize("hosts", ["abb", "aabb"])
 def test_hierarchical_across_faked_hosts(hosts):
     # ranks grouped on "hosts" by faked host identities: shared memory within a host, a TCP ring between hosts
     n = len(hosts)
@@ -231,41 +231,70 @@ def test_absent_rank_times_out_naming_it(shm):
     assert results[0] == {"error": "CollectiveTimeoutError", "rank": 1}
 
 
-def test_ring_socket_rejects_wrong_hmac():
+def _peer_pair(secret_a: bytes, secret_b: bytes) -> tuple[PeerSocket, PeerSocket]:
     a, b = socket.socketpair()
-    sender = PeerSocket(a, make_secret(), 1, 30)
-    receiver = PeerSocket(b, make_secret(), 0, 30)
-    sender.send_data([b"\x00" * 16], "test")
+    sender, receiver = PeerSocket(a, secret_a, 1, 30), PeerSocket(b, secret_b, 0, 30)
+    server = threading.Thread(target=lambda: receiver.handshake("server", 10) if secret_a == secret_b else None)
+    server.start()
+    if secret_a == secret_b:
+        sender.handshake("client", 10)
+    server.join(20)
+    return sender, receiver
+
+
+def test_ring_socket_rejects_a_tampered_data_frame():
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sender.send_data([np.arange(16, dtype=np.float32).view(np.uint8)], "test")
+    raw = bytearray(receiver.sock.recv(1 << 16))
+    raw[-5] ^= 0x80
+    writer, reader = socket.socketpair()
+    receiver.sock = reader
+    writer.sendall(bytes(raw))
     with pytest.raises(AuthenticationError):
-        receiver.recv_data_into(memoryview(bytearray(16)), "test")
-    a.close()
-    b.close()
+        receiver.recv_data_into(memoryview(bytearray(64)), "test")
+    assert receiver.recv_broken
+    for sock in (sender.sock, writer, reader):
+        sock.close()
 
 
-def test_mesh_setup_drops_an_intruder():
+def test_mesh_setup_drops_intruders_and_survives_a_silent_client():
     secret = make_secret()
     listeners = [open_listener("127.0.0.1") for _ in range(2)]
     addresses = [ls.getsockname() for ls in listeners]
-    # an intruder with the wrong secret connects to rank 0 first; rank 0 drops it and keeps waiting for rank 1
-    intruder = PeerSocket(socket.create_connection(addresses[0]), make_secret(), 0, 30)
-    intruder.send_data([b"job\n1"], "setup", b"\x02")
+    # before the ranks start: a silent client (sends half a hello, then nothing), an intruder without the
+    # secret, and raw garbage all connect to rank 0; rank 0 must still accept rank 1 at once
+    silent = socket.create_connection(addresses[0])
+    silent.sendall(b"SHVD")
+    garbage = socket.create_connection(addresses[0])
+    garbage.sendall(b"\xff" * 200)
+    intruder = PeerSocket(socket.create_connection(addresses[0]), make_secret(), 1, 30)
+    intruder_errors: list[BaseException] = []
+
+    def intrude() -> None:
+        try:
+            intruder.send_data([b"job\n1"], "setup", b"\x02")
+        except Exception as exc:
+            intruder_errors.append(exc)
+
     meshes: dict[int, dict] = {}
 
     def join(rank: int) -> None:
         meshes[rank] = connect_mesh(rank, 2, listeners[rank], addresses, secret, "job", 60)
 
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=intrude)] + [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    start = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert set(meshes) == {0, 1}
+    assert time.monotonic() - start < 8  # not the 10 s handshake timeout of the silent client
     meshes[1][0].send_data([b"hello"], "test")
     assert meshes[0][1].recv_message("test") == b"hello"
-    assert intruder.sock.recv(1) == b""  # dropped
+    assert len(intruder_errors) == 1 and isinstance(intruder_errors[0], AuthenticationError | PeerFailureError)
     for mesh in meshes.values():
         for peer in mesh.values():
             peer.close()
-    for ls in listeners:
-        ls.close()
-    intruder.close()
+    for sock in (silent, garbage, intruder.sock):
+        sock.close()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +144,69 @@ def test_launched_ranks_join_the_core_and_allreduce(tmp_path):
     expected = sum(np.random.default_rng(100 + r).standard_normal(1001) for r in range(3))
     for r in found.values():
         np.testing.assert_allclose(r["sum"], expected, rtol=1e-12)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see which processes live")
+def test_sigkilled_rank_is_blamed_its_children_die_and_the_launcher_exits_promptly(tmp_path):
+    """Rank 1 starts a child process, then is SIGKILLed while both ranks are inside allreduce: rank 0 fails a
+    moment later with a closed socket, yet rank 1 is the one reported, with SIGKILL; the child does not survive and
+    the launcher returns within seconds. Five times, since the order of the two exits is a race."""
+    script = _script(tmp_path, """
+        import os, signal, subprocess, sys, threading, time
+        import numpy as np
+        import spark_hvd.core as hvd
+        out = sys.argv[1]
+        hvd.init()
+        if hvd.rank() == 1:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(os.path.join(out, "child.pid"), "w") as f:
+                f.write(str(child.pid))
+            def die():
+                time.sleep(1.0)
+                with open(os.path.join(out, "killed_at"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            threading.Thread(target=die, daemon=True).start()
+        data = np.ones(1 << 20)
+        while True:
+            hvd.allreduce(data, name="x")
+    """)
+    for attempt in range(5):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        result = run_local([sys.executable, script, str(out)], 2, timeout=120, capture=True, grace_s=5)
+        returned = time.time()
+        assert result.failure is not None, result.stderr[-20:]
+        assert result.failure.rank == 1, (attempt, result.failure, result.returncodes)
+        assert result.returncode == 128 + signal.SIGKILL
+        assert "SIGKILL" in result.failure.description
+        killed_at = float((out / "killed_at").read_text())
+        assert returned - killed_at < 5.0, f"launcher returned {returned - killed_at:.1f} s after the kill"
+        child = int((out / "child.pid").read_text())
+        deadline = time.monotonic() + 2  # its reaper (not the launcher) may take a moment
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"rank 1's child {child} survived the job"
+
+
+def test_command_line_names_the_signal(tmp_path):
+    script = _script(tmp_path, """
+        import os, signal, time
+        if os.environ["SPARK_HVD_RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(600)
+    """)
+    proc = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", "--timeout", "120", "--grace", "5",
+                           sys.executable, script], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "rank 1 was killed by SIGTERM" in proc.stderr

@@ -31,10 +31,11 @@ def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
     try:
         with caplog.at_level(logging.WARNING, logger="spark_hvd"):
             forged = FramedSocket(socket.create_connection(("127.0.0.1", port), timeout=10), make_secret(), "test")
-            forged.send_object(("hello", "job1", 0))
-            assert _wait_for(lambda: service.rejected == 1)
+            with pytest.raises(AuthenticationError):
+                forged.send_object(("hello", "job1", 0, "rank"))
             forged.close()
-        assert any("failed the HMAC check" in r.getMessage() or "forged" in r.getMessage() for r in caplog.records)
+            assert _wait_for(lambda: service.rejected == 1)
+        assert any("before authentication" in r.getMessage() for r in caplog.records)
         assert service.started == set()
 
         client = ServiceClient(f"127.0.0.1:{port}", secret, "job1", 1)
@@ -62,6 +63,48 @@ def test_wrong_job_id_and_lost_connection():
         assert _wait_for(lambda: bool(failures))
         assert failures[0].rank == 1 and failures[0].type_name == "ProcessLost"
         other.close()
+    finally:
+        service.stop()
+
+
+def test_replayed_hello_does_not_mark_a_live_rank_lost():
+    secret = make_secret()
+    failures = []
+    service = DriverService(secret, 1, job_id="job4", verbose=0, bind_host="127.0.0.1", on_failure=failures.append)
+    _, port = service.start()
+    try:
+        # record a legitimate rank 0's connection bytes through a relay
+        relay = socket.create_server(("127.0.0.1", 0))
+        recorded = bytearray()
+
+        def pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+            try:
+                while chunk := src.recv(65536):
+                    if record is not None:
+                        record += chunk
+                    dst.sendall(chunk)
+            except OSError:
+                pass
+
+        def run_relay() -> None:
+            client, _ = relay.accept()
+            upstream = socket.create_connection(("127.0.0.1", port))
+            threading.Thread(target=pump, args=(client, upstream, recorded), daemon=True).start()
+            pump(upstream, client, None)
+
+        threading.Thread(target=run_relay, daemon=True).start()
+        rank0 = ServiceClient(f"127.0.0.1:{relay.getsockname()[1]}", secret, "job4", 0)
+        assert _wait_for(lambda: service.started == {0})
+        # the recorded hello replayed on a new connection, then closed: refused, rank 0 is not reported lost
+        replay = socket.create_connection(("127.0.0.1", port), timeout=10)
+        replay.sendall(bytes(recorded))
+        assert _wait_for(lambda: service.rejected == 1)
+        replay.close()
+        assert not _wait_for(lambda: bool(failures), timeout_s=1.0)
+        rank0.send_done()
+        assert _wait_for(lambda: 0 in service.finished)
+        rank0.close()
+        relay.close()
     finally:
         service.stop()
 

@@ -68,15 +68,28 @@ def s3_bucket(s3_endpoint):
     return "spark-hvd-test"
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
-def any_store(request, tmp_path):
-    """A fresh, empty store of each kind the contract suite runs against."""
+def make_store(kind: str, request, tmp_path):
+    """A fresh, empty store of ``kind``: local, memory, s3 (the moto server) or dbfs (a FUSE root in tmp_path)."""
     from spark_hvd.store import Store
 
-    if request.param == "local":
+    if kind == "local":
         return Store.create(str(tmp_path / "store"))
-    if request.param == "memory":
+    if kind == "memory":
         return Store.create(f"memory://spark-hvd-{uuid.uuid4().hex[:8]}/store")
+    if kind == "dbfs":
+        return Store.create("dbfs:/ml/store", fuse_root=str(tmp_path / "dbfs"))
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     return Store.create(f"s3://{bucket}/{uuid.uuid4().hex[:8]}", **s3_options(endpoint))
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def any_store(request, tmp_path):
+    """A fresh, empty store of each kind the contract suite runs against."""
+    return make_store(request.param, request, tmp_path)
+
+
+@pytest.fixture(params=["local", "memory", "s3", "dbfs"])
+def durable_store(request, tmp_path):
+    """A fresh, empty store of each kind, DBFS included (the checkpoint durability suite)."""
+    return make_store(request.param, request, tmp_path)

@@ -153,3 +153,18 @@ def test_hdfs_url_and_config(monkeypatch):
     assert made["host"] == "nn.example" and made["user"] == "me"
     clone._rename("/a", "/b")
     assert made["moved"] == ("/a", "/b")
+
+
+
+def test_unwritable_store_is_named(tmp_path):
+    (tmp_path / "a_file").write_bytes(b"")
+    local = Store.create(str(tmp_path / "a_file" / "store"))  # under a file: even root cannot write there
+    with pytest.raises(StoreError, match=f"the store '{local.url}' is not writable"):
+        local.check_writable()
+    nobody = Store.create("s3://bucket/x", key="k", secret="s", endpoint_url="http://127.0.0.1:9",  # closed port
+                          config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2})
+    with pytest.raises(StoreError, match="'s3://bucket/x' is not writable"):
+        nobody.check_writable()
+    good = Store.create(str(tmp_path / "ok"))
+    good.check_writable()
+    assert os.listdir(tmp_path / "ok") == []  # the probe is gone

@@ -1,0 +1,137 @@
+"""The user's fast path: rounds run by the waiting caller, cache hits negotiated by one small allreduce, and
+speculative rounds (negotiation and data in one collective), checked against numpy while the ranks differ in
+what they have queued."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import test_engine_scenarios as sc
+from ringutil import run_ranks
+
+import spark_hvd.core as core
+from spark_hvd.core.engine import Engine
+from spark_hvd.core.local_backend import LocalBackend
+from spark_hvd.core.reduce import reference_reduce
+from spark_hvd.core.settings import Settings
+
+ReduceOp = core.ReduceOp
+
+
+def _blocking(name: str, seed: int, shape: tuple[int, ...], dtype, op: ReduceOp, **scale: float) -> None:
+    n, r = core.size(), core.rank()
+    datas = [sc._data(seed, q, shape, dtype) for q in range(n)]
+    buf = datas[r].copy()
+    core.allreduce(buf, name=name, op=op, **scale)
+    want = reference_reduce([d * scale.get("prescale", 1.0) for d in datas], op) * scale.get("postscale", 1.0)
+    sc._check(buf, want.astype(dtype), f"{name} {op.value}")
+
+
+def _fast_path_job(seed: int) -> dict:
+    core.init()
+    try:
+        n, r = core.size(), core.rank()
+        engine = core.get_engine()
+        # 1. a steady loop of blocking calls: after two clean fast rounds, one speculative collective each
+        for i in range(12):
+            _blocking("steady", seed + i, (33,), np.float32, ReduceOp.SUM)
+        for i in range(6):
+            _blocking("scaled", seed + 50 + i, (5, 4), np.float64, ReduceOp.AVERAGE, prescale=0.5, postscale=3.0)
+        for i in range(6):
+            _blocking("half", seed + 70 + i, (9,), np.float16, ReduceOp.SUM)
+        steady = dict(engine.stats)
+        # 2. the ranks differ in what they queue while speculation is armed for 'steady'
+        for i in range(8):
+            _blocking("steady", seed + 100 + i, (33,), np.float32, ReduceOp.SUM)
+        datas = {name: [sc._data(seed + 200 + k, q, (7,), np.float64) for q in range(n)]
+                 for k, name in enumerate(("steady2", "extra"))}
+        bufs = {name: d[r].copy() for name, d in datas.items()}
+        if r == 0:  # both at once; the others one after the other, in the other order
+            handles = [core.allreduce_async(bufs[name], name=name, op=ReduceOp.SUM) for name in ("steady2", "extra")]
+            for h in handles:
+                h.wait()
+        else:
+            core.allreduce(bufs["extra"], name="extra", op=ReduceOp.SUM)
+            core.allreduce(bufs["steady2"], name="steady2", op=ReduceOp.SUM)
+        for name, d in datas.items():
+            sc._check(bufs[name], reference_reduce(d, ReduceOp.SUM), name)
+        for i in range(4):  # a rank that arrives late, after the engines' heartbeat rounds met the armed round
+            if r == n - 1 and i == 2:
+                time.sleep(1.3)
+            _blocking("steady", seed + 300 + i, (33,), np.float32, ReduceOp.SUM)
+        # 3. a second thread submits asynchronously while the main thread runs blocking calls
+        errors: list[BaseException] = []
+
+        def side() -> None:
+            try:
+                for i in range(20):
+                    d = [sc._data(seed + 400 + i, q, (11,), np.float32) for q in range(n)]
+                    buf = d[r].copy()
+                    core.allreduce_async(buf, name=f"side.{i % 3}", op=ReduceOp.MAX).wait()
+                    sc._check(buf, reference_reduce(d, ReduceOp.MAX), "side thread")
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=side)
+        thread.start()
+        for i in range(20):
+            _blocking("main", seed + 500 + i, (13,), np.float64, ReduceOp.SUM)
+        thread.join(60)
+        assert not thread.is_alive() and not errors, errors
+        stats = dict(engine.stats)
+        return {"steady": steady, "stats": stats}
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fast_path_matches_numpy_while_ranks_queue_differently(n):
+    env = {"SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_CYCLE_TIME": "2"}
+    results = run_ranks(_fast_path_job, n, env=env, args=(7 * n,), timeout=150)
+    for res in results:
+        steady, stats = res["steady"], res["stats"]
+        # 24 blocking calls on 3 names: most rounds are speculative, the first of each name is a full round
+        assert steady["speculative_rounds"] >= 12, steady
+        assert steady["allreduce_tensors"] == 24, steady
+        assert stats["speculation_misses"] >= 1, stats  # the ranks' different queues were seen and survived
+
+
+class _RecordingBackend(LocalBackend):
+    """A single rank that records which thread ran each collective."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[str] = []
+
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        self.threads.append(threading.current_thread().name)
+        super().allreduce(buf, op, bfloat16=bfloat16)
+
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        self.threads.append(threading.current_thread().name)
+        return super().allgather(buf)
+
+
+def test_blocking_calls_run_their_rounds_in_the_calling_thread():
+    backend = _RecordingBackend()
+    engine = Engine(backend, Settings(cycle_time_ms=50))
+    try:
+        deadline = time.monotonic() + 30
+        while engine.stats["rounds"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine thread's start-up round (every rank's first round checks the settings)
+        assert backend.threads == ["spark_hvd-engine-rank0"], backend.threads
+        backend.threads.clear()
+        for i in range(6):
+            buf = np.full(4, float(i))
+            assert engine.enqueue("allreduce", buf, "x", op=ReduceOp.SUM, start_engine=False).wait() is buf
+            assert np.all(buf == i)
+        # no hand-off: every collective ran in this thread. A new name: a flagged fast round, the gather, the data;
+        # two clean fast rounds (fast allreduce + data) arm speculation; then one collective per call
+        assert set(backend.threads) == {threading.current_thread().name}, backend.threads
+        assert len(backend.threads) == 3 + 2 * 2 + 3, backend.threads
+        assert engine.stats["speculative_rounds"] == 3 and engine.stats["rounds"] == 7, engine.stats
+    finally:
+        engine.shutdown()

@@ -1,0 +1,205 @@
+"""Durable checkpoints on every kind of store: manifests, a crash mid-replacement, fallback past bad epochs, cleanup.
+
+Written as a crash would act: an exception (or ``os._exit``) at the worst moment of a replacement, files truncated
+or altered after their commit, temporary directories left by a dead writer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from spark_hvd.store import Store, StoreError
+from spark_hvd.store.manifest import LEGACY_MARKER, MANIFEST
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing in the store's code catches it."""
+
+
+@pytest.fixture
+def store(durable_store):
+    return durable_store
+
+
+def _local_checkpoint(tmp_path, name: str, payload: bytes) -> str:
+    local = tmp_path / name
+    (local / "opt").mkdir(parents=True)
+    (local / "model.pt").write_bytes(payload)
+    (local / "opt" / "state").write_bytes(b"state-" + payload[:4])
+    return str(local)
+
+
+def _raw(store, path):
+    return store._raw_names(path)
+
+
+def _fresh(store):
+    """The same store as a new process opens it (no cached state)."""
+    return Store.create(store.url, **store.storage_options)
+
+
+def test_manifest_lists_sizes_and_checksums(store, tmp_path):
+    import hashlib
+
+    payload = os.urandom(3000)
+    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", payload))
+    manifest = json.loads(store.read_bytes(posixpath.join(path, MANIFEST)))
+    assert manifest["files"]["model.pt"] == {"size": 3000, "sha256": hashlib.sha256(payload).hexdigest()}
+    assert set(manifest["files"]) == {"model.pt", "opt/state"}
+    assert store.verify(path) is None
+    out = store.download_checkpoint("r", 0, str(tmp_path / "back"))
+    assert sorted(os.listdir(out)) == ["model.pt", "opt"]
+
+
+def test_crash_while_replacing_a_committed_checkpoint_loses_nothing(store, tmp_path, monkeypatch):
+    """Re-committing epoch 3 dies between taking the old copy away and putting the new one in place: a fresh
+    process still finds epoch 3 committed (the new copy, which was complete) and no temporary directory is left."""
+    store.write_checkpoint("r", 3, _local_checkpoint(tmp_path, "old", b"old" * 100))
+    if store.supports_rename:
+        real_rename, calls = store._rename, []
+
+        def rename(src, dst):  # 1st: the old copy moved aside; 2nd: the new one renamed in -> dies before it
+            calls.append((src, dst))
+            if len(calls) == 2:
+                raise Crash
+            real_rename(src, dst)
+
+        monkeypatch.setattr(store, "_rename", rename)
+    else:
+        def copy(src, dst, *args, **kwargs):  # the old copy is deleted; dies while copying the new one in
+            raise Crash
+
+        monkeypatch.setattr(store.fs, "copy", copy)
+    with pytest.raises(Crash):
+        store.write_checkpoint("r", 3, _local_checkpoint(tmp_path, "new", b"new" * 100))
+    monkeypatch.undo()
+    reopened = _fresh(store)
+    assert reopened.latest_checkpoint("r") == (3, reopened.checkpoint_path("r", 3))
+    out = reopened.download_checkpoint("r", 3, str(tmp_path / "back"))
+    with open(os.path.join(out, "model.pt"), "rb") as f:
+        assert f.read() == b"new" * 100
+    assert _raw(reopened, reopened.checkpoints_path("r")) == ["epoch-3"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs a child process to kill")
+def test_killed_between_rename_aside_and_rename_in_loses_nothing(tmp_path):
+    """The same crash as a real process death (``os._exit``, no handler runs) on a local store."""
+    root = tmp_path / "store"
+    store = Store.create(str(root))
+    store.write_checkpoint("r", 1, _local_checkpoint(tmp_path, "old", b"old"))
+    new = _local_checkpoint(tmp_path, "new", b"new")
+    script = textwrap.dedent(f"""
+        import os
+        from spark_hvd.store import Store
+        store = Store.create({str(root)!r})
+        real, calls = store._rename, []
+        def rename(src, dst):
+            calls.append(dst)
+            if len(calls) == 2:
+                os._exit(9)
+            real(src, dst)
+        store._rename = rename
+        store.write_checkpoint("r", 1, {new!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    assert "epoch-1" not in os.listdir(root / "runs" / "r" / "checkpoints")  # the moment of danger was reached
+    assert store.latest_checkpoint("r") == (1, store.checkpoint_path("r", 1))
+    assert (root / "runs" / "r" / "checkpoints" / "epoch-1" / "model.pt").read_bytes() == b"new"
+    assert os.listdir(root / "runs" / "r" / "checkpoints") == ["epoch-1"]
+
+
+def _overwrite_object(store, path: str, data: bytes) -> None:
+    """Change a committed file behind the store's back (a torn write, bit rot, a half-uploaded object)."""
+    store.fs.pipe_file(path, data)
+    store._invalidate(path)
+
+
+def test_newest_checkpoints_that_fail_verification_are_skipped_with_the_reason(store, tmp_path, caplog):
+    for epoch in range(3):
+        store.write_checkpoint("r", epoch, _local_checkpoint(tmp_path, f"c{epoch}", bytes([epoch]) * 500))
+    _overwrite_object(store, posixpath.join(store.checkpoint_path("r", 2), "model.pt"), bytes([2]) * 123)
+    _overwrite_object(store, posixpath.join(store.checkpoint_path("r", 1), "opt", "state"), b"state-\xff\xff\xff\xff")
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.base"):
+        assert _fresh(store).latest_checkpoint("r") == (0, store.checkpoint_path("r", 0))
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 2
+    assert "epoch 2" in skipped[0] and "model.pt has 123 bytes, the manifest says 500" in skipped[0]
+    assert "epoch 1" in skipped[1] and "opt/state does not match its SHA-256" in skipped[1]
+    # the bad epochs stay (evidence) until written again; writing epoch 1 again replaces it
+    store.write_checkpoint("r", 1, _local_checkpoint(tmp_path, "c1b", b"again"))
+    assert store.latest_checkpoint("r") == (1, store.checkpoint_path("r", 1))
+
+
+def test_legacy_marker_and_broken_manifest_do_not_count(store, tmp_path, caplog):
+    store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    legacy = store.checkpoint_path("r", 1)
+    store.write_bytes(posixpath.join(legacy, "model.pt"), b"x")
+    store.write_bytes(posixpath.join(legacy, LEGACY_MARKER), b"")
+    broken = store.checkpoint_path("r", 2)
+    store.write_bytes(posixpath.join(broken, "model.pt"), b"y")
+    store.write_bytes(posixpath.join(broken, MANIFEST), b'{"format": "spark_hvd.manif')
+    assert not store.is_committed(legacy) and not store.is_committed(broken)
+    assert store.list_checkpoints("r") == [0]
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.base"):
+        assert store.latest_checkpoint("r")[0] == 0
+    text = caplog.text
+    assert "epoch 2" in text and "manifest is unreadable" in text
+    assert "epoch 1" in text and "_COMMITTED marker of a spark_hvd without manifests" in text
+
+
+def test_stale_temporary_and_partial_directories_are_cleaned_when_a_run_starts(store, tmp_path):
+    root = store.checkpoints_path("r")
+    store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    store.write_bytes(posixpath.join(root, "._tmp-epoch-1.new-0123456789ab", "model.pt"), b"dead writer")
+    store.write_bytes(posixpath.join(root, "._tmp-epoch-0-0123456789ab", "model.pt"), b"older spark_hvd temp")
+    store.write_bytes(posixpath.join(root, "epoch-2", "model.pt"), b"partial, never committed")
+    assert len(_raw(store, root)) == 4
+    assert store.latest_checkpoint("r") == (0, store.checkpoint_path("r", 0))
+    assert _raw(store, root) == ["epoch-0"]
+
+
+def test_failed_write_leaves_the_previous_version(store, tmp_path):
+    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"first"))
+    with pytest.raises(OSError, match="disk full"), store.atomic_dir(path) as target:
+        store.write_bytes(posixpath.join(target, "model.pt"), b"second, half")
+        raise OSError("disk full")
+    assert store.verify(path) is None
+    assert store.read_bytes(posixpath.join(path, "model.pt")) == b"first"
+    assert _raw(store, store.checkpoints_path("r")) == ["epoch-0"]
+
+
+def test_torn_write_is_not_committed(store):
+    final = store.path("things", "d")
+    with pytest.raises(StoreError, match="torn write"), store.atomic_dir(final) as target:
+        store.write_bytes(posixpath.join(target, "a.bin"), b"1234567890")
+        store.fs.pipe_file(posixpath.join(target, "a.bin"), b"12345")  # what actually landed
+    assert not store.is_committed(final)
+
+
+def test_local_commit_fsyncs_files_and_directories(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("names fds through /proc")
+    monkeypatch.setattr(os, "fsync", fsync)
+    store = Store.create(str(tmp_path / "s"))
+    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    tmp_names = [p for p in synced if "._tmp-epoch-0.new-" in p]
+    assert any(p.endswith("/model.pt") for p in tmp_names) and any(p.endswith("/opt/state") for p in tmp_names)
+    assert any(f"/{MANIFEST}.tmp-" in p for p in tmp_names)  # written to a temporary name, fsynced, renamed
+    assert store.checkpoints_path("r") in synced  # the parent, after the rename
+    assert store.verify(path) is None
