@@ -167,8 +167,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
     ``"l1"``), or a list with one per label (combined with ``loss_weights``). With ``sample_weight_col``, a callable
     must return one loss per row. ``metrics``: names (``"accuracy"``, ``"mse"``, ``"mae"``) or callables
     ``fn(output, label) -> scalar tensor``, computed per epoch on train and validation data, averaged over ranks.
-    ``callbacks``: objects with any of ``on_epoch_begin(epoch)``, ``on_batch_end(epoch, step, loss)``,
-    ``on_epoch_end(epoch, logs)``, called on every rank.
+    ``callbacks``: objects with any of ``on_train_begin(context)`` (a ``TrainingContext``: model, optimizer,
+    scheduler, ``stop_training``), ``on_epoch_begin(epoch)``, ``on_batch_end(epoch, step, loss)``,
+    ``on_epoch_end(epoch, logs)``, called on every rank (``EarlyStopping`` is one). ``lr_scheduler``:
+    ``fn(optimizer) -> scheduler``, stepped per ``lr_scheduler_interval``. ``best_metric``/``best_mode``: only
+    improving epochs are checkpointed and the best one is returned. ``terminate_on_nan``: a non-finite loss raises.
     """
 
     _model_class = TorchModel
