@@ -1,4 +1,4 @@
-"""TorchEstimator / TorchModel against their peers, all in one invocation on one local[2] Spark session.
+"""TorchEstimator / TorchModel / LightningEstimator against their peers, in one invocation on one local[2] Spark.
 
 transform: rows/s of ``TorchModel.transform`` (mapInArrow, batches of 1024) on a cached DataFrame, against
   (a) the same module called on in-memory tensors in batches of 1024 with as many torch threads as Spark has cores
@@ -12,9 +12,13 @@ fit: wall time of ``TorchEstimator.fit`` (num_proc=2) against
   (d) pyspark's ``TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)`` training the same model with
       DDP (gloo) for the same epochs on the same Parquet (the estimator's prepared files) read with pandas inside
       its function (target fit <= 1.0x).
+lightning: wall time of ``LightningEstimator.fit`` (num_proc=2) of ``_LitModule`` (the same MLP, Adam, MSE)
+  against (e) the same module trained by a Lightning ``Trainer`` in one process per rank under
+  ``spark-hvd-run -np 2`` on the prepared Parquet (manual optimization around ``spark_hvd.torch``'s
+  DistributedOptimizer, so gradients are averaged as in the fit; same batch size, epochs and steps; target <= 1.25x).
 
     .venv/bin/python benchmarks/estimator.py [--rows 200000] [--row-at-a-time-rows 20000] [--fit-rows 50000]
-        [--epochs 3] [--batch 128] [--out results.json]
+        [--epochs 3] [--batch 128] [--skip transform|fit|distributor|lightning] [--out results.json]
 
 Each measured item is run ``--repeats`` times (median); fits are timed warm (a first fit prepares the data and
 starts the Python workers; later fits reuse the prepared data, as a user re-fitting would).
@@ -48,6 +52,30 @@ def _model(seed: int = 0, hidden: int = 64):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(WIDTH, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+
+def _lit_module_class():
+    """``_LitModule``: ``_model()`` as a LightningModule (defined lazily: lightning is an optional extra)."""
+    import lightning.pytorch as pl
+    import torch
+
+    class _LitModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.mse_loss(self(batch["features"]), batch["y"].float().reshape(-1, 1))
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    return _LitModule
 
 
 # ------------------------------------------------------------------------------------------------ transform
@@ -230,6 +258,64 @@ def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int, distribut
     return res
 
 
+_PLAIN_LIGHTNING = r'''
+import math, os, sys, time, json
+import numpy as np, torch, lightning.pytorch as pl
+import spark_hvd.torch as hvd
+sys.path.insert(0, {bench_dir!r})
+from estimator import _lit_module_class
+from _timing import load_prepared
+hvd.init()
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+t0 = time.perf_counter()
+feats, y = load_prepared({path!r})
+rank, size, bs, epochs = hvd.rank(), hvd.size(), {batch}, {epochs}
+x_r, y_r = torch.from_numpy(feats[rank::size].copy()), torch.from_numpy(y[rank::size].copy())
+perm = torch.randperm(len(x_r), generator=torch.Generator().manual_seed(rank))
+batches = [{{"features": x_r[i], "y": y_r[i]}} for i in perm.split(bs)]
+t_load = time.perf_counter() - t0
+
+class Manual(_lit_module_class()):
+    """The benchmark's module with spark_hvd's DistributedOptimizer in Lightning's manual optimization."""
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+    def configure_optimizers(self):
+        return hvd.DistributedOptimizer(super().configure_optimizers(), named_parameters=self.named_parameters())
+
+model = Manual()
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+t1 = time.perf_counter()
+trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
+t_train = time.perf_counter() - t1
+if rank == 0:
+    print("RESULT", json.dumps({{"load_s": t_load, "train_s": t_train, "steps": len(batches)}}), flush=True)
+'''
+
+
+def bench_lightning(spark, rows: int, epochs: int, batch: int, repeats: int) -> dict:
+    from spark_hvd.estimators import LightningEstimator
+
+    def estimator(store):
+        return LightningEstimator(num_proc=2, store=store, model=_lit_module_class()(), feature_cols=["features"],
+                                  label_cols=["y"], batch_size=batch, epochs=epochs, shuffle=True, random_seed=0,
+                                  partitions_per_process=4, verbose=0)
+
+    res, _, df = fit_vs_plain(spark, estimator, _PLAIN_LIGHTNING, "plain_lightning.py", rows, epochs, batch, repeats,
+                              "bench_lightning_")
+    df.unpersist()
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -240,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transform-hidden", type=int, default=64,
                         help="width of the MLP's hidden layers in the transform measurement (a costlier model)")
-    parser.add_argument("--skip", choices=["transform", "fit", "distributor"], action="append", default=[])
+    parser.add_argument("--skip", choices=["transform", "fit", "distributor", "lightning"], action="append",
+                        default=[])
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     spark, results = start("bench-estimator", __name__)  # TorchDistributor's function pickles _model by value
@@ -252,6 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
         results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats,
                                    "distributor" not in args.skip)
         log.info("fit: %s", json.dumps(results["fit"]))
+    if "lightning" not in args.skip:
+        results["lightning"] = bench_lightning(spark, args.fit_rows, args.epochs, args.batch, args.repeats)
+        log.info("lightning: %s", json.dumps(results["lightning"]))
     finish(results, args.out)
     spark.stop()
     return results

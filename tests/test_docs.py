@@ -100,9 +100,10 @@ def test_settings_table_matches_code():
 
 def test_every_estimator_param_is_documented():
     pytest.importorskip("pyspark")
-    from spark_hvd.estimators.params import KerasEstimatorParams, TorchEstimatorParams
+    from spark_hvd.estimators.params import KerasEstimatorParams, LightningEstimatorParams, TorchEstimatorParams
 
-    names = {p.name for cls in (TorchEstimatorParams, KerasEstimatorParams) for p in cls().params}
+    names = {p.name for cls in (TorchEstimatorParams, KerasEstimatorParams, LightningEstimatorParams)
+             for p in cls().params}
     for page in ("migrating-from-horovod.md", "estimators.md"):
         text = (ROOT / "docs" / page).read_text()
         missing = sorted(n for n in names if f"`{n}`" not in text)

@@ -1,4 +1,5 @@
-"""Spark ML estimators: ``TorchEstimator``/``TorchModel`` (and ``KerasEstimator``/``KerasModel``).
+"""Spark ML estimators: ``TorchEstimator``/``TorchModel``, ``KerasEstimator``/``KerasModel`` and
+``LightningEstimator``/``LightningModel``.
 
 Nothing else in spark_hvd imports this package; it imports pyspark (and the framework) lazily per class.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TorchEstimator", "TorchModel", "KerasEstimator", "KerasModel"]
+__all__ = ["TorchEstimator", "TorchModel", "KerasEstimator", "KerasModel", "LightningEstimator", "LightningModel"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from spark_hvd.estimators import keras as _keras
 
         return getattr(_keras, name)
+    if name in ("LightningEstimator", "LightningModel"):
+        from spark_hvd.estimators import lightning as _lightning
+
+        return getattr(_lightning, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,13 @@
-"""What the Torch and Keras estimators share: persistence, batched Arrow inference, and the fit skeleton.
+"""What the Torch, Keras and Lightning estimators share: persistence, batched Arrow inference, the fit skeleton.
 
-A framework estimator (``torch.py``, ``keras.py``) adds only what differs: how its model and optimizer become bytes
-and back, the training function run on every rank, and how a batch of numpy inputs goes through the model.
+(Over 400 lines: this is the whole shared driver half of three estimators plus the rank-side data glue, kept in
+one module while the runner and store call sites in ``fit`` are being changed by other work; persistence and
+inference are the natural pieces to split out next.)
+
+A framework estimator (``torch.py``, ``keras.py``, ``lightning.py``) adds only what differs: how its model and
+optimizer become bytes and back, its typed spec (``spec.py``), the training function run on every rank (a
+``RankRun`` with the framework's ``RankTrainer``, ``rank_run.py``), and how a batch of numpy inputs goes through
+the model.
 
 Persistence (``MLWritable``/``MLReadable``): a stage saved at ``path`` is ``path/metadata`` (Spark's JSON metadata with
 the JSON-able params, as ``DefaultParamsWriter`` writes it, so ``Pipeline``/``PipelineModel.load`` find the class)
@@ -33,6 +39,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
 from spark_hvd.estimators.params import OBJECT_PARAMS
+from spark_hvd.estimators.spec import TrainSpec, model_metadata
 
 __all__ = ["BaseEstimator", "BaseModel", "feature_to_numpy", "output_to_arrow"]
 
@@ -351,6 +358,8 @@ class BaseModel(Model, _PersistableStage):
         out_cols = self.getOutputCols()
         if not out_cols:
             raise ValueError("set label_cols or output_cols: transform adds one output column per label")
+        if len(set(out_cols)) != len(out_cols):
+            raise ValueError(f"output_cols has duplicate names {out_cols}; give each output its own column")
         clash = [c for c in out_cols if c in df.columns]
         if clash:
             raise ValueError(f"output column(s) {clash} already exist in the DataFrame; choose others with "
@@ -421,8 +430,9 @@ class BaseEstimator(Estimator, _PersistableStage):
     A resumed run (same ``run_id``, or a retry after a failed rank) starts after the newest complete checkpoint.
     """
 
-    #: the Model class ``fit`` returns (set by the framework subclass)
+    #: the Model class ``fit`` returns and the spec class the ranks receive (set by the framework subclass)
     _model_class: type[BaseModel] = BaseModel
+    _spec_class: type = TrainSpec
 
     def _opt(self, param: Any) -> Any:
         """The value of ``param``, or None when it was never set and has no default."""
@@ -441,12 +451,12 @@ class BaseEstimator(Estimator, _PersistableStage):
         """Raise ``ValueError`` unless the loss param fits ``n_labels`` labels."""
         raise NotImplementedError
 
-    def _train_function(self) -> Callable[[dict], Any]:
-        """A module-level function ``fn(spec) -> history`` run on every rank (``spec`` from ``_train_spec``)."""
+    def _train_function(self) -> Callable[[Any], Any]:
+        """A module-level function ``fn(spec) -> result`` run on every rank (``spec``: a ``_spec_class``)."""
         raise NotImplementedError
 
-    def _train_spec(self, model_bytes: bytes) -> dict:
-        """The framework's part of what every rank receives (optimizer, loss, metrics ...), all picklable."""
+    def _train_spec(self) -> dict:
+        """The framework's fields of its ``_spec_class`` (optimizer, loss, metrics ...), all picklable."""
         raise NotImplementedError
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
@@ -456,6 +466,21 @@ class BaseEstimator(Estimator, _PersistableStage):
     def _model_params(self) -> dict:
         """Extra params of the returned Model (e.g. input_shapes)."""
         return {}
+
+    def _class_index_labels(self) -> list[bool]:
+        """Per label column: whether its loss takes class indices (default: none known)."""
+        return []
+
+    def _check_label_types(self, df: Any) -> None:
+        """A class-index loss given a fractional label column is an error (0.7 would silently become 0)."""
+        from pyspark.sql.types import DecimalType, DoubleType, FloatType
+
+        for col, class_index in zip(self.getOrDefault(self.label_cols), self._class_index_labels(), strict=False):
+            if class_index and isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType):
+                kind = df.schema[col].dataType.simpleString()
+                raise ValueError(f"{type(self).__name__}: label column {col!r} is {kind} but its loss takes class "
+                                 "indices; cast it to an integer type "
+                                 f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
 
     def _log_mlflow_model(self, model: Any) -> None:
         raise NotImplementedError
@@ -513,12 +538,14 @@ class BaseEstimator(Estimator, _PersistableStage):
                 import mlflow  # noqa: F401
             except ImportError as exc:
                 raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
+        self._check_label_types(df)
         from spark_hvd.runner.spark import check_slots
 
         sc = df.sparkSession.sparkContext
         num_proc = get(self.num_proc) or sc.defaultParallelism
         check_slots(sc, num_proc)
-        store.check_writable()  # last: a probe write, only once every other check passed
+        store.check_writable()  # a probe write, only once every other check passed
+        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
 
     # ---- fit
@@ -527,28 +554,19 @@ class BaseEstimator(Estimator, _PersistableStage):
         plan = self._check(df)
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
         data = _prepare_data(self, df, store, num_proc)
-        spec = {
-            "store": store,
-            "run_id": run_id,
-            "data": data,
-            "feature_cols": list(get(self.feature_cols)),
-            "label_cols": list(get(self.label_cols)),
-            "sample_weight_col": get(self.sample_weight_col),
-            "batch_size": get(self.batch_size),
-            "val_batch_size": get(self.val_batch_size) or get(self.batch_size),
-            "epochs": get(self.epochs),
-            "train_steps_per_epoch": get(self.train_steps_per_epoch),
-            "validation_steps_per_epoch": get(self.validation_steps_per_epoch),
-            "shuffle": get(self.shuffle),
-            "random_seed": get(self.random_seed),
-            "callbacks": list(self._opt(self.callbacks) or []),
-            "transformation_fn": self._opt(self.transformation_fn),
-            "backward_passes_per_step": get(self.backward_passes_per_step),
-            "gradient_compression": self._opt(self.gradient_compression),
-            "use_gpu": get(self.use_gpu),
-            "verbose": get(self.verbose),
-        }
-        spec.update(self._train_spec(plan["model_bytes"]))
+        spec = self._spec_class(
+            store=store, run_id=run_id, dataset=data, model_bytes=plan["model_bytes"],
+            feature_cols=tuple(get(self.feature_cols)), label_cols=tuple(get(self.label_cols)),
+            sample_weight_col=get(self.sample_weight_col), batch_size=get(self.batch_size),
+            val_batch_size=get(self.val_batch_size) or get(self.batch_size), epochs=get(self.epochs),
+            train_steps_per_epoch=get(self.train_steps_per_epoch),
+            validation_steps_per_epoch=get(self.validation_steps_per_epoch), shuffle=get(self.shuffle),
+            random_seed=get(self.random_seed), callbacks=tuple(self._opt(self.callbacks) or ()),
+            transformation_fn=self._opt(self.transformation_fn),
+            backward_passes_per_step=get(self.backward_passes_per_step),
+            gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
+            verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan), **self._train_spec(),
+        )
         from spark_hvd.runner.spark import run
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
@@ -556,11 +574,9 @@ class BaseEstimator(Estimator, _PersistableStage):
                       max_retries=get(self.max_retries), verbose=get(self.verbose))
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
         trained = self._load_trained_model(store, run_id)
-        metadata = {"features": data.get("features", {}), "labels": data.get("labels", {}),
-                    "output_shapes": output_shapes, "dataset": data.get("key")}
         model = self._model_class(
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
-            history=history, run_id=run_id, metadata=metadata, **self._model_params(),
+            history=history, run_id=run_id, metadata=model_metadata(data, output_shapes), **self._model_params(),
         )
         if get(self.mlflow) is not None:
             self._log_mlflow(model)
@@ -585,6 +601,21 @@ class BaseEstimator(Estimator, _PersistableStage):
             for key, values in model.getHistory().items():
                 for epoch, value in enumerate(values):
                     mlflow.log_metric(key, float(value), step=epoch)
+
+
+def _check_rows(df: Any, name: str, cols: list[str]) -> None:
+    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    aggs = [F.count(F.lit(1)).alias("rows")] + [F.sum(F.col(c).isNull().cast("long")).alias(f"n{i}")
+                                                 for i, c in enumerate(cols)]
+    counts = df.agg(*aggs).collect()[0]
+    if not counts["rows"]:
+        raise ValueError(f"{name}: the DataFrame given to fit is empty")
+    nulls = {c: counts[f"n{i}"] for i, c in enumerate(cols) if counts[f"n{i}"]}
+    if nulls:
+        raise ValueError(f"{name}: null values in column(s) {nulls} (column: rows); drop or fill them before fit "
+                         "(df.na.drop(subset=[...]) or df.na.fill(...))")
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:
@@ -680,26 +711,19 @@ def model_input_dtype(stored: str | None) -> Any:
     return np.int64 if np.issubdtype(dt, np.integer) else np.float32
 
 
-def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> dict:
-    """``spark_hvd.data.prepare_data`` with the estimator's params; returns the dataset metadata as JSON."""
+def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any:
+    """``spark_hvd.data.prepare_data`` with the estimator's params; returns its ``DatasetInfo``."""
     from spark_hvd.data.prepare import prepare_data
 
     get = est.getOrDefault
     validation = get(est.validation)
     if validation == 0.0:
         validation = None
-    info = prepare_data(
+    return prepare_data(
         df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
         sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
         partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
     )
-    data = info.to_json()
-    data["features"] = {c: {"dtype": np.dtype(model_input_dtype(info.columns[c].dtype)).name,
-                            "shape": list(info.columns[c].shape), "kind": info.columns[c].kind}
-                        for c in info.feature_cols}
-    data["labels"] = {c: {"dtype": info.columns[c].dtype, "shape": list(info.columns[c].shape),
-                          "kind": info.columns[c].kind} for c in info.label_cols}
-    return data
 
 
 class ShardReaders:
@@ -710,25 +734,24 @@ class ShardReaders:
     collectives of the training step stay in step across ranks.
     """
 
-    def __init__(self, spec: dict, rank: int, size: int) -> None:
-        from spark_hvd.data.metadata import DatasetInfo
+    def __init__(self, spec: TrainSpec, rank: int, size: int) -> None:
         from spark_hvd.data.reader import BatchReader
 
         self.spec = spec
-        self.info = DatasetInfo.from_json(spec["data"])
-        cols = list(spec["feature_cols"]) + list(spec["label_cols"])
-        if spec["sample_weight_col"]:
-            cols.append(spec["sample_weight_col"])
-        self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec["feature_cols"]}
-        seed = spec["random_seed"] or 0
+        self.info = spec.dataset
+        cols = list(spec.feature_cols) + list(spec.label_cols)
+        if spec.sample_weight_col:
+            cols.append(spec.sample_weight_col)
+        self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec.feature_cols}
+        seed = spec.random_seed or 0
         self.readers = {"train": BatchReader.from_dataset(
-            spec["store"], self.info, "train", columns=cols, rank=rank, size=size, batch_size=spec["batch_size"],
-            shuffle=spec["shuffle"], seed=seed, transformation_fn=spec["transformation_fn"])}
+            spec.store, self.info, "train", columns=cols, rank=rank, size=size, batch_size=spec.batch_size,
+            shuffle=spec.shuffle, seed=seed, transformation_fn=spec.transformation_fn)}
         if self.info.has_validation:
             self.readers["val"] = BatchReader.from_dataset(
-                spec["store"], self.info, "val", columns=cols, rank=rank, size=size,
-                batch_size=spec["val_batch_size"], shuffle=False, seed=seed,
-                transformation_fn=spec["transformation_fn"])
+                spec.store, self.info, "val", columns=cols, rank=rank, size=size,
+                batch_size=spec.val_batch_size, shuffle=False, seed=seed,
+                transformation_fn=spec.transformation_fn)
 
     @property
     def has_validation(self) -> bool:
@@ -737,7 +760,7 @@ class ShardReaders:
 
     def steps(self, split: str) -> int:
         """Batches per epoch of ``split`` on every rank."""
-        limit = self.spec["train_steps_per_epoch" if split == "train" else "validation_steps_per_epoch"]
+        limit = self.spec.train_steps_per_epoch if split == "train" else self.spec.validation_steps_per_epoch
         return int(limit) if limit else len(self.readers[split])
 
     def epoch(self, split: str, epoch: int) -> Iterator[dict[str, np.ndarray]]:

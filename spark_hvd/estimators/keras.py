@@ -1,4 +1,5 @@
-"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``).
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``;
+the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -8,27 +9,25 @@ rebuilt on every rank, then wrapped in ``spark_hvd.keras.DistributedOptimizer``.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import numpy as np
-from pyspark import keyword_only
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, ShardReaders, append_history
-from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams
+from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles
+from spark_hvd.estimators.keras_rank import MODEL_FILE as _MODEL_FILE
+from spark_hvd.estimators.keras_rank import train_on_rank
+from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
+from spark_hvd.estimators.spec import BestPolicy, KerasSpec
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
 
 log = logging.getLogger(__name__)
 
-_MODEL_FILE = "model.keras"
-_OPTIMIZER_FILE = "optimizer.npz"
 #: metric names Keras resolves at compile time from the loss (not through ``keras.metrics.get``)
 _COMPILE_METRIC_NAMES = ("accuracy", "acc", "crossentropy", "ce")
 
@@ -97,7 +96,7 @@ def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa:
 # ------------------------------------------------------------------------------------------------ the model
 
 
-class KerasModel(BaseModel, KerasModelParams):
+class KerasModel(KeywordParams, BaseModel, KerasModelParams):
     """A trained Keras 3 model as a Spark ML ``Model``.
 
     ``transform(df)`` calls the model (one ``tf.function``) on batches of ``batch_size`` rows, one array per feature
@@ -106,22 +105,6 @@ class KerasModel(BaseModel, KerasModelParams):
     (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
     The model is loaded once per Python worker.
     """
-
-    @keyword_only
-    def __init__(self, *, model: Any = None, feature_cols: list[str] | None = None,
-                 label_cols: list[str] | None = None, output_cols: list[str] | None = None, batch_size: int = 1024,
-                 history: dict | None = None, run_id: str | None = None, metadata: dict | None = None,
-                 custom_objects: dict | None = None) -> None:
-        super().__init__()
-        self._set(**self._input_kwargs)
-
-    @keyword_only
-    def setParams(self, *, model: Any = None, feature_cols: list[str] | None = None,  # noqa: N802
-                  label_cols: list[str] | None = None, output_cols: list[str] | None = None, batch_size: int = 1024,
-                  history: dict | None = None, run_id: str | None = None, metadata: dict | None = None,
-                  custom_objects: dict | None = None) -> KerasModel:
-        """Sets params by keyword and returns ``self``."""
-        return self._set(**self._input_kwargs)
 
     def _custom_objects(self) -> dict:
         if self.isDefined(self.custom_objects):
@@ -136,16 +119,24 @@ class KerasModel(BaseModel, KerasModelParams):
 
     @classmethod
     def _load_for_inference(cls, data: bytes) -> Any:
-        import tensorflow as tf
+        import keras
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
         if ctx is not None:  # the tasks of an executor share its cores
-            try:
-                tf.config.threading.set_intra_op_parallelism_threads(max(1, int(ctx.cpus())))
-                tf.config.threading.set_inter_op_parallelism_threads(1)
-            except RuntimeError:  # TensorFlow's runtime already started in this worker: keep its setting
-                pass
+            threads = max(1, int(ctx.cpus()))
+            if keras.backend.backend() == "tensorflow":
+                import tensorflow as tf
+
+                try:
+                    tf.config.threading.set_intra_op_parallelism_threads(threads)
+                    tf.config.threading.set_inter_op_parallelism_threads(1)
+                except RuntimeError:  # TensorFlow's runtime already started in this worker: keep its setting
+                    pass
+            elif keras.backend.backend() == "torch":
+                import torch
+
+                torch.set_num_threads(threads)
         return deserialize_keras_model(data, compile=False)
 
     @classmethod
@@ -276,8 +267,8 @@ def _model_output_count(model: Any) -> int | None:
 # ------------------------------------------------------------------------------------------------ the estimator
 
 
-class KerasEstimator(BaseEstimator, KerasEstimatorParams):
-    """Data-parallel training of a Keras 3 model (TensorFlow backend) on a Spark DataFrame; ``fit`` -> ``KerasModel``.
+class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
+    """Data-parallel training of a Keras 3 model (TensorFlow or torch backend) on a DataFrame -> ``KerasModel``.
 
     Example::
 
@@ -309,38 +300,7 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
     """
 
     _model_class = KerasModel
-
-    @keyword_only
-    def __init__(self, *, num_proc: int | None = None, model: Any = None, optimizer: Any = None, loss: Any = None,
-                 loss_weights: list[float] | None = None, metrics: list | None = None,
-                 custom_objects: dict | None = None, feature_cols: list[str] | None = None,
-                 label_cols: list[str] | None = None, sample_weight_col: str | None = None,
-                 validation: float | str | None = None, batch_size: int = 32, val_batch_size: int | None = None,
-                 epochs: int = 1, train_steps_per_epoch: int | None = None,
-                 validation_steps_per_epoch: int | None = None, shuffle: bool = True, random_seed: int | None = None,
-                 store: Any = None, run_id: str | None = None, callbacks: list | None = None,
-                 checkpoint_callback: Any = None, transformation_fn: Callable | None = None,
-                 backward_passes_per_step: int = 1, gradient_compression: Any = None, use_gpu: bool | None = None,
-                 partitions_per_process: int = 10, verbose: int = 1, mlflow: bool | str | None = None,
-                 max_retries: int = 0) -> None:
-        super().__init__()
-        self._set(**self._input_kwargs)
-
-    @keyword_only
-    def setParams(self, *, num_proc: int | None = None, model: Any = None, optimizer: Any = None,  # noqa: N802
-                  loss: Any = None, loss_weights: list[float] | None = None, metrics: list | None = None,
-                  custom_objects: dict | None = None, feature_cols: list[str] | None = None,
-                  label_cols: list[str] | None = None, sample_weight_col: str | None = None,
-                  validation: float | str | None = None, batch_size: int = 32, val_batch_size: int | None = None,
-                  epochs: int = 1, train_steps_per_epoch: int | None = None,
-                  validation_steps_per_epoch: int | None = None, shuffle: bool = True,
-                  random_seed: int | None = None, store: Any = None, run_id: str | None = None,
-                  callbacks: list | None = None, checkpoint_callback: Any = None,
-                  transformation_fn: Callable | None = None, backward_passes_per_step: int = 1,
-                  gradient_compression: Any = None, use_gpu: bool | None = None, partitions_per_process: int = 10,
-                  verbose: int = 1, mlflow: bool | str | None = None, max_retries: int = 0) -> KerasEstimator:
-        """Sets params by keyword and returns ``self``."""
-        return self._set(**self._input_kwargs)
+    _spec_class = KerasSpec
 
     def _custom_objects(self) -> dict:
         return dict(self._opt(self.custom_objects) or {})
@@ -388,25 +348,34 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
         check_losses(self._opt(self.loss), n_labels)
         check_metrics(self._metrics())
 
-    def _checkpoint_policy(self) -> dict | None:
+    def _class_index_labels(self) -> list[bool]:
+        import keras
+
+        loss = self._opt(self.loss)
+        losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(self.getOrDefault(self.label_cols))
+
+        def sparse(item: Any) -> bool:
+            return item in ("sparse_categorical_crossentropy", keras.losses.sparse_categorical_crossentropy) or \
+                isinstance(item, keras.losses.SparseCategoricalCrossentropy)
+
+        return [sparse(item) for item in losses]
+
+    def _checkpoint_policy(self) -> BestPolicy | None:
         cb = self._opt(self.checkpoint_callback)
         if cb is None or not cb.save_best_only:
             return None
-        mode = cb.mode if cb.mode in ("min", "max") else (
-            "max" if any(k in cb.monitor for k in ("acc", "auc", "precision", "recall")) else "min")
-        return {"monitor": cb.monitor, "mode": mode, "min_delta": abs(float(cb.min_delta or 0.0))}
+        return BestPolicy.create(cb.monitor, cb.mode, float(cb.min_delta or 0.0))
 
-    def _train_spec(self, model_bytes: bytes) -> dict:
+    def _train_spec(self) -> dict:
         return {
-            "model_bytes": model_bytes,
             "optimizer": self._optimizer_spec,
             "loss": self._opt(self.loss),
             "loss_weights": self.getOrDefault(self.loss_weights),
-            "metrics": self._metrics(),
-            "checkpoint_policy": self._checkpoint_policy(),
+            "metrics": tuple(self._metrics()),
+            "best": self._checkpoint_policy(),
         }
 
-    def _train_function(self) -> Callable[[dict], Any]:
+    def _train_function(self) -> Callable[[KerasSpec], Any]:
         return train_on_rank
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
@@ -437,186 +406,3 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
             pass
         # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow)
         mlflow.keras.log_model(model, name="model", pip_requirements=reqs)
-
-
-# ------------------------------------------------------------------------------------------------ on every rank
-
-
-def _limit_threads(local_size: int) -> None:
-    """TensorFlow threads per rank: the host's cores shared among its ranks (before TF starts, if it has not)."""
-    n = max(1, (os.cpu_count() or 1) // max(1, local_size))
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(n))
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
-    import tensorflow as tf
-
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(n)
-        tf.config.threading.set_inter_op_parallelism_threads(2)
-    except RuntimeError:  # the runtime already started in this (reused) Python worker
-        pass
-
-
-def _select_devices(use_gpu: bool | None) -> None:
-    import tensorflow as tf
-
-    try:
-        gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            return
-        if use_gpu is False:
-            tf.config.set_visible_devices([], "GPU")
-            return
-        index = os.environ.get("SPARK_HVD_GPU") or os.environ.get("SPARK_HVD_LOCAL_RANK", "0")
-        tf.config.set_visible_devices(gpus[int(index) % len(gpus)], "GPU")
-    except (RuntimeError, ValueError) as exc:  # devices already initialised in this worker
-        log.debug("GPU selection left as it is: %s", exc)
-
-
-def _per_output_metrics(metrics: list, n_outputs: int) -> Any:
-    """A flat metric list applies to every output (Keras 3 wants one list per output for several outputs)."""
-    if not metrics:
-        return None
-    if n_outputs <= 1 or any(isinstance(m, list | tuple | dict) for m in metrics):
-        return list(metrics)
-    return [[m if isinstance(m, str) else copy.deepcopy(m) for m in metrics] for _ in range(n_outputs)]
-
-
-def _improved(value: float, best: float | None, policy: dict) -> bool:
-    if best is None:
-        return True
-    if policy["mode"] == "max":
-        return value > best + policy["min_delta"]
-    return value < best - policy["min_delta"]
-
-
-def train_on_rank(spec: dict) -> dict | None:
-    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    _limit_threads(int(os.environ.get("SPARK_HVD_LOCAL_SIZE", "1")))
-    _select_devices(spec["use_gpu"])
-    import keras
-
-    import spark_hvd.keras as hvd
-    from spark_hvd.runner import report
-
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    if spec["random_seed"] is not None:
-        keras.utils.set_random_seed(spec["random_seed"])
-    keras_bytes, custom_objects = _unpack(spec["model_bytes"])
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, _MODEL_FILE), "wb") as f:
-            f.write(keras_bytes)
-        model = _load_keras_file(os.path.join(tmp, _MODEL_FILE), custom_objects, compile=False)
-    n_outputs = len(spec["label_cols"])
-    kwargs: dict[str, Any] = {"backward_passes_per_step": spec["backward_passes_per_step"]}
-    if spec["gradient_compression"] is not None:
-        kwargs["compression"] = spec["gradient_compression"]
-    optimizer = hvd.DistributedOptimizer(build_optimizer(spec["optimizer"]), **kwargs)
-    model.compile(optimizer=optimizer, loss=spec["loss"], loss_weights=spec["loss_weights"],
-                  metrics=_per_output_metrics(spec["metrics"], n_outputs), jit_compile=False)
-    optimizer.build(model.trainable_variables)  # on every rank, so the broadcast covers the same variables
-
-    files = RunFiles(spec["store"], spec["run_id"])
-    policy = spec["checkpoint_policy"]
-    start, history = 0, {}
-    if rank == 0:
-        with tempfile.TemporaryDirectory() as tmp:
-            found = files.latest_checkpoint(tmp)
-            if found is not None:
-                last, history = found
-                model.load_weights(os.path.join(tmp, _MODEL_FILE))
-                with np.load(os.path.join(tmp, _OPTIMIZER_FILE)) as saved:
-                    values = [saved[f"v{i}"] for i in range(len(saved.files))]
-                if len(values) != len(optimizer.variables):
-                    raise ValueError(f"checkpoint of epoch {last} has {len(values)} optimizer variables, the "
-                                     f"optimizer {len(optimizer.variables)}: was the optimizer changed?")
-                for var, value in zip(optimizer.variables, values, strict=True):
-                    var.assign(value)
-                start = last + 1
-                log.info("run %s: resuming after epoch %d", spec["run_id"], last)
-    start, history = hvd.broadcast_object((start, history), root_rank=0)
-    best = None
-    if policy is not None and history.get(policy["monitor"]):
-        for value in history[policy["monitor"]]:
-            best = value if _improved(value, best, policy) else best
-
-    from spark_hvd.data.keras_loader import KerasBatchDataset
-
-    readers = ShardReaders(spec, rank, size)
-    label_cols, weight_col = spec["label_cols"], spec["sample_weight_col"]
-    train = KerasBatchDataset(readers.readers["train"], spec["feature_cols"], label_cols, weight_col,
-                              first_epoch=start)
-    steps = min(readers.steps("train"), len(train))
-    val, val_steps = None, None
-    if readers.has_validation:
-        val = KerasBatchDataset(readers.readers["val"], spec["feature_cols"], label_cols, weight_col)
-        val_steps = min(readers.steps("val"), len(val))
-    wrote = {"any": False}
-
-    class _RunCallback(keras.callbacks.Callback):
-        """History, rank 0's checkpoints and metrics log, progress to the driver (after the metric average)."""
-
-        def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-            nonlocal best
-            logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
-                    if isinstance(v, int | float | np.number | np.ndarray) or hasattr(v, "numpy")}
-            append_history(history, logs)
-            save = True
-            if policy is not None:
-                value = logs.get(policy["monitor"])
-                if value is None:
-                    log.warning("checkpoint_callback monitors %r, not in the logs %s: checkpointing every epoch",
-                                policy["monitor"], sorted(logs))
-                else:
-                    save = _improved(value, best, policy)
-                    best = value if save else best
-            if rank == 0:
-                if save:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        self.model.save(os.path.join(tmp, _MODEL_FILE))
-                        np.savez(os.path.join(tmp, _OPTIMIZER_FILE),
-                                 **{f"v{i}": np.asarray(v) for i, v in enumerate(self.model.optimizer.variables)})
-                        files.write_checkpoint(epoch, tmp, history)
-                    wrote["any"] = True
-                else:
-                    files.write_metrics(history)
-            report(epoch=epoch, **logs)
-
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                 *spec["callbacks"], _RunCallback()]
-    if start < spec["epochs"]:
-        model.fit(train, epochs=spec["epochs"], initial_epoch=start, steps_per_epoch=steps, validation_data=val,
-                  validation_steps=val_steps, callbacks=callbacks,
-                  verbose=2 if (spec["verbose"] >= 2 and rank == 0) else 0)
-    if rank != 0:
-        return None
-    output_shapes = _output_shapes(model, readers, spec)
-    with tempfile.TemporaryDirectory() as tmp:
-        if policy is not None and (wrote["any"] or start > 0) and files.store.latest_checkpoint(spec["run_id"]):
-            ck = os.path.join(tmp, "ck")
-            os.makedirs(ck)
-            files.latest_checkpoint(ck)  # the best epoch's model
-            out = os.path.join(tmp, "model")
-            os.makedirs(out)
-            shutil.copy(os.path.join(ck, _MODEL_FILE), os.path.join(out, _MODEL_FILE))
-        else:
-            out = tmp
-            model.save(os.path.join(out, _MODEL_FILE))
-        files.write_model(out)
-    return {"history": history, "output_shapes": output_shapes}
-
-
-def _output_shapes(model: Any, readers: ShardReaders, spec: dict) -> list[list[int]]:
-    """Per-row shape of each output: from the model's symbolic outputs, else by predicting one batch."""
-    try:
-        shapes = [list(o.shape[1:]) for o in model.outputs]
-        if all(d is not None for s in shapes for d in s):
-            return shapes
-    except (AttributeError, ValueError):
-        pass
-    gen = readers.epoch("train", 0)
-    batch = next(gen)
-    gen.close()
-    x = [batch[c] for c in spec["feature_cols"]]
-    out = KerasModel._predict(model, x)
-    return [list(np.asarray(o).shape[1:]) for o in out]

@@ -16,12 +16,14 @@ from typing import Any
 from pyspark.ml.param import Param, Params, TypeConverters
 
 __all__ = [
+    "KeywordParams",
     "EstimatorParams",
     "TorchEstimatorParams",
     "KerasEstimatorParams",
     "ModelParams",
     "TorchModelParams",
     "KerasModelParams",
+    "LightningEstimatorParams",
     "OBJECT_PARAMS",
     "LOSS_NAMES",
 ]
@@ -40,6 +42,7 @@ OBJECT_PARAMS = frozenset(
         "train_minibatch_fn",
         "transformation_fn",
         "gradient_compression",
+        "lr_scheduler",
     }
 )
 
@@ -140,6 +143,39 @@ def _p(name: str, doc: str, conv=_identity) -> Param:
     return Param(Params._dummy(), name, doc, typeConverter=conv)
 
 
+def _to_choice(*choices: str):
+    def convert(value: Any) -> str:
+        value = TypeConverters.toString(value)
+        if value not in choices:
+            raise ValueError(f"expected one of {list(choices)}, got {value!r}")
+        return value
+
+    convert.__name__ = "one_of_" + "_".join(choices)
+    return convert
+
+
+class KeywordParams(Params):
+    """Mixin: ``Cls(**params)`` and ``setParams(**params)`` for every Param the class declares (declared once, in
+    the Params classes below, instead of a keyword signature repeated per class). An unknown name is a
+    ``TypeError`` that suggests the nearest Param names."""
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__()
+        self.setParams(**params)
+
+    def setParams(self, **params: Any) -> Any:  # noqa: N802 (Spark ML naming)
+        """Sets params by keyword and returns ``self``."""
+        import difflib
+
+        for name in params:
+            if not self.hasParam(name):
+                known = [p.name for p in self.params]
+                near = difflib.get_close_matches(name, known, n=3)
+                hint = f"; did you mean {near}?" if near else ""
+                raise TypeError(f"{type(self).__name__} has no param {name!r}{hint}")
+        return self._set(**params)
+
+
 # --------------------------------------------------------------------------------------------------- estimators
 @_add_accessors
 class EstimatorParams(Params):
@@ -188,6 +224,8 @@ class EstimatorParams(Params):
                 "an experiment name", _to_mlflow)
     max_retries = _p("max_retries", "times the whole training stage is restarted (from the last checkpoint) after a "
                      "rank fails", _to_strict_int)
+    terminate_on_nan = _p("terminate_on_nan", "stop with an error naming the epoch and step when the training loss "
+                          "is not finite", TypeConverters.toBoolean)
 
     def __init__(self) -> None:
         super().__init__()
@@ -195,7 +233,7 @@ class EstimatorParams(Params):
             num_proc=None, loss_weights=None, feature_cols=None, label_cols=None, sample_weight_col=None,
             validation=None, batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
-            use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0,
+            use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
         )
 
 
@@ -207,10 +245,18 @@ class TorchEstimatorParams(EstimatorParams):
                       _to_input_shapes)
     train_minibatch_fn = _p("train_minibatch_fn", "replaces one training step: fn(model, optimizer, "
                             "transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)")
+    lr_scheduler = _p("lr_scheduler", "fn(optimizer) -> a torch LR scheduler, built on every rank on its optimizer")
+    lr_scheduler_interval = _p("lr_scheduler_interval", "step the lr_scheduler after every 'epoch' or every 'batch'",
+                               _to_choice("epoch", "batch"))
+    best_metric = _p("best_metric", "a history key (e.g. val_loss): only epochs that improve it are checkpointed and "
+                     "the returned model is the best epoch's; default: every epoch, the last one returned",
+                     _to_optional(TypeConverters.toString))
+    best_mode = _p("best_mode", "'min', 'max' or 'auto' (max for accuracy-like names) for best_metric",
+                   _to_choice("auto", "min", "max"))
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None)
+        self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto")
 
 
 @_add_accessors
@@ -220,6 +266,18 @@ class KerasEstimatorParams(EstimatorParams):
     custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
     checkpoint_callback = _p("checkpoint_callback", "a keras ModelCheckpoint deciding which epochs are checkpointed "
                              "(e.g. best only); default: every epoch")
+
+
+@_add_accessors
+class LightningEstimatorParams(EstimatorParams):
+    """``EstimatorParams`` plus the Torch input shapes; optimizer, loss and metrics come from the module itself."""
+
+    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
+                      _to_input_shapes)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(input_shapes=None)
 
 
 # --------------------------------------------------------------------------------------------------- models
@@ -250,6 +308,14 @@ class ModelParams(Params):
         if cols:
             return list(cols)
         return [f"{label}__output" for label in (self.getOrDefault(self.label_cols) or [])]
+
+    def getFeatureColumns(self) -> list[str] | None:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``getFeatureCols``."""
+        return self.getOrDefault(self.feature_cols)
+
+    def getLabelColumns(self) -> list[str] | None:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``getLabelCols``."""
+        return self.getOrDefault(self.label_cols)
 
 
 @_add_accessors

@@ -1,0 +1,191 @@
+"""The rank half of ``KerasEstimator``: ``KerasTrainer``, a ``RankTrainer`` around ``model.fit``.
+
+Works on Keras's TensorFlow and torch backends (``KERAS_BACKEND``): TensorFlow is imported only when it is the
+backend. ``model.fit`` runs every epoch in one call (so Keras callbacks such as ``EarlyStopping`` or LR schedules
+keep their state); a callback of ours hands each epoch's averaged logs to ``RankRun.end_epoch``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.estimators.rank_run import RankRun, RankTrainer, check_finite
+
+__all__ = ["KerasTrainer", "train_on_rank"]
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.keras"
+_OPTIMIZER_FILE = "optimizer.npz"
+
+
+def _limit_threads(local_size: int) -> None:
+    """Threads per rank: the host's cores shared among its ranks (TensorFlow: before its runtime starts)."""
+    n = max(1, (os.cpu_count() or 1) // max(1, local_size))
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        import torch
+
+        torch.set_num_threads(n)
+        return
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(n))
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(n)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    except RuntimeError:  # the runtime already started in this (reused) Python worker
+        pass
+
+
+def _select_devices(use_gpu: bool | None) -> None:
+    """TensorFlow backend: the rank's GPU only (or none); the torch backend uses the device torch has."""
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return
+    import tensorflow as tf
+
+    try:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return
+        if use_gpu is False:
+            tf.config.set_visible_devices([], "GPU")
+            return
+        index = os.environ.get("SPARK_HVD_GPU") or os.environ.get("SPARK_HVD_LOCAL_RANK", "0")
+        tf.config.set_visible_devices(gpus[int(index) % len(gpus)], "GPU")
+    except (RuntimeError, ValueError) as exc:  # devices already initialised in this worker
+        log.debug("GPU selection left as it is: %s", exc)
+
+
+def _per_output_metrics(metrics: tuple, n_outputs: int) -> Any:
+    """A flat metric list applies to every output (Keras 3 wants one list per output for several outputs)."""
+    if not metrics:
+        return None
+    if n_outputs <= 1 or any(isinstance(m, list | tuple | dict) for m in metrics):
+        return list(metrics)
+    return [[m if isinstance(m, str) else copy.deepcopy(m) for m in metrics] for _ in range(n_outputs)]
+
+
+class KerasTrainer(RankTrainer):
+    """``model.fit`` on the rank's shard, compiled with the rebuilt optimizer in ``DistributedOptimizer``."""
+
+    def init(self, spec: Any) -> None:
+        _limit_threads(int(os.environ.get("SPARK_HVD_LOCAL_SIZE", "1")))
+        _select_devices(spec.use_gpu)
+        import spark_hvd.keras as hvd
+
+        hvd.init()
+        self.hvd = hvd
+
+    def seed(self, seed: int) -> None:
+        import keras
+
+        keras.utils.set_random_seed(seed)
+
+    def build(self, spec: Any) -> None:
+        from spark_hvd.estimators.keras import _load_keras_file, _unpack, build_optimizer
+
+        self.spec = spec
+        keras_bytes, custom_objects = _unpack(spec.model_bytes)
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
+                f.write(keras_bytes)
+            self.model = _load_keras_file(os.path.join(tmp, MODEL_FILE), custom_objects, compile=False)
+        kwargs: dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
+        if spec.gradient_compression is not None:
+            kwargs["compression"] = spec.gradient_compression
+        optimizer = self.hvd.DistributedOptimizer(build_optimizer(spec.optimizer), **kwargs)
+        self.model.compile(optimizer=optimizer, loss=spec.loss,
+                           loss_weights=list(spec.loss_weights) if spec.loss_weights else None,
+                           metrics=_per_output_metrics(spec.metrics, len(spec.label_cols)), jit_compile=False)
+        optimizer.build(self.model.trainable_variables)  # on every rank, so the broadcast covers the same variables
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.model.save(os.path.join(directory, MODEL_FILE))
+        np.savez(os.path.join(directory, _OPTIMIZER_FILE),
+                 **{f"v{i}": np.asarray(v) for i, v in enumerate(self.model.optimizer.variables)})
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.model.load_weights(os.path.join(directory, MODEL_FILE))
+        with np.load(os.path.join(directory, _OPTIMIZER_FILE)) as saved:
+            values = [saved[f"v{i}"] for i in range(len(saved.files))]
+        variables = self.model.optimizer.variables
+        if len(values) != len(variables):
+            raise ValueError(f"the checkpoint has {len(values)} optimizer variables, the optimizer {len(variables)}: "
+                             "was the optimizer changed?")
+        for var, value in zip(variables, values, strict=True):
+            var.assign(value)
+
+    def sync(self) -> None:
+        """Nothing here: ``BroadcastGlobalVariablesCallback(0)`` broadcasts at the start of ``model.fit``."""
+
+    def save_model(self, directory: str) -> None:
+        self.model.save(os.path.join(directory, MODEL_FILE))
+
+    def output_shapes(self, batch: dict) -> list[list[int]]:
+        try:
+            shapes = [list(o.shape[1:]) for o in self.model.outputs]
+            if all(d is not None for s in shapes for d in s):
+                return shapes
+        except (AttributeError, ValueError):
+            pass
+        from spark_hvd.estimators.keras import KerasModel
+
+        out = KerasModel._predict(self.model, [batch[c] for c in self.spec.feature_cols])
+        return [list(np.asarray(o).shape[1:]) for o in out]
+
+    def train(self, run: RankRun) -> None:
+        import keras
+
+        from spark_hvd.data.keras_loader import KerasBatchDataset
+
+        spec, hvd = self.spec, self.hvd
+        readers = run.readers
+        cols = (list(spec.feature_cols), list(spec.label_cols), spec.sample_weight_col)
+        train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start)
+        steps = min(readers.steps("train"), len(train))
+        val, val_steps = None, None
+        if readers.has_validation:
+            val = KerasBatchDataset(readers.readers["val"], *cols)
+            val_steps = min(readers.steps("val"), len(val))
+
+        class _RunCallback(keras.callbacks.Callback):
+            """Each epoch's averaged logs to ``run.end_epoch``; a non-finite loss stops with an error."""
+
+            epoch = 0
+
+            def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+                if spec.terminate_on_nan and logs and "loss" in logs:
+                    loss = float(np.asarray(logs["loss"]))
+                    if not math.isfinite(loss):
+                        check_finite(loss, self.epoch, batch, run.rank)
+
+            def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+                logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
+                        if isinstance(v, int | float | np.number | np.ndarray) or hasattr(v, "numpy")}
+                self.model.stop_training = run.end_epoch(epoch, logs, stop=bool(self.model.stop_training))
+
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                     *spec.callbacks, _RunCallback()]
+        self.model.fit(train, epochs=spec.epochs, initial_epoch=run.start, steps_per_epoch=steps,
+                       validation_data=val, validation_steps=val_steps, callbacks=callbacks,
+                       verbose=2 if (spec.verbose >= 2 and run.rank == 0) else 0)
+
+
+def train_on_rank(spec: Any) -> dict | None:
+    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
+    return RankRun(spec, KerasTrainer()).execute()

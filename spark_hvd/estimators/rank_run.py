@@ -1,0 +1,227 @@
+"""The rank side of every estimator: one ``RankRun`` does what all frameworks share, a ``RankTrainer`` the rest.
+
+``RankRun(spec, trainer).execute()`` is the training function of every rank:
+
+1. ``trainer.init()`` (the framework's binding, threads, device) and the seed;
+2. ``trainer.build()`` (model and optimizer from the spec);
+3. resume: rank 0 loads the newest checkpoint of the run (``trainer.load_checkpoint``), ``broadcast_object``
+   gives every rank the epoch to start at and the history so far, ``trainer.sync()`` broadcasts the state;
+4. ``trainer.train(run)`` trains epochs ``run.start .. spec.epochs - 1`` and calls ``run.end_epoch(epoch, logs)``
+   after each (history, rank 0's checkpoint or metrics log, the progress report; it says when to stop);
+5. finish: rank 0 reloads the best epoch's checkpoint if a ``BestPolicy`` chose epochs, measures the output
+   shapes on one batch, writes the final model (``trainer.save_model``) and returns the history.
+
+A framework supplies only ``init``, ``build``, ``train``, ``save_checkpoint``/``load_checkpoint``, ``save_model``
+and ``output_shapes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from abc import ABC, abstractmethod
+from typing import Any
+
+from spark_hvd.estimators.base import RunFiles, ShardReaders, append_history
+from spark_hvd.estimators.spec import TrainSpec
+
+__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainingContext:
+    """What a torch-loop callback's ``on_train_begin(context)`` receives: the rank's ``model`` and ``optimizer``
+    (and ``scheduler``, if any), ``rank``/``size``, and ``stop_training``: set it to True (e.g. early stopping) and
+    training ends after the current epoch. Rank 0's decision is the one every rank follows."""
+
+    def __init__(self, model: Any, optimizer: Any, rank: int, size: int, scheduler: Any = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.rank = rank
+        self.size = size
+        self.stop_training = False
+
+
+class EarlyStopping:
+    """A torch-loop callback (``TorchEstimator``, ``LightningEstimator``): stop when ``monitor`` (a logs key such as
+    ``val_loss``) has not improved by more than ``min_delta`` for ``patience`` epochs; ``mode`` min, max or auto."""
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
+                 min_delta: float = 0.0) -> None:
+        from spark_hvd.estimators.spec import BestPolicy
+
+        self.policy = BestPolicy.create(monitor, mode, min_delta)
+        self.patience = int(patience)
+        self.best: float | None = None
+        self.wait = 0
+        self.context: TrainingContext | None = None
+
+    def on_train_begin(self, context: TrainingContext) -> None:
+        self.context = context
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
+        value = logs.get(self.policy.monitor)
+        if value is None:
+            raise KeyError(f"EarlyStopping monitors {self.policy.monitor!r}, not in the logs {sorted(logs)}")
+        if self.policy.improved(value, self.best):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= max(self.patience, 1):  # as Keras: patience 0 and 1 stop at the first miss
+            log.info("early stopping after epoch %d: %s did not improve for %d epochs", epoch,
+                     self.policy.monitor, self.wait)
+            self.context.stop_training = True
+
+
+class RankTrainer(ABC):
+    """A framework's part of the rank-side run."""
+
+    #: the framework's binding (``spark_hvd.torch`` or ``spark_hvd.keras``), set by ``init``
+    hvd: Any = None
+
+    @abstractmethod
+    def init(self, spec: TrainSpec) -> None:
+        """Initialise the binding (``self.hvd``), threads and device."""
+
+    @abstractmethod
+    def seed(self, seed: int) -> None:
+        """Seed the framework's random state."""
+
+    @abstractmethod
+    def build(self, spec: TrainSpec) -> None:
+        """Build the model and the optimizer from the spec."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: str) -> None:
+        """Load what ``save_checkpoint`` wrote (model and optimizer state)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: str) -> None:
+        """Write the model and optimizer state into ``directory``."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every rank's state rank 0's (after a resume, before training)."""
+
+    @abstractmethod
+    def train(self, run: RankRun) -> None:
+        """Train epochs ``run.start`` .. ``run.spec.epochs - 1``, calling ``run.end_epoch`` after each; stop when it
+        returns True."""
+
+    @abstractmethod
+    def output_shapes(self, batch: dict) -> list[list[int]]:
+        """Per-row shape of each model output, from one batch of training data."""
+
+    @abstractmethod
+    def save_model(self, directory: str) -> None:
+        """Write the final model into ``directory``."""
+
+
+class RankRun:
+    """One rank's training run (see the module docstring)."""
+
+    def __init__(self, spec: TrainSpec, trainer: RankTrainer) -> None:
+        self.spec = spec
+        self.trainer = trainer
+        self.files = RunFiles(spec.store, spec.run_id)
+        self.history: dict[str, list[float]] = {}
+        self.start = 0
+        self.rank, self.size = 0, 1
+        self.readers: ShardReaders | None = None
+        self._best: float | None = None
+        self._checkpointed = False
+
+    def execute(self) -> dict | None:
+        """Run everything; rank 0 returns ``{"history": ..., "output_shapes": ...}``, the others None."""
+        spec, trainer = self.spec, self.trainer
+        trainer.init(spec)
+        hvd = trainer.hvd
+        self.rank, self.size = hvd.rank(), hvd.size()
+        if spec.random_seed is not None:
+            trainer.seed(spec.random_seed)
+        trainer.build(spec)
+        self._resume()
+        self.readers = ShardReaders(spec, self.rank, self.size)
+        if self.start < spec.epochs:
+            trainer.train(self)
+        return self._finish()
+
+    # ---- resume
+    def _resume(self) -> None:
+        start, history = 0, {}
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as tmp:
+                found = self.files.latest_checkpoint(tmp)
+                if found is not None:
+                    last, history = found
+                    self.trainer.load_checkpoint(tmp)
+                    start = last + 1
+                    log.info("run %s: resuming after epoch %d", self.spec.run_id, last)
+        self.start, self.history = self.trainer.hvd.broadcast_object((start, history), root_rank=0)
+        best = self.spec.best
+        if best is not None:
+            for value in self.history.get(best.monitor, []):
+                self._best = value if best.improved(value, self._best) else self._best
+        self.trainer.sync()
+
+    # ---- per epoch
+    def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
+        """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics
+        log, the progress report. ``stop``: this rank wants to stop; rank 0's wish is broadcast, so every rank
+        returns the same answer (True: stop training)."""
+        from spark_hvd.runner import report
+
+        append_history(self.history, logs)
+        save = True
+        policy = self.spec.best
+        if policy is not None:
+            value = logs.get(policy.monitor)
+            if value is None:
+                log.warning("best-epoch selection monitors %r, not in the logs %s: checkpointing every epoch",
+                            policy.monitor, sorted(logs))
+            else:
+                save = policy.improved(value, self._best)
+                self._best = value if save else self._best
+        if self.rank == 0:
+            if save:
+                with tempfile.TemporaryDirectory() as tmp:
+                    self.trainer.save_checkpoint(tmp)
+                    self.files.write_checkpoint(epoch, tmp, self.history)
+                self._checkpointed = True
+            else:
+                self.files.write_metrics(self.history)
+        report(epoch=epoch, **logs)
+        return bool(self.trainer.hvd.broadcast_object(bool(stop), root_rank=0))
+
+    def first_batch(self) -> dict:
+        """One batch of this rank's training data (for shapes)."""
+        gen = self.readers.epoch("train", 0)
+        try:
+            return next(gen)
+        finally:
+            gen.close()
+
+    # ---- finish
+    def _finish(self) -> dict | None:
+        if self.rank != 0:
+            return None
+        if self.spec.best is not None and self.spec.store.latest_checkpoint(self.spec.run_id) is not None:
+            with tempfile.TemporaryDirectory() as tmp:  # the best epoch's state
+                self.files.latest_checkpoint(tmp)
+                self.trainer.load_checkpoint(tmp)
+        output_shapes = self.trainer.output_shapes(self.first_batch())
+        with tempfile.TemporaryDirectory() as tmp:
+            self.trainer.save_model(tmp)
+            self.files.write_model(tmp)
+        return {"history": self.history, "output_shapes": output_shapes}
+
+
+def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:
+    """Raise ``FloatingPointError`` naming the epoch, step and rank when the training loss is NaN or infinite."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(
+            f"the training loss is {loss} at epoch {epoch}, step {step} (rank {rank}): training diverged. Lower the "
+            "learning rate, check the data for NaN/inf, or set terminate_on_nan=False to continue anyway")

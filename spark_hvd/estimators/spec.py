@@ -1,0 +1,121 @@
+"""The typed training spec: what the driver's ``fit`` hands every rank (one frozen dataclass per framework).
+
+``TrainSpec`` holds what every framework shares (the store and run, the prepared dataset's ``DatasetInfo``, the
+column names, batch sizes, epochs, callbacks ...); ``TorchSpec``, ``KerasSpec`` and ``LightningSpec`` add their own
+fields. Everything in a spec is picklable (it travels to the ranks with cloudpickle); the model travels as bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BestPolicy", "TrainSpec", "TorchSpec", "KerasSpec", "LightningSpec", "model_metadata"]
+
+#: metric names for which bigger is better when a best-epoch mode is "auto"
+_MAX_HINTS = ("acc", "auc", "precision", "recall", "f1")
+
+
+@dataclass(frozen=True)
+class BestPolicy:
+    """Which epochs count as an improvement: ``monitor`` (a history key such as ``val_loss``) going ``mode``
+    (``min``/``max``) by more than ``min_delta``. Only improving epochs are checkpointed; the returned model is the
+    last improving epoch's."""
+
+    monitor: str
+    mode: str = "min"
+    min_delta: float = 0.0
+
+    @classmethod
+    def create(cls, monitor: str, mode: str = "auto", min_delta: float = 0.0) -> BestPolicy:
+        """A policy whose ``auto`` mode is resolved from the metric's name (max for accuracy-like names)."""
+        if mode not in ("min", "max"):
+            mode = "max" if any(h in monitor for h in _MAX_HINTS) else "min"
+        return cls(monitor, mode, abs(float(min_delta)))
+
+    def improved(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` improves on ``best`` (None: nothing yet, so it does)."""
+        if best is None:
+            return True
+        if self.mode == "max":
+            return value > best + self.min_delta
+        return value < best - self.min_delta
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainSpec:
+    """What every rank receives, whatever the framework."""
+
+    store: Any
+    run_id: str
+    dataset: Any  #: the prepared data's ``spark_hvd.data.metadata.DatasetInfo``
+    model_bytes: bytes
+    feature_cols: tuple[str, ...]
+    label_cols: tuple[str, ...]
+    sample_weight_col: str | None = None
+    batch_size: int = 32
+    val_batch_size: int = 32
+    epochs: int = 1
+    train_steps_per_epoch: int | None = None
+    validation_steps_per_epoch: int | None = None
+    shuffle: bool = True
+    random_seed: int | None = None
+    callbacks: tuple = ()
+    transformation_fn: Any = None
+    backward_passes_per_step: int = 1
+    gradient_compression: Any = None
+    use_gpu: bool | None = None
+    verbose: int = 1
+    terminate_on_nan: bool = True
+    best: BestPolicy | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchSpec(TrainSpec):
+    """``TrainSpec`` plus the torch loop's settings (the optimizer as ``torch.optimizer_spec`` describes it)."""
+
+    optimizer: dict
+    loss: Any
+    loss_weights: tuple[float, ...] | None = None
+    metrics: tuple = ()
+    input_shapes: tuple | None = None
+    train_minibatch_fn: Any = None
+    lr_scheduler: Any = None
+    lr_scheduler_interval: str = "epoch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KerasSpec(TrainSpec):
+    """``TrainSpec`` plus Keras's compile arguments (the optimizer as ``keras.optimizer_spec`` describes it)."""
+
+    optimizer: dict
+    loss: Any
+    loss_weights: tuple[float, ...] | None = None
+    metrics: tuple = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LightningSpec(TrainSpec):
+    """``TrainSpec`` plus the input shapes (the module brings its own optimizer, loss and metrics)."""
+
+    input_shapes: tuple | None = None
+
+
+def model_metadata(info: Any, output_shapes: list[list[int]]) -> dict:
+    """The JSON metadata a fitted Model keeps: per feature its model dtype, shape and kind; per label its stored
+    dtype, shape and kind; the per-row output shapes; the prepared dataset's key."""
+    import numpy as np
+
+    from spark_hvd.estimators.base import model_input_dtype
+
+    def describe(col: str, dtype: str) -> dict:
+        spec = info.columns[col]
+        return {"dtype": dtype, "shape": list(spec.shape), "kind": spec.kind}
+
+    return {
+        "features": {c: describe(c, np.dtype(model_input_dtype(info.columns[c].dtype)).name)
+                     for c in info.feature_cols},
+        "labels": {c: describe(c, info.columns[c].dtype) for c in info.label_cols},
+        "output_shapes": output_shapes,
+        "dataset": info.key,
+    }
