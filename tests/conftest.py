@@ -63,18 +63,21 @@ def spark_connect(spark):
         jvm.scala.Option.empty(), jvm.scala.Option.empty())
 
 
-@pytest.fixture(params=["classic", "connect"])
-def any_spark(request):
-    """The test runs twice: on the classic session and on the Spark Connect one (then also the thread's active
-    session, as in a Databricks notebook, so code that looks the session up finds it)."""
-    if request.param == "classic":
-        yield request.getfixturevalue("spark")
-        return
+@pytest.fixture
+def connect_mode(spark_connect, monkeypatch):
+    """``spark_connect`` with the process in Connect mode as a Databricks notebook is (``SPARK_CONNECT_MODE_ENABLED``:
+    ``pyspark.sql.functions`` and ``pyspark.ml`` then build Connect objects) and as the thread's active session."""
     from pyspark.sql.connect.session import SparkSession as ConnectSession
 
-    session = request.getfixturevalue("spark_connect")
-    ConnectSession._active_session.session = session
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    ConnectSession._active_session.session = spark_connect
     try:
-        yield session
+        yield spark_connect
     finally:
         ConnectSession._active_session.session = None
+
+
+@pytest.fixture(params=["classic", "connect"])
+def any_spark(request):
+    """The test runs twice: on the classic session, and on the Spark Connect one in Connect mode (``connect_mode``)."""
+    yield request.getfixturevalue("spark" if request.param == "classic" else "connect_mode")

@@ -12,7 +12,8 @@ DBFS) works.
 Inference (``transform``): ``mapInArrow`` over the DataFrame. DESIGN.md measured ``mapInArrow`` 2.6x faster than
 ``mapInPandas`` for a small MLP (no pandas conversion of the pass-through columns, and list columns stay flat Arrow
 buffers that become a 2-D numpy array with one reshape). The model bytes travel once per executor as a broadcast
-variable and are deserialised once per Python worker (a cache keyed by a hash of the bytes).
+variable (on Spark Connect, which has none, inside the function's closure) and are deserialised once per Python
+worker (a cache keyed by a hash of the bytes).
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class BaseModel(Model, _PersistableStage):
 
     def __init__(self) -> None:
         super().__init__()
-        self._broadcast: tuple[str, Any] | None = None
+        self._broadcast: tuple[tuple[str, type], Any] | None = None
 
     # ---- framework hooks
     @classmethod
@@ -334,8 +335,10 @@ class BaseModel(Model, _PersistableStage):
     def _model_broadcast(self, spark: Any) -> tuple[str, Any, bytes]:
         data = self._serialize_model(self.getModel())
         key = f"{type(self).__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
-        if self._broadcast is None or self._broadcast[0] != key:
-            self._broadcast = (key, spark.sparkContext.broadcast(data))
+        from spark_hvd.runner.cluster import share
+
+        if self._broadcast is None or self._broadcast[0] != (key, type(spark)):
+            self._broadcast = ((key, type(spark)), share(spark, data))  # on Spark Connect: in the closure
         return key, self._broadcast[1], data
 
     def _transform(self, df: Any) -> Any:
@@ -511,11 +514,9 @@ class BaseEstimator(Estimator, _PersistableStage):
                 import mlflow  # noqa: F401
             except ImportError as exc:
                 raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
-        from spark_hvd.runner.spark import check_slots
+        from spark_hvd.runner.spark import resolve_num_proc
 
-        sc = df.sparkSession.sparkContext
-        num_proc = get(self.num_proc) or sc.defaultParallelism
-        check_slots(sc, num_proc)
+        num_proc = resolve_num_proc(df.sparkSession, get(self.num_proc))  # classic or Spark Connect
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
 
     # ---- fit
@@ -550,7 +551,7 @@ class BaseEstimator(Estimator, _PersistableStage):
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
-                      max_retries=get(self.max_retries), verbose=get(self.verbose))
+                      max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession)
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
         trained = self._load_trained_model(store, run_id)
         metadata = {"features": data.get("features", {}), "labels": data.get("labels", {}),

@@ -87,7 +87,7 @@ def default_parallelism(spark: Any) -> int:
     partitions of ``spark.range`` (the same number: Spark splits a range by the default parallelism)."""
     if not is_connect(spark):
         return int(spark.sparkContext.defaultParallelism)
-    from pyspark.sql import functions as F
+    from pyspark.sql.connect import functions as F
 
     row = spark.range(0, 1 << 16).agg(F.max(F.spark_partition_id()).alias("last")).first()
     return int(row["last"]) + 1

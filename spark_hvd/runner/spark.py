@@ -469,7 +469,10 @@ def _run_attempt(spark: Any, payload: bytes, num_proc: int, env: dict[str, str],
         finally:
             service.changed.set()
 
-    thread = InheritableThread(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
+    # classic: the stage's thread inherits the caller's local properties (job description, pool ...); Connect
+    # threads carry nothing but the tag, which collect() sets
+    thread_class = threading.Thread if stage.connect else InheritableThread
+    thread = thread_class(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
     try:
         thread.start()
         began = time.monotonic()
