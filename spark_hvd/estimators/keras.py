@@ -496,7 +496,7 @@ def train_on_rank(spec: dict) -> dict | None:
     import keras
 
     import spark_hvd.keras as hvd
-    from spark_hvd.runner import report
+    from spark_hvd.runner import StepReporter, report
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -553,8 +553,19 @@ def train_on_rank(spec: dict) -> dict | None:
         val_steps = min(readers.steps("val"), len(val))
     wrote = {"any": False}
 
+    progress = StepReporter(steps, spec["epochs"]) if rank == 0 and spec["verbose"] else None
+
     class _RunCallback(keras.callbacks.Callback):
         """History, rank 0's checkpoints and metrics log, progress to the driver (after the metric average)."""
+
+        epoch = 0
+
+        def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+            self.epoch = epoch
+
+        if progress is not None:
+            def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+                progress(self.epoch, batch + 1, loss=(logs or {}).get("loss"))
 
         def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
             nonlocal best

@@ -417,7 +417,7 @@ def train_on_rank(spec: dict) -> dict | None:
     import torch
 
     import spark_hvd.torch as hvd
-    from spark_hvd.runner import report
+    from spark_hvd.runner import StepReporter, report
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -507,6 +507,7 @@ def train_on_rank(spec: dict) -> dict | None:
     callbacks = spec["callbacks"]
     readers = ShardReaders(spec, rank, size)
     output_shapes = None
+    progress = StepReporter(readers.steps("train"), spec["epochs"]) if rank == 0 and spec["verbose"] else None
     for epoch in range(start, spec["epochs"]):
         for cb in callbacks:
             getattr(cb, "on_epoch_begin", lambda e: None)(epoch)
@@ -533,6 +534,8 @@ def train_on_rank(spec: dict) -> dict | None:
             rows += n
             for cb in callbacks:
                 getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, float(loss))
+            if progress is not None:
+                progress(epoch, step + 1, loss=loss.detach())
         logs = averaged(acc, rows)
         if readers.has_validation:
             model.eval()
