@@ -458,7 +458,9 @@ class BaseEstimator(Estimator, _PersistableStage):
         """Extra params of the returned Model (e.g. input_shapes)."""
         return {}
 
-    def _log_mlflow_model(self, model: Any) -> None:
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
+        """Log ``model`` with the framework's MLflow flavour; ``kwargs`` (signature, input_example,
+        registered_model_name) go to its ``log_model``."""
         raise NotImplementedError
 
     # ---- checks (all before anything runs or is written)
@@ -550,39 +552,41 @@ class BaseEstimator(Estimator, _PersistableStage):
         from spark_hvd.runner.spark import run
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
-        results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
-                      max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession)
+        tracking = self._start_mlflow(run_id)
+        try:
+            results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
+                          max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
+                          on_event=tracking.on_event if tracking else None)
+            trained = self._load_trained_model(store, run_id)
+        except BaseException:
+            if tracking:
+                tracking.fail()
+            raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
-        trained = self._load_trained_model(store, run_id)
         metadata = {"features": data.get("features", {}), "labels": data.get("labels", {}),
                     "output_shapes": output_shapes, "dataset": data.get("key")}
         model = self._model_class(
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
             history=history, run_id=run_id, metadata=metadata, **self._model_params(),
         )
-        if get(self.mlflow) is not None:
-            self._log_mlflow(model)
+        if tracking:
+            tracking.finish(model, df, self._log_mlflow_model)
         return model
 
-    def _log_mlflow(self, model: BaseModel) -> None:
-        """Params, per-epoch metrics and the model to the active MLflow tracking URI."""
-        import mlflow
+    def _start_mlflow(self, run_id: str) -> Any:
+        """With ``mlflow`` set: an open ``MlflowRun`` with the params logged, whose ``on_event`` logs each epoch's
+        metrics as rank 0 reports them (``spark_hvd.estimators.mlflow_log``); else None."""
+        setting = self.getOrDefault(self.mlflow)
+        if setting is None:
+            return None
+        from spark_hvd.estimators.mlflow_log import MlflowRun, mlflow_options
 
-        experiment = self.getOrDefault(self.mlflow)
-        if experiment:
-            mlflow.set_experiment(experiment)
-        nested = mlflow.active_run() is not None
-        with mlflow.start_run(run_name=model.getRunId(), nested=nested):
-            params = {p.name: v for p, v in self.extractParamMap().items()
-                      if p.name not in OBJECT_PARAMS and v is not None}
-            params["model_class"] = type(self.getOrDefault(self.model)).__name__
-            if self._opt(self.optimizer) is not None:
-                params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
-            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-            self._log_mlflow_model(model.getModel())  # first: MLflow 3 copies metrics logged before it to the model
-            for key, values in model.getHistory().items():
-                for epoch, value in enumerate(values):
-                    mlflow.log_metric(key, float(value), step=epoch)
+        params = {p.name: v for p, v in self.extractParamMap().items()
+                  if p.name not in OBJECT_PARAMS and v is not None}
+        params["model_class"] = type(self.getOrDefault(self.model)).__name__
+        if self._opt(self.optimizer) is not None:
+            params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
+        return MlflowRun(mlflow_options(setting), run_id).start(params)
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

@@ -424,7 +424,7 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
     def _model_params(self) -> dict:
         return {"custom_objects": self._custom_objects()}
 
-    def _log_mlflow_model(self, model: Any) -> None:
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
         import keras
         import mlflow.keras
 
@@ -436,7 +436,7 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
         except ImportError:
             pass
         # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow)
-        mlflow.keras.log_model(model, name="model", pip_requirements=reqs)
+        mlflow.keras.log_model(model, name="model", pip_requirements=reqs, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ on every rank
