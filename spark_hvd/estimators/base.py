@@ -552,7 +552,7 @@ class BaseEstimator(Estimator, _PersistableStage):
         from spark_hvd.runner.spark import run
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
-        tracking = self._start_mlflow(run_id)
+        tracking = self._start_mlflow(store, run_id)
         try:
             results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
                           max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
@@ -573,9 +573,10 @@ class BaseEstimator(Estimator, _PersistableStage):
             tracking.finish(model, df, self._log_mlflow_model)
         return model
 
-    def _start_mlflow(self, run_id: str) -> Any:
-        """With ``mlflow`` set: an open ``MlflowRun`` with the params logged, whose ``on_event`` logs each epoch's
-        metrics as rank 0 reports them (``spark_hvd.estimators.mlflow_log``); else None."""
+    def _start_mlflow(self, store: Any, run_id: str) -> Any:
+        """With ``mlflow`` set: an open ``MlflowRun`` with the params (and the epochs of the checkpoint this fit
+        resumes) logged, whose ``on_event`` logs each epoch's metrics as rank 0 reports them
+        (``spark_hvd.estimators.mlflow_log``); else None."""
         setting = self.getOrDefault(self.mlflow)
         if setting is None:
             return None
@@ -586,7 +587,11 @@ class BaseEstimator(Estimator, _PersistableStage):
         params["model_class"] = type(self.getOrDefault(self.model)).__name__
         if self._opt(self.optimizer) is not None:
             params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
-        return MlflowRun(mlflow_options(setting), run_id).start(params)
+        latest = store.latest_checkpoint(run_id)
+        earlier = None
+        if latest is not None:
+            earlier = json.loads(store.read_bytes(f"{latest[1]}/{RunFiles.STATE}")).get("history")
+        return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

@@ -435,7 +435,9 @@ class KerasEstimator(BaseEstimator, KerasEstimatorParams):
             reqs.append(f"tensorflow=={tf.__version__}")
         except ImportError:
             pass
-        # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow)
+        # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow). No input
+        # example: mlflow.keras.save_model (3.17) writes it before it creates the model's directory and fails.
+        kwargs.pop("input_example", None)
         mlflow.keras.log_model(model, name="model", pip_requirements=reqs, **kwargs)
 
 

@@ -44,8 +44,9 @@ class MlflowRun:
         self._nested = False
         self._logged: set[int] = set()
 
-    def start(self, params: dict[str, Any]) -> MlflowRun:
-        """Open the run (nested under an active one) and log ``params``."""
+    def start(self, params: dict[str, Any], earlier: dict[str, list[float]] | None = None) -> MlflowRun:
+        """Open the run (nested under an active one) and log ``params``, and ``earlier`` epochs' metrics (those of
+        a fit this one resumes), so the run's history is in epoch order."""
         import mlflow
 
         if self.options["experiment"]:
@@ -55,6 +56,10 @@ class MlflowRun:
         self.run_id = run.info.run_id
         self._client = mlflow.tracking.MlflowClient()
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        for key, values in (earlier or {}).items():
+            for epoch, value in enumerate(values):
+                self._client.log_metric(self.run_id, key, float(value), step=epoch)
+                self._logged.add(epoch)
         return self
 
     def on_event(self, event: Any) -> None:
@@ -78,7 +83,7 @@ class MlflowRun:
         registered if asked; end the run."""
         import mlflow
 
-        # epochs not reported live: those of an earlier fit this one resumed (same run_id), or lost reports
+        # epochs neither resumed nor reported live (a report lost on the way)
         for key, values in model.getHistory().items():
             for epoch, value in enumerate(values):
                 if epoch not in self._logged:
