@@ -10,10 +10,13 @@ shows nothing; ``verbose=2`` prints every report as a line.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from typing import Any, TextIO
+
+logger = logging.getLogger(__name__)
 
 #: Metrics keys that describe progress rather than measure the model.
 PROGRESS_KEYS = ("steps", "epochs")
@@ -107,7 +110,15 @@ class ProgressDisplay:
             elif event.rank != 0 or event.epoch is None:
                 return
             elif self.interactive:
-                self._bar_update(event)
+                try:
+                    self._bar_update(event)
+                except Exception:  # e.g. a notebook without ipywidgets: tqdm.notebook cannot draw its widget
+                    logger.warning("spark_hvd: no progress bar here (%s); showing one line per epoch",
+                                   sys.exc_info()[1])
+                    self.interactive = False
+                    self._bar = None
+                    if event.step is None:
+                        self._line(event)
             elif event.step is None:
                 self._line(event)
 

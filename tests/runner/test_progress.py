@@ -73,3 +73,14 @@ def test_rank_0_batch_reports_are_throttled_and_reach_the_driver(spark):
     run(_steps, args=(50,), num_proc=2, on_event=seen.append, verbose=0)
     assert [(e.rank, e.epoch, e.step, e.metrics) for e in seen] == [
         (0, 0, 1, {"steps": 50, "epochs": 1, "loss": 1.0}), (0, 0, 50, {"steps": 50, "epochs": 1, "loss": 50.0})]
+
+
+def test_a_bar_that_cannot_be_drawn_falls_back_to_lines(monkeypatch):
+    import tqdm.auto
+
+    def no_widget(*_args, **_kwargs):
+        raise ImportError("IProgress not found. Please update jupyter and ipywidgets.")
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", no_widget)  # as in a notebook without ipywidgets
+    out = _shown(ProgressDisplay(1, io.StringIO(), interactive=True), _epoch(0, 2, [0.9, 0.7]))
+    assert out.splitlines() == ["[spark_hvd] rank 0 epoch 0: loss=0.8, val_loss=0.25"]
