@@ -1,8 +1,10 @@
-"""Fixtures shared by the whole suite: one SparkSession per test run, started on first use."""
+"""Fixtures shared by the whole suite: one SparkSession per test run, started on first use, and one Spark Connect
+session on the same JVM, also started on first use (``spark_connect``; ``any_spark`` runs a test on both)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
@@ -26,7 +28,56 @@ def spark():
         .config("spark.driver.memory", "2g")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.python.worker.reuse", "true")
+        .config("spark.connect.grpc.binding.address", "127.0.0.1")  # used only if a test asks for spark_connect
+        .config("spark.connect.grpc.binding.port", str(_free_port()))
         .getOrCreate()
     )
     yield session
     session.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def spark_connect(spark):
+    """A Spark Connect session (what Databricks shared / serverless compute gives a notebook), served by a Connect
+    server started on the shared session's JVM when first asked for (< 1 s; no second JVM).
+
+    It is not left as the thread's active session, so tests that do not ask for it stay on the classic one. The
+    test process also holds a classic ``SparkContext``; the code under test must not use it for a Connect session.
+    """
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    jvm = spark.sparkContext._jvm
+    jvm.org.apache.spark.sql.connect.service.SparkConnectService.start(spark.sparkContext._jsc.sc())
+    port = spark.sparkContext.getConf().get("spark.connect.grpc.binding.port")
+    session = ConnectSession.builder.remote(f"sc://127.0.0.1:{port}").create()
+    ConnectSession._active_session.session = None  # private: keep the classic session the default
+    yield session
+    session.stop()
+    jvm.org.apache.spark.sql.connect.service.SparkConnectService.stop(
+        jvm.scala.Option.empty(), jvm.scala.Option.empty())
+
+
+@pytest.fixture
+def connect_mode(spark_connect, monkeypatch):
+    """``spark_connect`` with the process in Connect mode as a Databricks notebook is (``SPARK_CONNECT_MODE_ENABLED``:
+    ``pyspark.sql.functions`` and ``pyspark.ml`` then build Connect objects) and as the thread's active session."""
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    ConnectSession._active_session.session = spark_connect
+    try:
+        yield spark_connect
+    finally:
+        ConnectSession._active_session.session = None
+
+
+@pytest.fixture(params=["classic", "connect"])
+def any_spark(request):
+    """The test runs twice: on the classic session, and on the Spark Connect one in Connect mode (``connect_mode``)."""
+    yield request.getfixturevalue("spark" if request.param == "classic" else "connect_mode")

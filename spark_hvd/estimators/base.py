@@ -18,7 +18,8 @@ DBFS) works.
 Inference (``transform``): ``mapInArrow`` over the DataFrame. DESIGN.md measured ``mapInArrow`` 2.6x faster than
 ``mapInPandas`` for a small MLP (no pandas conversion of the pass-through columns, and list columns stay flat Arrow
 buffers that become a 2-D numpy array with one reshape). The model bytes travel once per executor as a broadcast
-variable and are deserialised once per Python worker (a cache keyed by a hash of the bytes).
+variable (on Spark Connect, which has none, inside the function's closure) and are deserialised once per Python
+worker (a cache keyed by a hash of the bytes).
 """
 
 from __future__ import annotations
@@ -262,7 +263,7 @@ class BaseModel(Model, _PersistableStage):
 
     def __init__(self) -> None:
         super().__init__()
-        self._broadcast: tuple[str, Any] | None = None
+        self._broadcast: tuple[tuple[str, type], Any] | None = None
 
     # ---- framework hooks
     @classmethod
@@ -343,8 +344,10 @@ class BaseModel(Model, _PersistableStage):
     def _model_broadcast(self, spark: Any) -> tuple[str, Any, bytes]:
         data = self._serialize_model(self.getModel())
         key = f"{type(self).__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
-        if self._broadcast is None or self._broadcast[0] != key:
-            self._broadcast = (key, spark.sparkContext.broadcast(data))
+        from spark_hvd.runner.cluster import share
+
+        if self._broadcast is None or self._broadcast[0] != (key, type(spark)):
+            self._broadcast = ((key, type(spark)), share(spark, data))  # on Spark Connect: in the closure
         return key, self._broadcast[1], data
 
     def _transform(self, df: Any) -> Any:
@@ -482,7 +485,9 @@ class BaseEstimator(Estimator, _PersistableStage):
                                  "indices; cast it to an integer type "
                                  f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
 
-    def _log_mlflow_model(self, model: Any) -> None:
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
+        """Log ``model`` with the framework's MLflow flavour; ``kwargs`` (signature, input_example,
+        registered_model_name) go to its ``log_model``."""
         raise NotImplementedError
 
     # ---- checks (all before anything runs or is written)
@@ -539,11 +544,9 @@ class BaseEstimator(Estimator, _PersistableStage):
             except ImportError as exc:
                 raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
         self._check_label_types(df)
-        from spark_hvd.runner.spark import check_slots
+        from spark_hvd.runner.spark import resolve_num_proc
 
-        sc = df.sparkSession.sparkContext
-        num_proc = get(self.num_proc) or sc.defaultParallelism
-        check_slots(sc, num_proc)
+        num_proc = resolve_num_proc(df.sparkSession, get(self.num_proc))  # classic or Spark Connect
         store.check_writable()  # a probe write, only once every other check passed
         _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
@@ -570,37 +573,44 @@ class BaseEstimator(Estimator, _PersistableStage):
         from spark_hvd.runner.spark import run
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
-        results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
-                      max_retries=get(self.max_retries), verbose=get(self.verbose))
+        tracking = self._start_mlflow(store, run_id)
+        try:
+            results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
+                          max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
+                          on_event=tracking.on_event if tracking else None)
+            trained = self._load_trained_model(store, run_id)
+        except BaseException:
+            if tracking:
+                tracking.fail()
+            raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
-        trained = self._load_trained_model(store, run_id)
         model = self._model_class(
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
             history=history, run_id=run_id, metadata=model_metadata(data, output_shapes), **self._model_params(),
         )
-        if get(self.mlflow) is not None:
-            self._log_mlflow(model)
+        if tracking:
+            tracking.finish(model, df, self._log_mlflow_model)
         return model
 
-    def _log_mlflow(self, model: BaseModel) -> None:
-        """Params, per-epoch metrics and the model to the active MLflow tracking URI."""
-        import mlflow
+    def _start_mlflow(self, store: Any, run_id: str) -> Any:
+        """With ``mlflow`` set: an open ``MlflowRun`` with the params (and the epochs of the checkpoint this fit
+        resumes) logged, whose ``on_event`` logs each epoch's metrics as rank 0 reports them
+        (``spark_hvd.estimators.mlflow_log``); else None."""
+        setting = self.getOrDefault(self.mlflow)
+        if setting is None:
+            return None
+        from spark_hvd.estimators.mlflow_log import MlflowRun, mlflow_options
 
-        experiment = self.getOrDefault(self.mlflow)
-        if experiment:
-            mlflow.set_experiment(experiment)
-        nested = mlflow.active_run() is not None
-        with mlflow.start_run(run_name=model.getRunId(), nested=nested):
-            params = {p.name: v for p, v in self.extractParamMap().items()
-                      if p.name not in OBJECT_PARAMS and v is not None}
-            params["model_class"] = type(self.getOrDefault(self.model)).__name__
-            if self._opt(self.optimizer) is not None:
-                params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
-            mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
-            self._log_mlflow_model(model.getModel())  # first: MLflow 3 copies metrics logged before it to the model
-            for key, values in model.getHistory().items():
-                for epoch, value in enumerate(values):
-                    mlflow.log_metric(key, float(value), step=epoch)
+        params = {p.name: v for p, v in self.extractParamMap().items()
+                  if p.name not in OBJECT_PARAMS and v is not None}
+        params["model_class"] = type(self.getOrDefault(self.model)).__name__
+        if self._opt(self.optimizer) is not None:
+            params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
+        latest = store.latest_checkpoint(run_id)
+        earlier = None
+        if latest is not None:
+            earlier = json.loads(store.read_bytes(f"{latest[1]}/{RunFiles.STATE}")).get("history")
+        return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
 
 
 def _check_rows(df: Any, name: str, cols: list[str]) -> None:

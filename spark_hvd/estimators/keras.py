@@ -393,7 +393,7 @@ class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
     def _model_params(self) -> dict:
         return {"custom_objects": self._custom_objects()}
 
-    def _log_mlflow_model(self, model: Any) -> None:
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
         import keras
         import mlflow.keras
 
@@ -404,5 +404,7 @@ class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
             reqs.append(f"tensorflow=={tf.__version__}")
         except ImportError:
             pass
-        # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow)
-        mlflow.keras.log_model(model, name="model", pip_requirements=reqs)
+        # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow). No input
+        # example: mlflow.keras.save_model (3.17) writes it before it creates the model's directory and fails.
+        kwargs.pop("input_example", None)
+        mlflow.keras.log_model(model, name="model", pip_requirements=reqs, **kwargs)

@@ -169,10 +169,12 @@ class KerasTrainer(RankTrainer):
                 self.epoch = epoch
 
             def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-                if spec.terminate_on_nan and logs and "loss" in logs:
-                    loss = float(np.asarray(logs["loss"]))
+                loss = (logs or {}).get("loss")
+                if spec.terminate_on_nan and loss is not None:
+                    loss = float(np.asarray(loss))
                     if not math.isfinite(loss):
                         check_finite(loss, self.epoch, batch, run.rank)
+                run.batch_done(self.epoch, batch + 1, loss)
 
             def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
                 logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()

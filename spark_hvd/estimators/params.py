@@ -90,15 +90,21 @@ def _to_input_shapes(value: Any) -> list[list[int]] | None:
     return [[int(d) for d in shape] for shape in value]
 
 
-def _to_mlflow(value: Any) -> str | None:
-    """``None``/``False``: off; ``True``: the active experiment; a string: that experiment's name."""
+def _to_mlflow(value: Any) -> str | dict | None:
+    """``None``/``False``: off; ``True``: the active experiment; a string: that experiment's name; a dict
+    ``{"experiment": ..., "registered_model_name": ...}`` (see ``spark_hvd.estimators.mlflow_log``)."""
     if value is None or value is False:
         return None
     if value is True:
         return ""
     if isinstance(value, str):
         return value
-    raise TypeError(f"mlflow must be None, a bool or an experiment name, got {type(value).__name__}")
+    if isinstance(value, dict):
+        from spark_hvd.estimators.mlflow_log import mlflow_options
+
+        mlflow_options(value)  # checks the keys
+        return dict(value)
+    raise TypeError(f"mlflow must be None, a bool, an experiment name or a dict, got {type(value).__name__}")
 
 
 def _to_json_dict(value: Any) -> dict | None:
@@ -220,8 +226,8 @@ class EstimatorParams(Params):
     partitions_per_process = _p("partitions_per_process", "Parquet row groups written per training process",
                                 _to_strict_int)
     verbose = _p("verbose", "0: quiet, 1: progress per epoch, 2: more", _to_strict_int)
-    mlflow = _p("mlflow", "log params, metrics and the model to MLflow: None (off), True (active experiment) or "
-                "an experiment name", _to_mlflow)
+    mlflow = _p("mlflow", "log params, per-epoch metrics (live) and the model to MLflow: None (off), True (active "
+                "experiment), an experiment name, or {'experiment': ..., 'registered_model_name': ...}", _to_mlflow)
     max_retries = _p("max_retries", "times the whole training stage is restarted (from the last checkpoint) after a "
                      "rank fails", _to_strict_int)
     terminate_on_nan = _p("terminate_on_nan", "stop with an error naming the epoch and step when the training loss "

@@ -133,6 +133,7 @@ class RankRun:
         self.readers: ShardReaders | None = None
         self._best: float | None = None
         self._checkpointed = False
+        self._progress: Any = None
 
     def execute(self) -> dict | None:
         """Run everything; rank 0 returns ``{"history": ..., "output_shapes": ...}``, the others None."""
@@ -145,6 +146,10 @@ class RankRun:
         trainer.build(spec)
         self._resume()
         self.readers = ShardReaders(spec, self.rank, self.size)
+        if self.rank == 0 and spec.verbose:
+            from spark_hvd.runner import StepReporter
+
+            self._progress = StepReporter(self.readers.steps("train"), spec.epochs)
         if self.start < spec.epochs:
             trainer.train(self)
         return self._finish()
@@ -167,7 +172,12 @@ class RankRun:
                 self._best = value if best.improved(value, self._best) else self._best
         self.trainer.sync()
 
-    # ---- per epoch
+    # ---- per batch, per epoch
+    def batch_done(self, epoch: int, step: int, loss: Any) -> None:
+        """``step`` batches of ``epoch`` are done: rank 0 reports them (throttled) for the driver's progress bar."""
+        if self._progress is not None:
+            self._progress(epoch, step, loss=loss)
+
     def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
         """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics
         log, the progress report. ``stop``: this rank wants to stop; rank 0's wish is broadcast, so every rank

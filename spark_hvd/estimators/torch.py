@@ -137,14 +137,14 @@ class TorchModuleEstimator(BaseEstimator):
     def _model_params(self) -> dict:
         return {"input_shapes": self.getOrDefault(self.input_shapes)}
 
-    def _log_mlflow_model(self, model: Any) -> None:
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
         import mlflow.pytorch
         import torch
 
         # explicit requirements: MLflow's inference of them loads the model in a subprocess (tens of seconds)
         mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
                                  pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                                   f"cloudpickle=={cloudpickle.__version__}"])
+                                                   f"cloudpickle=={cloudpickle.__version__}"], **kwargs)
 
 
 class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):

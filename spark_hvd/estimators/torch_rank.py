@@ -239,6 +239,7 @@ class TorchTrainer(RankTrainer):
                     self.scheduler.step()
                 for cb in callbacks:
                     getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, loss)
+                run.batch_done(epoch, step + 1, loss)
             self._epoch_end()
             logs = self._epoch_metrics(acc, rows)
             if run.readers.has_validation:

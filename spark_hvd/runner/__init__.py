@@ -3,7 +3,10 @@
 - ``run(fn, args, kwargs, num_proc, env, start_timeout, use_gpu, max_retries, verbose, on_event=None)``: the
   results of ``fn`` by rank; a failure on any rank raises ``RankFailedError`` naming it, with its traceback.
 - ``report(epoch=..., step=..., **metrics)`` from training code: progress shown on the driver and handed to
-  ``on_event`` / ``last_events()``.
+  ``on_event`` / ``last_events()``; ``StepReporter`` sends rank 0's batches (throttled) for the driver's progress
+  bar (``ProgressDisplay``).
+- ``run(..., spark=...)`` works on a classic SparkSession and on a Spark Connect one (``spark_hvd.runner.cluster``);
+  ``resolve_num_proc(spark, num_proc)`` is its num_proc default and slot check.
 - ``run_local(argv, np, env, timeout)``: the Python API of ``spark-hvd-run``.
 - ``check_slots(sc, num_proc)``: the slot check ``run`` does first (``NotEnoughSlotsError`` with both numbers).
 
@@ -17,23 +20,29 @@ from spark_hvd.runner.errors import (
     RankFailedError,
     RankFailure,
     RunnerError,
+    StageNotStartedError,
     StartTimeoutError,
 )
 from spark_hvd.runner.launch import LaunchResult, run_local
+from spark_hvd.runner.progress import ProgressDisplay, StepReporter
 from spark_hvd.runner.service import Event, report
-from spark_hvd.runner.spark import check_slots, last_events, run
+from spark_hvd.runner.spark import check_slots, last_events, resolve_num_proc, run
 
 __all__ = [
     "Event",
     "LaunchResult",
     "NotEnoughSlotsError",
+    "ProgressDisplay",
     "RankFailedError",
     "RankFailure",
     "RunnerError",
+    "StageNotStartedError",
     "StartTimeoutError",
+    "StepReporter",
     "check_slots",
     "last_events",
     "report",
+    "resolve_num_proc",
     "run",
     "run_local",
 ]

@@ -62,6 +62,21 @@ class StartTimeoutError(RunnerError):
         self.timeout_s = timeout_s
 
 
+class StageNotStartedError(StartTimeoutError):
+    """Spark Connect (which cannot tell the driver its free slots): no rank of the stage started in time."""
+
+    def __init__(self, num_proc: int, waited_s: float) -> None:
+        RunnerError.__init__(
+            self,
+            f"no rank of the num_proc={num_proc} barrier stage started within {waited_s:g} s. Over Spark Connect the "
+            f"driver cannot see the cluster's free task slots: most likely fewer than {num_proc} slots are free (a "
+            f"barrier stage needs all of its tasks running at once). Lower num_proc, free or add executors/cores, or "
+            f"raise SPARK_HVD_CONNECT_START_WAIT if executors are just slow to start.")
+        self.missing = list(range(num_proc))
+        self.timeout_s = waited_s
+        self.num_proc = num_proc
+
+
 class RankFailedError(RunnerError):
     """A rank of a distributed run failed; carries that rank's remote exception type, message and traceback.
 

@@ -32,6 +32,7 @@ from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.listener import Listener
 from spark_hvd.core.wire import FramedSocket
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
+from spark_hvd.runner.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ class DriverService:
         secret: the job's secret; every frame is checked against it.
         num_proc: number of ranks expected.
         job_id: a hello naming another job is refused.
-        verbose: 0 prints nothing; 1 prints the ranks' output and rank 0's per-epoch reports; 2 every report.
+        verbose: 0 prints nothing; 1 prints the ranks' output and rank 0's progress (``ProgressDisplay``: a bar on
+            a terminal or in a notebook, a line per epoch otherwise); 2 every report as a line.
         on_event: called with each ``Event`` as it arrives (on the service's thread).
         on_failure: called once, with the first ``RankFailure``, as soon as one arrives.
         attempt: stored in the events (runs with retries).
@@ -96,7 +98,7 @@ class DriverService:
         self.finished: set[int] = set()
         self.changed = threading.Event()
         self._lock = threading.Lock()
-        self._print_lock = threading.Lock()
+        self.display = ProgressDisplay(verbose)
         self._stopping = threading.Event()
         self._cancelled = False
         self._listener: Listener | None = None
@@ -118,6 +120,7 @@ class DriverService:
         self._stopping.set()
         if self._listener is not None:
             self._listener.stop(timeout_s)
+        self.display.close()
 
     @property
     def rejected(self) -> int:
@@ -228,43 +231,20 @@ class DriverService:
         if self.verbose < 1:
             return
         out = sys.stderr if stream == "stderr" else sys.stdout
-        lines = text.splitlines()
-        with self._print_lock:
-            try:
-                out.write("".join(f"[{rank}] {line}\n" for line in lines))
-                out.flush()
-            except (OSError, ValueError):
-                pass
+        self.display.write("".join(f"[{rank}] {line}\n" for line in text.splitlines()), out)
 
     def _add_event(self, event: Event) -> None:
         if self.attempt and event.attempt != self.attempt:
             event = Event(event.rank, event.epoch, event.step, event.metrics, event.time, self.attempt)
         with self._lock:
             self.events.append(event)
-        if self.verbose >= 2 or (self.verbose >= 1 and event.rank == 0 and event.epoch is not None
-                                 and event.step is None):
-            self._print_progress(event)
+        self.display.show(event)
         if self.on_event is not None:
             try:
                 self.on_event(event)
             except Exception:
                 logger.exception("driver service: the on_event callback raised")
         self.changed.set()
-
-    def _print_progress(self, event: Event) -> None:
-        where = []
-        if event.epoch is not None:
-            where.append(f"epoch {event.epoch}")
-        if event.step is not None:
-            where.append(f"step {event.step}")
-        metrics = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in event.metrics.items())
-        line = f"[spark_hvd] rank {event.rank} {' '.join(where)}: {metrics}".rstrip(": ") + "\n"
-        with self._print_lock:
-            try:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            except (OSError, ValueError):
-                pass
 
     def _add_failure(self, failure: RankFailure) -> None:
         with self._lock:

@@ -1,9 +1,17 @@
 """``run(fn, num_proc)``: one Spark barrier stage of ``num_proc`` tasks, each a rank of a spark_hvd job.
 
 Driver side: check the free task slots, create a per-job secret, start the driver service (output, progress,
-failures), submit ``rdd.barrier().mapPartitions`` under a job group of its own, and watch: the first failure
-reported by any rank (or a rank whose process disappears) cancels the job group at once, so the other ranks
-stop; the error raised names the rank and carries its remote type, message and traceback.
+failures), submit a barrier ``mapInArrow`` over ``num_proc`` partitions of ``spark.range`` (DataFrame APIs only,
+so a classic session and a Spark Connect one take the same path; ``spark_hvd.runner.cluster``) under a job tag of
+its own, and watch: the first failure reported by any rank (or a rank whose process disappears) cancels the
+stage at once, so the other ranks stop; the error raised names the rank and carries its remote type, message and
+traceback. The results come back as the stage's rows (cloudpickled, one per rank).
+
+Spark Connect cannot tell the driver its free task slots. There the check is the total of a ``local[N]`` master,
+else the stage itself: when no rank has connected within ``CONNECT_START_WAIT_S`` the stage is cancelled and
+``StageNotStartedError`` says why. The secret travels inside the pickled task function (as on classic: in the
+plan's serialised function, never in a conf, a job tag or a description), and the driver service listens on
+the driver's host (``cluster.driver_host``).
 
 Task side (``_run_rank``): rank = partition id; the ranks exchange their host names and the GPU address Spark
 assigned to each task through ``BarrierTaskContext.allGather`` (HMAC-signed with the job's secret:
@@ -35,12 +43,14 @@ from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
 from spark_hvd.core.wire import make_secret, sign
+from spark_hvd.runner import cluster
 from spark_hvd.runner import service as _service
 from spark_hvd.runner.errors import (
     NotEnoughSlotsError,
     RankFailedError,
     RankFailure,
     RunnerError,
+    StageNotStartedError,
     StartTimeoutError,
 )
 from spark_hvd.runner.service import DriverService, Event, OutputForwarder, ServiceClient
@@ -50,6 +60,11 @@ logger = logging.getLogger(__name__)
 #: Seconds run() waits for executors to register when the cluster has fewer slots than asked (a fresh
 #: local-cluster / standalone application); free slots short because of other running jobs fail at once.
 SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
+#: Spark Connect (slots unknown): seconds for the first rank to connect before the stage is given up as one that
+#: cannot get its slots (Spark would otherwise retry the barrier stage's slot check for up to 10 minutes).
+CONNECT_START_WAIT_S = float(os.environ.get("SPARK_HVD_CONNECT_START_WAIT", "60"))
+#: Environment fallback of ``run(start_timeout=...)`` (Horovod's name).
+START_TIMEOUT_ENV = "HOROVOD_SPARK_START_TIMEOUT"
 #: Seconds to wait for the Spark job to end after it was cancelled.
 CANCEL_WAIT_S = 120.0
 #: Seconds a failed run waits for its killed tasks to leave their slots.
@@ -154,12 +169,22 @@ def task_gpus(hosts: Sequence[str], assigned: Sequence[str | None], use_gpu: boo
     return gpus
 
 
+#: The rows of the barrier stage: one per rank, its result cloudpickled.
+RESULT_SCHEMA = "rank long, result binary"
+
+
 def _make_mapper(setup: _TaskSetup) -> Callable:
-    def mapper(_partition: Any) -> Any:
+    """The barrier ``mapInArrow`` function: runs the rank, yields its one result row."""
+
+    def mapper(batches: Any) -> Any:
+        import pyarrow as pa
         from pyspark import BarrierTaskContext
 
-        ctx = BarrierTaskContext.get()
-        yield _run_rank(ctx, setup)
+        for _ in batches:  # the input is the rank's own id only: drain it
+            pass
+        rank, payload = _run_rank(BarrierTaskContext.get(), setup)
+        yield pa.RecordBatch.from_arrays([pa.array([rank], pa.int64()), pa.array([payload], pa.binary())],
+                                         names=["rank", "result"])
 
     return mapper
 
@@ -244,8 +269,9 @@ def _is_local_mode(sc: Any) -> bool:
 def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
 
-    While the cluster's total is below ``num_proc`` (executors still registering), waits up to ``wait_s``
-    (not in local mode, whose slots never change). Returns the number of free slots.
+    ``sc`` is a classic ``SparkContext``. While the cluster's total is below ``num_proc`` (executors still
+    registering), waits up to ``wait_s`` (not in local mode, whose slots never change). Returns the number of free
+    slots.
     """
     if _is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
         wait_s = 0.0
@@ -261,47 +287,85 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     return free
 
 
-def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
-        num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float = 600,
-        use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
-        on_event: Callable[[Event], None] | None = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of one Spark barrier stage and return the results by rank.
+def check_session_slots(spark: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int | None:
+    """``check_slots`` for a classic session; on Spark Connect, which cannot tell the free slots, the total of a
+    ``local[N]`` master is checked (None is returned where the session says nothing: the stage itself is then
+    the check, ``StageNotStartedError``)."""
+    if not cluster.is_connect(spark):
+        return check_slots(spark.sparkContext, num_proc, wait_s)
+    total = cluster.total_slots(spark)
+    if total is not None and total < num_proc:
+        raise NotEnoughSlotsError(num_proc, total, total)
+    return total
 
-    Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
-    (``hvd.init()``, ``hvd.allreduce(...)``, ``DistributedOptimizer``) runs unchanged.
 
-    Args:
-        fn: the function each rank runs; shipped with cloudpickle, so closures and lambdas work.
-        args, kwargs: its arguments (the same on every rank).
-        num_proc: number of ranks; defaults to ``sc.defaultParallelism``. Must not exceed the free task slots
-            (checked before launching: ``NotEnoughSlotsError``).
-        env: environment variables set in each rank while ``fn`` runs.
-        start_timeout: seconds for every rank to start (``StartTimeoutError`` naming the missing ranks).
-        use_gpu: None: pin the GPU Spark assigned to the task (``resources()["gpu"]``) if any; True: also fall
-            back to the local rank when Spark assigned none; False: never set ``SPARK_HVD_GPU``.
-        max_retries: after a failed attempt, run the whole stage again up to this many times
-            (``SPARK_HVD_RUN_ATTEMPT`` tells ``fn`` which attempt it is, e.g. to resume from a checkpoint).
-        verbose: 0 silent; 1 ranks' output lines (prefixed ``[rank]``) and rank 0's per-epoch reports; 2 every report.
-        on_event: called on the driver with every ``Event`` reported by ``report(...)``; the events of the
-            last run are also kept in ``last_events()``.
-
-    Raises:
-        RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
-        NotEnoughSlotsError, StartTimeoutError, RunnerError.
-    """
-    from pyspark import SparkContext
-
-    sc = SparkContext._active_spark_context
-    if sc is None:
-        raise RunnerError("spark_hvd.runner.run needs an active SparkContext: create a SparkSession first")
+def resolve_num_proc(spark: Any, num_proc: Any = None) -> int:
+    """``num_proc`` checked to be a positive integer (default: the session's default parallelism), and its task
+    slots checked (``check_session_slots``)."""
     if num_proc is None:
-        num_proc = sc.defaultParallelism
+        num_proc = cluster.default_parallelism(spark)
     try:
         num_proc = operator.index(num_proc)
     except TypeError:
         raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}") from None
     if num_proc < 1:
         raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}")
+    check_session_slots(spark, num_proc)
+    return num_proc
+
+
+def _start_timeout(value: float | None) -> float:
+    """``start_timeout`` as given, else ``SPARK_HVD_START_TIMEOUT`` / ``HOROVOD_SPARK_START_TIMEOUT``, else 600."""
+    if value is not None:
+        return float(value)
+    for name in ("SPARK_HVD_START_TIMEOUT", START_TIMEOUT_ENV):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                seconds = float(raw)
+            except ValueError:
+                raise RunnerError(f"{name}={raw!r} is not a number of seconds") from None
+            if seconds <= 0:
+                raise RunnerError(f"{name}={raw!r} must be a positive number of seconds")
+            return seconds
+    return 600.0
+
+
+def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float | None = None,
+        use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
+        on_event: Callable[[Event], None] | None = None, spark: Any = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of one Spark barrier stage and return the results by rank.
+
+    Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
+    (``hvd.init()``, ``hvd.allreduce(...)``, ``DistributedOptimizer``) runs unchanged. Works on a classic
+    SparkSession and on a Spark Connect one (Databricks shared / serverless compute) alike.
+
+    Args:
+        fn: the function each rank runs; shipped with cloudpickle, so closures and lambdas work.
+        args, kwargs: its arguments (the same on every rank).
+        num_proc: number of ranks; defaults to the session's default parallelism. Must not exceed the free task
+            slots (checked before launching where the session can tell them: ``NotEnoughSlotsError``).
+        env: environment variables set in each rank while ``fn`` runs.
+        start_timeout: seconds for every rank to start (``StartTimeoutError`` naming the missing ranks); default
+            ``SPARK_HVD_START_TIMEOUT`` or ``HOROVOD_SPARK_START_TIMEOUT`` from the environment, else 600.
+        use_gpu: None: pin the GPU Spark assigned to the task (``resources()["gpu"]``) if any; True: also fall
+            back to the local rank when Spark assigned none; False: never set ``SPARK_HVD_GPU``.
+        max_retries: after a failed attempt, run the whole stage again up to this many times
+            (``SPARK_HVD_RUN_ATTEMPT`` tells ``fn`` which attempt it is, e.g. to resume from a checkpoint).
+        verbose: 0 silent; 1 ranks' output lines (prefixed ``[rank]``) and rank 0's progress (a progress bar on a
+            terminal or in a notebook, a line per epoch otherwise); 2 every report as a line.
+        on_event: called on the driver with every ``Event`` reported by ``report(...)`` as it arrives; the events
+            of the last run are also kept in ``last_events()``.
+        spark: the session to run on; default: this thread's active Spark Connect session, else the active
+            classic one.
+
+    Raises:
+        RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
+        NotEnoughSlotsError, StartTimeoutError (``StageNotStartedError`` on Connect), RunnerError.
+    """
+    spark = cluster.active_session(spark)
+    start_timeout = _start_timeout(start_timeout)
     if max_retries < 0:
         raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
     env = dict(env or {})
@@ -313,7 +377,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
     except Exception as exc:
         raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
 
-    check_slots(sc, num_proc)
+    num_proc = resolve_num_proc(spark, num_proc)
     secret = make_secret()
     run_id = secrets.token_hex(4)
     events: list[Event] = []
@@ -326,9 +390,9 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
     _last_events.clear()
     for attempt in range(max_retries + 1):
         if attempt:
-            check_slots(sc, num_proc, wait_s=60.0)  # the previous attempt's tasks may still be winding down
+            check_session_slots(spark, num_proc, wait_s=60.0)  # the previous attempt's tasks may be winding down
         try:
-            results = _run_attempt(sc, payload, num_proc, env, start_timeout, use_gpu, verbose, secret,
+            results = _run_attempt(spark, payload, num_proc, env, start_timeout, use_gpu, verbose, secret,
                                    f"{run_id}a{attempt}", attempt, collect_event)
         except (RankFailedError, StartTimeoutError, RunnerError) as exc:
             if isinstance(exc, NotEnoughSlotsError) or attempt >= max_retries:
@@ -342,12 +406,45 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
     raise AssertionError("unreachable")
 
 
-def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], start_timeout: float,
+class _Stage:
+    """The barrier stage of one attempt: submitted from its own thread under a job tag (and, on classic, a job
+    group, whose running tasks the status tracker can count), cancelled from the watching thread."""
+
+    def __init__(self, spark: Any, job_id: str) -> None:
+        self.spark = spark
+        self.connect = cluster.is_connect(spark)
+        self.tag = f"spark_hvd-{job_id}"
+
+    def collect(self, mapper: Callable, num_proc: int) -> list[tuple[int, bytes]]:
+        """Run the stage (in the calling thread); its rows as ``(rank, result bytes)``."""
+        self.spark.addTag(self.tag)
+        try:
+            if not self.connect:
+                self.spark.sparkContext.setJobGroup(self.tag, f"spark_hvd run ({num_proc} ranks)",
+                                                    interruptOnCancel=True)
+            frame = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(mapper, RESULT_SCHEMA, barrier=True)
+            return [(int(rank), bytes(result)) for rank, result in frame.collect()]
+        finally:
+            self.spark.removeTag(self.tag)
+
+    def cancel(self) -> None:
+        if self.connect:
+            self.spark.interruptTag(self.tag)
+        else:
+            self.spark.sparkContext.cancelJobGroup(self.tag)
+
+    def wait_gone(self, timeout_s: float) -> None:
+        """Wait (bounded) until no task of the stage runs (classic; Connect's interrupt returns once it is done)."""
+        if not self.connect:
+            _wait_tasks_gone(self.spark.sparkContext, self.tag, timeout_s)
+
+
+def _run_attempt(spark: Any, payload: bytes, num_proc: int, env: dict[str, str], start_timeout: float,
                  use_gpu: bool | None, verbose: int, secret: bytes, job_id: str, attempt: int,
                  on_event: Callable[[Event], None]) -> list[Any]:
     from pyspark import InheritableThread
 
-    group = f"spark_hvd-{job_id}"
+    stage = _Stage(spark, job_id)
     cancelled = threading.Event()
 
     def cancel(failure: RankFailure | None = None) -> None:
@@ -358,33 +455,35 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
         if failure is not None:
             logger.info("spark_hvd: %s; cancelling the other ranks", failure.describe())
         try:
-            sc.cancelJobGroup(group)
+            stage.cancel()
         except Exception:
-            logger.exception("spark_hvd: cancelling job group %s failed", group)
+            logger.exception("spark_hvd: cancelling the stage %s failed", stage.tag)
 
     service = DriverService(secret, num_proc, job_id=job_id, verbose=verbose, on_event=on_event,
                             on_failure=cancel, attempt=attempt)
     _, port = service.start()
-    driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
-    setup = _TaskSetup(f"{driver_host}:{port}", secret, job_id, attempt, num_proc, env, use_gpu, payload,
-                       tee=not _is_local_mode(sc))
+    setup = _TaskSetup(f"{cluster.driver_host(spark)}:{port}", secret, job_id, attempt, num_proc, env, use_gpu,
+                       payload, tee=not cluster.is_local_master(spark))
+    slots_unknown = stage.connect and cluster.total_slots(spark) is None
     outcome: dict[str, Any] = {}
 
     def submit() -> None:
         try:
-            sc.setJobGroup(group, f"spark_hvd run {job_id} ({num_proc} ranks)", interruptOnCancel=True)
-            rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(_make_mapper(setup))
-            outcome["results"] = rdd.collect()
+            outcome["results"] = stage.collect(_make_mapper(setup), num_proc)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             outcome["error"] = exc
         finally:
             service.changed.set()
 
-    thread = InheritableThread(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
+    # classic: the stage's thread inherits the caller's local properties (job description, pool ...); Connect
+    # threads carry nothing but the tag, which collect() sets
+    thread_class = threading.Thread if stage.connect else InheritableThread
+    thread = thread_class(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
     try:
         thread.start()
-        started_by = time.monotonic() + start_timeout
-        timed_out = False
+        began = time.monotonic()
+        started_by = began + start_timeout
+        timeout: StartTimeoutError | None = None
         while thread.is_alive():
             try:
                 service.changed.wait(0.5)
@@ -394,23 +493,29 @@ def _run_attempt(sc: Any, payload: bytes, num_proc: int, env: dict[str, str], st
             service.changed.clear()
             if service.failures and not cancelled.is_set():
                 cancel()
-            if len(service.started) < num_proc and time.monotonic() > started_by and not cancelled.is_set():
-                timed_out = True
-                cancel()
+            if not cancelled.is_set() and len(service.started) < num_proc:
+                now = time.monotonic()
+                if slots_unknown and not service.started and now > began + min(CONNECT_START_WAIT_S,
+                                                                                 start_timeout):
+                    timeout = StageNotStartedError(num_proc, min(CONNECT_START_WAIT_S, start_timeout))
+                elif now > started_by:
+                    timeout = StartTimeoutError(sorted(set(range(num_proc)) - service.started), start_timeout)
+                if timeout is not None:
+                    cancel()
             if cancelled.is_set():
                 thread.join(CANCEL_WAIT_S)
                 if thread.is_alive():
-                    logger.warning("spark_hvd: job group %s still running %.0f s after cancellation", group,
+                    logger.warning("spark_hvd: stage %s still running %.0f s after cancellation", stage.tag,
                                    CANCEL_WAIT_S)
                 break
-        if timed_out:
-            raise StartTimeoutError(sorted(set(range(num_proc)) - service.started), start_timeout)
+        if timeout is not None:
+            raise timeout
         if "results" in outcome and not cancelled.is_set():
             service.wait_finished(30.0)  # let the last output lines reach the console
             by_rank = dict(outcome["results"])
             return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
         service.wait_finished(10.0, only_started=True)
-        _wait_tasks_gone(sc, group, TASKS_GONE_WAIT_S)
+        stage.wait_gone(TASKS_GONE_WAIT_S)
         root = service.root_failure()
         detail = _spark_message(outcome.get("error"))
         if root is not None:

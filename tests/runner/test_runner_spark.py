@@ -1,4 +1,6 @@
-"""spark_hvd.runner.run on the shared local[2] SparkSession: results, allreduce, failures, retries, output, events."""
+"""spark_hvd.runner.run on the shared local[2] SparkSession: results, allreduce, failures, retries, output, events.
+
+The tests taking ``any_spark`` run on the classic session and on a Spark Connect one (``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -38,8 +40,8 @@ def _allreduce_fn(seed: int) -> dict:
             "local_size": hvd.local_size(), "data": data, "sum": summed, "pid": os.getpid()}
 
 
-def test_results_by_rank_and_allreduce_sum(spark):
-    results = run(_allreduce_fn, args=(1234,), num_proc=2)
+def test_results_by_rank_and_allreduce_sum(any_spark):
+    results = run(_allreduce_fn, args=(1234,), num_proc=2)  # finds the session: the thread's active one
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["size"] == 2 and r["local_size"] == 2 for r in results)
     assert sorted(r["local_rank"] for r in results) == [0, 1]
@@ -59,9 +61,9 @@ def _fails_on_rank_1() -> str:
     return "ok"
 
 
-def test_exception_in_rank_1_reaches_driver(spark):
+def test_exception_in_rank_1_reaches_driver(any_spark):
     with pytest.raises(RankFailedError) as info:
-        run(_fails_on_rank_1, num_proc=2)
+        run(_fails_on_rank_1, num_proc=2, spark=any_spark)
     err = info.value
     assert err.rank == 1
     assert err.remote_type == "ValueError"
@@ -70,9 +72,9 @@ def test_exception_in_rank_1_reaches_driver(spark):
     assert "rank 1 failed: ValueError: boom from rank 1" in str(err)
 
 
-def test_too_many_processes_fail_at_once_with_both_numbers(spark):
+def test_too_many_processes_fail_at_once_with_both_numbers(any_spark):
     with pytest.raises(NotEnoughSlotsError) as info:
-        run(_rank, num_proc=3, start_timeout=600)
+        run(_rank, num_proc=3, start_timeout=600, spark=any_spark)
     message = str(info.value)
     assert "num_proc=3" in message and "only 2 free task slots" in message
     assert info.value.num_proc == 3 and info.value.free_slots == 2
@@ -160,9 +162,9 @@ def _reports(epochs: int) -> None:
         report(epoch=epoch, step=None, loss=np.float32(1.0 / (epoch + 1)), rank_metric=rank)
 
 
-def test_report_events_reach_the_driver(spark, capsys):
+def test_report_events_reach_the_driver(any_spark, capsys):
     seen = []
-    run(_reports, args=(3,), num_proc=2, on_event=seen.append)
+    run(_reports, args=(3,), num_proc=2, on_event=seen.append, spark=any_spark)
     assert len(seen) == 6
     assert last_events() == seen
     for rank in (0, 1):
@@ -215,3 +217,39 @@ def _run_in_group(sc, group: str) -> None:
         sc.parallelize([0], 1).mapPartitions(hold_slot).collect()
     except Exception:  # cancelled by the test
         pass
+
+
+def test_connect_stage_that_cannot_get_its_slots_fails_fast(spark_connect, monkeypatch):
+    """Over Connect the driver cannot see the slots of a cluster (only a local[N] master tells its total): the
+    stage itself is the check, and a stage none of whose ranks starts is cancelled with a clear error."""
+    import spark_hvd.runner.cluster as cluster
+    import spark_hvd.runner.spark as runner_spark
+    from spark_hvd.runner import StartTimeoutError
+    from spark_hvd.runner.errors import StageNotStartedError
+
+    monkeypatch.setattr(cluster, "total_slots", lambda _spark: None)  # as for a remote cluster
+    monkeypatch.setattr(runner_spark, "CONNECT_START_WAIT_S", 3.0)
+    began = time.monotonic()
+    with pytest.raises(StageNotStartedError) as info:
+        run(_rank, num_proc=3, spark=spark_connect)
+    assert isinstance(info.value, StartTimeoutError)
+    assert "no rank of the num_proc=3 barrier stage started within 3 s" in str(info.value)
+    assert time.monotonic() - began < 60
+    assert run(_rank, num_proc=2, spark=spark_connect) == [0, 1]  # the cancelled stage left the slots free
+
+
+def test_start_timeout_falls_back_to_horovods_variable(monkeypatch):
+    from spark_hvd.runner.errors import RunnerError
+    from spark_hvd.runner.spark import _start_timeout
+
+    monkeypatch.delenv("SPARK_HVD_START_TIMEOUT", raising=False)
+    monkeypatch.delenv("HOROVOD_SPARK_START_TIMEOUT", raising=False)
+    assert _start_timeout(None) == 600.0
+    monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", "42")
+    assert _start_timeout(None) == 42.0
+    assert _start_timeout(7) == 7.0  # the argument wins
+    monkeypatch.setenv("SPARK_HVD_START_TIMEOUT", "9")
+    assert _start_timeout(None) == 9.0  # spark_hvd's own name before Horovod's
+    monkeypatch.setenv("SPARK_HVD_START_TIMEOUT", "soon")
+    with pytest.raises(RunnerError, match="SPARK_HVD_START_TIMEOUT='soon' is not a number"):
+        _start_timeout(None)
