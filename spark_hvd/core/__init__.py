@@ -54,6 +54,7 @@ from spark_hvd.core.errors import (
     StallError,
     TensorMismatchError,
 )
+from spark_hvd.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from spark_hvd.core.settings import Settings
 
 Average = ReduceOp.AVERAGE
@@ -64,11 +65,11 @@ Product = ReduceOp.PRODUCT
 
 __all__ = [
     "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
-    "NotInitializedError", "PeerFailureError", "Product", "ReduceOp", "Rendezvous", "Settings", "ShutdownError",
-    "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "allgather", "allgather_async", "allgather_object",
+    "NotInitializedError", "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "Rendezvous", "Settings", "ShutdownError",
+    "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "add_process_set", "allgather", "allgather_async", "allgather_object",
     "allreduce",
     "allreduce_async", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast", "broadcast_async",
-    "broadcast_object", "cross_rank", "cross_size", "get_engine", "grouped_allreduce", "grouped_allreduce_async",
+    "broadcast_object", "cross_rank", "cross_size", "get_engine", "global_process_set", "grouped_allreduce", "grouped_allreduce_async",
     "init", "is_initialized", "job_env", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "settings", "shutdown", "size", "synchronize",
+    "reducescatter_async", "remove_process_set", "settings", "shutdown", "size", "synchronize",
 ]

@@ -23,10 +23,12 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.core import process_sets as _ps
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.engine import Engine, GroupHandle, Handle
 from spark_hvd.core.errors import AuthenticationError, NotInitializedError
 from spark_hvd.core.jobenv import JobEnv, running_job
+from spark_hvd.core.process_sets import ProcessSet
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,13 @@ def _get(what: str) -> _Context:
     if ctx is None:
         raise NotInitializedError(what)
     return ctx
+
+
+def _engine(what: str, process_set: ProcessSet | None) -> tuple[Engine, _ps._Member | None]:
+    """The engine that runs ``what`` on ``process_set`` (the global one for None / the global set)."""
+    ctx = _get(what)
+    member = _ps.resolve(process_set, what, ctx.backend.rank)
+    return (ctx.engine if member is None else member.engine), member
 
 
 def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int | None, backend: Any,
@@ -112,14 +121,16 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
 
 def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size: int | None = None,
          backend: str | Backend | None = None, secret: bytes | str | None = None, settings: Settings | None = None,
-         job_id: str | None = None) -> None:
-    """Join the job (see the module docstring for how the backend is chosen). A second call returns at once,
+         job_id: str | None = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+    """Join the job (see the module docstring for how the backend is chosen). ``process_sets`` (the same list on
+    every rank) are registered as by ``add_process_set``, unless already registered. A second call returns at once,
     unless the engine has stopped on an error (a peer failed or shut down): then the dead engine is shut down and
     the rank joins the job again (every rank must call ``init()`` again, as after ``shutdown()``)."""
     global _ctx, _atexit_registered
     with _lock:
         if _ctx is not None:
             if _ctx.engine.error is None:
+                _add_sets(process_sets)
                 return
             logger.warning("init(): rank %d's engine stopped on an error (%s); joining the job again",
                            _ctx.backend.rank, _ctx.engine.error)
@@ -137,6 +148,13 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
             atexit.register(shutdown)
             _atexit_registered = True
         logger.debug("spark_hvd initialised: rank %d of %d on the %s backend", be.rank, be.size, _ctx.backend_name)
+        _add_sets(process_sets)
+
+
+def _add_sets(process_sets: Sequence[ProcessSet] | None) -> None:
+    for ps in process_sets or ():
+        if ps.process_set_id is None:
+            _ps.add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -147,6 +165,7 @@ def shutdown() -> None:
         _object_ids.clear()
     if ctx is None:
         return
+    _ps.close_all()
     try:
         ctx.engine.shutdown()
     finally:
@@ -209,20 +228,25 @@ def get_engine() -> Engine:
 
 
 # ---------------------------------------------------------------------- asynchronous collectives
+# ``process_set`` (every collective): run among that set's ranks only (see ``spark_hvd.core.process_sets``); ranks
+# are global ranks, averages divide by the set's size. None is the whole job.
+
+PS = ProcessSet | None
 
 
 def allreduce_async(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
-                    prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False) -> Handle:
+                    prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False,
+                    process_set: PS = None) -> Handle:
     """Reduce ``buf`` across ranks in place; the handle's result is ``buf``."""
-    return _get("allreduce_async()").engine.enqueue("allreduce", buf, name, op=op, prescale=prescale,
-                                                    postscale=postscale, bfloat16=bfloat16)
+    return _engine("allreduce_async()", process_set)[0].enqueue("allreduce", buf, name, op=op, prescale=prescale,
+                                                                postscale=postscale, bfloat16=bfloat16)
 
 
 def grouped_allreduce_async(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
                             op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                            bfloat16: bool = False) -> Handle:
+                            bfloat16: bool = False, process_set: PS = None) -> Handle:
     """Reduce several arrays in place; the handle's result is the list of arrays."""
-    engine_ = _get("grouped_allreduce_async()").engine
+    engine_ = _engine("grouped_allreduce_async()", process_set)[0]
     if names is not None and len(names) != len(bufs):
         raise ValueError(f"grouped allreduce got {len(bufs)} arrays but {len(names)} names")
     handles = [engine_.enqueue("allreduce", b, None if names is None else names[i], op=op, prescale=prescale,
@@ -230,27 +254,30 @@ def grouped_allreduce_async(bufs: Sequence[np.ndarray], names: Sequence[str] | N
     return GroupHandle("grouped_allreduce", handles)
 
 
-def allgather_async(buf: np.ndarray, name: str | None = None) -> Handle:
+def allgather_async(buf: np.ndarray, name: str | None = None, process_set: PS = None) -> Handle:
     """Concatenate every rank's ``buf`` along the first dimension; the result is a new array."""
-    return _get("allgather_async()").engine.enqueue("allgather", buf, name)
+    return _engine("allgather_async()", process_set)[0].enqueue("allgather", buf, name)
 
 
-def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None) -> Handle:
-    """Overwrite ``buf`` with ``root_rank``'s in place; the result is ``buf``."""
-    return _get("broadcast_async()").engine.enqueue("broadcast", buf, name, root=root_rank)
+def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: PS = None) -> Handle:
+    """Overwrite ``buf`` with ``root_rank``'s (a global rank) in place; the result is ``buf``."""
+    engine_, member = _engine("broadcast_async()", process_set)
+    return engine_.enqueue("broadcast", buf, name, root=_ps.set_root(member, root_rank, "broadcast_async()"))
 
 
-def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None) -> Handle:
-    """Send ``splits[i]`` rows to rank i (even split when None); result ``(array, recv_splits)``."""
-    return _get("alltoall_async()").engine.enqueue("alltoall", buf, name, splits=splits)
+def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None,
+                   process_set: PS = None) -> Handle:
+    """Send ``splits[i]`` rows to the i-th rank of the set (even split when None); result
+    ``(array, recv_splits)``."""
+    return _engine("alltoall_async()", process_set)[0].enqueue("alltoall", buf, name, splits=splits)
 
 
 def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                        prescale: float = 1.0, postscale: float = 1.0) -> Handle:
+                        prescale: float = 1.0, postscale: float = 1.0, process_set: PS = None) -> Handle:
     """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more);
     ``prescale`` multiplies each rank's input before the reduction, ``postscale`` the result after it."""
-    return _get("reducescatter_async()").engine.enqueue("reducescatter", buf, name, op=op, prescale=prescale,
-                                                        postscale=postscale)
+    return _engine("reducescatter_async()", process_set)[0].enqueue("reducescatter", buf, name, op=op,
+                                                                    prescale=prescale, postscale=postscale)
 
 
 def synchronize(handle: Handle) -> Any:
@@ -267,48 +294,51 @@ def poll(handle: Handle) -> bool:
 
 
 def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
-              postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
+              postscale: float = 1.0, bfloat16: bool = False, process_set: PS = None) -> np.ndarray:
     """Blocking ``allreduce_async`` (in place; returns ``buf``).
 
     The calling thread runs the negotiation round and the collective itself when the engine thread is not in a
     round (no hand-off between threads), so a small allreduce costs about what the backend's own does.
     """
-    return _get("allreduce()").engine.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
-                                              bfloat16=bfloat16, start_engine=False).wait()
+    return _engine("allreduce()", process_set)[0].enqueue(
+        "allreduce", buf, name, op=op, prescale=prescale, postscale=postscale, bfloat16=bfloat16,
+        start_engine=False).wait()
 
 
 def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
                       op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                      bfloat16: bool = False) -> list[np.ndarray]:
+                      bfloat16: bool = False, process_set: PS = None) -> list[np.ndarray]:
     """Blocking ``grouped_allreduce_async``."""
-    return grouped_allreduce_async(bufs, names, op, prescale, postscale, bfloat16).wait()
+    return grouped_allreduce_async(bufs, names, op, prescale, postscale, bfloat16, process_set).wait()
 
 
-def allgather(buf: np.ndarray, name: str | None = None) -> np.ndarray:
+def allgather(buf: np.ndarray, name: str | None = None, process_set: PS = None) -> np.ndarray:
     """Blocking ``allgather_async``."""
-    return _get("allgather()").engine.enqueue("allgather", buf, name, start_engine=False).wait()
+    return _engine("allgather()", process_set)[0].enqueue("allgather", buf, name, start_engine=False).wait()
 
 
-def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: PS = None) -> np.ndarray:
     """Blocking ``broadcast_async`` (in place; returns ``buf``)."""
-    return _get("broadcast()").engine.enqueue("broadcast", buf, name, root=root_rank, start_engine=False).wait()
+    engine_, member = _engine("broadcast()", process_set)
+    return engine_.enqueue("broadcast", buf, name, root=_ps.set_root(member, root_rank, "broadcast()"),
+                           start_engine=False).wait()
 
 
-def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None
-             ) -> tuple[np.ndarray, list[int]]:
+def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None,
+             process_set: PS = None) -> tuple[np.ndarray, list[int]]:
     """Blocking ``alltoall_async``."""
-    return alltoall_async(buf, splits, name).wait()
+    return alltoall_async(buf, splits, name, process_set).wait()
 
 
 def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                  prescale: float = 1.0, postscale: float = 1.0) -> np.ndarray:
+                  prescale: float = 1.0, postscale: float = 1.0, process_set: PS = None) -> np.ndarray:
     """Blocking ``reducescatter_async``."""
-    return reducescatter_async(buf, op, name, prescale, postscale).wait()
+    return reducescatter_async(buf, op, name, prescale, postscale, process_set).wait()
 
 
-def barrier() -> None:
-    """Return once every rank has called ``barrier()``."""
-    _get("barrier()").engine.enqueue("barrier", start_engine=False).wait()
+def barrier(process_set: PS = None) -> None:
+    """Return once every rank (of ``process_set``) has called ``barrier()``."""
+    _engine("barrier()", process_set)[0].enqueue("barrier", start_engine=False).wait()
 
 
 def join() -> int:
@@ -320,30 +350,32 @@ def join() -> int:
     return _get("join()").engine.join().wait()
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
-    """Send a picklable object from ``root_rank`` to every rank and return it."""
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, process_set: PS = None) -> Any:
+    """Send a picklable object from ``root_rank`` (a global rank) to every rank (of the set) and return it."""
     ctx = _get("broadcast_object()")
-    base = name or f"broadcast_object.noname.{_next_object_id('broadcast')}"
+    engine_, member = _engine("broadcast_object()", process_set)
+    root = _ps.set_root(member, root_rank, "broadcast_object()")
+    base = name or f"broadcast_object.noname.{_next_object_id('broadcast', process_set)}"
     if ctx.backend.rank == root_rank:
         payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
         length = np.array([payload.size], dtype=np.int64)
     else:
         payload = None
         length = np.zeros(1, dtype=np.int64)
-    ctx.engine.enqueue("broadcast", length, f"{base}.len", root=root_rank).wait()
+    engine_.enqueue("broadcast", length, f"{base}.len", root=root).wait()
     if payload is None:
         payload = np.empty(int(length[0]), dtype=np.uint8)
-    ctx.engine.enqueue("broadcast", payload, f"{base}.data", root=root_rank).wait()
+    engine_.enqueue("broadcast", payload, f"{base}.data", root=root).wait()
     return obj if ctx.backend.rank == root_rank else pickle.loads(payload.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Gather a picklable object from every rank; returns the list indexed by rank."""
-    ctx = _get("allgather_object()")
-    base = name or f"allgather_object.noname.{_next_object_id('allgather')}"
+def allgather_object(obj: Any, name: str | None = None, process_set: PS = None) -> list[Any]:
+    """Gather a picklable object from every rank (of the set); returns the list indexed by (set) rank."""
+    engine_ = _engine("allgather_object()", process_set)[0]
+    base = name or f"allgather_object.noname.{_next_object_id('allgather', process_set)}"
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    lengths = ctx.engine.enqueue("allgather", np.array([payload.size], dtype=np.int64), f"{base}.len").wait()
-    data = ctx.engine.enqueue("allgather", payload, f"{base}.data").wait().tobytes()
+    lengths = engine_.enqueue("allgather", np.array([payload.size], dtype=np.int64), f"{base}.len").wait()
+    data = engine_.enqueue("allgather", payload, f"{base}.data").wait().tobytes()
     out, offset = [], 0
     for n in lengths.tolist():
         out.append(pickle.loads(data[offset:offset + n]))
@@ -351,11 +383,13 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     return out
 
 
-_object_ids: dict[str, int] = {}
+_object_ids: dict[tuple[str, int], int] = {}
 
 
-def _next_object_id(kind: str) -> int:
+def _next_object_id(kind: str, process_set: PS = None) -> int:
+    """Per kind and set, so unnamed object collectives of one set keep the same names on its members."""
+    key = (kind, 0 if process_set is None else int(process_set.process_set_id or 0))
     with _lock:
-        n = _object_ids.get(kind, 0)
-        _object_ids[kind] = n + 1
+        n = _object_ids.get(key, 0)
+        _object_ids[key] = n + 1
         return n
