@@ -65,11 +65,11 @@ Product = ReduceOp.PRODUCT
 
 __all__ = [
     "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
-    "NotInitializedError", "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "Rendezvous", "Settings", "ShutdownError",
-    "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "add_process_set", "allgather", "allgather_async", "allgather_object",
-    "allreduce",
-    "allreduce_async", "alltoall", "alltoall_async", "backend_name", "barrier", "broadcast", "broadcast_async",
-    "broadcast_object", "cross_rank", "cross_size", "get_engine", "global_process_set", "grouped_allreduce", "grouped_allreduce_async",
-    "init", "is_initialized", "job_env", "join", "local_rank", "local_size", "poll", "rank", "reducescatter",
-    "reducescatter_async", "remove_process_set", "settings", "shutdown", "size", "synchronize",
+    "NotInitializedError", "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "Rendezvous", "Settings",
+    "ShutdownError", "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "add_process_set", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_async", "alltoall", "alltoall_async",
+    "backend_name", "barrier", "broadcast", "broadcast_async", "broadcast_object", "cross_rank", "cross_size",
+    "get_engine", "global_process_set", "grouped_allreduce", "grouped_allreduce_async", "init", "is_initialized",
+    "job_env", "join", "local_rank", "local_size", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "settings", "shutdown", "size", "synchronize",
 ]
