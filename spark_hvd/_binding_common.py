@@ -12,6 +12,12 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import NotInitializedError, SparkHvdError
+from spark_hvd.core.process_sets import (  # noqa: F401 - re-exported: Horovod's process set API
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +87,10 @@ def cross_size() -> int:
     return core().cross_size()
 
 
-def barrier() -> None:
-    """Return once every rank has called it."""
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Return once every rank (of ``process_set``) has called it."""
     require_init("barrier()")
-    core().barrier()
+    core().barrier(process_set=process_set)
 
 
 def join(device: int = -1) -> int:
@@ -97,16 +103,17 @@ def join(device: int = -1) -> int:
     return int(core().join())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Root's picklable ``obj``, on every rank."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Root's picklable ``obj`` (``root_rank`` a global rank), on every rank (of ``process_set``)."""
     require_init("broadcast_object()")
-    return core().broadcast_object(obj, root_rank=root_rank, name=name)
+    return core().broadcast_object(obj, root_rank=root_rank, name=name, process_set=process_set)
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``, as a list by rank."""
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list by rank (of ``process_set``)."""
     require_init("allgather_object()")
-    return core().allgather_object(obj, name=name)
+    return core().allgather_object(obj, name=name, process_set=process_set)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from spark_hvd._binding_common import HorovodInternalError
 from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from spark_hvd.torch.build import cuda_built, nccl_built, rocm_built
 from spark_hvd.torch.collectives import (
     allgather,
@@ -80,7 +81,8 @@ from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError", "Max", "Min",
-    "NotInitializedError", "Product", "Sum",
+    "NotInitializedError", "ProcessSet", "Product", "Sum", "add_process_set", "global_process_set",
+    "remove_process_set",
     "SyncBatchNorm",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",

@@ -30,6 +30,7 @@ import torch
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.torch import mpi_ops
 from spark_hvd.torch.compression import Compression, Compressor
 
@@ -38,10 +39,11 @@ def _wants_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _row_offset(rows: int) -> int:
-    """The index of this rank's first row in an allgather of ``rows`` rows from every rank."""
-    counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([rows], dtype=torch.int64)))
-    return int(counts[:mpi_ops.rank()].sum())
+def _row_offset(rows: int, process_set: ProcessSet) -> int:
+    """The index of this rank's first row in an allgather of ``rows`` rows from every rank (of the set)."""
+    counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([rows], dtype=torch.int64),
+                                                         process_set=process_set))
+    return int(counts[:mpi_ops.set_rank(process_set)].sum())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -51,23 +53,24 @@ def _row_offset(rows: int) -> int:
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-                postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+                postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
         return mpi_ops.synchronize(mpi_ops.allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                                           postscale_factor=postscale))
+                                                           postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise RuntimeError(f"allreduce with op {ctx.op.name.title()} is not differentiable; use Average or Sum")
         out = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ctx.op, prescale_factor=ctx.prescale,
-                                                          postscale_factor=ctx.postscale))
-        return out, None, None, None, None
+                                                          postscale_factor=ctx.postscale, process_set=ctx.ps))
+        return out, None, None, None, None, None
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (default: average) and return the result as a new tensor.
 
     ``compression=Compression.fp16`` sends floating-point data as float16. Differentiable.
@@ -76,22 +79,23 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     rop = common.resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
     if _wants_grad(compressed):
-        out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor)
+        out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
     else:
         out = mpi_ops.synchronize(mpi_ops.allreduce_async(compressed, name=name, op=rop,
                                                           prescale_factor=prescale_factor,
-                                                          postscale_factor=postscale_factor))
+                                                          postscale_factor=postscale_factor, process_set=process_set))
     return compression.decompress(out, cctx)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
         return tuple(mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(tensors), name=name, op=op,
                                                                          prescale_factor=prescale,
-                                                                         postscale_factor=postscale)))
+                                                                         postscale_factor=postscale,
+                                                                         process_set=process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -99,24 +103,27 @@ class _GroupedAllreduce(torch.autograd.Function):
             raise RuntimeError(f"grouped_allreduce with op {ctx.op.name.title()} is not differentiable")
         outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ctx.op,
                                                                    prescale_factor=ctx.prescale,
-                                                                   postscale_factor=ctx.postscale))
-        return (None, None, None, None, *outs)
+                                                                   postscale_factor=ctx.postscale,
+                                                                   process_set=ctx.ps))
+        return (None, None, None, None, None, *outs)
 
 
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors as one collective; returns new tensors. Differentiable."""
     common.require_init("grouped_allreduce()")
     rop = common.resolve_op(op, average)
     pairs = [compression.compress(t) for t in tensors]
     compressed = [p[0] for p in pairs]
     if compressed and _wants_grad(*compressed):
-        outs = list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, *compressed))
+        outs = list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set, *compressed))
     else:
         outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(compressed, name=name, op=rop,
                                                                    prescale_factor=prescale_factor,
-                                                                   postscale_factor=postscale_factor))
+                                                                   postscale_factor=postscale_factor,
+                                                                   process_set=process_set))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
@@ -126,46 +133,51 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ctx.rows = tensor.shape[0]
-        return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name))
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+        ctx.rows, ctx.ps = tensor.shape[0], process_set
+        return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE))
-        return averaged.narrow(0, _row_offset(ctx.rows), ctx.rows), None
+        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.ps))
+        return averaged.narrow(0, _row_offset(ctx.rows, ctx.ps), ctx.rows), None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated on dimension 0 (the first dimension may differ by rank).
     Differentiable."""
     common.require_init("allgather()")
     if _wants_grad(tensor):
-        return _Allgather.apply(tensor, name)
-    return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name))
+        return _Allgather.apply(tensor, name, process_set)
+    return mpi_ops.synchronize(mpi_ops.allgather_async(tensor, name, process_set))
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.rows = [t.shape[0] for t in tensors]
-        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allgather_async(list(tensors), name)))
+    def forward(ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.rows, ctx.ps = [t.shape[0] for t in tensors], process_set
+        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allgather_async(list(tensors), name, process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        averaged = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ReduceOp.AVERAGE))
-        counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
-        offsets = counts[:mpi_ops.rank()].sum(dim=0).tolist()
-        return (None, *[g.narrow(0, int(o), n) for g, o, n in zip(averaged, offsets, ctx.rows, strict=True)])
+        averaged = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ReduceOp.AVERAGE,
+                                                                       process_set=ctx.ps))
+        counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
+                                                             process_set=ctx.ps))
+        offsets = counts[:mpi_ops.set_rank(ctx.ps)].sum(dim=0).tolist()
+        return (None, None, *[g.narrow(0, int(o), n) for g, o, n in zip(averaged, offsets, ctx.rows, strict=True)])
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list[torch.Tensor]:
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`allgather` of several tensors submitted together; returns the list. Differentiable."""
     common.require_init("grouped_allgather()")
     tensors = list(tensors)
     if tensors and _wants_grad(*tensors):
-        return list(_GroupedAllgather.apply(name, *tensors))
-    return mpi_ops.synchronize(mpi_ops.grouped_allgather_async(tensors, name))
+        return list(_GroupedAllgather.apply(name, process_set, *tensors))
+    return mpi_ops.synchronize(mpi_ops.grouped_allgather_async(tensors, name, process_set))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,24 +186,26 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name))
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.root_rank, ctx.ps = root_rank, process_set
+        return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE))
+        averaged = mpi_ops.synchronize(mpi_ops.allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.ps))
         if mpi_ops.rank() != ctx.root_rank:
             averaged.zero_()
-        return averaged, None, None
+        return averaged, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Root's ``tensor``, as a new tensor on every rank. Differentiable."""
     common.require_init("broadcast()")
     if _wants_grad(tensor):
-        return _Broadcast.apply(tensor, root_rank, name)
-    return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name))
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return mpi_ops.synchronize(mpi_ops.broadcast_async(tensor, root_rank, name, process_set))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -200,19 +214,21 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name))
-        ctx.received = received
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.ps = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _dead: Any) -> tuple:
-        back, _ = mpi_ops.synchronize(mpi_ops.alltoall_async(grad.contiguous(), ctx.received))
-        return back, None, None
+        back, _ = mpi_ops.synchronize(mpi_ops.alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.ps))
+        return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Any:
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to rank i (an even split when None) and gather what others sent.
 
     Returns the received rows concatenated in rank order; with ``splits`` given, ``(output, received_splits)``
@@ -220,9 +236,9 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
     """
     common.require_init("alltoall()")
     if _wants_grad(tensor):
-        out, received = _Alltoall.apply(tensor, splits, name)
+        out, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:
-        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name))
+        out, received = mpi_ops.synchronize(mpi_ops.alltoall_async(tensor, splits, name, process_set))
     return out if splits is None else (out, received)
 
 
@@ -230,29 +246,31 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None) 
 # reducescatter
 # --------------------------------------------------------------------------------------------------------------
 
-def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float) -> torch.Tensor:
-    factor = (mpi_ops.size() if op is ReduceOp.SUM else 1) * prescale * postscale
+def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
+                        process_set: ProcessSet) -> torch.Tensor:
+    factor = (mpi_ops.set_size(process_set) if op is ReduceOp.SUM else 1) * prescale * postscale
     return grad * factor if factor != 1 else grad
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-                postscale: float) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+                postscale: float, process_set: ProcessSet) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
         return mpi_ops.synchronize(mpi_ops.reducescatter_async(tensor, name, op, prescale_factor=prescale,
-                                                               postscale_factor=postscale))
+                                                               postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        scaled = _reducescatter_grad(grad, ctx.op, ctx.prescale, ctx.postscale)
-        return mpi_ops.synchronize(mpi_ops.allgather_async(scaled.contiguous())), None, None, None, None
+        scaled = _reducescatter_grad(grad, ctx.op, ctx.prescale, ctx.postscale, ctx.ps)
+        gathered = mpi_ops.synchronize(mpi_ops.allgather_async(scaled.contiguous(), process_set=ctx.ps))
+        return gathered, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
                   average: bool | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+                  postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (default: average) and return this rank's rows of the result (first dim
     split evenly, the first ``rows % size`` ranks getting one row more). Differentiable for Average and Sum."""
     common.require_init("reducescatter()")
@@ -261,31 +279,34 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     if _wants_grad(compressed):
         if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
-        out = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor)
+        out = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
     else:
         out = mpi_ops.synchronize(mpi_ops.reducescatter_async(compressed, name, rop, prescale_factor=prescale_factor,
-                                                              postscale_factor=postscale_factor))
+                                                              postscale_factor=postscale_factor,
+                                                              process_set=process_set))
     return compression.decompress(out, cctx)
 
 
 class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
         return tuple(mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
-            list(tensors), name, op, prescale_factor=prescale, postscale_factor=postscale)))
+            list(tensors), name, op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
-        scaled = [_reducescatter_grad(g, ctx.op, ctx.prescale, ctx.postscale).contiguous() for g in grads]
-        return (None, None, None, None, *mpi_ops.synchronize(mpi_ops.grouped_allgather_async(scaled)))
+        scaled = [_reducescatter_grad(g, ctx.op, ctx.prescale, ctx.postscale, ctx.ps).contiguous() for g in grads]
+        gathered = mpi_ops.synchronize(mpi_ops.grouped_allgather_async(scaled, process_set=ctx.ps))
+        return (None, None, None, None, None, *gathered)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
                           average: bool | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                          postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`reducescatter` of several tensors submitted together; returns the list. Differentiable."""
     common.require_init("grouped_reducescatter()")
     rop = common.resolve_op(op, average)
@@ -294,8 +315,10 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     if compressed and _wants_grad(*compressed):
         if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
-        outs = list(_GroupedReducescatter.apply(name, rop, prescale_factor, postscale_factor, *compressed))
+        outs = list(_GroupedReducescatter.apply(name, rop, prescale_factor, postscale_factor, process_set,
+                                                *compressed))
     else:
         outs = mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
-            compressed, name, rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+            compressed, name, rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+            process_set=process_set))
     return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]

@@ -10,18 +10,20 @@ from typing import Any
 import torch
 
 from spark_hvd import _binding_common as common
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.torch import mpi_ops
 
 log = logging.getLogger(__name__)
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0) -> None:
-    """Overwrite parameters / buffers on every rank, in place, with root's values.
+                         root_rank: int = 0, process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite parameters / buffers on every rank (of ``process_set``), in place, with root's values.
 
     Args:
         params: ``model.state_dict()`` or ``model.named_parameters()`` (a list of ``(name, tensor)``).
-        root_rank: the rank whose values win.
+        root_rank: the (global) rank whose values win.
+        process_set: broadcast among the ranks of this process set only.
     """
     common.require_init("broadcast_parameters()")
     if isinstance(params, Mapping):
@@ -39,7 +41,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(p).__name__}, not a tensor")
         handles.append(mpi_ops.broadcast_async_(p.data if p.requires_grad else p, root_rank,
-                                                name=f"bcast.param.{name}"))
+                                                name=f"bcast.param.{name}", process_set=process_set))
     for h in handles:
         mpi_ops.synchronize(h)
 
@@ -79,8 +81,10 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
-    """Make every rank's optimizer state (moments, step counts, hyper-parameters) equal to root's.
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set: ProcessSet = global_process_set) -> None:
+    """Make every rank's (of ``process_set``) optimizer state (moments, step counts, hyper-parameters) equal to
+    root's.
 
     Works whatever the ranks hold: torch creates optimizer state lazily, so some ranks may have none yet
     (a fresh optimizer) while root restored a checkpoint, or the other way round. Root sends the structure of
@@ -98,7 +102,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     is_root = mpi_ops.rank() == root_rank
     tensors: list[torch.Tensor] = []
     skeleton = _strip(optimizer.state_dict(), tensors) if is_root else None
-    skeleton = mpi_ops.broadcast_object(skeleton, root_rank=root_rank, name="bcast.optstate.skeleton")
+    skeleton = mpi_ops.broadcast_object(skeleton, root_rank=root_rank, name="bcast.optstate.skeleton",
+                                        process_set=process_set)
     if is_root:
         bufs = [t.detach().to("cpu").contiguous() for t in tensors]
     else:
@@ -116,7 +121,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         collect(skeleton)
         slots.sort(key=lambda s: s.index)
         bufs = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
-    handles = [mpi_ops.broadcast_async_(b, root_rank, name=f"bcast.optstate.{i}") for i, b in enumerate(bufs)]
+    handles = [mpi_ops.broadcast_async_(b, root_rank, name=f"bcast.optstate.{i}", process_set=process_set)
+               for i, b in enumerate(bufs)]
     for h in handles:
         mpi_ops.synchronize(h)
     if not is_root:

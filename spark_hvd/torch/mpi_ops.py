@@ -45,6 +45,7 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
 )
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.device import DeviceBuffer, device_key
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,16 @@ def init(*args: Any, **kwargs: Any) -> None:
             torch.cuda.set_device(index)
 
 
+def set_rank(process_set: ProcessSet | None = None) -> int:
+    """This rank's index in ``process_set`` (its global rank for the global set)."""
+    return rank() if _is_global(process_set) else int(process_set.rank())
+
+
+def set_size(process_set: ProcessSet | None = None) -> int:
+    """The number of ranks in ``process_set`` (the job's size for the global set)."""
+    return size() if _is_global(process_set) else int(process_set.size())
+
+
 # --------------------------------------------------------------------------------------------------------------
 # tensors <-> core buffers
 # --------------------------------------------------------------------------------------------------------------
@@ -90,9 +101,10 @@ def _direct_view_ok(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
 
 
-def _device_key(tensor: torch.Tensor) -> str | None:
-    """The core's device kind when ``tensor`` is reduced where it lies (CUDA: NCCL), None for host memory."""
-    if tensor.is_sparse:
+def _device_key(tensor: torch.Tensor, process_set: ProcessSet | None = None) -> str | None:
+    """The core's device kind when ``tensor`` is reduced where it lies (CUDA: NCCL), None for host memory (also
+    for a process set other than the global one: its ring stages device tensors through host memory)."""
+    if tensor.is_sparse or not _is_global(process_set):
         return None
     return device_key(tensor.device.type, common.core().settings().device_backend)
 
@@ -111,15 +123,19 @@ def _device_buffer(tensor: torch.Tensor, key: str) -> DeviceBuffer:
     return DeviceBuffer(t, key, dtype, tuple(t.shape), bf16, ready)
 
 
+def _is_global(process_set: ProcessSet | None) -> bool:
+    return process_set is None or process_set.process_set_id == 0
+
+
 class _Staged:
     """A buffer the core works on for ``tensor``: the tensor's own memory (host memory: a numpy view; a CUDA
     tensor: the tensor itself), or a contiguous copy written back later."""
 
     __slots__ = ("tensor", "host", "array", "bf16")
 
-    def __init__(self, tensor: torch.Tensor, need_input: bool = True) -> None:
+    def __init__(self, tensor: torch.Tensor, need_input: bool = True, process_set: ProcessSet | None = None) -> None:
         self.tensor = tensor
-        key = _device_key(tensor)
+        key = _device_key(tensor, process_set)
         if key is not None:
             src = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
             self.host = None if src is tensor else src
@@ -213,47 +229,51 @@ def poll(handle: Handle) -> bool:
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place allreduce of ``tensor``; :func:`synchronize` returns ``tensor`` reduced."""
     common.require_init("allreduce_async_()")
     rop = common.resolve_op(op, average)
-    staged = _Staged(tensor)
+    staged = _Staged(tensor, process_set=process_set)
     h = common.core().allreduce_async(staged.array, name=name, op=rop, prescale=prescale_factor,
-                                      postscale=postscale_factor, bfloat16=staged.bf16)
+                                      postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
     return Handle(h, lambda _: staged.write_back(), name=name)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> Handle:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of a copy of ``tensor``; :func:`synchronize` returns the new reduced tensor."""
     common.require_init("allreduce_async()")
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
     return allreduce_async_(out, average=average, name=name, op=op, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor)
+                            postscale_factor=postscale_factor, process_set=process_set)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: ReduceOp | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it."""
     common.require_init("allreduce_()")
-    staged = _Staged(tensor)  # the core's blocking call runs the round in this thread (no hand-off)
+    staged = _Staged(tensor, process_set=process_set)  # the blocking call runs the round in this thread
     common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
-                            postscale=postscale_factor, bfloat16=staged.bf16)
+                            postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
     return staged.write_back()
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
                              name: str | None = None, op: ReduceOp | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> Handle:
     """Start one allreduce of several tensors, in place; :func:`synchronize` returns the list."""
     common.require_init("grouped_allreduce_async_()")
     rop = common.resolve_op(op, average)
     tensors = list(tensors)
     if not tensors:
         return Handle(None, lambda _: [], name=name, done=True)
-    staged = [_Staged(t) for t in tensors]
+    staged = [_Staged(t, process_set=process_set) for t in tensors]
     if len({isinstance(s.array, DeviceBuffer) for s in staged}) > 1:
         raise ValueError(f"grouped_allreduce{f' {name!r}' if name else ''} mixes CUDA and host-memory tensors in one "
                          f"group (devices: {sorted({str(t.device) for t in tensors})}); move them to one device")
@@ -263,24 +283,27 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     names = None if name is None else [f"{name}.{i}" for i in range(len(tensors))]
     h = common.core().grouped_allreduce_async([s.array for s in staged], names=names, op=rop,
                                               prescale=prescale_factor, postscale=postscale_factor,
-                                              bfloat16=bf16.pop())
+                                              bfloat16=bf16.pop(), process_set=process_set)
     return Handle(h, lambda _: [s.write_back() for s in staged], name=name)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
                             name: str | None = None, op: ReduceOp | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start one allreduce of copies of several tensors; :func:`synchronize` returns the new tensors."""
     common.require_init("grouped_allreduce_async()")
     outs = [t.detach().clone(memory_format=torch.contiguous_format) for t in tensors]
-    return grouped_allreduce_async_(outs, average, name, op, prescale_factor, postscale_factor)
+    return grouped_allreduce_async_(outs, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce several tensors in place as one collective."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor))
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -294,22 +317,25 @@ def _host_array(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     return _np_view(tensor.detach().to("cpu").contiguous())
 
 
-def _allgather_start(tensor: torch.Tensor, name: str | None) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+def _allgather_start(tensor: torch.Tensor, name: str | None, process_set: ProcessSet = global_process_set
+                     ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
     if tensor.dim() == 0:
         raise ValueError(f"allgather of {name or 'a tensor'} needs a tensor with at least one dimension, got a 0-d "
                          "tensor (use tensor.reshape(1))")
-    key = _device_key(tensor)
+    key = _device_key(tensor, process_set)
     if key is not None:
         return common.core().allgather_async(_device_buffer(tensor.contiguous(), key), name=name), lambda res: res
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
-    return common.core().allgather_async(arr, name=name), lambda res: _from_numpy(res, dtype, device)
+    return (common.core().allgather_async(arr, name=name, process_set=process_set),
+            lambda res: _from_numpy(res, dtype, device))
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> Handle:
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+                    ) -> Handle:
     """Start an allgather; :func:`synchronize` returns every rank's tensor concatenated on dimension 0."""
     common.require_init("allgather_async()")
-    h, finish = _allgather_start(tensor, name)
+    h, finish = _allgather_start(tensor, name, process_set)
     return Handle(h, finish, name=name)
 
 
@@ -331,32 +357,36 @@ def _grouped(started: list[tuple[Any, Callable[[Any], Any]]], name: str | None,
     return Handle(group, finish, name=name)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> Handle:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allgather of each of ``tensors`` together; :func:`synchronize` returns the list of results."""
     common.require_init("grouped_allgather_async()")
     tensors = list(tensors)
-    return _grouped([_allgather_start(t, n) for t, n in zip(tensors, _member_names(name, len(tensors)),
-                                                            strict=True)], name)
+    return _grouped([_allgather_start(t, n, process_set) for t, n in zip(tensors, _member_names(name, len(tensors)),
+                                                                         strict=True)], name)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast of root's ``tensor``; :func:`synchronize` returns ``tensor``."""
     common.require_init("broadcast_async_()")
-    staged = _Staged(tensor)
-    h = common.core().broadcast_async(staged.array, root_rank, name=name)
+    staged = _Staged(tensor, process_set=process_set)
+    h = common.core().broadcast_async(staged.array, root_rank, name=name, process_set=process_set)
     return Handle(h, lambda _: staged.write_back(), name=name)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start a broadcast into a copy of ``tensor``; :func:`synchronize` returns the new tensor."""
     common.require_init("broadcast_async()")
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return broadcast_async_(out, root_rank, name)
+    return broadcast_async_(out, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with root's values, in place, and return it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def _splits_list(splits: Any) -> list[int] | None:
@@ -375,17 +405,18 @@ def _splits_list(splits: Any) -> list[int] | None:
     return out
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None) -> Handle:
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; :func:`synchronize` returns ``(output, received_splits)``."""
     common.require_init("alltoall_async()")
-    key = _device_key(tensor)
+    key = _device_key(tensor, process_set)
     if key is not None:
         h = common.core().alltoall_async(_device_buffer(tensor.contiguous(), key), splits=_splits_list(splits),
                                          name=name)
         return Handle(h, lambda res: (res[0], torch.tensor(list(res[1]), dtype=torch.int32)), name=name)
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
-    h = common.core().alltoall_async(arr, splits=_splits_list(splits), name=name)
+    h = common.core().alltoall_async(arr, splits=_splits_list(splits), name=name, process_set=process_set)
 
     def finish(res: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, rsplits = res
@@ -394,11 +425,12 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
 
 
 def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-                         postscale: float) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+                         postscale: float, process_set: ProcessSet = global_process_set
+                         ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
     if tensor.dim() == 0:
         raise ValueError(f"reducescatter of {name or 'a tensor'} needs a tensor with at least one dimension, got a "
                          "0-d tensor")
-    key = _device_key(tensor)
+    key = _device_key(tensor, process_set)
     if key is not None:  # the device group reduces bfloat16 in float32 and never writes the input
         h = common.core().reducescatter_async(_device_buffer(tensor.contiguous(), key), op=op, name=name,
                                               prescale=prescale, postscale=postscale)
@@ -409,34 +441,37 @@ def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp, p
         src = src.float()  # the core's reducescatter has no bfloat16 mode: reduce in float32, round at the end
     arr = _np_view(src.to("cpu").contiguous())[0].copy()  # the core may reduce in place: keep the input intact
     out_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
-    h = common.core().reducescatter_async(arr, op=op, name=name, prescale=prescale, postscale=postscale)
+    h = common.core().reducescatter_async(arr, op=op, name=name, prescale=prescale, postscale=postscale,
+                                          process_set=process_set)
     return h, lambda res: _from_numpy(res, out_dtype, device).to(dtype)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
                         average: bool | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
+                        postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reducescatter; :func:`synchronize` returns this rank's part of the reduced tensor.
 
     ``prescale_factor`` multiplies every rank's input before the reduction, ``postscale_factor`` the result."""
     common.require_init("reducescatter_async()")
     h, finish = _reducescatter_start(tensor, name, common.resolve_op(op, average), prescale_factor,
-                                     postscale_factor)
+                                     postscale_factor, process_set)
     return Handle(h, finish, name=name)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: ReduceOp | None = None, average: bool | None = None,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet = global_process_set) -> Handle:
     """Start a reducescatter of each of ``tensors`` together; :func:`synchronize` returns the list of parts."""
     common.require_init("grouped_reducescatter_async()")
     rop = common.resolve_op(op, average)
     tensors = list(tensors)
-    return _grouped([_reducescatter_start(t, n, rop, prescale_factor, postscale_factor)
+    return _grouped([_reducescatter_start(t, n, rop, prescale_factor, postscale_factor, process_set)
                      for t, n in zip(tensors, _member_names(name, len(tensors)), strict=True)], name)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None) -> Handle:
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp | None = None,
+                           process_set: ProcessSet = global_process_set) -> Handle:
     """Start an allreduce of a sparse COO tensor as Horovod does it: every rank's indices and values are
     allgathered; :func:`synchronize` returns the sparse sum (``Sum``) or average (``Average``, the default),
     uncoalesced (duplicate indices add up when it is coalesced or used)."""
@@ -448,9 +483,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: Re
         raise ValueError("sparse_allreduce_async expects a sparse COO tensor; use allreduce_async for dense ones")
     t = tensor.detach().coalesce()
     names = _member_names(name, 2)
-    started = [_allgather_start(t.indices().t().contiguous(), names[0]),
-               _allgather_start(t.values().contiguous(), names[1])]
-    shape, scale = t.shape, (1.0 / common.size() if rop is ReduceOp.AVERAGE else 1.0)
+    started = [_allgather_start(t.indices().t().contiguous(), names[0], process_set),
+               _allgather_start(t.values().contiguous(), names[1], process_set)]
+    shape, scale = t.shape, (1.0 / set_size(process_set) if rop is ReduceOp.AVERAGE else 1.0)
 
     def to_sparse(results: list[torch.Tensor]) -> torch.Tensor:
         indices, values = results

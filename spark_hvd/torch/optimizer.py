@@ -18,6 +18,7 @@ import torch
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.torch import mpi_ops
 from spark_hvd.torch.compression import Compression, Compressor
 
@@ -34,10 +35,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _hvd_setup(self, named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
                    compression: type[Compressor], backward_passes_per_step: int, op: ReduceOp,
-                   gradient_predivide_factor: float, groups: Any, bucket_cap_mb: float | None) -> None:
+                   gradient_predivide_factor: float, groups: Any, bucket_cap_mb: float | None,
+                   process_set: ProcessSet = global_process_set) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         self._hvd_compression = compression
+        self._hvd_process_set = process_set
         self._hvd_op = op
         self._hvd_prescale, self._hvd_postscale = common.gradient_scales(op, gradient_predivide_factor)
         self.backward_passes_per_step = backward_passes_per_step
@@ -104,8 +107,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_should_synchronize = True
         self._hvd_synchronized = False
         self._hvd_hook_handles = []
-        # one rank: averaging over one rank is the identity, so there is nothing to send (and no hook to run)
-        self._hvd_noop = common.core().size() == 1
+        # one rank: averaging over one rank is the identity, so there is nothing to send (and no hook to run);
+        # a rank outside the process set keeps its own gradients, as in Horovod
+        self._hvd_noop = not process_set.included() or mpi_ops.set_size(process_set) == 1
         if self._hvd_noop:
             return
         for p in self._hvd_requires_update:
@@ -140,7 +144,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             elif p.grad.is_sparse:
                 if not self._hvd_sparse_as_dense:  # Horovod's sparse allreduce: gather indices and values
                     self._hvd_sparse[id(p)] = (p, mpi_ops.sparse_allreduce_async(
-                        p.grad, name=f"grad.sparse.{self._hvd_names[id(p)]}", op=self._hvd_op))
+                        p.grad, name=f"grad.sparse.{self._hvd_names[id(p)]}", op=self._hvd_op,
+                        process_set=self._hvd_process_set))
                     continue
                 p.grad = p.grad.to_dense()
                 self._hvd_densified.add(id(p))  # back to sparse before the update, as Horovod does
@@ -151,11 +156,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         name = self._hvd_group_names[gi]
         if len(compressed) == 1:
             h = mpi_ops.allreduce_async_(compressed[0], name=name, op=self._hvd_op,
-                                         prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale)
+                                         prescale_factor=self._hvd_prescale, postscale_factor=self._hvd_postscale,
+                                         process_set=self._hvd_process_set)
         else:
             h = mpi_ops.grouped_allreduce_async_(compressed, name=name, op=self._hvd_op,
                                                  prescale_factor=self._hvd_prescale,
-                                                 postscale_factor=self._hvd_postscale)
+                                                 postscale_factor=self._hvd_postscale,
+                                                 process_set=self._hvd_process_set)
         self._hvd_handles[gi] = (h, params, ctxs)
 
     def _hvd_wait_all(self, apply: bool) -> None:
@@ -266,7 +273,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
                          gradient_predivide_factor: float = 1.0,
                          groups: Any = None,
                          bucket_cap_mb: float | None = 25.0,
-                         sparse_as_dense: bool = False) -> torch.optim.Optimizer:
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Args:
@@ -288,6 +296,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         sparse_as_dense: send sparse gradients (``nn.Embedding(..., sparse=True)``) as dense tensors in the
             allreduce, and make them sparse again for the update (Horovod's); without it a sparse gradient goes through
             :func:`sparse_allreduce_async` (every rank's indices and values gathered) and stays sparse, as in Horovod.
+        process_set: reduce gradients over the ranks of this process set only (averages divide by its size); on a
+            rank outside it the optimizer applies its own gradients unreduced, as in Horovod.
 
     Returns:
         an optimizer of a subclass of ``type(optimizer)`` (``isinstance`` checks and ``state_dict`` still work)
@@ -307,5 +317,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
     # calls it, so the hooks run once, after the gradients were averaged
     obj._hvd_sparse_as_dense = bool(sparse_as_dense)
     obj._hvd_setup(named_parameters, compression, backward_passes_per_step, rop, gradient_predivide_factor, groups,
-                   bucket_cap_mb)
+                   bucket_cap_mb, process_set)
     return obj
