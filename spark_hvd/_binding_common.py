@@ -45,6 +45,14 @@ def require_init(what: str) -> None:
         raise NotInitializedError(what)
 
 
+def check_member(process_set: ProcessSet | None, what: str) -> None:
+    """Raise ``ValueError`` now (not inside a TensorFlow graph op) unless this rank may run ``what`` on
+    ``process_set`` (registered, and this rank a member)."""
+    from spark_hvd.core import process_sets
+
+    process_sets.resolve(process_set, what, rank())
+
+
 # ---- process API shared by both bindings ----
 
 def shutdown() -> None:

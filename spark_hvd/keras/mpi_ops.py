@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.keras.compression import Compression, Compressor
 
 log = logging.getLogger(__name__)
@@ -70,18 +71,24 @@ def _check_not_xla() -> None:
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
-    """Reduce ``value`` across ranks (default: average); returns a new tensor of the same shape."""
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Reduce ``value`` across ranks (of ``process_set``; default: average); returns a new tensor of the same
+    shape."""
     common.require_init("allreduce()")
     return grouped_allreduce([value], name=name, average=average, compression=compression, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor)[0]
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set)[0]
 
 
 def grouped_allreduce(values: Sequence[Any], name: str | None = None, average: bool | None = None,
                       compression: type[Compressor] = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[tf.Tensor]:
-    """Reduce several tensors across ranks in one collective (one per dtype family); returns new tensors."""
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Reduce several tensors across ranks (of ``process_set``) in one collective (one per dtype family); returns
+    new tensors."""
     common.require_init("grouped_allreduce()")
+    common.check_member(process_set, "grouped_allreduce()")
     rop = common.resolve_op(op, average)
     tensors = [tf.convert_to_tensor(v) for v in values]
     if not tensors:
@@ -102,7 +109,8 @@ def grouped_allreduce(values: Sequence[Any], name: str | None = None, average: b
                 continue
             handles.append(c.grouped_allreduce_async(
                 [views[i][0] for i in idx], names=None if names is None else [names[i] for i in idx],
-                op=rop, prescale=prescale_factor, postscale=postscale_factor, bfloat16=flag))
+                op=rop, prescale=prescale_factor, postscale=postscale_factor, bfloat16=flag,
+                process_set=process_set))
         for h in handles:
             c.synchronize(h)
         return bufs
@@ -115,9 +123,10 @@ def grouped_allreduce(values: Sequence[Any], name: str | None = None, average: b
     return result
 
 
-def allgather(value: Any, name: str | None = None) -> tf.Tensor:
-    """Every rank's ``value`` concatenated on dimension 0 (which may differ by rank)."""
+def allgather(value: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's (of ``process_set``) ``value`` concatenated on dimension 0 (which may differ by rank)."""
     common.require_init("allgather()")
+    common.check_member(process_set, "allgather()")
     t = tf.convert_to_tensor(value)
     if t.shape.rank == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
@@ -125,7 +134,8 @@ def allgather(value: Any, name: str | None = None) -> tf.Tensor:
 
     def fn(a: np.ndarray) -> np.ndarray:
         buf, _ = common.to_core_buffer(np.ascontiguousarray(a))
-        out = common.core().synchronize(common.core().allgather_async(buf, name=name))
+        out = common.core().synchronize(common.core().allgather_async(buf, name=name,
+                                                                                process_set=process_set))
         return np.ascontiguousarray(out).view(a.dtype)
 
     out = _run_numpy(fn, [t], [t.dtype], "spark_hvd_allgather")[0]
@@ -134,16 +144,19 @@ def allgather(value: Any, name: str | None = None) -> tf.Tensor:
     return out
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
-    """Root's ``value``, as a new tensor on every rank."""
+def broadcast(value: Any, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Root's ``value`` (``root_rank`` a global rank), as a new tensor on every rank (of ``process_set``)."""
     common.require_init("broadcast()")
+    common.check_member(process_set, "broadcast()")
     t = tf.convert_to_tensor(value)
     _check_not_xla()
 
     def fn(a: np.ndarray) -> np.ndarray:
         buf = _host_copy(a)
         view, _ = common.to_core_buffer(buf)
-        common.core().synchronize(common.core().broadcast_async(view, root_rank, name=name))
+        common.core().synchronize(common.core().broadcast_async(view, root_rank, name=name,
+                                                                          process_set=process_set))
         return buf
 
     out = _run_numpy(fn, [t], [t.dtype], "spark_hvd_broadcast")[0]
@@ -152,10 +165,12 @@ def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
     return out
 
 
-def alltoall(value: Any, splits: Any = None, name: str | None = None) -> Any:
+def alltoall(value: Any, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``value`` to rank i (even split when None); returns the rows received in rank
     order, and with ``splits`` given ``(output, received_splits)`` as in Horovod."""
     common.require_init("alltoall()")
+    common.check_member(process_set, "alltoall()")
     t = tf.convert_to_tensor(value)
     _check_not_xla()
     split_list = None
@@ -164,7 +179,8 @@ def alltoall(value: Any, splits: Any = None, name: str | None = None) -> Any:
 
     def fn(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         buf, _ = common.to_core_buffer(np.ascontiguousarray(a))
-        out, rsplits = common.core().synchronize(common.core().alltoall_async(buf, splits=split_list, name=name))
+        out, rsplits = common.core().synchronize(common.core().alltoall_async(buf, splits=split_list, name=name,
+                                                                              process_set=process_set))
         return np.ascontiguousarray(out).view(a.dtype), np.asarray(rsplits, dtype=np.int32)
 
     out, rsplits = _run_numpy(fn, [t], [t.dtype, tf.int32], "spark_hvd_alltoall")
@@ -174,10 +190,11 @@ def alltoall(value: Any, splits: Any = None, name: str | None = None) -> Any:
 
 
 def reducescatter(value: Any, name: str | None = None, op: ReduceOp | None = None,
-                  average: bool | None = None) -> tf.Tensor:
+                  average: bool | None = None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Reduce ``value`` across ranks and return this rank's rows of the result (first ``rows % size`` ranks
     get one row more)."""
     common.require_init("reducescatter()")
+    common.check_member(process_set, "reducescatter()")
     rop = common.resolve_op(op, average)
     t = tf.convert_to_tensor(value)
     _check_not_xla()
@@ -187,7 +204,8 @@ def reducescatter(value: Any, name: str | None = None, op: ReduceOp | None = Non
         # the core's reducescatter has no bfloat16 mode: reduce in float32, round at the end
         buf = np.asarray(a, dtype=np.float32) if bf16 else _host_copy(a)
         buf = np.array(buf, copy=True, order="C")
-        out = common.core().synchronize(common.core().reducescatter_async(buf, op=rop, name=name))
+        out = common.core().synchronize(common.core().reducescatter_async(buf, op=rop, name=name,
+                                                                              process_set=process_set))
         return np.ascontiguousarray(out).astype(a.dtype, copy=False)
 
     out = _run_numpy(fn, [t], [t.dtype], "spark_hvd_reducescatter")[0]

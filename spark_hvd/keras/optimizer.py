@@ -64,7 +64,11 @@ class _DistributedOptimizerMixin:
         return 1.0 if self._hvd_average_aggregated else float(steps)
 
     def _hvd_allreduce_gradients(self, grads: list[Any]) -> list[Any]:
-        size = common.core().size()
+        process_set = self.__dict__.get("_hvd_process_set") or common.global_process_set
+        if process_set.process_set_id == 0:
+            size = common.core().size()
+        else:  # a rank outside the set applies its own gradients, as in Horovod
+            size = process_set.size() if process_set.included() else 1
         local = self._hvd_local_indices(len(grads))
         if local:
             factor = self._hvd_pass_factor() / (size if self._hvd_scale_local else 1)
@@ -89,7 +93,7 @@ class _DistributedOptimizerMixin:
         reduced = mpi_ops.grouped_allreduce(
             dense, name=f"{self.name}.grads", compression=self._hvd_compression or Compression.none,
             op=self._hvd_op, prescale_factor=self._hvd_prescale,
-            postscale_factor=self._hvd_postscale * self._hvd_pass_factor())
+            postscale_factor=self._hvd_postscale * self._hvd_pass_factor(), process_set=process_set)
         out = list(grads)
         for i, r in zip(present, reduced, strict=True):
             out[i] = r
@@ -163,7 +167,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         num_groups, groups: how Horovod splits the gradients into grouped allreduces. Here every step's gradients
             go out as one grouped collective that the engine fuses, so grouping changes no result; the values are
             checked (``num_groups >= 0``; ``groups`` an int or a list of variable lists) and otherwise unused.
-        process_set: only ``None`` or the global set: spark_hvd has no process sets (see the migration guide).
+        process_set: reduce over the ranks of this registered process set only (averages divide by its size; a
+            rank outside it applies its own gradients, as in Horovod). ``None``: the whole job.
         scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
             :func:`PartialDistributedOptimizer`'s ``local_layers``) by ``size`` (True, Horovod's default).
 
@@ -177,9 +182,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
     if groups is not None and not (isinstance(groups, int) and groups > 0) and not isinstance(groups, (list, tuple)):
         raise ValueError(f"groups must be a positive int or a list of lists of variables, got {groups!r}")
-    if process_set is not None and getattr(process_set, "process_set_id", 0) != 0:
-        raise NotImplementedError("DistributedOptimizer(process_set=...): spark_hvd has no process sets; every "
-                                  "collective spans the whole job")
+    if process_set is not None and not isinstance(process_set, common.ProcessSet):
+        raise TypeError(f"DistributedOptimizer(process_set=...) takes a ProcessSet, got {type(process_set).__name__}")
+    if process_set is not None and process_set.process_set_id is None:
+        raise ValueError(f"DistributedOptimizer(process_set={process_set}): register it with add_process_set() first")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
@@ -197,6 +203,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         config["gradient_accumulation_steps"] = backward_passes_per_step
     new = cls.from_config(config)
     new._hvd_scale_local = bool(scale_local_gradients)
+    new._hvd_process_set = process_set
     if optimizer.built:
         variables = list(getattr(optimizer, "_trainable_variables", []))
         if variables:

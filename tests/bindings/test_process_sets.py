@@ -1,7 +1,8 @@
-"""Horovod process sets in spark_hvd.torch at N=3 (spark-hvd-run): set {0, 2} runs every collective (values
-against numpy, gradients against Horovod's backward definitions) while rank 1 does nothing or works in its own set
-{1}; registration, duplicates, removal, ``init(process_sets=)``, errors for non-members and roots outside the set,
-and ``DistributedOptimizer(process_set=)`` against a single-process step. One launch runs every check."""
+"""Horovod process sets in spark_hvd.torch (and spark_hvd.keras, lighter) at N=3 (spark-hvd-run): set {0, 2}
+runs every collective (values against numpy, gradients against Horovod's backward definitions) while rank 1 does
+nothing or works in its own set {1}; registration, duplicates, removal, ``init(process_sets=)``, errors for
+non-members and roots outside the set, and ``DistributedOptimizer(process_set=)`` against a single-process step.
+One launch per binding runs every check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from bindings_launch import assert_check, launch_worker
 
 pytest.importorskip("torch")
+
+KERAS_CHECKS = ["collectives", "optimizer"]
 
 CHECKS = [
     "registration",
@@ -31,6 +34,20 @@ def ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", CHECKS)
 def test_process_sets(ranks, name):
     assert_check(ranks, name)
+
+
+@pytest.fixture(scope="module")
+def keras_ranks(tmp_path_factory):
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+    return launch_worker("kpsets_worker.py", 3, tmp_path_factory.mktemp("kpsets"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", KERAS_CHECKS)
+def test_keras_process_sets(keras_ranks, name):
+    assert_check(keras_ranks, name)
 
 
 def test_process_set_object_before_registration():
