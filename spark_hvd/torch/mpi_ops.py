@@ -7,7 +7,11 @@ fusion and error naming (``SPARK_HVD_DEVICE_BACKEND=none`` stages it through hos
 ``gloo`` also sends CPU tensors down the device path, the CPU stand-in that tests it). A tensor the core cannot see
 directly (a non-contiguous view) is staged through a contiguous copy written back when the handle is synchronized.
 Nothing is sent to ``torch.distributed`` from this thread: the engine's thread drives the communicator, and two
-threads issuing collectives could order them differently on different ranks and deadlock."""
+threads issuing collectives could order them differently on different ranks and deadlock.
+
+Over 400 lines on purpose: every asynchronous op of Horovod's torch surface (each with ``process_set=``) lives here,
+as in ``horovod/torch/mpi_ops.py``, beside the staging helpers they share; the differentiable forms are in
+``collectives.py``."""
 
 from __future__ import annotations
 
