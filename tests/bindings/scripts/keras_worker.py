@@ -243,7 +243,8 @@ def _opt_args() -> None:
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), "dist", "", "", hvd.Compression.none,
                                    num_groups=2, groups=None, sparse_as_dense=False)
     assert opt.name == "dist"
-    for kwargs, err in (({"process_set": type("PS", (), {"process_set_id": 1})()}, NotImplementedError),
+    for kwargs, err in (({"process_set": type("PS", (), {"process_set_id": 1})()}, TypeError),
+                        ({"process_set": hvd.ProcessSet([0])}, ValueError),  # not registered
                         ({"num_groups": -1}, ValueError), ({"groups": "all"}, ValueError),
                         ({"no_such_argument": 1}, TypeError)):
         try:
