@@ -231,12 +231,12 @@ def get_engine() -> Engine:
 # ``process_set`` (every collective): run among that set's ranks only (see ``spark_hvd.core.process_sets``); ranks
 # are global ranks, averages divide by the set's size. None is the whole job.
 
-PS = ProcessSet | None
+_PS = ProcessSet | None  # the process_set= parameter of every collective
 
 
 def allreduce_async(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
                     prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False,
-                    process_set: PS = None) -> Handle:
+                    process_set: _PS = None) -> Handle:
     """Reduce ``buf`` across ranks in place; the handle's result is ``buf``."""
     return _engine("allreduce_async()", process_set)[0].enqueue("allreduce", buf, name, op=op, prescale=prescale,
                                                                 postscale=postscale, bfloat16=bfloat16)
@@ -244,7 +244,7 @@ def allreduce_async(buf: np.ndarray, name: str | None = None, op: ReduceOp = Red
 
 def grouped_allreduce_async(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
                             op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                            bfloat16: bool = False, process_set: PS = None) -> Handle:
+                            bfloat16: bool = False, process_set: _PS = None) -> Handle:
     """Reduce several arrays in place; the handle's result is the list of arrays."""
     engine_ = _engine("grouped_allreduce_async()", process_set)[0]
     if names is not None and len(names) != len(bufs):
@@ -254,26 +254,26 @@ def grouped_allreduce_async(bufs: Sequence[np.ndarray], names: Sequence[str] | N
     return GroupHandle("grouped_allreduce", handles)
 
 
-def allgather_async(buf: np.ndarray, name: str | None = None, process_set: PS = None) -> Handle:
+def allgather_async(buf: np.ndarray, name: str | None = None, process_set: _PS = None) -> Handle:
     """Concatenate every rank's ``buf`` along the first dimension; the result is a new array."""
     return _engine("allgather_async()", process_set)[0].enqueue("allgather", buf, name)
 
 
-def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: PS = None) -> Handle:
+def broadcast_async(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: _PS = None) -> Handle:
     """Overwrite ``buf`` with ``root_rank``'s (a global rank) in place; the result is ``buf``."""
     engine_, member = _engine("broadcast_async()", process_set)
     return engine_.enqueue("broadcast", buf, name, root=_ps.set_root(member, root_rank, "broadcast_async()"))
 
 
 def alltoall_async(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None,
-                   process_set: PS = None) -> Handle:
+                   process_set: _PS = None) -> Handle:
     """Send ``splits[i]`` rows to the i-th rank of the set (even split when None); result
     ``(array, recv_splits)``."""
     return _engine("alltoall_async()", process_set)[0].enqueue("alltoall", buf, name, splits=splits)
 
 
 def reducescatter_async(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                        prescale: float = 1.0, postscale: float = 1.0, process_set: PS = None) -> Handle:
+                        prescale: float = 1.0, postscale: float = 1.0, process_set: _PS = None) -> Handle:
     """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more);
     ``prescale`` multiplies each rank's input before the reduction, ``postscale`` the result after it."""
     return _engine("reducescatter_async()", process_set)[0].enqueue("reducescatter", buf, name, op=op,
@@ -294,7 +294,7 @@ def poll(handle: Handle) -> bool:
 
 
 def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0,
-              postscale: float = 1.0, bfloat16: bool = False, process_set: PS = None) -> np.ndarray:
+              postscale: float = 1.0, bfloat16: bool = False, process_set: _PS = None) -> np.ndarray:
     """Blocking ``allreduce_async`` (in place; returns ``buf``).
 
     The calling thread runs the negotiation round and the collective itself when the engine thread is not in a
@@ -307,17 +307,17 @@ def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.
 
 def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,
                       op: ReduceOp = ReduceOp.AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                      bfloat16: bool = False, process_set: PS = None) -> list[np.ndarray]:
+                      bfloat16: bool = False, process_set: _PS = None) -> list[np.ndarray]:
     """Blocking ``grouped_allreduce_async``."""
     return grouped_allreduce_async(bufs, names, op, prescale, postscale, bfloat16, process_set).wait()
 
 
-def allgather(buf: np.ndarray, name: str | None = None, process_set: PS = None) -> np.ndarray:
+def allgather(buf: np.ndarray, name: str | None = None, process_set: _PS = None) -> np.ndarray:
     """Blocking ``allgather_async``."""
     return _engine("allgather()", process_set)[0].enqueue("allgather", buf, name, start_engine=False).wait()
 
 
-def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: PS = None) -> np.ndarray:
+def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None, process_set: _PS = None) -> np.ndarray:
     """Blocking ``broadcast_async`` (in place; returns ``buf``)."""
     engine_, member = _engine("broadcast()", process_set)
     return engine_.enqueue("broadcast", buf, name, root=_ps.set_root(member, root_rank, "broadcast()"),
@@ -325,18 +325,18 @@ def broadcast(buf: np.ndarray, root_rank: int, name: str | None = None, process_
 
 
 def alltoall(buf: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None,
-             process_set: PS = None) -> tuple[np.ndarray, list[int]]:
+             process_set: _PS = None) -> tuple[np.ndarray, list[int]]:
     """Blocking ``alltoall_async``."""
     return alltoall_async(buf, splits, name, process_set).wait()
 
 
 def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                  prescale: float = 1.0, postscale: float = 1.0, process_set: PS = None) -> np.ndarray:
+                  prescale: float = 1.0, postscale: float = 1.0, process_set: _PS = None) -> np.ndarray:
     """Blocking ``reducescatter_async``."""
     return reducescatter_async(buf, op, name, prescale, postscale, process_set).wait()
 
 
-def barrier(process_set: PS = None) -> None:
+def barrier(process_set: _PS = None) -> None:
     """Return once every rank (of ``process_set``) has called ``barrier()``."""
     _engine("barrier()", process_set)[0].enqueue("barrier", start_engine=False).wait()
 
@@ -350,7 +350,7 @@ def join() -> int:
     return _get("join()").engine.join().wait()
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, process_set: PS = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None, process_set: _PS = None) -> Any:
     """Send a picklable object from ``root_rank`` (a global rank) to every rank (of the set) and return it."""
     ctx = _get("broadcast_object()")
     engine_, member = _engine("broadcast_object()", process_set)
@@ -369,7 +369,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     return obj if ctx.backend.rank == root_rank else pickle.loads(payload.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None, process_set: PS = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: _PS = None) -> list[Any]:
     """Gather a picklable object from every rank (of the set); returns the list indexed by (set) rank."""
     engine_ = _engine("allgather_object()", process_set)[0]
     base = name or f"allgather_object.noname.{_next_object_id('allgather', process_set)}"
@@ -386,7 +386,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: PS = None) 
 _object_ids: dict[tuple[str, int], int] = {}
 
 
-def _next_object_id(kind: str, process_set: PS = None) -> int:
+def _next_object_id(kind: str, process_set: _PS = None) -> int:
     """Per kind and set, so unnamed object collectives of one set keep the same names on its members."""
     key = (kind, 0 if process_set is None else int(process_set.process_set_id or 0))
     with _lock:
