@@ -85,6 +85,13 @@ def _per_output_metrics(metrics: tuple, n_outputs: int) -> Any:
     return [[m if isinstance(m, str) else copy.deepcopy(m) for m in metrics] for _ in range(n_outputs)]
 
 
+def _float16_layers(model: Any) -> bool:
+    """Whether any layer of ``model`` computes under the ``mixed_float16`` policy (a model reloaded from its
+    ``.keras`` file keeps its layers' policies, while the model's own may be the global float32)."""
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else [model, *model.layers]
+    return any(getattr(getattr(layer, "dtype_policy", None), "name", "") == "mixed_float16" for layer in layers)
+
+
 class KerasTrainer(RankTrainer):
     """``model.fit`` on the rank's shard, compiled with the rebuilt optimizer in ``DistributedOptimizer``."""
 
@@ -117,11 +124,9 @@ class KerasTrainer(RankTrainer):
         optimizer = build_optimizer(spec.optimizer)
         import keras
 
-        policy = getattr(self.model, "dtype_policy", None)
-        if getattr(policy, "name", "") == "mixed_float16" and not isinstance(optimizer,
-                                                                            keras.optimizers.LossScaleOptimizer):
-            # what compile would do, but inside DistributedOptimizer: the gradients are reduced before the loss
-            # scale's inf/nan check, so every rank skips the same steps
+        if _float16_layers(self.model) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # loss scaling for float16 layers, inside DistributedOptimizer: the gradients are reduced before the
+            # loss scale's inf/nan check, so every rank skips the same steps
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer = self.hvd.DistributedOptimizer(optimizer, **kwargs)
         self.model.compile(optimizer=optimizer, loss=spec.loss,
