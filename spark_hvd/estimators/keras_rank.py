@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer, check_finite
 
 __all__ = ["KerasTrainer", "train_on_rank"]
@@ -26,9 +27,10 @@ MODEL_FILE = "model.keras"
 _OPTIMIZER_FILE = "optimizer.npz"
 
 
-def _limit_threads(local_size: int) -> None:
-    """Threads per rank: the host's cores shared among its ranks (TensorFlow: before its runtime starts)."""
-    n = max(1, (os.cpu_count() or 1) // max(1, local_size))
+def _limit_threads(job: JobEnv | None) -> None:
+    """Threads per rank by the one policy (``torch_threads``: the host's cores shared among its ranks), for
+    TensorFlow before its runtime starts, or for torch under Keras's torch backend."""
+    n = torch_threads(job)
     import keras
 
     if keras.backend.backend() != "tensorflow":
@@ -47,25 +49,31 @@ def _limit_threads(local_size: int) -> None:
         pass
 
 
-def _select_devices(use_gpu: bool | None) -> None:
-    """TensorFlow backend: the rank's GPU only (or none); the torch backend uses the device torch has."""
+def _select_devices(use_gpu: bool | None, job: JobEnv | None) -> None:
+    """The rank's GPU by the one GPU policy (``gpu_index``: Spark's assignment, else the local rank; never
+    wrapped around), or none (``use_gpu=False``, or a local rank beyond the GPUs). TensorFlow backend: the only
+    visible GPU; torch backend: torch's current device (Keras's torch backend uses ``cuda``, the current one)."""
     import keras
 
     if keras.backend.backend() != "tensorflow":
+        import torch
+
+        if use_gpu is not False and torch.cuda.is_available():
+            index = gpu_index(job, torch.cuda.device_count(), required=use_gpu is True)
+            if index is not None:
+                torch.cuda.set_device(index)
         return
     import tensorflow as tf
 
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return
+    index = None if use_gpu is False else gpu_index(job, len(gpus), required=use_gpu is True)
     try:
-        gpus = tf.config.list_physical_devices("GPU")
-        if not gpus:
-            return
-        if use_gpu is False:
-            tf.config.set_visible_devices([], "GPU")
-            return
-        index = os.environ.get("SPARK_HVD_GPU") or os.environ.get("SPARK_HVD_LOCAL_RANK", "0")
-        tf.config.set_visible_devices(gpus[int(index) % len(gpus)], "GPU")
-    except (RuntimeError, ValueError) as exc:  # devices already initialised in this worker
-        log.debug("GPU selection left as it is: %s", exc)
+        tf.config.set_visible_devices([] if index is None else gpus[index], "GPU")
+    except RuntimeError as exc:  # devices already initialised in this (reused) Python worker
+        log.warning("rank %s: TensorFlow's GPUs were initialised before spark_hvd could pin GPU %s (%s)",
+                    0 if job is None else job.rank, index, exc)
 
 
 def _per_output_metrics(metrics: tuple, n_outputs: int) -> Any:
@@ -77,12 +85,20 @@ def _per_output_metrics(metrics: tuple, n_outputs: int) -> Any:
     return [[m if isinstance(m, str) else copy.deepcopy(m) for m in metrics] for _ in range(n_outputs)]
 
 
+def _float16_layers(model: Any) -> bool:
+    """Whether any layer of ``model`` computes under the ``mixed_float16`` policy (a model reloaded from its
+    ``.keras`` file keeps its layers' policies, while the model's own may be the global float32)."""
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else [model, *model.layers]
+    return any(getattr(getattr(layer, "dtype_policy", None), "name", "") == "mixed_float16" for layer in layers)
+
+
 class KerasTrainer(RankTrainer):
     """``model.fit`` on the rank's shard, compiled with the rebuilt optimizer in ``DistributedOptimizer``."""
 
     def init(self, spec: Any) -> None:
-        _limit_threads(int(os.environ.get("SPARK_HVD_LOCAL_SIZE", "1")))
-        _select_devices(spec.use_gpu)
+        job = JobEnv.from_env()  # the launch contract (the core is not initialised yet: TF must be set up first)
+        _limit_threads(job)
+        _select_devices(spec.use_gpu, job)
         import spark_hvd.keras as hvd
 
         hvd.init()
@@ -105,7 +121,14 @@ class KerasTrainer(RankTrainer):
         kwargs: dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
         if spec.gradient_compression is not None:
             kwargs["compression"] = spec.gradient_compression
-        optimizer = self.hvd.DistributedOptimizer(build_optimizer(spec.optimizer), **kwargs)
+        optimizer = build_optimizer(spec.optimizer)
+        import keras
+
+        if _float16_layers(self.model) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # loss scaling for float16 layers, inside DistributedOptimizer: the gradients are reduced before the
+            # loss scale's inf/nan check, so every rank skips the same steps
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer = self.hvd.DistributedOptimizer(optimizer, **kwargs)
         self.model.compile(optimizer=optimizer, loss=spec.loss,
                            loss_weights=list(spec.loss_weights) if spec.loss_weights else None,
                            metrics=_per_output_metrics(spec.metrics, len(spec.label_cols)), jit_compile=False)

@@ -259,10 +259,14 @@ class TorchEstimatorParams(EstimatorParams):
                      _to_optional(TypeConverters.toString))
     best_mode = _p("best_mode", "'min', 'max' or 'auto' (max for accuracy-like names) for best_metric",
                    _to_choice("auto", "min", "max"))
+    mixed_precision = _p("mixed_precision", "'bf16' or 'fp16': forward pass and loss under torch.autocast on the "
+                         "rank's device (fp16 with a GradScaler); default None (float32)",
+                         _to_optional(_to_choice("bf16", "fp16")))
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto")
+        self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto",
+                         mixed_precision=None)
 
 
 @_add_accessors

@@ -211,6 +211,10 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             value = self._opt(getattr(self, param))
             if value is not None and not callable(value):
                 raise TypeError(f"TorchEstimator: {param} must be a callable, got {type(value).__name__}")
+        if self.getOrDefault(self.mixed_precision) == "fp16" and self._opt(self.train_minibatch_fn) is not None:
+            raise ValueError("TorchEstimator: mixed_precision='fp16' scales the loss in the estimator's own step, "
+                             "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
+                             "drop train_minibatch_fn")
 
     def _class_index_labels(self) -> list[bool]:
         losses = resolve_losses(self._opt(self.loss), len(self.getOrDefault(self.label_cols)))
@@ -228,6 +232,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             "train_minibatch_fn": self._opt(self.train_minibatch_fn),
             "lr_scheduler": self._opt(self.lr_scheduler),
             "lr_scheduler_interval": get(self.lr_scheduler_interval),
+            "mixed_precision": get(self.mixed_precision),
             "best": BestPolicy.create(best, get(self.best_mode)) if best else None,
         }
 

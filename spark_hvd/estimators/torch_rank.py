@@ -12,6 +12,7 @@ scheduler, ``stop_training``), ``on_epoch_begin(epoch)``, ``on_batch_end(epoch, 
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable
@@ -21,8 +22,11 @@ import numpy as np
 
 from spark_hvd.estimators.params import LOSS_NAMES
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext, check_finite
+from spark_hvd.estimators.torch_precision import MixedPrecision
 
 __all__ = ["TorchTrainer", "train_on_rank", "resolve_losses", "resolve_metric", "default_train_minibatch"]
+
+log = logging.getLogger(__name__)
 
 _LOSS_FUNCTIONS = {"mse": "mse_loss", "cross_entropy": "cross_entropy",
                    "bce_with_logits": "binary_cross_entropy_with_logits", "l1": "l1_loss"}
@@ -93,22 +97,37 @@ def _accuracy(output: Any, label: Any) -> Any:
     return ((output.reshape(-1) > 0.5) == (label.reshape(-1) > 0.5)).float().mean()
 
 
+def _as_float(output: Any, label: Any) -> tuple[Any, Any]:
+    """Output and label in one floating dtype, at least float32 (a bf16/fp16 output of autocast is upcast)."""
+    import torch
+
+    dtype = torch.promote_types(output.dtype, torch.float32)
+    return output.to(dtype), label.reshape(output.shape).to(dtype)
+
+
 def _mse(output: Any, label: Any) -> Any:
-    return ((output - label.reshape(output.shape).to(output.dtype)) ** 2).mean()
+    output, label = _as_float(output, label)
+    return ((output - label) ** 2).mean()
 
 
 def _mae(output: Any, label: Any) -> Any:
-    return (output - label.reshape(output.shape).to(output.dtype)).abs().mean()
+    output, label = _as_float(output, label)
+    return (output - label).abs().mean()
 
 
 _METRICS = {"accuracy": _accuracy, "mse": _mse, "mae": _mae}
 
 
 def _fit_label(output: Any, label: Any, class_index: bool) -> Any:
-    """Labels as the loss wants them: class indices as int64 of shape (rows,), else the output's dtype and shape."""
+    """Labels as the loss wants them: class indices as int64 of shape (rows,), else the output's dtype and shape
+    (at least float32: under mixed precision the output is bf16/fp16, the label is not rounded to it)."""
+    import torch
+
     if class_index:
         return label.reshape(-1).long() if label.dim() > 1 and label.shape[1:].numel() == 1 else label.long()
-    label = label.to(output.dtype) if label.dtype != output.dtype and output.dtype.is_floating_point else label
+    if output.dtype.is_floating_point:
+        dtype = torch.promote_types(output.dtype, torch.float32)
+        label = label.to(dtype) if label.dtype != dtype else label
     if label.shape != output.shape and label.numel() == output.numel():
         label = label.reshape(output.shape)
     return label
@@ -137,12 +156,27 @@ class TorchTrainer(RankTrainer):
         import torch
 
         import spark_hvd.torch as hvd
+        from spark_hvd import core
+        from spark_hvd.core.jobenv import gpu_index, torch_threads
 
-        hvd.init()
+        hvd.init()  # on a CUDA host this also makes the rank's GPU torch's current device
         self.hvd = hvd
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, hvd.local_size())))
-        use_gpu = spec.use_gpu is not False and torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+        job = core.job_env()
+        torch.set_num_threads(torch_threads(job))
+        index = None
+        if spec.use_gpu is not False and torch.cuda.is_available():
+            index = gpu_index(job, torch.cuda.device_count(), required=spec.use_gpu is True)
+        elif spec.use_gpu is True:
+            raise ValueError(f"rank {job.rank}: use_gpu=True, but torch sees no CUDA device on this task (set "
+                             "use_gpu=None to train on the CPU where there is no GPU)")
+        on_gpu = hvd.allgather_object(index is not None)  # one device kind for the whole job
+        if index is not None and not all(on_gpu):
+            log.warning("rank %d: training on the CPU, as ranks %s have no GPU of their own (all ranks must train "
+                        "on the same kind of device)", job.rank, [r for r, g in enumerate(on_gpu) if not g])
+            index = None
+        self.device = torch.device("cuda", index) if index is not None else torch.device("cpu")
+        # TorchSpec's field; LightningSpec has none (a LightningModule brings its own precision)
+        self.precision = MixedPrecision(getattr(spec, "mixed_precision", None), self.device, job.rank)
 
     def seed(self, seed: int) -> None:
         import torch
@@ -189,6 +223,8 @@ class TorchTrainer(RankTrainer):
         torch.save(self.optimizer.state_dict(), f"{directory}/optimizer.pt")
         if self.scheduler is not None:
             torch.save(self.scheduler.state_dict(), f"{directory}/scheduler.pt")
+        if self.precision.scaler is not None:
+            torch.save(self.precision.state_dict(), f"{directory}/grad_scaler.pt")
 
     def load_checkpoint(self, directory: str) -> None:
         import torch
@@ -197,12 +233,16 @@ class TorchTrainer(RankTrainer):
         self.optimizer.load_state_dict(torch.load(f"{directory}/optimizer.pt", map_location=self.device))
         if self.scheduler is not None and os.path.exists(f"{directory}/scheduler.pt"):
             self.scheduler.load_state_dict(torch.load(f"{directory}/scheduler.pt", weights_only=False))
+        if self.precision.scaler is not None and os.path.exists(f"{directory}/grad_scaler.pt"):
+            self.precision.load_state_dict(torch.load(f"{directory}/grad_scaler.pt"))
 
     def sync(self) -> None:
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         if self.scheduler is not None:
             self.scheduler.load_state_dict(self.hvd.broadcast_object(self.scheduler.state_dict(), root_rank=0))
+        if self.precision.scaler is not None:  # the loss scale of a resumed run: rank 0's
+            self.precision.load_state_dict(self.hvd.broadcast_object(self.precision.state_dict(), root_rank=0))
 
     def save_model(self, directory: str) -> None:
         import torch
@@ -213,7 +253,7 @@ class TorchTrainer(RankTrainer):
         import torch
 
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.autocast():
             out = self.model(*self._tensors(batch)[0])
         return [list(o.shape[1:]) for o in (out if isinstance(out, list | tuple) else [out])]
 
@@ -271,11 +311,18 @@ class TorchTrainer(RankTrainer):
                 t = torch.from_numpy(np.ascontiguousarray(batch[col]))
                 if shapes is not None:
                     t = t.reshape(t.shape[0], *shapes[i])
-                inputs.append(t.to(self.device))
-            labels = [torch.from_numpy(np.ascontiguousarray(batch[c])).to(self.device) for c in spec.label_cols]
+                inputs.append(self._to_device(t))
+            labels = [self._to_device(torch.from_numpy(np.ascontiguousarray(batch[c]))) for c in spec.label_cols]
             sw = batch.get(spec.sample_weight_col) if spec.sample_weight_col else None
-            sw = torch.from_numpy(np.ascontiguousarray(sw)).to(self.device) if sw is not None else None
+            sw = self._to_device(torch.from_numpy(np.ascontiguousarray(sw))) if sw is not None else None
         return inputs, labels, sw
+
+    def _to_device(self, t: Any) -> Any:
+        """A host tensor on the rank's device: to a GPU through pinned memory with a non-blocking copy (the copy
+        overlaps the host's work on the next tensor; CUDA orders it before the kernels that read it)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _transform_outputs(self, outputs: Any, labels: list) -> tuple[list, list]:
         outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
@@ -297,20 +344,22 @@ class TorchTrainer(RankTrainer):
 
     def _train_batch(self, batch: dict, step: int, acc: dict) -> tuple[float, int]:
         """One training batch; adds its metrics to ``acc``; returns (the batch's loss, its rows)."""
-        bpps = self.spec.backward_passes_per_step
+        bpps, amp = self.spec.backward_passes_per_step, self.precision
         inputs, labels, sw = self._tensors(batch)
-        if bpps > 1 and self.spec.train_minibatch_fn is None:
+        if self.spec.train_minibatch_fn is None:
             # accumulate bpps backward passes; DistributedOptimizer allreduces on the last, step() applies it
             if step % bpps == 0:
                 self.optimizer.zero_grad()
-            outputs, labels = self._transform_outputs(self.model(*inputs), labels)
-            loss = self._loss(outputs, labels, sw)
-            loss.backward()
+            with amp.autocast():  # forward and loss (autocast's advice: not the backward)
+                outputs, labels = self._transform_outputs(self.model(*inputs), labels)
+                loss = self._loss(outputs, labels, sw)
+            amp.backward(loss)
             if (step + 1) % bpps == 0:
-                self.optimizer.step()
-        else:
-            outputs, loss = self.step_fn(self.model, self.optimizer, self._transform_outputs, self._loss, inputs,
-                                         labels, sw)
+                amp.step(self.optimizer)
+        else:  # the user's step (bf16: under autocast; fp16 is refused with it, it cannot use our scaler)
+            with amp.autocast():
+                outputs, loss = self.step_fn(self.model, self.optimizer, self._transform_outputs, self._loss,
+                                             inputs, labels, sw)
             outputs, labels = self._transform_outputs(outputs, labels)
         n = int(inputs[0].shape[0])
         value = float(loss.detach()) * bpps
@@ -323,7 +372,7 @@ class TorchTrainer(RankTrainer):
         self.model.eval()
         acc: dict[str, float] = {}
         rows = 0
-        with torch.no_grad():
+        with torch.no_grad(), self.precision.autocast():
             for batch in run.readers.epoch("val", epoch):
                 inputs, labels, sw = self._tensors(batch)
                 outputs, labels = self._transform_outputs(self.model(*inputs), labels)

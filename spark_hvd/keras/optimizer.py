@@ -7,6 +7,13 @@ Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_func
 allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
 allreduce.
 
+Loss scaling (``keras.optimizers.LossScaleOptimizer``, which ``compile`` puts around the optimizer under the
+``mixed_float16`` policy): the wrapper is a subclass of the ``LossScaleOptimizer`` whose ``apply`` reduces the
+*scaled* gradients once, before the loss-scale optimizer checks them for inf/nan; its inner optimizer stays plain.
+Every rank then sees the same averaged gradients, finds the same overflow, skips the same steps and halves or
+doubles the same scale (an overflow on any rank makes the average non-finite on every rank), so no rank waits on a
+collective that another rank skipped.
+
 The subclass keeps the base class's name and module, and ``get_config`` is the base's, so a saved model
 reloads anywhere as the plain optimizer; :func:`spark_hvd.keras.load_model` wraps it again.
 """
@@ -100,6 +107,21 @@ class _DistributedOptimizerMixin:
         return out
 
 
+class _DistributedLossScaleMixin(_DistributedOptimizerMixin):
+    """Placed in front of ``keras.optimizers.LossScaleOptimizer`` (see the module docstring)."""
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        if trainable_variables is not None:
+            self.__dict__["_hvd_apply_vars"] = list(trainable_variables)
+        elif self.built:
+            self.__dict__["_hvd_apply_vars"] = list(self._trainable_variables)
+        grads = self._hvd_allreduce_gradients(list(grads))  # scaled; before the finiteness check
+        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _clip_gradients(self, grads: Any) -> Any:
+        return keras.optimizers.Optimizer._clip_gradients(self, grads)  # reduced once, in apply
+
+
 _class_cache: dict[tuple, type] = {}
 
 
@@ -118,7 +140,9 @@ def wrap_optimizer_class(base: type, compression: Any = None,
     key = (base, compression, rop, prescale, postscale, bool(average_aggregated_gradients))
     cls = _class_cache.get(key)
     if cls is None:
-        cls = type(base.__name__, (_DistributedOptimizerMixin, base), {
+        mixin = (_DistributedLossScaleMixin if issubclass(base, keras.optimizers.LossScaleOptimizer)
+                 else _DistributedOptimizerMixin)
+        cls = type(base.__name__, (mixin, base), {
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
@@ -172,6 +196,15 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
             :func:`PartialDistributedOptimizer`'s ``local_layers``) by ``size`` (True, Horovod's default).
 
+    Mixed precision: under ``mixed_bfloat16`` nothing changes. Under ``mixed_float16`` (the global policy,
+    ``keras.mixed_precision.set_global_policy``) a plain optimizer comes back wrapped in a
+    ``LossScaleOptimizer`` (what ``compile`` would do), and a ``LossScaleOptimizer`` passed in is kept: either way
+    the scaled gradients are reduced once, before the loss scale's inf/nan check, so all ranks skip the same steps
+    and keep the same scale (``backward_passes_per_step`` must then be 1: ``LossScaleOptimizer`` has no gradient
+    accumulation). A model given ``dtype="mixed_float16"`` under another global policy would be wrapped by
+    ``compile`` around the distributed optimizer, where the ranks could disagree on a skip: pass a
+    ``LossScaleOptimizer`` here yourself in that case.
+
     Compile the model with ``jit_compile=False`` on GPU hosts (the collective cannot run inside XLA).
     The new optimizer is built from ``optimizer.get_config()``; a wrapped optimizer that was already built has
     its variables (iterations, moments) copied over.
@@ -188,12 +221,18 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         raise ValueError(f"DistributedOptimizer(process_set={process_set}): register it with add_process_set() first")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or \
-            keras.config.dtype_policy().name == "mixed_float16":
-        # LossScaleOptimizer skips the inner update on non-finite local gradients, so ranks could disagree on
-        # whether the collective runs and wait on each other: refuse rather than risk a hang
-        raise NotImplementedError("DistributedOptimizer does not support loss scaling (LossScaleOptimizer / the "
-                                  "mixed_float16 policy) yet; use float32 or bfloat16 ('mixed_bfloat16')")
+    loss_scale = keras.optimizers.LossScaleOptimizer
+    if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(optimizer, loss_scale):
+        optimizer = loss_scale(optimizer)  # what compile would do, here so that the gradients are reduced first
+    if isinstance(optimizer, loss_scale):
+        if isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin):
+            raise ValueError("DistributedOptimizer: the LossScaleOptimizer wraps a DistributedOptimizer; wrap the "
+                             "plain optimizer in LossScaleOptimizer, then that in DistributedOptimizer (the "
+                             "gradients must be reduced before the loss scale checks them)")
+        if backward_passes_per_step > 1:
+            raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step} with loss "
+                             "scaling (LossScaleOptimizer / mixed_float16): LossScaleOptimizer has no gradient "
+                             "accumulation; use 1, or mixed_bfloat16 (no loss scaling)")
     cls = wrap_optimizer_class(type(optimizer), compression, op, gradient_predivide_factor,
                                average_aggregated_gradients)
     config = optimizer.get_config()
