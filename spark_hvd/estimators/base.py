@@ -264,15 +264,32 @@ class BaseModel(Model, _PersistableStage):
     def __init__(self) -> None:
         super().__init__()
         self._broadcast: tuple[tuple[str, type], Any] | None = None
+        self._shape_cache: dict[tuple, list[list[int]]] = {}
 
     # ---- framework hooks
     @classmethod
-    def _load_for_inference(cls, data: bytes) -> Any:
+    def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
         return cls._deserialize_model(data)
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError
+
+    @classmethod
+    def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
+        """The model's outputs for all rows of ``inputs``, calling it on ``batch_size`` rows at a time (a framework
+        may override this to convert the inputs once per Arrow batch rather than once per model call)."""
+        n = len(inputs[0])
+        parts: list[list[np.ndarray]] | None = None
+        for start in range(0, n, batch_size) or [0]:
+            outs = cls._predict(model, [x[start:start + batch_size] for x in inputs])
+            if parts is None:
+                parts = [[] for _ in outs]
+            if len(outs) != len(parts):
+                raise ValueError(f"the model returned {len(outs)} outputs for one batch and {len(parts)} for another")
+            for acc, o in zip(parts, outs, strict=True):
+                acc.append(np.asarray(o))
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts or []]
 
     def _input_shapes(self) -> list | None:
         return None
@@ -332,6 +349,15 @@ class BaseModel(Model, _PersistableStage):
         recorded = (self.getOrDefault(self.metadata) or {}).get("output_shapes")
         if recorded:
             return [list(s) for s in recorded]
+        cache_key = (hashlib.sha256(data).hexdigest(), json.dumps(specs, sort_keys=True),
+                     tuple(df.schema[i].dataType.simpleString() for i in feature_idx))
+        if cache_key not in self._shape_cache:  # one Spark job per model and input schema, not per transform
+            self._shape_cache[cache_key] = self._infer_output_shapes(df, data, feature_idx, specs)
+        return self._shape_cache[cache_key]
+
+    def _infer_output_shapes(self, df: Any, data: bytes, feature_idx: list[int],
+                             specs: list[dict]) -> list[list[int]]:
+        """Runs the model on the first row of ``df`` on the driver; the per-row shape of each output."""
         rows = df.limit(1).toArrow()
         if rows.num_rows == 0:
             raise ValueError("cannot infer the output shapes from an empty DataFrame; "
@@ -377,19 +403,21 @@ class BaseModel(Model, _PersistableStage):
         schema = StructType(list(df.schema.fields) +
                             [StructField(c, _output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
-        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size)
+        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
+                                bool(self.getOrDefault(self.use_gpu)))
         return prepared.mapInArrow(fn, schema)
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
-                       batch_size: int) -> Callable:
+                       batch_size: int, use_gpu: bool = False) -> Callable:
     """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        model = _cached_model(key, lambda: model_cls._load_for_inference(bc.value))
+        model = _cached_model(f"{key}-gpu" if use_gpu else key,
+                              lambda: model_cls._load_for_inference(bc.value, use_gpu))
         names = None
         for rb in batches:
             if names is None:
@@ -401,17 +429,32 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
                 continue
             inputs = [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
                       for i, s in zip(feature_idx, specs, strict=True)]
-            parts: list[list[np.ndarray]] = [[] for _ in out_cols]
-            for start in range(0, n, batch_size):
-                outs = model_cls._predict(model, [x[start:start + batch_size] for x in inputs])
-                if len(outs) != len(out_cols):
-                    raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns")
-                for acc, o in zip(parts, outs, strict=True):
-                    acc.append(np.asarray(o))
-            outputs = [output_to_arrow(p[0] if len(p) == 1 else np.concatenate(p), n) for p in parts]
+            outs = model_cls._predict_batches(model, inputs, batch_size)
+            if len(outs) != len(out_cols):
+                raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
+                                 f"{out_cols}")
+            outputs = [output_to_arrow(o, n) for o in outs]
             yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
 
     return transform_batches
+
+
+def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
+    """The CUDA ordinal an inference task uses: with ``use_gpu`` and a visible device, the GPU Spark assigned to
+    the task (its ``resources()["gpu"]``) when it is visible here, else device 0; None (the CPU) otherwise."""
+    if not use_gpu or device_count <= 0:
+        if use_gpu:
+            log.info("use_gpu is set but this worker sees no GPU: transform runs on the CPU")
+        return None
+    from pyspark import TaskContext
+
+    from spark_hvd.runner.spark import _assigned_gpu
+
+    ctx = TaskContext.get()
+    address = _assigned_gpu(ctx) if ctx is not None else None
+    if address is not None and address.isdigit() and int(address) < device_count:
+        return int(address)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ the estimator

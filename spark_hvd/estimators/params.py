@@ -302,11 +302,13 @@ class ModelParams(Params):
     run_id = _p("run_id", "the run in the store that produced this model", _to_optional(TypeConverters.toString))
     metadata = _p("metadata", "column metadata of the training data (dtypes, shapes) used to shape inputs/outputs",
                   _to_json_dict)
+    use_gpu = _p("use_gpu", "run transform on the executor's GPU where the task has one (its Spark GPU resource, "
+                 "else the first visible CUDA device); the CPU otherwise", TypeConverters.toBoolean)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(feature_cols=None, label_cols=None, output_cols=None, batch_size=1024, history=None,
-                         run_id=None, metadata=None)
+                         run_id=None, metadata=None, use_gpu=False)
 
     def getOutputCols(self) -> list[str]:  # noqa: N802 (Spark ML naming)
         """The prediction column names: ``output_cols`` if set, else ``<label>__output`` for every label."""
