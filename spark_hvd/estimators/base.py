@@ -596,10 +596,46 @@ class BaseEstimator(Estimator, _PersistableStage):
 
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:
-        get = self.getOrDefault
         plan = self._check(df)
+        return self._train(df, plan, _prepare_data(self, df, plan["store"], plan["num_proc"]))
+
+    def fit_on_parquet(self, path: str, validation_path: str | None = None) -> BaseModel:
+        """Train on Parquet files already at ``path`` (Horovod's name), read in place by the ranks: no copy.
+
+        ``path`` is a directory in the store's filesystem (a path, or a URL of the store's scheme); its
+        feature, label and weight columns must already have types the reader takes (numeric or boolean scalars,
+        fixed-length arrays of numbers, no nulls), else a ``DataError`` names the column and the type needed (use
+        ``fit(df)``, which prepares a converted copy). Validation rows come from ``validation_path`` (leave the
+        ``validation`` param unset). Spark ML Vectors, decimals, and Delta tables (whose current files only
+        ``delta-spark`` knows; it is not a dependency) go through ``fit(spark.read...)``.
+        """
+        from pyspark.sql import SparkSession
+
+        from spark_hvd.data.parquet import describe_parquet, store_path
+
+        name, get = type(self).__name__, self.getOrDefault
+        validation = get(self.validation)
+        if validation not in (None, 0.0):
+            raise ValueError(f"{name}: fit_on_parquet takes its validation rows from validation_path; unset "
+                             f"validation (it is {validation!r})")
+        store = self._opt(self.store)
+        if isinstance(store, str):
+            from spark_hvd.store import Store
+
+            store = Store.create(store)
+        if store is None:
+            raise ValueError(f"{name}: set store (fit_on_parquet reads path through the store's filesystem)")
+        spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+        df = spark.read.parquet(store.spark_url(store_path(store, path)))
+        plan = self._check(df)
+        data = describe_parquet(plan["store"], path, list(get(self.feature_cols)), list(get(self.label_cols)),
+                                get(self.sample_weight_col), validation_path, plan["num_proc"])
+        return self._train(df, plan, data)
+
+    def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:
+        """The training stage on the dataset ``data`` (prepared, or described in place), then the fitted model."""
+        get = self.getOrDefault
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
-        data = _prepare_data(self, df, store, num_proc)
         spec = self._spec_class(
             store=store, run_id=run_id, dataset=data, model_bytes=plan["model_bytes"],
             feature_cols=tuple(get(self.feature_cols)), label_cols=tuple(get(self.label_cols)),
@@ -776,6 +812,7 @@ def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any
         df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
         sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
         partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
+        overwrite=bool(get(est.overwrite_prepared_data)),
     )
 
 
