@@ -265,6 +265,7 @@ class BaseModel(Model, _PersistableStage):
         super().__init__()
         self._broadcast: tuple[tuple[str, type], Any] | None = None
         self._shape_cache: dict[tuple, list[list[int]]] = {}
+        self._serialized: tuple[str, bytes] | None = None
 
     # ---- framework hooks
     @classmethod
@@ -344,12 +345,13 @@ class BaseModel(Model, _PersistableStage):
         all_names = df.columns
         return df, [all_names.index(c) for c in feature_names], keep
 
-    def _output_shapes(self, df: Any, data: bytes, feature_idx: list[int], specs: list[dict]) -> list[list[int]]:
+    def _output_shapes(self, df: Any, key: str, data: bytes, feature_idx: list[int],
+                       specs: list[dict]) -> list[list[int]]:
         """Per-row shape of each output: from the fit's metadata, else by running the model on one row here."""
         recorded = (self.getOrDefault(self.metadata) or {}).get("output_shapes")
         if recorded:
             return [list(s) for s in recorded]
-        cache_key = (hashlib.sha256(data).hexdigest(), json.dumps(specs, sort_keys=True),
+        cache_key = (key, json.dumps(specs, sort_keys=True),
                      tuple(df.schema[i].dataType.simpleString() for i in feature_idx))
         if cache_key not in self._shape_cache:  # one Spark job per model and input schema, not per transform
             self._shape_cache[cache_key] = self._infer_output_shapes(df, data, feature_idx, specs)
@@ -367,9 +369,22 @@ class BaseModel(Model, _PersistableStage):
                   for i, s in zip(feature_idx, specs, strict=True)]
         return [list(np.asarray(o).shape[1:]) for o in self._predict(model, inputs)]
 
+    def _model_fingerprint(self, model: Any) -> str | None:
+        """A digest of the model that changes when it does, taken without serialising it (a framework whose bytes
+        differ from one serialisation to the next, such as a Keras archive with its save date, needs one); None:
+        the digest of the serialised bytes."""
+        return None
+
     def _model_broadcast(self, spark: Any) -> tuple[str, Any, bytes]:
-        data = self._serialize_model(self.getModel())
-        key = f"{type(self).__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
+        model = self.getModel()
+        digest = self._model_fingerprint(model)
+        if digest is not None and self._serialized is not None and self._serialized[0] == digest:
+            data = self._serialized[1]  # the same model: the same bytes, broadcast and worker cache entry
+        else:
+            data = self._serialize_model(model)
+            digest = digest or hashlib.sha256(data).hexdigest()
+            self._serialized = (digest, data)
+        key = f"{type(self).__name__}-{digest[:24]}"
         from spark_hvd.runner.cluster import share
 
         if self._broadcast is None or self._broadcast[0] != (key, type(spark)):
@@ -396,7 +411,7 @@ class BaseModel(Model, _PersistableStage):
         specs = self._feature_specs()
         prepared, feature_idx, keep_idx = self._prepared_input(df)
         key, bc, data = self._model_broadcast(df.sparkSession)
-        out_shapes = self._output_shapes(prepared, data, feature_idx, specs)
+        out_shapes = self._output_shapes(prepared, key, data, feature_idx, specs)
         if len(out_shapes) != len(out_cols):
             raise ValueError(f"the model has {len(out_shapes)} outputs but there are {len(out_cols)} output columns "
                              f"{out_cols}")

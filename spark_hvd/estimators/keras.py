@@ -117,6 +117,22 @@ class KerasModel(KeywordParams, BaseModel, KerasModelParams):
     def _deserialize_model(self, data: bytes) -> Any:
         return deserialize_keras_model(data, compile=False)
 
+    def _model_fingerprint(self, model: Any) -> str | None:
+        """Config, weights and custom object names (a ``.keras`` archive records its save time, so its bytes
+        differ on every save: hashing them would reload the model in every worker on every transform)."""
+        import hashlib
+        import json
+
+        try:
+            digest = hashlib.sha256(json.dumps(model.get_config(), sort_keys=True, default=str).encode())
+        except Exception:  # noqa: BLE001 - a subclassed model without get_config: hash the archive instead
+            return None
+        digest.update(repr(sorted(self._custom_objects())).encode())
+        for w in model.get_weights():
+            digest.update(str((w.shape, w.dtype)).encode())
+            digest.update(np.ascontiguousarray(w).tobytes())
+        return digest.hexdigest()
+
     @classmethod
     def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
         import keras
@@ -331,6 +347,22 @@ class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
 
     def _deserialize_model(self, data: bytes) -> Any:
         return deserialize_keras_model(data, compile=False)
+
+    def _model_fingerprint(self, model: Any) -> str | None:
+        """Config, weights and custom object names (a ``.keras`` archive records its save time, so its bytes
+        differ on every save: hashing them would reload the model in every worker on every transform)."""
+        import hashlib
+        import json
+
+        try:
+            digest = hashlib.sha256(json.dumps(model.get_config(), sort_keys=True, default=str).encode())
+        except Exception:  # noqa: BLE001 - a subclassed model without get_config: hash the archive instead
+            return None
+        digest.update(repr(sorted(self._custom_objects())).encode())
+        for w in model.get_weights():
+            digest.update(str((w.shape, w.dtype)).encode())
+            digest.update(np.ascontiguousarray(w).tobytes())
+        return digest.hexdigest()
 
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":

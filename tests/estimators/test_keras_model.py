@@ -47,3 +47,17 @@ def test_transform_with_use_gpu_on_a_cpu_worker(spark):
     np.testing.assert_allclose(cpu, expect, rtol=1e-5, atol=1e-6)
     gpu = np.array([r.t__output for r in sorted(model.setUseGpu(True).transform(df).collect(), key=lambda r: r.id)])
     np.testing.assert_allclose(gpu, expect, rtol=1e-4, atol=1e-5)
+
+
+def test_same_model_same_key_and_bytes(spark):
+    """A Keras archive differs on every save (it records the time); the model's key must not, or every transform
+    would reload the model (and trace a new function) in every Python worker. Changed weights change it."""
+    net = _net()
+    model = KerasModel(model=net, feature_cols=["x"], label_cols=["t"])
+    key1, _, data1 = model._model_broadcast(spark)
+    key2, _, data2 = model._model_broadcast(spark)
+    assert key1 == key2 and data1 is data2
+    net.set_weights([w + 1.0 for w in net.get_weights()])
+    key3, _, data3 = model._model_broadcast(spark)
+    assert key3 != key1
+    np.testing.assert_allclose(KerasModel._load_for_inference(data3).get_weights()[0], net.get_weights()[0])
