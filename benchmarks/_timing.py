@@ -43,10 +43,10 @@ def features_df(spark: Any, rows: int, seed: int) -> Any:
                                           lambda acc, v: acc + F.sin(v * 3.0)).cast("double"))
 
 
-def arrow_floor_rows_per_s(df: Any, output: str, repeats: int) -> float:
-    """Rows/s of Spark's own Arrow round trip on ``df``: a ``mapInArrow`` that passes the columns through and adds
-    a zero ``output`` double column, written to the noop sink. No model: what any batched Python transform pays for
-    moving the rows to Python and back, the ceiling a model transform can approach."""
+def arrow_floor_run(df: Any, output: str) -> Callable[[], Any]:
+    """Spark's own Arrow round trip on ``df``: a ``mapInArrow`` that passes the columns through and adds a zero
+    ``output`` double column, written to the noop sink. No model: what any batched Python transform pays for moving
+    the rows to Python and back, the ceiling a model transform can approach. Returns the call to time."""
     import numpy as np
     import pyarrow as pa
 
@@ -58,9 +58,26 @@ def arrow_floor_rows_per_s(df: Any, output: str, repeats: int) -> float:
                                              names=[*names, output])
 
     schema = f"{df.schema.simpleString()[len('struct<'):-1]},{output}:double"
-    run = lambda: df.mapInArrow(identity, schema).write.format("noop").mode("overwrite").save()  # noqa: E731
+    return lambda: df.mapInArrow(identity, schema).write.format("noop").mode("overwrite").save()
+
+
+def arrow_floor_rows_per_s(df: Any, output: str, repeats: int) -> float:
+    """Rows/s of :func:`arrow_floor_run` (median of ``repeats``, after one warm-up run)."""
+    run = arrow_floor_run(df, output)
     run()  # warm the Python workers
     return df.count() / median_time(run, repeats)
+
+
+def paired_median_times(a: Callable[[], Any], b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median seconds of ``a`` and of ``b``, timed alternately (a, b, a, b, ...), so that a load that changes
+    during the run weighs on both alike: their ratio is steadier than from two separate series."""
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, times in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def local_spark(app_name: str) -> Any:

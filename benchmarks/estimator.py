@@ -4,8 +4,8 @@ transform: rows/s of ``TorchModel.transform`` (mapInArrow, batches of 1024) on a
   (a) the same module called on in-memory tensors in batches of 1024 with as many torch threads as Spark has cores
       (target: transform >= 50% of it), and
   (b) a row-at-a-time ``rdd.mapPartitions`` that calls the module once per row (Horovod's way; target >= 10x),
-  and, for reading them, (c) Spark's own Arrow round trip with no model (``arrow_floor_rows_per_s``): the ceiling
-  any batched Python transform can approach on this DataFrame.
+  and, for reading them, (c) Spark's own Arrow round trip with no model (``arrow_floor_run``, timed alternately with the
+  transform): the ceiling any batched Python transform can approach on this DataFrame.
 fit: wall time of ``TorchEstimator.fit`` (num_proc=2) against
   (c) the same loop on in-memory tensors in 2 processes under ``spark-hvd-run`` (DistributedOptimizer, same model,
       optimizer, batch size, epochs, steps per epoch; target fit <= 1.25x + 15 s), and
@@ -35,11 +35,12 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
 from _timing import (  # noqa: E402
     WIDTH,
-    arrow_floor_rows_per_s,
+    arrow_floor_run,
     features_df,
     finish,
     fit_vs_plain,
     median_time,
+    paired_median_times,
     start,
 )
 
@@ -95,8 +96,10 @@ def bench_transform(spark, rows: int, slow_rows: int, repeats: int, hidden: int 
         tm.transform(df).write.format("noop").mode("overwrite").save()
 
     t_first = median_time(run_transform, 1)
-    t_transform = median_time(run_transform, repeats)
-    floor = arrow_floor_rows_per_s(df, "y__output", repeats)
+    run_floor = arrow_floor_run(df, "y__output")
+    run_floor()  # warm
+    t_transform, t_floor = paired_median_times(run_transform, run_floor, repeats)
+    floor = rows / t_floor
 
     x = torch.from_numpy(np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32))
     prev = torch.get_num_threads()

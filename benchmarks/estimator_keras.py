@@ -5,14 +5,16 @@ The Keras counterpart of ``benchmarks/estimator.py`` (same data, same model shap
 transform: rows/s of ``KerasModel.transform`` (mapInArrow, batches of 1024) on a cached DataFrame, against
   ``model.predict(x, batch_size=1024)`` on the same rows as an in-memory numpy array in the driver (TensorFlow's
   default threads: all cores). Target: transform >= 50% of it. Also Spark's own Arrow round trip with no model
-  (``arrow_floor_rows_per_s``), the ceiling any batched Python transform can approach on this DataFrame.
+  (``arrow_floor_run``, timed alternately with the transform), the ceiling any batched Python transform can
+  approach on this DataFrame, and a row-at-a-time ``rdd.mapPartitions`` calling the model once per row.
 fit: wall time of ``KerasEstimator.fit`` (num_proc=2) against the same ``model.fit`` on in-memory arrays in 2
   processes under ``spark-hvd-run`` (the estimator's prepared Parquet read with pyarrow, rank-strided shards,
   DistributedOptimizer + BroadcastGlobalVariablesCallback + MetricAverageCallback, same model, optimizer, batch
   size, epochs and steps per epoch). Target: fit <= 1.25x + 15 s. The plain run's wall time includes importing
   TensorFlow in both ranks; a warm estimator fit reuses Spark's Python workers, where it is imported already.
 
-    .venv/bin/python benchmarks/estimator_keras.py [--rows 100000] [--fit-rows 20000] [--epochs 2] [--batch 128]
+    .venv/bin/python benchmarks/estimator_keras.py [--rows 100000] [--row-at-a-time-rows 2000] [--fit-rows 20000]
+        [--epochs 2] [--batch 128]
         [--repeats 2] [--out results.json]
 
 Fits are timed warm (a first fit prepares the data and starts the Python workers), each item the median of
@@ -28,7 +30,16 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared helpers, also under python -m / import
-from _timing import WIDTH, arrow_floor_rows_per_s, features_df, finish, fit_vs_plain, median_time, start  # noqa: E402
+from _timing import (  # noqa: E402
+    WIDTH,
+    arrow_floor_run,
+    features_df,
+    finish,
+    fit_vs_plain,
+    median_time,
+    paired_median_times,
+    start,
+)
 
 log = logging.getLogger("benchmarks.estimator_keras")
 
@@ -41,7 +52,7 @@ def _model(seed: int = 0):
                              keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
 
 
-def bench_transform(spark, rows: int, repeats: int) -> dict:
+def bench_transform(spark, rows: int, repeats: int, slow_rows: int = 2000) -> dict:
     import numpy as np
 
     from spark_hvd.estimators import KerasModel
@@ -56,17 +67,41 @@ def bench_transform(spark, rows: int, repeats: int) -> dict:
         km.transform(df).write.format("noop").mode("overwrite").save()
 
     t_first = median_time(run_transform, 1)
-    t_transform = median_time(run_transform, repeats)
-    floor = arrow_floor_rows_per_s(df, "y__output", repeats)
+    run_floor = arrow_floor_run(df, "y__output")
+    run_floor()  # warm
+    t_transform, t_floor = paired_median_times(run_transform, run_floor, repeats)
     x = np.asarray(df.select("features").toPandas()["features"].tolist(), dtype=np.float32)
     model.predict(x[:2048], batch_size=1024, verbose=0)  # warm: trace the predict function
 
     t_memory = median_time(lambda: model.predict(x, batch_size=1024, verbose=0), repeats)
+    small = df.limit(slow_rows).repartition(cores).cache()
+    small.count()
+
+    def row_at_a_time(it):
+        import numpy as np_
+
+        for row in it:
+            out = model(np_.asarray([row.features], dtype=np_.float32), training=False)
+            yield (*row, float(np_.asarray(out)[0, 0]))
+
+    from pyspark.sql.types import DoubleType, StructField, StructType
+
+    schema = StructType(list(small.schema.fields) + [StructField("y__output", DoubleType())])
+
+    def run_rows():
+        spark.createDataFrame(small.rdd.mapPartitions(row_at_a_time), schema).write.format("noop") \
+            .mode("overwrite").save()
+
+    run_rows()  # warm: TensorFlow imported in the workers
+    t_rows = median_time(run_rows, repeats)
     res = {"rows": rows, "transform_rows_per_s": rows / t_transform, "transform_first_call_s": t_first,
-           "in_memory_predict_rows_per_s": rows / t_memory, "arrow_floor_rows_per_s": floor}
+           "in_memory_predict_rows_per_s": rows / t_memory, "arrow_floor_rows_per_s": rows / t_floor,
+           "row_at_a_time_rows": slow_rows, "row_at_a_time_rows_per_s": slow_rows / t_rows}
     res["transform_vs_in_memory"] = res["transform_rows_per_s"] / res["in_memory_predict_rows_per_s"]
-    res["transform_vs_arrow_floor"] = res["transform_rows_per_s"] / floor
+    res["transform_vs_arrow_floor"] = t_floor / t_transform
+    res["transform_vs_row_at_a_time"] = res["transform_rows_per_s"] / res["row_at_a_time_rows_per_s"]
     df.unpersist()
+    small.unpersist()
     return res
 
 
@@ -120,6 +155,7 @@ def bench_fit(spark, rows: int, epochs: int, batch: int, repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--row-at-a-time-rows", type=int, default=2_000)
     parser.add_argument("--fit-rows", type=int, default=20_000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=128)
@@ -129,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     spark, results = start("bench-estimator-keras", __name__)
     if "transform" not in args.skip:
-        results["transform"] = bench_transform(spark, args.rows, args.repeats)
+        results["transform"] = bench_transform(spark, args.rows, args.repeats, args.row_at_a_time_rows)
         log.info("transform: %s", json.dumps(results["transform"]))
     if "fit" not in args.skip:
         results["fit"] = bench_fit(spark, args.fit_rows, args.epochs, args.batch, args.repeats)

@@ -27,10 +27,11 @@ class ColumnNotFoundError(DataError):
 class UnsupportedColumnTypeError(DataError):
     """A column's Spark type cannot be turned into a fixed-shape numeric array."""
 
-    def __init__(self, column: str, spark_type: str, role: str = "column") -> None:
+    def __init__(self, column: str, spark_type: str, role: str = "column", needed: str | None = None) -> None:
         super().__init__(
-            f"{role} {column!r} has type {spark_type}, which is not supported: use a numeric or boolean scalar, "
-            "a pyspark.ml.linalg.Vector, or an array of numbers of one fixed length"
+            f"{role} {column!r} has type {spark_type}, which is not supported: use "
+            + (needed or "a numeric or boolean scalar, a pyspark.ml.linalg.Vector, or an array of numbers of one "
+               "fixed length")
         )
         self.column = column
         self.spark_type = spark_type

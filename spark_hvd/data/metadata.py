@@ -92,12 +92,13 @@ class DatasetInfo:
         return {n: c.dtype for n, c in self.columns.items()}
 
     def train_path(self, store: Store) -> str:
-        """Store path of the training files."""
-        return store.train_data_path(self.key)
+        """Store path of the training files (the user's own directory for a dataset described in place by
+        :func:`spark_hvd.data.parquet.describe_parquet`)."""
+        return self.extra.get("train_path") or store.train_data_path(self.key)
 
     def val_path(self, store: Store) -> str:
-        """Store path of the validation files."""
-        return store.val_data_path(self.key)
+        """Store path of the validation files (the user's own directory for a dataset described in place)."""
+        return self.extra.get("val_path") or store.val_data_path(self.key)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (the content of ``_metadata.json``)."""

@@ -264,15 +264,33 @@ class BaseModel(Model, _PersistableStage):
     def __init__(self) -> None:
         super().__init__()
         self._broadcast: tuple[tuple[str, type], Any] | None = None
+        self._shape_cache: dict[tuple, list[list[int]]] = {}
+        self._serialized: tuple[str, bytes] | None = None
 
     # ---- framework hooks
     @classmethod
-    def _load_for_inference(cls, data: bytes) -> Any:
+    def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
         return cls._deserialize_model(data)
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         raise NotImplementedError
+
+    @classmethod
+    def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
+        """The model's outputs for all rows of ``inputs``, calling it on ``batch_size`` rows at a time (a framework
+        may override this to convert the inputs once per Arrow batch rather than once per model call)."""
+        n = len(inputs[0])
+        parts: list[list[np.ndarray]] | None = None
+        for start in range(0, n, batch_size) or [0]:
+            outs = cls._predict(model, [x[start:start + batch_size] for x in inputs])
+            if parts is None:
+                parts = [[] for _ in outs]
+            if len(outs) != len(parts):
+                raise ValueError(f"the model returned {len(outs)} outputs for one batch and {len(parts)} for another")
+            for acc, o in zip(parts, outs, strict=True):
+                acc.append(np.asarray(o))
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts or []]
 
     def _input_shapes(self) -> list | None:
         return None
@@ -327,11 +345,21 @@ class BaseModel(Model, _PersistableStage):
         all_names = df.columns
         return df, [all_names.index(c) for c in feature_names], keep
 
-    def _output_shapes(self, df: Any, data: bytes, feature_idx: list[int], specs: list[dict]) -> list[list[int]]:
+    def _output_shapes(self, df: Any, key: str, data: bytes, feature_idx: list[int],
+                       specs: list[dict]) -> list[list[int]]:
         """Per-row shape of each output: from the fit's metadata, else by running the model on one row here."""
         recorded = (self.getOrDefault(self.metadata) or {}).get("output_shapes")
         if recorded:
             return [list(s) for s in recorded]
+        cache_key = (key, json.dumps(specs, sort_keys=True),
+                     tuple(df.schema[i].dataType.simpleString() for i in feature_idx))
+        if cache_key not in self._shape_cache:  # one Spark job per model and input schema, not per transform
+            self._shape_cache[cache_key] = self._infer_output_shapes(df, data, feature_idx, specs)
+        return self._shape_cache[cache_key]
+
+    def _infer_output_shapes(self, df: Any, data: bytes, feature_idx: list[int],
+                             specs: list[dict]) -> list[list[int]]:
+        """Runs the model on the first row of ``df`` on the driver; the per-row shape of each output."""
         rows = df.limit(1).toArrow()
         if rows.num_rows == 0:
             raise ValueError("cannot infer the output shapes from an empty DataFrame; "
@@ -341,9 +369,22 @@ class BaseModel(Model, _PersistableStage):
                   for i, s in zip(feature_idx, specs, strict=True)]
         return [list(np.asarray(o).shape[1:]) for o in self._predict(model, inputs)]
 
+    def _model_fingerprint(self, model: Any) -> str | None:
+        """A digest of the model that changes when it does, taken without serialising it (a framework whose bytes
+        differ from one serialisation to the next, such as a Keras archive with its save date, needs one); None:
+        the digest of the serialised bytes."""
+        return None
+
     def _model_broadcast(self, spark: Any) -> tuple[str, Any, bytes]:
-        data = self._serialize_model(self.getModel())
-        key = f"{type(self).__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
+        model = self.getModel()
+        digest = self._model_fingerprint(model)
+        if digest is not None and self._serialized is not None and self._serialized[0] == digest:
+            data = self._serialized[1]  # the same model: the same bytes, broadcast and worker cache entry
+        else:
+            data = self._serialize_model(model)
+            digest = digest or hashlib.sha256(data).hexdigest()
+            self._serialized = (digest, data)
+        key = f"{type(self).__name__}-{digest[:24]}"
         from spark_hvd.runner.cluster import share
 
         if self._broadcast is None or self._broadcast[0] != (key, type(spark)):
@@ -370,26 +411,28 @@ class BaseModel(Model, _PersistableStage):
         specs = self._feature_specs()
         prepared, feature_idx, keep_idx = self._prepared_input(df)
         key, bc, data = self._model_broadcast(df.sparkSession)
-        out_shapes = self._output_shapes(prepared, data, feature_idx, specs)
+        out_shapes = self._output_shapes(prepared, key, data, feature_idx, specs)
         if len(out_shapes) != len(out_cols):
             raise ValueError(f"the model has {len(out_shapes)} outputs but there are {len(out_cols)} output columns "
                              f"{out_cols}")
         schema = StructType(list(df.schema.fields) +
                             [StructField(c, _output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
-        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size)
+        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
+                                bool(self.getOrDefault(self.use_gpu)))
         return prepared.mapInArrow(fn, schema)
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
-                       batch_size: int) -> Callable:
+                       batch_size: int, use_gpu: bool = False) -> Callable:
     """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        model = _cached_model(key, lambda: model_cls._load_for_inference(bc.value))
+        model = _cached_model(f"{key}-gpu" if use_gpu else key,
+                              lambda: model_cls._load_for_inference(bc.value, use_gpu))
         names = None
         for rb in batches:
             if names is None:
@@ -401,17 +444,32 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
                 continue
             inputs = [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
                       for i, s in zip(feature_idx, specs, strict=True)]
-            parts: list[list[np.ndarray]] = [[] for _ in out_cols]
-            for start in range(0, n, batch_size):
-                outs = model_cls._predict(model, [x[start:start + batch_size] for x in inputs])
-                if len(outs) != len(out_cols):
-                    raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns")
-                for acc, o in zip(parts, outs, strict=True):
-                    acc.append(np.asarray(o))
-            outputs = [output_to_arrow(p[0] if len(p) == 1 else np.concatenate(p), n) for p in parts]
+            outs = model_cls._predict_batches(model, inputs, batch_size)
+            if len(outs) != len(out_cols):
+                raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
+                                 f"{out_cols}")
+            outputs = [output_to_arrow(o, n) for o in outs]
             yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
 
     return transform_batches
+
+
+def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
+    """The CUDA ordinal an inference task uses: with ``use_gpu`` and a visible device, the GPU Spark assigned to
+    the task (its ``resources()["gpu"]``) when it is visible here, else device 0; None (the CPU) otherwise."""
+    if not use_gpu or device_count <= 0:
+        if use_gpu:
+            log.info("use_gpu is set but this worker sees no GPU: transform runs on the CPU")
+        return None
+    from pyspark import TaskContext
+
+    from spark_hvd.runner.spark import _assigned_gpu
+
+    ctx = TaskContext.get()
+    address = _assigned_gpu(ctx) if ctx is not None else None
+    if address is not None and address.isdigit() and int(address) < device_count:
+        return int(address)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ the estimator
@@ -553,10 +611,46 @@ class BaseEstimator(Estimator, _PersistableStage):
 
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:
-        get = self.getOrDefault
         plan = self._check(df)
+        return self._train(df, plan, _prepare_data(self, df, plan["store"], plan["num_proc"]))
+
+    def fit_on_parquet(self, path: str, validation_path: str | None = None) -> BaseModel:
+        """Train on Parquet files already at ``path`` (Horovod's name), read in place by the ranks: no copy.
+
+        ``path`` is a directory in the store's filesystem (a path, or a URL of the store's scheme); its
+        feature, label and weight columns must already have types the reader takes (numeric or boolean scalars,
+        fixed-length arrays of numbers, no nulls), else a ``DataError`` names the column and the type needed (use
+        ``fit(df)``, which prepares a converted copy). Validation rows come from ``validation_path`` (leave the
+        ``validation`` param unset). Spark ML Vectors, decimals, and Delta tables (whose current files only
+        ``delta-spark`` knows; it is not a dependency) go through ``fit(spark.read...)``.
+        """
+        from pyspark.sql import SparkSession
+
+        from spark_hvd.data.parquet import describe_parquet, store_path
+
+        name, get = type(self).__name__, self.getOrDefault
+        validation = get(self.validation)
+        if validation not in (None, 0.0):
+            raise ValueError(f"{name}: fit_on_parquet takes its validation rows from validation_path; unset "
+                             f"validation (it is {validation!r})")
+        store = self._opt(self.store)
+        if isinstance(store, str):
+            from spark_hvd.store import Store
+
+            store = Store.create(store)
+        if store is None:
+            raise ValueError(f"{name}: set store (fit_on_parquet reads path through the store's filesystem)")
+        spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+        df = spark.read.parquet(store.spark_url(store_path(store, path)))
+        plan = self._check(df)
+        data = describe_parquet(plan["store"], path, list(get(self.feature_cols)), list(get(self.label_cols)),
+                                get(self.sample_weight_col), validation_path, plan["num_proc"])
+        return self._train(df, plan, data)
+
+    def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:
+        """The training stage on the dataset ``data`` (prepared, or described in place), then the fitted model."""
+        get = self.getOrDefault
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
-        data = _prepare_data(self, df, store, num_proc)
         spec = self._spec_class(
             store=store, run_id=run_id, dataset=data, model_bytes=plan["model_bytes"],
             feature_cols=tuple(get(self.feature_cols)), label_cols=tuple(get(self.label_cols)),
@@ -733,6 +827,7 @@ def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any
         df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
         sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
         partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
+        overwrite=bool(get(est.overwrite_prepared_data)),
     )
 
 

@@ -232,6 +232,10 @@ class EstimatorParams(Params):
                      "rank fails", _to_strict_int)
     terminate_on_nan = _p("terminate_on_nan", "stop with an error naming the epoch and step when the training loss "
                           "is not finite", TypeConverters.toBoolean)
+    overwrite_prepared_data = _p("overwrite_prepared_data", "prepare the DataFrame's Parquet again even when the "
+                                 "store holds a preparation of the same plan and settings (the cache key cannot see "
+                                 "rewritten files under an unchanged plan: set it for a nightly job on a rewritten "
+                                 "path)", TypeConverters.toBoolean)
 
     def __init__(self) -> None:
         super().__init__()
@@ -240,6 +244,7 @@ class EstimatorParams(Params):
             validation=None, batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
+            overwrite_prepared_data=False,
         )
 
 
@@ -306,11 +311,13 @@ class ModelParams(Params):
     run_id = _p("run_id", "the run in the store that produced this model", _to_optional(TypeConverters.toString))
     metadata = _p("metadata", "column metadata of the training data (dtypes, shapes) used to shape inputs/outputs",
                   _to_json_dict)
+    use_gpu = _p("use_gpu", "run transform on the executor's GPU where the task has one (its Spark GPU resource, "
+                 "else the first visible CUDA device); the CPU otherwise", TypeConverters.toBoolean)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(feature_cols=None, label_cols=None, output_cols=None, batch_size=1024, history=None,
-                         run_id=None, metadata=None)
+                         run_id=None, metadata=None, use_gpu=False)
 
     def getOutputCols(self) -> list[str]:  # noqa: N802 (Spark ML naming)
         """The prediction column names: ``output_cols`` if set, else ``<label>__output`` for every label."""

@@ -13,7 +13,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles
+from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, task_gpu_index
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
 from spark_hvd.estimators.rank_run import EarlyStopping
 from spark_hvd.estimators.spec import BestPolicy, TorchSpec
@@ -45,7 +45,7 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
         return deserialize_module(data)
 
     @classmethod
-    def _load_for_inference(cls, data: bytes) -> Any:
+    def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
         import torch
         from pyspark import TaskContext
 
@@ -53,21 +53,43 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
         if ctx is not None:  # one intra-op thread per task core: tasks of an executor share its cores
             torch.set_num_threads(max(1, int(ctx.cpus())))
         model = cls._deserialize_model(data)  # on the CPU, wherever it was trained
+        index = task_gpu_index(use_gpu, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if index is not None:
+            model.to(torch.device("cuda", index))
         model.eval()
         return model
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        return cls._predict_batches(model, inputs, max(1, len(inputs[0])))
+
+    @classmethod
+    def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
+        """One ``torch.from_numpy`` per input (no copy), the module on ``batch_size`` rows at a time on the
+        module's device, one host copy of each output at the end."""
         import torch
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")  # Arrow buffers are read-only; not written
             tensors = [torch.from_numpy(x) for x in inputs]
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        parts: list[list[Any]] = []
         with torch.inference_mode():
-            out = model(*tensors)
-        if isinstance(out, torch.Tensor):
-            out = [out]
-        return [o.detach().cpu().numpy() for o in out]
+            for start in range(0, len(tensors[0]), batch_size) or [0]:
+                chunk = [t[start:start + batch_size] for t in tensors]
+                if device.type != "cpu":
+                    chunk = [t.to(device, non_blocking=True) for t in chunk]
+                out = model(*chunk)
+                outs = [out] if isinstance(out, torch.Tensor) else list(out)
+                if not parts:
+                    parts = [[] for _ in outs]
+                if len(outs) != len(parts):
+                    raise ValueError(f"the module returned {len(outs)} outputs for one batch and {len(parts)} "
+                                     "for another")
+                for acc, o in zip(parts, outs, strict=True):
+                    acc.append(o)
+            return [(p[0] if len(p) == 1 else torch.cat(p)).detach().cpu().numpy() for p in parts]
 
 
 class _CPUUnpickler(pickle.Unpickler):

@@ -134,3 +134,67 @@ def test_pipeline_model_save_load_transform(spark, tmp_path):
     assert stage.getHistory() == {"loss": [1.0, 0.5]} and stage.getRunId() == "r1"
     after = loaded.transform(df).select("a", "y__output").collect()
     assert before == after
+
+
+def test_output_shapes_inferred_once_per_model(spark, monkeypatch):
+    """A model without recorded output shapes runs one row on the driver once, not on every transform."""
+    df, _ = _vector_df(spark, n=20)
+    model = TorchModel(model=_trained_net(), feature_cols=["features"], label_cols=["y"])
+    calls = []
+    infer = TorchModel._infer_output_shapes
+
+    def counting(self, *args):
+        calls.append(1)
+        return infer(self, *args)
+
+    monkeypatch.setattr(TorchModel, "_infer_output_shapes", counting)
+    first = model.transform(df).select("y__output").collect()
+    second = model.transform(df).select("y__output").collect()
+    assert len(calls) == 1 and sorted(first) == sorted(second)
+    model.setModel(_trained_net(seed=7))  # another model: inferred again
+    model.transform(df)
+    assert len(calls) == 2
+
+
+def test_predict_batches_equals_one_call():
+    """Batches of 7 rows through ``_predict_batches`` give what one call of the module gives, for each output."""
+    net = _trained_net(n_in=3, n_out=2, seed=2)
+    x = np.random.default_rng(0).standard_normal((50, 3)).astype(np.float32)
+    x.setflags(write=False)  # as Arrow hands them
+    got = TorchModel._predict_batches(net, [x], 7)
+    with torch.no_grad():
+        expect = net(torch.from_numpy(x.copy())).numpy()
+    assert len(got) == 1 and got[0].shape == (50, 2)
+    np.testing.assert_allclose(got[0], expect, rtol=1e-6, atol=1e-6)
+    assert TorchModel._predict_batches(net, [x[:0]], 7)[0].shape == (0, 2)
+
+
+def test_use_gpu_on_a_cpu_worker_gives_the_cpu_result(spark):
+    """``setUseGpu(True)`` where no GPU is visible: transform still runs (on the CPU) and gives the same values."""
+    net = _trained_net()
+    df, _ = _vector_df(spark, n=60)
+    model = TorchModel(model=net, feature_cols=["features"], label_cols=["y"], batch_size=16)
+    assert model.getUseGpu() is False
+    cpu = sorted((r.id, r.y__output) for r in model.transform(df).collect())
+    assert model.setUseGpu(True) is model and model.getUseGpu() is True
+    gpu = sorted((r.id, r.y__output) for r in model.transform(df).collect())
+    if not torch.cuda.is_available():
+        assert gpu == cpu
+    else:
+        np.testing.assert_allclose([v for _, v in gpu], [v for _, v in cpu], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_transform_equals_cpu_transform(spark):
+    """On a machine with CUDA: the module is loaded on the GPU for transform, and its outputs equal the CPU ones."""
+    net = _trained_net(n_in=3, n_out=2, seed=5)
+    x = np.random.default_rng(3).standard_normal((40, 3)).astype(np.float32)
+    loaded = TorchModel._load_for_inference(TorchModel._serialize_model(net), use_gpu=True)
+    assert next(loaded.parameters()).device.type == "cuda"
+    np.testing.assert_allclose(TorchModel._predict_batches(loaded, [x], 16)[0],
+                               TorchModel._predict_batches(net, [x], 16)[0], rtol=1e-4, atol=1e-5)
+    df = spark.createDataFrame([(i, x[i].tolist()) for i in range(40)], "id long, arr array<float>")
+    model = TorchModel(model=net, feature_cols=["arr"], label_cols=["t"], batch_size=16)
+    cpu = sorted((r.id, r.t__output) for r in model.transform(df).collect())
+    gpu = sorted((r.id, r.t__output) for r in model.setUseGpu(True).transform(df).collect())
+    np.testing.assert_allclose(np.array([v for _, v in gpu]), np.array([v for _, v in cpu]), rtol=1e-4, atol=1e-5)

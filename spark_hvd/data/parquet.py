@@ -1,0 +1,167 @@
+"""Driver side: train on Parquet that is already there, without copying it (``fit_on_parquet``).
+
+:func:`describe_parquet` reads the footers and the used columns of a Parquet directory in the store's filesystem
+and returns a :class:`~spark_hvd.data.metadata.DatasetInfo` whose paths point at that directory, so the training
+ranks read the user's files in place. It accepts the column types the worker-side reader takes as they are
+(numeric or boolean scalars; lists of one fixed length of numbers, without nulls) and names the column and the
+type it needs otherwise. Nothing is written: where a column needs converting, ``fit(df)`` prepares a copy.
+
+A Delta table's current files can be read the same way only through ``delta-spark`` (the transaction log says which
+files are current); spark_hvd does not depend on it, so a Delta table must be given to ``fit(spark.read.format(
+"delta").load(path))``, which prepares a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from spark_hvd.data.errors import (
+    ColumnNotFoundError,
+    DatasetNotFoundError,
+    EmptyDataFrameError,
+    InconsistentShapeError,
+    NullValuesError,
+    TooFewRowsError,
+    UnsupportedColumnTypeError,
+)
+from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spark_hvd.store import Store
+
+__all__ = ["describe_parquet"]
+
+_NEEDED = ("a numeric or boolean scalar (float, double, tinyint..bigint, boolean) or an array of one fixed length "
+           "of such numbers, without nulls,")
+
+
+def store_path(store: Store, path: str) -> str:
+    """``path`` (a store path, or a URL of the store's scheme such as ``file:///data/t``) as a store path."""
+    return store.fs._strip_protocol(path).rstrip("/") or "/"
+
+
+def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label_cols: Sequence[str],
+                     sample_weight_col: str | None = None, validation_path: str | None = None,
+                     num_proc: int = 1) -> DatasetInfo:
+    """The :class:`DatasetInfo` of the Parquet directory ``path`` (and ``validation_path``), read in place.
+
+    Checks, from the footers and one read of the used list columns: every column exists, has a type the reader
+    takes as it is, no nulls, fixed-length arrays; at least ``num_proc`` rows and row groups per split (the ranks
+    shard by row group).
+
+    Raises:
+        spark_hvd.data.errors.DataError: a subclass naming the column, the file set and what is needed.
+    """
+    roles: dict[str, str] = {}
+    for c in feature_cols:
+        roles.setdefault(c, "feature column")
+    for c in label_cols:
+        roles.setdefault(c, "label column")
+    if sample_weight_col:
+        roles.setdefault(sample_weight_col, "sample weight column")
+    paths = {"train": store_path(store, path)}
+    if validation_path:
+        paths["val"] = store_path(store, validation_path)
+    columns: dict[str, ColumnSpec] = {}
+    rows: dict[str, int] = {}
+    for split, split_path in paths.items():
+        split_columns, rows[split] = _describe_split(store, split_path, roles, num_proc)
+        for name, spec in split_columns.items():
+            if name in columns and columns[name] != spec:
+                raise InconsistentShapeError(f"{roles[name]} {name!r} is {columns[name].spark_type} of shape "
+                                             f"{list(columns[name].shape)} in {paths['train']!r} but "
+                                             f"{spec.spark_type} of shape {list(spec.shape)} in {split_path!r}")
+            columns[name] = spec
+    if sample_weight_col and columns[sample_weight_col].kind != "scalar":
+        raise UnsupportedColumnTypeError(sample_weight_col, columns[sample_weight_col].spark_type,
+                                         "sample weight column")
+    doc = {"paths": paths, "columns": [c.to_json() for c in columns.values()], "rows": rows,
+           "format": FORMAT_VERSION}
+    fingerprint = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+    return DatasetInfo(
+        key="pq-" + fingerprint[:20], columns=columns, feature_cols=list(feature_cols), label_cols=list(label_cols),
+        sample_weight_col=sample_weight_col, train_rows=rows["train"], val_rows=rows.get("val", 0),
+        num_partitions=0, validation=paths.get("val"), fingerprint=fingerprint,
+        extra={"train_path": paths["train"], **({"val_path": paths["val"]} if "val" in paths else {})},
+    )
+
+
+def _describe_split(store: Store, path: str, roles: dict[str, str], num_proc: int) -> tuple[dict, int]:
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    try:
+        dataset = ds.dataset(path, format="parquet", filesystem=store.pyarrow_filesystem())
+    except (FileNotFoundError, OSError) as exc:
+        raise DatasetNotFoundError(f"no Parquet files at {path!r} in the store {store.url!r} ({exc})") from None
+    schema = dataset.schema
+    for name, role in roles.items():
+        if schema.get_field_index(name) < 0:
+            raise ColumnNotFoundError(name, schema.names, role)
+    fragments = list(dataset.get_fragments())
+    total = sum(f.metadata.num_rows for f in fragments)
+    groups = sum(f.metadata.num_row_groups for f in fragments)
+    if total == 0:
+        raise EmptyDataFrameError(f"the Parquet files at {path!r} hold no rows: there is nothing to train on")
+    if total < num_proc or groups < num_proc:
+        raise TooFewRowsError(f"the Parquet files at {path!r} hold {total} rows in {groups} row groups, fewer than "
+                              f"num_proc={num_proc}: every rank reads whole row groups, so some rank gets none; "
+                              "write more files or row groups, or use fit(df), which prepares a copy that has them")
+    columns = {}
+    for name, role in roles.items():
+        columns[name] = _column_spec(name, role, schema.field(name).type, path)
+    lists = [n for n, c in columns.items() if c.kind == "array"]
+    lengths: dict[str, set] = {n: set() for n in lists}
+    nulls = {n: 0 for n in columns}
+    for batch in dataset.to_batches(columns=list(columns)):
+        for n in columns:
+            arr = batch.column(n)
+            nulls[n] += arr.null_count
+            if n in lists:
+                if arr.null_count == 0 and len(arr):
+                    bounds = pc.min_max(pc.list_value_length(arr))
+                    lengths[n].update((bounds["min"].as_py(), bounds["max"].as_py()))
+                nulls[n] += pc.sum(pc.is_null(arr.flatten())).as_py() or 0
+    bad = {n: k for n, k in nulls.items() if k}
+    if bad:
+        detail = ", ".join(f"{roles[n]} {n!r}: {k} null values" for n, k in bad.items())
+        raise NullValuesError(f"null values in {path!r} ({detail}); the reader takes no nulls: use fit(df) on a "
+                              "DataFrame with them dropped or filled (df.na.drop/fill)")
+    for n in lists:
+        if len(lengths[n]) != 1 or 0 in lengths[n]:
+            found = sorted(lengths[n])
+            raise InconsistentShapeError(f"{roles[n]} {n!r} in {path!r} holds arrays of lengths {found[0]} to "
+                                         f"{found[-1]}; the reader needs one fixed, non-zero length")
+        (length,) = lengths[n]
+        c = columns[n]
+        columns[n] = ColumnSpec(c.name, c.dtype, (int(length),), c.kind, c.spark_type)
+    return columns, total
+
+
+def _column_spec(name: str, role: str, arrow_type: Any, path: str) -> ColumnSpec:
+    """The stored column's spec, or ``UnsupportedColumnTypeError`` saying what the reader needs."""
+    import numpy as np
+    import pyarrow as pa
+
+    kind, value_type = "scalar", arrow_type
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
+        kind, value_type = "array", arrow_type.value_type
+    if (pa.types.is_boolean(value_type) or pa.types.is_signed_integer(value_type)
+            or pa.types.is_float32(value_type) or pa.types.is_float64(value_type)):
+        dtype = np.dtype(value_type.to_pandas_dtype()).name
+        spark = _SPARK_NAMES[dtype]
+        return ColumnSpec(name, dtype, (), kind, f"array<{spark}>" if kind == "array" else spark)
+    hint = ""
+    if pa.types.is_struct(arrow_type) and {"type", "values"} <= {f.name for f in arrow_type}:
+        hint = " (a Spark ML Vector: write it with pyspark.ml.functions.vector_to_array, or use fit(df))"
+    elif pa.types.is_decimal(value_type):
+        hint = " (a decimal: cast it to double, or use fit(df))"
+    raise UnsupportedColumnTypeError(name, f"{arrow_type} in the Parquet files at {path!r}{hint}", role,
+                                     needed=_NEEDED + " for fit_on_parquet")
+
+
+_SPARK_NAMES = {"bool": "boolean", "int8": "tinyint", "int16": "smallint", "int32": "int", "int64": "bigint",
+                "float32": "float", "float64": "double"}
