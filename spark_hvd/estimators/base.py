@@ -662,7 +662,8 @@ class BaseEstimator(Estimator, _PersistableStage):
             transformation_fn=self._opt(self.transformation_fn),
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
-            verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan), **self._train_spec(),
+            verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
+            scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), **self._train_spec(),
         )
         from spark_hvd.runner.spark import run
 

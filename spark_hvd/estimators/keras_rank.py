@@ -92,6 +92,18 @@ def _float16_layers(model: Any) -> bool:
     return any(getattr(getattr(layer, "dtype_policy", None), "name", "") == "mixed_float16" for layer in layers)
 
 
+def scale_learning_rate(optimizer: Any, factor: float) -> None:
+    """Multiply a Keras optimizer's constant learning rate by ``factor`` (``scale_lr_by_num_proc``); a schedule is
+    an error: scale the schedule itself."""
+    import keras
+
+    if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
+            getattr(optimizer, "_learning_rate", None)):
+        raise ValueError("KerasEstimator: scale_lr_by_num_proc needs a constant learning rate, the optimizer has a "
+                         "schedule; scale the schedule's rates by num_proc yourself")
+    optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
+
+
 class KerasTrainer(RankTrainer):
     """``model.fit`` on the rank's shard, compiled with the rebuilt optimizer in ``DistributedOptimizer``."""
 
@@ -122,6 +134,8 @@ class KerasTrainer(RankTrainer):
         if spec.gradient_compression is not None:
             kwargs["compression"] = spec.gradient_compression
         optimizer = build_optimizer(spec.optimizer)
+        if spec.scale_lr_by_num_proc:
+            scale_learning_rate(optimizer, self.hvd.size())
         import keras
 
         if _float16_layers(self.model) and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

@@ -232,6 +232,9 @@ class EstimatorParams(Params):
                      "rank fails", _to_strict_int)
     terminate_on_nan = _p("terminate_on_nan", "stop with an error naming the epoch and step when the training loss "
                           "is not finite", TypeConverters.toBoolean)
+    scale_lr_by_num_proc = _p("scale_lr_by_num_proc", "multiply the optimizer's learning rate by num_proc on every "
+                              "rank, as Horovod's estimators always did (default False: the rate is used as given)",
+                              TypeConverters.toBoolean)
     overwrite_prepared_data = _p("overwrite_prepared_data", "prepare the DataFrame's Parquet again even when the "
                                  "store holds a preparation of the same plan and settings (the cache key cannot see "
                                  "rewritten files under an unchanged plan: set it for a nightly job on a rewritten "
@@ -244,7 +247,7 @@ class EstimatorParams(Params):
             validation=None, batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
-            overwrite_prepared_data=False,
+            overwrite_prepared_data=False, scale_lr_by_num_proc=False,
         )
 
 

@@ -67,6 +67,7 @@ class TrainSpec:
     use_gpu: bool | None = None
     verbose: int = 1
     terminate_on_nan: bool = True
+    scale_lr_by_num_proc: bool = False
     best: BestPolicy | None = None
 
 

@@ -190,6 +190,9 @@ class TorchTrainer(RankTrainer):
         self.spec = spec
         self.model = deserialize_module(spec.model_bytes).to(self.device)
         optimizer, self.scheduler_interval = self._build_training(spec)
+        if spec.scale_lr_by_num_proc:  # before the scheduler, which takes the scaled rate as its base
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * self.hvd.size()
         kwargs = {"named_parameters": self.model.named_parameters(),
                   "backward_passes_per_step": spec.backward_passes_per_step}
         if spec.gradient_compression is not None:

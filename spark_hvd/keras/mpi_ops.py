@@ -26,13 +26,14 @@ def init(*args: Any, **kwargs: Any) -> None:
 
     On a host with GPUs, TensorFlow is limited to this rank's GPU (the one GPU policy,
     ``spark_hvd.core.jobenv.gpu_index``: the GPU Spark assigned, else the local rank) with memory growth, when
-    TensorFlow has not initialised its devices yet.
+    TensorFlow has not initialised its devices yet and nobody chose its visible GPUs before (the KerasEstimator,
+    or the user's own ``tf.config.set_visible_devices``, e.g. none for ``use_gpu=False``: left as chosen).
     """
     c = common.core()
     c.init(*args, **kwargs)
     try:
         gpus = tf.config.list_physical_devices("GPU")
-        if gpus:
+        if gpus and len(tf.config.get_visible_devices("GPU")) == len(gpus):
             index = common.gpu_index(len(gpus))
             if index is not None:
                 tf.config.experimental.set_memory_growth(gpus[index], True)

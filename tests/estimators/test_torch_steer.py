@@ -1,6 +1,6 @@
 """A torch loop users can steer, in real two-rank fits: callbacks that stop training and see the optimizer, an LR
-scheduler, best-epoch selection, backward_passes_per_step, gradient_compression, sample_weight_col,
-train_minibatch_fn, and a diverging loss that stops the fit with an error naming epoch and step."""
+scheduler (on a rate scaled by num_proc), best-epoch selection, backward_passes_per_step, gradient_compression,
+sample_weight_col, train_minibatch_fn, and a diverging loss that stops the fit with an error naming epoch and step."""
 
 from __future__ import annotations
 
@@ -90,13 +90,13 @@ def test_early_stopping_lr_scheduler_best_epoch_bpps(spark, df, tmp_path):
         validation=0.2, random_seed=1, partitions_per_process=1, verbose=0, backward_passes_per_step=2,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
         callbacks=[LrAndScore(str(tmp_path)), EarlyStopping(monitor="score", mode="max", patience=1)],
-        best_metric="score", best_mode="max", run_id="steer")
+        best_metric="score", best_mode="max", run_id="steer", scale_lr_by_num_proc=True)
     model = est.fit(df)
     hist = model.getHistory()
     assert hist["score"] == [1.0, 3.0, 2.0], "early stopping ended the fit after epoch 2 of 4"
-    assert hist["lr"] == pytest.approx([0.1, 0.05, 0.025])
+    assert hist["lr"] == pytest.approx([0.2, 0.1, 0.05]), "0.1 scaled by num_proc=2, then halved per epoch"
     for rank in (0, 1):  # the scheduler's rate, seen on every rank
-        assert [float(v) for v in _lines(tmp_path / f"lr{rank}.log")] == pytest.approx([0.1, 0.05, 0.025])
+        assert [float(v) for v in _lines(tmp_path / f"lr{rank}.log")] == pytest.approx([0.2, 0.1, 0.05])
     assert store.latest_checkpoint("steer")[0] == 1, "only improving epochs are checkpointed"
     ck = tmp_path / "ck1"
     ck.mkdir()
