@@ -96,22 +96,10 @@ def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa:
 # ------------------------------------------------------------------------------------------------ the model
 
 
-class KerasModel(KeywordParams, BaseModel, KerasModelParams):
-    """A trained Keras 3 model as a Spark ML ``Model``.
+class _KerasModelBytes:
+    """The model as ``.keras`` bytes (with the ``custom_objects`` of the stage), for the estimator and the model."""
 
-    ``transform(df)`` calls the model (one ``tf.function``) on batches of ``batch_size`` rows, one array per feature
-    column (Vector and array columns as ``(rows, size)`` float32, or ``(rows, *shape)`` as recorded at fit time;
-    scalar columns as ``(rows,)``), and adds one column per label: ``<label>__output`` by default
-    (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
-    The model is loaded once per Python worker.
-    """
-
-    def _custom_objects(self) -> dict:
-        if self.isDefined(self.custom_objects):
-            return dict(self.getOrDefault(self.custom_objects) or {})
-        return {}
-
-    def _serialize_model(self, model: Any) -> bytes:  # instance method: uses custom_objects
+    def _serialize_model(self, model: Any) -> bytes:  # uses the stage's custom_objects
         return serialize_keras_model(model, self._custom_objects())
 
     def _deserialize_model(self, data: bytes) -> Any:
@@ -132,6 +120,23 @@ class KerasModel(KeywordParams, BaseModel, KerasModelParams):
             digest.update(str((w.shape, w.dtype)).encode())
             digest.update(np.ascontiguousarray(w).tobytes())
         return digest.hexdigest()
+
+
+class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
+    """A trained Keras 3 model as a Spark ML ``Model``.
+
+    ``transform(df)`` calls the model (one ``tf.function``) on batches of ``batch_size`` rows, one array per feature
+    column (Vector and array columns as ``(rows, size)`` float32, or ``(rows, *shape)`` as recorded at fit time;
+    scalar columns as ``(rows,)``), and adds one column per label: ``<label>__output`` by default
+    (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
+    The model is loaded once per Python worker.
+    """
+
+    def _custom_objects(self) -> dict:
+        if self.isDefined(self.custom_objects):
+            return dict(self.getOrDefault(self.custom_objects) or {})
+        return {}
+
 
     @classmethod
     def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
@@ -303,7 +308,7 @@ def _model_output_count(model: Any) -> int | None:
 # ------------------------------------------------------------------------------------------------ the estimator
 
 
-class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
+class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstimatorParams):
     """Data-parallel training of a Keras 3 model (TensorFlow or torch backend) on a DataFrame -> ``KerasModel``.
 
     Example::
@@ -341,29 +346,7 @@ class KerasEstimator(KeywordParams, BaseEstimator, KerasEstimatorParams):
     def _custom_objects(self) -> dict:
         return dict(self._opt(self.custom_objects) or {})
 
-    # ---- persistence: the model as .keras bytes, the optimizer as its spec
-    def _serialize_model(self, model: Any) -> bytes:
-        return serialize_keras_model(model, self._custom_objects())
-
-    def _deserialize_model(self, data: bytes) -> Any:
-        return deserialize_keras_model(data, compile=False)
-
-    def _model_fingerprint(self, model: Any) -> str | None:
-        """Config, weights and custom object names (a ``.keras`` archive records its save time, so its bytes
-        differ on every save: hashing them would reload the model in every worker on every transform)."""
-        import hashlib
-        import json
-
-        try:
-            digest = hashlib.sha256(json.dumps(model.get_config(), sort_keys=True, default=str).encode())
-        except Exception:  # noqa: BLE001 - a subclassed model without get_config: hash the archive instead
-            return None
-        digest.update(repr(sorted(self._custom_objects())).encode())
-        for w in model.get_weights():
-            digest.update(str((w.shape, w.dtype)).encode())
-            digest.update(np.ascontiguousarray(w).tobytes())
-        return digest.hexdigest()
-
+    # ---- persistence: the optimizer as its spec (the model: _KerasModelBytes)
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":
             return cloudpickle.dumps(optimizer_spec(value))
