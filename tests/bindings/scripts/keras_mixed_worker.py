@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -22,6 +21,8 @@ import tensorflow as tf  # noqa: E402
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
+from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
+
 import spark_hvd.core as core  # noqa: E402
 import spark_hvd.keras as hvd  # noqa: E402
 
@@ -30,17 +31,7 @@ OUT_DIR = sys.argv[1] if len(sys.argv) > 1 else "."
 IN, OUT_F, B, STEPS = 8, 2, 16, 6
 
 
-def check(name):
-    def deco(fn):
-        try:
-            fn()
-            RESULTS[name] = "ok"
-        except Exception:  # noqa: BLE001 - recorded for pytest
-            RESULTS[name] = traceback.format_exc()
-        finally:
-            keras.mixed_precision.set_global_policy("float32")
-        return fn
-    return deco
+check = make_check(RESULTS, after=lambda: keras.mixed_precision.set_global_policy("float32"))
 
 
 hvd.init()

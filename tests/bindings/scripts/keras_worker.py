@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -18,6 +17,8 @@ import tensorflow as tf  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
+
+from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
 
 import spark_hvd.keras as hvd  # noqa: E402
 
@@ -31,17 +32,7 @@ QUICK = {"before_init_error", "collectives_float32_eager", "collectives_bfloat16
 ONLY_QUICK = len(sys.argv) > 2 and sys.argv[2] == "quick"
 
 
-def check(name):
-    def deco(fn):
-        if ONLY_QUICK and name not in QUICK:
-            return fn
-        try:
-            fn()
-            RESULTS[name] = "ok"
-        except Exception:  # noqa: BLE001 - recorded for pytest
-            RESULTS[name] = traceback.format_exc()
-        return fn
-    return deco
+check = make_check(RESULTS, only=QUICK if ONLY_QUICK else None)
 
 
 @check("before_init_error")

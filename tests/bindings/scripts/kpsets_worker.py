@@ -10,28 +10,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
 
 import spark_hvd.keras as hvd  # noqa: E402
 
 RESULTS: dict[str, str] = {}
 
 
-def check(name):
-    def deco(fn):
-        try:
-            fn()
-            RESULTS[name] = "ok"
-        except Exception:  # noqa: BLE001 - recorded for pytest
-            RESULTS[name] = traceback.format_exc()
-        hvd.barrier()
-        return fn
-    return deco
+check = make_check(RESULTS, after=hvd.barrier)  # every check starts together
 
 
 hvd.init()

@@ -12,27 +12,20 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 
 import numpy as np
 import torch
 
 torch.set_num_threads(1)
 
+from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
+
 import spark_hvd.torch as hvd  # noqa: E402
 
 RESULTS: dict[str, str] = {}
 
 
-def check(name):
-    def deco(fn):
-        try:
-            fn()
-            RESULTS[name] = "ok"
-        except Exception:  # noqa: BLE001 - recorded for pytest
-            RESULTS[name] = traceback.format_exc()
-        return fn
-    return deco
+check = make_check(RESULTS)
 
 
 hvd.init()

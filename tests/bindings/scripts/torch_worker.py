@@ -8,12 +8,13 @@ import json
 import math
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch
 
 torch.set_num_threads(1)
+
+from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
 
 import spark_hvd.torch as hvd  # noqa: E402
 
@@ -27,17 +28,7 @@ QUICK = {"before_init_error", "collectives_float32", "collectives_bfloat16", "co
 ONLY_QUICK = len(sys.argv) > 2 and sys.argv[2] == "quick"
 
 
-def check(name):
-    def deco(fn):
-        if ONLY_QUICK and name not in QUICK:
-            return fn
-        try:
-            fn()
-            RESULTS[name] = "ok"
-        except Exception:  # noqa: BLE001 - recorded for pytest
-            RESULTS[name] = traceback.format_exc()
-        return fn
-    return deco
+check = make_check(RESULTS, only=QUICK if ONLY_QUICK else None)
 
 
 # --------------------------------------------------------------------------------------------- before init

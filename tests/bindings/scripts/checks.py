@@ -1,0 +1,28 @@
+"""The worker scripts' harness: ``@check(name)`` runs the function at once and records "ok" or its traceback in
+``results`` (written to JSON for pytest), so one failing check does not stop the others."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Container
+
+
+def make_check(results: dict[str, str], *, only: Container[str] | None = None,
+               after: Callable[[], object] | None = None) -> Callable:
+    """A ``check(name)`` decorator; ``only``: run just these names; ``after``: called after every check that ran
+    (a barrier so every check starts together, or a reset of global state)."""
+    def check(name: str) -> Callable:
+        def deco(fn: Callable) -> Callable:
+            if only is not None and name not in only:
+                return fn
+            try:
+                fn()
+                results[name] = "ok"
+            except Exception:  # noqa: BLE001 - recorded for pytest
+                results[name] = traceback.format_exc()
+            finally:
+                if after is not None:
+                    after()
+            return fn
+        return deco
+    return check
