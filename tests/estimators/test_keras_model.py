@@ -25,14 +25,17 @@ def test_inference_traced_once_for_any_batch_size():
 
     net = _net()
     x = np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32)
+    traced = None
     for n in (7, 3, 50, 1):
         got = KerasModel._predict(net, [x[:n]])[0]
         np.testing.assert_allclose(got, np.asarray(net(x[:n], training=False)), rtol=1e-5, atol=1e-6)
-    traced = km._INFERENCE_FNS[id(net)][2]
+        if traced is None:
+            traced = km._INFERENCE_FNS[id(net)][2]  # the function of the first call
+        assert km._INFERENCE_FNS[id(net)][2] is traced, f"a new function for a batch of {n} rows"
     assert traced.experimental_get_tracing_count() == 1
     got = KerasModel._predict_batches(net, [x], 16)[0]  # 16, 16, 16, 2 rows: still the one trace
     np.testing.assert_allclose(got, np.asarray(net(x, training=False)), rtol=1e-5, atol=1e-6)
-    assert traced.experimental_get_tracing_count() == 1
+    assert km._INFERENCE_FNS[id(net)][2] is traced and traced.experimental_get_tracing_count() == 1
 
 
 @pytest.mark.slow  # TensorFlow is imported in each Spark Python worker
