@@ -121,6 +121,8 @@ class _Driver:
             return self._blob
 
     def _hosts(self, rank: int, _: Any) -> bool:
+        if cluster.is_connect(self.spark):
+            return False  # Connect cannot tell free slots (only a local master's total): never grow there
         now = time.monotonic()
         with self._lock:
             if now - self._grow_at < GROW_CHECK_S:

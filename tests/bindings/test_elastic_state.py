@@ -207,3 +207,34 @@ def test_run_resets_in_place_on_hosts_updated_outside_spark():
     with pytest.raises(SparkHvdError, match="peer lost"):
         elastic.run_fn(fails, reset=lambda: None)(state)
     assert state.step == 2
+
+
+@pytest.mark.slow
+def test_keras_state_restores_model_and_optimizer_variables_bit_exact():
+    keras = pytest.importorskip("keras")
+    from spark_hvd.keras.elastic import KerasState
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    x, y = np.linspace(-1, 1, 48, dtype="float32").reshape(16, 3), np.ones((16, 1), "float32")
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    state = KerasState(model, epoch=1)
+    state.commit()
+    committed = [np.array(v) for v in model.variables + model.optimizer.variables]
+    model.fit(x * 1e3, y, epochs=2, batch_size=8, verbose=0)  # a bad stretch of training
+    state.epoch = 7
+    changed = [np.array(v) for v in model.variables + model.optimizer.variables]
+    assert any(not np.array_equal(a, b) for a, b in zip(committed, changed, strict=True))
+    state.restore()
+    restored = [np.array(v) for v in model.variables + model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(committed, restored, strict=True)) and state.epoch == 1
+    # the driver's copy (pickled snapshot) restores the same into another state object
+    blob = pickle.dumps(state.snapshot())
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    other = KerasState(model, epoch=0)
+    other.load_snapshot(pickle.loads(blob))
+    other.restore()
+    again = [np.array(v) for v in model.variables + model.optimizer.variables]
+    assert all(np.array_equal(a, b) for a, b in zip(committed, again, strict=True)) and other.epoch == 1
