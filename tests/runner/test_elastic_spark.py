@@ -164,3 +164,19 @@ def test_an_exception_of_fn_fails_the_run_without_a_relaunch(spark):
     with pytest.raises(RankFailedError, match="a bug in fn") as info:
         run_elastic(_raises, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=5, verbose=0)
     assert info.value.remote_type == "ValueError"
+
+
+def _rank_1_dies() -> None:
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        os._exit(3)
+    hvd.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_reset_limit_bounds_the_relaunches(spark):
+    with pytest.raises(ElasticError, match=r"reset_limit=0 reached; the last reset was needed after rank \d failed"):
+        run_elastic(_rank_1_dies, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=0, verbose=0)
