@@ -1,4 +1,4 @@
-"""Horovod's Keras elastic API for Keras 3: ``hvd.elastic.run`` and ``KerasState``.
+"""Horovod's Keras elastic API for Keras 3: ``hvd.elastic.run``, ``KerasState`` and the state callbacks.
 
 ``KerasState(model, optimizer, **objects)`` snapshots the model's and the optimizer's variables (numpy copies) on
 ``commit()``, assigns them back on ``restore()`` and broadcasts them from rank 0 on ``sync()``; other keywords are
@@ -69,6 +69,70 @@ class KerasState(ObjectState):
         self._saved_vars = list(value["variables"])
 
 
+class CommitStateCallback(keras.callbacks.Callback):
+    """``state.commit()`` every ``batches_per_commit`` batches and at the end of every epoch (Horovod's)."""
+
+    def __init__(self, state: State, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        if batches_per_commit < 1:
+            raise ValueError(f"batches_per_commit must be >= 1, got {batches_per_commit}")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self._since = 0
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._since = 0  # the same count on every rank after a (re)start
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._since += 1
+        if self._since >= self.batches_per_commit:
+            self._since = 0
+            self.state.commit()
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.batch`` at the last finished batch (0 after an epoch), and shortens the first epoch after a
+    reset by the batches already done when ``fit`` was given ``steps_per_epoch`` (Horovod's)."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+        self._steps: int | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._steps = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        steps = (self.params or {}).get("steps")
+        if steps:
+            self._steps = steps if self._steps is None else self._steps
+            self.params["steps"] = self._steps - self.state.batch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps ``state.epoch`` at the number of epochs finished across resets (Keras counts from 0 in each ``fit``)."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+        self._first = state.epoch
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._first = self.state.epoch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.epoch = self._first + epoch + 1
+
+
 def _reset() -> None:
     common.shutdown()
     common.core().init()
@@ -80,4 +144,5 @@ def run(func: Any) -> Any:
     return run_fn(func, _reset)
 
 
-__all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State", "run"]
+__all__ = ["CommitStateCallback", "ElasticSampler", "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
+           "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]

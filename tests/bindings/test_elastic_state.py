@@ -238,3 +238,33 @@ def test_keras_state_restores_model_and_optimizer_variables_bit_exact():
     other.restore()
     again = [np.array(v) for v in model.variables + model.optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(committed, again, strict=True)) and other.epoch == 1
+
+
+@pytest.mark.slow
+def test_keras_state_callbacks_commit_and_count_epochs_and_batches():
+    keras = pytest.importorskip("keras")
+    from spark_hvd.keras import elastic as kel
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.linspace(-1, 1, 48, dtype="float32").reshape(16, 3), np.ones((16, 1), "float32")
+    state = kel.KerasState(model, epoch=1, batch=0)
+    seen_batches = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen_batches.append((state.epoch, state.batch))
+
+    model.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False,
+              callbacks=[kel.UpdateBatchStateCallback(state), kel.UpdateEpochStateCallback(state),
+                         kel.CommitStateCallback(state, batches_per_commit=3), Spy()])
+    assert state.epoch == 3 and state.batch == 0  # 1 + 2 epochs done; batch back to 0 after an epoch
+    assert seen_batches == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    final = [np.array(v) for v in model.variables]
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    state.restore()  # back to the commit at the end of the last epoch
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(final, model.variables, strict=True))
+    assert state.epoch == 3
+    with pytest.raises(ValueError, match="batches_per_commit must be >= 1"):
+        kel.CommitStateCallback(state, batches_per_commit=0)
