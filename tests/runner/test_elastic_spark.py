@@ -120,6 +120,16 @@ def test_a_rank_killed_mid_epoch_resumes_from_the_last_commit(spark, tmp_path):
         assert r["resets"] == [2]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_over_spark_connect_a_killed_rank_resumes_too(spark_connect, tmp_path):
+    """Connect cannot tell free slots: the relaunch takes the local[2] master's total, and the job never grows."""
+    results = run_elastic(_train, args=(str(tmp_path), 1, 0.0), num_proc=2, min_num_proc=1, max_num_proc=2,
+                          elastic_timeout=60, reset_limit=2, verbose=0, spark=spark_connect)
+    _check_final(results, 2)
+    assert all(r["attempt"] == 1 and r["resumed"] == (0, 2 * 2 * 1) for r in results)
+
+
 def _hold_a_slot(spark, seconds: float) -> threading.Thread:
     def job() -> None:
         spark.sparkContext.parallelize([0], 1).foreach(lambda _: time.sleep(seconds))
