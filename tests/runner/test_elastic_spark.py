@@ -130,6 +130,57 @@ def test_over_spark_connect_a_killed_rank_resumes_too(spark_connect, tmp_path):
     assert all(r["attempt"] == 1 and r["resumed"] == (0, 2 * 2 * 1) for r in results)
 
 
+def _horovod_style(marker_dir: str) -> dict:
+    """docs/elastic.md's loop: DistributedOptimizer, a DataLoader over the ElasticSampler, commit every batch."""
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    x, y = _data()
+    dataset = torch.utils.data.TensorDataset(x, y)
+    model, optimizer = _model()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
+    marker = os.path.join(marker_dir, "killed")
+    starts = []
+
+    @hvd.elastic.run
+    def loop(state):
+        starts.append((state.epoch, len(sampler.processed_indices)))
+        while state.epoch < EPOCHS:
+            loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+            for batch_idx, (xb, yb) in enumerate(loader):
+                optimizer.zero_grad()
+                ((model(xb) - yb) ** 2).mean().backward()
+                optimizer.step()
+                sampler.record_batch(batch_idx, BATCH)
+                if hvd.rank() == 1 and state.epoch == 1 and batch_idx == 3 and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(4)
+                state.commit()
+            state.epoch += 1
+            sampler.set_epoch(state.epoch)
+            state.commit()
+
+    loop(state)
+    return {"starts": starts, "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).numpy(),
+            "momentum": [v["momentum_buffer"].numpy() for v in optimizer.state_dict()["state"].values()]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_documented_horovod_style_loop_survives_a_lost_rank(spark, tmp_path):
+    results = run_elastic(_horovod_style, args=(str(tmp_path),), num_proc=2, min_num_proc=1, max_num_proc=2,
+                          reset_limit=1, verbose=0)
+    assert os.path.exists(tmp_path / "killed")
+    # epoch 1 resumed after its 3 committed batches (2 ranks x 2 samples each)
+    assert [r["starts"] for r in results] == [[(1, 3 * 2 * 2)]] * 2
+    np.testing.assert_array_equal(results[0]["weights"], results[1]["weights"])
+    for a, b in zip(results[0]["momentum"], results[1]["momentum"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.isfinite(results[0]["weights"]).all()
+
+
 def _hold_a_slot(spark, seconds: float) -> threading.Thread:
     def job() -> None:
         spark.sparkContext.parallelize([0], 1).foreach(lambda _: time.sleep(seconds))
