@@ -2,8 +2,8 @@
 
 ``SPARK_HVD_DEVICE_BACKEND=gloo`` sends torch CPU tensors down exactly the code CUDA tensors take (a
 ``DeviceBuffer`` through the engine's negotiation and per-device fusion, the lazily opened ``TorchDeviceGroup``,
-its rendezvous over the job's own backend), so the plumbing is tested on every run. The CUDA run of the same
-scenarios is in ``test_cuda.py``.
+its rendezvous on the job's authenticated KV service, never a TCPStore), so the plumbing is tested on every run.
+The CUDA run of the same scenarios is in ``test_cuda.py``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,14 @@ pytest.importorskip("torch")
 
 def _job(device: str) -> dict:
     import device_scenarios as ds
+    import torch.distributed as dist
 
     import spark_hvd.torch as hvd
 
+    def no_tcpstore(*args, **kwargs):  # the groups meet through the job's authenticated KV service, not a TCPStore
+        raise AssertionError("a torch.distributed.TCPStore was created")
+
+    dist.TCPStore = no_tcpstore
     hvd.init()
     try:
         report = ds.collectives(device)
