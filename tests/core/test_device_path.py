@@ -8,10 +8,17 @@ The CUDA run of the same scenarios is in ``test_cuda.py``.
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
+import numpy as np
 import pytest
 from ringutil import run_ranks
 
 pytest.importorskip("torch")
+
+# the executors' Python workers cannot import this test module: ship its functions by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _job(device: str) -> dict:
@@ -60,3 +67,35 @@ def test_which_tensors_take_the_device_path():
     assert Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": " NCCL "}).device_backend == "nccl"
     with pytest.raises(ValueError, match="SPARK_HVD_DEVICE_BACKEND='mpi' is not valid: expected one of nccl"):
         Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": "mpi"})
+
+
+def _spark_rank() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import spark_hvd.torch as hvd
+
+    def no_tcpstore(*args, **kwargs):
+        raise AssertionError("a torch.distributed.TCPStore was created")
+
+    saved, dist.TCPStore = dist.TCPStore, no_tcpstore  # the Python worker is reused: put it back after
+    try:
+        mine = torch.arange(6, dtype=torch.float32) * (hvd.rank() + 1)
+        summed = hvd.allreduce(mine, op=hvd.Sum, name="spark.device")
+        return {"rank": hvd.rank(), "mine": mine.numpy(), "sum": summed.numpy(),
+                "device_group": dist.is_initialized() and dist.get_backend() == "gloo"}
+    finally:
+        dist.TCPStore = saved
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_device_path_under_the_spark_runner_meets_through_the_driver_service(spark):
+    # no launcher KV service under Spark: the device group's store is the driver service's KV ("kv" hello)
+    from spark_hvd.runner import run
+
+    results = run(_spark_rank, num_proc=2, env={"SPARK_HVD_DEVICE_BACKEND": "gloo"}, verbose=0)
+    assert [r["rank"] for r in results] == [0, 1] and all(r["device_group"] for r in results)
+    expected = results[0]["mine"] + results[1]["mine"]
+    for r in results:
+        np.testing.assert_array_equal(r["sum"], expected)
