@@ -60,8 +60,8 @@ class TorchBackend(Backend):
             hosts = [v.decode() for v in rendezvous.exchange(rank, size, hostname.encode())]
             kv_address = rendezvous.address if isinstance(rendezvous, KVRendezvous) else None
             self._store = open_store("backend", rank, size, timeout, job=JobEnv.from_env(), secret=secret,
-                                     job_id=job_id, kv_address=kv_address,
-                                     exchange=lambda mine: rendezvous.exchange(rank, size, mine))
+                                     exchange=lambda mine: rendezvous.exchange(rank, size, mine), job_id=job_id,
+                                     kv_address=kv_address)
             init: dict[str, Any] = {"store": self._store}
         else:
             hosts = [hostname] * size

@@ -14,8 +14,9 @@ service (ranks joined through a custom ``rendezvous=`` without a launcher, or ``
 ``KVStoreServer`` of its own, authenticated like the others, and publish its address through the job's own
 rendezvous or backend; under ``mpirun`` (no job secret) a fresh secret travels with it over MPI. Never a TCPStore.
 
-Keys live under ``<job id>/torch/<attempt>/<name>/<generation>/``; the generation numbers this rank's stores of
-that name in the job (an ``init()`` after a ``shutdown()`` gets a fresh one), so two groups never collide.
+Keys live under ``<job id>/torch/<attempt>/<name>/<generation>/``: rank 0 numbers the groups of that name in the
+job (an ``init()`` after a ``shutdown()`` gets a fresh generation) and publishes the number through the job's own
+rendezvous or backend, so every rank of a group uses the same keys and two groups never collide.
 
 torch (2.13) forwards ``set``, ``get``, ``add``, ``compare_set``, ``wait`` and ``check`` from its own stores
 (``PrefixStore``) to a Python store; ``delete_key`` and ``num_keys`` are here for direct callers. The timeout is
@@ -133,12 +134,14 @@ class KVTorchStore(dist.Store):
 
 
 def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobEnv | None, secret: bytes | None,
-               job_id: str = "", kv_address: str | None = None,
-               exchange: Callable[[bytes], Sequence[bytes]] | None = None) -> dist.Store:
+               exchange: Callable[[bytes], Sequence[bytes]], job_id: str = "",
+               kv_address: str | None = None) -> dist.Store:
     """The rendezvous store of a torch.distributed group ``name`` (see the module docstring). Collective.
 
-    ``kv_address``: the launcher's KV service the ranks met through, if the caller knows it. ``exchange``: every
-    rank's bytes in rank order, over the job's own authenticated rendezvous or backend (the fallback's only use).
+    ``exchange``: every rank's bytes in rank order (only rank 0's are read), over the job's own authenticated
+    rendezvous or backend: rank 0 publishes the generation (and, in the fallback, its service's address) so that
+    every rank uses the same keys even when ranks have opened different numbers of groups before.
+    ``kv_address``: the launcher's KV service the ranks met through, if the caller knows it.
     """
     if size == 1:
         store = dist.HashStore()
@@ -147,34 +150,27 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
     attempt = job.attempt if job is not None else 0
     job_id = job_id or (job.job_id if job is not None else "")
     secret = secret if secret is not None else (job.secret if job is not None else None)
-    address, hello, server = kv_address or (job.rendezvous if job is not None else None), None, None
+    address, hello = kv_address or (job.rendezvous if job is not None else None), None
     if not address and job is not None and job.service_address:
         address, hello = job.service_address, ("hello", job.job_id, rank, "kv")
-    if not address or secret is None:
-        if exchange is None:
-            raise ValueError(f"rank {rank}: torch.distributed group {name!r} has no KV service to meet through "
-                             "(SPARK_HVD_RENDEZVOUS / SPARK_HVD_DRIVER_SERVICE unset) and no way to publish one")
-        address, secret, hello, server = _fallback(rank, secret, exchange)
+    fallback = not address or secret is None
+    server, mine = None, b""
     base = f"{job_id}/torch/{attempt}/{name}"
-    probe = KVClient(address, secret, timeout.total_seconds(), hello=hello)
-    try:
-        generation = probe.incr(f"{base}/generation/{rank}")
-    finally:
-        probe.close()
-    return KVTorchStore(address, secret, f"{base}/{generation}/", timeout, hello, server)
-
-
-def _fallback(rank: int, secret: bytes | None,
-              exchange: Callable[[bytes], Sequence[bytes]]) -> tuple[str, bytes, None, KVStoreServer | None]:
-    """Rank 0 serves a ``KVStoreServer`` for the group; its address (and a fresh secret where the job has none)
-    reaches the others through ``exchange``."""
-    server = None
-    mine = b""
     if rank == 0:
-        key = secret if secret is not None else make_secret()
-        server = KVStoreServer(key, host="0.0.0.0")
-        host, port = server.start()
-        mine = f"{host}:{port}|{'' if secret is not None else key.hex()}".encode()
-    published = bytes(exchange(mine)[0]).decode()
-    address, _, fresh = published.partition("|")
-    return address, bytes.fromhex(fresh) if fresh else secret, None, server
+        fresh = b""
+        if fallback:  # a service of our own, under the job's secret (or a fresh one where the job has none)
+            fresh = make_secret() if secret is None else b""
+            server = KVStoreServer(secret or fresh, host="0.0.0.0")
+            host, port = server.start()
+            address, hello = f"{host}:{port}", None
+        client = KVClient(address, secret or fresh, timeout.total_seconds(), hello=hello)
+        try:
+            generation = client.incr(f"{base}/generation")
+        finally:
+            client.close()
+        mine = f"{generation}|{address if fallback else ''}|{fresh.hex()}".encode()
+    generation_s, published, fresh_hex = bytes(exchange(mine)[0]).decode().split("|")
+    if fallback:
+        address, hello = published, None
+        secret = secret if secret is not None else bytes.fromhex(fresh_hex)
+    return KVTorchStore(address, secret, f"{base}/{generation_s}/", timeout, hello, server)

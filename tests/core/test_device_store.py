@@ -9,6 +9,7 @@ with ``torch.distributed.TCPStore`` made to raise. The device path and ``SPARK_H
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import numpy as np
@@ -33,18 +34,40 @@ def kv():
     server.stop()
 
 
-def _open(address: str, secret: bytes, rank: int, name: str = "g", timeout_s: float = 10.0):
+def _eventually(check, timeout_s: float = 10.0) -> bool:
+    """``check()`` became true within ``timeout_s`` (a listener counts a refused connection on its own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _open_pair(name: str = "g", timeout_s: float = 10.0, **where):
+    """Rank 0's and rank 1's store of one group, opened in turn: rank 1's exchange hands it what rank 0 published."""
     from spark_hvd.core.torch_store import open_store
 
-    return open_store(name, rank, 2, timedelta(seconds=timeout_s), job=None, secret=secret, job_id="j",
-                      kv_address=address)
+    published: list[bytes] = []
+
+    def exchange(mine: bytes) -> list[bytes]:
+        if mine:
+            published.append(mine)
+        return [published[0]]
+
+    return tuple(open_store(name, rank, 2, timedelta(seconds=timeout_s), exchange=exchange, **where)
+                 for rank in (0, 1))
+
+
+def _launched(address: str, secret: bytes, name: str = "g"):
+    return _open_pair(name, secret=secret, job=None, job_id="j", kv_address=address)
 
 
 def test_store_operations_between_two_ranks(kv):
     import torch.distributed as dist
 
     _, address, secret = kv
-    a, b = _open(address, secret, 0), _open(address, secret, 1)
+    a, b = _launched(address, secret)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(b.get("late")))  # get blocks until the key is set
     reader.start()
@@ -75,24 +98,24 @@ def test_store_operations_between_two_ranks(kv):
 
 def test_two_groups_never_share_keys(kv):
     _, address, secret = kv
-    first, again, other = _open(address, secret, 0), _open(address, secret, 0), _open(address, secret, 0, "h")
-    first.set("k", b"1")
-    assert {first.prefix, again.prefix, other.prefix} == {"j/torch/0/g/1/", "j/torch/0/g/2/", "j/torch/0/h/1/"}
-    assert not again.check(["k"]) and not other.check(["k"])
-    for store in (first, again, other):
+    first, again, other = _launched(address, secret), _launched(address, secret), _launched(address, secret, "h")
+    first[0].set("k", b"1")
+    assert [p.prefix for p in first] == ["j/torch/0/g/1/"] * 2 and [p.prefix for p in again] == ["j/torch/0/g/2/"] * 2
+    assert [p.prefix for p in other] == ["j/torch/0/h/1/"] * 2
+    assert first[1].check(["k"]) and not again[1].check(["k"]) and not other[1].check(["k"])
+    for store in (*first, *again, *other):
         store.close()
 
 
 def test_a_client_without_the_secret_can_neither_read_nor_write(kv):
     server, address, secret = kv
-    honest = _open(address, secret, 0)
+    honest, _ = _launched(address, secret)
     honest.set("k", b"secret value")
     stranger = make_secret()
-    for attempt in (lambda: KVClient(address, stranger, timeout_s=5),
-                    lambda: _open(address, stranger, 1).set("k", b"forged")):
+    for attempt in (lambda: KVClient(address, stranger, timeout_s=5), lambda: _launched(address, stranger)):
         with pytest.raises((AuthenticationError, PeerFailureError)):
             attempt()
-    assert honest.get("k") == b"secret value" and server.rejected >= 2
+    assert honest.get("k") == b"secret value" and _eventually(lambda: server.rejected >= 2)
     honest.close()
 
 
@@ -101,16 +124,15 @@ def test_driver_service_serves_the_store_to_its_job_only():
     service = DriverService(secret, 2, job_id="jd", verbose=0, bind_host="127.0.0.1")
     host, port = service.start()
     try:
-        from spark_hvd.core.torch_store import open_store
-
-        stores = [open_store("g", r, 2, timedelta(seconds=10), secret=None,
-                             job=JobEnv(rank=r, size=2, job_id="jd", secret=secret,
-                                        service_address=f"{host}:{port}")) for r in range(2)]
+        job = JobEnv(rank=0, size=2, job_id="jd", secret=secret, service_address=f"{host}:{port}")
+        stores = _open_pair(secret=None, job=job)
+        assert stores[0].address == f"{host}:{port}" and stores[1].prefix == "jd/torch/0/g/1/"
         stores[0].set("k", b"v")
         assert stores[1].get("k") == b"v" and stores[1].add("n", 2) == 2
         with pytest.raises((AuthenticationError, PeerFailureError)):
             KVClient(f"{host}:{port}", make_secret(), timeout_s=5, hello=("hello", "jd", 0, "kv"))
-        assert service.rejected >= 1 and not service.failures and not service.started  # no rank was counted
+        assert _eventually(lambda: service.rejected >= 1)
+        assert not service.failures and not service.started  # no rank was counted, none lost
         for store in stores:
             store.close()
     finally:
@@ -125,10 +147,21 @@ def _gloo_on_the_store() -> list[float]:
         raise AssertionError("a torch.distributed.TCPStore was created")
 
     dist.TCPStore = no_tcpstore
+    from spark_hvd.core.rendezvous import KVClient
     from spark_hvd.core.torch_store import KVTorchStore, open_store
 
     job = JobEnv.from_env()
-    store = open_store("test", job.rank, job.size, timedelta(seconds=60), job=job, secret=None)
+
+    def exchange(mine: bytes) -> list[bytes]:  # rank 0's bytes, through the driver service's KV as well
+        kv = KVClient(job.service_address, job.secret, 60, hello=("hello", job.job_id, job.rank, "kv"))
+        try:
+            if job.rank == 0:
+                kv.set("test/published", mine)
+            return [kv.get("test/published", 60)]
+        finally:
+            kv.close()
+
+    store = open_store("test", job.rank, job.size, timedelta(seconds=60), job=job, secret=None, exchange=exchange)
     assert isinstance(store, KVTorchStore) and store.address == job.service_address
     dist.init_process_group("gloo", store=store, rank=job.rank, world_size=job.size, timeout=timedelta(seconds=60))
     try:
@@ -158,3 +191,25 @@ def test_gloo_process_group_on_the_store_without_tcpstore():
     expected = np.concatenate([np.arange(4) * 1 + np.arange(4) * 2, np.full(2, 3.0)])
     for result in results:
         np.testing.assert_array_equal(result, expected)
+
+
+def test_without_a_job_service_rank_0_serves_an_authenticated_store():
+    secret = make_secret()
+    a, b = _open_pair(secret=secret, job=None, job_id="jf")
+    try:
+        assert a.address == b.address and a._server is not None and b._server is None
+        a.set("k", b"v")
+        assert b.get("k") == b"v"
+        with pytest.raises((AuthenticationError, PeerFailureError)):
+            KVClient(a.address, make_secret(), timeout_s=5)
+    finally:
+        b.close()
+        a.close()
+    # with no job secret either (mpirun): a fresh one travels with the address
+    c, d = _open_pair(secret=None, job=None)
+    try:
+        c.set("k", b"w")
+        assert d.get("k") == b"w" and c._secret == d._secret and len(c._secret) >= 16
+    finally:
+        d.close()
+        c.close()
