@@ -11,8 +11,9 @@ Both are already there for the job: spark_hvd opens no port for torch.distribute
 connection to them proves the job's secret with a fresh challenge (``spark_hvd.core.wire``), so a client without
 the secret can neither read nor write a key. A job of one process uses a ``HashStore``. Only where a job has neither
 service (ranks joined through a custom ``rendezvous=`` without a launcher, or ``mpirun``) does rank 0 start a
-``KVStoreServer`` of its own, authenticated like the others, and publish its address through the job's own
-rendezvous or backend; under ``mpirun`` (no job secret) a fresh secret travels with it over MPI. Never a TCPStore.
+``KVStoreServer`` of its own (on ``SPARK_HVD_IFACE_ADDR`` where set), authenticated like the others, and publish
+its address through the job's own rendezvous or backend; under ``mpirun`` (no job secret) a fresh secret travels
+with it over MPI. Never a TCPStore.
 
 Keys live under ``<job id>/torch/<attempt>/<name>/<generation>/``: rank 0 numbers the groups of that name in the
 job (an ``init()`` after a ``shutdown()`` gets a fresh generation) and publishes the number through the job's own
@@ -25,6 +26,7 @@ the ``Store`` base's (``timeout`` / ``set_timeout``). This module imports torch:
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.rendezvous import KVClient, KVStoreServer
+from spark_hvd.core.ring import IFACE_ENV
 from spark_hvd.core.wire import make_secret
 
 _TimeoutError = getattr(dist, "DistStoreError", RuntimeError)
@@ -160,7 +163,7 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
         fresh = b""
         if fallback:  # a service of our own, under the job's secret (or a fresh one where the job has none)
             fresh = make_secret() if secret is None else b""
-            server = KVStoreServer(secret or fresh, host="0.0.0.0")
+            server = KVStoreServer(secret or fresh, host=os.environ.get(IFACE_ENV) or "0.0.0.0")
             host, port = server.start()
             address, hello = f"{host}:{port}", None
         client = KVClient(address, secret or fresh, timeout.total_seconds(), hello=hello)
