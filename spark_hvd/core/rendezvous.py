@@ -2,9 +2,11 @@
 
 ``KVStoreServer`` is a small key-value service (one thread per connection, accepted by the surviving
 ``spark_hvd.core.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange their
-addresses with ``KVRendezvous``. Every connection proves the job's secret with a fresh challenge-response, and
-every frame in both directions is an authenticated ``FramedSocket`` frame: a frame that fails its check is dropped
-and logged and its connection closed, and it is never unpickled. A replayed connection fails the handshake.
+addresses with ``KVRendezvous``. Its operations live in ``KVTable``, which the Spark runner's driver service serves
+too, so that torch.distributed groups meet through either (``spark_hvd.core.torch_store``). Every connection
+proves the job's secret with a fresh challenge-response, and every frame in both directions is an authenticated
+``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and it is
+never unpickled. A replayed connection fails the handshake.
 
 Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
 subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
