@@ -90,11 +90,14 @@ def _spark_rank() -> dict:
 
 @pytest.mark.spark
 @pytest.mark.slow
-def test_device_path_under_the_spark_runner_meets_through_the_driver_service(spark):
-    # no launcher KV service under Spark: the device group's store is the driver service's KV ("kv" hello)
+@pytest.mark.parametrize("host_backend", ["ring", "torch"])
+def test_device_path_under_the_spark_runner_meets_through_the_driver_service(spark, host_backend):
+    # no launcher KV service under Spark: the device group's store (and, with SPARK_HVD_BACKEND=torch, the torch
+    # backend's) is the driver service's KV ("kv" hello)
     from spark_hvd.runner import run
 
-    results = run(_spark_rank, num_proc=2, env={"SPARK_HVD_DEVICE_BACKEND": "gloo"}, verbose=0)
+    env = {"SPARK_HVD_DEVICE_BACKEND": "gloo", "SPARK_HVD_BACKEND": host_backend}
+    results = run(_spark_rank, num_proc=2, env=env, verbose=0)
     assert [r["rank"] for r in results] == [0, 1] and all(r["device_group"] for r in results)
     expected = results[0]["mine"] + results[1]["mine"]
     for r in results:
