@@ -4,14 +4,17 @@ The same training-like step runs in two jobs of ``--np`` ranks launched back to 
 alternate, so both see the same load): ResNet-50's 161 gradient shapes as torch tensors, allreduced with
 ``grouped_allreduce_`` (negotiation, fusion, the collectives), ``--iters`` times after a warm-up.
 
-- on a CUDA host the tensors are on each rank's GPU (its local rank): ``device`` = NCCL on the GPUs,
-  ``host`` = ``SPARK_HVD_DEVICE_BACKEND=none`` (copied to host memory, reduced by the ring, copied back);
-- without CUDA the tensors are CPU tensors: ``device`` = gloo standing in for NCCL, ``host`` = the ring. This only
-  says what the stand-in costs, not what NCCL would.
+- on a CUDA host with at least ``--np`` GPUs the tensors are on each rank's GPU (its local rank): ``device`` =
+  NCCL on the GPUs, ``host`` = ``SPARK_HVD_DEVICE_BACKEND=none`` (copied to host memory, reduced by the ring,
+  copied back). That is issue 15's "NCCL vs the ring through host memory" row;
+- without CUDA (or with ``--cpu``) the tensors are CPU tensors: ``device`` = gloo standing in for NCCL
+  (``SPARK_HVD_DEVICE_BACKEND=gloo``), ``host`` = the ring. A smoke run of the device plumbing: it only says what
+  the stand-in costs, not what NCCL would.
 
-It prints the median seconds per step of each mode and host / device::
+NCCL needs one GPU per rank (two ranks on one GPU is an error): on a host with fewer GPUs than ``--np`` the script
+stops and says so. It prints the median seconds per step of each mode, host / device, and a RESULTS.md row::
 
-    .venv/bin/python benchmarks/device_allreduce.py --np 2 --iters 10 [--rounds 2] [--scale 1.0]
+    .venv/bin/python benchmarks/device_allreduce.py --np 2 --iters 10 [--rounds 2] [--scale 1.0] [--cpu]
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(iters: int, scale: float) -> None:
+def _worker(iters: int, scale: float, cpu: bool) -> None:
     import torch
     from engine_fusion import resnet50_shapes
 
     import spark_hvd.torch as hvd
 
     hvd.init()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_gpu = torch.cuda.is_available() and not cpu
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     shapes = resnet50_shapes()
     if scale != 1.0:
         shapes = [(max(1, int(s[0] * scale)), *s[1:]) for s in shapes]
@@ -64,23 +68,27 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each mode")
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor's first dimension")
+    parser.add_argument("--cpu", action="store_true", help="CPU tensors and the gloo stand-in even with CUDA")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.iters, args.scale)
+        _worker(args.iters, args.scale, args.cpu)
         return
     import torch
 
     from spark_hvd.runner.launch import run_local
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda and torch.cuda.device_count() < args.np:
+        raise SystemExit(f"--np {args.np} needs {args.np} GPUs, one per rank (NCCL refuses two ranks on one GPU); "
+                         f"{torch.cuda.device_count()} visible: use --np {torch.cuda.device_count()} or --cpu")
     modes = {"device": "nccl" if cuda else "gloo", "host": "none"}
     results: dict[str, list[float]] = {m: [] for m in modes}
     values, kind = 0, ""
     for _ in range(args.rounds):
         for mode, setting in modes.items():
             argv = [sys.executable, os.path.abspath(__file__), "--worker", "--iters", str(args.iters),
-                    "--scale", str(args.scale)]
+                    "--scale", str(args.scale), *(["--cpu"] if args.cpu else [])]
             out = run_local(argv, args.np, env={"SPARK_HVD_DEVICE_BACKEND": setting, "OMP_NUM_THREADS": "1"},
                             timeout=900, capture=True)
             if out.returncode != 0:
@@ -94,6 +102,9 @@ def main() -> None:
     print(f"device path ({modes['device']}): {device_s * 1000:.1f} ms/step   runs {results['device']}")
     print(f"through host (ring):  {host_s * 1000:.1f} ms/step   runs {results['host']}")
     print(f"host / device: {host_s / device_s:.2f}")
+    name = torch.cuda.get_device_name(0) if cuda else "CPU (gloo stand-in, not NCCL)"
+    print(f"| {name} | {args.np} | {values * 4 / 2**20:.1f} MiB, 161 tensors | {modes['device']}: "
+          f"{device_s * 1000:.1f} ms | ring through host: {host_s * 1000:.1f} ms | {host_s / device_s:.2f} |")
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     if name == "torch":
         from spark_hvd.core.torch_backend import TorchBackend
 
-        return TorchBackend(rank, size, rendezvous, settings, job_id=job_id)
+        return TorchBackend(rank, size, rendezvous, settings, job_id=job_id, secret=secret)
     from spark_hvd.core.ring import RingBackend
 
     return RingBackend(rank, size, rendezvous, secret, settings, job_id)

@@ -2,9 +2,11 @@
 
 ``KVStoreServer`` is a small key-value service (one thread per connection, accepted by the surviving
 ``spark_hvd.core.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange their
-addresses with ``KVRendezvous``. Every connection proves the job's secret with a fresh challenge-response, and
-every frame in both directions is an authenticated ``FramedSocket`` frame: a frame that fails its check is dropped
-and logged and its connection closed, and it is never unpickled. A replayed connection fails the handshake.
+addresses with ``KVRendezvous``. Its operations live in ``KVTable``, which the Spark runner's driver service serves
+too, so that torch.distributed groups meet through either (``spark_hvd.core.torch_store``). Every connection
+proves the job's secret with a fresh challenge-response, and every frame in both directions is an authenticated
+``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and it is
+never unpickled. A replayed connection fails the handshake.
 
 Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
 subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
@@ -66,24 +68,124 @@ def routable_address(towards: str | None = None) -> str:
         return "127.0.0.1"
 
 
-class KVStoreServer:
-    """A thread-based key-value service for a job's rendezvous.
+class KVTable:
+    """The data of a KV service and the operations on it, thread-safe: one per ``KVStoreServer``, and one in the
+    Spark runner's driver service (``spark_hvd.runner.service``), which serves the same operations to connections
+    that say so in their hello.
 
     Operations (pickled tuples inside authenticated frames): ``("set", key, value)``, ``("get", keys, timeout_s)``
     (waits until every key exists or the timeout passes, then answers the values present), ``("incr", key)``
-    (atomic counter, returns the new value), ``("delete", prefix)``. ``listener_options`` go to the
-    ``Listener`` (``max_pending``, ``handshake_timeout_s``).
+    (atomic counter in its own namespace, returns the new value), ``("delete", prefix)``; and those a
+    ``torch.distributed`` store needs (``spark_hvd.core.torch_store``): ``("add", key, amount)`` (the value is a
+    decimal integer, as in torch's stores; returns the new one), ``("cas", key, expected, desired)`` (torch's
+    ``compare_set``: returns the value after the call), ``("wait", keys, timeout_s)`` (returns the keys still
+    missing), ``("check", keys)``, ``("delete_key", key)`` (True when it existed) and ``("count", prefix)``.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._counters: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._stopped = False
+
+    def stop(self) -> None:
+        """Release every waiting ``get``/``wait`` (they answer what is present)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def serve(self, framed: FramedSocket) -> None:
+        """Answer the requests of one authenticated connection until it goes away or the table stops.
+
+        A frame that fails its check raises ``AuthenticationError`` (the caller logs it and closes the connection);
+        a peer that goes away ends the loop quietly.
+        """
+        while not self._stopped:
+            try:
+                request = framed.recv_object(MAX_KV_FRAME)
+                framed.send_object(self.apply(request))
+            except PeerFailureError:
+                return
+
+    def _wait_for(self, keys: Sequence[str], timeout_s: float) -> None:
+        """With the condition held: until every key exists, the timeout passes or the table stops."""
+        deadline = time.monotonic() + float(timeout_s)
+        while not self._stopped and not all(k in self._data for k in keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(min(left, 1.0))
+
+    def apply(self, request: Any) -> tuple[Any, ...]:
+        """The answer to one request: ``("ok", result)``, or ``("error", why)``."""
+        if not isinstance(request, tuple) or not request or not isinstance(request[0], str):
+            return ("error", f"malformed request {type(request).__name__}")
+        handler = getattr(self, f"_op_{request[0]}", None)
+        if handler is None:
+            return ("error", f"unknown operation {request[0]!r}")
+        try:
+            with self._cond:
+                return ("ok", handler(*request[1:]))
+        except (TypeError, ValueError) as exc:  # wrong arity or types from an authenticated but confused client
+            return ("error", f"bad {request[0]!r} request: {exc}")
+
+    def _op_set(self, key: str, value: bytes) -> None:
+        self._data[key] = bytes(value)
+        self._cond.notify_all()
+
+    def _op_get(self, keys: Sequence[str], timeout_s: float) -> dict[str, bytes]:
+        self._wait_for(keys, timeout_s)
+        return {k: self._data[k] for k in keys if k in self._data}
+
+    def _op_incr(self, key: str) -> int:
+        self._counters[key] = self._counters.get(key, 0) + 1
+        return self._counters[key]
+
+    def _op_delete(self, prefix: str) -> None:
+        for k in [k for k in self._data if k.startswith(prefix)]:
+            del self._data[k]
+
+    def _op_add(self, key: str, amount: int) -> int:
+        value = int(self._data.get(key, b"0")) + int(amount)
+        self._data[key] = str(value).encode()
+        self._cond.notify_all()
+        return value
+
+    def _op_cas(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        current = self._data.get(key)
+        if (current is None and not expected) or (current is not None and current == expected):
+            self._data[key] = bytes(desired)
+            self._cond.notify_all()
+            return bytes(desired)
+        return expected if current is None else current
+
+    def _op_wait(self, keys: Sequence[str], timeout_s: float) -> list[str]:
+        self._wait_for(keys, timeout_s)
+        return [k for k in keys if k not in self._data]
+
+    def _op_check(self, keys: Sequence[str]) -> bool:
+        return all(k in self._data for k in keys)
+
+    def _op_delete_key(self, key: str) -> bool:
+        return self._data.pop(key, None) is not None
+
+    def _op_count(self, prefix: str) -> int:
+        return sum(1 for k in self._data if k.startswith(prefix))
+
+
+class KVStoreServer:
+    """A thread-based key-value service for a job's rendezvous (the operations: ``KVTable``).
+
+    ``listener_options`` go to the ``Listener`` (``max_pending``, ``handshake_timeout_s``).
     """
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, **listener_options: Any) -> None:
         self.secret = secret
         self._listener_options = listener_options
         self._bind = (host, port)
-        self._data: dict[str, bytes] = {}
-        self._counters: dict[str, int] = {}
-        self._cond = threading.Condition()
+        self.table = KVTable()
+        self._lock = threading.Lock()
         self._listener: Listener | None = None
-        self._stopped = threading.Event()
         self.address: tuple[str, int] | None = None
         self._bad_frames = 0
 
@@ -111,9 +213,7 @@ class KVStoreServer:
 
     def stop(self) -> None:
         """Stop serving and close every connection. Safe to call twice."""
-        self._stopped.set()
-        with self._cond:
-            self._cond.notify_all()
+        self.table.stop()
         if self._listener is not None:
             self._listener.stop()
 
@@ -129,62 +229,23 @@ class KVStoreServer:
         """One authenticated client: answer its requests until it goes away (runs on the connection's thread)."""
         framed.peer = f"KV client {peer}"
         framed.sock.settimeout(None)
-        while not self._stopped.is_set():
-            try:
-                request = framed.recv_object(MAX_KV_FRAME)
-            except AuthenticationError:
-                with self._cond:
-                    self._bad_frames += 1
-                logger.warning("KV service: dropped the connection from %s (a frame failed its check)", peer)
-                return
-            except PeerFailureError:
-                return  # the client went away
-            try:
-                framed.send_object(self._apply(request))
-            except PeerFailureError:
-                return
-
-    def _apply(self, request: Any) -> tuple[Any, ...]:
-        if not isinstance(request, tuple) or not request:
-            return ("error", f"malformed request {type(request).__name__}")
-        op = request[0]
-        if op == "set":
-            _, key, value = request
-            with self._cond:
-                self._data[key] = value
-                self._cond.notify_all()
-            return ("ok",)
-        if op == "get":
-            _, keys, timeout_s = request
-            deadline = time.monotonic() + float(timeout_s)
-            with self._cond:
-                while not self._stopped.is_set():
-                    if all(k in self._data for k in keys):
-                        break
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(min(left, 1.0))
-                return ("ok", {k: self._data[k] for k in keys if k in self._data})
-        if op == "incr":
-            _, key = request
-            with self._cond:
-                value = self._counters.get(key, 0) + 1
-                self._counters[key] = value
-            return ("ok", value)
-        if op == "delete":
-            _, prefix = request
-            with self._cond:
-                for k in [k for k in self._data if k.startswith(prefix)]:
-                    del self._data[k]
-            return ("ok",)
-        return ("error", f"unknown operation {op!r}")
+        try:
+            self.table.serve(framed)
+        except AuthenticationError:
+            with self._lock:
+                self._bad_frames += 1
+            logger.warning("KV service: dropped the connection from %s (a frame failed its check)", peer)
 
 
 class KVClient:
-    """A connection to a ``KVStoreServer`` (not thread-safe: one per thread)."""
+    """A connection to a ``KVStoreServer`` (not thread-safe: one per thread).
 
-    def __init__(self, address: str | tuple[str, int], secret: bytes, timeout_s: float = 30.0) -> None:
+    ``hello``: a first frame sent after the handshake, for a service that serves KV requests beside others (the
+    Spark runner's driver service wants ``("hello", job_id, rank, "kv")``).
+    """
+
+    def __init__(self, address: str | tuple[str, int], secret: bytes, timeout_s: float = 30.0,
+                 hello: tuple[Any, ...] | None = None) -> None:
         host, port = parse_address(address) if isinstance(address, str) else address
         self.address = f"{host}:{port}"
         deadline = time.monotonic() + timeout_s
@@ -192,6 +253,8 @@ class KVClient:
         while True:  # the service may still be starting, or busy: retry until the timeout
             try:
                 self._sock = self._connect(host, port, secret, max(0.1, deadline - time.monotonic()))
+                if hello is not None:
+                    self._sock.send_object(hello)
                 return
             except (OSError, PeerFailureError) as exc:  # not AuthenticationError: a wrong secret stays wrong
                 if time.monotonic() + delay > deadline:
@@ -248,7 +311,37 @@ class KVClient:
         """Remove every key starting with ``prefix``."""
         self._call("delete", prefix)
 
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the decimal integer stored at ``key`` (0 when unset); the new value."""
+        return self._call("add", key, int(amount))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is unset and ``expected`` is empty); the value
+        after the call (torch's ``Store.compare_set``)."""
+        return self._call("cas", key, bytes(expected), bytes(desired))
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> list[str]:
+        """Wait until every key is set or ``timeout_s`` passes; the keys still missing."""
+        self._sock.sock.settimeout(timeout_s + 30.0)
+        try:
+            return self._call("wait", list(keys), timeout_s)
+        finally:
+            self._sock.sock.settimeout(None)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key is set, now."""
+        return self._call("check", list(keys))
+
+    def delete_key(self, key: str) -> bool:
+        """Remove ``key``; whether it was set."""
+        return self._call("delete_key", key)
+
+    def count(self, prefix: str) -> int:
+        """How many keys start with ``prefix``."""
+        return self._call("count", prefix)
+
     def close(self) -> None:
+        """Close the connection."""
         self._sock.close()
 
 

@@ -1,8 +1,10 @@
 """The torch.distributed backend: gloo for CPU, NCCL when CUDA is chosen. torch is imported only here.
 
-Chosen with ``SPARK_HVD_BACKEND=torch`` (or ``init(backend="torch")``). The ranks meet through the job's own
-rendezvous: rank 0 starts a ``torch.distributed.TCPStore`` on a free port and publishes its address through
-``Rendezvous.exchange``; with no rendezvous, ``MASTER_ADDR``/``MASTER_PORT`` (``env://``) are used.
+Chosen with ``SPARK_HVD_BACKEND=torch`` (or ``init(backend="torch")``). The ranks exchange host names through
+the job's own rendezvous and meet, for torch.distributed, through a ``KVTorchStore`` on the job's authenticated KV
+service (``spark_hvd.core.torch_store``: no port of its own, every connection proves the job's secret). Only
+when ``TorchBackend`` is built with no rendezvous at all does torch's own ``env://`` (``MASTER_ADDR`` /
+``MASTER_PORT``, a TCPStore the user set up) apply.
 
 Buffers stay numpy arrays: on CPU they are shared with torch tensors (no copy); with NCCL they are copied to this
 rank's GPU (the one GPU policy, ``spark_hvd.core.jobenv.gpu_index``) and back. float16 and bfloat16 (uint16 view)
@@ -24,7 +26,7 @@ from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args,
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
 from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
-from spark_hvd.core.rendezvous import routable_address
+from spark_hvd.core.rendezvous import KVRendezvous
 from spark_hvd.core.settings import Settings
 
 
@@ -34,7 +36,7 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, settings: Settings | None = None,
-                 job_id: str = "", device: str | None = None) -> None:
+                 job_id: str = "", device: str | None = None, secret: bytes | None = None) -> None:
         try:
             import torch
             import torch.distributed as dist
@@ -51,19 +53,16 @@ class TorchBackend(Backend):
         device = device or os.environ.get("SPARK_HVD_TORCH_DEVICE", "cpu")
         self.cuda = device.startswith("cuda")
         hostname = socket.gethostname()
+        self._store: Any = None
         if rendezvous is not None:
-            store = None
-            value = hostname.encode()
-            if rank == 0:
-                host = routable_address(getattr(rendezvous, "host", None))
-                store = dist.TCPStore(host, 0, size, True, timeout=timeout, wait_for_workers=False)
-                value += f"|{host}:{store.port}".encode()
-            values = [v.decode() for v in rendezvous.exchange(rank, size, value)]
-            hosts = [v.split("|", 1)[0] for v in values]
-            if store is None:
-                host, _, port = values[0].split("|", 1)[1].rpartition(":")
-                store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
-            init: dict[str, Any] = {"store": store}
+            from spark_hvd.core.torch_store import open_store
+
+            hosts = [v.decode() for v in rendezvous.exchange(rank, size, hostname.encode())]
+            kv_address = rendezvous.address if isinstance(rendezvous, KVRendezvous) else None
+            self._store = open_store("backend", rank, size, timeout, job=JobEnv.from_env(), secret=secret,
+                                     exchange=lambda mine: rendezvous.exchange(rank, size, mine), job_id=job_id,
+                                     kv_address=kv_address)
+            init: dict[str, Any] = {"store": self._store}
         else:
             hosts = [hostname] * size
             init = {"init_method": "env://"}
@@ -186,3 +185,6 @@ class TorchBackend(Backend):
                 self._dist.destroy_process_group()
             except Exception:  # a group whose peers are gone cannot always be torn down cleanly
                 pass
+        close = getattr(self._store, "close", None)  # a KVTorchStore's connections (a HashStore has none)
+        if close is not None:
+            close()

@@ -16,7 +16,6 @@ from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
-from spark_hvd.core.rendezvous import routable_address
 from spark_hvd.core.settings import Settings
 
 _ZERO_OPS = frozenset({"sum", "average"})
@@ -25,12 +24,13 @@ _ZERO_OPS = frozenset({"sum", "average"})
 class TorchDeviceGroup(DeviceGroup):
     """The engine's collectives on tensors where they lie: NCCL for CUDA tensors, gloo standing in on CPU.
 
-    Set up collectively (see ``spark_hvd.core.device``): rank 0 opens a ``torch.distributed.TCPStore`` on a free
-    port and its address travels to the other ranks over the job's own backend, whose connections proved the job's
-    secret; no port is fixed in advance or opened by the user. (The store itself, like NCCL's own bootstrap and
-    data sockets, carries no authentication: the device group needs a trusted cluster network, as NCCL always
-    does.) The group is ``torch.distributed``'s default group when the process has none, else a new group over
-    the same ranks. The engine thread alone drives it, so collectives are issued in one order on every rank.
+    Set up collectively (see ``spark_hvd.core.device``): the ranks meet through a ``KVTorchStore``
+    (``spark_hvd.core.torch_store``) on the job's own authenticated KV service (the launcher's, or the Spark
+    driver service), so spark_hvd opens no port for the rendezvous and every store connection proves the job's
+    secret. (NCCL's own bootstrap and data sockets, and gloo's, carry no authentication: that part of the device
+    path is as trusted as the cluster network, as NCCL always is.) The group is ``torch.distributed``'s default
+    group when the process has none, else a new group over the same ranks (meeting through the default group's
+    store). The engine thread alone drives it, so collectives are issued in one order on every rank.
 
     CUDA: the engine waits on each tensor's ``ready`` event (recorded on the producer's stream) before the
     collective, and for the collective to complete before the handle finishes; nothing is copied to the host.
@@ -51,22 +51,12 @@ class TorchDeviceGroup(DeviceGroup):
                                                        required=True))
         else:
             self._dev = torch.device("cpu")
-        address = b""
-        store = None
-        if self.rank == 0:
-            host = routable_address(_towards(JobEnv.from_env()))
-            store = dist.TCPStore(host, 0, self.size, True, timeout=timeout, wait_for_workers=False)
-            address = f"{host}:{store.port}".encode()
-        published = backend.allgather(np.frombuffer(address, dtype=np.uint8)).tobytes().decode()
-        if store is None:
-            host, _, port = published.rpartition(":")
-            store = dist.TCPStore(host, int(port), self.size, False, timeout=timeout)
-        self._store = store
-        prefixed = dist.PrefixStore(f"spark_hvd/{device}/", store)
+        self._store: Any = None
         self._owns = not dist.is_initialized()
         if self._owns:
+            self._store = store = _open_store(device, backend, timeout)
             extra = {"device_id": self._dev} if kind == "nccl" else {}
-            dist.init_process_group(kind, store=prefixed, rank=self.rank, world_size=self.size, timeout=timeout,
+            dist.init_process_group(kind, store=store, rank=self.rank, world_size=self.size, timeout=timeout,
                                     **extra)
             self._group = dist.group.WORLD
         else:
@@ -74,6 +64,7 @@ class TorchDeviceGroup(DeviceGroup):
                 raise PeerFailureError(
                     f"torch.distributed is already initialised as rank {dist.get_rank()} of {dist.get_world_size()} "
                     f"in a spark_hvd job where this process is rank {self.rank} of {self.size}", operation="setup")
+            # a new group meets through the default group's store (with SPARK_HVD_BACKEND=torch: ours too)
             self._group = dist.new_group(backend=kind, timeout=timeout)
         self._closed = False
 
@@ -217,6 +208,9 @@ class TorchDeviceGroup(DeviceGroup):
         dist = self._dist
         if dist.is_initialized():
             dist.destroy_process_group() if self._owns else dist.destroy_process_group(self._group)
+        close = getattr(self._store, "close", None)  # a KVTorchStore's connections (a HashStore has none)
+        if close is not None:
+            close()
 
 
 _TORCH_OPS = {ReduceOp.SUM: lambda d: d.ReduceOp.SUM, ReduceOp.AVERAGE: lambda d: d.ReduceOp.SUM,
@@ -232,9 +226,12 @@ class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib'
         return None
 
 
-def _towards(job: JobEnv | None) -> str | None:
-    """The host whose route picks the address rank 0 publishes: the launcher's KV service, else the driver."""
-    for address in (job.rendezvous, job.service_address) if job is not None else ():
-        if address:
-            return address.rpartition(":")[0].strip("[]") or None
-    return None
+def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
+    """The group's rendezvous store on the job's KV service (collective; ``spark_hvd.core.torch_store``)."""
+    from spark_hvd.core.torch_store import open_store
+
+    def exchange(mine: bytes) -> list[bytes]:  # only rank 0 publishes: the gathered rows are its bytes
+        return [backend.allgather(np.frombuffer(mine, dtype=np.uint8)).tobytes()]
+
+    return open_store(f"device-{device}", backend.rank, backend.size, timeout, job=JobEnv.from_env(), secret=None,
+                      job_id=getattr(backend, "job_id", ""), exchange=exchange)

@@ -10,6 +10,9 @@ as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked befo
 - ``("req", name, payload)``, answered on the same connection by ``("ok", value)`` or ``("error", message)``: a
   request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
 
+A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous (``spark_hvd.core.torch_store``):
+it is served the KV operations of ``spark_hvd.core.rendezvous.KVTable``, so that the job needs no other port.
+
 A connection first proves the job's secret (challenge-response with fresh nonces, ``Listener``: bounded in time,
 a cap on unauthenticated connections, accept errors survived), so a replayed hello is refused. A connection that
 closes before ``done`` or ``error`` marks its rank as lost (the process died). A frame that fails its check is
@@ -32,6 +35,7 @@ from typing import Any
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.listener import Listener
+from spark_hvd.core.rendezvous import KVTable
 from spark_hvd.core.wire import FramedSocket
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure, RunnerError
 from spark_hvd.runner.progress import ProgressDisplay
@@ -108,6 +112,7 @@ class DriverService:
         self._stopping = threading.Event()
         self._cancelled = False
         self._listener: Listener | None = None
+        self._kv = KVTable()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> tuple[str, int]:
@@ -124,6 +129,7 @@ class DriverService:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close the listener and every connection; joins the accept thread (bounded)."""
         self._stopping.set()
+        self._kv.stop()
         if self._listener is not None:
             self._listener.stop(timeout_s)
         self.display.close()
@@ -182,8 +188,12 @@ class DriverService:
             conn.sock.settimeout(None)
             if (not isinstance(hello, tuple) or len(hello) != 4 or hello[0] != "hello"
                     or hello[1] != self.job_id or not isinstance(hello[2], int)
-                    or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux")):
+                    or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux", "kv")):
                 logger.warning("driver service: dropped a connection from %s with an unexpected hello", conn.peer)
+                return
+            if hello[3] == "kv":  # torch.distributed's rendezvous of a rank (spark_hvd.core.torch_store)
+                conn.peer = f"rank {hello[2]} (torch.distributed store)"
+                self._kv.serve(conn)
                 return
             if hello[3] == "aux":  # report() from a helper process: events only, no lifecycle
                 conn.peer = f"rank {hello[2]} (helper)"

@@ -2,23 +2,35 @@
 
 ``SPARK_HVD_DEVICE_BACKEND=gloo`` sends torch CPU tensors down exactly the code CUDA tensors take (a
 ``DeviceBuffer`` through the engine's negotiation and per-device fusion, the lazily opened ``TorchDeviceGroup``,
-its rendezvous over the job's own backend), so the plumbing is tested on every run. The CUDA run of the same
-scenarios is in ``test_cuda.py``.
+its rendezvous on the job's authenticated KV service, never a TCPStore), so the plumbing is tested on every run.
+The CUDA run of the same scenarios is in ``test_cuda.py``.
 """
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
+import numpy as np
 import pytest
 from ringutil import run_ranks
 
 pytest.importorskip("torch")
 
+# the executors' Python workers cannot import this test module: ship its functions by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 
 def _job(device: str) -> dict:
     import device_scenarios as ds
+    import torch.distributed as dist
 
     import spark_hvd.torch as hvd
 
+    def no_tcpstore(*args, **kwargs):  # the groups meet through the job's authenticated KV service, not a TCPStore
+        raise AssertionError("a torch.distributed.TCPStore was created")
+
+    dist.TCPStore = no_tcpstore
     hvd.init()
     try:
         report = ds.collectives(device)
@@ -55,3 +67,38 @@ def test_which_tensors_take_the_device_path():
     assert Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": " NCCL "}).device_backend == "nccl"
     with pytest.raises(ValueError, match="SPARK_HVD_DEVICE_BACKEND='mpi' is not valid: expected one of nccl"):
         Settings.from_env({"SPARK_HVD_DEVICE_BACKEND": "mpi"})
+
+
+def _spark_rank() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import spark_hvd.torch as hvd
+
+    def no_tcpstore(*args, **kwargs):
+        raise AssertionError("a torch.distributed.TCPStore was created")
+
+    saved, dist.TCPStore = dist.TCPStore, no_tcpstore  # the Python worker is reused: put it back after
+    try:
+        mine = torch.arange(6, dtype=torch.float32) * (hvd.rank() + 1)
+        summed = hvd.allreduce(mine, op=hvd.Sum, name="spark.device")
+        return {"rank": hvd.rank(), "mine": mine.numpy(), "sum": summed.numpy(),
+                "device_group": dist.is_initialized() and dist.get_backend() == "gloo"}
+    finally:
+        dist.TCPStore = saved
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.parametrize("host_backend", ["ring", "torch"])
+def test_device_path_under_the_spark_runner_meets_through_the_driver_service(spark, host_backend):
+    # no launcher KV service under Spark: the device group's store (and, with SPARK_HVD_BACKEND=torch, the torch
+    # backend's) is the driver service's KV ("kv" hello)
+    from spark_hvd.runner import run
+
+    env = {"SPARK_HVD_DEVICE_BACKEND": "gloo", "SPARK_HVD_BACKEND": host_backend}
+    results = run(_spark_rank, num_proc=2, env=env, verbose=0)
+    assert [r["rank"] for r in results] == [0, 1] and all(r["device_group"] for r in results)
+    expected = results[0]["mine"] + results[1]["mine"]
+    for r in results:
+        np.testing.assert_array_equal(r["sum"], expected)

@@ -14,7 +14,7 @@ import pytest
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, divide_average, f32_to_bf16, reduce_into, scale_inplace
-from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVStoreServer, parse_address
+from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVStoreServer, KVTable, parse_address
 from spark_hvd.core.wire import FramedSocket, make_secret
 
 
@@ -44,6 +44,20 @@ def test_set_get_and_wait(server):
     assert a.get_many(["k"], timeout_s=0) == {}
     a.close()
     b.close()
+
+
+def test_torch_store_operations_on_the_table(server):
+    _, address, secret = server
+    a = KVClient(address, secret)
+    assert [a.add("n", 5), a.add("n", -2)] == [5, 3] and a.get("n", 1) == b"3"  # a decimal, as torch stores it
+    assert a.compare_set("c", b"", b"v1") == b"v1" and a.compare_set("c", b"no", b"v2") == b"v1"
+    assert a.wait(["c", "missing"], 0.1) == ["missing"] and a.check(["c"]) and not a.check(["missing"])
+    assert a.count("") == 2 and a.delete_key("c") and not a.delete_key("c") and a.count("") == 1
+    a.close()
+    table = KVTable()  # an authenticated but confused client gets an error answer, the service goes on
+    assert table.apply(("nope",))[0] == "error" and table.apply(("set", "k"))[0] == "error"
+    assert table.apply(["set", "k", b"v"])[0] == "error" and table.apply(("add", "k", "x"))[0] == "error"
+    assert table.apply(("set", "k", b"v")) == ("ok", None) and table.apply(("add", "k", 1))[0] == "error"
 
 
 @pytest.mark.parametrize("size", [1, 3])
