@@ -55,7 +55,7 @@ from spark_hvd._binding_common import (
     stop_timeline,
 )
 from spark_hvd.core.errors import NotInitializedError
-from spark_hvd.keras import callbacks
+from spark_hvd.keras import callbacks, elastic
 from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
 from spark_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap_optimizer_class
 
@@ -132,6 +132,7 @@ __all__ = [
     "remove_process_set",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
+    "elastic",
     "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",
     "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "rank", "reducescatter", "shutdown", "size", "start_timeline", "stop_timeline",

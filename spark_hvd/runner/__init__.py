@@ -8,6 +8,8 @@
 - ``run(..., spark=...)`` works on a classic SparkSession and on a Spark Connect one (``spark_hvd.runner.cluster``);
   ``resolve_num_proc(spark, num_proc)`` is its num_proc default and slot check.
 - ``run_local(argv, np, env, timeout)``: the Python API of ``spark-hvd-run``.
+- ``run_elastic(fn, num_proc, min_num_proc, max_num_proc, ...)``: Horovod's elastic training: a lost rank or free
+  slots relaunch the barrier stage, which resumes from the last ``state.commit()`` (``spark_hvd.runner.elastic``).
 - ``check_slots(sc, num_proc)``: the slot check ``run`` does first (``NotEnoughSlotsError`` with both numbers).
 
 Events carry ``attempt``: with ``max_retries`` the events of failed attempts are kept too.
@@ -15,6 +17,7 @@ Events carry ``attempt``: with ``max_retries`` the events of failed attempts are
 Importing this package does not import pyspark (``run`` imports it when called).
 """
 
+from spark_hvd.runner.elastic import ElasticError, run_elastic
 from spark_hvd.runner.errors import (
     NotEnoughSlotsError,
     RankFailedError,
@@ -29,6 +32,7 @@ from spark_hvd.runner.service import Event, report
 from spark_hvd.runner.spark import check_slots, last_events, resolve_num_proc, run
 
 __all__ = [
+    "ElasticError",
     "Event",
     "LaunchResult",
     "NotEnoughSlotsError",
@@ -44,5 +48,6 @@ __all__ = [
     "report",
     "resolve_num_proc",
     "run",
+    "run_elastic",
     "run_local",
 ]

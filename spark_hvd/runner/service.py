@@ -6,7 +6,9 @@ as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked befo
 - ``("hello", job_id, rank)`` first;
 - ``("out", stream, text)``: whole lines of its stdout / stderr, which the driver prints prefixed ``[rank]``;
 - ``("event", Event)``: progress from ``report(epoch=..., step=..., **metrics)``;
-- ``("error", type, message, traceback)`` when its function raised, ``("done",)`` when it finished.
+- ``("error", type, message, traceback)`` when its function raised, ``("done",)`` when it finished;
+- ``("req", name, payload)``, answered on the same connection by ``("ok", value)`` or ``("error", message)``: a
+  request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
 
 A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous (``spark_hvd.core.torch_store``):
 it is served the KV operations of ``spark_hvd.core.rendezvous.KVTable``, so that the job needs no other port.
@@ -35,7 +37,7 @@ from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.listener import Listener
 from spark_hvd.core.rendezvous import KVTable
 from spark_hvd.core.wire import FramedSocket
-from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
+from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure, RunnerError
 from spark_hvd.runner.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
@@ -81,12 +83,15 @@ class DriverService:
         on_failure: called once, with the first ``RankFailure``, as soon as one arrives.
         attempt: stored in the events (runs with retries).
         bind_host: interface to listen on ("" = all, for executors on other hosts).
+        handlers: request name -> ``handler(rank, payload)``, whose return value is sent back to the rank
+            (``ServiceClient.request``); an exception it raises is sent back as an error message.
     """
 
     def __init__(self, secret: bytes, num_proc: int, *, job_id: str = "", verbose: int = 1,
                  on_event: Callable[[Event], None] | None = None,
                  on_failure: Callable[[RankFailure], None] | None = None,
-                 attempt: int = 0, bind_host: str = "") -> None:
+                 attempt: int = 0, bind_host: str = "",
+                 handlers: dict[str, Callable[[int, Any], Any]] | None = None) -> None:
         self.secret = secret
         self.num_proc = num_proc
         self.job_id = job_id
@@ -95,6 +100,7 @@ class DriverService:
         self.on_failure = on_failure
         self.attempt = attempt
         self.bind_host = bind_host
+        self.handlers = dict(handlers or {})
         self.events: list[Event] = []
         self.failures: list[RankFailure] = []
         self._bad_frames = 0
@@ -215,6 +221,8 @@ class DriverService:
                 elif kind == "done":
                     finished = True
                     return
+                elif kind == "req":
+                    conn.send_object(self._answer(rank, msg[1], msg[2]))
                 else:
                     logger.warning("driver service: unknown message %r from rank %s", kind, rank)
         except AuthenticationError:
@@ -236,6 +244,16 @@ class DriverService:
                 with self._lock:
                     self.finished.add(rank)
             self.changed.set()
+
+    def _answer(self, rank: int, name: Any, payload: Any) -> tuple[str, Any]:
+        handler = self.handlers.get(name) if isinstance(name, str) else None
+        if handler is None:
+            return "error", f"the driver service of job {self.job_id} has no handler for request {name!r}"
+        try:
+            return "ok", handler(rank, payload)
+        except Exception as exc:  # the rank gets the message; the service keeps serving
+            logger.warning("driver service: request %r of rank %d failed: %s", name, rank, exc)
+            return "error", f"{type(exc).__name__}: {exc}"
 
     def _print_lines(self, rank: int, stream: str, text: str) -> None:
         if self.verbose < 1:
@@ -314,6 +332,22 @@ class ServiceClient:
     def send_error(self, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self._send(("error", type(exc).__name__, str(exc), tb))
+
+    def request(self, name: str, payload: Any = None, max_size: int = _MAX_FRAME) -> Any:
+        """Ask the driver service's handler ``name`` and return its answer (``RunnerError`` with the driver's
+        message when it failed or the driver is gone)."""
+        with self._lock:
+            if not self._alive:
+                raise RunnerError(f"rank {self.rank}: request {name!r}: the connection to the driver service is closed")
+            try:
+                self._conn.send_object(("req", name, payload))
+                status, value = self._conn.recv_object(max_size=max_size)
+            except PeerFailureError as exc:
+                self._alive = False
+                raise RunnerError(f"rank {self.rank}: request {name!r} to the driver service failed: {exc}") from exc
+        if status != "ok":
+            raise RunnerError(f"rank {self.rank}: the driver refused request {name!r}: {value}")
+        return value
 
     def send_done(self) -> None:
         self._send(("done",))

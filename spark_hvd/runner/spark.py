@@ -331,6 +331,23 @@ def _start_timeout(value: float | None) -> float:
     return 600.0
 
 
+def checked_env(env: dict[str, str] | None) -> dict[str, str]:
+    """A copy of ``env``; ``RunnerError`` unless it maps str to str."""
+    env = dict(env or {})
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise RunnerError(f"env must map str to str; {key!r}: {value!r} is not")
+    return env
+
+
+def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
+    """``(fn, args, kwargs)`` cloudpickled for the tasks; ``RunnerError`` when they cannot be."""
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
+
+
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float | None = None,
         use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
@@ -368,14 +385,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
     start_timeout = _start_timeout(start_timeout)
     if max_retries < 0:
         raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
-    env = dict(env or {})
-    for key, value in env.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise RunnerError(f"env must map str to str; {key!r}: {value!r} is not")
-    try:
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
-    except Exception as exc:
-        raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
+    env = checked_env(env)
+    payload = pickled(fn, tuple(args), dict(kwargs or {}))
 
     num_proc = resolve_num_proc(spark, num_proc)
     secret = make_secret()
@@ -441,7 +452,7 @@ class _Stage:
 
 def _run_attempt(spark: Any, payload: bytes, num_proc: int, env: dict[str, str], start_timeout: float,
                  use_gpu: bool | None, verbose: int, secret: bytes, job_id: str, attempt: int,
-                 on_event: Callable[[Event], None]) -> list[Any]:
+                 on_event: Callable[[Event], None], handlers: dict[str, Callable] | None = None) -> list[Any]:
     from pyspark import InheritableThread
 
     stage = _Stage(spark, job_id)
@@ -460,7 +471,7 @@ def _run_attempt(spark: Any, payload: bytes, num_proc: int, env: dict[str, str],
             logger.exception("spark_hvd: cancelling the stage %s failed", stage.tag)
 
     service = DriverService(secret, num_proc, job_id=job_id, verbose=verbose, on_event=on_event,
-                            on_failure=cancel, attempt=attempt)
+                            on_failure=cancel, attempt=attempt, handlers=handlers)
     _, port = service.start()
     setup = _TaskSetup(f"{cluster.driver_host(spark)}:{port}", secret, job_id, attempt, num_proc, env, use_gpu,
                        payload, tee=not cluster.is_local_master(spark))

@@ -15,6 +15,7 @@ from __future__ import annotations
 from spark_hvd._binding_common import HorovodInternalError
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from spark_hvd.torch import elastic  # hvd.elastic.run / TorchState / ElasticSampler
 from spark_hvd.torch.build import cuda_built, nccl_built, rocm_built
 from spark_hvd.torch.collectives import (
     allgather,
@@ -87,7 +88,7 @@ __all__ = [
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built",
-    "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "grouped_allgather",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built", "gloo_enabled", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous",
     "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
