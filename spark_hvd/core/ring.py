@@ -48,6 +48,7 @@ from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
     SUB_CHUNK_MIN_BYTES,
+    SUB_CHUNKS,
     PeerAbort,
     PeerSocket,
     PeerWatcher,
@@ -65,6 +66,10 @@ IFACE_ENV = "SPARK_HVD_IFACE_ADDR"
 HOST_ID_ENV = "SPARK_HVD_HOST_ID"
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
+#: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
+PAIR_EXCHANGE_BYTES = 1024 * 1024
 
 
 def host_identity() -> str:
@@ -152,7 +157,8 @@ class RingBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
-                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES) -> None:
+                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -170,6 +176,7 @@ class RingBackend(Backend):
         self._listener: socket.socket | None = None
         self.transport = "none"
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
+        self._pair_bytes = pair_exchange_bytes
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -355,8 +362,8 @@ class RingBackend(Backend):
     def _sub_bytes(self, bounds: Sequence[int], itemsize: int) -> int:
         """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements): the same on every rank."""
         largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
-        eighth = -(-largest // 8)
-        return max(SUB_CHUNK_MIN_BYTES, min(self._frame, eighth + (-eighth % 64)))
+        part = -(-largest // SUB_CHUNKS)
+        return max(min(SUB_CHUNK_MIN_BYTES, self._frame), min(self._frame, part + (-part % 64)))
 
     def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
               *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
@@ -414,10 +421,30 @@ class RingBackend(Backend):
 
     def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None = None) -> None:
-        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined."""
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined; two
+        members and a small array: one exchange (``_pair_exchange``)."""
         n = self._neighbours(members)[1]
+        if n == 2 and flat.nbytes <= self._pair_bytes:
+            self._pair_exchange(flat, op, bfloat16, operation, members)
+            return
         self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
                    op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
+
+    def _pair_exchange(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                       members: Sequence[int] | None) -> None:
+        """Allreduce between two ranks: each sends its whole array and reduces the other's into it once every
+        byte left (one round trip where the ring's two phases take two; ``a op b`` and ``b op a`` are the same
+        bits for every ``ReduceOp``, so both ranks hold the same result)."""
+        peer = self.peers[self._neighbours(members)[2]]
+        raw = flat.view(np.uint8)
+        theirs = self._scratch_bytes(raw.nbytes)
+        pieces = range(0, raw.nbytes, self._frame)
+        RingExchange(peer, peer, operation).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
+                                                [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
+                                                lambda i: None)
+        reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
+        if op is ReduceOp.AVERAGE:
+            divide_average(flat, 2, bfloat16)
 
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Allreduce one flat array in place with the best transport."""
