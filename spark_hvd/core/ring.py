@@ -7,7 +7,8 @@ frame HMAC-authenticated) and then:
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
-  broadcast within each host; ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
+  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: local rank i
+  of every host carries slice i across hosts, then each slice is broadcast within the host by its carrier); ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
   bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is
   received, reduced in place from a preallocated scratch frame and forwarded at once, in one thread over
   non-blocking sockets);
@@ -70,6 +71,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
 #: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
 PAIR_EXCHANGE_BYTES = 1024 * 1024
+#: Hierarchical allreduces from this size split the cross-host leg over every local rank (below, one sync per
+#: local rank costs more than the leader's whole leg).
+HIER_SPLIT_BYTES = 256 * 1024
 
 
 def host_identity() -> str:
@@ -169,6 +173,8 @@ class RingBackend(Backend):
         self.peers: dict[int, PeerSocket] = {}
         self.shm: ShmGroup | None = None
         self._leaders: list[int] = []
+        #: with as many ranks on every host: ring i joins local rank i of every host (``_allreduce_flat``)
+        self._cross_rings: list[list[int]] = []
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
@@ -233,6 +239,9 @@ class RingBackend(Backend):
                     self.transport = "shm" if self.local_size == size else "hier"
                     # host leaders (local rank 0), in host order, run the TCP ring between hosts
                     self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h) for h in hosts]
+                    on_host = [[r for r, i in enumerate(infos) if i["host_id"] == h] for h in hosts]
+                    if len({len(ranks) for ranks in on_host}) == 1:
+                        self._cross_rings = [[ranks[k] for ranks in on_host] for k in range(self.local_size)]
                     if self.local_size > 1:
                         self.shm, segment = segment, None
                 if segment is not None:
@@ -454,13 +463,23 @@ class RingBackend(Backend):
         elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
             # result within the host again; AVERAGE is a SUM divided once at the end
+            # result within the host again; AVERAGE is a SUM divided once at the end. With as many ranks on every
+            # host and a large array, every local rank carries a slice across hosts (as Horovod's hierarchical
+            # allreduce does), so the cross-host leg uses every rank's core and connection, not the leader's only
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
             if self.shm is not None:
                 self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
-            if self.local_rank == 0:
-                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
-            if self.shm is not None:
-                self.shm.broadcast([flat], 0, operation, self._check_peers)
+            if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
+                bounds = even_bounds(flat.size, self.local_size)
+                mine = flat[bounds[self.local_rank]:bounds[self.local_rank + 1]]
+                self._tcp_allreduce(mine, inner, bfloat16, operation, self._cross_rings[self.local_rank])
+                for k in range(self.local_size):
+                    self.shm.broadcast([flat[bounds[k]:bounds[k + 1]]], k, operation, self._check_peers)
+            else:
+                if self.local_rank == 0:
+                    self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
+                if self.shm is not None:
+                    self.shm.broadcast([flat], 0, operation, self._check_peers)
             if op is ReduceOp.AVERAGE:
                 divide_average(flat, self.size, bfloat16)
         else:
