@@ -19,6 +19,10 @@ frame HMAC-authenticated) and then:
 A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
 peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
 fails within the timeout naming the same culprit.
+
+Why this module is long (~640 lines): the job's setup and every collective's plan over TCP and shared memory share
+one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``tcp.py``, the
+shared-memory protocol in ``shm.py``.
 """
 
 from __future__ import annotations
