@@ -173,6 +173,30 @@ def test_hierarchical_across_faked_hosts(hosts):
     assert shm_leftovers(job_id) == []
 
 
+def _pair_exchange_in_frames(seed: int) -> str:
+    """Two ranks exchange 400 KB arrays whole in 32 KiB frames; checked against numpy."""
+    be = backend_from_env({"frame_bytes": 32 * 1024, "pair_exchange_bytes": 1 << 20})
+    digest = hashlib.sha256()
+    try:
+        for dtype, op in (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX),
+                          ("bfloat16", ReduceOp.SUM)):
+            count = 100_003
+            buf = _data(seed, be.rank, count, dtype)
+            be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
+            _close(buf, _expected([_data(seed, k, count, dtype) for k in range(2)], op, dtype), dtype, f"{dtype} {op}")
+            digest.update(buf.tobytes())
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+def test_pair_exchange_in_several_frames():
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    digests = run_ranks(_pair_exchange_in_frames, 2, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=120, args=(seed,))
+    assert digests[0] == digests[1]  # both ranks hold the same bits
+
+
 def _die_mid_collective(victim: int, shm: bool) -> dict:
     be = backend_from_env()
     if be.rank == victim:
