@@ -116,6 +116,9 @@ class _Direction:
 
     def tag(self, length: int, parts: tuple[bytes | memoryview, ...], fast: bool) -> bytes:
         """The tag of the next frame on this direction (advances the counter)."""
+        if fast and (len(parts) > 2 or (len(parts) == 2 and memoryview(parts[0]).nbytes != 1)):
+            # the receiver splits a data frame the same way: one payload, after at most one type byte
+            raise ValueError("a data frame is one payload, optionally after one type byte")
         counter = _COUNTER.pack(self.counter)
         self.counter += 1
         if fast:
@@ -225,7 +228,8 @@ class FramedSocket:
     def send_bytes(self, *parts: bytes | memoryview, fast: bool = False) -> None:
         """Send one frame made of ``parts`` (scatter-gather, no concatenation).
 
-        ``fast``: a data frame (Poly1305 tag), for payloads the receiver never unpickles.
+        ``fast``: a data frame (Poly1305 tag), for payloads the receiver never unpickles: ``parts`` is one payload,
+        optionally after one type byte, split the same way by the receiver (its tag depends on the split).
         """
         try:
             direction = self._sending()
