@@ -7,16 +7,22 @@ frame HMAC-authenticated) and then:
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
-  broadcast within each host; ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the
-  bandwidth-optimal TCP ring (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is
-  received, reduced in place from a preallocated scratch frame and forwarded at once, in one thread over
-  non-blocking sockets);
+  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: local rank i
+  of every host carries slice i across hosts, then each slice is broadcast within the host by its carrier);
+  ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
+  (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
+  from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
+  ranks, arrays up to ``PAIR_EXCHANGE_BYTES`` are exchanged whole instead (one round trip);
 * allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
   broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
 A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
 peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
 fails within the timeout naming the same culprit.
+
+Why this module is long (~640 lines): the job's setup and every collective's plan over TCP and shared memory share
+one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``tcp.py``, the
+shared-memory protocol in ``shm.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
     SUB_CHUNK_MIN_BYTES,
+    SUB_CHUNKS,
     PeerAbort,
     PeerSocket,
     PeerWatcher,
@@ -65,6 +72,13 @@ IFACE_ENV = "SPARK_HVD_IFACE_ADDR"
 HOST_ID_ENV = "SPARK_HVD_HOST_ID"
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
+#: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
+PAIR_EXCHANGE_BYTES = 1024 * 1024
+#: Hierarchical allreduces from this size split the cross-host leg over every local rank (below, one sync per
+#: local rank costs more than the leader's whole leg).
+HIER_SPLIT_BYTES = 256 * 1024
 
 
 def host_identity() -> str:
@@ -152,7 +166,8 @@ class RingBackend(Backend):
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
-                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES) -> None:
+                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -163,6 +178,8 @@ class RingBackend(Backend):
         self.peers: dict[int, PeerSocket] = {}
         self.shm: ShmGroup | None = None
         self._leaders: list[int] = []
+        #: with as many ranks on every host: ring i joins local rank i of every host (``_allreduce_flat``)
+        self._cross_rings: list[list[int]] = []
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
@@ -170,6 +187,7 @@ class RingBackend(Backend):
         self._listener: socket.socket | None = None
         self.transport = "none"
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
+        self._pair_bytes = pair_exchange_bytes
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -226,6 +244,9 @@ class RingBackend(Backend):
                     self.transport = "shm" if self.local_size == size else "hier"
                     # host leaders (local rank 0), in host order, run the TCP ring between hosts
                     self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h) for h in hosts]
+                    on_host = [[r for r, i in enumerate(infos) if i["host_id"] == h] for h in hosts]
+                    if len({len(ranks) for ranks in on_host}) == 1:
+                        self._cross_rings = [[ranks[k] for ranks in on_host] for k in range(self.local_size)]
                     if self.local_size > 1:
                         self.shm, segment = segment, None
                 if segment is not None:
@@ -355,8 +376,8 @@ class RingBackend(Backend):
     def _sub_bytes(self, bounds: Sequence[int], itemsize: int) -> int:
         """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements): the same on every rank."""
         largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
-        eighth = -(-largest // 8)
-        return max(SUB_CHUNK_MIN_BYTES, min(self._frame, eighth + (-eighth % 64)))
+        part = -(-largest // SUB_CHUNKS)
+        return max(min(SUB_CHUNK_MIN_BYTES, self._frame), min(self._frame, part + (-part % 64)))
 
     def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
               *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
@@ -414,10 +435,30 @@ class RingBackend(Backend):
 
     def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None = None) -> None:
-        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined."""
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined; two
+        members and a small array: one exchange (``_pair_exchange``)."""
         n = self._neighbours(members)[1]
+        if n == 2 and flat.nbytes <= self._pair_bytes:
+            self._pair_exchange(flat, op, bfloat16, operation, members)
+            return
         self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
                    op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
+
+    def _pair_exchange(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                       members: Sequence[int] | None) -> None:
+        """Allreduce between two ranks: each sends its whole array and reduces the other's into it once every
+        byte left (one round trip where the ring's two phases take two; ``a op b`` and ``b op a`` are the same
+        bits for every ``ReduceOp``, so both ranks hold the same result)."""
+        peer = self.peers[self._neighbours(members)[2]]
+        raw = flat.view(np.uint8)
+        theirs = self._scratch_bytes(raw.nbytes)
+        pieces = range(0, raw.nbytes, self._frame)
+        RingExchange(peer, peer, operation).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
+                                                [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
+                                                lambda i: None)
+        reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
+        if op is ReduceOp.AVERAGE:
+            divide_average(flat, 2, bfloat16)
 
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Allreduce one flat array in place with the best transport."""
@@ -426,14 +467,23 @@ class RingBackend(Backend):
             self.shm.allreduce([flat], op, bfloat16, operation, self._check_peers)
         elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
-            # result within the host again; AVERAGE is a SUM divided once at the end
+            # result within the host again; AVERAGE is a SUM divided once at the end. With as many ranks on every
+            # host and a large array, every local rank carries a slice across hosts (as Horovod's hierarchical
+            # allreduce does), so the cross-host leg uses every rank's core and connection, not the leader's only
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
             if self.shm is not None:
                 self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
-            if self.local_rank == 0:
-                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
-            if self.shm is not None:
-                self.shm.broadcast([flat], 0, operation, self._check_peers)
+            if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
+                bounds = even_bounds(flat.size, self.local_size)
+                mine = flat[bounds[self.local_rank]:bounds[self.local_rank + 1]]
+                self._tcp_allreduce(mine, inner, bfloat16, operation, self._cross_rings[self.local_rank])
+                for k in range(self.local_size):
+                    self.shm.broadcast([flat[bounds[k]:bounds[k + 1]]], k, operation, self._check_peers)
+            else:
+                if self.local_rank == 0:
+                    self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
+                if self.shm is not None:
+                    self.shm.broadcast([flat], 0, operation, self._check_peers)
             if op is ReduceOp.AVERAGE:
                 divide_average(flat, self.size, bfloat16)
         else:

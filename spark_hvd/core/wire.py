@@ -17,9 +17,14 @@ receive (server).
 counter, the length and the payload, and is checked before the payload is used:
 
 * control frames (everything that is ever unpickled): HMAC-SHA256 with the direction key, truncated to 128 bits;
-* data frames (raw collective payloads, ``fast=True``, never unpickled): Poly1305 under a one-time key,
-  ``BLAKE2b(key=direction data key, counter)``; the counter never repeats on a direction, so no Poly1305 key is
-  ever used twice (measured here: Poly1305 ~3.4 GB/s next to HMAC-SHA256's ~1.4 GB/s, on a loaded machine).
+* data frames (raw collective payloads, ``fast=True``, never unpickled): the tag of the ChaCha20-Poly1305 AEAD
+  (RFC 8439) under the direction's data key ``HMAC(direction key, "spark_hvd data frames")``, with the frame
+  counter as nonce, the payload (the frame's last part) as associated data and ``length | the other parts`` (the
+  type byte) as the plaintext, whose ciphertext is dropped: only the 16-byte tag is sent. The counter never
+  repeats on a direction, so no nonce is reused under a key; the AEAD derives a one-time Poly1305 key per frame.
+  The payload is not encrypted (no copy): the cost is Poly1305's, ~6 GB/s here, next to HMAC-SHA256's ~1.4 GB/s.
+  One AEAD object per direction, reused: a frame's fixed cost is ~7 us, where building a Poly1305 object per
+  frame (the previous design, one-time key from BLAKE2b) cost ~20 us, which dominated small collectives.
 
 **What is guaranteed.** Nothing from a peer is used or unpickled unless the peer knows the job's secret and the
 frame's tag verifies. A frame tampered with, reordered, dropped, replayed within a connection, moved to the other
@@ -53,6 +58,7 @@ PROOF_SIZE = hashlib.sha256().digest_size
 TAG_SIZE = 16
 _LENGTH = struct.Struct("!Q")
 _COUNTER = struct.Struct("!Q")
+_NONCE_PAD = bytes(4)  # a ChaCha20-Poly1305 nonce is 12 bytes: 4 zero bytes, then the 8-byte frame counter
 HEADER_SIZE = _LENGTH.size + TAG_SIZE
 #: Bytes a listener reads from a peer before it is authenticated (client hello, then its proof).
 PRE_AUTH_BYTES = len(MAGIC) + NONCE_SIZE + PROOF_SIZE
@@ -82,11 +88,11 @@ def sign(secret: bytes, *parts: bytes | memoryview) -> bytes:
 
 
 @functools.cache
-def _poly1305() -> Any:
+def _aead() -> Any:
     # imported on first use: ``import spark_hvd`` stays light
-    from cryptography.hazmat.primitives.poly1305 import Poly1305
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-    return Poly1305
+    return ChaCha20Poly1305
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> None:
@@ -101,24 +107,25 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
 class _Direction:
     """The keys and frame counter of one direction of a connection."""
 
-    __slots__ = ("key", "data_key", "counter")
+    __slots__ = ("key", "counter", "_data")
 
     def __init__(self, key: bytes) -> None:
         self.key = key
-        self.data_key = sign(key, b"spark_hvd data frames")
         self.counter = 0
+        self._data: Any = None  # the data frames' AEAD, built on first use
 
     def tag(self, length: int, parts: tuple[bytes | memoryview, ...], fast: bool) -> bytes:
         """The tag of the next frame on this direction (advances the counter)."""
+        if fast and (len(parts) > 2 or (len(parts) == 2 and memoryview(parts[0]).nbytes != 1)):
+            # the receiver splits a data frame the same way: one payload, after at most one type byte
+            raise ValueError("a data frame is one payload, optionally after one type byte")
         counter = _COUNTER.pack(self.counter)
         self.counter += 1
         if fast:
-            one_time = hashlib.blake2b(counter, key=self.data_key, digest_size=32).digest()
-            mac = _poly1305()(one_time)
-            mac.update(_LENGTH.pack(length))
-            for part in parts:
-                mac.update(part)
-            return mac.finalize()
+            if self._data is None:
+                self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
+            head = _LENGTH.pack(length) + b"".join(parts[:-1])
+            return self._data.encrypt(_NONCE_PAD + counter, head, parts[-1] if parts else b"")[-TAG_SIZE:]
         return sign(self.key, counter, _LENGTH.pack(length), *parts)[:TAG_SIZE]
 
 
@@ -221,7 +228,8 @@ class FramedSocket:
     def send_bytes(self, *parts: bytes | memoryview, fast: bool = False) -> None:
         """Send one frame made of ``parts`` (scatter-gather, no concatenation).
 
-        ``fast``: a data frame (Poly1305 tag), for payloads the receiver never unpickles.
+        ``fast``: a data frame (Poly1305 tag), for payloads the receiver never unpickles: ``parts`` is one payload,
+        optionally after one type byte, split the same way by the receiver (its tag depends on the split).
         """
         try:
             direction = self._sending()

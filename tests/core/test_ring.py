@@ -17,14 +17,15 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
 from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.tcp import PeerSocket, connect_mesh, open_listener
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.tcp import PeerSocket, RingExchange, connect_mesh, open_listener
+from spark_hvd.core.wire import HEADER_SIZE, make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 # element counts: empty, tiny, odd, and (with the small blocks and frames below) many shared-memory blocks,
-# more blocks than slots, and several TCP frames per ring chunk
+# more blocks than slots, and several TCP frames per ring chunk; two ranks exchange arrays up to 16 KiB whole
+# (1001 elements) and run the ring above (200_003)
 SIZES = [0, 1, 7, 1001, 200_003]
-SMALL = {"shm_block_bytes": 128 * 1024, "frame_bytes": 64 * 1024}
+SMALL = {"shm_block_bytes": 128 * 1024, "frame_bytes": 64 * 1024, "pair_exchange_bytes": 16 * 1024}
 
 
 def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
@@ -172,6 +173,30 @@ def test_hierarchical_across_faked_hosts(hosts):
     assert shm_leftovers(job_id) == []
 
 
+def _pair_exchange_in_frames(seed: int) -> str:
+    """Two ranks exchange 400 KB arrays whole in 32 KiB frames; checked against numpy."""
+    be = backend_from_env({"frame_bytes": 32 * 1024, "pair_exchange_bytes": 1 << 20})
+    digest = hashlib.sha256()
+    try:
+        for dtype, op in (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX),
+                          ("bfloat16", ReduceOp.SUM)):
+            count = 100_003
+            buf = _data(seed, be.rank, count, dtype)
+            be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
+            _close(buf, _expected([_data(seed, k, count, dtype) for k in range(2)], op, dtype), dtype, f"{dtype} {op}")
+            digest.update(buf.tobytes())
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+def test_pair_exchange_in_several_frames():
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    digests = run_ranks(_pair_exchange_in_frames, 2, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=120, args=(seed,))
+    assert digests[0] == digests[1]  # both ranks hold the same bits
+
+
 def _die_mid_collective(victim: int, shm: bool) -> dict:
     be = backend_from_env()
     if be.rank == victim:
@@ -253,6 +278,27 @@ def test_ring_socket_rejects_a_tampered_data_frame():
     writer.sendall(bytes(raw))
     with pytest.raises(AuthenticationError):
         receiver.recv_data_into(memoryview(bytearray(64)), "test")
+    assert receiver.recv_broken
+    for sock in (sender.sock, writer, reader):
+        sock.close()
+
+
+def test_ring_exchange_rejects_a_tampered_data_frame():
+    # the ring's own receive loop (non-blocking, straight into the destination) checks the tag before any use
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    payload = np.arange(4096, dtype=np.float32)
+    sender.send_data([payload.view(np.uint8)], "test")
+    raw, need = bytearray(), HEADER_SIZE + 1 + payload.nbytes
+    while len(raw) < need:
+        raw += receiver.sock.recv(need - len(raw))
+    raw[HEADER_SIZE + 1 + 1000] ^= 0x01  # one bit of the payload
+    writer, reader = socket.socketpair()
+    receiver.sock = reader
+    writer.sendall(bytes(raw))
+    got = np.zeros_like(payload)
+    with pytest.raises(AuthenticationError):
+        RingExchange(receiver, receiver, "test").run([], [memoryview(got).cast("B")], lambda i: None)
     assert receiver.recv_broken
     for sock in (sender.sock, writer, reader):
         sock.close()

@@ -159,3 +159,16 @@ def test_silent_peer_times_out_in_the_handshake():
         FramedSocket(b, make_secret(), "silent").handshake("server", timeout_s=0.3)
     a.close()
     b.close()
+
+
+def test_data_frame_split_the_receiver_cannot_see_is_refused():
+    # a data frame's tag depends on how it is split (type byte | payload): other splits are refused before
+    # anything is sent, and the frame counter stays in step for the next frame
+    secret = make_secret()
+    a, b, _ = _handshaken(secret, secret)
+    with pytest.raises(ValueError, match="one payload"):
+        a.send_bytes(b"ab", b"payload", fast=True)
+    a.send_bytes(b"payload", fast=True)
+    got = bytearray(7)
+    b.recv_into(memoryview(got), fast=True)
+    assert got == b"payload"

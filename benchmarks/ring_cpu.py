@@ -1,0 +1,106 @@
+"""CPU and wall time per allreduce of the bare ``RingBackend``, for A/B runs of two versions of the code.
+
+On a machine shared with other work, wall times swing with the load while the CPU time a rank spends per
+allreduce stays comparable; so this script times the bare backend (float32 SUM, N ranks on this host) once per
+source tree given, alternating the trees every round, and prints each tree's CPU (mean per rank) and wall
+(slowest rank) per allreduce, median over rounds. A tree is a checkout of this repository (for example
+``git worktree add /tmp/base main``); each is imported from its own directory::
+
+    .venv/bin/python benchmarks/ring_cpu.py --trees /tmp/base,. --np 2 --sizes 4K,1M,16M,64M --rounds 3
+    .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
+
+``--hier`` runs the hierarchical path (``SPARK_HVD_HOST_ID``: ranks 0..N/2-1 on one "host", the rest on
+another); otherwise the TCP ring (``SPARK_HVD_SHM=0``). Figures from a loaded machine are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+
+
+def _rank(sizes: list[int]) -> dict:
+    """One rank: time every size (warm-up, barrier, then a fixed byte budget of allreduces)."""
+    import numpy as np
+    from ringutil import backend_from_env
+
+    from spark_hvd.core.backend import ReduceOp
+
+    backend = backend_from_env()
+    out = {}
+    try:
+        for nbytes in sizes:
+            buf = np.zeros(nbytes // 4, np.float32)
+            iters = max(5, min(300, (256 << 20) // nbytes))
+            for _ in range(2):
+                backend.allreduce(buf, ReduceOp.SUM)
+            backend.barrier()
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(iters):
+                backend.allreduce(buf, ReduceOp.SUM)
+            out[nbytes] = ((time.perf_counter() - wall) / iters, (time.process_time() - cpu) / iters)
+        backend.barrier()
+    finally:
+        backend.close()
+    return out
+
+
+def _worker(n: int, sizes: list[int], hier: bool) -> None:
+    """Run in a tree (cwd): spawn the ranks, print {size: [wall of the slowest rank, mean cpu]} as JSON."""
+    sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests", "core")]
+    from ringutil import run_ranks
+
+    env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "0"}
+    results = run_ranks(_rank, n, env=env, args=(sizes,), timeout=900)
+    print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n] for s in sizes}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", default=".", help="comma-separated repository checkouts to compare")
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--sizes", default="4K,1M,16M,64M")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hier", action="store_true", help="two simulated hosts (the hierarchical path)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
+    args = parser.parse_args(argv)
+    if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
+        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier)
+        return 0
+    sys.path.insert(0, str(HERE.parents[1]))
+    from benchmarks.allreduce import human, parse_size
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
+    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for rnd in range(args.rounds):
+        for tree in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
+            cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
+                   str(args.np)] + (["--hier"] if args.hier else [])
+            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+            done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+            if done.returncode:
+                raise RuntimeError(f"{tree}: {done.stderr[-3000:]}")
+            for size, (wall, cpu) in json.loads(done.stdout.strip().splitlines()[-1]).items():
+                runs.setdefault((tree, int(size)), []).append((wall, cpu))
+    print(f"# bare RingBackend, N={args.np}, {'hierarchical' if args.hier else 'TCP ring'}, median of "
+          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
+    print("| size | tree | wall per allreduce | cpu per allreduce per rank |\n|---|---|---|---|")
+    for size in sizes:
+        for tree in trees:
+            walls, cpus = zip(*runs[(tree, size)], strict=True)
+            print(f"| {human(size)} | {tree} | {statistics.median(walls) * 1e3:.3f} ms | "
+                  f"{statistics.median(cpus) * 1e3:.3f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
