@@ -207,6 +207,7 @@ class Engine:
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self._spec: _Spec | None = None  # identical on every rank
         self._last_common: list[int] = []
+        self._unspeculable: list[int] = []  # the cache ids ``_arm`` last found unfit to speculate on
         self.timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -550,7 +551,8 @@ class Engine:
                     return progress, False
                 # some ids were sent by only some ranks: they become outstanding entries through the full round
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
-        self._spec, self._last_common = None, []  # a full round may change the cache: re-arm from scratch
+        # a full round may change the cache: re-arm from scratch
+        self._spec, self._last_common, self._unspeculable = None, [], []
         fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
@@ -611,8 +613,9 @@ class Engine:
         """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
         previous, self._last_common = self._last_common, common
         self._spec = None
-        if not common or common != previous:
+        if not common or common != previous or common == self._unspeculable:
             return
+        self._unspeculable = common  # until armed below: a large group is not looked at again every round
         metas = [self._cache.get(cache_id)[1] for cache_id in common]
         first = metas[0]
         dtype = np.dtype(first.dtype)
@@ -632,6 +635,7 @@ class Engine:
                 offset += n
             self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count,
                                sole, staging, tuple(views))
+            self._unspeculable = []
 
     def _speculate(self, spec: _Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
         """The one collective of a speculative round (see ``_Spec``): allreduce ``[flag, bufs...]`` (zeros when
