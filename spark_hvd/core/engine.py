@@ -126,6 +126,12 @@ class _Spec(NamedTuple):
     packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the packed part
     is the answer (negotiation and data in one collective); otherwise every rank drops it, disarms, and negotiates
     the round as usual, having spent one small collective.
+
+    ``in_place``: two ranks on a backend that reduces several arrays where they lie (shared memory), one float
+    tensor larger than ``_SPEC_BYTES``, SUM without prescale. Packing it would cost more than the negotiation it
+    saves, so the collective is ``allreduce_fused([flag], tensor)`` on the tensor itself; a rank that did not submit
+    exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
+    that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
     """
 
     ids: tuple[int, ...]
@@ -135,8 +141,9 @@ class _Spec(NamedTuple):
     postscale: float
     count: int
     sole: tuple[str, Meta] | None  # (name, metadata) when the round is one tensor: ``Engine.allreduce`` matches it
-    staging: np.ndarray  # [flag, tensors...], this speculation's own
+    staging: np.ndarray  # [flag, tensors...], this speculation's own ([flag] when in_place)
     views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
+    in_place: bool
 
 
 @dataclass
@@ -625,24 +632,31 @@ class Engine:
                 or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
             return
         count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
-        if count * dtype.itemsize <= _SPEC_BYTES:
+        packed = count * dtype.itemsize <= _SPEC_BYTES
+        in_place = (not packed and self.size == 2 and self._backend_fuses and len(common) == 1
+                    and first.op == "sum" and first.prescale == 1.0)
+        if packed or in_place:
             sole = self._cache.get(common[0]) if len(common) == 1 else None
-            staging = np.zeros(1 + count, dtype)
+            staging = np.zeros(1 if in_place else 1 + count, dtype)
             views, offset = [], 1
-            for m in metas:
+            for m in metas if packed else ():
                 n = int(np.prod(m.shape, dtype=np.int64))
                 views.append(staging[offset:offset + n].reshape(m.shape))
                 offset += n
             self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count,
-                               sole, staging, tuple(views))
+                               sole, staging, tuple(views), in_place)
             self._unspeculable = []
 
     def _speculate(self, spec: _Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
         """The one collective of a speculative round (see ``_Spec``): allreduce ``[flag, bufs...]`` (zeros when
-        ``bufs`` is None: this rank submitted something else). On a hit (every rank's flag set) the reduced data
-        is copied back into ``bufs``. Returns (hit, start and end of the collective)."""
+        ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
+        reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
         staging = spec.staging
-        if bufs is None:
+        if spec.in_place:
+            staging[0] = 0 if bufs is None else 1
+            assert spec.sole is not None
+            data = np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
+        elif bufs is None:
             staging.fill(0)
         else:
             staging[0] = 1
@@ -652,7 +666,10 @@ class Engine:
                 scale_inplace(staging[1:], spec.prescale)
         t0 = time.perf_counter()
         try:
-            self.backend.allreduce(staging, spec.op)
+            if spec.in_place:
+                self.backend.allreduce_fused([staging, data], spec.op)
+            else:
+                self.backend.allreduce(staging, spec.op)
         except SparkHvdError:
             raise
         except Exception as exc:
@@ -665,10 +682,13 @@ class Engine:
             self.stats["speculation_misses"] += 1
             return False, t0, t1
         assert bufs is not None  # every rank's flag was 1, this one's included
-        if spec.postscale != 1.0:
-            scale_inplace(staging[1:], spec.postscale)
-        for view, buf in zip(spec.views, bufs, strict=True):
-            buf[...] = view
+        if spec.in_place:
+            scale_inplace(bufs[0], spec.postscale)
+        else:
+            if spec.postscale != 1.0:
+                scale_inplace(staging[1:], spec.postscale)
+            for view, buf in zip(spec.views, bufs, strict=True):
+                buf[...] = view
         self.stats["allreduce_collectives"] += 1
         self.stats["allreduce_tensors"] += len(bufs)
         if len(bufs) > 1:

@@ -97,6 +97,28 @@ def _fast_path_job(seed: int) -> dict:
             core.allreduce(first, name="first", op=ReduceOp.SUM)
         sc._check(first, reference_reduce(datas, ReduceOp.SUM), "first")
         assert engine.stats["speculation_misses"] > misses, engine.stats
+        # 5. a tensor too large to pack: at N=2 the speculation runs on the tensor itself, in place, and a miss
+        # (a late rank's heartbeat round, another tensor first) must leave the submitting rank's data intact
+        for i in range(4):
+            _blocking("big", seed + 800 + i, (30000,), np.float32, ReduceOp.SUM)
+        armed = engine._spec is not None and engine._spec.in_place
+        assert armed == (n == 2), engine._spec  # with three ranks the fast round negotiates it
+        misses = engine.stats["speculation_misses"]
+        for i in range(3):
+            if r == n - 1 and i == 1:
+                time.sleep(1.3)
+            _blocking("big", seed + 810 + i, (30000,), np.float32, ReduceOp.SUM)
+        datas = [sc._data(seed + 820, q, (30000,), np.float32) for q in range(n)]
+        second = datas[r].copy()
+        if r == 0:
+            handle = core.allreduce_async(second, name="second", op=ReduceOp.SUM)
+            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
+            handle.wait()
+        else:
+            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
+            core.allreduce(second, name="second", op=ReduceOp.SUM)
+        sc._check(second, reference_reduce(datas, ReduceOp.SUM), "second")
+        assert n > 2 or engine.stats["speculation_misses"] > misses, engine.stats
         stats = dict(engine.stats)
         return {"steady": steady, "stats": stats}
     finally:
