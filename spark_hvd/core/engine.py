@@ -40,13 +40,17 @@ Fast rounds: a steady training loop sends only cache ids and leaves nothing outs
 (which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
 with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
 no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``).
+some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``). After two
+clean fast rounds that agreed on the same small float group, the next round speculates: one allreduce of
+``[flag, tensors...]`` carries negotiation and data together (``_Spec``; at N=2 on shared memory, one larger SUM
+tensor is speculated on in place).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
 the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
 between threads. Both run the same deterministic round, so every rank still makes the same sequence of
 collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
-thread unless they cannot take the lock.
+thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
+(``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle.
 
 Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
@@ -69,7 +73,7 @@ the engine opens at the first device collective, instead of on the backend.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-Why this module is long (~1100 lines): a round (pacing, fast, speculative and full negotiation, execution of host
+Why this module is long (~1200 lines): a round (pacing, fast, speculative and full negotiation, execution of host
 and device collectives, stalls) is one state machine whose state must stay identical on every rank, and splitting
 it would spread that invariant over several files; what it does not own lives beside it (``handle.py``: handles;
 ``negotiation.py``: metadata, the table's entries, the response cache; ``device.py``: device tensors and groups).
