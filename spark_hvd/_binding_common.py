@@ -32,11 +32,18 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 
-def core() -> Any:
-    """The core's process API (imported late so that ``import spark_hvd.torch`` stays cheap)."""
-    import spark_hvd.core as _core
+_CORE: Any = None
 
-    return _core
+
+def core() -> Any:
+    """The core's process API (imported late so that ``import spark_hvd.torch`` stays cheap; then kept, since
+    every collective asks for it and an ``import`` statement costs more than the call it serves)."""
+    global _CORE
+    if _CORE is None:
+        import spark_hvd.core as _core
+
+        _CORE = _core
+    return _CORE
 
 
 def require_init(what: str) -> None:

@@ -300,9 +300,8 @@ def allreduce(buf: np.ndarray, name: str | None = None, op: ReduceOp = ReduceOp.
     The calling thread runs the negotiation round and the collective itself when the engine thread is not in a
     round (no hand-off between threads), so a small allreduce costs about what the backend's own does.
     """
-    return _engine("allreduce()", process_set)[0].enqueue(
-        "allreduce", buf, name, op=op, prescale=prescale, postscale=postscale, bfloat16=bfloat16,
-        start_engine=False).wait()
+    return _engine("allreduce()", process_set)[0].allreduce(buf, name, op=op, prescale=prescale, postscale=postscale,
+                                                           bfloat16=bfloat16)
 
 
 def grouped_allreduce(bufs: Sequence[np.ndarray], names: Sequence[str] | None = None,

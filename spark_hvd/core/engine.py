@@ -40,13 +40,17 @@ Fast rounds: a steady training loop sends only cache ids and leaves nothing outs
 (which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
 with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
 no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``).
+some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``). After two
+clean fast rounds that agreed on the same small float group, the next round speculates: one allreduce of
+``[flag, tensors...]`` carries negotiation and data together (``_Spec``; at N=2 on shared memory, one larger SUM
+tensor is speculated on in place).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
 the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
 between threads. Both run the same deterministic round, so every rank still makes the same sequence of
 collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
-thread unless they cannot take the lock.
+thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
+(``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle.
 
 Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
@@ -69,7 +73,7 @@ the engine opens at the first device collective, instead of on the backend.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-Why this module is long (~1100 lines): a round (pacing, fast, speculative and full negotiation, execution of host
+Why this module is long (~1200 lines): a round (pacing, fast, speculative and full negotiation, execution of host
 and device collectives, stalls) is one state machine whose state must stay identical on every rank, and splitting
 it would spread that invariant over several files; what it does not own lives beside it (``handle.py``: handles;
 ``negotiation.py``: metadata, the table's entries, the response cache; ``device.py``: device tensors and groups).
@@ -83,7 +87,7 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -126,6 +130,12 @@ class _Spec(NamedTuple):
     packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the packed part
     is the answer (negotiation and data in one collective); otherwise every rank drops it, disarms, and negotiates
     the round as usual, having spent one small collective.
+
+    ``in_place``: two ranks on a backend that reduces several arrays where they lie (shared memory), one float
+    tensor larger than ``_SPEC_BYTES``, SUM without prescale. Packing it would cost more than the negotiation it
+    saves, so the collective is ``allreduce_fused([flag], tensor)`` on the tensor itself; a rank that did not submit
+    exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
+    that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
     """
 
     ids: tuple[int, ...]
@@ -134,6 +144,10 @@ class _Spec(NamedTuple):
     prescale: float
     postscale: float
     count: int
+    sole: tuple[str, Meta] | None  # (name, metadata) when the round is one tensor: ``Engine.allreduce`` matches it
+    staging: np.ndarray  # [flag, tensors...], this speculation's own ([flag] when in_place)
+    views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
+    in_place: bool
 
 
 @dataclass
@@ -204,6 +218,7 @@ class Engine:
         self._fusion_buffers: dict[str, np.ndarray] = {}
         self._spec: _Spec | None = None  # identical on every rank
         self._last_common: list[int] = []
+        self._unspeculable: list[int] = []  # the cache ids ``_arm`` last found unfit to speculate on
         self.timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -284,8 +299,7 @@ class Engine:
             except TypeError as exc:
                 raise TypeError(f"{kind} of '{name}': {exc}") from None
         if kind in ("allreduce", "broadcast"):
-            flags = buf.flags
-            if not flags.c_contiguous or not flags.writeable:
+            if not _in_place_ok(buf.flags):
                 raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
         else:
             buf = np.ascontiguousarray(buf)
@@ -328,6 +342,44 @@ class Engine:
         if not handle._done:
             self.hurry()
             self._wake.set()  # the engine thread may sleep towards a heartbeat: let it pace the new state
+
+    def allreduce(self, buf: np.ndarray, name: str | None = None, *, op: ReduceOp = ReduceOp.AVERAGE,
+                  prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
+        """A blocking allreduce of ``buf`` in place (``enqueue(...).wait()``); returns ``buf``.
+
+        The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the last two
+        rounds agreed on it alone: same name, dtype, shape, op and scales) and nothing else is queued on this rank,
+        the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``_Spec``), and this
+        runs it at once in the calling thread with no request, handle or metadata to build. Otherwise, or when
+        the speculation misses (another rank submitted something else), it goes through ``enqueue`` and ``wait``.
+        """
+        spec = self._spec
+        if spec is not None and spec.sole is not None and spec.sole[0] == name and not bfloat16:
+            meta = spec.sole[1]
+            if (op is spec.op and buf.__class__ is np.ndarray and buf.shape == meta.shape
+                    and (buf.dtype is spec.dtype or buf.dtype == spec.dtype)
+                    and prescale == meta.prescale and postscale == meta.postscale
+                    and _in_place_ok(buf.flags) and self._sole_ready(spec)):
+                try:
+                    hit = self._guarded_round(True, lambda: self._sole_round(spec, buf, name, meta))
+                finally:
+                    self._round_lock.release()
+                if hit:
+                    return buf
+        return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
+                            bfloat16=bfloat16, start_engine=False).wait()
+
+    def _sole_ready(self, spec: _Spec) -> bool:
+        """Take the round lock for ``_sole_round`` if ``spec`` is still armed and nothing else is queued here
+        (a join, a shutdown, another request); False (lock not held) otherwise."""
+        if self._outbox or self._join_handle is not None or self._shutdown_requested:
+            return False
+        if not self._round_lock.acquire(blocking=False):
+            return False  # the engine thread is in a round
+        if self._spec is spec and not self._finished and self._error is None and not self._outbox:
+            return True
+        self._round_lock.release()
+        return False
 
     def hurry(self) -> None:
         """A caller is about to wait: start the next round now rather than collecting a cycle's worth more.
@@ -388,10 +440,11 @@ class Engine:
             if self.timeline is not None:
                 self.timeline.flush()
 
-    def _guarded_round(self, in_caller: bool) -> bool:
-        """``_round`` under the round lock, turning its failure into the engine's error. True on progress."""
+    def _guarded_round(self, in_caller: bool, body: Callable[[], tuple[bool, bool]] | None = None) -> bool:
+        """``_round`` (or ``body``, a round of its own) under the round lock, turning its failure into the engine's
+        error. True on progress."""
         try:
-            progress, stop = self._round()
+            progress, stop = self._round() if body is None else body()
         except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ, a stall
             logger.error("rank %d: %s", self.rank, exc)
             self._fail_all(exc)
@@ -509,7 +562,8 @@ class Engine:
                     return progress, False
                 # some ids were sent by only some ranks: they become outstanding entries through the full round
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
-        self._spec, self._last_common = None, []  # a full round may change the cache: re-arm from scratch
+        # a full round may change the cache: re-arm from scratch
+        self._spec, self._last_common, self._unspeculable = None, [], []
         fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
@@ -570,8 +624,9 @@ class Engine:
         """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
         previous, self._last_common = self._last_common, common
         self._spec = None
-        if not common or common != previous:
+        if not common or common != previous or common == self._unspeculable:
             return
+        self._unspeculable = common  # until armed below: a large group is not looked at again every round
         metas = [self._cache.get(cache_id)[1] for cache_id in common]
         first = metas[0]
         dtype = np.dtype(first.dtype)
@@ -581,26 +636,44 @@ class Engine:
                 or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
             return
         count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
-        if count * dtype.itemsize <= _SPEC_BYTES:
-            self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count)
+        packed = count * dtype.itemsize <= _SPEC_BYTES
+        in_place = (not packed and self.size == 2 and self._backend_fuses and len(common) == 1
+                    and first.op == "sum" and first.prescale == 1.0)
+        if packed or in_place:
+            sole = self._cache.get(common[0]) if len(common) == 1 else None
+            staging = np.zeros(1 if in_place else 1 + count, dtype)
+            views, offset = [], 1
+            for m in metas if packed else ():
+                n = int(np.prod(m.shape, dtype=np.int64))
+                views.append(staging[offset:offset + n].reshape(m.shape))
+                offset += n
+            self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count,
+                               sole, staging, tuple(views), in_place)
+            self._unspeculable = []
 
-    def _speculative_round(self, spec: _Spec, mine: dict[int, _Request] | None, start: float) -> bool:
-        """One allreduce of ``[flag, tensors...]`` (see ``_Spec``); True when every rank submitted exactly
-        ``spec.ids`` and the tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
-        staging = self._fusion_buffer(spec.dtype, 1 + spec.count)
-        if mine is None:
-            staging[...] = 0
+    def _speculate(self, spec: _Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
+        """The one collective of a speculative round (see ``_Spec``): allreduce ``[flag, bufs...]`` (zeros when
+        ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
+        reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
+        staging = spec.staging
+        if spec.in_place:
+            staging[0] = 0 if bufs is None else 1
+            assert spec.sole is not None
+            data = np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
+        elif bufs is None:
+            staging.fill(0)
         else:
             staging[0] = 1
-            offset = 1
-            for cache_id in spec.ids:
-                buf = mine[cache_id].buf
-                staging[offset:offset + buf.size] = buf.reshape(-1)
-                offset += buf.size
-            scale_inplace(staging[1:], spec.prescale)
+            for view, buf in zip(spec.views, bufs, strict=True):
+                view[...] = buf
+            if spec.prescale != 1.0:
+                scale_inplace(staging[1:], spec.prescale)
         t0 = time.perf_counter()
         try:
-            self.backend.allreduce(staging, spec.op)
+            if spec.in_place:
+                self.backend.allreduce_fused([staging, data], spec.op)
+            else:
+                self.backend.allreduce(staging, spec.op)
         except SparkHvdError:
             raise
         except Exception as exc:
@@ -611,29 +684,60 @@ class Engine:
         agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
         if not staging[0] > agreed - 0.5 / self.size:  # some rank submitted something else
             self.stats["speculation_misses"] += 1
-            return False
-        assert mine is not None  # every rank's flag was 1, this one's included
-        scale_inplace(staging[1:], spec.postscale)
-        with self._lock:
-            requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
-        offset = 1
-        for request in requests:
-            buf = request.buf
-            buf.reshape(-1)[...] = staging[offset:offset + buf.size]
-            offset += buf.size
-            self._cache.put(request.name, request.meta)
-            if self.timeline is not None:
-                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(requests), speculative=True)
+            return False, t0, t1
+        assert bufs is not None  # every rank's flag was 1, this one's included
+        if spec.in_place:
+            scale_inplace(bufs[0], spec.postscale)
+        else:
+            if spec.postscale != 1.0:
+                scale_inplace(staging[1:], spec.postscale)
+            for view, buf in zip(spec.views, bufs, strict=True):
+                buf[...] = view
         self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += len(requests)
-        if len(requests) > 1:
+        self.stats["allreduce_tensors"] += len(bufs)
+        if len(bufs) > 1:
             self.stats["fused_collectives"] += 1
         self._idle_rounds = 0
         self._progress_at = t1
+        return True, t0, t1
+
+    def _speculative_round(self, spec: _Spec, mine: dict[int, _Request] | None, start: float) -> bool:
+        """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the
+        tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
+        bufs = None if mine is None else [mine[cache_id].buf for cache_id in spec.ids]
+        hit, t0, t1 = self._speculate(spec, bufs)
+        if not hit:
+            return False
+        assert mine is not None
+        with self._lock:
+            requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
+        for request in requests:
+            self._cache.put(request.name, request.meta)
+            if self.timeline is not None:
+                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(requests), speculative=True)
         finish_all([(request.handle, request.buf) for request in reversed(requests)])
         if self.timeline is not None:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
         return True
+
+    def _sole_round(self, spec: _Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
+        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle.
+
+        On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
+        this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
+        ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
+        start = self._last_start = time.perf_counter()
+        hit, t0, t1 = self._speculate(spec, [buf])
+        if not hit:
+            self._spec = None
+            return False, False
+        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        self.stats["cache_hits"] += 1
+        self._cache.put(name, meta)
+        if self.timeline is not None:
+            self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
+        return True, False
 
     def _gather(self, fields: list[Any]) -> list[list]:
         payload = json.dumps(fields, separators=(",", ":")).encode()
@@ -1092,6 +1196,11 @@ class Engine:
                 group.close()
             except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
                 logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
+
+
+def _in_place_ok(flags: Any) -> bool:
+    """An array an allreduce may work on in place (``np.ndarray.flags``): C-contiguous and writable."""
+    return bool(flags.c_contiguous and flags.writeable)
 
 
 def _device_mismatch(name: str, devices: dict[int, str]) -> TensorMismatchError:

@@ -101,7 +101,7 @@ class ResponseCache:
             return
         hit = self._by_name.get(name)
         if hit is not None:
-            if hit[1] == meta:
+            if hit[1] is meta or hit[1] == meta:
                 self._by_name.move_to_end(name)
                 return
             cache_id = hit[0]

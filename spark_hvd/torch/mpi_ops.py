@@ -93,16 +93,17 @@ def set_size(process_set: ProcessSet | None = None) -> int:
 
 def _np_view(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     """Numpy view sharing memory with a contiguous CPU tensor; bfloat16 as uint16 + flag."""
-    t = tensor.detach()
-    if t.dtype == torch.bfloat16:
+    t = tensor.detach() if tensor.requires_grad else tensor  # detach costs more than the view itself
+    dtype = t.dtype
+    if dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16), True
-    if t.dtype == torch.bool:
+    if dtype == torch.bool:
         return t.view(torch.uint8).numpy(), False
     return t.numpy(), False
 
 
 def _direct_view_ok(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_sparse
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_sparse
 
 
 def _device_key(tensor: torch.Tensor, process_set: ProcessSet | None = None) -> str | None:
@@ -110,7 +111,8 @@ def _device_key(tensor: torch.Tensor, process_set: ProcessSet | None = None) -> 
     for a process set other than the global one: its ring stages device tensors through host memory)."""
     if tensor.is_sparse or not _is_global(process_set):
         return None
-    return device_key(tensor.device.type, common.core().settings().device_backend)
+    kind = "cpu" if tensor.is_cpu else tensor.device.type  # is_cpu: a flag; .device builds an object
+    return device_key(kind, common.core().settings().device_backend)
 
 
 def _device_buffer(tensor: torch.Tensor, key: str) -> DeviceBuffer:

@@ -81,6 +81,44 @@ def _fast_path_job(seed: int) -> dict:
             _blocking("main", seed + 500 + i, (13,), np.float64, ReduceOp.SUM)
         thread.join(60)
         assert not thread.is_alive() and not errors, errors
+        # 4. armed on 'lone': rank 0 submits another tensor before it, so the others' blocking calls, which
+        # speculate on 'lone' alone in the calling thread, miss and negotiate
+        for i in range(4):
+            _blocking("lone", seed + 600 + i, (21,), np.float32, ReduceOp.SUM)
+        misses = engine.stats["speculation_misses"]
+        datas = [sc._data(seed + 700, q, (21,), np.float32) for q in range(n)]
+        first = datas[r].copy()
+        if r == 0:
+            handle = core.allreduce_async(first, name="first", op=ReduceOp.SUM)
+            _blocking("lone", seed + 701, (21,), np.float32, ReduceOp.SUM)
+            handle.wait()
+        else:
+            _blocking("lone", seed + 701, (21,), np.float32, ReduceOp.SUM)
+            core.allreduce(first, name="first", op=ReduceOp.SUM)
+        sc._check(first, reference_reduce(datas, ReduceOp.SUM), "first")
+        assert engine.stats["speculation_misses"] > misses, engine.stats
+        # 5. a tensor too large to pack: at N=2 the speculation runs on the tensor itself, in place, and a miss
+        # (a late rank's heartbeat round, another tensor first) must leave the submitting rank's data intact
+        for i in range(4):
+            _blocking("big", seed + 800 + i, (30000,), np.float32, ReduceOp.SUM)
+        armed = engine._spec is not None and engine._spec.in_place
+        assert armed == (n == 2), engine._spec  # with three ranks the fast round negotiates it
+        misses = engine.stats["speculation_misses"]
+        for i in range(3):
+            if r == n - 1 and i == 1:
+                time.sleep(1.3)
+            _blocking("big", seed + 810 + i, (30000,), np.float32, ReduceOp.SUM)
+        datas = [sc._data(seed + 820, q, (30000,), np.float32) for q in range(n)]
+        second = datas[r].copy()
+        if r == 0:
+            handle = core.allreduce_async(second, name="second", op=ReduceOp.SUM)
+            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
+            handle.wait()
+        else:
+            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
+            core.allreduce(second, name="second", op=ReduceOp.SUM)
+        sc._check(second, reference_reduce(datas, ReduceOp.SUM), "second")
+        assert n > 2 or engine.stats["speculation_misses"] > misses, engine.stats
         stats = dict(engine.stats)
         return {"steady": steady, "stats": stats}
     finally:
@@ -113,6 +151,43 @@ class _RecordingBackend(LocalBackend):
     def allgather(self, buf: np.ndarray) -> np.ndarray:
         self.threads.append(threading.current_thread().name)
         return super().allgather(buf)
+
+
+def test_blocking_allreduce_of_the_armed_tensor_is_one_collective_without_a_request():
+    backend = _RecordingBackend()
+    engine = Engine(backend, Settings(cycle_time_ms=50))
+    enqueued: list[str] = []
+    enqueue = engine.enqueue
+
+    def spy(kind, buf=None, name=None, **kwargs):
+        enqueued.append(name)
+        return enqueue(kind, buf, name, **kwargs)
+
+    engine.enqueue = spy
+    try:
+        rng = np.random.default_rng(3)
+        scale = {"prescale": 0.5, "postscale": 3.0}
+        for _ in range(3):  # a full round, then two clean fast rounds arm the speculation on 'w'
+            engine.allreduce(rng.standard_normal((4, 3)), "w", op=ReduceOp.SUM, **scale)
+        assert enqueued == ["w"] * 3
+        backend.threads.clear()
+        for _ in range(5):
+            data = rng.standard_normal((4, 3))
+            buf = data.copy()
+            assert engine.allreduce(buf, "w", op=ReduceOp.SUM, **scale) is buf
+            np.testing.assert_allclose(buf, data * 0.5 * 3.0, rtol=1e-12)
+        assert enqueued == ["w"] * 3, enqueued  # no request, no handle: the caller ran the collective itself
+        assert backend.threads == [threading.current_thread().name] * 5, backend.threads
+        # anything that differs from the armed tensor takes the negotiated path, and is still right
+        for args, kwargs in [(((4, 3), "v"), {}), (((3, 4), "w"), {}), (((4, 3), "w"), {"op": ReduceOp.MAX}),
+                             (((4, 3), "w"), {"postscale": 2.0})]:
+            data = rng.standard_normal(args[0])
+            buf = data.copy()
+            engine.allreduce(buf, args[1], **{"op": ReduceOp.SUM, **kwargs})
+            np.testing.assert_allclose(buf, data * kwargs.get("postscale", 1.0), rtol=1e-12)
+        assert enqueued == ["w"] * 3 + ["v", "w", "w", "w"], enqueued
+    finally:
+        engine.shutdown()
 
 
 def test_blocking_calls_run_their_rounds_in_the_calling_thread():
