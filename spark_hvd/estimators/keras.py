@@ -1,5 +1,5 @@
-"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``;
-the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``fit.py``, ``model.py``,
+``params.py``; the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -18,10 +18,12 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, task_gpu_index
+from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.keras_rank import MODEL_FILE as _MODEL_FILE
 from spark_hvd.estimators.keras_rank import train_on_rank
+from spark_hvd.estimators.model import BaseModel, task_gpu_index
 from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
+from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.spec import BestPolicy, KerasSpec
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]

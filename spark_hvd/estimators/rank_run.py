@@ -23,7 +23,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from typing import Any
 
-from spark_hvd.estimators.base import RunFiles, ShardReaders, append_history
+from spark_hvd.estimators.rank_data import RunFiles, ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
 
 __all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite"]

@@ -1,4 +1,5 @@
-"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``base.py`` and ``params.py``)."""
+"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``fit.py``, ``model.py``,
+``params.py``; the rank half is ``torch_rank.py``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, task_gpu_index
+from spark_hvd.estimators.fit import BaseEstimator
+from spark_hvd.estimators.model import BaseModel, task_gpu_index
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
+from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.rank_run import EarlyStopping
 from spark_hvd.estimators.spec import BestPolicy, TorchSpec
 from spark_hvd.estimators.torch_rank import is_class_index_loss, resolve_losses, resolve_metric, train_on_rank

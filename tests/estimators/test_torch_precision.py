@@ -20,7 +20,7 @@ import torch
 
 from spark_hvd.data.metadata import DatasetInfo
 from spark_hvd.estimators import TorchEstimator
-from spark_hvd.estimators.base import ShardReaders
+from spark_hvd.estimators.rank_data import ShardReaders
 from spark_hvd.store import Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
