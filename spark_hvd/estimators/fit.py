@@ -11,7 +11,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from pyspark.ml import Estimator
@@ -20,6 +19,7 @@ from spark_hvd.estimators.model import BaseModel
 from spark_hvd.estimators.params import OBJECT_PARAMS
 from spark_hvd.estimators.persistence import PersistableStage
 from spark_hvd.estimators.rank_data import RunFiles
+from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
 from spark_hvd.estimators.spec import TrainSpec, model_metadata
 
 __all__ = ["BaseEstimator"]
@@ -32,24 +32,22 @@ class BaseEstimator(Estimator, PersistableStage):
 
     ``fit(df)``: ``_check`` (store, positive sizes, columns with near-name hints, model via ``_check_model``, loss
     via ``_check_loss``, loss weights, run id, free task slots: nothing is written and no Spark job runs before
-    these pass), then ``spark_hvd.data.prepare_data``, then ``spark_hvd.runner.run(self._train_function(),
-    args=(spec,))`` where ``spec`` holds the shared settings plus ``_train_spec(model_bytes)``; rank 0's result
-    must be ``{"history": {...}, "output_shapes": [[...] per output]}``. The Model is ``_model_class`` built from
-    ``_load_trained_model(store, run_id)``; with ``mlflow`` set, params, per-epoch metrics and
-    ``_log_mlflow_model(model)`` go to the active tracking URI.
+    these pass), then ``spark_hvd.data.prepare_data``, then ``spark_hvd.runner.run(train_on_rank,
+    args=(self._trainer_class, spec))`` (``rank_run.py``) where ``spec`` holds the shared settings plus
+    ``_train_spec()``; rank 0's result is ``{"history": {...}, "output_shapes": [[...] per output]}``. The Model
+    is ``_model_class`` built from ``_load_trained_model(store, run_id)``; with ``mlflow`` set, params, per-epoch
+    metrics and ``_log_mlflow_model(model)`` go to the active tracking URI.
 
     On the ranks a framework's training function uses ``ShardReaders`` (its shard, same step count on every
     rank), ``RunFiles`` (checkpoints with the history inside, metrics log, final model) and ``append_history``.
     A resumed run (same ``run_id``, or a retry after a failed rank) starts after the newest complete checkpoint.
     """
 
-    #: the Model class ``fit`` returns and the spec class the ranks receive (set by the framework subclass)
+    #: the Model class ``fit`` returns, the spec class the ranks receive and the ``RankTrainer`` they run (set by
+    #: the framework subclass)
     _model_class: type[BaseModel] = BaseModel
     _spec_class: type = TrainSpec
-
-    def _opt(self, param: Any) -> Any:
-        """The value of ``param``, or None when it was never set and has no default."""
-        return self.getOrDefault(param) if self.isDefined(param) else None
+    _trainer_class: type[RankTrainer] = RankTrainer
 
     def _metrics(self) -> list:
         """The ``metrics`` param as a list (empty when unset)."""
@@ -62,10 +60,6 @@ class BaseEstimator(Estimator, PersistableStage):
 
     def _check_loss(self, n_labels: int) -> None:
         """Raise ``ValueError`` unless the loss param fits ``n_labels`` labels."""
-        raise NotImplementedError
-
-    def _train_function(self) -> Callable[[Any], Any]:
-        """A module-level function ``fn(spec) -> result`` run on every rank (``spec``: a ``_spec_class``)."""
         raise NotImplementedError
 
     def _train_spec(self) -> dict:
@@ -222,7 +216,7 @@ class BaseEstimator(Estimator, PersistableStage):
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         tracking = self._start_mlflow(store, run_id)
         try:
-            results = run(self._train_function(), args=(spec,), num_proc=num_proc, use_gpu=get(self.use_gpu),
+            results = run(train_on_rank, args=(self._trainer_class, spec), num_proc=num_proc, use_gpu=get(self.use_gpu),
                           max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
                           on_event=tracking.on_event if tracking else None)
             trained = self._load_trained_model(store, run_id)

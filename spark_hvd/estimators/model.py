@@ -23,7 +23,7 @@ from pyspark.ml import Model
 from spark_hvd.estimators.arrow import feature_to_numpy, output_spark_type, output_to_arrow
 from spark_hvd.estimators.persistence import PersistableStage
 
-__all__ = ["BaseModel", "task_gpu_index"]
+__all__ = ["BaseModel", "task_gpu_index", "task_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -254,6 +254,15 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
             yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
 
     return transform_batches
+
+
+def task_threads() -> int | None:
+    """Threads for inference in this Spark task: the task's CPUs (the tasks of an executor share its cores);
+    None outside a task."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return max(1, int(ctx.cpus())) if ctx is not None else None
 
 
 def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:

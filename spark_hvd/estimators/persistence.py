@@ -81,6 +81,10 @@ class PersistableStage(MLWritable, MLReadable):
         """An ``MLReader`` loading a stage saved by ``write()``."""
         return _StageReader(cls)
 
+    def _opt(self, param: Any) -> Any:
+        """The value of ``param``, or None when it was never set and has no default."""
+        return self.getOrDefault(param) if self.isDefined(param) else None
+
     # Hooks a framework overrides for its model/optimizer; the default pickles each object param with cloudpickle.
     def _dump_objects(self) -> dict[str, bytes]:
         out = {}

@@ -26,7 +26,7 @@ from typing import Any
 from spark_hvd.estimators.rank_data import RunFiles, ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
 
-__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite"]
+__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +235,9 @@ def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:
         raise FloatingPointError(
             f"the training loss is {loss} at epoch {epoch}, step {step} (rank {rank}): training diverged. Lower the "
             "learning rate, check the data for NaN/inf, or set terminate_on_nan=False to continue anyway")
+
+
+def train_on_rank(trainer_class: type[RankTrainer], spec: TrainSpec) -> dict | None:
+    """The training function of every rank (run by ``spark_hvd.runner``): a ``RankRun`` with a new
+    ``trainer_class``; rank 0 returns the history and output shapes."""
+    return RankRun(spec, trainer_class()).execute()

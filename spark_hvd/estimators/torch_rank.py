@@ -24,7 +24,7 @@ from spark_hvd.estimators.params import LOSS_NAMES
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext, check_finite
 from spark_hvd.estimators.torch_precision import MixedPrecision
 
-__all__ = ["TorchTrainer", "train_on_rank", "resolve_losses", "resolve_metric", "default_train_minibatch"]
+__all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch"]
 
 log = logging.getLogger(__name__)
 
@@ -401,8 +401,3 @@ class TorchTrainer(RankTrainer):
         total = self.hvd.allreduce(buf, op=self.hvd.Sum, name=f"spark_hvd.metrics.{len(keys)}.{'.'.join(keys)}")
         count = max(float(total[-1]), 1.0)
         return {k: float(total[i]) / count for i, k in enumerate(keys)}
-
-
-def train_on_rank(spec: Any) -> dict | None:
-    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    return RankRun(spec, TorchTrainer()).execute()
