@@ -74,16 +74,20 @@ class BaseEstimator(Estimator, PersistableStage):
         """Extra params of the returned Model (e.g. input_shapes)."""
         return {}
 
-    def _class_index_labels(self) -> list[bool]:
-        """Per label column: whether its loss takes class indices (default: none known)."""
-        return []
+    @staticmethod
+    def _is_class_index_loss(loss: Any) -> bool:
+        """Whether ``loss`` (one label's, as the loss param gives it) takes class indices (default: none known)."""
+        return False
 
     def _check_label_types(self, df: Any) -> None:
         """A class-index loss given a fractional label column is an error (0.7 would silently become 0)."""
         from pyspark.sql.types import DecimalType, DoubleType, FloatType
 
-        for col, class_index in zip(self.getOrDefault(self.label_cols), self._class_index_labels(), strict=False):
-            if class_index and isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType):
+        labels, loss = self.getOrDefault(self.label_cols), self._opt(self.loss)
+        losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(labels)  # one per label, or one
+        for col, item in zip(labels, losses, strict=False):
+            fractional = isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType)
+            if fractional and self._is_class_index_loss(item):
                 kind = df.schema[col].dataType.simpleString()
                 raise ValueError(f"{type(self).__name__}: label column {col!r} is {kind} but its loss takes class "
                                  "indices; cast it to an integer type "

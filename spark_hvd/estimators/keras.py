@@ -368,17 +368,12 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         check_losses(self._opt(self.loss), n_labels)
         check_metrics(self._metrics())
 
-    def _class_index_labels(self) -> list[bool]:
+    @staticmethod
+    def _is_class_index_loss(loss: Any) -> bool:
         import keras
 
-        loss = self._opt(self.loss)
-        losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(self.getOrDefault(self.label_cols))
-
-        def sparse(item: Any) -> bool:
-            return item in ("sparse_categorical_crossentropy", keras.losses.sparse_categorical_crossentropy) or \
-                isinstance(item, keras.losses.SparseCategoricalCrossentropy)
-
-        return [sparse(item) for item in losses]
+        return loss in ("sparse_categorical_crossentropy", keras.losses.sparse_categorical_crossentropy) or \
+            isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
 
     def _checkpoint_policy(self) -> BestPolicy | None:
         cb = self._opt(self.checkpoint_callback)

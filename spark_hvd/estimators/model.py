@@ -47,11 +47,6 @@ def _cached_model(key: str, load: Callable[[], Any]) -> Any:
         return model
 
 
-def _model_load_count() -> int:
-    """How many models this process holds (for tests)."""
-    return len(_MODEL_CACHE)
-
-
 # ------------------------------------------------------------------------------------------------ the model
 
 

@@ -234,9 +234,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
                              "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
                              "drop train_minibatch_fn")
 
-    def _class_index_labels(self) -> list[bool]:
-        losses = resolve_losses(self._opt(self.loss), len(self.getOrDefault(self.label_cols)))
-        return [is_class_index_loss(item) for item in losses]
+    _is_class_index_loss = staticmethod(is_class_index_loss)
 
     def _train_spec(self) -> dict:
         get = self.getOrDefault

@@ -168,6 +168,20 @@ def _mse(model, batch, weight_col=None):
     return (((out - y) ** 2).reshape(len(out), -1).mean(1) * w).sum() / w.sum().clamp_min(1e-12)
 
 
+def _replay(store, fitted, initial, options: dict) -> tuple[torch.nn.Module, list[float]]:
+    """A copy of ``initial`` trained on the fit's batches in one process with the estimator ``options`` of
+    ``_REPLAYED``: (model, loss per epoch)."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    weight_col = options.get("sample_weight_col")
+    shards = rank_shards(store, fitted, seed=1, batch_size=16, sample_weight_col=weight_col)
+    losses = replay(shards, model, opt, lambda m, b: _mse(m, b, weight_col), 2,
+                    backward_passes_per_step=options.get("backward_passes_per_step", 1),
+                    scheduler=options["lr_scheduler"](opt) if "lr_scheduler" in options else None,
+                    scheduler_interval=options.get("lr_scheduler_interval", "epoch"))
+    return model, losses
+
+
 @pytest.mark.parametrize("case", sorted(_REPLAYED))
 def test_steered_fit_equals_single_process_replay(spark, df, tmp_path, case):
     kw = _REPLAYED[case]
@@ -179,12 +193,9 @@ def test_steered_fit_equals_single_process_replay(spark, df, tmp_path, case):
                          loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=16, epochs=2,
                          random_seed=1, partitions_per_process=1, verbose=0, **kw)
     fitted = est.fit(df)
-    weight_col = kw.get("sample_weight_col")
-    opt = torch.optim.SGD(initial.parameters(), lr=0.05)
-    scheduler = kw["lr_scheduler"](opt) if "lr_scheduler" in kw else None
-    shards = rank_shards(store, fitted, seed=1, batch_size=16, sample_weight_col=weight_col)
-    losses = replay(shards, initial, opt, lambda m, b: _mse(m, b, weight_col), 2,
-                    backward_passes_per_step=kw.get("backward_passes_per_step", 1), scheduler=scheduler,
-                    scheduler_interval=kw.get("lr_scheduler_interval", "epoch"))
-    assert not torch.equal(initial.weight, net.weight), "the replay trained its copy"
-    assert_fit_equals_replay(fitted, initial, losses, atol=1e-5, rtol=1e-4)
+    model, losses = _replay(store, fitted, initial, kw)
+    assert_fit_equals_replay(fitted, model, losses, atol=1e-5, rtol=1e-4)
+    plain, _ = _replay(store, fitted, initial, {})  # the control: without the option the weights differ
+    diff = max(float((a - b).abs().max()) for a, b in zip(plain.state_dict().values(),
+                                                          model.state_dict().values(), strict=True))
+    assert diff > 1e-3, f"{case} changed the replayed weights by only {diff}"
