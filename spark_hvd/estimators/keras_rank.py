@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 from typing import Any
 
 import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer, check_finite
+from spark_hvd.estimators.rank_run import RankRun, RankTrainer
 
 __all__ = ["KerasTrainer"]
 
@@ -200,12 +199,7 @@ class KerasTrainer(RankTrainer):
                 self.epoch = epoch
 
             def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-                loss = (logs or {}).get("loss")
-                if spec.terminate_on_nan and loss is not None:
-                    loss = float(np.asarray(loss))
-                    if not math.isfinite(loss):
-                        check_finite(loss, self.epoch, batch, run.rank)
-                run.batch_done(self.epoch, batch + 1, loss)
+                run.batch_done(self.epoch, batch, (logs or {}).get("loss"))
 
             def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
                 logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()

@@ -174,9 +174,14 @@ class RankRun:
 
     # ---- per batch, per epoch
     def batch_done(self, epoch: int, step: int, loss: Any) -> None:
-        """``step`` batches of ``epoch`` are done: rank 0 reports them (throttled) for the driver's progress bar."""
+        """Batch ``step`` (0-based) of ``epoch`` is done with training loss ``loss`` (None: the framework gave none):
+        under ``terminate_on_nan`` a non-finite loss raises (``check_finite``); rank 0 reports the progress
+        (throttled) for the driver's progress bar."""
+        loss = None if loss is None else float(loss)
+        if loss is not None and self.spec.terminate_on_nan:
+            check_finite(loss, epoch, step, self.rank)
         if self._progress is not None:
-            self._progress(epoch, step, loss=loss)
+            self._progress(epoch, step + 1, loss=loss)
 
     def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
         """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics
