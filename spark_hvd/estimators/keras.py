@@ -1,5 +1,5 @@
-"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``base.py`` and ``params.py``;
-the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``fit.py``, ``model.py``,
+``params.py``; the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -18,10 +18,12 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, task_gpu_index
+from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.keras_rank import MODEL_FILE as _MODEL_FILE
-from spark_hvd.estimators.keras_rank import train_on_rank
+from spark_hvd.estimators.keras_rank import KerasTrainer, set_threads
+from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
+from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.spec import BestPolicy, KerasSpec
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
@@ -70,27 +72,27 @@ def _unpack(data: bytes) -> tuple[bytes, dict]:
     return env["keras"], cloudpickle.loads(env["custom_objects"])
 
 
-def _load_keras_file(path: str, custom_objects: dict, compile: bool) -> Any:  # noqa: A002 - Keras's name
+def load_keras_bytes(keras_bytes: bytes, custom_objects: dict, compile: bool = False) -> Any:  # noqa: A002
+    """The model in the bytes of a ``.keras`` file (``compile=True``: with its optimizer, loss and metrics if they
+    can be rebuilt, e.g. no unregistered custom loss; falls back to an uncompiled model, with a warning)."""
     import keras
 
-    # safe_mode=False: Lambda layers load too; these bytes come from the user's own estimator (as do the pickles)
-    return keras.saving.load_model(path, custom_objects=custom_objects or None, compile=compile, safe_mode=False)
-
-
-def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa: A002 - Keras's name
-    """The inverse of :func:`serialize_keras_model`: a plain Keras model (``compile=True``: with its optimizer,
-    loss and metrics if they can be rebuilt; falls back to an uncompiled model)."""
-    keras_bytes, objects = _unpack(data)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, _MODEL_FILE)
         with open(path, "wb") as f:
             f.write(keras_bytes)
+        # safe_mode=False: Lambda layers load too; these bytes come from the user's own estimator (as do the pickles)
         if compile:
             try:
-                return _load_keras_file(path, objects, compile=True)
+                return keras.saving.load_model(path, custom_objects=custom_objects or None, safe_mode=False)
             except Exception as exc:  # noqa: BLE001 - the weights still load; say why it is not compiled
                 log.warning("Keras model loaded without its compile state (%s: %s)", type(exc).__name__, exc)
-        return _load_keras_file(path, objects, compile=False)
+        return keras.saving.load_model(path, custom_objects=custom_objects or None, compile=False, safe_mode=False)
+
+
+def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa: A002 - Keras's name
+    """The inverse of :func:`serialize_keras_model`: a plain Keras model (``compile``: see ``load_keras_bytes``)."""
+    return load_keras_bytes(*_unpack(data), compile=compile)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -98,6 +100,9 @@ def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa:
 
 class _KerasModelBytes:
     """The model as ``.keras`` bytes (with the ``custom_objects`` of the stage), for the estimator and the model."""
+
+    def _custom_objects(self) -> dict:
+        return dict(self._opt(self.custom_objects) or {})
 
     def _serialize_model(self, model: Any) -> bytes:  # uses the stage's custom_objects
         return serialize_keras_model(model, self._custom_objects())
@@ -132,32 +137,14 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
     The model is loaded once per Python worker.
     """
 
-    def _custom_objects(self) -> dict:
-        if self.isDefined(self.custom_objects):
-            return dict(self.getOrDefault(self.custom_objects) or {})
-        return {}
-
 
     @classmethod
     def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
         import keras
-        from pyspark import TaskContext
 
-        ctx = TaskContext.get()
-        if ctx is not None:  # the tasks of an executor share its cores
-            threads = max(1, int(ctx.cpus()))
-            if keras.backend.backend() == "tensorflow":
-                import tensorflow as tf
-
-                try:
-                    tf.config.threading.set_intra_op_parallelism_threads(threads)
-                    tf.config.threading.set_inter_op_parallelism_threads(1)
-                except RuntimeError:  # TensorFlow's runtime already started in this worker: keep its setting
-                    pass
-            elif keras.backend.backend() == "torch":
-                import torch
-
-                torch.set_num_threads(threads)
+        threads = task_threads()
+        if threads is not None:
+            set_threads(threads, inter_op=1)
         model = deserialize_keras_model(data, compile=False)
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
@@ -342,9 +329,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
 
     _model_class = KerasModel
     _spec_class = KerasSpec
-
-    def _custom_objects(self) -> dict:
-        return dict(self._opt(self.custom_objects) or {})
+    _trainer_class = KerasTrainer
 
     # ---- persistence: the optimizer as its spec (the model: _KerasModelBytes)
     def _dump_object(self, name: str, value: Any) -> bytes:
@@ -383,17 +368,12 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         check_losses(self._opt(self.loss), n_labels)
         check_metrics(self._metrics())
 
-    def _class_index_labels(self) -> list[bool]:
+    @staticmethod
+    def _is_class_index_loss(loss: Any) -> bool:
         import keras
 
-        loss = self._opt(self.loss)
-        losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(self.getOrDefault(self.label_cols))
-
-        def sparse(item: Any) -> bool:
-            return item in ("sparse_categorical_crossentropy", keras.losses.sparse_categorical_crossentropy) or \
-                isinstance(item, keras.losses.SparseCategoricalCrossentropy)
-
-        return [sparse(item) for item in losses]
+        return loss in ("sparse_categorical_crossentropy", keras.losses.sparse_categorical_crossentropy) or \
+            isinstance(loss, keras.losses.SparseCategoricalCrossentropy)
 
     def _checkpoint_policy(self) -> BestPolicy | None:
         cb = self._opt(self.checkpoint_callback)
@@ -410,20 +390,9 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             "best": self._checkpoint_policy(),
         }
 
-    def _train_function(self) -> Callable[[KerasSpec], Any]:
-        return train_on_rank
-
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
         data = RunFiles(store, run_id).read_model_file(_MODEL_FILE)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, _MODEL_FILE)
-            with open(path, "wb") as f:
-                f.write(data)
-            try:
-                return _load_keras_file(path, self._custom_objects(), compile=True)
-            except Exception as exc:  # noqa: BLE001 - e.g. a custom loss that is not registered
-                log.warning("the trained model is returned uncompiled (%s: %s)", type(exc).__name__, exc)
-                return _load_keras_file(path, self._custom_objects(), compile=False)
+        return load_keras_bytes(data, self._custom_objects(), compile=True)
 
     def _model_params(self) -> dict:
         return {"custom_objects": self._custom_objects()}

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer, check_finite
+from spark_hvd.estimators.rank_run import RankRun, RankTrainer
 
-__all__ = ["KerasTrainer", "train_on_rank"]
+__all__ = ["KerasTrainer"]
 
 log = logging.getLogger(__name__)
 
@@ -27,25 +25,24 @@ MODEL_FILE = "model.keras"
 _OPTIMIZER_FILE = "optimizer.npz"
 
 
-def _limit_threads(job: JobEnv | None) -> None:
-    """Threads per rank by the one policy (``torch_threads``: the host's cores shared among its ranks), for
-    TensorFlow before its runtime starts, or for torch under Keras's torch backend."""
-    n = torch_threads(job)
+def set_threads(intra_op: int, inter_op: int) -> None:
+    """This process's threads under Keras's backend: TensorFlow's intra-/inter-op pools (before its runtime
+    starts; a runtime already started in this reused Python worker keeps its setting), or torch's."""
     import keras
 
     if keras.backend.backend() != "tensorflow":
         import torch
 
-        torch.set_num_threads(n)
+        torch.set_num_threads(intra_op)
         return
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(n))
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", "2")
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(intra_op))
+    os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(inter_op))
     import tensorflow as tf
 
     try:
-        tf.config.threading.set_intra_op_parallelism_threads(n)
-        tf.config.threading.set_inter_op_parallelism_threads(2)
-    except RuntimeError:  # the runtime already started in this (reused) Python worker
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+    except RuntimeError:
         pass
 
 
@@ -109,7 +106,7 @@ class KerasTrainer(RankTrainer):
 
     def init(self, spec: Any) -> None:
         job = JobEnv.from_env()  # the launch contract (the core is not initialised yet: TF must be set up first)
-        _limit_threads(job)
+        set_threads(torch_threads(job), inter_op=2)  # the one policy: the host's cores shared among its ranks
         _select_devices(spec.use_gpu, job)
         import spark_hvd.keras as hvd
 
@@ -122,14 +119,10 @@ class KerasTrainer(RankTrainer):
         keras.utils.set_random_seed(seed)
 
     def build(self, spec: Any) -> None:
-        from spark_hvd.estimators.keras import _load_keras_file, _unpack, build_optimizer
+        from spark_hvd.estimators.keras import build_optimizer, deserialize_keras_model
 
         self.spec = spec
-        keras_bytes, custom_objects = _unpack(spec.model_bytes)
-        with tempfile.TemporaryDirectory() as tmp:
-            with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
-                f.write(keras_bytes)
-            self.model = _load_keras_file(os.path.join(tmp, MODEL_FILE), custom_objects, compile=False)
+        self.model = deserialize_keras_model(spec.model_bytes)
         kwargs: dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
         if spec.gradient_compression is not None:
             kwargs["compression"] = spec.gradient_compression
@@ -206,12 +199,7 @@ class KerasTrainer(RankTrainer):
                 self.epoch = epoch
 
             def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-                loss = (logs or {}).get("loss")
-                if spec.terminate_on_nan and loss is not None:
-                    loss = float(np.asarray(loss))
-                    if not math.isfinite(loss):
-                        check_finite(loss, self.epoch, batch, run.rank)
-                run.batch_done(self.epoch, batch + 1, loss)
+                run.batch_done(self.epoch, batch, (logs or {}).get("loss"))
 
             def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
                 logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
@@ -223,8 +211,3 @@ class KerasTrainer(RankTrainer):
         self.model.fit(train, epochs=spec.epochs, initial_epoch=run.start, steps_per_epoch=steps,
                        validation_data=val, validation_steps=val_steps, callbacks=callbacks,
                        verbose=2 if (spec.verbose >= 2 and run.rank == 0) else 0)
-
-
-def train_on_rank(spec: Any) -> dict | None:
-    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    return RankRun(spec, KerasTrainer()).execute()

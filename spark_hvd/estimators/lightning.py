@@ -6,13 +6,12 @@ the rank half is ``lightning_rank.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from spark_hvd.estimators.lightning_rank import train_on_rank
+from spark_hvd.estimators.lightning_rank import LightningTrainer
 from spark_hvd.estimators.params import KeywordParams, LightningEstimatorParams
 from spark_hvd.estimators.spec import LightningSpec
-from spark_hvd.estimators.torch import TorchModel, TorchModuleEstimator, serialize_module
+from spark_hvd.estimators.torch import TorchModel, TorchModuleEstimator
 
 __all__ = ["LightningEstimator", "LightningModel"]
 
@@ -64,6 +63,7 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
 
     _model_class = LightningModel
     _spec_class = LightningSpec
+    _trainer_class = LightningTrainer
 
     def _check_model(self, model: Any) -> bytes:
         import lightning.pytorch as pl
@@ -78,17 +78,10 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
             if self._opt(getattr(self, param)):
                 raise ValueError(f"LightningEstimator: {param} is defined by the LightningModule (configure_optimizers"
                                  ", training_step, self.log); leave the {param} param unset")
-        shapes = self.getOrDefault(self.input_shapes)
-        if shapes is not None and len(shapes) != len(self.getOrDefault(self.feature_cols)):
-            raise ValueError(f"LightningEstimator: input_shapes has {len(shapes)} entries for "
-                             f"{len(self.getOrDefault(self.feature_cols))} feature columns")
-        return serialize_module(model)
+        return super()._check_model(model)
 
     def _check_loss(self, n_labels: int) -> None:
         """Nothing to check: the loss is the module's ``training_step``."""
 
     def _train_spec(self) -> dict:
         return {"input_shapes": self.getOrDefault(self.input_shapes)}
-
-    def _train_function(self) -> Callable[[LightningSpec], Any]:
-        return train_on_rank

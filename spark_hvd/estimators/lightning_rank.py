@@ -20,7 +20,7 @@ from typing import Any
 from spark_hvd.estimators.rank_run import RankRun
 from spark_hvd.estimators.torch_rank import TorchTrainer
 
-__all__ = ["LightningTrainer", "train_on_rank", "split_optimizers"]
+__all__ = ["LightningTrainer", "split_optimizers"]
 
 
 def split_optimizers(configured: Any) -> tuple[Any, Any, str]:
@@ -155,8 +155,3 @@ class LightningTrainer(TorchTrainer):
         for name in ("log", "log_dict"):  # our recording hooks are not part of the module
             self.model.__dict__.pop(name, None)
         super().save_model(directory)
-
-
-def train_on_rank(spec: Any) -> dict | None:
-    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    return RankRun(spec, LightningTrainer()).execute()

@@ -23,10 +23,10 @@ import tempfile
 from abc import ABC, abstractmethod
 from typing import Any
 
-from spark_hvd.estimators.base import RunFiles, ShardReaders, append_history
+from spark_hvd.estimators.rank_data import RunFiles, ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
 
-__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite"]
+__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +174,14 @@ class RankRun:
 
     # ---- per batch, per epoch
     def batch_done(self, epoch: int, step: int, loss: Any) -> None:
-        """``step`` batches of ``epoch`` are done: rank 0 reports them (throttled) for the driver's progress bar."""
+        """Batch ``step`` (0-based) of ``epoch`` is done with training loss ``loss`` (None: the framework gave none):
+        under ``terminate_on_nan`` a non-finite loss raises (``check_finite``); rank 0 reports the progress
+        (throttled) for the driver's progress bar."""
+        loss = None if loss is None else float(loss)
+        if loss is not None and self.spec.terminate_on_nan:
+            check_finite(loss, epoch, step, self.rank)
         if self._progress is not None:
-            self._progress(epoch, step, loss=loss)
+            self._progress(epoch, step + 1, loss=loss)
 
     def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
         """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics
@@ -235,3 +240,9 @@ def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:
         raise FloatingPointError(
             f"the training loss is {loss} at epoch {epoch}, step {step} (rank {rank}): training diverged. Lower the "
             "learning rate, check the data for NaN/inf, or set terminate_on_nan=False to continue anyway")
+
+
+def train_on_rank(trainer_class: type[RankTrainer], spec: TrainSpec) -> dict | None:
+    """The training function of every rank (run by ``spark_hvd.runner``): a ``RankRun`` with a new
+    ``trainer_class``; rank 0 returns the history and output shapes."""
+    return RankRun(spec, trainer_class()).execute()

@@ -1,4 +1,5 @@
-"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``base.py`` and ``params.py``)."""
+"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``fit.py``, ``model.py``,
+``params.py``; the rank half is ``torch_rank.py``)."""
 
 from __future__ import annotations
 
@@ -7,89 +8,22 @@ import io
 import logging
 import pickle
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import numpy as np
 
-from spark_hvd.estimators.base import BaseEstimator, BaseModel, RunFiles, task_gpu_index
+from spark_hvd.estimators.fit import BaseEstimator
+from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
+from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.rank_run import EarlyStopping
 from spark_hvd.estimators.spec import BestPolicy, TorchSpec
-from spark_hvd.estimators.torch_rank import is_class_index_loss, resolve_losses, resolve_metric, train_on_rank
+from spark_hvd.estimators.torch_rank import TorchTrainer, is_class_index_loss, resolve_losses, resolve_metric
 
 __all__ = ["TorchEstimator", "TorchModel", "EarlyStopping"]
 
 log = logging.getLogger(__name__)
-
-
-class TorchModel(KeywordParams, BaseModel, TorchModelParams):
-    """A trained ``torch.nn.Module`` as a Spark ML ``Model``.
-
-    ``transform(df)`` calls the module on batches of ``batch_size`` rows, one tensor per feature column (Vector and
-    array columns as ``(rows, size)`` float32, or ``(rows, *input_shape)``; scalar columns as ``(rows,)``), and adds
-    one column per label: ``<label>__output`` by default (``setOutputCols``), a double where the module gives one
-    value per row and an ``array<float>`` otherwise. A module with several labels returns a tuple of tensors.
-    """
-
-    def _input_shapes(self) -> list | None:
-        return self.getOrDefault(self.input_shapes)
-
-    @classmethod
-    def _serialize_model(cls, model: Any) -> bytes:
-        return serialize_module(model)
-
-    @classmethod
-    def _deserialize_model(cls, data: bytes) -> Any:
-        return deserialize_module(data)
-
-    @classmethod
-    def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
-        import torch
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if ctx is not None:  # one intra-op thread per task core: tasks of an executor share its cores
-            torch.set_num_threads(max(1, int(ctx.cpus())))
-        model = cls._deserialize_model(data)  # on the CPU, wherever it was trained
-        index = task_gpu_index(use_gpu, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        if index is not None:
-            model.to(torch.device("cuda", index))
-        model.eval()
-        return model
-
-    @classmethod
-    def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        return cls._predict_batches(model, inputs, max(1, len(inputs[0])))
-
-    @classmethod
-    def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
-        """One ``torch.from_numpy`` per input (no copy), the module on ``batch_size`` rows at a time on the
-        module's device, one host copy of each output at the end."""
-        import torch
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")  # Arrow buffers are read-only; not written
-            tensors = [torch.from_numpy(x) for x in inputs]
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-        parts: list[list[Any]] = []
-        with torch.inference_mode():
-            for start in range(0, len(tensors[0]), batch_size) or [0]:
-                chunk = [t[start:start + batch_size] for t in tensors]
-                if device.type != "cpu":
-                    chunk = [t.to(device, non_blocking=True) for t in chunk]
-                out = model(*chunk)
-                outs = [out] if isinstance(out, torch.Tensor) else list(out)
-                if not parts:
-                    parts = [[] for _ in outs]
-                if len(outs) != len(parts):
-                    raise ValueError(f"the module returned {len(outs)} outputs for one batch and {len(parts)} "
-                                     "for another")
-                for acc, o in zip(parts, outs, strict=True):
-                    acc.append(o)
-            return [(p[0] if len(p) == 1 else torch.cat(p)).detach().cpu().numpy() for p in parts]
 
 
 class _CPUUnpickler(pickle.Unpickler):
@@ -133,19 +67,84 @@ def serialize_module(model: Any) -> bytes:
                         "open files, locks, sockets and generators out of the module's attributes.") from exc
 
 
+class TorchModel(KeywordParams, BaseModel, TorchModelParams):
+    """A trained ``torch.nn.Module`` as a Spark ML ``Model``.
+
+    ``transform(df)`` calls the module on batches of ``batch_size`` rows, one tensor per feature column (Vector and
+    array columns as ``(rows, size)`` float32, or ``(rows, *input_shape)``; scalar columns as ``(rows,)``), and adds
+    one column per label: ``<label>__output`` by default (``setOutputCols``), a double where the module gives one
+    value per row and an ``array<float>`` otherwise. A module with several labels returns a tuple of tensors.
+    """
+
+    _serialize_model = staticmethod(serialize_module)
+    _deserialize_model = staticmethod(deserialize_module)
+
+    def _input_shapes(self) -> list | None:
+        return self.getOrDefault(self.input_shapes)
+
+    @classmethod
+    def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
+        import torch
+
+        threads = task_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        model = cls._deserialize_model(data)  # on the CPU, wherever it was trained
+        index = task_gpu_index(use_gpu, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        if index is not None:
+            model.to(torch.device("cuda", index))
+        model.eval()
+        return model
+
+    @classmethod
+    def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        return cls._predict_batches(model, inputs, max(1, len(inputs[0])))
+
+    @classmethod
+    def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
+        """One ``torch.from_numpy`` per input (no copy), the module on ``batch_size`` rows at a time on the
+        module's device, one host copy of each output at the end."""
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")  # Arrow buffers are read-only; not written
+            tensors = [torch.from_numpy(x) for x in inputs]
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        parts: list[list[Any]] = []
+        with torch.inference_mode():
+            for start in range(0, len(tensors[0]), batch_size) or [0]:
+                chunk = [t[start:start + batch_size] for t in tensors]
+                if device.type != "cpu":
+                    chunk = [t.to(device, non_blocking=True) for t in chunk]
+                out = model(*chunk)
+                outs = [out] if isinstance(out, torch.Tensor) else list(out)
+                if not parts:
+                    parts = [[] for _ in outs]
+                if len(outs) != len(parts):
+                    raise ValueError(f"the module returned {len(outs)} outputs for one batch and {len(parts)} "
+                                     "for another")
+                for acc, o in zip(parts, outs, strict=True):
+                    acc.append(o)
+            return [(p[0] if len(p) == 1 else torch.cat(p)).detach().cpu().numpy() for p in parts]
+
+
 # ------------------------------------------------------------------------------------------------ the estimator
 
 
 class TorchModuleEstimator(BaseEstimator):
-    """What the Torch and Lightning estimators share: module bytes, the trained module read back, MLflow."""
+    """What the Torch and Lightning estimators share: module bytes, input shapes, the trained module read back,
+    MLflow."""
 
-    @classmethod
-    def _serialize_model(cls, model: Any) -> bytes:
+    _serialize_model = staticmethod(serialize_module)
+    _deserialize_model = staticmethod(deserialize_module)
+
+    def _check_model(self, model: Any) -> bytes:
+        shapes, features = self.getOrDefault(self.input_shapes), self.getOrDefault(self.feature_cols)
+        if shapes is not None and len(shapes) != len(features):
+            raise ValueError(f"{type(self).__name__}: input_shapes has {len(shapes)} entries for {len(features)} "
+                             "feature columns")
         return serialize_module(model)
-
-    @classmethod
-    def _deserialize_model(cls, data: bytes) -> Any:
-        return deserialize_module(data)
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
         import torch
@@ -198,6 +197,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     _model_class = TorchModel
     _spec_class = TorchSpec
+    _trainer_class = TorchTrainer
 
     # ---- persistence: the optimizer is saved as a spec over the model's parameters, rebuilt on load
     def _dump_object(self, name: str, value: Any) -> bytes:
@@ -214,15 +214,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     # ---- framework hooks of BaseEstimator
     def _check_model(self, model: Any) -> bytes:
-        data = serialize_module(model)
+        data = super()._check_model(model)
         opt = self._opt(self.optimizer)
         if opt is None:
             raise ValueError("TorchEstimator: set optimizer, e.g. torch.optim.Adam(model.parameters(), lr=1e-3)")
         self._optimizer_spec = optimizer_spec(opt, model)
-        shapes = self.getOrDefault(self.input_shapes)
-        if shapes is not None and len(shapes) != len(self.getOrDefault(self.feature_cols)):
-            raise ValueError(f"TorchEstimator: input_shapes has {len(shapes)} entries for "
-                             f"{len(self.getOrDefault(self.feature_cols))} feature columns")
         return data
 
     def _check_loss(self, n_labels: int) -> None:
@@ -238,9 +234,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
                              "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
                              "drop train_minibatch_fn")
 
-    def _class_index_labels(self) -> list[bool]:
-        losses = resolve_losses(self._opt(self.loss), len(self.getOrDefault(self.label_cols)))
-        return [is_class_index_loss(item) for item in losses]
+    _is_class_index_loss = staticmethod(is_class_index_loss)
 
     def _train_spec(self) -> dict:
         get = self.getOrDefault
@@ -257,9 +251,6 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             "mixed_precision": get(self.mixed_precision),
             "best": BestPolicy.create(best, get(self.best_mode)) if best else None,
         }
-
-    def _train_function(self) -> Callable[[TorchSpec], Any]:
-        return train_on_rank
 
 
 

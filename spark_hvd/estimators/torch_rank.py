@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.estimators.params import LOSS_NAMES
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext, check_finite
+from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext
 from spark_hvd.estimators.torch_precision import MixedPrecision
 
-__all__ = ["TorchTrainer", "train_on_rank", "resolve_losses", "resolve_metric", "default_train_minibatch"]
+__all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch"]
 
 log = logging.getLogger(__name__)
 
@@ -274,15 +274,13 @@ class TorchTrainer(RankTrainer):
             rows = 0
             for step, batch in enumerate(run.readers.epoch("train", epoch)):
                 loss, n = self._train_batch(batch, step, acc)
-                if spec.terminate_on_nan:
-                    check_finite(loss, epoch, step, run.rank)
+                run.batch_done(epoch, step, loss)
                 rows += n
                 if self.scheduler is not None and self.scheduler_interval == "batch" \
                         and (step + 1) % spec.backward_passes_per_step == 0:
                     self.scheduler.step()
                 for cb in callbacks:
                     getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, loss)
-                run.batch_done(epoch, step + 1, loss)
             self._epoch_end()
             logs = self._epoch_metrics(acc, rows)
             if run.readers.has_validation:
@@ -401,8 +399,3 @@ class TorchTrainer(RankTrainer):
         total = self.hvd.allreduce(buf, op=self.hvd.Sum, name=f"spark_hvd.metrics.{len(keys)}.{'.'.join(keys)}")
         count = max(float(total[-1]), 1.0)
         return {k: float(total[i]) / count for i, k in enumerate(keys)}
-
-
-def train_on_rank(spec: Any) -> dict | None:
-    """The training function of every rank (run by ``spark_hvd.runner``); rank 0 returns the history."""
-    return RankRun(spec, TorchTrainer()).execute()

@@ -109,7 +109,7 @@ def test_fit_on_parquet_rejects_a_validation_fraction(spark, tmp_path):
 def test_overwrite_prepared_data_sees_rewritten_files(spark, tmp_path):
     """The cache key is the plan: files rewritten under the same path are not seen unless overwrite is set."""
     from spark_hvd.data.reader import BatchReader
-    from spark_hvd.estimators.base import _prepare_data
+    from spark_hvd.estimators.fit import _prepare_data
 
     store = Store.create(str(tmp_path / "store"))
     net = torch.nn.Linear(3, 1)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
-from spark_hvd.estimators.base import RunFiles
+from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.torch import deserialize_module, optimizer_spec, serialize_module
 from spark_hvd.store import Store
 

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import copy
 import sys
-from types import SimpleNamespace
 
 import cloudpickle
 import numpy as np
 import pytest
 import torch
+from torch_replay import assert_fit_equals_replay, rank_shards, replay
 
-from spark_hvd.data.metadata import DatasetInfo
 from spark_hvd.estimators import TorchEstimator
-from spark_hvd.estimators.base import ShardReaders
 from spark_hvd.store import Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -73,46 +71,29 @@ def _fit(store, df, mode: str | None, **kw):
 def _replay(store, fitted, mode: str | None) -> tuple[torch.nn.Module, list[float], int]:
     """Single-process training on both ranks' batches (see the module docstring): (model, loss per epoch, steps
     the scaler skipped)."""
-    info = DatasetInfo.load(store, fitted.getMetadata()["dataset"])
-    spec = SimpleNamespace(store=store, dataset=info, feature_cols=("features",), label_cols=("y",),
-                           sample_weight_col=None, random_seed=_SEED, batch_size=_BATCH, val_batch_size=_BATCH,
-                           shuffle=True, transformation_fn=None, train_steps_per_epoch=None,
-                           validation_steps_per_epoch=None)
-    shards = [ShardReaders(spec, rank, 2) for rank in range(2)]
+    shards = rank_shards(store, fitted, seed=_SEED, batch_size=_BATCH)
     model = copy.deepcopy(_net())
     opt = torch.optim.SGD(model.parameters(), lr=_LR)
     scaler = torch.amp.GradScaler("cpu") if mode == "fp16" else None
-    losses, skipped = [], 0
-    for epoch in range(_EPOCHS):
-        total, rows = 0.0, 0
-        for halves in zip(shards[0].epoch("train", epoch), shards[1].epoch("train", epoch), strict=True):
-            opt.zero_grad()
-            for batch in halves:
-                x, y = torch.from_numpy(batch["features"]), torch.from_numpy(batch["y"]).float()
-                with torch.autocast("cpu", dtype=_DTYPES[mode], enabled=mode is not None):
-                    out = model(x)
-                    loss = torch.nn.functional.mse_loss(out, y.reshape(out.shape))
-                (scaler.scale(loss) if scaler else loss).backward()
-                total, rows = total + float(loss.detach()) * len(x), rows + len(x)
-            for p in model.parameters():
-                p.grad.mul_(0.5)  # the average of the two ranks' gradients
-            if scaler is None:
-                opt.step()
-                continue
-            scaler.unscale_(opt)
-            before = scaler.get_scale()
-            scaler.step(opt)
-            scaler.update()
-            skipped += scaler.get_scale() < before
-        losses.append(total / rows)
-    return model, losses, skipped
+    skipped = []
 
+    def batch_loss(model, batch):
+        x, y = torch.from_numpy(batch["features"]), torch.from_numpy(batch["y"]).float()
+        with torch.autocast("cpu", dtype=_DTYPES[mode], enabled=mode is not None):
+            out = model(x)
+            return torch.nn.functional.mse_loss(out, y.reshape(out.shape))
 
-def _assert_same(fitted, model, losses, atol: float) -> None:
-    history = fitted.getHistory()
-    np.testing.assert_allclose(history["loss"], losses, rtol=1e-3, atol=atol)
-    for (name, got), want in zip(fitted.getModel().state_dict().items(), model.state_dict().values(), strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-3, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    def apply(opt):  # fp16: GradScaler unscale / step / update, counting the steps it skipped
+        scaler.unscale_(opt)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+
+    losses = replay(shards, model, opt, batch_loss, _EPOCHS,
+                    backward=(lambda loss: scaler.scale(loss).backward()) if scaler else torch.Tensor.backward,
+                    apply=apply if scaler else None)
+    return model, losses, sum(skipped)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
@@ -124,7 +105,7 @@ def test_two_rank_mixed_precision_fit_equals_single_process(spark, store, df, mo
     model, losses, skipped = _replay(store, fitted, mode)
     if mode == "fp16":
         assert skipped >= 1  # the default initial scale overflows float16 at first: those steps must be skipped
-    _assert_same(fitted, model, losses, atol=1e-4)
+    assert_fit_equals_replay(fitted, model, losses, atol=1e-4)
 
 
 def test_fp16_with_train_minibatch_fn_is_refused(spark, store, df):

@@ -1,9 +1,12 @@
 """A torch loop users can steer, in real two-rank fits: callbacks that stop training and see the optimizer, an LR
 scheduler (on a rate scaled by num_proc), best-epoch selection, backward_passes_per_step, gradient_compression,
-sample_weight_col, train_minibatch_fn, and a diverging loss that stops the fit with an error naming epoch and step."""
+sample_weight_col, train_minibatch_fn, and a diverging loss that stops the fit with an error naming epoch and step.
+backward_passes_per_step, sample_weight_col and the LR scheduler (per epoch and per batch) are each also compared
+with the same training replayed in one process (``torch_replay``): same initial module, same batches, same order."""
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import sys
@@ -12,6 +15,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from torch_replay import assert_fit_equals_replay, rank_shards, replay
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.estimators.torch import EarlyStopping
@@ -135,3 +139,63 @@ def test_diverging_fit_raises_naming_epoch_and_step(spark, df, tmp_path):
     with pytest.raises(Exception, match=r"training loss is (nan|inf).* at epoch 0, step \d+ \(rank [01]\)"):
         est.fit(df)
     assert not store.exists(store.model_path("diverge"))
+
+
+def _halve_per_epoch(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _decay_per_batch(opt):
+    return torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.95)
+
+
+_REPLAYED = {  # one two-rank fit each, compared with its single-process replay
+    "backward_passes_per_step": {"backward_passes_per_step": 2},
+    "sample_weight_col": {"sample_weight_col": "w"},
+    "lr_scheduler_epoch": {"lr_scheduler": _halve_per_epoch},
+    "lr_scheduler_batch": {"lr_scheduler": _decay_per_batch, "lr_scheduler_interval": "batch"},
+}
+
+
+def _mse(model, batch, weight_col=None):
+    """The estimator's ``loss="mse"`` on one batch: the mean over rows, or with a weight column the weighted mean of
+    the per-row losses."""
+    out = model(torch.from_numpy(batch["features"]))
+    y = torch.from_numpy(batch["y"]).float().reshape(out.shape)
+    if weight_col is None:
+        return torch.nn.functional.mse_loss(out, y)
+    w = torch.from_numpy(batch[weight_col]).float()
+    return (((out - y) ** 2).reshape(len(out), -1).mean(1) * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def _replay(store, fitted, initial, options: dict) -> tuple[torch.nn.Module, list[float]]:
+    """A copy of ``initial`` trained on the fit's batches in one process with the estimator ``options`` of
+    ``_REPLAYED``: (model, loss per epoch)."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    weight_col = options.get("sample_weight_col")
+    shards = rank_shards(store, fitted, seed=1, batch_size=16, sample_weight_col=weight_col)
+    losses = replay(shards, model, opt, lambda m, b: _mse(m, b, weight_col), 2,
+                    backward_passes_per_step=options.get("backward_passes_per_step", 1),
+                    scheduler=options["lr_scheduler"](opt) if "lr_scheduler" in options else None,
+                    scheduler_interval=options.get("lr_scheduler_interval", "epoch"))
+    return model, losses
+
+
+@pytest.mark.parametrize("case", sorted(_REPLAYED))
+def test_steered_fit_equals_single_process_replay(spark, df, tmp_path, case):
+    kw = _REPLAYED[case]
+    store = Store.create(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1)
+    initial = copy.deepcopy(net)
+    est = TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+                         loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=16, epochs=2,
+                         random_seed=1, partitions_per_process=1, verbose=0, **kw)
+    fitted = est.fit(df)
+    model, losses = _replay(store, fitted, initial, kw)
+    assert_fit_equals_replay(fitted, model, losses, atol=1e-5, rtol=1e-4)
+    plain, _ = _replay(store, fitted, initial, {})  # the control: without the option the weights differ
+    diff = max(float((a - b).abs().max()) for a, b in zip(plain.state_dict().values(),
+                                                          model.state_dict().values(), strict=True))
+    assert diff > 1e-3, f"{case} changed the replayed weights by only {diff}"

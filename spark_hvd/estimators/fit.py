@@ -1,0 +1,301 @@
+"""``BaseEstimator``: the ``fit`` every estimator shares (check, prepare the data, train on the ranks, build the Model).
+
+A framework estimator (``torch.py``, ``keras.py``, ``lightning.py``) adds only what differs: how its model and
+optimizer become bytes and back, its typed spec (``spec.py``), the training function run on every rank (a
+``RankRun`` with the framework's ``RankTrainer``, ``rank_run.py``), and its Model class (``model.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from pyspark.ml import Estimator
+
+from spark_hvd.estimators.model import BaseModel
+from spark_hvd.estimators.params import OBJECT_PARAMS
+from spark_hvd.estimators.persistence import PersistableStage
+from spark_hvd.estimators.rank_data import RunFiles
+from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
+from spark_hvd.estimators.spec import TrainSpec, model_metadata
+
+__all__ = ["BaseEstimator"]
+
+log = logging.getLogger(__name__)
+
+
+class BaseEstimator(Estimator, PersistableStage):
+    """The shared ``fit``: check everything, prepare the data, train with the runner, build the Model.
+
+    ``fit(df)``: ``_check`` (store, positive sizes, columns with near-name hints, model via ``_check_model``, loss
+    via ``_check_loss``, loss weights, run id, free task slots: nothing is written and no Spark job runs before
+    these pass), then ``spark_hvd.data.prepare_data``, then ``spark_hvd.runner.run(train_on_rank,
+    args=(self._trainer_class, spec))`` (``rank_run.py``) where ``spec`` holds the shared settings plus
+    ``_train_spec()``; rank 0's result is ``{"history": {...}, "output_shapes": [[...] per output]}``. The Model
+    is ``_model_class`` built from ``_load_trained_model(store, run_id)``; with ``mlflow`` set, params, per-epoch
+    metrics and ``_log_mlflow_model(model)`` go to the active tracking URI.
+
+    On the ranks a framework's training function uses ``ShardReaders`` (its shard, same step count on every
+    rank), ``RunFiles`` (checkpoints with the history inside, metrics log, final model) and ``append_history``.
+    A resumed run (same ``run_id``, or a retry after a failed rank) starts after the newest complete checkpoint.
+    """
+
+    #: the Model class ``fit`` returns, the spec class the ranks receive and the ``RankTrainer`` they run (set by
+    #: the framework subclass)
+    _model_class: type[BaseModel] = BaseModel
+    _spec_class: type = TrainSpec
+    _trainer_class: type[RankTrainer] = RankTrainer
+
+    def _metrics(self) -> list:
+        """The ``metrics`` param as a list (empty when unset)."""
+        return list(self._opt(self.metrics) or [])
+
+    # ---- framework hooks
+    def _check_model(self, model: Any) -> bytes:
+        """Raise ``TypeError`` unless ``model`` is a model of this framework that serialises; return its bytes."""
+        raise NotImplementedError
+
+    def _check_loss(self, n_labels: int) -> None:
+        """Raise ``ValueError`` unless the loss param fits ``n_labels`` labels."""
+        raise NotImplementedError
+
+    def _train_spec(self) -> dict:
+        """The framework's fields of its ``_spec_class`` (optimizer, loss, metrics ...), all picklable."""
+        raise NotImplementedError
+
+    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+        """The final model that rank 0 wrote to ``store.model_path(run_id)``."""
+        raise NotImplementedError
+
+    def _model_params(self) -> dict:
+        """Extra params of the returned Model (e.g. input_shapes)."""
+        return {}
+
+    @staticmethod
+    def _is_class_index_loss(loss: Any) -> bool:
+        """Whether ``loss`` (one label's, as the loss param gives it) takes class indices (default: none known)."""
+        return False
+
+    def _check_label_types(self, df: Any) -> None:
+        """A class-index loss given a fractional label column is an error (0.7 would silently become 0)."""
+        from pyspark.sql.types import DecimalType, DoubleType, FloatType
+
+        labels, loss = self.getOrDefault(self.label_cols), self._opt(self.loss)
+        losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(labels)  # one per label, or one
+        for col, item in zip(labels, losses, strict=False):
+            fractional = isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType)
+            if fractional and self._is_class_index_loss(item):
+                kind = df.schema[col].dataType.simpleString()
+                raise ValueError(f"{type(self).__name__}: label column {col!r} is {kind} but its loss takes class "
+                                 "indices; cast it to an integer type "
+                                 f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
+
+    def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
+        """Log ``model`` with the framework's MLflow flavour; ``kwargs`` (signature, input_example,
+        registered_model_name) go to its ``log_model``."""
+        raise NotImplementedError
+
+    # ---- checks (all before anything runs or is written)
+    def _check(self, df: Any) -> dict:
+        """Check every param and the DataFrame's columns; return the resolved settings. Writes nothing."""
+        name = type(self).__name__
+        get = self.getOrDefault
+        store = self._opt(self.store)
+        if store is None:
+            raise ValueError(f"{name}: set store, e.g. store=Store.create('/tmp/spark_hvd_store') "
+                             "(or an s3://, hdfs://, dbfs:/ URL)")
+        if isinstance(store, str):
+            from spark_hvd.store import Store
+
+            store = Store.create(store)
+        for param in ("batch_size", "epochs", "backward_passes_per_step", "partitions_per_process"):
+            value = get(getattr(self, param))
+            if value is None or value <= 0:
+                raise ValueError(f"{name}: {param} must be a positive integer, got {value!r}")
+        for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc"):
+            value = get(getattr(self, param))
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}: {param} must be a positive integer or None, got {value!r}")
+        if get(self.max_retries) < 0:
+            raise ValueError(f"{name}: max_retries must be >= 0, got {get(self.max_retries)}")
+        features, labels = get(self.feature_cols), get(self.label_cols)
+        if not features:
+            raise ValueError(f"{name}: feature_cols is empty: name the column(s) the model takes as input")
+        if not labels:
+            raise ValueError(f"{name}: label_cols is empty: name the column(s) the model is trained to predict")
+        weight_col = get(self.sample_weight_col)
+        validation = get(self.validation)
+        wanted = [("feature_cols", c) for c in features] + [("label_cols", c) for c in labels]
+        if weight_col:
+            wanted.append(("sample_weight_col", weight_col))
+        if isinstance(validation, str):
+            wanted.append(("validation", validation))
+        _check_columns(df, wanted)
+        if len(set(features) | set(labels)) != len(features) + len(labels):
+            raise ValueError(f"{name}: a column is both a feature and a label: {sorted(set(features) & set(labels))}")
+        model = self._opt(self.model)
+        if model is None:
+            raise ValueError(f"{name}: set model")
+        model_bytes = self._check_model(model)
+        self._check_loss(len(labels))
+        weights = get(self.loss_weights)
+        if weights is not None and len(weights) != len(labels):
+            raise ValueError(f"{name}: loss_weights has {len(weights)} entries for {len(labels)} label columns")
+        run_id = get(self.run_id) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        store.run_path(run_id)  # checks the name
+        if get(self.mlflow) is not None:
+            try:
+                import mlflow  # noqa: F401
+            except ImportError as exc:
+                raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
+        self._check_label_types(df)
+        from spark_hvd.runner.spark import resolve_num_proc
+
+        num_proc = resolve_num_proc(df.sparkSession, get(self.num_proc))  # classic or Spark Connect
+        store.check_writable()  # a probe write, only once every other check passed
+        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
+        return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
+
+    # ---- fit
+    def _fit(self, df: Any) -> BaseModel:
+        plan = self._check(df)
+        return self._train(df, plan, _prepare_data(self, df, plan["store"], plan["num_proc"]))
+
+    def fit_on_parquet(self, path: str, validation_path: str | None = None) -> BaseModel:
+        """Train on Parquet files already at ``path`` (Horovod's name), read in place by the ranks: no copy.
+
+        ``path`` is a directory in the store's filesystem (a path, or a URL of the store's scheme); its
+        feature, label and weight columns must already have types the reader takes (numeric or boolean scalars,
+        fixed-length arrays of numbers, no nulls), else a ``DataError`` names the column and the type needed (use
+        ``fit(df)``, which prepares a converted copy). Validation rows come from ``validation_path`` (leave the
+        ``validation`` param unset). Spark ML Vectors, decimals, and Delta tables (whose current files only
+        ``delta-spark`` knows; it is not a dependency) go through ``fit(spark.read...)``.
+        """
+        from pyspark.sql import SparkSession
+
+        from spark_hvd.data.parquet import describe_parquet, store_path
+
+        name, get = type(self).__name__, self.getOrDefault
+        validation = get(self.validation)
+        if validation not in (None, 0.0):
+            raise ValueError(f"{name}: fit_on_parquet takes its validation rows from validation_path; unset "
+                             f"validation (it is {validation!r})")
+        store = self._opt(self.store)
+        if isinstance(store, str):
+            from spark_hvd.store import Store
+
+            store = Store.create(store)
+        if store is None:
+            raise ValueError(f"{name}: set store (fit_on_parquet reads path through the store's filesystem)")
+        spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
+        df = spark.read.parquet(store.spark_url(store_path(store, path)))
+        plan = self._check(df)
+        data = describe_parquet(plan["store"], path, list(get(self.feature_cols)), list(get(self.label_cols)),
+                                get(self.sample_weight_col), validation_path, plan["num_proc"])
+        return self._train(df, plan, data)
+
+    def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:
+        """The training stage on the dataset ``data`` (prepared, or described in place), then the fitted model."""
+        get = self.getOrDefault
+        store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
+        spec = self._spec_class(
+            store=store, run_id=run_id, dataset=data, model_bytes=plan["model_bytes"],
+            feature_cols=tuple(get(self.feature_cols)), label_cols=tuple(get(self.label_cols)),
+            sample_weight_col=get(self.sample_weight_col), batch_size=get(self.batch_size),
+            val_batch_size=get(self.val_batch_size) or get(self.batch_size), epochs=get(self.epochs),
+            train_steps_per_epoch=get(self.train_steps_per_epoch),
+            validation_steps_per_epoch=get(self.validation_steps_per_epoch), shuffle=get(self.shuffle),
+            random_seed=get(self.random_seed), callbacks=tuple(self._opt(self.callbacks) or ()),
+            transformation_fn=self._opt(self.transformation_fn),
+            backward_passes_per_step=get(self.backward_passes_per_step),
+            gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
+            verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
+            scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), **self._train_spec(),
+        )
+        from spark_hvd.runner.spark import run
+
+        log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
+        tracking = self._start_mlflow(store, run_id)
+        try:
+            results = run(train_on_rank, args=(self._trainer_class, spec), num_proc=num_proc, use_gpu=get(self.use_gpu),
+                          max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
+                          on_event=tracking.on_event if tracking else None)
+            trained = self._load_trained_model(store, run_id)
+        except BaseException:
+            if tracking:
+                tracking.fail()
+            raise
+        history, output_shapes = results[0]["history"], results[0]["output_shapes"]
+        model = self._model_class(
+            model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
+            history=history, run_id=run_id, metadata=model_metadata(data, output_shapes), **self._model_params(),
+        )
+        if tracking:
+            tracking.finish(model, df, self._log_mlflow_model)
+        return model
+
+    def _start_mlflow(self, store: Any, run_id: str) -> Any:
+        """With ``mlflow`` set: an open ``MlflowRun`` with the params (and the epochs of the checkpoint this fit
+        resumes) logged, whose ``on_event`` logs each epoch's metrics as rank 0 reports them
+        (``spark_hvd.estimators.mlflow_log``); else None."""
+        setting = self.getOrDefault(self.mlflow)
+        if setting is None:
+            return None
+        from spark_hvd.estimators.mlflow_log import MlflowRun, mlflow_options
+
+        params = {p.name: v for p, v in self.extractParamMap().items()
+                  if p.name not in OBJECT_PARAMS and v is not None}
+        params["model_class"] = type(self.getOrDefault(self.model)).__name__
+        if self._opt(self.optimizer) is not None:
+            params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
+        latest = store.latest_checkpoint(run_id)
+        earlier = None
+        if latest is not None:
+            earlier = json.loads(store.read_bytes(f"{latest[1]}/{RunFiles.STATE}")).get("history")
+        return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
+
+
+def _check_rows(df: Any, name: str, cols: list[str]) -> None:
+    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    aggs = [F.count(F.lit(1)).alias("rows")] + [F.sum(F.col(c).isNull().cast("long")).alias(f"n{i}")
+                                                 for i, c in enumerate(cols)]
+    counts = df.agg(*aggs).collect()[0]
+    if not counts["rows"]:
+        raise ValueError(f"{name}: the DataFrame given to fit is empty")
+    nulls = {c: counts[f"n{i}"] for i, c in enumerate(cols) if counts[f"n{i}"]}
+    if nulls:
+        raise ValueError(f"{name}: null values in column(s) {nulls} (column: rows); drop or fill them before fit "
+                         "(df.na.drop(subset=[...]) or df.na.fill(...))")
+
+
+def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:
+    """Every (param, column) must name a column of ``df``; the error suggests the nearest existing names."""
+    import difflib
+
+    names = df.columns
+    for param, col in wanted:
+        if col not in names:
+            near = difflib.get_close_matches(col, names, n=3)
+            hint = f"; did you mean {near}?" if near else ""
+            raise ValueError(f"{param}: column {col!r} is not in the DataFrame (columns: {names}){hint}")
+
+
+def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any:
+    """``spark_hvd.data.prepare_data`` with the estimator's params; returns its ``DatasetInfo``."""
+    from spark_hvd.data.prepare import prepare_data
+
+    get = est.getOrDefault
+    validation = get(est.validation)
+    if validation == 0.0:
+        validation = None
+    return prepare_data(
+        df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
+        sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
+        partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
+        overwrite=bool(get(est.overwrite_prepared_data)),
+    )
