@@ -262,16 +262,3 @@ def join_other_ops(seed: int = 9) -> int:
         got = core.allreduce(datas[r].copy(), op=ReduceOp.SUM, name=f"j.after.{kind}")
         _check(got, reference_reduce([datas[q] for q in active], ReduceOp.SUM), f"allreduce after {kind} w/ join")
     return core.join()
-    active = list(range(1, n))
-    datas = [_data(seed, q, (q, 2), np.float32) for q in range(n)]
-    _check(core.allgather(datas[r], name="j.ag"), np.concatenate([datas[q] for q in active]), "allgather w/ join")
-    buf = _data(seed + 1, r, (4,), np.int64)
-    want = _data(seed + 1, 1, (4,), np.int64)
-    core.broadcast(buf, 1, name="j.bc")
-    _check(buf, want, "broadcast w/ join")
-    rows = 2 * n
-    datas = [_data(seed + 2, q, (rows, 3), np.float64) for q in range(n)]
-    full = sum(datas[q] for q in active)
-    got = core.reducescatter(datas[r], op=ReduceOp.SUM, name="j.rs")
-    _check(got, full[2 * r:2 * r + 2], "reducescatter w/ join")
-    return core.join()
