@@ -52,9 +52,10 @@ collectives, whichever thread runs them; the blocking calls (``start_engine=Fals
 thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
 (``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle.
 
-Joined ranks (``join()``) take part in every collective the others agree on, contributing the identity of the
-reduction (zeros for sum/average, so an average still divides by the full size), empty rows to allgather and
-alltoall, and a dummy buffer to a broadcast; ``join`` completes for everyone once every rank has joined.
+Joined ranks (``join()``) take part in the allreduces the others agree on, contributing the identity of the
+reduction (zeros for sum/average, so an average still divides by the full size); an allgather, alltoall,
+reducescatter or broadcast while a rank has joined fails on the ranks that called it (``TensorMismatchError``, as
+Horovod raises), and the ranks stay in step; ``join`` completes for everyone once every rank has joined.
 
 A ``PeerFailureError`` from the backend stops the engine: every pending handle and every later call raises it.
 A rank that shuts down tells the others in its last round; their pending and later calls raise ``ShutdownError``
@@ -120,6 +121,7 @@ _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
 _DIRECT_BYTES = 4 * 1024 * 1024
 _SPEC_BYTES = 64 * 1024  # rounds of at most this many bytes are run speculatively (one collective, see _Spec)
+_NOT_WITH_JOIN = frozenset({"allgather", "alltoall", "reducescatter", "broadcast"})  # fail while a rank has joined
 
 
 class _Spec(NamedTuple):
@@ -836,10 +838,13 @@ class Engine:
                 same = False
                 break
         if same or len({m.agreement_key() for m in metas}) == 1:
-            if meta.kind == "broadcast" and meta.root in self._joined and meta.root not in entry.metas:
+            joined = sorted(r for r in self._joined if r not in entry.metas)
+            if joined and meta.kind in _NOT_WITH_JOIN:  # Horovod's rule; every rank sees the same table
                 return TensorMismatchError(
-                    f"broadcast of '{entry.name}' has root rank {meta.root}, which has already joined; the root "
-                    "of a broadcast must not call join() before it.", name=entry.name, ranks=[meta.root])
+                    f"{meta.kind} of '{entry.name}' while rank{'s' if len(joined) > 1 else ''} "
+                    f"{', '.join(map(str, joined))} ha{'ve' if len(joined) > 1 else 's'} called join(): as in "
+                    "Horovod, only allreduce runs while a rank has joined (call it before join(), or after every "
+                    "rank has joined)", name=entry.name, ranks=joined)
             return None
         devices = {r: m.device for r, m in entry.metas.items()}
         if len(set(devices.values())) > 1:

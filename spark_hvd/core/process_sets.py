@@ -31,6 +31,14 @@ class ProcessSet:
     ``init(process_sets=[...])``) on every rank; then pass it as ``process_set=`` to a collective."""
 
     def __init__(self, ranks: Iterable[int]) -> None:
+        if hasattr(ranks, "Get_group") or hasattr(ranks, "Get_rank"):  # an mpi4py communicator
+            raise TypeError(
+                "ProcessSet(mpi_comm) is not supported: spark_hvd's process sets are lists of global ranks (a job "
+                "need not run under MPI). Pass the ranks instead, e.g. ProcessSet([0, 2]); under mpirun, "
+                "comm.Get_group().Translate_ranks(list(range(comm.Get_size())), MPI.COMM_WORLD.Get_group()) "
+                "gives a communicator's ranks in COMM_WORLD.")
+        if not isinstance(ranks, Iterable):
+            raise TypeError(f"ProcessSet needs a list of integer ranks, got {type(ranks).__name__} {ranks!r}")
         ranks = list(ranks)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
             raise ValueError(f"ProcessSet needs a list of integer ranks, got {ranks!r}")

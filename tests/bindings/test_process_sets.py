@@ -62,3 +62,26 @@ def test_process_set_object_before_registration():
     for bad in ([0, "1"], [1, 1], [True]):
         with pytest.raises(ValueError, match="ProcessSet"):
             ProcessSet(bad)
+
+
+def test_process_set_from_mpi_comm_is_a_clear_error():
+    """Horovod's ProcessSet(mpi_comm) is a TypeError that says to pass the ranks (checked with mpi4py's COMM_SELF
+    when mpi4py is importable, else with an object that has a communicator's methods)."""
+    from spark_hvd.torch import ProcessSet
+
+    class FakeComm:
+        def Get_group(self):  # noqa: N802 - mpi4py's name
+            return None
+
+    comms: list = [FakeComm()]
+    try:
+        from mpi4py import MPI
+
+        comms.append(MPI.COMM_SELF)
+    except Exception:  # noqa: BLE001 - no mpi4py or no MPI library: the fake communicator covers the check
+        pass
+    for comm in comms:
+        with pytest.raises(TypeError, match=r"ProcessSet\(mpi_comm\) is not supported.*ProcessSet\(\[0, 2\]\)"):
+            ProcessSet(comm)
+    with pytest.raises(TypeError, match="list of integer ranks, got int 3"):
+        ProcessSet(3)

@@ -27,6 +27,7 @@ CHECKS = [
     "sync_batch_norm_matches_single_process",
     "build_queries",
     "start_stop_timeline",
+    "join_rejects_all_but_allreduce",
     "init_after_failure",
 ]
 

@@ -238,20 +238,27 @@ def stall() -> str:
 
 
 def join_other_ops(seed: int = 9) -> int:
-    """Rank 0 joins at once; the others run allgather, broadcast and reducescatter without it."""
+    """Rank 0 joins at once; on the others allgather, alltoall, reducescatter and broadcast fail (as in Horovod)
+    naming rank 0, and an allreduce right after each still gives the sum of the active ranks."""
     n, r = core.size(), core.rank()
     if r == 0:
         return core.join()
     active = list(range(1, n))
-    datas = [_data(seed, q, (q, 2), np.float32) for q in range(n)]
-    _check(core.allgather(datas[r], name="j.ag"), np.concatenate([datas[q] for q in active]), "allgather w/ join")
-    buf = _data(seed + 1, r, (4,), np.int64)
-    want = _data(seed + 1, 1, (4,), np.int64)
-    core.broadcast(buf, 1, name="j.bc")
-    _check(buf, want, "broadcast w/ join")
-    rows = 2 * n
-    datas = [_data(seed + 2, q, (rows, 3), np.float64) for q in range(n)]
-    full = sum(datas[q] for q in active)
-    got = core.reducescatter(datas[r], op=ReduceOp.SUM, name="j.rs")
-    _check(got, full[2 * r:2 * r + 2], "reducescatter w/ join")
+    ops = {
+        "allgather": lambda: core.allgather(_data(seed, r, (r, 2), np.float32), name="j.ag"),
+        "alltoall": lambda: core.alltoall(np.zeros((n, 2), np.float32), name="j.a2a"),
+        "reducescatter": lambda: core.reducescatter(np.ones((2 * n, 3)), op=ReduceOp.SUM, name="j.rs"),
+        "broadcast": lambda: core.broadcast(np.zeros(4, np.int64), 1, name="j.bc"),
+    }
+    for i, (kind, call) in enumerate(ops.items()):
+        try:
+            call()
+        except core.TensorMismatchError as exc:
+            assert f"{kind} of 'j." in str(exc) and "rank 0 has called join()" in str(exc), str(exc)
+            assert exc.ranks == [0], exc.ranks
+        else:
+            raise AssertionError(f"{kind} while rank 0 has joined did not raise")
+        datas = [_data(seed + 1 + i, q, (5,), np.float64) for q in range(n)]
+        got = core.allreduce(datas[r].copy(), op=ReduceOp.SUM, name=f"j.after.{kind}")
+        _check(got, reference_reduce([datas[q] for q in active], ReduceOp.SUM), f"allreduce after {kind} w/ join")
     return core.join()

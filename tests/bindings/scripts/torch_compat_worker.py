@@ -325,6 +325,38 @@ def _timeline() -> None:
     os.remove(mine)
 
 
+@check("join_rejects_all_but_allreduce")
+def _join_rejects() -> None:
+    # each rank in turn joins first; on the others allgather, broadcast, alltoall and reducescatter raise naming
+    # it, an allreduce then sums the active ranks (the joined rank adds zeros), and the next join returns one
+    # rank, the same everywhere, never the first to join
+    for first in range(N):
+        if R == first:
+            last = hvd.join()
+        else:
+            root = min(set(range(N)) - {first})  # a root that has not joined
+            calls = {
+                "allgather": lambda: hvd.allgather(torch.ones(2, 3), name="jr.ag"),
+                "broadcast": lambda root=root: hvd.broadcast(torch.ones(4), root_rank=root, name="jr.bc"),
+                "alltoall": lambda: hvd.alltoall(torch.ones(N, 2), name="jr.a2a"),
+                "reducescatter": lambda: hvd.reducescatter(torch.ones(2 * N, 2), name="jr.rs"),
+            }
+            for kind, call in calls.items():
+                try:
+                    call()
+                except RuntimeError as exc:
+                    assert f"{kind} of 'jr." in str(exc) and f"rank {first} has called join()" in str(exc), str(exc)
+                else:
+                    raise AssertionError(f"{kind} while rank {first} had joined did not raise")
+                mine = rnd(100 + first, 4) * (R + 1)
+                want = sum(rnd(100 + first, 4) * (q + 1) for q in range(N) if q != first)
+                close(hvd.allreduce(torch.tensor(mine), op=hvd.Sum, name=f"jr.after.{kind}"), want,
+                      f"allreduce after a failed {kind}")
+            last = hvd.join()
+        assert last != first, f"join returned the first rank to join ({first})"
+        assert hvd.allgather_object(last) == [last] * N, "join returned different ranks"
+
+
 @check("init_after_failure")
 def _reinit() -> None:
     # the last rank leaves while the others still work: their engines stop on the error; init() on every rank
