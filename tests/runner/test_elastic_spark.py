@@ -73,6 +73,7 @@ def _train(marker_dir: str, kill_at: int | None, slow_at_size1: float) -> dict:
                 if attempt == 0 and hvd.rank() == 1 and b == kill_at:
                     os._exit(3)
                 if hvd.size() == 1:
+                    open(os.path.join(marker_dir, "release"), "w").close()  # the growth test's blocker may go
                     time.sleep(slow_at_size1)
                 state.commit()
             for p, acc in zip(model.parameters(), state.acc, strict=True):
@@ -181,9 +182,16 @@ def test_the_documented_horovod_style_loop_survives_a_lost_rank(spark, tmp_path)
     assert np.isfinite(results[0]["weights"]).all()
 
 
-def _hold_a_slot(spark, seconds: float) -> threading.Thread:
+def _hold_a_slot(spark, release: str) -> threading.Thread:
+    """A one-task job that holds a slot until the file ``release`` exists (at most 120 s), started before this
+    returns. Released by the job itself, not after a fixed time: a loaded machine cannot make it expire early."""
+    def hold(_) -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def job() -> None:
-        spark.sparkContext.parallelize([0], 1).foreach(lambda _: time.sleep(seconds))
+        spark.sparkContext.parallelize([0], 1).foreach(hold)
 
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
@@ -198,7 +206,7 @@ def _hold_a_slot(spark, seconds: float) -> threading.Thread:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_job_grows_when_a_slot_frees_up(spark, tmp_path):
-    blocker = _hold_a_slot(spark, 3.0)
+    blocker = _hold_a_slot(spark, str(tmp_path / "release"))  # the job starts with 1 rank, which releases it
     try:
         results = run_elastic(_train, args=(str(tmp_path), None, 0.4), num_proc=2, min_num_proc=1, max_num_proc=2,
                               elastic_timeout=60, reset_limit=3, verbose=0)
