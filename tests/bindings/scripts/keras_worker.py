@@ -400,9 +400,9 @@ def _join() -> None:
 
 
 if not ONLY_QUICK:
-    import keras_gradient_checks  # noqa: E402 - the scripts' directory is on sys.path
+    import keras_horovod_checks  # noqa: E402 - the scripts' directory is on sys.path
 
-    keras_gradient_checks.register(check, R, N)
+    keras_horovod_checks.register(check, R, N)
 
 with open(os.path.join(OUT_DIR, f"keras-rank{R}.json"), "w") as f:
     json.dump({"rank": R, "size": N, "results": RESULTS}, f)

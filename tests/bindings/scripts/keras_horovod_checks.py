@@ -1,6 +1,7 @@
-"""Checks of Horovod's Keras ``DistributedOptimizer._compute_gradients`` contract, run inside keras_worker.py's job
-(:func:`register` with its ``check`` decorator): the gradients against numpy's per-rank gradients of the same loss,
-one reduction per update, and ``backward_passes_per_step`` summing (or averaging) the passes as Horovod does."""
+"""Checks of Horovod's Keras contracts, run inside keras_worker.py's job (:func:`register` with its ``check``
+decorator): ``DistributedOptimizer._compute_gradients`` (the gradients against numpy's per-rank gradients of the same
+loss, one reduction per update, ``backward_passes_per_step`` summing or averaging the passes as Horovod does) and
+``elastic.KerasState.sync()`` snapshotting the synced values."""
 
 from __future__ import annotations
 
@@ -108,3 +109,20 @@ def register(check: Callable, rank: int, size: int) -> None:
             assert calls == ([1] * updates if size > 1 else []), f"grouped allreduces: {calls}, one per update"
             assert int(opt.iterations) == k * updates + 1, f"iterations counts passes: {int(opt.iterations)}"
             assert int(opt._agg_helper.counter) == 1, f"passes since the reduction: {int(opt._agg_helper.counter)}"
+
+    @check("elastic_keras_state_sync_snapshots")
+    def _state_sync() -> None:
+        model = keras.Sequential([keras.layers.Dense(2)])
+        model.build((None, 2))
+        mine = [np.full(w.shape, rank + 1.0, np.float32) for w in model.get_weights()]
+        model.set_weights(mine)
+        state = hvd.elastic.KerasState(model, keras.optimizers.Adam(0.01), batch=20 + rank)
+        state.sync()
+        for w in model.get_weights():  # rank 0's values everywhere
+            np.testing.assert_array_equal(w, np.ones_like(w))
+        model.set_weights([np.zeros_like(w) for w in mine])
+        state.batch = 99
+        state.restore()  # back to the synced values, not to this rank's values before sync
+        for w in model.get_weights():
+            np.testing.assert_array_equal(w, np.ones_like(w))
+        assert state.batch == 20, state.batch
