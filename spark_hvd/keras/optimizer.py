@@ -7,6 +7,10 @@ Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_func
 allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
 allreduce.
 
+Horovod's custom-loop contract, ``_compute_gradients(loss, var_list, grad_loss, tape)`` (TensorFlow backend): the
+tape's gradients come back reduced (on the last of ``backward_passes_per_step`` passes; the others return the local
+sum so far) and the ``apply_gradients`` that follows applies them without reducing again.
+
 Loss scaling (``keras.optimizers.LossScaleOptimizer``, which ``compile`` puts around the optimizer under the
 ``mixed_float16`` policy): the wrapper is a subclass of the ``LossScaleOptimizer`` whose ``apply`` reduces the
 *scaled* gradients once, before the loss-scale optimizer checks them for inf/nan; its inner optimizer stays plain.
@@ -16,6 +20,8 @@ collective that another rank skipped.
 
 The subclass keeps the base class's name and module, and ``get_config`` is the base's, so a saved model
 reloads anywhere as the plain optimizer; :func:`spark_hvd.keras.load_model` wraps it again.
+
+(A little over 400 lines: both reduction paths, ``apply`` and ``_compute_gradients``, share the mixin's helpers.)
 """
 
 from __future__ import annotations
@@ -316,7 +322,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         gradient_predivide_factor: divide before the sum and multiply after (Average only).
         op: ``Average`` (default) or ``Sum``.
         backward_passes_per_step: accumulate this many batches' gradients locally (Keras's
-            ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts updates.
+            ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts passes
+            (Horovod's).
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, whether the update uses the average
             of the accumulated passes (``True``) or their sum (``False``, Horovod's default).
         num_groups, groups: how Horovod splits the gradients into grouped allreduces. Here every step's gradients
