@@ -1,9 +1,9 @@
 """Horovod's Keras elastic API for Keras 3: ``hvd.elastic.run``, ``KerasState`` and the state callbacks.
 
 ``KerasState(model, optimizer, **objects)`` snapshots the model's and the optimizer's variables (numpy copies) on
-``commit()``, assigns them back on ``restore()`` and broadcasts them from rank 0 on ``sync()``; other keywords are
-plain objects (``ObjectState``). Under ``spark_hvd.runner.run_elastic`` a relaunched job starts from the last
-commit (see ``spark_hvd.core.elastic``).
+``commit()``, assigns them back on ``restore()`` and broadcasts them from rank 0 on ``sync()`` (which snapshots the
+synced values, as Horovod's); other keywords are plain objects (``ObjectState``). Under
+``spark_hvd.runner.run_elastic`` a relaunched job starts from the last commit (see ``spark_hvd.core.elastic``).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class KerasState(ObjectState):
         self.sync_from_driver()
         if common.core().size() > 1:
             broadcast_variables(self._variables(), root_rank=0, prefix="elastic.keras")
+        self._saved_vars = self._values()  # Horovod's: the synced values are the snapshot restore() goes back to
         super().sync()
 
     def snapshot(self) -> Any:

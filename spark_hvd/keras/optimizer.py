@@ -7,6 +7,10 @@ Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_func
 allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
 allreduce.
 
+Horovod's custom-loop contract, ``_compute_gradients(loss, var_list, grad_loss, tape)`` (TensorFlow backend): the
+tape's gradients come back reduced (on the last of ``backward_passes_per_step`` passes; the others return the local
+sum so far) and the ``apply_gradients`` that follows applies them without reducing again.
+
 Loss scaling (``keras.optimizers.LossScaleOptimizer``, which ``compile`` puts around the optimizer under the
 ``mixed_float16`` policy): the wrapper is a subclass of the ``LossScaleOptimizer`` whose ``apply`` reduces the
 *scaled* gradients once, before the loss-scale optimizer checks them for inf/nan; its inner optimizer stays plain.
@@ -16,6 +20,8 @@ collective that another rank skipped.
 
 The subclass keeps the base class's name and module, and ``get_config`` is the base's, so a saved model
 reloads anywhere as the plain optimizer; :func:`spark_hvd.keras.load_model` wraps it again.
+
+(A little over 400 lines: both reduction paths, ``apply`` and ``_compute_gradients``, share the mixin's helpers.)
 """
 
 from __future__ import annotations
@@ -31,6 +37,22 @@ from spark_hvd.core.backend import ReduceOp
 log = logging.getLogger(__name__)
 
 
+class _AggregationHelper:
+    """Horovod's ``optimizer._agg_helper`` (``backward_passes_per_step > 1``), read from the optimizer's state:
+    ``counter`` is the number of passes summed locally since the last reduction (``0`` right after an update)."""
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer, backward_passes_per_step: int,
+                 average_aggregated_gradients: bool) -> None:
+        self._optimizer = optimizer
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_aggregated_gradients = average_aggregated_gradients
+
+    @property
+    def counter(self) -> Any:
+        """Passes since the last reduction, a scalar tensor (the optimizer's pass count modulo the passes/step)."""
+        return keras.ops.mod(self._optimizer._iterations, self.backward_passes_per_step)
+
+
 class _DistributedOptimizerMixin:
     """Placed in front of a Keras optimizer class; the settings are class attributes of the subclass."""
 
@@ -41,25 +63,135 @@ class _DistributedOptimizerMixin:
     _hvd_average_aggregated: bool = False  # backward_passes_per_step > 1: average the passes (True) or sum them
     _hvd_scale_local: bool = True  # divide the gradients of local variables by size (Horovod's default)
 
+    @property
+    def iterations(self) -> Any:
+        """Backward passes applied (Horovod's): with ``backward_passes_per_step=k`` it grows by one per pass, not
+        per update (Keras's own ``iterations`` would be ``passes // k``; the learning rate schedule sees passes
+        either way)."""
+        return self._iterations
+
+    @property
+    def _agg_helper(self) -> _AggregationHelper | None:
+        """Horovod's local gradient aggregation state: ``None`` unless ``backward_passes_per_step > 1``."""
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        return _AggregationHelper(self, int(steps), self._hvd_average_aggregated) if steps else None
+
     def register_local_var(self, var: Any) -> None:
         """Keep ``var`` local to each rank (Horovod's): its gradient is not reduced, only divided by ``size``
         when ``scale_local_gradients`` (the default)."""
         local = self.__dict__.setdefault("_hvd_local_ids", {})
         local[id(var)] = var  # the variable itself is kept, so its id stays unique
 
+    def compute_gradients(self, loss: Any, var_list: Any, tape: Any = None) -> list[tuple[Any, Any]]:
+        """Horovod's public name of :meth:`_compute_gradients`."""
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss: Any, var_list: Any, grad_loss: Any = None,
+                           tape: Any = None) -> list[tuple[Any, Any]]:
+        """Horovod's contract (TensorFlow backend): the gradients of ``loss`` (a tensor recorded on ``tape``, or a
+        callable evaluated on a new tape) with respect to ``var_list``, reduced over the ranks, as
+        ``[(gradient, variable), ...]``; the following ``apply_gradients`` does not reduce them again.
+
+        With ``backward_passes_per_step=k`` the passes are summed locally; on the k-th pass the sum is reduced
+        (and divided by k when ``average_aggregated_gradients``) and the next ``apply_gradients`` updates the
+        variables; on the other passes the local sum so far comes back and ``apply_gradients`` only counts the
+        pass (``iterations``).
+        """
+        if keras.backend.backend() != "tensorflow":
+            raise NotImplementedError(
+                f"DistributedOptimizer._compute_gradients needs the Keras TensorFlow backend (a tf.GradientTape); "
+                f"this process runs Keras on {keras.backend.backend()!r}: compute the gradients with your backend "
+                f"and call apply_gradients (it reduces them)")
+        import tensorflow as tf
+
+        var_list = list(var_list() if callable(var_list) else var_list)
+        if callable(loss):
+            tape = tape if tape is not None else tf.GradientTape()
+            with tape:
+                tape.watch(var_list)
+                loss = loss()
+        elif tape is None:
+            raise ValueError("DistributedOptimizer._compute_gradients: a loss tensor needs the tape that recorded it "
+                             "(tape=...); or pass the loss as a callable")
+        grads = [None if g is None else tf.convert_to_tensor(g)  # IndexedSlices -> dense (sparse_as_dense)
+                 for g in tape.gradient(loss, var_list, output_gradients=grad_loss)]
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        if not steps:
+            reduced = self._hvd_allreduce_gradients(grads, var_list, pass_factor=1.0)
+        else:
+            reduced = self._hvd_aggregate_passes(grads, var_list, int(steps))
+        self.__dict__["_hvd_pending_reduced"] = True
+        return list(zip(reduced, var_list, strict=True))
+
+    def _hvd_aggregate_passes(self, grads: list[Any], var_list: list[Any], steps: int) -> list[Any]:
+        """Add ``grads`` to the optimizer's gradient accumulators; on the last pass of ``steps`` reduce the sum and
+        zero the accumulators (the pass count is ``_iterations``, which ``apply_gradients`` advances)."""
+        import tensorflow as tf
+
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(var_list)
+            self.built = True
+        present = [i for i, g in enumerate(grads) if g is not None]
+        accs = [self._accumulated_gradients[self._get_variable_index(var_list[i])] for i in present]
+        sums = [acc + tf.cast(grads[i], acc.dtype) for i, acc in zip(present, accs, strict=True)]
+        factor = 1.0 / steps if self._hvd_average_aggregated else 1.0
+
+        def reduce_and_clear() -> list[Any]:
+            full: list[Any] = [None] * len(grads)
+            for i, s in zip(present, sums, strict=True):
+                full[i] = s
+            out = self._hvd_allreduce_gradients(full, var_list, pass_factor=factor)
+            with tf.control_dependencies([o for o in out if o is not None]):
+                clear = [acc.assign(tf.zeros_like(acc)) for acc in accs]
+            with tf.control_dependencies(clear):
+                return [tf.identity(out[i]) for i in present]
+
+        def keep() -> list[Any]:
+            with tf.control_dependencies([acc.assign(s) for acc, s in zip(accs, sums, strict=True)]):
+                return [tf.identity(s) for s in sums]
+
+        last = tf.equal((self._iterations + 1) % steps, 0)
+        result = tf.cond(last, reduce_and_clear, keep) if present else []
+        out: list[Any] = [None] * len(grads)
+        for i, r in zip(present, result, strict=True):
+            out[i] = r
+        return out
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        self.__dict__["_hvd_prereduced"] = self.__dict__.pop("_hvd_pending_reduced", False)
+        try:
+            return super().apply(grads, trainable_variables)  # type: ignore[misc]
+        finally:
+            self.__dict__["_hvd_prereduced"] = False
+
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         self.__dict__["_hvd_apply_vars"] = list(trainable_variables)  # the variables of _clip_gradients' grads
-        return super()._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+        base = super()
+        steps = getattr(self, "gradient_accumulation_steps", None)
+        if not (self.__dict__.get("_hvd_prereduced") and steps):
+            return base._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+
+        def update() -> None:  # the last pass: the summed, reduced gradients, without Keras's accumulation
+            self.gradient_accumulation_steps = None
+            try:
+                base._backend_apply_gradients(grads, trainable_variables)  # type: ignore[misc]
+            finally:
+                self.gradient_accumulation_steps = steps
+
+        keras.ops.cond((self._iterations + 1) % steps == 0, update, lambda: None)
+        return None
 
     def _clip_gradients(self, grads: Any) -> Any:
-        grads = self._hvd_allreduce_gradients(list(grads))
+        if not self.__dict__.get("_hvd_prereduced"):
+            grads = self._hvd_allreduce_gradients(list(grads), self.__dict__.get("_hvd_apply_vars") or [],
+                                                  pass_factor=self._hvd_pass_factor())
         return super()._clip_gradients(grads)  # type: ignore[misc]
 
-    def _hvd_local_indices(self, count: int) -> set[int]:
+    def _hvd_local_indices(self, variables: list[Any], count: int) -> set[int]:
         local = self.__dict__.get("_hvd_local_ids")
         if not local:
             return set()
-        variables = self.__dict__.get("_hvd_apply_vars") or []
         if len(variables) != count:
             raise RuntimeError(f"DistributedOptimizer with local variables: {count} gradients but "
                                f"{len(variables)} variables to apply them to")
@@ -70,19 +202,20 @@ class _DistributedOptimizerMixin:
         steps = getattr(self, "gradient_accumulation_steps", None) or 1
         return 1.0 if self._hvd_average_aggregated else float(steps)
 
-    def _hvd_allreduce_gradients(self, grads: list[Any]) -> list[Any]:
+    def _hvd_allreduce_gradients(self, grads: list[Any], variables: list[Any], pass_factor: float) -> list[Any]:
+        """Reduce ``grads`` (of ``variables``) over the process set, all times ``pass_factor``; the gradients of
+        local variables are not reduced, only scaled (by ``pass_factor / size`` with ``scale_local_gradients``)."""
         process_set = self.__dict__.get("_hvd_process_set") or common.global_process_set
         if process_set.process_set_id == 0:
             size = common.core().size()
         else:  # a rank outside the set applies its own gradients, as in Horovod
             size = process_set.size() if process_set.included() else 1
-        local = self._hvd_local_indices(len(grads))
+        local = self._hvd_local_indices(variables, len(grads))
         if local:
-            factor = self._hvd_pass_factor() / (size if self._hvd_scale_local else 1)
+            factor = pass_factor / (size if self._hvd_scale_local else 1)
             grads = [g * factor if i in local and g is not None and factor != 1.0 else g for i, g in enumerate(grads)]
         if size == 1:
-            factor = self._hvd_pass_factor()
-            return [g * factor if i not in local and g is not None and factor != 1.0 else g
+            return [g * pass_factor if i not in local and g is not None and pass_factor != 1.0 else g
                     for i, g in enumerate(grads)]
         present = [i for i, g in enumerate(grads) if g is not None and i not in local]
         if keras.backend.backend() == "tensorflow":
@@ -100,7 +233,7 @@ class _DistributedOptimizerMixin:
         reduced = mpi_ops.grouped_allreduce(
             dense, name=f"{self.name}.grads", compression=self._hvd_compression or Compression.none,
             op=self._hvd_op, prescale_factor=self._hvd_prescale,
-            postscale_factor=self._hvd_postscale * self._hvd_pass_factor(), process_set=process_set)
+            postscale_factor=self._hvd_postscale * pass_factor, process_set=process_set)
         out = list(grads)
         for i, r in zip(present, reduced, strict=True):
             out[i] = r
@@ -110,13 +243,17 @@ class _DistributedOptimizerMixin:
 class _DistributedLossScaleMixin(_DistributedOptimizerMixin):
     """Placed in front of ``keras.optimizers.LossScaleOptimizer`` (see the module docstring)."""
 
+    iterations = keras.optimizers.LossScaleOptimizer.iterations  # the inner optimizer's (no accumulation here)
+
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if trainable_variables is not None:
             self.__dict__["_hvd_apply_vars"] = list(trainable_variables)
         elif self.built:
             self.__dict__["_hvd_apply_vars"] = list(self._trainable_variables)
-        grads = self._hvd_allreduce_gradients(list(grads))  # scaled; before the finiteness check
-        return super().apply(grads, trainable_variables)  # type: ignore[misc]
+        if not self.__dict__.get("_hvd_pending_reduced"):  # else _compute_gradients reduced them
+            grads = self._hvd_allreduce_gradients(list(grads), self.__dict__.get("_hvd_apply_vars") or [],
+                                                  pass_factor=1.0)  # scaled; before the finiteness check
+        return super().apply(grads, trainable_variables)
 
     def _clip_gradients(self, grads: Any) -> Any:
         return keras.optimizers.Optimizer._clip_gradients(self, grads)  # reduced once, in apply
@@ -185,7 +322,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         gradient_predivide_factor: divide before the sum and multiply after (Average only).
         op: ``Average`` (default) or ``Sum``.
         backward_passes_per_step: accumulate this many batches' gradients locally (Keras's
-            ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts updates.
+            ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts passes
+            (Horovod's).
         average_aggregated_gradients: with ``backward_passes_per_step > 1``, whether the update uses the average
             of the accumulated passes (``True``) or their sum (``False``, Horovod's default).
         num_groups, groups: how Horovod splits the gradients into grouped allreduces. Here every step's gradients

@@ -31,6 +31,10 @@ CHECKS = [
     "partial_distributed_optimizer",
     "save_and_load_model",
     "join_uneven_batches",
+    "compute_gradients_reduced_once",
+    "compute_gradients_backward_passes_3_average_False",
+    "compute_gradients_backward_passes_3_average_True",
+    "elastic_keras_state_sync_snapshots",
 ]
 
 # at size 1 (no launcher): the size-1 paths, not every feature again

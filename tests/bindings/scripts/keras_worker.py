@@ -225,7 +225,8 @@ def _bpps() -> None:
     ref2 = make_model(0)
     fit(ref2, keras.optimizers.SGD(0.2, momentum=0.9), x, y, 2 * B)
     assert_same_weights(summed, ref2)
-    assert int(opt.iterations) == steps, f"iterations counts updates: {int(opt.iterations)} != {steps}"
+    assert int(opt.iterations) == 2 * steps, f"iterations counts passes: {int(opt.iterations)} != {2 * steps}"
+    assert int(opt._agg_helper.counter) == 0, "every pass of the epoch was reduced and applied"
 
 
 @check("horovod_optimizer_arguments")
@@ -397,6 +398,11 @@ def _join() -> None:
     assert 0 <= last < N, f"join returned {last}"
     hvd.barrier()
 
+
+if not ONLY_QUICK:
+    import keras_horovod_checks  # noqa: E402 - the scripts' directory is on sys.path
+
+    keras_horovod_checks.register(check, R, N)
 
 with open(os.path.join(OUT_DIR, f"keras-rank{R}.json"), "w") as f:
     json.dump({"rank": R, "size": N, "results": RESULTS}, f)
