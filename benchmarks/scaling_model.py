@@ -6,11 +6,11 @@ then allgather). With a per-message latency ``alpha`` and a per-byte cost ``beta
     T_allreduce(N) = 2(N-1) * alpha  +  2(N-1)/N * G * beta
 
 ``alpha`` and ``beta`` of the implementation come from a least-squares fit (relative error) of measured N=2 times
-(``--points``; the default is the quiet ``ring-tcp`` row of benchmarks/RESULTS.md, over loopback on this project's
-2-core machine). On a real network a message also pays the wire's latency (``--wire-latency-us``), and a byte costs
-``max(1 / bandwidth, beta)``: the ring is pipelined (sub-chunks), so the host's work per byte (copy, MAC, reduce)
-and the wire overlap, and the slower of the two sets the pace. The ring's theoretical bound is the same formula
-with no latency and the wire alone: ``2(N-1)/N * G / bandwidth``.
+(``--points``; the default is the quiet ``api-tcp`` row of benchmarks/RESULTS.md, session 4, over loopback on this
+project's 2-core machine). On a real network a message also pays the wire's latency (``--wire-latency-us``), and a
+byte costs ``max(1 / bandwidth, beta)``: the ring is pipelined (sub-chunks), so the host's work per byte (copy,
+MAC, reduce) and the wire overlap, and the slower of the two sets the pace. The ring's theoretical bound is the same
+formula with no latency and the wire alone: ``2(N-1)/N * G / bandwidth``.
 
 A training step is ``step_s`` of computation (forward + backward, one third + two thirds) plus the exposed part of
 the communication, which runs in ``rounds`` negotiation rounds per step (each round: one small negotiation
@@ -35,8 +35,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Quiet ``ring-tcp`` N=2 figures (bytes, seconds per allreduce) of benchmarks/RESULTS.md, session 2.
-DEFAULT_POINTS = ((4096, 0.294e-3), (1 << 20, 3.155e-3), (16 << 20, 40.886e-3), (64 << 20, 149.190e-3))
+#: Quiet ``api-tcp`` N=2 figures (bytes, seconds per allreduce: ``spark_hvd.torch.allreduce_`` over the TCP ring, what
+#: a user pays) of benchmarks/RESULTS.md, session 4.
+DEFAULT_POINTS = ((4096, 0.198e-3), (1 << 20, 1.598e-3), (16 << 20, 16.669e-3), (64 << 20, 68.315e-3))
 HOSTS = (2, 4, 8, 16, 32, 64, 128)
 #: Link speeds in bytes/s, at 94% of the line rate (TCP/IP goodput on Ethernet with a 1500-byte MTU).
 NETWORKS = {"10GbE": 0.94 * 10e9 / 8, "25GbE": 0.94 * 25e9 / 8, "100GbE": 0.94 * 100e9 / 8}
