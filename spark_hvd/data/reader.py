@@ -15,6 +15,9 @@ group). So every row is read at least once per epoch and no rank waits for anoth
 Memory pool. pyarrow 26's default allocator (mimalloc) decoded list columns markedly slower than jemalloc on our
 machines (see DESIGN.md and benchmarks/reader.py); the reader uses ``pa.jemalloc_memory_pool()`` where pyarrow
 has it, unless ``memory_pool`` says otherwise.
+
+Over 400 lines on purpose: shard assignment, the epoch semantics above, shuffling and the read-ahead thread are one
+contract that every rank must apply identically.
 """
 
 from __future__ import annotations

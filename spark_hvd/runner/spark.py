@@ -19,6 +19,9 @@ assigned to each task through ``BarrierTaskContext.allGather`` (HMAC-signed with
 host share a GPU; the task writes its ``JobEnv`` (``SPARK_HVD_*``) into the environment, initialises
 ``spark_hvd.core`` over the same allGather rendezvous (a user's own ``hvd.init()`` is then a no-op), forwards
 its stdout/stderr to the driver and runs ``fn``. Everything is undone afterwards, since Spark reuses Python workers.
+
+Over 400 lines on purpose: the driver half and the task half of one launch protocol (the allGather rendezvous,
+the result rows, the cancellation) are kept side by side.
 """
 
 from __future__ import annotations
