@@ -23,7 +23,6 @@ Spark Connect only a ``local[N]`` master tells its total, so there the job never
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -163,14 +162,7 @@ def _recoverable(exc: RankFailedError) -> bool:
 
 
 def _timeout(value: float | None) -> float:
-    if value is not None:
-        seconds = float(value)
-    else:
-        raw = os.environ.get(ELASTIC_TIMEOUT_ENV) or "600"
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise RunnerError(f"{ELASTIC_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    seconds = float(value) if value is not None else _spark.env_seconds((ELASTIC_TIMEOUT_ENV,), 600.0)
     if seconds <= 0:
         raise RunnerError(f"elastic_timeout must be a positive number of seconds, got {seconds:g}")
     return seconds

@@ -61,8 +61,10 @@ from spark_hvd.runner.service import DriverService, Event, OutputForwarder, Serv
 logger = logging.getLogger(__name__)
 
 #: Seconds run() waits for executors to register when the cluster has fewer slots than asked (a fresh
-#: local-cluster / standalone application); free slots short because of other running jobs fail at once.
+#: local-cluster / standalone application); free slots short because of other running jobs fail after a short grace.
 SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
+#: Seconds ``check_slots`` gives slots that exist but are busy before it fails.
+BUSY_SLOT_GRACE_S = 3.0
 #: Spark Connect (slots unknown): seconds for the first rank to connect before the stage is given up as one that
 #: cannot get its slots (Spark would otherwise retry the barrier stage's slot check for up to 10 minutes).
 CONNECT_START_WAIT_S = float(os.environ.get("SPARK_HVD_CONNECT_START_WAIT", "60"))
@@ -273,16 +275,22 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
 
     ``sc`` is a classic ``SparkContext``. While the cluster's total is below ``num_proc`` (executors still
-    registering), waits up to ``wait_s`` (not in local mode, whose slots never change). Returns the number of free
-    slots.
+    registering), waits up to ``wait_s`` (not in local mode, whose slots never change). Slots that exist but are
+    busy get ``BUSY_SLOT_GRACE_S`` (the tasks of a stage just cancelled, a previous run's, take a moment to go),
+    then the error; a ``wait_s`` longer than ``SLOT_WAIT_S`` (``run_elastic`` waiting for slots) waits for them
+    that long. Returns the number of free slots.
     """
     if _is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
         wait_s = 0.0
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
     free, total = _slots(sc)
-    while free < num_proc and time.monotonic() < deadline:
+    while free < num_proc:
+        waited = time.monotonic() - start
         if total >= num_proc and wait_s <= SLOT_WAIT_S:
-            break  # the slots exist but are busy with other work: fail now rather than wait
+            if waited >= BUSY_SLOT_GRACE_S:
+                break  # the slots exist but stay busy with other work: fail rather than wait
+        elif waited >= wait_s:
+            break
         threading.Event().wait(0.25)
         free, total = _slots(sc)
     if free < num_proc:
@@ -317,11 +325,10 @@ def resolve_num_proc(spark: Any, num_proc: Any = None) -> int:
     return num_proc
 
 
-def _start_timeout(value: float | None) -> float:
-    """``start_timeout`` as given, else ``SPARK_HVD_START_TIMEOUT`` / ``HOROVOD_SPARK_START_TIMEOUT``, else 600."""
-    if value is not None:
-        return float(value)
-    for name in ("SPARK_HVD_START_TIMEOUT", START_TIMEOUT_ENV):
+def env_seconds(names: Sequence[str], default: float) -> float:
+    """The first of the environment variables ``names`` that is set, as a positive number of seconds; else
+    ``default``. A value that is not one raises ``RunnerError`` naming the variable."""
+    for name in names:
         raw = os.environ.get(name)
         if raw:
             try:
@@ -331,7 +338,14 @@ def _start_timeout(value: float | None) -> float:
             if seconds <= 0:
                 raise RunnerError(f"{name}={raw!r} must be a positive number of seconds")
             return seconds
-    return 600.0
+    return default
+
+
+def _start_timeout(value: float | None) -> float:
+    """``start_timeout`` as given, else ``SPARK_HVD_START_TIMEOUT`` / ``HOROVOD_SPARK_START_TIMEOUT``, else 600."""
+    if value is not None:
+        return float(value)
+    return env_seconds(("SPARK_HVD_START_TIMEOUT", START_TIMEOUT_ENV), 600.0)
 
 
 def checked_env(env: dict[str, str] | None) -> dict[str, str]:
