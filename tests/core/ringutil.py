@@ -157,3 +157,14 @@ def backend_from_env(backend_kwargs: dict[str, Any] | None = None, **settings: A
 def shm_leftovers(job_id: str) -> list[str]:
     """Shared-memory segments of ``job_id`` still present in /dev/shm (should be none)."""
     return glob.glob(f"/dev/shm/spark_hvd-{job_id}-*")
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """``predicate()`` became true within ``timeout_s`` (e.g. a listener counting a refused connection on its own
+    thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

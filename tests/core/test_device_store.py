@@ -9,12 +9,11 @@ with ``torch.distributed.TCPStore`` made to raise. The device path and ``SPARK_H
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import numpy as np
 import pytest
-from ringutil import run_ranks
+from ringutil import run_ranks, wait_until
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
@@ -32,16 +31,6 @@ def kv():
     host, port = server.start()
     yield server, f"{host}:{port}", secret
     server.stop()
-
-
-def _eventually(check, timeout_s: float = 10.0) -> bool:
-    """``check()`` became true within ``timeout_s`` (a listener counts a refused connection on its own thread)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _open_pair(name: str = "g", timeout_s: float = 10.0, **where):
@@ -115,7 +104,7 @@ def test_a_client_without_the_secret_can_neither_read_nor_write(kv):
     for attempt in (lambda: KVClient(address, stranger, timeout_s=5), lambda: _launched(address, stranger)):
         with pytest.raises((AuthenticationError, PeerFailureError)):
             attempt()
-    assert honest.get("k") == b"secret value" and _eventually(lambda: server.rejected >= 2)
+    assert honest.get("k") == b"secret value" and wait_until(lambda: server.rejected >= 2)
     honest.close()
 
 
@@ -131,7 +120,7 @@ def test_driver_service_serves_the_store_to_its_job_only():
         assert stores[1].get("k") == b"v" and stores[1].add("n", 2) == 2
         with pytest.raises((AuthenticationError, PeerFailureError)):
             KVClient(f"{host}:{port}", make_secret(), timeout_s=5, hello=("hello", "jd", 0, "kv"))
-        assert _eventually(lambda: service.rejected >= 1)
+        assert wait_until(lambda: service.rejected >= 1)
         assert not service.failures and not service.started  # no rank was counted, none lost
         for store in stores:
             store.close()

@@ -6,10 +6,10 @@ import pickle
 import socket
 import struct
 import threading
-import time
 
 import numpy as np
 import pytest
+from ringutil import wait_until
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
@@ -109,7 +109,7 @@ def test_forged_client_is_dropped_never_unpickled(server):
     sock.sendall(struct.pack("!Q", 1 << 40) + b"\0" * 64)
     assert _closed_by_server(sock)
     sock.close()
-    assert unpickled == [] and _wait_for(lambda: srv.rejected == 2)
+    assert unpickled == [] and wait_until(lambda: srv.rejected == 2)
     # the service still serves honest clients
     client = KVClient(address, secret)
     client.set("ok", pickle.dumps(1))
@@ -127,15 +127,6 @@ def _closed_by_server(sock: socket.socket) -> bool:
         pass
     except TimeoutError:
         return False
-    return True
-
-
-def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
     return True
 
 
@@ -185,7 +176,7 @@ def test_replayed_connection_does_not_revert_a_value(server):
     sock.sendall(bytes(recorded))
     assert _closed_by_server(sock)
     sock.close()
-    assert _wait_for(lambda: srv.rejected == 1)
+    assert wait_until(lambda: srv.rejected == 1)
     assert honest.get("k", 5) == b"new"
     honest.close()
 
