@@ -1,14 +1,20 @@
 """The light layers stay light: ``import spark_hvd`` and the store/data layers pull in no torch, tensorflow, keras
 or pyspark at module level (DESIGN.md: heavy frameworks are imported where they are used)."""
 
+import pkgutil
 import subprocess
 import sys
 
 import pytest
 
+import spark_hvd.core
+
+#: every module of the core layer, the torch.distributed ones included (they import torch only when used)
+CORE_MODULES = ", ".join(f"spark_hvd.core.{m.name}" for m in pkgutil.iter_modules(spark_hvd.core.__path__))
+
 
 @pytest.mark.parametrize("modules", [
-    "spark_hvd, spark_hvd.core",
+    "spark_hvd, spark_hvd.core, " + CORE_MODULES,
     "spark_hvd.store, spark_hvd.data, spark_hvd.data.reader, spark_hvd.data.prepare",
 ], ids=["spark_hvd", "store-and-data"])
 def test_import_pulls_in_no_framework(modules):

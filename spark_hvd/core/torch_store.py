@@ -21,28 +21,47 @@ rendezvous or backend, so every rank of a group uses the same keys and two group
 
 torch (2.13) forwards ``set``, ``get``, ``add``, ``compare_set``, ``wait`` and ``check`` from its own stores
 (``PrefixStore``) to a Python store; ``delete_key`` and ``num_keys`` are here for direct callers. The timeout is
-the ``Store`` base's (``timeout`` / ``set_timeout``). This module imports torch: import it only where torch is used.
+the ``Store`` base's (``timeout`` / ``set_timeout``). torch is imported on first use, as everywhere in ``core``:
+the methods live in ``_KVStoreOps`` and ``kv_store_class()`` joins them with ``torch.distributed.Store``
+(``KVTorchStore``, the module's attribute, is that class).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-
 from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.rendezvous import KVClient, KVStoreServer
 from spark_hvd.core.ring import IFACE_ENV
 from spark_hvd.core.wire import make_secret
 
-_TimeoutError = getattr(dist, "DistStoreError", RuntimeError)
+
+def _timeout_error(message: str) -> Exception:
+    import torch.distributed as dist
+
+    return getattr(dist, "DistStoreError", RuntimeError)(message)
 
 
-class KVTorchStore(dist.Store):
+@functools.cache
+def kv_store_class() -> type:
+    """``KVTorchStore``: ``_KVStoreOps`` on ``torch.distributed.Store`` (torch is imported here, on first use)."""
+    import torch.distributed as dist
+
+    return type("KVTorchStore", (_KVStoreOps, dist.Store), {"__module__": __name__, "__doc__": _KVStoreOps.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVTorchStore":
+        return kv_store_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _KVStoreOps:
     """A ``torch.distributed.Store`` whose keys live in a spark_hvd KV service, under ``prefix``.
 
     Each thread that uses the store gets its own authenticated connection (torch may call from its own threads).
@@ -51,7 +70,7 @@ class KVTorchStore(dist.Store):
 
     def __init__(self, address: str, secret: bytes, prefix: str, timeout: timedelta,
                  hello: tuple[Any, ...] | None = None, server: KVStoreServer | None = None) -> None:
-        super().__init__()
+        super().__init__()  # torch.distributed.Store's (see kv_store_class)
         self.set_timeout(timeout)
         self.address, self.prefix = address, prefix
         self._secret, self._hello, self._server = secret, hello, server
@@ -76,8 +95,8 @@ class KVTorchStore(dist.Store):
         missing = self._kv().wait([self._key(k) for k in keys], seconds)
         if missing:
             names = [k[len(self.prefix):] for k in missing]
-            raise _TimeoutError(f"spark_hvd KV store at {self.address}: key(s) {names} not set within {seconds:.0f}s "
-                                "(a rank of the group did not arrive)")
+            raise _timeout_error(f"spark_hvd KV store at {self.address}: key(s) {names} not set within "
+                                 f"{seconds:.0f}s (a rank of the group did not arrive)")
 
     # -- torch.distributed.Store -------------------------------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
@@ -89,8 +108,8 @@ class KVTorchStore(dist.Store):
         seconds = self.timeout.total_seconds()
         found = self._kv().get_many([self._key(key)], seconds)
         if not found:
-            raise _TimeoutError(f"spark_hvd KV store at {self.address}: key {key!r} not set within {seconds:.0f}s "
-                                "(a rank of the group did not arrive)")
+            raise _timeout_error(f"spark_hvd KV store at {self.address}: key {key!r} not set within "
+                                 f"{seconds:.0f}s (a rank of the group did not arrive)")
         return found[self._key(key)]
 
     def add(self, key: str, amount: int) -> int:
@@ -120,9 +139,9 @@ class KVTorchStore(dist.Store):
         """How many keys this store holds."""
         return self._kv().count(self.prefix)
 
-    def clone(self) -> KVTorchStore:
+    def clone(self) -> Any:
         """The same store over new connections (it does not own the fallback server)."""
-        return KVTorchStore(self.address, self._secret, self.prefix, self.timeout, self._hello)
+        return type(self)(self.address, self._secret, self.prefix, self.timeout, self._hello)
 
     def close(self) -> None:
         """Close every connection, and the fallback server this store owns. Safe to call twice."""
@@ -138,7 +157,7 @@ class KVTorchStore(dist.Store):
 
 def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobEnv | None, secret: bytes | None,
                exchange: Callable[[bytes], Sequence[bytes]], job_id: str = "",
-               kv_address: str | None = None) -> dist.Store:
+               kv_address: str | None = None) -> Any:
     """The rendezvous store of a torch.distributed group ``name`` (see the module docstring). Collective.
 
     ``exchange``: every rank's bytes in rank order (only rank 0's are read), over the job's own authenticated
@@ -147,6 +166,8 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
     ``kv_address``: the launcher's KV service the ranks met through, if the caller knows it.
     """
     if size == 1:
+        import torch.distributed as dist
+
         store = dist.HashStore()
         store.set_timeout(timeout)
         return store
@@ -176,4 +197,4 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
     if fallback:
         address, hello = published, None
         secret = secret if secret is not None else bytes.fromhex(fresh_hex)
-    return KVTorchStore(address, secret, f"{base}/{generation_s}/", timeout, hello, server)
+    return kv_store_class()(address, secret, f"{base}/{generation_s}/", timeout, hello, server)
