@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,20 @@ if TYPE_CHECKING:  # pragma: no cover
     from spark_hvd.store import Store
 
 FORMAT_VERSION = 1
+
+
+def column_roles(feature_cols: Sequence[str], label_cols: Sequence[str],
+                 sample_weight_col: str | None) -> dict[str, str]:
+    """Each used column's role, as errors name it ("feature column", "label column", "sample weight column"),
+    in that order; a column used twice keeps its first role."""
+    roles: dict[str, str] = {}
+    for c in feature_cols:
+        roles.setdefault(c, "feature column")
+    for c in label_cols:
+        roles.setdefault(c, "label column")
+    if sample_weight_col:
+        roles.setdefault(sample_weight_col, "sample weight column")
+    return roles
 
 
 @dataclass(frozen=True)

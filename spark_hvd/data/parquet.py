@@ -27,7 +27,7 @@ from spark_hvd.data.errors import (
     TooFewRowsError,
     UnsupportedColumnTypeError,
 )
-from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo
+from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
 
 if TYPE_CHECKING:  # pragma: no cover
     from spark_hvd.store import Store
@@ -55,13 +55,7 @@ def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label
     Raises:
         spark_hvd.data.errors.DataError: a subclass naming the column, the file set and what is needed.
     """
-    roles: dict[str, str] = {}
-    for c in feature_cols:
-        roles.setdefault(c, "feature column")
-    for c in label_cols:
-        roles.setdefault(c, "label column")
-    if sample_weight_col:
-        roles.setdefault(sample_weight_col, "sample weight column")
+    roles = column_roles(feature_cols, label_cols, sample_weight_col)
     paths = {"train": store_path(store, path)}
     if validation_path:
         paths["val"] = store_path(store, validation_path)

@@ -30,7 +30,7 @@ from spark_hvd.data.errors import (
     UnsupportedColumnTypeError,
     ValidationParamError,
 )
-from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo
+from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame
@@ -231,13 +231,7 @@ def prepare_data(
     )
 
     # -- columns: exist, supported types (from the schema only: nothing runs yet)
-    roles: dict[str, str] = {}
-    for c in features:
-        roles.setdefault(c, "feature column")
-    for c in labels:
-        roles.setdefault(c, "label column")
-    if sample_weight_col:
-        roles.setdefault(sample_weight_col, "sample weight column")
+    roles = column_roles(features, labels, sample_weight_col)
     fields = {f.name: f.dataType for f in df.schema.fields}
     for name, role in roles.items():
         if name not in fields:
