@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 
 
 def make_check(results: dict[str, str], *, only: Container[str] | None = None,
@@ -26,3 +26,15 @@ def make_check(results: dict[str, str], *, only: Container[str] | None = None,
             return fn
         return deco
     return check
+
+
+def expect_errors(cases: Iterable[tuple[Callable[[], object], str]],
+                  error: type[BaseException] | tuple[type[BaseException], ...] = ValueError) -> None:
+    """Each ``(call, words)``: ``call()`` raises ``error`` with ``words`` in its message."""
+    for call, words in cases:
+        try:
+            call()
+        except error as exc:
+            assert words in str(exc), f"{words!r} not in: {exc}"
+        else:
+            raise AssertionError(f"no error ({words})")
