@@ -995,34 +995,26 @@ class Engine:
             return
         kind = meta.kind
         op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
-        dtype = np.dtype(meta.dtype) if meta.dtype else None
         self.stats[f"{kind}_collectives"] += 1
         if kind in CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
             self._cache.put(entry.name, entry.meta)
         t0 = time.perf_counter()
         try:
-            if kind == "barrier":
+            if kind == "barrier":  # the one collective here a joined rank (``request`` None) takes part in
                 self.backend.barrier()
                 result: Any = None
+            elif request is None:  # pragma: no cover - ``_mismatch`` fails these while a rank has joined
+                raise SparkHvdError(f"{kind} of '{entry.name}' reached rank {self.rank}, which has joined")
             elif kind == "broadcast":
-                buf = request.buf if request is not None else np.zeros(meta.shape, dtype)
-                self.backend.broadcast(buf, meta.root)
-                result = buf
+                self.backend.broadcast(request.buf, meta.root)
+                result = request.buf
             elif kind == "allgather":
-                buf = request.buf if request is not None else np.zeros((0, *meta.shape[1:]), dtype)
-                result = self.backend.allgather(buf)
+                result = self.backend.allgather(request.buf)
             elif kind == "alltoall":
-                if request is not None:
-                    buf, splits = request.buf, request.splits
-                else:
-                    buf, splits = np.zeros((0, *meta.shape[1:]), dtype), [0] * self.size
-                out, recv_splits = self.backend.alltoall(buf, splits)
+                out, recv_splits = self.backend.alltoall(request.buf, request.splits)
                 result = (out, list(recv_splits))
             elif kind == "reducescatter":
-                if request is not None:
-                    buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
-                else:
-                    buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
+                buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
                 scale_inplace(buf, meta.prescale, meta.bfloat16)
                 result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
                 scale_inplace(result, meta.postscale, meta.bfloat16)
@@ -1162,13 +1154,9 @@ class Engine:
         self.stats["device_collectives"] += 1
         if kind in CACHEABLE:
             self._cache.put(entry.name, entry.meta)
-        dtype = np.dtype(meta.dtype)
-        ragged = kind in RAGGED
-        if request is not None:
-            buf = request.buf
-        else:  # a joined rank: no rows to move, the identity to reduce
-            shape = (0, *meta.shape[1:]) if ragged else meta.shape
-            buf = group.placeholder(shape, dtype, meta.bfloat16, meta.op if kind == "reducescatter" else "sum")
+        if request is None:  # pragma: no cover - ``_mismatch`` fails these while a rank has joined
+            raise SparkHvdError(f"{kind} of '{entry.name}' reached rank {self.rank}, which has joined")
+        buf = request.buf
         t0 = time.perf_counter()
         try:
             if kind == "broadcast":
@@ -1177,8 +1165,7 @@ class Engine:
             elif kind == "allgather":
                 result = group.allgather(buf)
             elif kind == "alltoall":
-                splits = request.splits if request is not None else [0] * self.size
-                out, recv = group.alltoall(buf, splits)
+                out, recv = group.alltoall(buf, request.splits)
                 result = (out, list(recv))
             elif kind == "reducescatter":
                 result = group.reducescatter(buf, ReduceOp(meta.op), meta.prescale, meta.postscale)
@@ -1189,10 +1176,9 @@ class Engine:
         except Exception as exc:
             raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on rank {self.rank}: {exc!r}; the "
                                 "ranks can no longer be kept in step, so spark_hvd stopped") from exc
-        if self.timeline is not None and request is not None:
+        if self.timeline is not None:
             self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
-        if request is not None:
-            request.handle._set_result(result)
+        request.handle._set_result(result)
 
     def _close_device_groups(self) -> None:
         groups, self._device_groups = list(self._device_groups.values()), {}
