@@ -197,12 +197,12 @@ class BaseEstimator(Estimator, PersistableStage):
                                 get(self.sample_weight_col), validation_path, plan["num_proc"])
         return self._train(df, plan, data)
 
-    def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:
-        """The training stage on the dataset ``data`` (prepared, or described in place), then the fitted model."""
+    def _spec(self, store: Any, run_id: str, data: Any, model_bytes: bytes) -> TrainSpec:
+        """What every rank's ``train_on_rank`` receives: this estimator's settings for the run ``run_id`` on the
+        dataset ``data`` (prepared, or described in place) in ``store``."""
         get = self.getOrDefault
-        store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
-        spec = self._spec_class(
-            store=store, run_id=run_id, dataset=data, model_bytes=plan["model_bytes"],
+        return self._spec_class(
+            store=store, run_id=run_id, dataset=data, model_bytes=model_bytes,
             feature_cols=tuple(get(self.feature_cols)), label_cols=tuple(get(self.label_cols)),
             sample_weight_col=get(self.sample_weight_col), batch_size=get(self.batch_size),
             val_batch_size=get(self.val_batch_size) or get(self.batch_size), epochs=get(self.epochs),
@@ -215,6 +215,12 @@ class BaseEstimator(Estimator, PersistableStage):
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
             scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), **self._train_spec(),
         )
+
+    def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:
+        """The training stage on the dataset ``data`` (prepared, or described in place), then the fitted model."""
+        get = self.getOrDefault
+        store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
+        spec = self._spec(store, run_id, data, plan["model_bytes"])
         from spark_hvd.runner.spark import run
 
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)

@@ -57,3 +57,13 @@ def test_cuda_collectives_two_ranks(device_backend):
             assert "'mixed' is on cuda on ranks [0]; on host memory on ranks [1]" in report["mixed"]
         else:
             assert report["device_collectives"] == 0
+
+
+@needs_cuda
+def test_cuda_collectives_two_ranks_sharing_one_gpu_through_host():
+    """Two ranks on GPU 0 (NCCL refuses two ranks on one GPU): CUDA tensors staged through host memory and the
+    ring, every collective against numpy, and a tensor on the GPU on one rank and in host memory on the other
+    named as a mismatch."""
+    env = {"SPARK_HVD_GPU": "0", "SPARK_HVD_DEVICE_BACKEND": "none", "SPARK_HVD_TIMEOUT": "60"}
+    for report in run_ranks(_job, 2, env=env, args=(False,), timeout=300):
+        assert report["checked"] == 14 and report["device_collectives"] == 0
