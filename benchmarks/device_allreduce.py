@@ -25,17 +25,42 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _worker(iters: int, scale: float, cpu: bool) -> None:
+def _peer_step(grads: list, threshold: int) -> Any:
+    """The peer's step: what a fusion buffer does, by hand on ``torch.distributed`` (NCCL, or gloo on the CPU):
+    the tensors packed into buckets of at most ``threshold`` bytes, one ``all_reduce`` each, copied back."""
+    import torch
+    import torch.distributed as dist
+
+    def step() -> None:
+        bucket: list = []
+        size = 0
+        for g in [*grads, None]:
+            if g is None or (bucket and size + g.numel() * g.element_size() > threshold):
+                flat = torch.cat([t.view(-1) for t in bucket])
+                dist.all_reduce(flat)
+                for t, piece in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                    t.copy_(piece.view_as(t))
+                bucket, size = [], 0
+            if g is not None:
+                bucket.append(g)
+                size += g.numel() * g.element_size()
+
+    return step
+
+
+def _worker(iters: int, scale: float, cpu: bool, peer: bool) -> None:
     import torch
     from engine_fusion import resnet50_shapes
 
     import spark_hvd.torch as hvd
+    from spark_hvd.core.settings import Settings
 
     hvd.init()
     on_gpu = torch.cuda.is_available() and not cpu
@@ -44,13 +69,22 @@ def _worker(iters: int, scale: float, cpu: bool) -> None:
     if scale != 1.0:
         shapes = [(max(1, int(s[0] * scale)), *s[1:]) for s in shapes]
     grads = [torch.randn(s, device=device) for s in shapes]
+    step = lambda: hvd.grouped_allreduce_(grads, name="grads")  # noqa: E731
+    if peer:  # torch.distributed itself, meeting through a TCPStore (a benchmark on one host)
+        import torch.distributed as dist
+
+        port = hvd.broadcast_object(_free_port() if hvd.rank() == 0 else None, root_rank=0)
+        store = dist.TCPStore("127.0.0.1", port, hvd.size(), hvd.rank() == 0)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=hvd.rank(),
+                                world_size=hvd.size())
+        step = _peer_step(grads, Settings.from_env().fusion_threshold)
     times = []
     for i in range(iters + 2):
         hvd.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        hvd.grouped_allreduce_(grads, name="grads")
+        step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= 2:
@@ -59,7 +93,17 @@ def _worker(iters: int, scale: float, cpu: bool) -> None:
         values = sum(int(np.prod(s)) for s in shapes)
         print("RESULT " + json.dumps({"median_s": statistics.median(times), "values": values,
                                       "device": device.type}), flush=True)
+    if peer:
+        dist.destroy_process_group()
     hvd.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def main() -> None:
@@ -70,9 +114,10 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of each tensor's first dimension")
     parser.add_argument("--cpu", action="store_true", help="CPU tensors and the gloo stand-in even with CUDA")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.iters, args.scale, args.cpu)
+        _worker(args.iters, args.scale, args.cpu, args.peer)
         return
     import torch
 
@@ -82,13 +127,14 @@ def main() -> None:
     if cuda and torch.cuda.device_count() < args.np:
         raise SystemExit(f"--np {args.np} needs {args.np} GPUs, one per rank (NCCL refuses two ranks on one GPU); "
                          f"{torch.cuda.device_count()} visible: use --np {torch.cuda.device_count()} or --cpu")
-    modes = {"device": "nccl" if cuda else "gloo", "host": "none"}
+    modes = {"device": "nccl" if cuda else "gloo", "host": "none", "peer": "none"}
     results: dict[str, list[float]] = {m: [] for m in modes}
     values, kind = 0, ""
     for _ in range(args.rounds):
         for mode, setting in modes.items():
             argv = [sys.executable, os.path.abspath(__file__), "--worker", "--iters", str(args.iters),
-                    "--scale", str(args.scale), *(["--cpu"] if args.cpu else [])]
+                    "--scale", str(args.scale), *(["--cpu"] if args.cpu else []),
+                    *(["--peer"] if mode == "peer" else [])]
             out = run_local(argv, args.np, env={"SPARK_HVD_DEVICE_BACKEND": setting, "OMP_NUM_THREADS": "1"},
                             timeout=900, capture=True)
             if out.returncode != 0:
@@ -98,13 +144,17 @@ def main() -> None:
             results[mode].append(report["median_s"])
             values, kind = report["values"], report["device"]
     device_s, host_s = statistics.median(results["device"]), statistics.median(results["host"])
+    peer_s = statistics.median(results["peer"])
     print(f"np={args.np} tensors=161 values={values} ({values * 4 / 2**20:.1f} MiB float32) on {kind}")
     print(f"device path ({modes['device']}): {device_s * 1000:.1f} ms/step   runs {results['device']}")
     print(f"through host (ring):  {host_s * 1000:.1f} ms/step   runs {results['host']}")
-    print(f"host / device: {host_s / device_s:.2f}")
+    print(f"peer, torch.distributed {modes['device']} in fusion-sized buckets: {peer_s * 1000:.1f} ms/step   "
+          f"runs {results['peer']}")
+    print(f"host / device: {host_s / device_s:.2f}   peer / device: {peer_s / device_s:.2f}")
     name = torch.cuda.get_device_name(0) if cuda else "CPU (gloo stand-in, not NCCL)"
     print(f"| {name} | {args.np} | {values * 4 / 2**20:.1f} MiB, 161 tensors | {modes['device']}: "
-          f"{device_s * 1000:.1f} ms | ring through host: {host_s * 1000:.1f} ms | {host_s / device_s:.2f} |")
+          f"{device_s * 1000:.1f} ms | ring through host: {host_s * 1000:.1f} ms | {host_s / device_s:.2f} | "
+          f"torch.distributed: {peer_s * 1000:.1f} ms | {peer_s / device_s:.2f} |")
 
 
 if __name__ == "__main__":

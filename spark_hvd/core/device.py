@@ -17,6 +17,7 @@ it too. That last one is the CPU stand-in for NCCL which tests the whole device 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -37,7 +38,7 @@ class DeviceBuffer:
     the tensor (a CUDA event recorded on the producing stream), or None.
     """
 
-    __slots__ = ("tensor", "device", "dtype", "shape", "bfloat16", "ready")
+    __slots__ = ("tensor", "device", "dtype", "shape", "size", "bfloat16", "ready")
 
     def __init__(self, tensor: Any, device: str, dtype: np.dtype, shape: tuple[int, ...], bfloat16: bool = False,
                  ready: Any = None) -> None:
@@ -45,13 +46,9 @@ class DeviceBuffer:
         self.device = device
         self.dtype = np.dtype(dtype)
         self.shape = tuple(int(s) for s in shape)
+        self.size = math.prod(self.shape)  # number of elements (read several times per collective: computed once)
         self.bfloat16 = bfloat16
         self.ready = ready
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def nbytes(self) -> int:

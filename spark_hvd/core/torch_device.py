@@ -70,13 +70,17 @@ class TorchDeviceGroup(DeviceGroup):
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _enter(self, bufs: Sequence[DeviceBuffer]) -> None:
-        torch = self._torch
+        if self.device != "cuda":
+            return
+        stream, waited = None, None
         for buf in bufs:
-            if buf.tensor.device != self._dev and self.device == "cuda":
+            if buf.tensor.get_device() != self._dev.index:
                 raise ValueError(f"a tensor on {buf.tensor.device} reached rank {self.rank}, whose GPU is {self._dev} "
                                  "(SPARK_HVD_GPU, else the local rank); a rank's tensors must be on its own GPU")
-            if buf.ready is not None:
-                torch.cuda.current_stream(self._dev).wait_event(buf.ready)
+            if buf.ready is not None and buf.ready is not waited:  # a grouped call's tensors share one event
+                stream = stream or self._torch.cuda.current_stream(self._dev)
+                stream.wait_event(buf.ready)
+                waited = buf.ready
 
     def _done(self) -> None:
         if self.device == "cuda":
@@ -124,12 +128,8 @@ class TorchDeviceGroup(DeviceGroup):
         self._scale(work, postscale)
         if work is not flat:
             flat.copy_(work)
-        if len(tensors) > 1:
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.view(-1).copy_(flat[offset:offset + n])
-                offset += n
+        if len(tensors) > 1:  # back into the tensors: one multi-tensor copy, not a copy launched per tensor
+            torch._foreach_copy_([t.view(-1) for t in tensors], flat.split([b.size for b in bufs]))
         self._done()
 
     def _gather_counts(self, count: int) -> list[int]:

@@ -115,18 +115,34 @@ def _device_key(tensor: torch.Tensor, process_set: ProcessSet | None = None) -> 
     return device_key(kind, common.core().settings().device_backend)
 
 
-def _device_buffer(tensor: torch.Tensor, key: str) -> DeviceBuffer:
-    """``tensor`` (contiguous) as the engine carries a device tensor, with an event marking its data ready."""
-    t = tensor.detach()
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+
+
+def _ready_event(tensor: torch.Tensor) -> Any:
+    """An event recorded now on the current stream of ``tensor``'s GPU: the engine's stream waits for it before
+    reading the tensor (everything queued so far that writes it is then done). None for a CPU tensor."""
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    if tensor.get_device() == torch.cuda.current_device():
+        event.record()  # the current stream (building the stream object costs more than the record)
+    else:
+        event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _device_buffer(tensor: torch.Tensor, key: str, ready: Any = None) -> DeviceBuffer:
+    """``tensor`` (contiguous) as the engine carries a device tensor, with ``ready`` (else a new event) marking
+    its data ready."""
+    t = tensor.detach() if tensor.requires_grad else tensor
     if t.dtype == torch.bfloat16:
         dtype, bf16 = np.dtype(np.uint16), True
     else:
-        dtype, bf16 = torch.empty(0, dtype=t.dtype).numpy().dtype, False
-    ready = None
-    if t.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(t.device))
-    return DeviceBuffer(t, key, dtype, tuple(t.shape), bf16, ready)
+        dtype = _NUMPY_DTYPES.get(t.dtype)
+        if dtype is None:
+            dtype = _NUMPY_DTYPES[t.dtype] = torch.empty(0, dtype=t.dtype).numpy().dtype
+        bf16 = False
+    return DeviceBuffer(t, key, dtype, tuple(t.shape), bf16, ready if ready is not None else _ready_event(t))
 
 
 def _is_global(process_set: ProcessSet | None) -> bool:
@@ -139,13 +155,14 @@ class _Staged:
 
     __slots__ = ("tensor", "host", "array", "bf16")
 
-    def __init__(self, tensor: torch.Tensor, need_input: bool = True, process_set: ProcessSet | None = None) -> None:
+    def __init__(self, tensor: torch.Tensor, need_input: bool = True, process_set: ProcessSet | None = None,
+                 ready: Any = None) -> None:
         self.tensor = tensor
         key = _device_key(tensor, process_set)
         if key is not None:
             src = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
             self.host = None if src is tensor else src
-            self.array: Any = _device_buffer(src, key)
+            self.array: Any = _device_buffer(src, key, ready)
             self.bf16 = self.array.bfloat16
             return
         if _direct_view_ok(tensor):
@@ -279,7 +296,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     tensors = list(tensors)
     if not tensors:
         return Handle(None, lambda _: [], name=name, done=True)
-    staged = [_Staged(t, process_set=process_set) for t in tensors]
+    ready = _ready_event(tensors[0])  # one event marks every tensor of the group ready
+    staged = [_Staged(t, process_set=process_set, ready=ready) for t in tensors]
     if len({isinstance(s.array, DeviceBuffer) for s in staged}) > 1:
         raise ValueError(f"grouped_allreduce{f' {name!r}' if name else ''} mixes CUDA and host-memory tensors in one "
                          f"group (devices: {sorted({str(t.device) for t in tensors})}); move them to one device")
