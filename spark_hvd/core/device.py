@@ -122,9 +122,17 @@ class GroupScope:
 
 
 class DeviceGroup(ABC):
-    """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only)."""
+    """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only).
+
+    ``rank`` / ``size``: this rank's place in the group and the group's size (a process set's own numbering);
+    ``scope``: whose group it is; ``closed``: whether ``close`` has run.
+    """
 
     device: str
+    rank: int
+    size: int
+    scope: GroupScope
+    closed: bool
 
     @abstractmethod
     def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float) -> None:

@@ -70,7 +70,8 @@ outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms whi
 Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
 host arrays, with their device kind in the metadata (one name on the GPU on some ranks and in host memory on others
 is a ``TensorMismatchError``); their allreduces are fused per device kind and run on a ``DeviceGroup`` (NCCL) that
-the engine opens at the first device collective, instead of on the backend.
+the engine opens at the first device collective, instead of on the backend. A process set's engine (``scope``)
+opens a group of the set's members only, and its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 

@@ -59,8 +59,7 @@ class TorchDeviceGroup(DeviceGroup):
         self._owns = False  # this group is torch.distributed's default group (destroyed with it)
         if scope.process_set:  # the set's members only, on their own namespace of the KV store
             self._store = store = _open_store(device, backend, timeout)
-            self._pg: Any = _independent_group(dist, kind, store, self.rank, self.size, timeout, self._dev,
-                                               scope.process_set)
+            self._pg: Any = _independent_group(dist, kind, store, self.rank, self.size, timeout, self._dev, scope)
         elif not dist.is_initialized():
             self._owns = True
             self._store = store = _open_store(device, backend, timeout)
@@ -253,7 +252,7 @@ class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib'
 
 
 def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, timeout: timedelta, dev: Any,
-                       process_set: int) -> Any:
+                       scope: GroupScope) -> Any:
     """A gloo / NCCL group of ``size`` ranks on ``store`` alone, as ``torch.distributed`` builds each backend of a
     group (``_new_process_group_helper``) but registered nowhere: only its members take part in setting it up."""
     if kind == "gloo":
@@ -263,8 +262,10 @@ def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, t
     opts = ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
     opts._timeout = timeout
-    if hasattr(opts, "group_name"):
-        opts.group_name = f"spark_hvd.ps{process_set}"
+    for name, value in (("group_name", f"spark_hvd.ps{scope.process_set}"),
+                        ("global_ranks_in_group", list(scope.ranks))):  # what NCCL's logs and flight recorder show
+        if hasattr(opts, name):
+            setattr(opts, name, value)
     pg = ProcessGroupNCCL(store, rank, size, opts)
     connect = getattr(pg, "eager_connect_single_device", None)
     if connect is not None:  # the communicator now, in the setup round, as init_process_group(device_id=) does

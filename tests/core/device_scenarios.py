@@ -135,10 +135,10 @@ def join_with_device_tensors(device: str, seed: int = 6) -> int:
 _DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 
 
-def _scopes(sets: list) -> list[tuple]:
-    """``(process_set, members)`` of the whole job and of each of ``sets`` this rank belongs to."""
-    everyone = (hvd.global_process_set, list(range(hvd.size())))
-    return [everyone] + [(ps, ps.ranks) for ps in sets if hvd.rank() in ps.ranks]
+def _scopes(sets: list, with_global: bool) -> list[tuple]:
+    """``(process_set, members)`` of the whole job (``with_global``) and of each of ``sets`` this rank is in."""
+    everyone = [(hvd.global_process_set, list(range(hvd.size())))] if with_global else []
+    return everyone + [(ps, ps.ranks) for ps in sets if hvd.rank() in ps.ranks]
 
 
 def _interleaved(scopes: list[tuple], device: str, seed: int) -> None:
@@ -202,12 +202,14 @@ def _device_counts(engine: core.Engine) -> dict[str, int]:
                                          *(f"{kind}_collectives" for kind in _DATA_KINDS))}
 
 
-def process_sets(device: str, seed: int = 31) -> dict:
+def process_sets(device: str, seed: int = 31, with_global: bool = True) -> dict:
     """Process sets [0, 1] and [1, 2] (at N=2: [0] and [1]) beside the whole job, every collective interleaved on
     device tensors, against numpy: each set's tensors go through a device group of its own members, opened at its
     first device collective (a set used only for host arrays opens none); removing a set closes its group and
     re-adding the ranks opens a new one; a tensor on the device on one member and in host memory on another names
-    both (global) ranks. Returns what the caller asserts on every rank."""
+    both (global) ranks. ``with_global=False``: the whole job reduces no device tensor (two ranks sharing one GPU,
+    each in a one-rank set, as NCCL allows no two ranks of one communicator on one GPU). Returns what
+    ``check_process_sets`` asserts on every rank."""
     n, r = hvd.size(), hvd.rank()
     a = hvd.add_process_set([0, 1] if n > 2 else [0])
     b = hvd.add_process_set([1, 2] if n > 2 else [1])
@@ -216,7 +218,7 @@ def process_sets(device: str, seed: int = 31) -> dict:
     engines = {ps.process_set_id: core.get_engine(ps) for ps in mine}
     report: dict = {"lazy": all(not e.device_groups() for e in engines.values())}
     before = {i: _device_counts(e) for i, e in engines.items()}
-    _interleaved(_scopes([a, b]), device, seed)
+    _interleaved(_scopes([a, b], with_global), device, seed)
     report["through_device"] = {}
     for i, e in engines.items():
         delta = {k: v - before[i][k] for k, v in _device_counts(e).items()}
@@ -244,7 +246,7 @@ def process_sets(device: str, seed: int = 31) -> dict:
     removed = hvd.remove_process_set(a)
     report["removed_closes"] = removed and (old is None or old.closed)
     again = hvd.add_process_set(list(a.ranks))
-    _interleaved(_scopes([again, b]), device, seed + 1)
+    _interleaved(_scopes([again, b], with_global), device, seed + 1)
     if r in again.ranks:
         report["new_group"] = core.get_engine(again).device_groups()[device] is not old
     report["ids"] = [a.process_set_id, b.process_set_id, again.process_set_id]
@@ -252,3 +254,27 @@ def process_sets(device: str, seed: int = 31) -> dict:
         if ps is not None:
             hvd.remove_process_set(ps)
     return report
+
+
+def check_process_sets(reports: list[dict], device: str) -> None:
+    """Assert what ``process_sets`` reported on every rank (``reports`` by rank)."""
+    n = len(reports)
+    members = {1: [0, 1], 2: [1, 2]} if n > 2 else {1: [0], 2: [1]}
+    for r, sets in enumerate(reports):
+        assert sets["lazy"], f"rank {r}: a set's device group was opened before its first device collective"
+        assert sets["removed_closes"] and sets["ids"][0] is None
+        mine = {i: m for i, m in members.items() if r in m}
+        assert set(sets["through_device"]) == set(mine)
+        for i, counts in sets["through_device"].items():
+            # the set's own group (its members' ranks, the set's rank of this rank), and nothing on its ring
+            assert counts["group"] == (mine[i].index(r), len(mine[i]), mine[i], i), counts
+            assert counts["all"] and counts["kinds"] and counts["tensors"] == 8, counts
+        if r in members[1]:
+            assert sets["new_group"]
+        if n > 2:
+            assert sets["ids"][1:] == [2, 4]
+            if r != 1:  # the members of [0, 2], which reduced host arrays on it
+                assert sets["host_only_opens_nothing"]
+            if r in (1, 2):
+                assert (f"tensor 'ps.mixed' in process set 2 (ranks [1, 2]) is on {device} on ranks [1]; on host "
+                        "memory on ranks [2]") in sets["mixed"], sets["mixed"]

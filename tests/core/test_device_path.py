@@ -3,6 +3,8 @@
 ``SPARK_HVD_DEVICE_BACKEND=gloo`` sends torch CPU tensors down exactly the code CUDA tensors take (a
 ``DeviceBuffer`` through the engine's negotiation and per-device fusion, the lazily opened ``TorchDeviceGroup``,
 its rendezvous on the job's authenticated KV service, never a TCPStore), so the plumbing is tested on every run.
+The same jobs run process sets beside the whole job (``device_scenarios.process_sets``: each set's device tensors
+on a group of its own members, every collective interleaved with the other set's and the job's).
 The CUDA run of the same scenarios is in ``test_cuda.py``.
 """
 
@@ -57,31 +59,9 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
         assert "'mixed' is on cpu on ranks [0]; on host memory on ranks" in report["mixed"]
     # the joined rank contributed zeros on its device; the last to join is one of the others, the same everywhere
     assert len({report["join"] for report in reports}) == 1 and reports[0]["join"] in range(n - 1)
-    check_process_sets([report["sets"] for report in reports], "cpu")
+    import device_scenarios as ds
 
-
-def check_process_sets(reports: list[dict], device: str) -> None:
-    """What ``device_scenarios.process_sets`` reports, on every rank (also used by ``test_cuda.py``)."""
-    n = len(reports)
-    members = {1: [0, 1], 2: [1, 2]} if n > 2 else {1: [0], 2: [1]}
-    for r, sets in enumerate(reports):
-        assert sets["lazy"], f"rank {r}: a set's device group was opened before its first device collective"
-        assert sets["removed_closes"] and sets["ids"][0] is None
-        mine = {i: m for i, m in members.items() if r in m}
-        assert set(sets["through_device"]) == set(mine)
-        for i, counts in sets["through_device"].items():
-            # the set's own group (its members' ranks, the set's rank of this rank), and nothing on its ring
-            assert counts["group"] == (mine[i].index(r), len(mine[i]), mine[i], i), counts
-            assert counts["all"] and counts["kinds"] and counts["tensors"] == 8, counts
-        if r in members[1]:
-            assert sets["new_group"]
-        if n > 2:
-            assert sets["ids"][1:] == [2, 4]
-            if r != 1:  # the members of [0, 2], which reduced host arrays on it
-                assert sets["host_only_opens_nothing"]
-            if r in (1, 2):
-                assert (f"tensor 'ps.mixed' in process set 2 (ranks [1, 2]) is on {device} on ranks [1]; on host "
-                        "memory on ranks [2]") in sets["mixed"], sets["mixed"]
+    ds.check_process_sets([report["sets"] for report in reports], "cpu")
 
 
 def test_which_tensors_take_the_device_path():
