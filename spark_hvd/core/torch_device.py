@@ -14,7 +14,7 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
-from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.errors import PeerFailureError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
 from spark_hvd.core.settings import Settings
 
@@ -53,6 +53,7 @@ class TorchDeviceGroup(DeviceGroup):
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
             self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend),
                                                        torch.cuda.device_count(), required=True))
+            _one_gpu_per_rank(backend, scope, self._dev.index)
         else:
             self._dev = torch.device("cpu")
         self._store: Any = None
@@ -249,6 +250,28 @@ class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib'
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _one_gpu_per_rank(backend: Backend, scope: GroupScope, index: int) -> None:
+    """``SparkHvdError`` on every rank of the group, naming the ranks, when two of them would use one GPU of one
+    host (NCCL refuses a communicator with two ranks on one device, or hangs). Collective over the group."""
+    rows = backend.allgather(np.array([backend.cross_rank, index], dtype=np.int64)).reshape(-1, 2).tolist()
+    shared = shared_gpus(rows, scope.ranks)
+    if shared:
+        where = "; ".join(f"ranks {ranks} on GPU {gpu} of one host" for gpu, ranks in shared)
+        raise SparkHvdError(f"{where}{' in process set ' + str(scope.process_set) if scope.process_set else ''}: "
+                            "NCCL needs a GPU of its own for each rank of a communicator (check SPARK_HVD_GPU and "
+                            "Spark's spark.task.resource.gpu.amount, or set SPARK_HVD_DEVICE_BACKEND=none to reduce "
+                            "CUDA tensors through host memory)")
+
+
+def shared_gpus(rows: Sequence[Sequence[int]], ranks: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(gpu, global ranks)`` for every GPU more than one rank of a group would use, given each group rank's
+    ``(host index, gpu)`` in ``rows`` and the group's global ``ranks``."""
+    users: dict[tuple[int, int], list[int]] = {}
+    for r, (host, gpu) in enumerate(rows):
+        users.setdefault((int(host), int(gpu)), []).append(ranks[r])
+    return [(gpu, found) for (_, gpu), found in users.items() if len(found) > 1]
 
 
 def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, timeout: timedelta, dev: Any,

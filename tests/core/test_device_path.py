@@ -64,6 +64,26 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
     ds.check_process_sets([report["sets"] for report in reports], "cpu")
 
 
+def test_two_ranks_of_a_group_on_one_gpu_are_named():
+    # each group rank's (host index, GPU); the names are global ranks (here a set of global ranks 1, 3, 4, 6)
+    from spark_hvd.core.device import GroupScope
+    from spark_hvd.core.errors import SparkHvdError
+    from spark_hvd.core.torch_device import _one_gpu_per_rank, shared_gpus
+
+    assert shared_gpus([(0, 0), (0, 1), (1, 0), (1, 1)], [1, 3, 4, 6]) == []
+    assert shared_gpus([(0, 0), (0, 1), (0, 0), (1, 0)], [1, 3, 4, 6]) == [(0, [1, 4])]
+
+
+    class Gathered:  # the group's backend at set-up: what the allgather of (host index, GPU) returns
+        cross_rank = 0
+
+        def allgather(self, mine: np.ndarray) -> np.ndarray:
+            return np.array([0, 0, 0, 1, 0, 0], dtype=np.int64)
+
+    with pytest.raises(SparkHvdError, match=r"ranks \[1, 4\] on GPU 0 of one host in process set 2: NCCL needs"):
+        _one_gpu_per_rank(Gathered(), GroupScope(2, (1, 3, 4)), 0)
+
+
 def test_which_tensors_take_the_device_path():
     from spark_hvd.core.device import device_key
     from spark_hvd.core.settings import Settings
