@@ -222,9 +222,10 @@ def backend_name() -> str:
     return _get("backend_name()").backend_name
 
 
-def get_engine() -> Engine:
-    """This process's engine (for bindings and tests: ``get_engine().stats``)."""
-    return _get("get_engine()").engine
+def get_engine(process_set: ProcessSet | None = None) -> Engine:
+    """This process's engine, or its engine of ``process_set`` (a member's; for bindings and tests:
+    ``get_engine().stats``)."""
+    return _engine("get_engine()", process_set)[0]
 
 
 # ---------------------------------------------------------------------- asynchronous collectives

@@ -13,6 +13,13 @@ Keras job on GPUs, a numpy job) never imports torch or opens a communicator.
 ``SPARK_HVD_DEVICE_BACKEND`` (``Settings.device_backend``): unset: NCCL for CUDA tensors; ``none``: CUDA tensors
 go through host memory and the ring, as before; ``gloo``: gloo serves the device path, and CPU torch tensors take
 it too. That last one is the CPU stand-in for NCCL which tests the whole device plumbing on every CI run.
+
+Process sets: each set's engine opens a group of its own members only (``GroupScope``), lazily in the same way, at
+its first device collective. It is an independent group, not ``torch.distributed.new_group`` (which is collective
+over every rank of the default group, non-members included, and would force every rank to take part in every
+set's setup in one order): its members meet through their own namespace of the KV store (the set's job id
+``<job>.ps<id>``, the attempt and a generation), so no other rank and no other group is involved, and sets may be
+added, used and removed in any order Horovod's API allows. Removing the set closes its group.
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.jobenv import JobEnv
 
 DEVICE_BACKENDS = ("nccl", "gloo", "none")
 
@@ -85,10 +94,42 @@ def check_device_backend(value: str | None) -> str | None:
     return value
 
 
+@dataclass(frozen=True)
+class GroupScope:
+    """Whose device group an engine opens: the whole job (``process_set`` 0) or a process set's members.
+
+    ``ranks``: the global ranks of the group's members, in the group's rank order (an engine's rank ``i`` is global
+    rank ``ranks[i]``; error messages name global ranks, as Horovod does). ``job``: this rank's launch contract in
+    the whole job (the GPU policy reads its rank, local rank and assigned GPU, never the set's own numbering);
+    None for the whole job's engine, whose backend's topology is the job's (``jobenv.running_job``).
+    """
+
+    process_set: int
+    ranks: tuple[int, ...]
+    job: JobEnv | None = None
+
+    def label(self, rank: int) -> str:
+        """``"rank 2"``, or ``"rank 2 (process set 1, ranks [1, 2])"``: the global rank of the group's ``rank``."""
+        where = f"rank {self.ranks[rank]}"
+        return where if not self.process_set else f"{where} (process set {self.process_set}, ranks {list(self.ranks)})"
+
+    def global_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """The group's ``ranks`` as global ranks."""
+        return [self.ranks[r] for r in ranks]
+
+
 class DeviceGroup(ABC):
-    """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only)."""
+    """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only).
+
+    ``rank`` / ``size``: this rank's place in the group and the group's size (a process set's own numbering);
+    ``scope``: whose group it is; ``closed``: whether ``close`` has run.
+    """
 
     device: str
+    rank: int
+    size: int
+    scope: GroupScope
+    closed: bool
 
     @abstractmethod
     def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float) -> None:
@@ -119,11 +160,12 @@ class DeviceGroup(ABC):
         """Release the communicator. Safe to call twice."""
 
 
-def open_device_group(device: str, backend: Any, settings: Any) -> DeviceGroup:
-    """Set up the group for ``device`` (collective: every rank calls it in the same engine round)."""
+def open_device_group(device: str, backend: Any, settings: Any, scope: GroupScope) -> DeviceGroup:
+    """Set up the group for ``device`` among ``scope``'s ranks (collective over them: each calls it in the same
+    round of their engine)."""
     from spark_hvd.core.torch_device import TorchDeviceGroup
 
     kind = check_device_backend(settings.device_backend)
     if kind in (None, "none"):
         kind = "nccl" if device == "cuda" else "gloo"
-    return TorchDeviceGroup(device, kind, backend, settings)
+    return TorchDeviceGroup(device, kind, backend, settings, scope)

@@ -70,7 +70,8 @@ outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms whi
 Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
 host arrays, with their device kind in the metadata (one name on the GPU on some ranks and in host memory on others
 is a ``TensorMismatchError``); their allreduces are fused per device kind and run on a ``DeviceGroup`` (NCCL) that
-the engine opens at the first device collective, instead of on the backend.
+the engine opens at the first device collective, instead of on the backend. A process set's engine (``scope``)
+opens a group of the set's members only, and its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
@@ -95,7 +96,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.device import DeviceBuffer, DeviceGroup, open_device_group
+from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope, open_device_group
 from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
 from spark_hvd.core.negotiation import (
@@ -173,15 +174,18 @@ class Engine:
     Args:
         backend: the collectives (ring, MPI, torch.distributed or local).
         settings: fusion threshold, cycle time, cache capacity, timeout, stall check time, timeline.
+        scope: a process set's engine: the set and its members' global ranks (its device group is the members'
+            own, and its errors name global ranks); None for the whole job.
 
     ``stats`` counts rounds, collectives and cache use (what tests check fusion with).
     """
 
-    def __init__(self, backend: Backend, settings: Settings) -> None:
+    def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.rank = backend.rank
         self.size = backend.size
+        self.scope = scope or GroupScope(0, tuple(range(self.size)))
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -779,11 +783,13 @@ class Engine:
             return
         now = time.monotonic()
 
-        def missing(entry: TableEntry) -> list[int]:
-            return [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
+        def missing(entry: TableEntry) -> list[int]:  # as global ranks
+            absent = [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
+            return self.scope.global_ranks(absent)
 
         first = entries[0]
-        text = (f"stall: tensor '{first.name}' was submitted by ranks {sorted(first.metas)} "
+        text = (f"stall: tensor '{first.name}'{self._in_set()} was submitted by ranks "
+                f"{self.scope.global_ranks(sorted(first.metas))} "
                 f"{now - first.created:.0f} s ago but ranks {missing(first)} never submitted it within "
                 "SPARK_HVD_STALL_SHUTDOWN_TIME="
                 f"{self.settings.stall_shutdown_time_s:g} s, so spark_hvd stopped the job on every rank; one of "
@@ -846,20 +852,26 @@ class Engine:
                     "Horovod, only allreduce runs while a rank has joined (call it before join(), or after every "
                     "rank has joined)", name=entry.name, ranks=joined)
             return None
-        devices = {r: m.device for r, m in entry.metas.items()}
+        g = self.scope.ranks  # messages and ``ranks`` name global ranks (a process set's engine counts from 0)
+        devices = {g[r]: m.device for r, m in entry.metas.items()}
         if len(set(devices.values())) > 1:
-            return _device_mismatch(entry.name, devices)
-        keys = {r: m.agreement_key() for r, m in entry.metas.items()}
+            return _device_mismatch(entry.name, devices, self._in_set())
+        keys = {g[r]: m.agreement_key() for r, m in entry.metas.items()}
         distinct = set(keys.values())
         counts = Counter(keys.values())
         lowest = min(keys)
         common = max(distinct, key=lambda k: (counts[k], k == keys[lowest]))
         bad = sorted(r for r, k in keys.items() if k != common)
-        detail = "; ".join(f"rank {r}: {m.describe()}" for r, m in sorted(entry.metas.items()))
+        detail = "; ".join(f"rank {g[r]}: {m.describe()}" for r, m in sorted(entry.metas.items()))
         return TensorMismatchError(
-            f"tensor '{entry.name}' was submitted differently on different ranks (ranks {bad} differ from the "
-            f"others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
+            f"tensor '{entry.name}'{self._in_set()} was submitted differently on different ranks (ranks {bad} differ "
+            f"from the others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
             name=entry.name, ranks=bad)
+
+    def _in_set(self) -> str:
+        """`` in process set 1 (ranks [1, 2])`` for a process set's engine, else nothing."""
+        ps = self.scope.process_set
+        return f" in process set {ps} (ranks {list(self.scope.ranks)})" if ps else ""
 
     def _execute(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], negotiated: float) -> None:
         groups: dict[tuple, list[tuple[TableEntry, _Request | None]]] = {}
@@ -1055,10 +1067,11 @@ class Engine:
                     entry.name, sorted(entry.metas), now - entry.created, missing)
 
     def _stop_for_shutdown(self, ranks: list[int]) -> None:
-        others = [r for r in ranks if r != self.rank]
+        others = self.scope.global_ranks([r for r in ranks if r != self.rank])
         if others:
             error = ShutdownError(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} shut down "
-                                  f"spark_hvd while rank {self.rank} still had operations pending")
+                                  f"spark_hvd{self._in_set()} while rank {self.scope.ranks[self.rank]} "
+                                  "still had operations pending")
             self._error = error
         else:
             error = ShutdownError(f"spark_hvd on rank {self.rank} was shut down")
@@ -1081,6 +1094,11 @@ class Engine:
     # CUDA tensors (DeviceBuffer) are negotiated like host arrays; only where they are reduced differs: on a
     # DeviceGroup (NCCL; gloo stands in on CPU), opened at the first device collective every rank submitted.
 
+    def device_groups(self) -> dict[str, DeviceGroup]:
+        """The device groups this engine has opened so far, by device kind (none until its first device
+        collective; for tests and diagnostics)."""
+        return dict(self._device_groups)
+
     def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
                              splits: Sequence[int] | None) -> list[int] | None:
         if kind in ("allreduce", "reducescatter") and buf.dtype not in SUPPORTED_DTYPES:
@@ -1100,12 +1118,12 @@ class Engine:
         group = self._device_groups.get(device)
         if group is None:
             try:
-                group = open_device_group(device, self.backend, self.settings)
+                group = open_device_group(device, self.backend, self.settings, self.scope)
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise SparkHvdError(f"rank {self.rank} could not set up the collectives on {device} tensors: {exc!r}"
-                                    ) from exc
+                raise SparkHvdError(f"{self.scope.label(self.rank)} could not set up the collectives on {device} "
+                                    f"tensors: {exc!r}") from exc
             self._device_groups[device] = group
         return group
 
@@ -1139,8 +1157,8 @@ class Engine:
                 raise
             except Exception as exc:
                 raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} on {device} failed on "
-                                    f"rank {self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
-                                    "stopped") from exc
+                                    f"{self.scope.label(self.rank)}: {exc!r}; the ranks can no longer be kept in step, "
+                                    "so spark_hvd stopped") from exc
             if self.timeline is not None:
                 for name in names:
                     self.timeline.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=len(chunk))
@@ -1174,8 +1192,8 @@ class Engine:
         except SparkHvdError:
             raise
         except Exception as exc:
-            raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on rank {self.rank}: {exc!r}; the "
-                                "ranks can no longer be kept in step, so spark_hvd stopped") from exc
+            raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on {self.scope.label(self.rank)}: "
+                                f"{exc!r}; the ranks can no longer be kept in step, so spark_hvd stopped") from exc
         if self.timeline is not None:
             self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
         request.handle._set_result(result)
@@ -1194,7 +1212,7 @@ def _in_place_ok(flags: Any) -> bool:
     return bool(flags.c_contiguous and flags.writeable)
 
 
-def _device_mismatch(name: str, devices: dict[int, str]) -> TensorMismatchError:
+def _device_mismatch(name: str, devices: dict[int, str], in_set: str = "") -> TensorMismatchError:
     where = {r: d or "host memory" for r, d in devices.items()}
     by_place: dict[str, list[int]] = {}
     for r, place in sorted(where.items()):
@@ -1202,6 +1220,6 @@ def _device_mismatch(name: str, devices: dict[int, str]) -> TensorMismatchError:
     detail = "; ".join(f"on {place} on ranks {ranks}" for place, ranks in by_place.items())
     majority = max(by_place.values(), key=len)
     return TensorMismatchError(
-        f"tensor '{name}' is {detail}: a collective's tensors must be on the GPU on every rank or in host memory on "
-        "every rank (move them with .cuda() / .cpu(), or set SPARK_HVD_DEVICE_BACKEND=none to reduce CUDA "
+        f"tensor '{name}'{in_set} is {detail}: a collective's tensors must be on the GPU on every rank or in host "
+        "memory on every rank (move them with .cuda() / .cpu(), or set SPARK_HVD_DEVICE_BACKEND=none to reduce CUDA "
         "tensors through host memory)", name=name, ranks=sorted(r for r in where if r not in majority))

@@ -6,6 +6,10 @@ the global engine (the members' addresses are allgathered over the job's own aut
 secret broadcast by rank 0 and the job id ``<job>.ps<id>``) and an ``Engine`` on it. Non-members keep only the id
 and the ranks. The global set (id 0) is the job itself: its engine is the one ``init()`` made.
 
+Device tensors on a set (CUDA tensors; CPU torch tensors under the gloo stand-in) are reduced where they lie by a
+device group of the set's members only, which the set's engine opens at its first device collective (nothing is
+opened for a set that never reduces one) and closes when the set is removed (``spark_hvd.core.device``).
+
 Semantics follow Horovod: ranks are global ranks everywhere (a broadcast's ``root_rank`` too); averages divide by
 the set's size; a rank outside a set that calls a collective on it gets ``ValueError``; ``remove_process_set`` is
 collective as well and returns False for the global set or a set already removed.
@@ -172,6 +176,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         rendezvous_name = f"process_set.{set_id}.rendezvous"
         backend = engine = None
         if me in ps.ranks:
+            from spark_hvd.core.device import GroupScope
             from spark_hvd.core.engine import Engine
             from spark_hvd.core.ring import RingBackend
 
@@ -180,7 +185,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             backend = RingBackend(ps.ranks.index(me), len(ps.ranks), _GlobalRendezvous(ps.ranks, rendezvous_name),
                                   secret, settings, f"{job.job_id}.ps{set_id}")
             try:
-                engine = Engine(backend, settings)
+                engine = Engine(backend, settings, GroupScope(set_id, tuple(ps.ranks), job))
             except BaseException:
                 backend.close()
                 raise

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
-from spark_hvd.core.device import DeviceBuffer, DeviceGroup
-from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
+from spark_hvd.core.errors import PeerFailureError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
 from spark_hvd.core.settings import Settings
 
@@ -28,45 +28,54 @@ class TorchDeviceGroup(DeviceGroup):
     (``spark_hvd.core.torch_store``) on the job's own authenticated KV service (the launcher's, or the Spark
     driver service), so spark_hvd opens no port for the rendezvous and every store connection proves the job's
     secret. (NCCL's own bootstrap and data sockets, and gloo's, carry no authentication: that part of the device
-    path is as trusted as the cluster network, as NCCL always is.) The group is ``torch.distributed``'s default
-    group when the process has none, else a new group over the same ranks (meeting through the default group's
-    store). The engine thread alone drives it, so collectives are issued in one order on every rank.
+    path is as trusted as the cluster network, as NCCL always is.) The whole job's group is ``torch.distributed``'s
+    default group when the process has none, else a new group over the same ranks (meeting through the default
+    group's store). A process set's group (``scope.process_set``) is an independent gloo / NCCL group of its
+    members only, on the set's own namespace of the store, registered nowhere in ``torch.distributed``: setting it
+    up involves no other rank (see ``spark_hvd.core.device``). Each engine thread alone drives its group, so a
+    group's collectives are issued in one order on all its ranks.
 
     CUDA: the engine waits on each tensor's ``ready`` event (recorded on the producer's stream) before the
     collective, and for the collective to complete before the handle finishes; nothing is copied to the host.
     float16 and bfloat16 are reduced in float32, as on the ring.
     """
 
-    def __init__(self, device: str, kind: str, backend: Backend, settings: Settings) -> None:
+    def __init__(self, device: str, kind: str, backend: Backend, settings: Settings, scope: GroupScope) -> None:
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
-        self.device, self.kind = device, kind
+        self.device, self.kind, self.scope = device, kind, scope
         self._widen = {getattr(torch, n) for n in ("int16", "uint16", "uint32") if hasattr(torch, n)}
         self.rank, self.size = backend.rank, backend.size
+        self.where = scope.label(self.rank)
         timeout = timedelta(seconds=settings.timeout_s)
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
-            self._dev = torch.device("cuda", gpu_index(running_job(backend), torch.cuda.device_count(),
-                                                       required=True))
+            self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend),
+                                                       torch.cuda.device_count(), required=True))
+            _one_gpu_per_rank(backend, scope, self._dev.index)
         else:
             self._dev = torch.device("cpu")
         self._store: Any = None
-        self._owns = not dist.is_initialized()
-        if self._owns:
+        self._owns = False  # this group is torch.distributed's default group (destroyed with it)
+        if scope.process_set:  # the set's members only, on their own namespace of the KV store
+            self._store = store = _open_store(device, backend, timeout)
+            self._pg: Any = _independent_group(dist, kind, store, self.rank, self.size, timeout, self._dev, scope)
+        elif not dist.is_initialized():
+            self._owns = True
             self._store = store = _open_store(device, backend, timeout)
             extra = {"device_id": self._dev} if kind == "nccl" else {}
             dist.init_process_group(kind, store=store, rank=self.rank, world_size=self.size, timeout=timeout,
                                     **extra)
-            self._group = dist.group.WORLD
+            self._pg = dist.group.WORLD
         else:
             if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.size):
                 raise PeerFailureError(
                     f"torch.distributed is already initialised as rank {dist.get_rank()} of {dist.get_world_size()} "
                     f"in a spark_hvd job where this process is rank {self.rank} of {self.size}", operation="setup")
             # a new group meets through the default group's store (with SPARK_HVD_BACKEND=torch: ours too)
-            self._group = dist.new_group(backend=kind, timeout=timeout)
-        self._closed = False
+            self._pg = dist.new_group(backend=kind, timeout=timeout)
+        self.closed = False
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def _enter(self, bufs: Sequence[DeviceBuffer]) -> None:
@@ -75,7 +84,7 @@ class TorchDeviceGroup(DeviceGroup):
         stream, waited = None, None
         for buf in bufs:
             if buf.tensor.get_device() != self._dev.index:
-                raise ValueError(f"a tensor on {buf.tensor.device} reached rank {self.rank}, whose GPU is {self._dev} "
+                raise ValueError(f"a tensor on {buf.tensor.device} reached {self.where}, whose GPU is {self._dev} "
                                  "(SPARK_HVD_GPU, else the local rank); a rank's tensors must be on its own GPU")
             if buf.ready is not None and buf.ready is not waited:  # a grouped call's tensors share one event
                 stream = stream or self._torch.cuda.current_stream(self._dev)
@@ -86,13 +95,25 @@ class TorchDeviceGroup(DeviceGroup):
         if self.device == "cuda":
             self._torch.cuda.current_stream(self._dev).synchronize()
 
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, what: str, method: str, *args: Any) -> None:
+        """``self._pg.<method>(*args)`` and its completion: the ``ProcessGroup`` call ``torch.distributed``'s own
+        functions make, on the default group, a new group or a set's independent one alike."""
         try:
             with self._torch.cuda.device(self._dev) if self.device == "cuda" else _nothing():
-                return fn(*args, group=self._group, **kwargs)
+                work = getattr(self._pg, method)(*args)
+                if work is not None:
+                    work.wait()  # CUDA: the current stream waits for the collective (``_done`` waits for it)
         except RuntimeError as exc:  # NCCL / gloo report dead peers and timeouts as RuntimeError
-            raise PeerFailureError(f"torch.distributed {what} ({self.kind}) failed on rank {self.rank}: {exc}",
+            raise PeerFailureError(f"torch.distributed {what} ({self.kind}) failed on {self.where}: {exc}",
                                    operation=what) from exc
+
+    def _opts(self, kind: str, **fields: Any) -> Any:
+        """``torch.distributed``'s ``<kind>Options`` with ``fields``, synchronous as its functions make them."""
+        opts = getattr(self._dist.distributed_c10d, f"{kind}Options")()
+        opts.asyncOp = False
+        for name, value in fields.items():
+            setattr(opts, name, value)
+        return opts
 
     def _scale(self, t: Any, factor: float) -> None:
         if factor == 1.0:
@@ -119,7 +140,7 @@ class TorchDeviceGroup(DeviceGroup):
             work = flat
         self._scale(work, prescale)
         if work.numel():
-            self._call("allreduce", self._dist.all_reduce, work, op=_TORCH_OPS[op](self._dist))
+            self._call("allreduce", "allreduce", [work], self._opts("Allreduce", reduceOp=_TORCH_OPS[op](self._dist)))
         if op is ReduceOp.AVERAGE and self.size > 1:
             if work.is_floating_point():
                 work.div_(self.size)
@@ -136,7 +157,7 @@ class TorchDeviceGroup(DeviceGroup):
         torch = self._torch
         mine = torch.tensor([count], dtype=torch.int64, device=self._dev)
         every = [torch.zeros(1, dtype=torch.int64, device=self._dev) for _ in range(self.size)]
-        self._call("allgather", self._dist.all_gather, every, mine)
+        self._call("allgather", "allgather", [every], [mine], self._opts("Allgather"))
         return [int(c.item()) for c in every]
 
     def allgather(self, buf: DeviceBuffer) -> Any:
@@ -151,7 +172,7 @@ class TorchDeviceGroup(DeviceGroup):
         padded[:mine.numel()] = mine
         outs = [torch.empty(most, dtype=torch.uint8, device=self._dev) for _ in range(self.size)]
         if most:
-            self._call("allgather", self._dist.all_gather, outs, padded)
+            self._call("allgather", "allgather", [outs], [padded], self._opts("Allgather"))
         data = torch.cat([o[:r * row_bytes] for o, r in zip(outs, rows, strict=True)])
         self._done()
         return data.view(t.dtype).reshape(sum(rows), *t.shape[1:])
@@ -159,7 +180,9 @@ class TorchDeviceGroup(DeviceGroup):
     def broadcast(self, buf: DeviceBuffer, root: int) -> None:
         self._enter([buf])
         if buf.nbytes:
-            self._call("broadcast", self._dist.broadcast, self._bytes(buf.tensor), src=root)
+            # root: the group's own rank (for a set, the caller translated the global root_rank)
+            self._call("broadcast", "broadcast", [self._bytes(buf.tensor)],
+                       self._opts("Broadcast", rootRank=root, rootTensor=0))
         self._done()
 
     def alltoall(self, buf: DeviceBuffer, splits: Sequence[int]) -> tuple[Any, list[int]]:
@@ -168,14 +191,13 @@ class TorchDeviceGroup(DeviceGroup):
         t = buf.tensor
         mine = torch.tensor(list(splits), dtype=torch.int64, device=self._dev)
         every = [torch.zeros(self.size, dtype=torch.int64, device=self._dev) for _ in range(self.size)]
-        self._call("alltoall", self._dist.all_gather, every, mine)
+        self._call("alltoall", "allgather", [every], [mine], self._opts("Allgather"))
         recv = [int(e[self.rank].item()) for e in every]
         row_bytes = int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
         out = torch.empty(sum(recv) * row_bytes, dtype=torch.uint8, device=self._dev)
         if row_bytes and (sum(splits) or sum(recv)):
-            self._call("alltoall", self._dist.all_to_all_single, out, self._bytes(t),
-                       output_split_sizes=[r * row_bytes for r in recv],
-                       input_split_sizes=[s * row_bytes for s in splits])
+            self._call("alltoall", "alltoall_base", out, self._bytes(t), [r * row_bytes for r in recv],
+                       [s * row_bytes for s in splits], self._opts("AllToAll"))
         self._done()
         return out.view(t.dtype).reshape(sum(recv), *t.shape[1:]), recv
 
@@ -202,12 +224,16 @@ class TorchDeviceGroup(DeviceGroup):
         return DeviceBuffer(t, self.device, dtype, shape, bfloat16)
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        dist = self._dist
-        if dist.is_initialized():
-            dist.destroy_process_group() if self._owns else dist.destroy_process_group(self._group)
+        self.closed = True
+        dist, pg, self._pg = self._dist, self._pg, None
+        if self.scope.process_set:  # an independent group: nothing of torch.distributed's global state
+            shutdown = getattr(pg, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        elif dist.is_initialized():
+            dist.destroy_process_group() if self._owns else dist.destroy_process_group(pg)
         close = getattr(self._store, "close", None)  # a KVTorchStore's connections (a HashStore has none)
         if close is not None:
             close()
@@ -226,6 +252,50 @@ class _nothing:  # noqa: N801 - a null context manager, cheaper than contextlib'
         return None
 
 
+def _one_gpu_per_rank(backend: Backend, scope: GroupScope, index: int) -> None:
+    """``SparkHvdError`` on every rank of the group, naming the ranks, when two of them would use one GPU of one
+    host (NCCL refuses a communicator with two ranks on one device, or hangs). Collective over the group."""
+    rows = backend.allgather(np.array([backend.cross_rank, index], dtype=np.int64)).reshape(-1, 2).tolist()
+    shared = shared_gpus(rows, scope.ranks)
+    if shared:
+        where = "; ".join(f"ranks {ranks} on GPU {gpu} of one host" for gpu, ranks in shared)
+        raise SparkHvdError(f"{where}{' in process set ' + str(scope.process_set) if scope.process_set else ''}: "
+                            "NCCL needs a GPU of its own for each rank of a communicator (check SPARK_HVD_GPU and "
+                            "Spark's spark.task.resource.gpu.amount, or set SPARK_HVD_DEVICE_BACKEND=none to reduce "
+                            "CUDA tensors through host memory)")
+
+
+def shared_gpus(rows: Sequence[Sequence[int]], ranks: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(gpu, global ranks)`` for every GPU more than one rank of a group would use, given each group rank's
+    ``(host index, gpu)`` in ``rows`` and the group's global ``ranks``."""
+    users: dict[tuple[int, int], list[int]] = {}
+    for r, (host, gpu) in enumerate(rows):
+        users.setdefault((int(host), int(gpu)), []).append(ranks[r])
+    return [(gpu, found) for (_, gpu), found in users.items() if len(found) > 1]
+
+
+def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, timeout: timedelta, dev: Any,
+                       scope: GroupScope) -> Any:
+    """A gloo / NCCL group of ``size`` ranks on ``store`` alone, as ``torch.distributed`` builds each backend of a
+    group (``_new_process_group_helper``) but registered nowhere: only its members take part in setting it up."""
+    if kind == "gloo":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    for name, value in (("group_name", f"spark_hvd.ps{scope.process_set}"),
+                        ("global_ranks_in_group", list(scope.ranks))):  # what NCCL's logs and flight recorder show
+        if hasattr(opts, name):
+            setattr(opts, name, value)
+    pg = ProcessGroupNCCL(store, rank, size, opts)
+    connect = getattr(pg, "eager_connect_single_device", None)
+    if connect is not None:  # the communicator now, in the setup round, as init_process_group(device_id=) does
+        connect(dev)
+    return pg
+
+
 def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
     """The group's rendezvous store on the job's KV service (collective; ``spark_hvd.core.torch_store``)."""
     from spark_hvd.core.torch_store import open_store
@@ -233,5 +303,6 @@ def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
     def exchange(mine: bytes) -> list[bytes]:  # only rank 0 publishes: the gathered rows are its bytes
         return [backend.allgather(np.frombuffer(mine, dtype=np.uint8)).tobytes()]
 
+    # keys under <job id>/torch/<attempt>/device-<kind>/<generation>/: a set's backend has the job id <job>.ps<id>
     return open_store(f"device-{device}", backend.rank, backend.size, timeout, job=JobEnv.from_env(), secret=None,
                       job_id=getattr(backend, "job_id", ""), exchange=exchange)

@@ -176,7 +176,7 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
     secret = secret if secret is not None else (job.secret if job is not None else None)
     address, hello = kv_address or (job.rendezvous if job is not None else None), None
     if not address and job is not None and job.service_address:
-        address, hello = job.service_address, ("hello", job.job_id, rank, "kv")
+        address, hello = job.service_address, ("hello", job.job_id, job.rank, "kv")  # the global rank
     fallback = not address or secret is None
     server, mine = None, b""
     base = f"{job_id}/torch/{attempt}/{name}"

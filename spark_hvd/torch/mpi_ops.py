@@ -106,10 +106,10 @@ def _direct_view_ok(tensor: torch.Tensor) -> bool:
     return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_sparse
 
 
-def _device_key(tensor: torch.Tensor, process_set: ProcessSet | None = None) -> str | None:
-    """The core's device kind when ``tensor`` is reduced where it lies (CUDA: NCCL), None for host memory (also
-    for a process set other than the global one: its ring stages device tensors through host memory)."""
-    if tensor.is_sparse or not _is_global(process_set):
+def _device_key(tensor: torch.Tensor) -> str | None:
+    """The core's device kind when ``tensor`` is reduced where it lies (CUDA: NCCL, by the whole job's group or a
+    process set's own), None for host memory."""
+    if tensor.is_sparse:
         return None
     kind = "cpu" if tensor.is_cpu else tensor.device.type  # is_cpu: a flag; .device builds an object
     return device_key(kind, common.core().settings().device_backend)
@@ -155,10 +155,9 @@ class _Staged:
 
     __slots__ = ("tensor", "host", "array", "bf16")
 
-    def __init__(self, tensor: torch.Tensor, need_input: bool = True, process_set: ProcessSet | None = None,
-                 ready: Any = None) -> None:
+    def __init__(self, tensor: torch.Tensor, need_input: bool = True, ready: Any = None) -> None:
         self.tensor = tensor
-        key = _device_key(tensor, process_set)
+        key = _device_key(tensor)
         if key is not None:
             src = tensor if tensor.is_contiguous() else tensor.detach().contiguous()
             self.host = None if src is tensor else src
@@ -257,7 +256,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     """Start an in-place allreduce of ``tensor``; :func:`synchronize` returns ``tensor`` reduced."""
     common.require_init("allreduce_async_()")
     rop = common.resolve_op(op, average)
-    staged = _Staged(tensor, process_set=process_set)
+    staged = _Staged(tensor)
     h = common.core().allreduce_async(staged.array, name=name, op=rop, prescale=prescale_factor,
                                       postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
     return Handle(h, lambda _: staged.write_back(), name=name)
@@ -280,7 +279,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it."""
     common.require_init("allreduce_()")
-    staged = _Staged(tensor, process_set=process_set)  # the blocking call runs the round in this thread
+    staged = _Staged(tensor)  # the blocking call runs the round in this thread
     common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
                             postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
     return staged.write_back()
@@ -297,7 +296,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     if not tensors:
         return Handle(None, lambda _: [], name=name, done=True)
     ready = _ready_event(tensors[0])  # one event marks every tensor of the group ready
-    staged = [_Staged(t, process_set=process_set, ready=ready) for t in tensors]
+    staged = [_Staged(t, ready=ready) for t in tensors]
     if len({isinstance(s.array, DeviceBuffer) for s in staged}) > 1:
         raise ValueError(f"grouped_allreduce{f' {name!r}' if name else ''} mixes CUDA and host-memory tensors in one "
                          f"group (devices: {sorted({str(t.device) for t in tensors})}); move them to one device")
@@ -346,9 +345,10 @@ def _allgather_start(tensor: torch.Tensor, name: str | None, process_set: Proces
     if tensor.dim() == 0:
         raise ValueError(f"allgather of {name or 'a tensor'} needs a tensor with at least one dimension, got a 0-d "
                          "tensor (use tensor.reshape(1))")
-    key = _device_key(tensor, process_set)
+    key = _device_key(tensor)
     if key is not None:
-        return common.core().allgather_async(_device_buffer(tensor.contiguous(), key), name=name), lambda res: res
+        return (common.core().allgather_async(_device_buffer(tensor.contiguous(), key), name=name,
+                                              process_set=process_set), lambda res: res)
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
     return (common.core().allgather_async(arr, name=name, process_set=process_set),
@@ -394,7 +394,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
                      process_set: ProcessSet = global_process_set) -> Handle:
     """Start an in-place broadcast of root's ``tensor``; :func:`synchronize` returns ``tensor``."""
     common.require_init("broadcast_async_()")
-    staged = _Staged(tensor, process_set=process_set)
+    staged = _Staged(tensor)
     h = common.core().broadcast_async(staged.array, root_rank, name=name, process_set=process_set)
     return Handle(h, lambda _: staged.write_back(), name=name)
 
@@ -433,10 +433,10 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
                    process_set: ProcessSet = global_process_set) -> Handle:
     """Start an alltoall; :func:`synchronize` returns ``(output, received_splits)``."""
     common.require_init("alltoall_async()")
-    key = _device_key(tensor, process_set)
+    key = _device_key(tensor)
     if key is not None:
         h = common.core().alltoall_async(_device_buffer(tensor.contiguous(), key), splits=_splits_list(splits),
-                                         name=name)
+                                         name=name, process_set=process_set)
         return Handle(h, lambda res: (res[0], torch.tensor(list(res[1]), dtype=torch.int32)), name=name)
     arr, _ = _host_array(tensor)
     dtype, device = tensor.dtype, tensor.device
@@ -454,10 +454,10 @@ def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp, p
     if tensor.dim() == 0:
         raise ValueError(f"reducescatter of {name or 'a tensor'} needs a tensor with at least one dimension, got a "
                          "0-d tensor")
-    key = _device_key(tensor, process_set)
+    key = _device_key(tensor)
     if key is not None:  # the device group reduces bfloat16 in float32 and never writes the input
         h = common.core().reducescatter_async(_device_buffer(tensor.contiguous(), key), op=op, name=name,
-                                              prescale=prescale, postscale=postscale)
+                                              prescale=prescale, postscale=postscale, process_set=process_set)
         return h, lambda res: res
     dtype, device = tensor.dtype, tensor.device
     src = tensor.detach()

@@ -4,6 +4,11 @@ Needs CUDA: skipped otherwise, with the reason. One GPU runs a one-rank job (the
 device collective at size 1); two GPUs run a two-rank job, one GPU per rank (``SPARK_HVD_GPU``, as the Spark
 runner sets it), with NCCL and, for comparison, with ``SPARK_HVD_DEVICE_BACKEND=none`` (CUDA tensors staged
 through host memory and the ring). The same scenarios run on CPU with gloo standing in: ``test_device_path.py``.
+
+Process sets: with two or more GPUs, sets [0, 1] and [1, 2] (two GPUs: [0] and [1]) beside the whole job, each
+set's CUDA tensors on an NCCL communicator of its own members (``device_scenarios.process_sets``); with one GPU,
+two ranks share it, each in a one-rank set (the whole job reduces no CUDA tensor: NCCL refuses two ranks of one
+communicator on one GPU), which still builds each set's independent NCCL group and runs every collective on it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,35 @@ def _job(full: bool) -> dict:
 def test_cuda_collectives_one_rank_nccl():
     (report,) = run_ranks(_job, 1, env={"SPARK_HVD_GPU": "0"}, args=(False,), timeout=240)
     assert report["checked"] == 14 and report["device_collectives"] >= 20
+
+
+def _sets_job(with_global: bool) -> dict:
+    import device_scenarios as ds
+
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    try:
+        return ds.process_sets("cuda", with_global=with_global)
+    finally:
+        hvd.shutdown()
+
+
+@needs_two
+def test_cuda_process_sets_nccl():
+    import device_scenarios as ds
+
+    n = min(GPUS, 3)
+    env = lambda rank: {"SPARK_HVD_GPU": str(rank), "SPARK_HVD_TIMEOUT": "60"}  # noqa: E731
+    ds.check_process_sets(run_ranks(_sets_job, n, env=env, args=(True,), timeout=300), "cuda")
+
+
+@needs_cuda
+def test_cuda_process_sets_one_gpu_two_one_rank_sets():
+    import device_scenarios as ds
+
+    env = {"SPARK_HVD_GPU": "0", "SPARK_HVD_TIMEOUT": "60"}
+    ds.check_process_sets(run_ranks(_sets_job, 2, env=env, args=(False,), timeout=300), "cuda")
 
 
 @needs_two

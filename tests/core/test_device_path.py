@@ -3,6 +3,8 @@
 ``SPARK_HVD_DEVICE_BACKEND=gloo`` sends torch CPU tensors down exactly the code CUDA tensors take (a
 ``DeviceBuffer`` through the engine's negotiation and per-device fusion, the lazily opened ``TorchDeviceGroup``,
 its rendezvous on the job's authenticated KV service, never a TCPStore), so the plumbing is tested on every run.
+The same jobs run process sets beside the whole job (``device_scenarios.process_sets``: each set's device tensors
+on a group of its own members, every collective interleaved with the other set's and the job's).
 The CUDA run of the same scenarios is in ``test_cuda.py``.
 """
 
@@ -36,6 +38,7 @@ def _job(device: str) -> dict:
         report = ds.collectives(device)
         ds.host_arrays_keep_the_ring()
         report["mixed"] = ds.mixed_devices(device)
+        report["sets"] = ds.process_sets(device)
         report["join"] = ds.join_with_device_tensors(device)
         return report
     finally:
@@ -56,6 +59,29 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
         assert "'mixed' is on cpu on ranks [0]; on host memory on ranks" in report["mixed"]
     # the joined rank contributed zeros on its device; the last to join is one of the others, the same everywhere
     assert len({report["join"] for report in reports}) == 1 and reports[0]["join"] in range(n - 1)
+    import device_scenarios as ds
+
+    ds.check_process_sets([report["sets"] for report in reports], "cpu")
+
+
+def test_two_ranks_of_a_group_on_one_gpu_are_named():
+    # each group rank's (host index, GPU); the names are global ranks (here a set of global ranks 1, 3, 4, 6)
+    from spark_hvd.core.device import GroupScope
+    from spark_hvd.core.errors import SparkHvdError
+    from spark_hvd.core.torch_device import _one_gpu_per_rank, shared_gpus
+
+    assert shared_gpus([(0, 0), (0, 1), (1, 0), (1, 1)], [1, 3, 4, 6]) == []
+    assert shared_gpus([(0, 0), (0, 1), (0, 0), (1, 0)], [1, 3, 4, 6]) == [(0, [1, 4])]
+
+
+    class Gathered:  # the group's backend at set-up: what the allgather of (host index, GPU) returns
+        cross_rank = 0
+
+        def allgather(self, mine: np.ndarray) -> np.ndarray:
+            return np.array([0, 0, 0, 1, 0, 0], dtype=np.int64)
+
+    with pytest.raises(SparkHvdError, match=r"ranks \[1, 4\] on GPU 0 of one host in process set 2: NCCL needs"):
+        _one_gpu_per_rank(Gathered(), GroupScope(2, (1, 3, 4)), 0)
 
 
 def test_which_tensors_take_the_device_path():
