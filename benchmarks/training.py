@@ -1,10 +1,15 @@
-"""Training throughput: spark_hvd's DistributedOptimizer against torch DistributedDataParallel (gloo).
+"""Training throughput: spark_hvd's DistributedOptimizer against torch DistributedDataParallel.
 
-Same small CNN, same synthetic batches, same launcher (``spark-hvd-run``), 1 and 2 processes, the four
+Same model, same synthetic batches, same launcher (``spark-hvd-run``), 1 and 2 processes, the four
 configurations interleaved and repeated in one invocation. Reports samples/s (all ranks together, median of
 the repeats) and the scaling efficiency ``throughput(2) / (2 * throughput(1))`` of each.
 
+On the CPU (default): a small CNN on 3x32x32 images, DDP over gloo. With ``--gpu``: torchvision's ResNet-50 on
+3x224x224 images on each rank's GPU (its local rank), DDP over NCCL, spark_hvd's CUDA gradients over NCCL too;
+``--procs 1`` on a one-GPU host (NCCL needs a GPU per rank).
+
     .venv/bin/python benchmarks/training.py [--repeats 3] [--steps 40] [--batch 32] [--out results.md]
+    python benchmarks/training.py --gpu --procs 1 --batch 64 --steps 30
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ MODES = ("spark_hvd", "ddp")
 
 
 # ------------------------------------------------------------------------------------------------ worker side
-def _model():
+def _model(gpu: bool = False):
     import torch
 
     torch.manual_seed(0)
+    if gpu:
+        import torchvision
+
+        return torchvision.models.resnet50()
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),    # 32 -> 16
         torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),   # 16 -> 8
@@ -36,14 +45,17 @@ def _model():
     )
 
 
-def worker(mode: str, steps: int, warmup: int, batch: int, out_path: str, port: int) -> None:
-    """One rank: train ``warmup + steps`` steps on synthetic 3x32x32 images; rank 0 writes samples/s."""
+def worker(mode: str, steps: int, warmup: int, batch: int, out_path: str, port: int, gpu: bool) -> None:
+    """One rank: train ``warmup + steps`` steps on synthetic images; rank 0 writes samples/s."""
     import torch
 
     torch.set_num_threads(1)
     rank = int(os.environ["SPARK_HVD_RANK"])
     size = int(os.environ["SPARK_HVD_SIZE"])
-    model = _model()
+    device = torch.device("cuda", int(os.environ["SPARK_HVD_LOCAL_RANK"])) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    model = _model(gpu).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if mode == "spark_hvd":
         import spark_hvd.torch as hvd
@@ -56,12 +68,15 @@ def worker(mode: str, steps: int, warmup: int, batch: int, out_path: str, port: 
     else:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=size)
+        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if gpu else None)
         barrier = dist.barrier
     g = torch.Generator().manual_seed(1000 + rank)
-    data = [(torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
-            for _ in range(8)]
+    side, classes = (224, 1000) if gpu else (32, 10)
+    data = [(torch.randn(batch, 3, side, side, generator=g).to(device),
+             torch.randint(0, classes, (batch,), generator=g).to(device)) for _ in range(8)]
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step(i: int) -> None:
@@ -72,10 +87,12 @@ def worker(mode: str, steps: int, warmup: int, batch: int, out_path: str, port: 
 
     for i in range(warmup):
         step(i)
+    sync()
     barrier()
     t0 = time.perf_counter()
     for i in range(steps):
         step(i)
+    sync()
     barrier()
     elapsed = time.perf_counter() - t0
     if rank == 0:
@@ -99,7 +116,8 @@ def run_config(mode: str, np_: int, args: argparse.Namespace, tmp: str) -> float
 
     out = os.path.join(tmp, f"{mode}-{np_}-{time.monotonic_ns()}.json")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--batch", str(args.batch), "--result", out, "--port", str(_free_port())]
+            "--warmup", str(args.warmup), "--batch", str(args.batch), "--result", out, "--port", str(_free_port()),
+            *(["--gpu"] if args.gpu else [])]
     env = {"OMP_NUM_THREADS": "1"}
     result = run_local(argv, np_, env=env, timeout=args.timeout, capture=True, verbose=0)
     if result.returncode != 0:
@@ -120,12 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--gpu", action="store_true", help="ResNet-50 on each rank's GPU, DDP over NCCL")
+    p.add_argument("--procs", default="1,2", help="process counts, e.g. 1,2")
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.batch, args.result, args.port)
+        worker(args.worker, args.steps, args.warmup, args.batch, args.result, args.port, args.gpu)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    configs = [(m, n) for n in (1, 2) for m in MODES]
+    procs = [int(n) for n in args.procs.split(",")]
+    configs = [(m, n) for n in procs for m in MODES]
     load_before = os.getloadavg()[0]
     samples: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,22 +157,26 @@ def main(argv: list[str] | None = None) -> int:
                 samples[(mode, n)].append(sps)
                 log.info("repeat %d  %-9s np=%d  %8.1f samples/s", rep, mode, n, sps)
     med = {c: statistics.median(v) for c, v in samples.items()}
+    what = "ResNet-50 (3x224x224 -> 1000" if args.gpu else "small CNN (3x32x32 -> 10"
     lines = [
-        f"small CNN (3x32x32 -> 10, {sum(p.numel() for p in _model().parameters()):,} parameters), SGD+momentum, "
+        f"{what}, {sum(p.numel() for p in _model(args.gpu).parameters()):,} parameters), SGD+momentum, "
         f"batch {args.batch} per process, {args.steps} timed steps after {args.warmup} warm-up, "
-        f"median of {args.repeats} interleaved repeats, 1 torch thread per process",
+        f"median of {args.repeats} interleaved repeats, 1 torch thread per process"
+        + (", one GPU per process" if args.gpu else ""),
         "",
-        "| processes | spark_hvd DistributedOptimizer (samples/s) | torch DDP gloo (samples/s) | spark_hvd / DDP |",
+        f"| processes | spark_hvd DistributedOptimizer (samples/s) | torch DDP {'nccl' if args.gpu else 'gloo'} "
+        "(samples/s) | spark_hvd / DDP |",
         "| --- | --- | --- | --- |",
     ]
-    for n in (1, 2):
+    for n in procs:
         a, b = med[("spark_hvd", n)], med[("ddp", n)]
         lines.append(f"| {n} | {a:.1f} | {b:.1f} | {a / b:.2f} |")
-    eff = {m: med[(m, 2)] / (2 * med[(m, 1)]) for m in MODES}
     lines += ["", f"1-minute load average of this {os.cpu_count()}-core host: {load_before:.1f} at the start, "
-              f"{os.getloadavg()[0]:.1f} at the end (other jobs were running)"]
-    lines += ["", f"scaling efficiency 1 -> 2 processes: spark_hvd {eff['spark_hvd']:.2f}, DDP {eff['ddp']:.2f}",
-              "", "all runs (samples/s): " + "; ".join(
+              f"{os.getloadavg()[0]:.1f} at the end"]
+    if 1 in procs and 2 in procs:
+        eff = {m: med[(m, 2)] / (2 * med[(m, 1)]) for m in MODES}
+        lines += ["", f"scaling efficiency 1 -> 2 processes: spark_hvd {eff['spark_hvd']:.2f}, DDP {eff['ddp']:.2f}"]
+    lines += ["", "all runs (samples/s): " + "; ".join(
                   f"{m} np={n}: " + ", ".join(f"{v:.1f}" for v in samples[(m, n)]) for m, n in configs)]
     text = "\n".join(lines)
     print(text)
