@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from spark_hvd.core import shm_slices
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -471,21 +472,26 @@ class RingBackend(Backend):
             # host and a large array, every local rank carries a slice across hosts (as Horovod's hierarchical
             # allreduce does), so the cross-host leg uses every rank's core and connection, not the leader's only
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-            if self.shm is not None:
-                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
             if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
+                # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results
+                # are gathered in one pass: (L-1)/L of the array copied in and out per rank, not a full
+                # allreduce and L broadcasts; the average is taken once, on the carried slice
                 bounds = even_bounds(flat.size, self.local_size)
                 mine = flat[bounds[self.local_rank]:bounds[self.local_rank + 1]]
+                shm_slices.reduce_scatter(self.shm, flat, bounds, inner, bfloat16, operation, self._check_peers)
                 self._tcp_allreduce(mine, inner, bfloat16, operation, self._cross_rings[self.local_rank])
-                for k in range(self.local_size):
-                    self.shm.broadcast([flat[bounds[k]:bounds[k + 1]]], k, operation, self._check_peers)
-            else:
-                if self.local_rank == 0:
-                    self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
-                if self.shm is not None:
-                    self.shm.broadcast([flat], 0, operation, self._check_peers)
-            if op is ReduceOp.AVERAGE:
-                divide_average(flat, self.size, bfloat16)
+                if op is ReduceOp.AVERAGE:
+                    divide_average(mine, self.size, bfloat16)
+                shm_slices.allgather(self.shm, flat, bounds, operation, self._check_peers)
+                return
+            if self.shm is not None:
+                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
+            if self.local_rank == 0:
+                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
+                if op is ReduceOp.AVERAGE:
+                    divide_average(flat, self.size, bfloat16)
+            if self.shm is not None:
+                self.shm.broadcast([flat], 0, operation, self._check_peers)
         else:
             self._tcp_allreduce(flat, op, bfloat16, operation)
 
