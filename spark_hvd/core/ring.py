@@ -7,8 +7,9 @@ frame HMAC-authenticated) and then:
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
-  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: local rank i
-  of every host carries slice i across hosts, then each slice is broadcast within the host by its carrier);
+  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
+  shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
+  hosts, then one shared-memory allgather; ``shm_slices``);
   ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
@@ -468,9 +469,9 @@ class RingBackend(Backend):
             self.shm.allreduce([flat], op, bfloat16, operation, self._check_peers)
         elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
-            # result within the host again; AVERAGE is a SUM divided once at the end. With as many ranks on every
-            # host and a large array, every local rank carries a slice across hosts (as Horovod's hierarchical
-            # allreduce does), so the cross-host leg uses every rank's core and connection, not the leader's only
+            # result within the host again; AVERAGE is a SUM divided once, before the sharing. With as many ranks
+            # on every host and a large array, every local rank carries a slice across hosts (as Horovod's
+            # hierarchical allreduce does), so the cross-host leg uses every rank's core and connection
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
             if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
                 # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results

@@ -17,6 +17,9 @@ number shared by all ranks, counting from 1 over the life of the group):
   Small blocks reduce every slot in rank order on every rank instead (one wait less, identical bits).
 
 The copy-in of block ``g + 1`` runs before the copy-out of block ``g``, so ranks overlap copy, reduce and wait.
+``rounds`` runs the same protocol for exchanges that are not an allreduce of one array (``shm_slices``: the
+reduce-scatter and allgather of the hierarchical allreduce): stage into one's slot, ``IN``, read the peers' slots,
+``OUT``.
 x86 keeps stores in order, so a counter is published after the data it covers with a plain store. A wait spins
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.

@@ -173,6 +173,37 @@ def test_hierarchical_across_faked_hosts(hosts):
     assert shm_leftovers(job_id) == []
 
 
+def _hier_allreduces(seed: int) -> str:
+    """Allreduces above and below the hierarchical split size through tiny shared-memory blocks and 4 slots (every
+    call reuses every slot), checked against numpy; returns a digest of the results."""
+    be = backend_from_env({"shm_block_bytes": 4096, "shm_slots": 4, "frame_bytes": 64 * 1024})
+    digest = hashlib.sha256()
+    try:
+        assert be.transport == "hier"
+        for dtype, op in (("float32", ReduceOp.SUM), ("float32", ReduceOp.AVERAGE), ("int32", ReduceOp.AVERAGE),
+                          ("float64", ReduceOp.MIN), ("bfloat16", ReduceOp.SUM)):
+            for count in (1001, 70_001):  # 70_001 float32: above HIER_SPLIT_BYTES, split over the local ranks
+                buf = _data(seed, be.rank, count, dtype)
+                be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
+                want = _expected([_data(seed, k, count, dtype) for k in range(be.size)], op, dtype)
+                _close(buf, want, dtype, f"allreduce {dtype} {op} n={count}")
+                digest.update(buf.tobytes())
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+def test_hierarchical_three_ranks_per_host_small_blocks():
+    # 2 faked hosts of 3 ranks: every local rank carries a third of the array across hosts
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    job_id = f"hier3x2{seed}"
+    digests = run_ranks(_hier_allreduces, 6, env=lambda r: {"SPARK_HVD_HOST_ID": "ab"[r // 3],
+                                                            "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=180, args=(seed,), job_id=job_id)
+    assert len(set(digests)) == 1  # every rank holds the same bits
+    assert shm_leftovers(job_id) == []
+
+
 def _pair_exchange_in_frames(seed: int) -> str:
     """Two ranks exchange 400 KB arrays whole in 32 KiB frames; checked against numpy."""
     be = backend_from_env({"frame_bytes": 32 * 1024, "pair_exchange_bytes": 1 << 20})
