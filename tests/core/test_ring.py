@@ -245,14 +245,19 @@ def _die_mid_collective(victim: int, shm: bool) -> dict:
         be.close()
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
-def test_sigkilled_rank_is_named_by_every_other_rank(shm):
-    job_id = f"kill{int(shm)}{os.getpid()}"
-    timeout = 20
-    results = run_ranks(_die_mid_collective, 3, args=(1, shm), allow_death={1}, timeout=120, job_id=job_id,
-                        env={"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": str(timeout)})
+@pytest.mark.parametrize("transport", ["shm", "tcp", "hier"])
+def test_sigkilled_rank_is_named_by_every_other_rank(transport):
+    # hier: 2 faked hosts of 2 ranks; rank 1 dies while carrying its slice (its host peer waits in shared memory)
+    job_id = f"kill{transport}{os.getpid()}"
+    shm, n = transport != "tcp", 4 if transport == "hier" else 3
+
+    def env(rank: int) -> dict[str, str]:
+        host = {"SPARK_HVD_HOST_ID": "ab"[rank // 2]} if transport == "hier" else {}
+        return {"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": "20", **host}
+
+    results = run_ranks(_die_mid_collective, n, args=(1, shm), allow_death={1}, timeout=120, job_id=job_id, env=env)
     assert isinstance(results[1], RankDied) and results[1].exitcode == -signal.SIGKILL
-    for r in (0, 2):
+    for r in [k for k in range(n) if k != 1]:
         res = results[r]
         assert res["error"] is not None, f"rank {r} did not notice"
         assert res["rank"] == 1, f"rank {r}: {res['message']}"
