@@ -24,8 +24,9 @@ x86 keeps stores in order, so a counter is published after the data it covers wi
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
 
-Over 400 lines on purpose: the block pipeline, its two reduction schemes and the waits all follow the one counter
-protocol above, which is easiest to check in one place.
+Over 400 lines on purpose: the block pipeline, its two reduction schemes, the broadcast, the exchange rounds and
+the waits all follow the one counter protocol above, which is easiest to check in one place (what the rounds
+carry is in ``shm_slices``).
 """
 
 from __future__ import annotations
