@@ -10,7 +10,10 @@ source tree given, alternating the trees every round, and prints each tree's CPU
     .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
 
 ``--hier`` runs the hierarchical path (``SPARK_HVD_HOST_ID``: ranks 0..N/2-1 on one "host", the rest on
-another); otherwise the TCP ring (``SPARK_HVD_SHM=0``). Figures from a loaded machine are indicative only.
+another); otherwise the TCP ring (``SPARK_HVD_SHM=0``). ``--profile K`` also runs cProfile with a CPU clock on every
+rank over the timed allreduces and prints rank 0's top K functions by own time (per tree, last round; the profiler
+adds its own cost to every call, so read shares, not the timings). Figures from a loaded machine are indicative
+only.
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def _rank(sizes: list[int]) -> dict:
+def _rank(sizes: list[int], profile: int) -> dict:
     """One rank: time every size (warm-up, barrier, then a fixed byte budget of allreduces)."""
+    import cProfile
+    import io
+    import pstats
+
     import numpy as np
     from ringutil import backend_from_env
 
     from spark_hvd.core.backend import ReduceOp
 
     backend = backend_from_env()
-    out = {}
+    out: dict = {}
+    profiler = cProfile.Profile(time.process_time) if profile else None
     try:
         for nbytes in sizes:
             buf = np.zeros(nbytes // 4, np.float32)
@@ -43,23 +51,34 @@ def _rank(sizes: list[int]) -> dict:
             for _ in range(2):
                 backend.allreduce(buf, ReduceOp.SUM)
             backend.barrier()
+            if profiler is not None:
+                profiler.enable()
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 backend.allreduce(buf, ReduceOp.SUM)
             out[nbytes] = ((time.perf_counter() - wall) / iters, (time.process_time() - cpu) / iters)
+            if profiler is not None:
+                profiler.disable()
         backend.barrier()
     finally:
         backend.close()
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+        out["profile"] = text.getvalue()
     return out
 
 
-def _worker(n: int, sizes: list[int], hier: bool) -> None:
-    """Run in a tree (cwd): spawn the ranks, print {size: [wall of the slowest rank, mean cpu]} as JSON."""
+def _worker(n: int, sizes: list[int], hier: bool, profile: int) -> None:
+    """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
+    {size: [wall of the slowest rank, mean cpu]} as JSON."""
     sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests", "core")]
     from ringutil import run_ranks
 
     env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "0"}
-    results = run_ranks(_rank, n, env=env, args=(sizes,), timeout=900)
+    results = run_ranks(_rank, n, env=env, args=(sizes, profile), timeout=900)
+    if profile:
+        print(results[0]["profile"])
     print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n] for s in sizes}))
 
 
@@ -70,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4K,1M,16M,64M")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hier", action="store_true", help="two simulated hosts (the hierarchical path)")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="cProfile every rank (CPU clock); print rank 0's top K functions per tree")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
     args = parser.parse_args(argv)
     if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
-        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier)
+        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.profile)
         return 0
     sys.path.insert(0, str(HERE.parents[1]))
     from benchmarks.allreduce import human, parse_size
@@ -81,16 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    profiles: dict[str, str] = {}
     for rnd in range(args.rounds):
         for tree in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
-                   str(args.np)] + (["--hier"] if args.hier else [])
+                   str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else [])
             env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
                 raise RuntimeError(f"{tree}: {done.stderr[-3000:]}")
-            for size, (wall, cpu) in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            *profile, last = done.stdout.strip().splitlines()
+            profiles[tree] = "\n".join(profile)
+            for size, (wall, cpu) in json.loads(last).items():
                 runs.setdefault((tree, int(size)), []).append((wall, cpu))
+    for tree, text in profiles.items():
+        if text.strip():
+            print(f"# rank 0 of {tree}, cProfile (CPU clock), sizes {args.sizes} together, last round\n{text}")
     print(f"# bare RingBackend, N={args.np}, {'hierarchical' if args.hier else 'TCP ring'}, median of "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
     print("| size | tree | wall per allreduce | cpu per allreduce per rank |\n|---|---|---|---|")

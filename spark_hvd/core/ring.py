@@ -7,8 +7,9 @@ frame HMAC-authenticated) and then:
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
   shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
-  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: local rank i
-  of every host carries slice i across hosts, then each slice is broadcast within the host by its carrier);
+  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
+  shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
+  hosts, then one shared-memory allgather; ``shm_slices``);
   ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
@@ -38,6 +39,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from spark_hvd.core import shm_slices
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -467,25 +469,30 @@ class RingBackend(Backend):
             self.shm.allreduce([flat], op, bfloat16, operation, self._check_peers)
         elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
-            # result within the host again; AVERAGE is a SUM divided once at the end. With as many ranks on every
-            # host and a large array, every local rank carries a slice across hosts (as Horovod's hierarchical
-            # allreduce does), so the cross-host leg uses every rank's core and connection, not the leader's only
+            # result within the host again; AVERAGE is a SUM divided once, before the sharing. With as many ranks
+            # on every host and a large array, every local rank carries a slice across hosts (as Horovod's
+            # hierarchical allreduce does), so the cross-host leg uses every rank's core and connection
             inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-            if self.shm is not None:
-                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
             if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
+                # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results
+                # are gathered in one pass: (L-1)/L of the array copied in and out per rank, not a full
+                # allreduce and L broadcasts; the average is taken once, on the carried slice
                 bounds = even_bounds(flat.size, self.local_size)
                 mine = flat[bounds[self.local_rank]:bounds[self.local_rank + 1]]
+                shm_slices.reduce_scatter(self.shm, flat, bounds, inner, bfloat16, operation, self._check_peers)
                 self._tcp_allreduce(mine, inner, bfloat16, operation, self._cross_rings[self.local_rank])
-                for k in range(self.local_size):
-                    self.shm.broadcast([flat[bounds[k]:bounds[k + 1]]], k, operation, self._check_peers)
-            else:
-                if self.local_rank == 0:
-                    self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
-                if self.shm is not None:
-                    self.shm.broadcast([flat], 0, operation, self._check_peers)
-            if op is ReduceOp.AVERAGE:
-                divide_average(flat, self.size, bfloat16)
+                if op is ReduceOp.AVERAGE:
+                    divide_average(mine, self.size, bfloat16)
+                shm_slices.allgather(self.shm, flat, bounds, operation, self._check_peers)
+                return
+            if self.shm is not None:
+                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
+            if self.local_rank == 0:
+                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
+                if op is ReduceOp.AVERAGE:
+                    divide_average(flat, self.size, bfloat16)
+            if self.shm is not None:
+                self.shm.broadcast([flat], 0, operation, self._check_peers)
         else:
             self._tcp_allreduce(flat, op, bfloat16, operation)
 

@@ -17,12 +17,16 @@ number shared by all ranks, counting from 1 over the life of the group):
   Small blocks reduce every slot in rank order on every rank instead (one wait less, identical bits).
 
 The copy-in of block ``g + 1`` runs before the copy-out of block ``g``, so ranks overlap copy, reduce and wait.
+``rounds`` runs the same protocol for exchanges that are not an allreduce of one array (``shm_slices``: the
+reduce-scatter and allgather of the hierarchical allreduce): stage into one's slot, ``IN``, read the peers' slots,
+``OUT``.
 x86 keeps stores in order, so a counter is published after the data it covers with a plain store. A wait spins
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
 
-Over 400 lines on purpose: the block pipeline, its two reduction schemes and the waits all follow the one counter
-protocol above, which is easiest to check in one place.
+Over 400 lines on purpose: the block pipeline, its two reduction schemes, the broadcast, the exchange rounds and
+the waits all follow the one counter protocol above, which is easiest to check in one place (what the rounds
+carry is in ``shm_slices``).
 """
 
 from __future__ import annotations
@@ -283,6 +287,56 @@ class ShmGroup:
 
     def _ready_all(self, word: int, target: int) -> bool:
         return all(self.ctrl[k][word] >= target for k in range(self.size) if k != self.local)
+
+    # -- exchange rounds (the slice collectives of ``shm_slices``) ----------------------------------------------
+    def rounds(self, nblocks: int, stage: Callable[[int, np.ndarray], None],
+               consume: Callable[[int, int, np.ndarray], None], operation: str,
+               check_peers: Callable[[str], None]) -> None:
+        """Run ``nblocks`` exchange rounds among the members, one slot each, under the counter protocol above.
+
+        Round ``b``: ``stage(b, slot)`` fills this rank's slot (uint8, ``block_bytes``) with what its peers need
+        from it, then ``IN`` is published; for every peer k, in the fixed order ``me + 1, me + 2, ...`` (so a
+        reduction adds in the same order every time), once k's ``IN`` covers the round, ``consume(b, k, slot_k)``
+        reads k's slot (read-only); then ``OUT``. Later rounds are staged while waiting (copy overlaps the wait).
+        """
+        if nblocks <= 0 or self.size == 1:
+            return
+        base = self.seq
+        self.seq += nblocks
+        me, nslots, block = self.local, self.nslots, self.block_bytes
+        staged = 0
+
+        def stage_next() -> None:
+            nonlocal staged
+            g = base + staged + 1
+            if g > nslots:
+                self._wait_all(OUT, g - nslots, operation, check_peers)
+            off = ((g - 1) % nslots) * block
+            stage(staged, self.slots[me][off:off + block])
+            self._publish(IN, g)
+            staged += 1
+
+        def stage_ahead() -> bool:
+            """Idle work while waiting: stage the next round if its slot is free (never waits)."""
+            if staged >= nblocks:
+                return False
+            g = base + staged + 1
+            if g > nslots and not self._ready_all(OUT, g - nslots):
+                return False
+            stage_next()
+            return True
+
+        for b in range(nblocks):
+            while staged <= b:
+                stage_next()
+            g = base + b + 1
+            off = ((g - 1) % nslots) * block
+            for step in range(1, self.size):
+                k = (me + step) % self.size
+                if self.ctrl[k][IN] < g:
+                    self._wait(k, IN, g, operation, check_peers, stage_ahead)
+                consume(b, k, self.slots[k][off:off + block])
+            self._publish(OUT, g)
 
     # -- broadcast ---------------------------------------------------------------------------------------------
     def broadcast(self, segs: Sequence[np.ndarray], root: int, operation: str,

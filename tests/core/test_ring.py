@@ -173,6 +173,37 @@ def test_hierarchical_across_faked_hosts(hosts):
     assert shm_leftovers(job_id) == []
 
 
+def _hier_allreduces(seed: int) -> str:
+    """Allreduces above and below the hierarchical split size through tiny shared-memory blocks and 4 slots (every
+    call reuses every slot), checked against numpy; returns a digest of the results."""
+    be = backend_from_env({"shm_block_bytes": 4096, "shm_slots": 4, "frame_bytes": 64 * 1024})
+    digest = hashlib.sha256()
+    try:
+        assert be.transport == "hier"
+        for dtype, op in (("float32", ReduceOp.SUM), ("float32", ReduceOp.AVERAGE), ("int32", ReduceOp.AVERAGE),
+                          ("float64", ReduceOp.MIN), ("bfloat16", ReduceOp.SUM)):
+            for count in (1001, 70_001):  # 70_001 float32: above HIER_SPLIT_BYTES, split over the local ranks
+                buf = _data(seed, be.rank, count, dtype)
+                be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
+                want = _expected([_data(seed, k, count, dtype) for k in range(be.size)], op, dtype)
+                _close(buf, want, dtype, f"allreduce {dtype} {op} n={count}")
+                digest.update(buf.tobytes())
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+def test_hierarchical_three_ranks_per_host_small_blocks():
+    # 2 faked hosts of 3 ranks: every local rank carries a third of the array across hosts
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    job_id = f"hier3x2{seed}"
+    digests = run_ranks(_hier_allreduces, 6, env=lambda r: {"SPARK_HVD_HOST_ID": "ab"[r // 3],
+                                                            "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=180, args=(seed,), job_id=job_id)
+    assert len(set(digests)) == 1  # every rank holds the same bits
+    assert shm_leftovers(job_id) == []
+
+
 def _pair_exchange_in_frames(seed: int) -> str:
     """Two ranks exchange 400 KB arrays whole in 32 KiB frames; checked against numpy."""
     be = backend_from_env({"frame_bytes": 32 * 1024, "pair_exchange_bytes": 1 << 20})
@@ -214,14 +245,19 @@ def _die_mid_collective(victim: int, shm: bool) -> dict:
         be.close()
 
 
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
-def test_sigkilled_rank_is_named_by_every_other_rank(shm):
-    job_id = f"kill{int(shm)}{os.getpid()}"
-    timeout = 20
-    results = run_ranks(_die_mid_collective, 3, args=(1, shm), allow_death={1}, timeout=120, job_id=job_id,
-                        env={"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": str(timeout)})
+@pytest.mark.parametrize("transport", ["shm", "tcp", "hier"])
+def test_sigkilled_rank_is_named_by_every_other_rank(transport):
+    # hier: 2 faked hosts of 2 ranks; rank 1 dies while carrying its slice (its host peer waits in shared memory)
+    job_id = f"kill{transport}{os.getpid()}"
+    shm, n = transport != "tcp", 4 if transport == "hier" else 3
+
+    def env(rank: int) -> dict[str, str]:
+        host = {"SPARK_HVD_HOST_ID": "ab"[rank // 2]} if transport == "hier" else {}
+        return {"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": "20", **host}
+
+    results = run_ranks(_die_mid_collective, n, args=(1, shm), allow_death={1}, timeout=120, job_id=job_id, env=env)
     assert isinstance(results[1], RankDied) and results[1].exitcode == -signal.SIGKILL
-    for r in (0, 2):
+    for r in [k for k in range(n) if k != 1]:
         res = results[r]
         assert res["error"] is not None, f"rank {r} did not notice"
         assert res["rank"] == 1, f"rank {r}: {res['message']}"
