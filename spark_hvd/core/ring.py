@@ -5,7 +5,8 @@ identity and, when shared memory is on, the name of its shared-memory segment), 
 frame HMAC-authenticated) and then:
 
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
-  shared-memory allreduce (``spark_hvd.core.shm``); ``"hier"`` when ranks share hosts across several hosts:
+  shared-memory allreduce (``spark_hvd.core.shm``; two ranks and large arrays: a single-copy one by cross-memory
+  attach, ``shm_cma``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
   shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import shm_slices
+from spark_hvd.core import shm_cma, shm_slices
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -179,6 +180,7 @@ class RingBackend(Backend):
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
         self.peers: dict[int, PeerSocket] = {}
         self.shm: ShmGroup | None = None
+        self._cma: shm_cma.CmaPair | None = None
         self._leaders: list[int] = []
         #: with as many ranks on every host: ring i joins local rank i of every host (``_allreduce_flat``)
         self._cross_rings: list[list[int]] = []
@@ -254,6 +256,8 @@ class RingBackend(Backend):
                 if segment is not None:
                     segment.close()
                     segment = None
+                if self.transport == "shm" and size == 2 and self.settings.shm_cma_bytes > 0:
+                    self._setup_cma()
         except BaseException:
             if segment is not None:
                 segment.close()
@@ -263,6 +267,25 @@ class RingBackend(Backend):
             raise
         logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
                      self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
+
+    def _setup_cma(self) -> None:
+        """Two ranks on one host: the single-copy allreduce (``shm_cma``) if both can read each other's memory
+        (one probe read each; where ptrace rules refuse it, both keep the slot protocol)."""
+        assert self.shm is not None
+        reason = shm_cma.probe(self.shm)
+        if reason is not None:
+            logger.info("rank %d: no cross-memory allreduce (%s); using the shared-memory slots", self.rank, reason)
+        probed = self._small_allgather(b"1" if reason is None else b"0", "setup")
+        if all(f == b"1" for f in probed):
+            self._cma = shm_cma.CmaPair(self.shm, self.settings.shm_cma_bytes)
+
+    def _shm_allreduce(self, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """All ranks on this host: cross-memory (two ranks, large arrays) or the shared-memory slots."""
+        assert self.shm is not None
+        if self._cma is not None and self._cma.takes(flats):
+            self._cma.allreduce(flats, op, bfloat16, operation, self._check_peers)
+        else:
+            self.shm.allreduce(flats, op, bfloat16, operation, self._check_peers)
 
     def _topology(self, infos: list[dict[str, Any]]) -> None:
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(
@@ -319,6 +342,7 @@ class RingBackend(Backend):
         if self._listener is not None:
             self._listener.close()
         if self.shm is not None:
+            self._cma = None
             self.shm.close()
             self.shm = None
 
@@ -465,8 +489,7 @@ class RingBackend(Backend):
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         """Allreduce one flat array in place with the best transport."""
         if self.transport == "shm":
-            assert self.shm is not None
-            self.shm.allreduce([flat], op, bfloat16, operation, self._check_peers)
+            self._shm_allreduce([flat], op, bfloat16, operation)
         elif self.transport == "hier":
             # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
             # result within the host again; AVERAGE is a SUM divided once, before the sharing. With as many ranks
@@ -531,8 +554,7 @@ class RingBackend(Backend):
         if not flats:
             return
         if self.transport == "shm":
-            assert self.shm is not None
-            self.shm.allreduce(flats, op, bfloat16, "allreduce", self._check_peers)
+            self._shm_allreduce(flats, op, bfloat16, "allreduce")
             return
         packed = flats[0] if len(flats) == 1 else np.concatenate(flats)  # the TCP paths need one array
         self._allreduce_flat(packed, op, bfloat16, "allreduce")

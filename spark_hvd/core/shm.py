@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 CTRL_BYTES = 4096
 # control words (int64 index into the control page), one cache line apart
-IN, RED, OUT, PID = 0, 8, 16, 24
+IN, RED, OUT, PID = 0, 8, 16, 24  # PID + 1: this mapping's address (shm_cma); shm_cma uses 32..
 SPIN_CHECKS = 500
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
@@ -183,7 +183,10 @@ class ShmGroup:
         # from the very peer being waited for, so sleep on the futex straight away
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.spin_checks = SPIN_CHECKS if len(self.ranks) <= cores else 0
-        memoryview(self._own)[:CTRL_BYTES].cast("q")[PID] = os.getpid()
+        own = memoryview(self._own)[:CTRL_BYTES].cast("q")
+        own[PID] = os.getpid()
+        own[PID + 1] = np.frombuffer(self._own, dtype=np.uint8, count=8).ctypes.data  # for shm_cma.probe
+        own.release()
 
     def attach(self) -> None:
         """Map every member's segment (read-only for peers); every member must have created its own."""

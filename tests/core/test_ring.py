@@ -245,11 +245,12 @@ def _die_mid_collective(victim: int, shm: bool) -> dict:
         be.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "hier"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "hier", "cma"])
 def test_sigkilled_rank_is_named_by_every_other_rank(transport):
-    # hier: 2 faked hosts of 2 ranks; rank 1 dies while carrying its slice (its host peer waits in shared memory)
+    # hier: 2 faked hosts of 2 ranks; rank 1 dies while carrying its slice (its host peer waits in shared memory);
+    # cma: two ranks, whose 16 MiB allreduces read each other's buffers (shm_cma)
     job_id = f"kill{transport}{os.getpid()}"
-    shm, n = transport != "tcp", 4 if transport == "hier" else 3
+    shm, n = transport != "tcp", {"hier": 4, "cma": 2}.get(transport, 3)
 
     def env(rank: int) -> dict[str, str]:
         host = {"SPARK_HVD_HOST_ID": "ab"[rank // 2]} if transport == "hier" else {}

@@ -1,0 +1,182 @@
+"""The single-copy (cross-memory attach) allreduce of two ranks, against numpy.
+
+Protocol tests run the two members as threads of this process, each with its own ``ShmGroup`` over real /dev/shm
+segments and its own ``CmaPair`` (``process_vm_readv`` on this process's own pid is the same system call);
+tiny scratch blocks make every call run many blocks. Backend tests run two spawned ranks through
+``RingBackend``: the threshold, fused arrays, and the fallback to the slot protocol when the probe fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from ringutil import backend_from_env, run_ranks
+
+from spark_hvd.core import shm_cma
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.reduce import f32_to_bf16, reference_reduce
+from spark_hvd.core.shm import ShmGroup, segment_path, shm_available
+
+pytestmark = pytest.mark.skipif(not shm_available() or shm_cma._READV is None,
+                                reason="no /dev/shm or no process_vm_readv here")
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
+OPS = list(ReduceOp)
+
+
+def _no_peers(operation: str) -> None:
+    """Threads of one process: no TCP connections to check."""
+
+
+def _pairs(block_bytes: int = 192) -> list[shm_cma.CmaPair]:
+    nonce = secrets.token_hex(4)
+    paths = [segment_path("cma", nonce, k) for k in range(2)]
+    groups = [ShmGroup(paths, k, [0, 1], 20.0, 4096, 2) for k in range(2)]
+    for g in groups:
+        g.attach()
+    for g in groups:
+        g.unlink()
+    return [shm_cma.CmaPair(g, 0, block_bytes) for g in groups]
+
+
+def _close(pairs: list[shm_cma.CmaPair]) -> None:
+    for p in pairs:
+        p.group.close()
+
+
+def _both(fn) -> None:
+    """Run ``fn(member)`` on two threads; re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a member did not finish"
+    if errors:
+        raise errors[0]
+
+
+def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank, n, DTYPES.index(dtype)])
+    if dtype in ("int32", "int64", "uint8"):
+        return rng.integers(1, 9, n).astype(dtype)
+    values = (rng.random(n) * 2 - 0.7).astype(np.float32)
+    if dtype == "bfloat16":
+        return f32_to_bf16(values, np.empty(n, np.uint16))
+    return values.astype(dtype)
+
+
+def test_probe_reads_the_peer_and_a_dead_pid_is_named():
+    pairs = _pairs()
+    try:
+        assert shm_cma.probe(pairs[0].group) is None
+        child = subprocess.Popen([sys.executable, "-c", "pass"])
+        child.wait()
+        word = np.zeros(1, np.int64)
+        with pytest.raises(PeerFailureError, match="rank 5 .*process is gone") as info:
+            shm_cma.read_peer(child.pid, [(word.ctypes.data, 8)], [(word.ctypes.data, 8)], 5, "allreduce")
+        assert info.value.rank == 5
+    finally:
+        _close(pairs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_op_matches_numpy_bit_for_bit(dtype):
+    # sizes: one element, odd, one block less/more than a block (192 bytes), many blocks
+    sizes = [1, 7, 191 // np.dtype("uint16" if dtype == "bfloat16" else dtype).itemsize, 97, 1001]
+    pairs = _pairs()
+    try:
+        for n in sizes:
+            for op in OPS:
+                arrays = [_data(n, k, n, dtype) for k in range(2)]
+                want = reference_reduce(arrays, op, dtype == "bfloat16")
+                bufs = [a.copy() for a in arrays]
+                _both(lambda k, bufs=bufs, op=op: pairs[k].allreduce([bufs[k]], op, dtype == "bfloat16",
+                                                                     "allreduce", _no_peers))
+                for k in range(2):
+                    np.testing.assert_array_equal(bufs[k], want, err_msg=f"{dtype} {op} n={n} rank {k}")
+    finally:
+        _close(pairs)
+
+
+def test_fused_pieces_and_buffer_reuse_right_after_return():
+    # the ordering rules: each member refills its buffers with new data as soon as allreduce returns and a
+    # member sleeps at random between calls; a peer still reading (or an early write) would show in the sums
+    pairs = _pairs(block_bytes=64)
+    lengths = [3, 1, 40, 17, 0, 64, 5]
+    rounds = 30
+    results: list[list[np.ndarray]] = [[], []]
+
+    def member(k: int) -> None:
+        segs = [np.empty(n, np.float64) for n in lengths]
+        rnd = random.Random(k)
+        for i in range(rounds):
+            for j, s in enumerate(segs):
+                s[...] = np.arange(s.size) + 1000 * i + 100 * j + k
+            pairs[k].allreduce([s for s in segs if s.size], ReduceOp.SUM, False, "allreduce", _no_peers)
+            results[k].append(np.concatenate(segs).copy())
+            if rnd.random() < 0.3:
+                time.sleep(0.001)
+
+    try:
+        _both(member)
+        for i in range(rounds):
+            want = np.concatenate([2 * (np.arange(n) + 1000 * i + 100 * j) + 1 for j, n in enumerate(lengths)])
+            for k in range(2):
+                np.testing.assert_array_equal(results[k][i], want, err_msg=f"round {i} rank {k}")
+    finally:
+        _close(pairs)
+
+
+def _through_backend(seed: int, refuse_on: int | None) -> dict:
+    """Allreduce sizes around the threshold (4 KiB here) and a fused call; digest of every result."""
+    if refuse_on is not None:
+        import os
+
+        if int(os.environ["SPARK_HVD_RANK"]) == refuse_on:
+            shm_cma.probe = lambda group: "refused by the test"
+    be = backend_from_env()
+    out: dict = {"cma": be._cma is not None}
+    try:
+        for n in (1023, 1024, 1025, 70_001):
+            buf = _data(seed, be.rank, n, "float32")
+            be.allreduce(buf, ReduceOp.AVERAGE)
+            out[n] = hashlib.sha256(buf.tobytes()).hexdigest()
+        fused = [_data(seed, be.rank, n, "int64") for n in (300, 1, 900)]
+        be.allreduce_fused(fused, ReduceOp.MAX)
+        out["fused"] = hashlib.sha256(np.concatenate(fused).tobytes()).hexdigest()
+    finally:
+        be.close()
+    return out
+
+
+@pytest.mark.parametrize("refuse_on,cma", [(None, "4096"), (1, "4096"), (None, "0")],
+                         ids=["cma", "probe-refused", "off"])
+def test_backend_threshold_fusion_and_fallback(refuse_on, cma):
+    seed = 11
+    results = run_ranks(_through_backend, 2, env={"SPARK_HVD_SHM": "1", "SPARK_HVD_SHM_CMA": cma,
+                                                  "SPARK_HVD_TIMEOUT": "30"}, timeout=120, args=(seed, refuse_on))
+    assert results[0] == results[1]  # identical bits on both ranks
+    assert results[0]["cma"] is (refuse_on is None and cma != "0")  # both fall back when either probe fails
+    for n in (1023, 1024, 1025, 70_001):
+        want = reference_reduce([_data(seed, k, n, "float32") for k in range(2)], ReduceOp.AVERAGE)
+        assert results[0][n] == hashlib.sha256(want.tobytes()).hexdigest(), n
+    fused = [np.concatenate([_data(seed, k, n, "int64") for n in (300, 1, 900)]) for k in range(2)]
+    assert results[0]["fused"] == hashlib.sha256(np.maximum(*fused).tobytes()).hexdigest()
