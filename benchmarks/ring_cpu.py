@@ -10,7 +10,8 @@ source tree given, alternating the trees every round, and prints each tree's CPU
     .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
 
 ``--hier`` runs the hierarchical path (``SPARK_HVD_HOST_ID``: ranks 0..N/2-1 on one "host", the rest on
-another); otherwise the TCP ring (``SPARK_HVD_SHM=0``). ``--profile K`` also runs cProfile with a CPU clock on every
+another); ``--shm`` shared memory among all N ranks (at N=2 from ``SPARK_HVD_SHM_CMA`` bytes: cross-memory attach);
+otherwise the TCP ring (``SPARK_HVD_SHM=0``). ``--profile K`` also runs cProfile with a CPU clock on every
 rank over the timed allreduces and prints rank 0's top K functions by own time (per tree, last round; the profiler
 adds its own cost to every call, so read shares, not the timings). Figures from a loaded machine are indicative
 only.
@@ -69,13 +70,13 @@ def _rank(sizes: list[int], profile: int) -> dict:
     return out
 
 
-def _worker(n: int, sizes: list[int], hier: bool, profile: int) -> None:
+def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> None:
     """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
     {size: [wall of the slowest rank, mean cpu]} as JSON."""
     sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests", "core")]
     from ringutil import run_ranks
 
-    env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "0"}
+    env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "1" if shm else "0"}
     results = run_ranks(_rank, n, env=env, args=(sizes, profile), timeout=900)
     if profile:
         print(results[0]["profile"])
@@ -89,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="4K,1M,16M,64M")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hier", action="store_true", help="two simulated hosts (the hierarchical path)")
+    parser.add_argument("--shm", action="store_true", help="shared memory among the N ranks of this host")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="cProfile every rank (CPU clock); print rank 0's top K functions per tree")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
     args = parser.parse_args(argv)
     if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
-        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.profile)
+        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.shm, args.profile)
         return 0
     sys.path.insert(0, str(HERE.parents[1]))
     from benchmarks.allreduce import human, parse_size
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for tree in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
-                   str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else [])
+                   str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else []) + \
+                (["--shm"] if args.shm else [])
             env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     for tree, text in profiles.items():
         if text.strip():
             print(f"# rank 0 of {tree}, cProfile (CPU clock), sizes {args.sizes} together, last round\n{text}")
-    print(f"# bare RingBackend, N={args.np}, {'hierarchical' if args.hier else 'TCP ring'}, median of "
+    path = "hierarchical" if args.hier else "shared memory" if args.shm else "TCP ring"
+    print(f"# bare RingBackend, N={args.np}, {path}, median of "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
     print("| size | tree | wall per allreduce | cpu per allreduce per rank |\n|---|---|---|---|")
     for size in sizes:

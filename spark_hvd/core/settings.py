@@ -74,7 +74,7 @@ class Settings:
         "SPARK_HVD_SHM", None, True, _bool,
         "use shared memory between ranks on the same host")
     shm_cma_bytes: int = _setting(
-        "SPARK_HVD_SHM_CMA", None, 1 * MIB, int,
+        "SPARK_HVD_SHM_CMA", None, 2 * MIB, int,
         "two ranks alone on one host allreduce arrays from this many bytes by reading each other's buffers "
         "(Linux cross-memory attach, process_vm_readv: one copy) instead of through shared-memory slots; "
         "0 turns it off")

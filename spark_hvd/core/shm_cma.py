@@ -67,7 +67,7 @@ TABLE = 64
 #: at most this many arrays in one operation (more: the caller uses the slot protocol)
 MAX_SEGS = (CTRL_BYTES // 8 - TABLE) // 2
 #: scratch block of the reduce-scatter: the peer's data is read into it and reduced from it while in cache
-BLOCK_BYTES = 256 * 1024
+BLOCK_BYTES = 512 * 1024
 
 
 class _IoVec(ctypes.Structure):
@@ -112,17 +112,13 @@ def _offsets(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def read_peer(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], rank: int,
-              operation: str) -> None:
-    """Copy the (address, bytes) ranges ``remote`` of process ``pid`` into this process's ``local`` ranges (the
-    same number of bytes in all); a failure raises ``PeerFailureError`` naming ``rank``."""
+def _readv(pid: int, liov: ctypes.Array, nl: int, riov: ctypes.Array, nr: int, want: int, rank: int,
+           operation: str) -> None:
+    """One ``process_vm_readv`` of ``want`` bytes; a failure raises ``PeerFailureError`` naming ``rank``."""
     if _READV is None:
         raise PeerFailureError(f"{operation}: process_vm_readv is not available here", rank=rank,
                                operation=operation)
-    want = sum(n for _, n in local)
-    liov = (_IoVec * len(local))(*[_IoVec(a, n) for a, n in local])
-    riov = (_IoVec * len(remote))(*[_IoVec(a, n) for a, n in remote])
-    got = _READV(pid, liov, len(local), riov, len(remote), 0)
+    got = _READV(pid, liov, nl, riov, nr, 0)
     if got == want:
         return
     err = ctypes.get_errno() if got < 0 else 0
@@ -130,6 +126,15 @@ def read_peer(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple
            errno.EPERM: "permission denied"}.get(err, os.strerror(err) if err else f"only {got} of {want} bytes")
     raise PeerFailureError(f"{operation}: could not read the memory of rank {rank} (pid {pid}): {why}", rank=rank,
                            operation=operation)
+
+
+def read_peer(pid: int, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], rank: int,
+              operation: str) -> None:
+    """Copy the (address, bytes) ranges ``remote`` of process ``pid`` into this process's ``local`` ranges (the
+    same number of bytes in all); a failure raises ``PeerFailureError`` naming ``rank``."""
+    liov = (_IoVec * len(local))(*[_IoVec(a, n) for a, n in local])
+    riov = (_IoVec * len(remote))(*[_IoVec(a, n) for a, n in remote])
+    _readv(pid, liov, len(local), riov, len(remote), sum(n for _, n in local), rank, operation)
 
 
 def probe(group: ShmGroup) -> str | None:
@@ -162,6 +167,20 @@ class CmaPair:
         self.block_bytes = max(64, block_bytes - block_bytes % 64)
         self.scratch = np.empty(self.block_bytes, np.uint8)
         self.seq = 0
+        # preallocated iovecs (a ctypes array per call costs more than a block's copy is worth)
+        self._liov = (_IoVec * (MAX_SEGS + 1))()
+        self._riov = (_IoVec * (MAX_SEGS + 1))()
+
+    def _read(self, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]], operation: str) -> None:
+        """``read_peer`` from the peer through the preallocated iovecs."""
+        liov, riov = self._liov, self._riov
+        for k, (a, n) in enumerate(local):
+            liov[k].iov_base, liov[k].iov_len = a, n
+        want = 0
+        for k, (a, n) in enumerate(remote):
+            riov[k].iov_base, riov[k].iov_len = a, n
+            want += n
+        _readv(self.peer_pid, liov, len(local), riov, len(remote), want, self.peer_rank, operation)
 
     def takes(self, segs: Sequence[np.ndarray]) -> bool:
         """Whether ``allreduce`` handles these arrays (large enough, not too many pieces)."""
@@ -179,6 +198,8 @@ class CmaPair:
         """The peer's posted (addresses, byte offsets); its total must match this rank's."""
         ctrl = self.group.ctrl[self.peer]
         n = int(ctrl[NSEG])
+        if not 0 < n <= MAX_SEGS:
+            raise TensorMismatchError(f"{operation}: rank {self.peer_rank} posted {n} arrays (at most {MAX_SEGS})")
         addrs = [int(ctrl[TABLE + 2 * i]) for i in range(n)]
         starts = _offsets([int(ctrl[TABLE + 2 * i + 1]) for i in range(n)])
         if starts[-1] != nbytes:
@@ -209,14 +230,16 @@ class CmaPair:
         lo, hi = bounds[me], bounds[me + 1]
         block = self.block_bytes - self.block_bytes % size
         scratch = self.scratch
+        base = scratch.ctypes.data
+        average = op is ReduceOp.AVERAGE
         for a in range(lo, hi, block):
             b = min(hi, a + block)
-            read_peer(self.peer_pid, [(scratch.ctypes.data, b - a)], remote(a, b), self.peer_rank, operation)
+            self._read([(base, b - a)], remote(a, b), operation)
             for i, at, n in _spans(mine, a, b):
                 dst = raw[i][at:at + n].view(dtype)
                 src = scratch[at + mine[i] - a:at + mine[i] - a + n].view(dtype)
                 reduce_into(dst, src, op, bfloat16)
-                if op is ReduceOp.AVERAGE:
+                if average:
                     divide_average(dst, 2, bfloat16)
         group._publish(HALF, t)
         # allgather: the peer's reduced half straight into mine
@@ -224,7 +247,7 @@ class CmaPair:
         lo, hi = bounds[peer], bounds[peer + 1]
         if hi > lo:
             local = [(raw[i].ctypes.data + at, n) for i, at, n in _spans(mine, lo, hi)]
-            read_peer(self.peer_pid, local, remote(lo, hi), self.peer_rank, operation)
+            self._read(local, remote(lo, hi), operation)
         group._publish(DONE, t)
         # the peer may still be reading my buffer: only its DONE lets the caller have it back
         group._wait(peer, DONE, t, operation, check_peers)
