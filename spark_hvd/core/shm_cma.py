@@ -39,6 +39,9 @@ map each other's shared-memory segments and share the job's secret, which authen
 exchange; a rank that can read its peer's memory learns nothing it could not already receive as a job member,
 and this code reads only the ranges its peer published for the current operation. A process of the same uid
 outside the job could read the ranks' memory with or without this module (that is what the uid boundary means).
+Where the two ranks share /dev/shm but not a PID namespace (two containers), the published pid names no process
+or another one: the probe reads the peer's own control page and checks that it holds that pid, so a wrong
+process is never read from (both ranks keep the slot protocol).
 """
 
 from __future__ import annotations
