@@ -22,7 +22,7 @@ from ringutil import backend_from_env, run_ranks
 
 from spark_hvd.core import shm_cma
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import PeerFailureError
+from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import f32_to_bf16, reference_reduce
 from spark_hvd.core.shm import ShmGroup, segment_path, shm_available
 
@@ -37,10 +37,10 @@ def _no_peers(operation: str) -> None:
     """Threads of one process: no TCP connections to check."""
 
 
-def _pairs(block_bytes: int = 192) -> list[shm_cma.CmaPair]:
+def _pairs(block_bytes: int = 192, timeout_s: float = 20.0) -> list[shm_cma.CmaPair]:
     nonce = secrets.token_hex(4)
     paths = [segment_path("cma", nonce, k) for k in range(2)]
-    groups = [ShmGroup(paths, k, [0, 1], 20.0, 4096, 2) for k in range(2)]
+    groups = [ShmGroup(paths, k, [0, 1], timeout_s, 4096, 2) for k in range(2)]
     for g in groups:
         g.attach()
     for g in groups:
@@ -145,6 +145,35 @@ def test_fused_pieces_and_buffer_reuse_right_after_return():
         _close(pairs)
 
 
+def test_an_absent_peer_times_out_naming_it():
+    pairs = _pairs(timeout_s=0.3)
+    try:
+        with pytest.raises(CollectiveTimeoutError, match="rank 1 did not take part") as info:
+            pairs[0].allreduce([np.ones(10, np.float32)], ReduceOp.SUM, False, "allreduce", _no_peers)
+        assert info.value.rank == 1
+    finally:
+        _close(pairs)
+
+
+def test_a_size_mismatch_is_named_and_too_many_arrays_are_not_taken():
+    pairs = _pairs()
+    errors: list[str] = []
+
+    def mismatched(k: int) -> None:
+        try:
+            pairs[k].allreduce([np.ones(10 + k, np.float32)], ReduceOp.SUM, False, "allreduce", _no_peers)
+        except TensorMismatchError as exc:
+            errors.append(str(exc))
+
+    try:
+        _both(mismatched)
+        assert sorted(errors) == ["allreduce: rank 0 allreduces 40 bytes, rank 1 44",
+                                  "allreduce: rank 1 allreduces 44 bytes, rank 0 40"]
+        assert not pairs[0].takes([np.ones(1, np.uint8)] * (shm_cma.MAX_SEGS + 1))
+    finally:
+        _close(pairs)
+
+
 def _through_backend(seed: int, refuse_on: int | None) -> dict:
     """Allreduce sizes around the threshold (4 KiB here) and a fused call; digest of every result."""
     if refuse_on is not None:
@@ -162,6 +191,9 @@ def _through_backend(seed: int, refuse_on: int | None) -> dict:
         fused = [_data(seed, be.rank, n, "int64") for n in (300, 1, 900)]
         be.allreduce_fused(fused, ReduceOp.MAX)
         out["fused"] = hashlib.sha256(np.concatenate(fused).tobytes()).hexdigest()
+        many = [np.full(16, be.rank + i, np.int64) for i in range(shm_cma.MAX_SEGS + 1)]  # too many: the slots
+        be.allreduce_fused(many, ReduceOp.SUM)
+        out["many"] = [int(a.sum()) for a in many]
     finally:
         be.close()
     return out
@@ -180,3 +212,4 @@ def test_backend_threshold_fusion_and_fallback(refuse_on, cma):
         assert results[0][n] == hashlib.sha256(want.tobytes()).hexdigest(), n
     fused = [np.concatenate([_data(seed, k, n, "int64") for n in (300, 1, 900)]) for k in range(2)]
     assert results[0]["fused"] == hashlib.sha256(np.maximum(*fused).tobytes()).hexdigest()
+    assert results[0]["many"] == [16 * (2 * i + 1) for i in range(shm_cma.MAX_SEGS + 1)]
