@@ -71,6 +71,8 @@ TABLE = 64
 MAX_SEGS = (CTRL_BYTES // 8 - TABLE) // 2
 #: scratch block of the reduce-scatter: the peer's data is read into it and reduced from it while in cache
 BLOCK_BYTES = 512 * 1024
+#: the allgather reads at most this many bytes per call (Linux moves at most ~2 GiB per process_vm_readv)
+READ_BYTES = 256 << 20
 
 
 class _IoVec(ctypes.Structure):
@@ -248,9 +250,10 @@ class CmaPair:
         # allgather: the peer's reduced half straight into mine
         group._wait(peer, HALF, t, operation, check_peers)
         lo, hi = bounds[peer], bounds[peer + 1]
-        if hi > lo:
-            local = [(raw[i].ctypes.data + at, n) for i, at, n in _spans(mine, lo, hi)]
-            self._read(local, remote(lo, hi), operation)
+        step = max(size, READ_BYTES - READ_BYTES % size)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            self._read([(raw[i].ctypes.data + at, n) for i, at, n in _spans(mine, a, b)], remote(a, b), operation)
         group._publish(DONE, t)
         # the peer may still be reading my buffer: only its DONE lets the caller have it back
         group._wait(peer, DONE, t, operation, check_peers)

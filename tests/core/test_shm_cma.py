@@ -116,9 +116,11 @@ def test_every_op_matches_numpy_bit_for_bit(dtype):
         _close(pairs)
 
 
-def test_fused_pieces_and_buffer_reuse_right_after_return():
+def test_fused_pieces_and_buffer_reuse_right_after_return(monkeypatch):
     # the ordering rules: each member refills its buffers with new data as soon as allreduce returns and a
-    # member sleeps at random between calls; a peer still reading (or an early write) would show in the sums
+    # member sleeps at random between calls; a peer still reading (or an early write) would show in the sums.
+    # The allgather reads 40 bytes per call here (READ_BYTES: in production a cap of the kernel's)
+    monkeypatch.setattr(shm_cma, "READ_BYTES", 44)
     pairs = _pairs(block_bytes=64)
     lengths = [3, 1, 40, 17, 0, 64, 5]
     rounds = 30
