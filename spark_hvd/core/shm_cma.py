@@ -2,7 +2,8 @@
 
 The slot protocol of ``shm.py`` copies every byte into shared memory and back out: per rank about 3S read and 2S
 written for an array of S bytes. Here each rank reads its peer's *user buffer* directly (the kernel copies from
-the peer's pages, as Open MPI's CMA transport does): per rank about 1.5S read and S written.
+the peer's pages, as Open MPI's CMA transport does): per rank about 2S read and 1.5S written, S/2 of the writes
+into a scratch that stays in cache.
 
 The two ranks share the control pages of their ``ShmGroup`` and its counter protocol (monotonic counters, one
 cache line each, published with a plain store after the data they cover; x86 keeps stores in order). Operation
@@ -41,7 +42,10 @@ and this code reads only the ranges its peer published for the current operation
 outside the job could read the ranks' memory with or without this module (that is what the uid boundary means).
 Where the two ranks share /dev/shm but not a PID namespace (two containers), the published pid names no process
 or another one: the probe reads the peer's own control page and checks that it holds that pid, so a wrong
-process is never read from (both ranks keep the slot protocol).
+process is never read from (both ranks keep the slot protocol). A peer that dies mid-operation frees its pid: a
+read fails with ``ESRCH`` unless the kernel gave the pid to a new process within the few milliseconds before the
+liveness check notices, in which case bytes of that process may land in this rank's buffer of an operation that
+fails anyway.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -60,8 +63,6 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import divide_average, reduce_into
 from spark_hvd.core.shm import CTRL_BYTES, PID, ShmGroup
-
-logger = logging.getLogger(__name__)
 
 # control words (int64 index into the control page) after ``shm``'s IN, RED, OUT, PID; one cache line each
 POSTED, HALF, DONE, NSEG = 32, 40, 48, 56
