@@ -168,3 +168,40 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def shm_groups(name: str, size: int, *, timeout_s: float = 20.0, block_bytes: int = 256, nslots: int = 3) -> list:
+    """``size`` members of one ``ShmGroup`` in this process (real /dev/shm segments, names already unlinked): the
+    protocol tests run each member on a thread of its own (``on_threads``)."""
+    from spark_hvd.core.shm import ShmGroup, segment_path
+
+    nonce = secrets.token_hex(4)
+    paths = [segment_path(name, nonce, k) for k in range(size)]
+    groups = [ShmGroup(paths, k, list(range(size)), timeout_s, block_bytes, nslots) for k in range(size)]
+    for g in groups:
+        g.attach()
+    for g in groups:
+        g.unlink()
+    return groups
+
+
+def on_threads(n: int, fn: Callable[[int], Any]) -> None:
+    """Run ``fn(member)`` for members ``0 .. n-1``, one thread each; re-raise the first error."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            fn(k)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a member did not finish"
+    if errors:
+        raise errors[0]

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import random
-import secrets
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
-from ringutil import backend_from_env, run_ranks
+from ringutil import backend_from_env, on_threads, run_ranks, shm_groups
 
 from spark_hvd.core import shm_cma
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import f32_to_bf16, reference_reduce
-from spark_hvd.core.shm import ShmGroup, segment_path, shm_available
+from spark_hvd.core.shm import shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available() or shm_cma._READV is None,
                                 reason="no /dev/shm or no process_vm_readv here")
@@ -38,39 +36,13 @@ def _no_peers(operation: str) -> None:
 
 
 def _pairs(block_bytes: int = 192, timeout_s: float = 20.0) -> list[shm_cma.CmaPair]:
-    nonce = secrets.token_hex(4)
-    paths = [segment_path("cma", nonce, k) for k in range(2)]
-    groups = [ShmGroup(paths, k, [0, 1], timeout_s, 4096, 2) for k in range(2)]
-    for g in groups:
-        g.attach()
-    for g in groups:
-        g.unlink()
+    groups = shm_groups("cma", 2, timeout_s=timeout_s, block_bytes=4096, nslots=2)
     return [shm_cma.CmaPair(g, 0, block_bytes) for g in groups]
 
 
 def _close(pairs: list[shm_cma.CmaPair]) -> None:
     for p in pairs:
         p.group.close()
-
-
-def _both(fn) -> None:
-    """Run ``fn(member)`` on two threads; re-raise the first error."""
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            fn(k)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a member did not finish"
-    if errors:
-        raise errors[0]
 
 
 def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
@@ -108,7 +80,7 @@ def test_every_op_matches_numpy_bit_for_bit(dtype):
                 arrays = [_data(n, k, n, dtype) for k in range(2)]
                 want = reference_reduce(arrays, op, dtype == "bfloat16")
                 bufs = [a.copy() for a in arrays]
-                _both(lambda k, bufs=bufs, op=op: pairs[k].allreduce([bufs[k]], op, dtype == "bfloat16",
+                on_threads(2, lambda k, bufs=bufs, op=op: pairs[k].allreduce([bufs[k]], op, dtype == "bfloat16",
                                                                      "allreduce", _no_peers))
                 for k in range(2):
                     np.testing.assert_array_equal(bufs[k], want, err_msg=f"{dtype} {op} n={n} rank {k}")
@@ -138,7 +110,7 @@ def test_fused_pieces_and_buffer_reuse_right_after_return(monkeypatch):
                 time.sleep(0.001)
 
     try:
-        _both(member)
+        on_threads(2, member)
         for i in range(rounds):
             want = np.concatenate([2 * (np.arange(n) + 1000 * i + 100 * j) + 1 for j, n in enumerate(lengths)])
             for k in range(2):
@@ -168,7 +140,7 @@ def test_a_size_mismatch_is_named_and_too_many_arrays_are_not_taken():
             errors.append(str(exc))
 
     try:
-        _both(mismatched)
+        on_threads(2, mismatched)
         assert sorted(errors) == ["allreduce: rank 0 allreduces 40 bytes, rank 1 44",
                                   "allreduce: rank 1 allreduces 44 bytes, rank 0 40"]
         assert not pairs[0].takes([np.ones(1, np.uint8)] * (shm_cma.MAX_SEGS + 1))

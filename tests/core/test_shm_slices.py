@@ -6,17 +6,15 @@ processes); tiny blocks and few slots make every call run many rounds and reuse 
 
 from __future__ import annotations
 
-import secrets
-import threading
-
 import numpy as np
 import pytest
+from ringutil import on_threads, shm_groups
 
 from spark_hvd.core import shm_slices
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16, reference_reduce
 from spark_hvd.core.ring import even_bounds
-from spark_hvd.core.shm import ShmGroup, segment_path, shm_available
+from spark_hvd.core.shm import ShmGroup, shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm on this machine")
 
@@ -25,35 +23,8 @@ def _no_peers(operation: str) -> None:
     """Threads of one process: no TCP connections to check."""
 
 
-def _groups(size: int, block_bytes: int = 256, nslots: int = 3) -> list[ShmGroup]:
-    nonce = secrets.token_hex(4)
-    paths = [segment_path("slices", nonce, k) for k in range(size)]
-    groups = [ShmGroup(paths, k, list(range(size)), 20.0, block_bytes, nslots) for k in range(size)]
-    for g in groups:
-        g.attach()
-    for g in groups:
-        g.unlink()
-    return groups
-
-
-def _on_every_member(groups: list[ShmGroup], fn) -> None:
-    """Run ``fn(member)`` on one thread per member; re-raise the first error."""
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            fn(k)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(groups))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a member did not finish"
-    if errors:
-        raise errors[0]
+def _groups(size: int) -> list[ShmGroup]:
+    return shm_groups("slices", size)
 
 
 def _data(size: int, n: int, dtype: str) -> list[np.ndarray]:
@@ -83,7 +54,7 @@ def test_reduce_scatter_then_allgather_is_an_allreduce(size, n, dtype, op):
                 bufs[k][...] = arrays[k]
                 shm_slices.reduce_scatter(groups[k], bufs[k], bounds, op, bfloat16, "allreduce", _no_peers)
 
-        _on_every_member(groups, reduce_scatter)
+        on_threads(len(groups), reduce_scatter)
         for k in range(size):
             mine = slice(bounds[k], bounds[k + 1])
             got, expect = bufs[k][mine], want[mine]
@@ -97,7 +68,7 @@ def test_reduce_scatter_then_allgather_is_an_allreduce(size, n, dtype, op):
             np.testing.assert_array_equal(bufs[k][rest], arrays[k][rest])
         for k in range(size):  # every member's slice made identical everywhere by the allgather
             bufs[k][bounds[k]:bounds[k + 1]] = want[bounds[k]:bounds[k + 1]]
-        _on_every_member(groups, lambda k: shm_slices.allgather(groups[k], bufs[k], bounds, "allgather",
+        on_threads(len(groups), lambda k: shm_slices.allgather(groups[k], bufs[k], bounds, "allgather",
                                                                 _no_peers))
         for k in range(size):
             np.testing.assert_array_equal(bufs[k], want, err_msg=f"member {k} after the allgather")
