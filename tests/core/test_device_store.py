@@ -17,20 +17,11 @@ from ringutil import run_ranks, wait_until
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVClient, KVStoreServer
+from spark_hvd.core.rendezvous import KVClient
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner.service import DriverService
 
 pytest.importorskip("torch")
-
-
-@pytest.fixture
-def kv():
-    secret = make_secret()
-    server = KVStoreServer(secret)
-    host, port = server.start()
-    yield server, f"{host}:{port}", secret
-    server.stop()
 
 
 def _open_pair(name: str = "g", timeout_s: float = 10.0, **where):
@@ -52,10 +43,10 @@ def _launched(address: str, secret: bytes, name: str = "g"):
     return _open_pair(name, secret=secret, job=None, job_id="j", kv_address=address)
 
 
-def test_store_operations_between_two_ranks(kv):
+def test_store_operations_between_two_ranks(kv_server):
     import torch.distributed as dist
 
-    _, address, secret = kv
+    _, address, secret = kv_server
     a, b = _launched(address, secret)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(b.get("late")))  # get blocks until the key is set
@@ -85,8 +76,8 @@ def test_store_operations_between_two_ranks(kv):
         store.close()
 
 
-def test_two_groups_never_share_keys(kv):
-    _, address, secret = kv
+def test_two_groups_never_share_keys(kv_server):
+    _, address, secret = kv_server
     first, again, other = _launched(address, secret), _launched(address, secret), _launched(address, secret, "h")
     first[0].set("k", b"1")
     assert [p.prefix for p in first] == ["j/torch/0/g/1/"] * 2 and [p.prefix for p in again] == ["j/torch/0/g/2/"] * 2
@@ -96,8 +87,8 @@ def test_two_groups_never_share_keys(kv):
         store.close()
 
 
-def test_a_client_without_the_secret_can_neither_read_nor_write(kv):
-    server, address, secret = kv
+def test_a_client_without_the_secret_can_neither_read_nor_write(kv_server):
+    server, address, secret = kv_server
     honest, _ = _launched(address, secret)
     honest.set("k", b"secret value")
     stranger = make_secret()

@@ -30,6 +30,22 @@ def _blocking(name: str, seed: int, shape: tuple[int, ...], dtype, op: ReduceOp,
     sc._check(buf, want.astype(dtype), f"{name} {op.value}")
 
 
+def _another_tensor_first_on_rank_0(armed: str, other: str, seed: int, shape: tuple[int, ...]) -> None:
+    """Rank 0 submits ``other`` before the armed tensor's blocking call, the other ranks after it: the armed
+    speculation misses on every rank, and both tensors still reduce to numpy's sums."""
+    n, r = core.size(), core.rank()
+    datas = [sc._data(seed, q, shape, np.float32) for q in range(n)]
+    mine = datas[r].copy()
+    if r == 0:
+        handle = core.allreduce_async(mine, name=other, op=ReduceOp.SUM)
+        _blocking(armed, seed + 1, shape, np.float32, ReduceOp.SUM)
+        handle.wait()
+    else:
+        _blocking(armed, seed + 1, shape, np.float32, ReduceOp.SUM)
+        core.allreduce(mine, name=other, op=ReduceOp.SUM)
+    sc._check(mine, reference_reduce(datas, ReduceOp.SUM), other)
+
+
 def _fast_path_job(seed: int) -> dict:
     core.init()
     try:
@@ -86,16 +102,7 @@ def _fast_path_job(seed: int) -> dict:
         for i in range(4):
             _blocking("lone", seed + 600 + i, (21,), np.float32, ReduceOp.SUM)
         misses = engine.stats["speculation_misses"]
-        datas = [sc._data(seed + 700, q, (21,), np.float32) for q in range(n)]
-        first = datas[r].copy()
-        if r == 0:
-            handle = core.allreduce_async(first, name="first", op=ReduceOp.SUM)
-            _blocking("lone", seed + 701, (21,), np.float32, ReduceOp.SUM)
-            handle.wait()
-        else:
-            _blocking("lone", seed + 701, (21,), np.float32, ReduceOp.SUM)
-            core.allreduce(first, name="first", op=ReduceOp.SUM)
-        sc._check(first, reference_reduce(datas, ReduceOp.SUM), "first")
+        _another_tensor_first_on_rank_0("lone", "first", seed + 700, (21,))
         assert engine.stats["speculation_misses"] > misses, engine.stats
         # 5. a tensor too large to pack: at N=2 the speculation runs on the tensor itself, in place, and a miss
         # (a late rank's heartbeat round, another tensor first) must leave the submitting rank's data intact
@@ -108,16 +115,7 @@ def _fast_path_job(seed: int) -> dict:
             if r == n - 1 and i == 1:
                 time.sleep(1.3)
             _blocking("big", seed + 810 + i, (30000,), np.float32, ReduceOp.SUM)
-        datas = [sc._data(seed + 820, q, (30000,), np.float32) for q in range(n)]
-        second = datas[r].copy()
-        if r == 0:
-            handle = core.allreduce_async(second, name="second", op=ReduceOp.SUM)
-            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
-            handle.wait()
-        else:
-            _blocking("big", seed + 821, (30000,), np.float32, ReduceOp.SUM)
-            core.allreduce(second, name="second", op=ReduceOp.SUM)
-        sc._check(second, reference_reduce(datas, ReduceOp.SUM), "second")
+        _another_tensor_first_on_rank_0("big", "second", seed + 820, (30000,))
         assert n > 2 or engine.stats["speculation_misses"] > misses, engine.stats
         stats = dict(engine.stats)
         return {"steady": steady, "stats": stats}

@@ -14,21 +14,12 @@ from ringutil import wait_until
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, divide_average, f32_to_bf16, reduce_into, scale_inplace
-from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVStoreServer, KVTable, parse_address
+from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVTable, parse_address
 from spark_hvd.core.wire import FramedSocket, make_secret
 
 
-@pytest.fixture
-def server():
-    secret = make_secret()
-    srv = KVStoreServer(secret)
-    host, port = srv.start()
-    yield srv, f"{host}:{port}", secret
-    srv.stop()
-
-
-def test_set_get_and_wait(server):
-    srv, address, secret = server
+def test_set_get_and_wait(kv_server):
+    srv, address, secret = kv_server
     a = KVClient(address, secret)
     b = KVClient(address, secret)
     got: list[bytes] = []
@@ -46,8 +37,8 @@ def test_set_get_and_wait(server):
     b.close()
 
 
-def test_torch_store_operations_on_the_table(server):
-    _, address, secret = server
+def test_torch_store_operations_on_the_table(kv_server):
+    _, address, secret = kv_server
     a = KVClient(address, secret)
     assert [a.add("n", 5), a.add("n", -2)] == [5, 3] and a.get("n", 1) == b"3"  # a decimal, as torch stores it
     assert a.compare_set("c", b"", b"v1") == b"v1" and a.compare_set("c", b"no", b"v2") == b"v1"
@@ -61,8 +52,8 @@ def test_torch_store_operations_on_the_table(server):
 
 
 @pytest.mark.parametrize("size", [1, 3])
-def test_exchange_threads(server, size):
-    _, address, secret = server
+def test_exchange_threads(kv_server, size):
+    _, address, secret = kv_server
     results: dict[int, list[bytes]] = {}
 
     def rank_main(rank: int) -> None:
@@ -81,8 +72,8 @@ def test_exchange_threads(server, size):
         assert results[r + 100] == [f"second-{i}".encode() for i in range(size)]
 
 
-def test_exchange_timeout_names_missing_ranks(server):
-    _, address, secret = server
+def test_exchange_timeout_names_missing_ranks(kv_server):
+    _, address, secret = kv_server
     rdzv = KVRendezvous(address, secret, job_id="j2", timeout_s=0.5)
     with pytest.raises(CollectiveTimeoutError) as info:
         rdzv.exchange(1, 4, b"x")
@@ -90,8 +81,8 @@ def test_exchange_timeout_names_missing_ranks(server):
     assert info.value.rank == 0 and info.value.operation == "rendezvous"
 
 
-def test_forged_client_is_dropped_never_unpickled(server):
-    srv, address, secret = server
+def test_forged_client_is_dropped_never_unpickled(kv_server):
+    srv, address, secret = kv_server
     unpickled = []
 
     class Boom:
@@ -161,8 +152,8 @@ def _recording_proxy(target: tuple[str, int]) -> tuple[tuple[str, int], bytearra
     return listener.getsockname()[:2], recorded
 
 
-def test_replayed_connection_does_not_revert_a_value(server):
-    srv, address, secret = server
+def test_replayed_connection_does_not_revert_a_value(kv_server):
+    srv, address, secret = kv_server
     target = parse_address(address)
     proxy, recorded = _recording_proxy(target)
     legit = KVClient(proxy, secret)
