@@ -19,8 +19,8 @@ forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and sec
 two hosts (``SPARK_HVD_HOST_ID``), so it runs the hierarchical path: shared memory within a "host", the TCP ring
 between the two leaders (needs N >= 4 to differ from the TCP ring). ``api`` and ``api-tcp`` are what a user calls:
 ``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
-torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``), one fixed tensor name per size as
-a training loop has.
+torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, ``api-hier`` on ``ring-hier``'s two
+"hosts"), one fixed tensor name per size as a training loop has.
 
 The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
 """
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
-IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier")
+IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -202,7 +202,7 @@ class Group:
             extra["SPARK_HVD_RENDEZVOUS"] = kv_addr or ""
         for rank in range(n):
             own = {"SPARK_HVD_RANK": str(rank)}
-            if impl == "ring-hier":
+            if impl in ("ring-hier", "api-hier"):
                 own["SPARK_HVD_HOST_ID"] = f"bench-host-{2 * rank // n}"
             self.procs.append(subprocess.Popen(script, env={**env, **extra, **own}))
 
@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# allreduce float32 SUM, interleaved; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
           f"at start; command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}")
     for n in nps:
-        # ring-hier needs two "hosts" of at least two ranks each to differ from ring-tcp
-        run = [i for i in impls if i != "ring-hier" or n >= 4]
+        # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring
+        run = [i for i in impls if not i.endswith("-hier") or n >= 4]
         times = bench(n, run, sizes, rounds, args.quick)
         print(table(n, run, sizes, times))
         print(f"load average {os.getloadavg()[0]:.1f} after N={n}", flush=True)
