@@ -18,6 +18,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from spark_hvd import pickling
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.keras_rank import MODEL_FILE as _MODEL_FILE
 from spark_hvd.estimators.keras_rank import KerasTrainer, set_threads
@@ -59,7 +60,7 @@ def serialize_keras_model(model: Any, custom_objects: dict | None = None) -> byt
         with open(path, "rb") as f:
             data = f.read()
     try:
-        objects = cloudpickle.dumps(dict(custom_objects or {}))
+        objects = pickling.dumps(dict(custom_objects or {}))
     except Exception as exc:  # noqa: BLE001
         raise TypeError(f"custom_objects cannot be pickled: {exc}") from exc
     return cloudpickle.dumps({"format": "keras", "keras": data, "custom_objects": objects})
@@ -334,7 +335,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
     # ---- persistence: the optimizer as its spec (the model: _KerasModelBytes)
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":
-            return cloudpickle.dumps(optimizer_spec(value))
+            return pickling.dumps(optimizer_spec(value))
         return super()._dump_object(name, value)
 
     def _load_objects(self, blobs: dict[str, bytes]) -> dict[str, Any]:

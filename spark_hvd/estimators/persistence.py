@@ -14,6 +14,7 @@ from typing import Any
 import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
 
+from spark_hvd import pickling
 from spark_hvd.estimators.params import OBJECT_PARAMS
 
 __all__ = ["PersistableStage"]
@@ -99,7 +100,7 @@ class PersistableStage(MLWritable, MLReadable):
         if name == "store" and hasattr(value, "without_secrets"):
             value = value.without_secrets()  # saved files keep no credentials (see spark_hvd.store.secrets)
         try:
-            return cloudpickle.dumps(value)
+            return pickling.dumps(value)
         except Exception as exc:  # noqa: BLE001 - re-raised with the param's name
             raise TypeError(f"param {name!r} of {type(self).__name__} cannot be pickled: {exc}") from exc
 

@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from spark_hvd import pickling
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
@@ -61,7 +62,7 @@ def serialize_module(model: Any) -> bytes:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     try:
-        return cloudpickle.dumps(model)
+        return pickling.dumps(model)
     except Exception as exc:  # noqa: BLE001 - re-raised with what to do
         raise TypeError(f"the model ({type(model).__name__}) cannot be pickled with cloudpickle: {exc}. Keep "
                         "open files, locks, sockets and generators out of the module's attributes.") from exc
@@ -202,7 +203,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
     # ---- persistence: the optimizer is saved as a spec over the model's parameters, rebuilt on load
     def _dump_object(self, name: str, value: Any) -> bytes:
         if name == "optimizer":
-            return cloudpickle.dumps(optimizer_spec(value, self.getOrDefault(self.model)))
+            return pickling.dumps(optimizer_spec(value, self.getOrDefault(self.model)))
         return super()._dump_object(name, value)
 
     def _load_objects(self, blobs: dict[str, bytes]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from typing import Any
 
 import cloudpickle
 
+from spark_hvd import pickling
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
@@ -358,9 +359,10 @@ def checked_env(env: dict[str, str] | None) -> dict[str, str]:
 
 
 def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
-    """``(fn, args, kwargs)`` cloudpickled for the tasks; ``RunnerError`` when they cannot be."""
+    """``(fn, args, kwargs)`` pickled for the tasks (``spark_hvd.pickling``: code shipped by value keeps its source
+    lines); ``RunnerError`` when they cannot be."""
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return pickling.dumps((fn, args, kwargs))
     except Exception as exc:
         raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
 

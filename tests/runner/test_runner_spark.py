@@ -68,7 +68,10 @@ def test_exception_in_rank_1_reaches_driver(any_spark):
     assert err.rank == 1
     assert err.remote_type == "ValueError"
     assert "boom from rank 1" in err.remote_message
-    assert "_fails_on_rank_1" in err.remote_traceback and "raise ValueError" in err.remote_traceback
+    # the function travels by value (spark_hvd.pickling): its frame names this file and shows the source line
+    assert f'File "{__file__}", line' in err.remote_traceback and "in _fails_on_rank_1" in err.remote_traceback
+    assert 'raise ValueError(f"boom from rank {rank}")' in err.remote_traceback
+    assert "<dynamic-code>" not in err.remote_traceback
     assert "rank 1 failed: ValueError: boom from rank 1" in str(err)
 
 
