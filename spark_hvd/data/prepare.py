@@ -2,12 +2,13 @@
 
 :func:`prepare_data` checks the columns, converts ``Vector`` columns to fixed-length float32 arrays, splits off the
 validation rows, writes ``data/<key>/train`` and ``data/<key>/val`` with enough files for every rank, records
-``_metadata.json`` and commits the directory atomically. The key is a hash of the DataFrame's analyzed plan
-(``DataFrame.semanticHash``), its schema and the preparation settings: preparing the same DataFrame with the same
-settings again finds the committed dataset and writes nothing.
+``_metadata.json`` and commits the directory atomically. The key is a hash of what the DataFrame computes
+(:func:`spark_hvd.data.fingerprint.plan_key`: the canonical plan, UDF bytes, source files' sizes and times), its
+schema and the preparation settings: preparing the same data with the same settings again, in this session or a
+later one, through a new ``VectorAssembler.transform`` or not, finds the committed dataset and writes nothing.
 
-The cache cannot tell when the *files under* a DataFrame's source changed while its plan stayed the same (the same
-Parquet path rewritten by another job); pass ``overwrite=True`` to prepare again in that case.
+Sources the key cannot see into (a table format such as Delta, an RDD in another session) are keyed for this
+Spark application only; pass ``overwrite=True`` to prepare again when files changed under an unchanged plan.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from spark_hvd.data.errors import (
     UnsupportedColumnTypeError,
     ValidationParamError,
 )
+from spark_hvd.data.fingerprint import plan_key
 from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -110,11 +112,7 @@ def _plan_column(name: str, dtype: Any, role: str) -> _Plan:
 
 
 def _fingerprint(df: DataFrame, params: dict[str, Any]) -> str:
-    try:
-        plan_hash = int(df.semanticHash())
-    except Exception:  # pragma: no cover - a DataFrame without an analyzed plan hash
-        plan_hash = None
-    doc = {"plan": plan_hash, "schema": df.schema.json(), "params": params, "format": FORMAT_VERSION}
+    doc = {"plan": plan_key(df), "schema": df.schema.json(), "params": params, "format": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -259,6 +257,7 @@ def prepare_data(
     if not overwrite and store.is_committed(data_path):
         info = DatasetInfo.load(store, key)
         logger.info("reusing prepared dataset %s in %r (same DataFrame and settings)", key, store)
+        _mark_used(store, key)
         return info
 
     # -- one pass over the data for every check
@@ -380,7 +379,19 @@ def prepare_data(
         )
         store.write_bytes(posixpath.join(target, "_metadata.json"), info.dumps().encode("utf-8"))
     logger.info("prepared dataset %s: %d train rows, %d validation rows", key, info.train_rows, info.val_rows)
+    _mark_used(store, key)
     return info
+
+
+def _mark_used(store: Store, key: str) -> None:
+    """Record the use for ``Store.clean`` (a failure to record only warns: the fit does not need it)."""
+    from spark_hvd.store.hygiene import mark_dataset_used
+
+    try:
+        mark_dataset_used(store, key)
+    except Exception as exc:  # pragma: no cover - a store that took the data but not this small file
+        logger.warning("could not record the use of dataset %s in %r (%s); Store.clean may delete it early",
+                       key, store, exc)
 
 
 def _count_rows(store: Store, path: str) -> int:

@@ -52,7 +52,7 @@ import re
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from spark_hvd.store import atomic
@@ -339,6 +339,12 @@ class Store(ABC):
     def list_datasets(self) -> list[str]:
         """The keys of the committed datasets under ``<prefix>/data``, sorted."""
         return [k for k in self.listdir(self.data_root()) if self.is_committed(self.data_path(k))]
+
+    def clean(self, unused_for_days: float = 7.0, keep: Iterable[str] = (), dry_run: bool = False) -> list[str]:
+        """Delete prepared datasets that no fit used for ``unused_for_days`` days (:mod:`spark_hvd.store.hygiene`)."""
+        from spark_hvd.store.hygiene import clean
+
+        return clean(self, unused_for_days, keep, dry_run)
 
     # ------------------------------------------------------------------ directories
     def upload_dir(self, local_dir: str, path: str) -> None:

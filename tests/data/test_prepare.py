@@ -134,6 +134,32 @@ def test_cache_reuses_same_dataframe_and_settings(df, store, monkeypatch):
     assert store.list_datasets() == [info.key]
 
 
+def test_cache_key_stable_across_vector_assembler_calls(spark, df, store, tmp_path):
+    """VectorAssembler.transform makes a new UDF object per call (a new semanticHash): the key must not change,
+    while whatever changes the data does (the assembler's settings, the files under the source, the rows)."""
+    from pyspark.ml.feature import VectorAssembler
+
+    path = str(tmp_path / "src")
+    df.select("id", "x", "val_num").write.parquet(path)
+    src = spark.read.parquet(path)
+    assembler = VectorAssembler(inputCols=["x", "val_num"], outputCol="v")
+    first, second = assembler.transform(src), assembler.transform(src)
+    assert first.semanticHash() != second.semanticHash()  # why semanticHash alone never hit
+    key = dataset_key(first, "v", "id")
+    assert dataset_key(second, "v", "id") == key
+    keep = VectorAssembler(inputCols=["x", "val_num"], outputCol="v", handleInvalid="keep")
+    assert dataset_key(keep.transform(src), "v", "id") != key
+    info = prepare_data(first, store, "v", "id")
+    assert prepare_data(second, store, "v", "id") == info and store.list_datasets() == [info.key]
+
+    df.select("id", "x", "val_num").filter("id < 30").write.mode("overwrite").parquet(path)  # rewritten in place
+    assert dataset_key(assembler.transform(spark.read.parquet(path)), "v", "id") != key
+    rows = spark.createDataFrame([(1, 2.0)], "id long, x double")
+    other = spark.createDataFrame([(1, 3.0)], "id long, x double")
+    assert dataset_key(rows, "x", "id") != dataset_key(other, "x", "id")
+    assert dataset_key(rows, "x", "id") == dataset_key(rows.select("*"), "x", "id")
+
+
 def nothing_written(store):
     return store.listdir(store.data_root()) == [] and not any(
         n.startswith("._tmp") for n in (os.listdir(store.data_root()) if os.path.isdir(store.data_root()) else [])

@@ -69,6 +69,11 @@ def test_pipeline_regression_fit_save_load_transform(spark, store, reg_df, tmp_p
 
     model = pipeline.fit(reg_df)
     tm = model.stages[1]
+    # a second fit of a Pipeline on the same data: VectorAssembler's new UDF object must not make a new copy
+    datasets = store.list_datasets()
+    assert datasets
+    Pipeline(stages=[assembler, _estimator(store, _linear(), epochs=1)]).fit(reg_df)
+    assert store.list_datasets() == datasets
     assert isinstance(tm, TorchModel)
     hist = tm.getHistory()
     assert len(hist["loss"]) == 4 and len(hist["val_loss"]) == 4 and "val_mae" in hist

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import posixpath
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -193,3 +194,24 @@ def test_sharded_reader_reads_through_the_store(any_store):
             np.testing.assert_array_equal(b["v"][:, 1], -b["id"].astype(np.float32))
         seen.append(set(ids_r.tolist()))
     assert set().union(*seen) == set(range(250)) and sum(map(len, seen)) == 250
+
+
+def test_clean_deletes_only_datasets_unused_long_enough(any_store):
+    from spark_hvd.store.hygiene import last_used, mark_dataset_used
+
+    for key in ("ds-old", "ds-new", "ds-kept", "ds-unrecorded"):
+        with any_store.atomic_dir(any_store.data_path(key)) as target:
+            any_store.write_bytes(f"{target}/_metadata.json", b"{}")
+    day = 86400.0
+    mark_dataset_used(any_store, "ds-old", time.time() - 10 * day)
+    mark_dataset_used(any_store, "ds-kept", time.time() - 10 * day)
+    mark_dataset_used(any_store, "ds-new", time.time() - 1 * day)
+    assert any_store.clean(unused_for_days=7, keep=["ds-kept"], dry_run=True) == ["ds-old"]
+    assert any_store.list_datasets() == ["ds-kept", "ds-new", "ds-old", "ds-unrecorded"]
+    assert any_store.clean(unused_for_days=7, keep=["ds-kept"]) == ["ds-old"]
+    assert any_store.list_datasets() == ["ds-kept", "ds-new", "ds-unrecorded"]
+    assert last_used(any_store, "ds-old") is None
+    assert last_used(any_store, "ds-unrecorded") is not None  # its clock started at the first clean
+    assert any_store.clean(unused_for_days=0, keep=["ds-kept"]) == ["ds-new", "ds-unrecorded"]
+    with pytest.raises(ValueError, match="unused_for_days"):
+        any_store.clean(unused_for_days=-1)

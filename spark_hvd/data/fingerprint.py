@@ -1,0 +1,175 @@
+"""A DataFrame's content key for the prepared-data cache: stable where it can be proved, never stale.
+
+``DataFrame.semanticHash`` is not stable enough: a ``ScalaUDF`` (``VectorAssembler``, ``StandardScalerModel`` ...)
+hashes its function object by identity, so every ``Pipeline.fit`` gave a new key and wrote a new copy of the same
+data. :func:`plan_key` describes the *canonicalised* analyzed plan instead (expression ids normalised by Spark), as
+Spark's own JSON rendering of the tree, and adds what that rendering leaves out (its ``null`` fields):
+
+- a ``ScalaUDF``'s function and a Python UDF's command, as a digest of their serialized bytes (the captured values,
+  e.g. ``VectorAssembler``'s ``handleInvalid``, are in them);
+- a file source (``LogicalRelation`` over a file index): its format, its options and every file's path, size and
+  modification time, so files rewritten in place give a new key;
+- an in-memory local relation (``createDataFrame`` from pandas): its content hash (Spark's, as ``semanticHash``);
+- an RDD-backed relation (``createDataFrame`` from a list, ``df.checkpoint()``): the RDD's id *and this Spark
+  application's id*: it cannot be recognised in another session, so it is not.
+
+Anything else the rendering cannot show (a node kind not listed above, a Spark Connect DataFrame) falls back to
+``semanticHash`` scoped to the Spark application: it may miss the cache, it never hits it wrongly across sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyspark.sql import DataFrame
+
+logger = logging.getLogger(__name__)
+
+_FILE_STATUS = re.compile(r"path=([^;]*);.*?length=(\d+);.*?modification_time=(\d+);")
+
+# (node class, field) pairs that Spark renders as null and that plan_key covers by other means
+_COVERED = {
+    ("ScalaUDF", "function"),
+    ("PythonUDF", "func"),
+    ("LogicalRelation", "relation"),
+    ("LogicalRDD", "rdd"),
+    ("LogicalRDD", "session"),
+    ("LocalRelation", "data"),
+    ("Cast", "evalMode"),  # from spark.sql.ansi.enabled, which the key includes
+}
+_CONFS = ("spark.sql.ansi.enabled", "spark.sql.session.timeZone", "spark.sql.caseSensitive")
+
+
+def plan_key(df: DataFrame) -> dict[str, Any]:
+    """A JSON-able description of what ``df`` computes (see the module docstring); hash it for a cache key."""
+    jdf = getattr(df, "_jdf", None)
+    if jdf is None:  # Spark Connect: no JVM objects here
+        return _session_scoped(df, "spark connect")
+    try:
+        return _classic_key(df, jdf)
+    except _Uncovered as exc:
+        return _session_scoped(df, str(exc))
+    except Exception as exc:  # a Spark version whose internals differ: stay correct, lose the cross-fit hits
+        logger.debug("plan fingerprint failed (%s); using semanticHash for this session only", exc)
+        return _session_scoped(df, f"{type(exc).__name__}: {exc}")
+
+
+class _Uncovered(Exception):
+    pass
+
+
+def _session_scoped(df: DataFrame, why: str) -> dict[str, Any]:
+    try:
+        plan_hash: Any = int(df.semanticHash())
+    except Exception:  # pragma: no cover - a DataFrame without an analyzed plan hash
+        plan_hash = None
+    logger.debug("prepared-data key is valid in this Spark application only (%s)", why)
+    return {"semantic_hash": plan_hash, "session": _session_id(df)}
+
+
+def _session_id(df: DataFrame) -> str:
+    session = df.sparkSession
+    for get in (
+        lambda: session.sparkContext.applicationId + "@" + str(session.sparkContext.startTime),
+        lambda: session.session_id,  # Connect
+    ):
+        try:
+            return str(get())
+        except Exception:
+            continue
+    return str(id(session))  # pragma: no cover
+
+
+def _classic_key(df: DataFrame, jdf: Any) -> dict[str, Any]:
+    plan = jdf.queryExecution().analyzed().canonicalized()
+    nodes = json.loads(plan.toJSON())
+    uncovered = sorted(_null_fields(nodes) - _COVERED)
+    if uncovered:
+        raise _Uncovered("plan holds fields Spark cannot render: " + ", ".join(f"{c}.{f}" for c, f in uncovered))
+    jvm = df.sparkSession.sparkContext._jvm
+    extras: list[Any] = []
+    _walk_plan(plan, jvm, df, extras)
+    conf = df.sparkSession.conf
+    return {
+        "plan": hashlib.sha256(json.dumps(nodes, sort_keys=True).encode()).hexdigest(),
+        "extras": extras,
+        "conf": {k: _conf(conf, k) for k in _CONFS},
+    }
+
+
+def _null_fields(node: Any, out: set[tuple[str, str]] | None = None) -> set[tuple[str, str]]:
+    """(class, field) of every null field of a tree node in Spark's JSON; drops per-JVM ids in place."""
+    out = set() if out is None else out
+    if isinstance(node, list):
+        for item in node:
+            _null_fields(item, out)
+    elif isinstance(node, dict):
+        node.pop("jvmId", None)
+        cls = node.get("class")
+        for field, value in node.items():
+            if value is None and isinstance(cls, str):
+                out.add((cls.rsplit(".", 1)[-1], field))
+            else:
+                _null_fields(value, out)
+    return out
+
+
+def _seq(seq: Any) -> list[Any]:
+    return [seq.apply(i) for i in range(seq.size())]
+
+
+def _digest(jvm: Any, obj: Any) -> str:
+    return hashlib.sha256(bytes(jvm.org.apache.spark.util.Utils.serialize(obj))).hexdigest()
+
+
+def _walk_plan(plan: Any, jvm: Any, df: DataFrame, extras: list[Any]) -> None:
+    kind = plan.getClass().getSimpleName()
+    if kind == "LogicalRelation":
+        extras.append(_file_relation(plan.relation()))
+    elif kind == "LogicalRDD":
+        extras.append({"rdd": int(plan.rdd().id()), "session": _session_id(df)})
+    elif kind == "LocalRelation":
+        extras.append({"local": int(plan.semanticHash())})
+    for expr in _seq(plan.expressions()):
+        _walk_expr(expr, jvm, extras)
+    for child in _seq(plan.children()):
+        _walk_plan(child, jvm, df, extras)
+
+
+def _walk_expr(expr: Any, jvm: Any, extras: list[Any]) -> None:
+    kind = expr.getClass().getSimpleName()
+    if kind == "ScalaUDF":
+        extras.append({"scala_udf": _digest(jvm, expr.function())})
+    elif kind == "PythonUDF":
+        func = expr.func()
+        extras.append({"python_udf": _digest(jvm, func.command()), "exec": str(func.pythonExec())})
+    for child in _seq(expr.children()):
+        _walk_expr(child, jvm, extras)
+
+
+def _file_relation(relation: Any) -> dict[str, Any]:
+    if relation.getClass().getSimpleName() != "HadoopFsRelation":
+        raise _Uncovered(f"a {relation.getClass().getSimpleName()} source")
+    # one py4j call for the whole listing (Hadoop's FileStatus.toString names path, length and modification_time)
+    listing = str(relation.location().allFiles().mkString("\n"))
+    files = sorted(_FILE_STATUS.findall(listing))
+    if len(files) != (listing.count("\n") + 1 if listing else 0):
+        raise _Uncovered("a file listing in an unknown format")
+    return {
+        "format": str(relation.fileFormat().toString()),
+        "options": str(relation.options().toString()),
+        "files": hashlib.sha256(json.dumps(files).encode()).hexdigest(),
+        "num_files": len(files),
+    }
+
+
+def _conf(conf: Any, key: str) -> str | None:
+    try:
+        return conf.get(key)
+    except Exception:  # not set and no default
+        return None
