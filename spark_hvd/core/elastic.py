@@ -4,8 +4,9 @@ Horovod's elastic API (``hvd.elastic.run``, ``state.commit()`` / ``restore()`` /
 ``check_host_updates()``, reset callbacks) over the spark_hvd core. On Spark a barrier stage cannot lose or gain a
 task, so every reset is a relaunch (``spark_hvd.runner.run_elastic``): when a rank is lost the stage fails, the
 driver starts a new one with the slots that are free, and each rank's first ``sync()`` starts from the state rank 0
-last committed. That state lives on the driver: at every ``commit()`` rank 0 uploads it through a ``DriverLink``
-(installed by the runner, which implements it over its authenticated driver service; ``core`` only defines it).
+last committed. That state lives on the driver's local disk: at every ``commit()`` rank 0 streams it in bounded
+chunks through a ``DriverLink`` (installed by the runner, which implements it over its authenticated driver
+service; ``core`` only defines it), so its size is not limited by the driver's memory or the service's frames.
 Without a link (plain ``run``, ``spark-hvd-run``) a ``State`` keeps its commits in memory only.
 
 Growth: the driver answers each commit with whether more slots are free than the job uses (below
@@ -22,22 +23,21 @@ import copy
 import functools
 import math
 import os
-import pickle
 import random
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any, Protocol
 
 import numpy as np
 
+from spark_hvd.core import state_stream
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import SparkHvdError
 
-#: Largest committed state (pickled bytes) rank 0 sends to the driver; the driver service's frames are capped at
-#: 64 MiB, so larger values are lowered to 60 MiB.
+#: Optional cap on a committed state's size in bytes (default: none; the state streams in chunks of
+#: ``state_stream.CHUNK_BYTES`` and the driver keeps it on its local disk, not in memory).
 STATE_MAX_ENV = "SPARK_HVD_ELASTIC_STATE_MAX"
-_STATE_MAX_DEFAULT = 32 << 20
-_STATE_MAX_LIMIT = 60 << 20
 
 
 class HostsUpdatedInterrupt(SparkHvdError):  # noqa: N818 - Horovod's name
@@ -54,17 +54,28 @@ class HostsUpdatedInterrupt(SparkHvdError):  # noqa: N818 - Horovod's name
 
 
 class StateTooLargeError(SparkHvdError):
-    """The committed state is larger than the driver keeps (``SPARK_HVD_ELASTIC_STATE_MAX``)."""
+    """The committed state is larger than ``SPARK_HVD_ELASTIC_STATE_MAX`` allows."""
 
 
 class DriverLink(Protocol):
-    """Where a rank's committed state goes and where a relaunched job finds it (the runner implements it)."""
+    """Where a rank's committed state goes and where a relaunched job finds it (the runner implements it).
 
-    def commit(self, blob: bytes) -> bool:
-        """Keep ``blob`` as the last committed state; True when the job can grow."""
+    A commit is a sequence of ``put`` chunks under one ``commit_id`` then ``commit``; the previous commit stays
+    the committed one until ``commit`` succeeds, so a rank lost mid-upload leaves the last whole commit.
+    """
 
-    def committed(self) -> bytes | None:
-        """The last committed state of an earlier attempt, or None (first attempt, or nothing committed)."""
+    def put(self, commit_id: str, seq: int, data: bytes) -> None:
+        """Append chunk ``seq`` (0, 1, ...) of the commit ``commit_id`` being uploaded."""
+
+    def commit(self, commit_id: str, sizes: list[int]) -> bool:
+        """Make the uploaded chunks (parts of ``sizes`` bytes, back to back) the committed state; True when the job
+        can grow."""
+
+    def committed(self) -> list[int] | None:
+        """The part sizes of the last committed state of an earlier attempt, or None (nothing committed)."""
+
+    def get(self, offset: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` of the committed state from ``offset``."""
 
     def hosts_updated(self) -> bool:
         """True when more slots are free than the job uses (and it is below its max)."""
@@ -87,16 +98,36 @@ def get_link() -> DriverLink | None:
         return _link
 
 
-def state_max_bytes() -> int:
-    """The cap on a committed state's size (``SPARK_HVD_ELASTIC_STATE_MAX`` bytes, default 32 MiB, at most 60)."""
+def state_max_bytes() -> int | None:
+    """The cap on a committed state's size (``SPARK_HVD_ELASTIC_STATE_MAX`` bytes), None when not set."""
     raw = os.environ.get(STATE_MAX_ENV)
     if not raw:
-        return _STATE_MAX_DEFAULT
+        return None
     try:
         value = int(raw)
     except ValueError:
         raise ValueError(f"{STATE_MAX_ENV}={raw!r} is not a number of bytes") from None
-    return max(1, min(value, _STATE_MAX_LIMIT))
+    return value if value > 0 else None
+
+
+def upload_state(link: DriverLink, value: Any) -> bool:
+    """Stream ``value`` to the driver through ``link`` and commit it; True when the job can grow."""
+    parts = state_stream.encode(value)
+    total = sum(part.nbytes for part in parts)
+    cap = state_max_bytes()
+    if cap is not None and total > cap:
+        raise StateTooLargeError(
+            f"rank 0: the committed elastic state is {total} bytes, above {STATE_MAX_ENV}={cap}; raise or unset it, "
+            "or keep large objects (datasets, caches) out of the State")
+    commit_id = secrets.token_hex(8)
+    sizes = state_stream.upload(parts, lambda seq, data: link.put(commit_id, seq, data))
+    return link.commit(commit_id, sizes)
+
+
+def download_state(link: DriverLink) -> Any | None:
+    """The value last committed through ``link`` (by an earlier attempt), or None."""
+    sizes = link.committed()
+    return None if sizes is None else state_stream.download(sizes, link.get)
 
 
 def _core() -> Any:
@@ -131,7 +162,7 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Snapshot the state (``save()``); under ``run_elastic`` rank 0 also hands it to the driver, where a
+        """Snapshot the state (``save()``); under ``run_elastic`` rank 0 also streams it to the driver, where a
         relaunched job finds it. Then ``check_host_updates()`` (answered by the same round trip)."""
         self.save()
         link = get_link()
@@ -139,14 +170,7 @@ class State:
             return
         grow = False
         if _core().rank() == 0:
-            blob = pickle.dumps(self.snapshot(), protocol=pickle.HIGHEST_PROTOCOL)
-            cap = state_max_bytes()
-            if len(blob) > cap:
-                raise StateTooLargeError(
-                    f"rank 0: the committed elastic state is {len(blob)} bytes, above the {cap} bytes the driver "
-                    f"keeps ({STATE_MAX_ENV}, at most {_STATE_MAX_LIMIT}); keep large objects (datasets, caches) "
-                    "out of the State and commit only the model, optimizer and counters")
-            grow = link.commit(blob)
+            grow = upload_state(link, self.snapshot())
         self._agree(grow)
 
     def check_host_updates(self) -> None:
@@ -173,9 +197,9 @@ class State:
         self._link_checked = True
         loaded = False
         if _core().rank() == 0:
-            blob = link.committed()
-            if blob is not None:
-                self.load_snapshot(pickle.loads(blob))
+            value = download_state(link)
+            if value is not None:
+                self.load_snapshot(value)
                 self.restore()
                 loaded = True
         self.was_reset = bool(_core().broadcast_object(loaded, 0, name="elastic.loaded"))

@@ -6,8 +6,9 @@ A barrier stage cannot lose or gain a task, so each reset is a new stage (an "at
    slots (the first time at most ``num_proc``), through the runner's ``_run_attempt`` (one stage, one driver
    service, the job's secret shared by every attempt).
 2. Each rank runs ``fn`` with a ``DriverLink`` installed (``spark_hvd.core.elastic``): ``state.commit()`` on rank 0
-   sends the pickled snapshot to the driver service (authenticated frames, size-capped) and gets back whether the
-   job can grow; a relaunched rank 0 fetches the last snapshot in its first ``state.sync()`` and broadcasts it.
+   streams the snapshot to the driver service in chunks (authenticated frames; the driver keeps it on its local
+   disk, so any size fits) and gets back whether the job can grow; a relaunched rank 0 fetches the last snapshot
+   in its first ``state.sync()`` and broadcasts it.
 3. A lost rank (its process died, its executor went away, a peer's collective failed as a consequence) fails the
    stage; the driver waits up to ``elastic_timeout`` for ``min_num_proc`` free slots and relaunches. An exception
    raised by ``fn`` itself is a bug, not a lost rank: it fails the run as ``run()`` does.
@@ -23,7 +24,10 @@ Spark Connect only a ``local[N]`` master tells its total, so there the job never
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,11 +67,17 @@ class _ServiceLink:
     def __init__(self, client: ServiceClient) -> None:
         self.client = client
 
-    def commit(self, blob: bytes) -> bool:
-        return bool(self.client.request("elastic.commit", blob))
+    def put(self, commit_id: str, seq: int, data: bytes) -> None:
+        self.client.request("elastic.put", (commit_id, seq, data))
 
-    def committed(self) -> bytes | None:
+    def commit(self, commit_id: str, sizes: list[int]) -> bool:
+        return bool(self.client.request("elastic.commit", (commit_id, list(sizes))))
+
+    def committed(self) -> list[int] | None:
         return self.client.request("elastic.fetch")
+
+    def get(self, offset: int, nbytes: int) -> bytes:
+        return self.client.request("elastic.get", (offset, nbytes))
 
     def hosts_updated(self) -> bool:
         return bool(self.client.request("elastic.hosts"))
@@ -90,34 +100,88 @@ def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -
 
 
 class _Driver:
-    """The driver's elastic state across attempts: the last committed snapshot and the growth check."""
+    """The driver's elastic state across attempts: the last committed snapshot and the growth check.
+
+    The snapshot is kept in a private temporary directory on the driver's disk (``committed`` and the ``pending``
+    upload; ``close()`` removes it), never whole in memory: its size is bounded by the disk, not the heap.
+    """
 
     def __init__(self, spark: Any, max_num_proc: int) -> None:
         self.spark = spark
         self.max_num_proc = max_num_proc
         self.size = 0
-        self._blob: bytes | None = None
         self.commits = 0
+        self._dir = tempfile.mkdtemp(prefix="spark_hvd_elastic_")
+        self._pending_id: str | None = None
+        self._pending_seq = 0
+        self._pending_bytes = 0
+        self._sizes: list[int] | None = None
         self._lock = threading.Lock()
         self._grow_at = 0.0
         self._grow = False
 
     def handlers(self) -> dict[str, Callable[[int, Any], Any]]:
-        return {"elastic.commit": self._commit, "elastic.fetch": self._fetch, "elastic.hosts": self._hosts}
+        return {"elastic.put": self._put, "elastic.commit": self._commit, "elastic.fetch": self._fetch,
+                "elastic.get": self._get, "elastic.hosts": self._hosts}
 
-    def _commit(self, rank: int, blob: Any) -> bool:
+    def close(self) -> None:
+        """Remove the committed state from the driver's disk."""
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self._dir, name)
+
+    @staticmethod
+    def _only_rank0(rank: int) -> None:
         if rank != 0:
             raise ValueError(f"only rank 0 commits the elastic state, not rank {rank}")
-        if not isinstance(blob, bytes) or len(blob) > state_max_bytes():
-            raise ValueError("the committed state must be bytes of at most SPARK_HVD_ELASTIC_STATE_MAX")
+
+    def _put(self, rank: int, payload: Any) -> None:
+        self._only_rank0(rank)
+        commit_id, seq, data = payload
+        if not isinstance(commit_id, str) or not isinstance(seq, int) or not isinstance(data, bytes):
+            raise ValueError("elastic.put takes (commit id, chunk number, bytes)")
+        cap = state_max_bytes()
         with self._lock:
-            self._blob = blob
+            if seq == 0:  # a new upload replaces an unfinished one (its rank was lost mid-upload)
+                self._pending_id, self._pending_seq, self._pending_bytes = commit_id, 0, 0
+            if commit_id != self._pending_id or seq != self._pending_seq:
+                raise ValueError(f"elastic.put: chunk {seq} of commit {commit_id} is out of order")
+            if cap is not None and self._pending_bytes + len(data) > cap:
+                raise ValueError(f"the committed state is above SPARK_HVD_ELASTIC_STATE_MAX={cap} bytes")
+            with open(self._path("pending"), "wb" if seq == 0 else "ab") as f:
+                f.write(data)
+            self._pending_seq += 1
+            self._pending_bytes += len(data)
+
+    def _commit(self, rank: int, payload: Any) -> bool:
+        self._only_rank0(rank)
+        commit_id, sizes = payload
+        if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes) or not sizes:
+            raise ValueError("elastic.commit takes (commit id, list of part sizes)")
+        with self._lock:
+            if commit_id != self._pending_id or sum(sizes) != self._pending_bytes:
+                raise ValueError(f"elastic.commit: commit {commit_id} was not uploaded whole "
+                                 f"({self._pending_bytes} bytes received, {sum(sizes)} announced)")
+            os.replace(self._path("pending"), self._path("committed"))
+            self._sizes, self._pending_id = list(sizes), None
             self.commits += 1
         return self._hosts(rank, None)
 
-    def _fetch(self, rank: int, _: Any) -> bytes | None:
+    def _fetch(self, rank: int, _: Any) -> list[int] | None:
         with self._lock:
-            return self._blob
+            return None if self._sizes is None else list(self._sizes)
+
+    def _get(self, rank: int, payload: Any) -> bytes:
+        offset, nbytes = payload
+        if not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or not 0 < nbytes <= 64 << 20:
+            raise ValueError("elastic.get takes (offset, 1 to 64 MiB)")
+        with self._lock:
+            if self._sizes is None:
+                raise ValueError("elastic.get: nothing is committed")
+            with open(self._path("committed"), "rb") as f:
+                f.seek(offset)
+                return f.read(nbytes)
 
     def _hosts(self, rank: int, _: Any) -> bool:
         if cluster.is_connect(self.spark):
@@ -226,9 +290,9 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
         if on_event is not None:
             on_event(event)
 
-    size = _wait_slots(spark, low, first, elastic_s, "could not start")
     resets = 0
     try:
+        size = _wait_slots(spark, low, first, elastic_s, "could not start")
         for attempt in range(1 << 30):
             driver.size = size
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
@@ -252,4 +316,5 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
             size = _wait_slots(spark, low, high, elastic_s, f"reset {resets} ({why})")
         raise AssertionError("unreachable")
     finally:
+        driver.close()
         _spark._last_events[:] = events

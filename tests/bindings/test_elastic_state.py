@@ -5,13 +5,12 @@ the snapshot the driver keeps, ElasticSampler's re-partition over 3 -> 2 -> 3 ra
 from __future__ import annotations
 
 import copy
-import pickle
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from spark_hvd.core import elastic
+from spark_hvd.core import elastic, state_stream
 from spark_hvd.core.errors import SparkHvdError
 
 torch = pytest.importorskip("torch")
@@ -67,7 +66,7 @@ def test_torch_state_restores_model_and_optimizer_bit_exact_after_a_bad_step():
 
 
 def test_the_snapshot_the_driver_keeps_rebuilds_the_state_in_a_fresh_process():
-    """What rank 0 uploads (pickled ``snapshot()``) loads into a TorchState built from scratch, as a relaunched
+    """What rank 0 streams (``snapshot()`` in parts) loads into a TorchState built from scratch, as a relaunched
     rank 0 does."""
     from spark_hvd.torch.elastic import TorchState
 
@@ -75,16 +74,16 @@ def test_the_snapshot_the_driver_keeps_rebuilds_the_state_in_a_fresh_process():
     state = TorchState(model, optimizer, epoch=3)
     _step(model, optimizer)
     state.commit()
-    blob = pickle.dumps(state.snapshot())
+    parts = [bytearray(p) for p in state_stream.encode(state.snapshot())]
     fresh_model, fresh_opt = _model_and_optimizer(seed=7)
     fresh = TorchState(fresh_model, fresh_opt, epoch=0)
-    fresh.load_snapshot(pickle.loads(blob))
+    fresh.load_snapshot(state_stream.decode(parts))
     fresh.restore()
     assert fresh.epoch == 3
     assert _same(_flat(fresh_model, fresh_opt), _flat(model, optimizer))
     other = TorchState(fresh_model, optimizer=None, epoch=0)
     with pytest.raises(KeyError, match="'optimizer'"):
-        other.load_snapshot(pickle.loads(blob))
+        other.load_snapshot(state_stream.decode(parts))
 
 
 def test_object_state_snapshots_objects_changed_in_place():
@@ -158,25 +157,71 @@ def test_elastic_sampler_repartitions_the_remaining_indices_exactly_once(monkeyp
     assert not samplers[0].processed_indices and len(samplers[0]) == 15
 
 
-def test_commit_over_the_size_cap_names_the_setting(monkeypatch):
-    class Link:
-        blobs: list = []
+class _MemoryLink:
+    """A driver link in memory: the chunks of the pending upload, the parts of the last commit."""
 
-        def commit(self, blob: bytes) -> bool:
-            self.blobs.append(blob)
-            return False
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self.data = b""
+        self.sizes: list[int] | None = None
+        self.chunks = 0
 
-    link = Link()
+    def put(self, commit_id: str, seq: int, data: bytes) -> None:
+        assert seq == len(self.pending) and len(data) <= 1 << 20
+        self.pending.append(data)
+        self.chunks += 1
+
+    def commit(self, commit_id: str, sizes: list[int]) -> bool:
+        self.data, self.sizes, self.pending = b"".join(self.pending), sizes, []
+        assert sum(sizes) == len(self.data)
+        return False
+
+    def committed(self) -> list[int] | None:
+        return self.sizes
+
+    def get(self, offset: int, nbytes: int) -> bytes:
+        return self.data[offset:offset + nbytes]
+
+
+def test_a_large_state_streams_in_chunks_and_comes_back_bit_exact(monkeypatch):
+    """Tensors and arrays leave the pickle stream as raw parts, sent in bounded chunks; every kind comes back
+    equal (contiguous, strided, bfloat16, requiring grad, numpy, plain objects)."""
+    monkeypatch.setattr(state_stream, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(elastic, "_core", lambda: SimpleNamespace(rank=lambda: 0, allreduce=lambda a, **_: a))
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(3 << 20, generator=gen)  # 12 MiB of float32
+    value = {"big": big, "strided": torch.randn(64, 64, generator=gen).t(), "bf16": torch.randn(9).bfloat16(),
+             "grad": torch.randn(4, requires_grad=True), "np": np.arange(100_000, dtype=np.int64),
+             "plain": {"epoch": 3, "seen": {1, 2}}}
+    link = _MemoryLink()
+    elastic.set_link(link)
+    try:
+        state = elastic.ObjectState(**value)
+        state.commit()
+        assert link.chunks >= 12 and len(link.data) > 12 << 20  # 12 MiB went out in 1 MiB chunks
+        back = elastic.download_state(link)["objects"]
+    finally:
+        elastic.set_link(None)
+    assert back.keys() == value.keys() and back["plain"] == value["plain"]
+    np.testing.assert_array_equal(back["np"], value["np"])
+    for name in ("big", "strided", "bf16", "grad"):
+        assert back[name].dtype == value[name].dtype and torch.equal(back[name].detach(), value[name].detach())
+    assert back["grad"].requires_grad
+
+
+def test_commit_over_a_set_size_cap_names_the_setting(monkeypatch):
+    link = _MemoryLink()
     monkeypatch.setattr(elastic, "_core", lambda: SimpleNamespace(rank=lambda: 0, allreduce=lambda a, **_: a))
     monkeypatch.setenv(elastic.STATE_MAX_ENV, "1000")
     elastic.set_link(link)
     try:
         state = elastic.ObjectState(small=1, big=None)
         state.commit()
-        assert pickle.loads(link.blobs[-1]) == {"objects": {"small": 1, "big": None}}
+        assert elastic.download_state(link) == {"objects": {"small": 1, "big": None}}
         state.big = np.zeros(1000)
-        with pytest.raises(elastic.StateTooLargeError, match="SPARK_HVD_ELASTIC_STATE_MAX"):
+        with pytest.raises(elastic.StateTooLargeError, match="SPARK_HVD_ELASTIC_STATE_MAX=1000"):
             state.commit()
+        assert elastic.download_state(link) == {"objects": {"small": 1, "big": None}}  # the last commit stays
     finally:
         elastic.set_link(None)
 
@@ -230,11 +275,11 @@ def test_keras_state_restores_model_and_optimizer_variables_bit_exact():
     state.restore()
     restored = [np.array(v) for v in model.variables + model.optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(committed, restored, strict=True)) and state.epoch == 1
-    # the driver's copy (pickled snapshot) restores the same into another state object
-    blob = pickle.dumps(state.snapshot())
+    # the driver's copy (the snapshot streamed in parts) restores the same into another state object
+    parts = [bytearray(p) for p in state_stream.encode(state.snapshot())]
     model.fit(x, y, epochs=1, batch_size=8, verbose=0)
     other = KerasState(model, epoch=0)
-    other.load_snapshot(pickle.loads(blob))
+    other.load_snapshot(state_stream.decode(parts))
     other.restore()
     again = [np.array(v) for v in model.variables + model.optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(committed, again, strict=True)) and other.epoch == 1

@@ -1,11 +1,16 @@
 """The driver side of run_elastic without Spark: requests to the driver service's handlers (answered on the rank's
-authenticated connection), the committed state kept across attempts, and what ranks may ask."""
+authenticated connection), the committed state streamed in chunks and kept on the driver's disk across attempts,
+and what ranks may ask."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 
-from spark_hvd.core.elastic import STATE_MAX_ENV
+from spark_hvd.core import state_stream
+from spark_hvd.core.elastic import STATE_MAX_ENV, download_state, upload_state
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner.elastic import _Driver, _recoverable, _ServiceLink, _sizes
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError
@@ -27,23 +32,35 @@ def _serve(driver: _Driver, num_proc: int = 2):
     return service, clients
 
 
-def test_commits_reach_the_driver_and_a_later_attempt_fetches_the_last(monkeypatch):
+def test_commits_stream_to_the_driver_and_a_later_attempt_fetches_the_last(monkeypatch):
+    monkeypatch.setattr(state_stream, "CHUNK_BYTES", 1 << 16)
     driver = _Driver(_NoGrowthSpark(), max_num_proc=2)
     service, clients = _serve(driver)
     try:
         link0, link1 = (_ServiceLink(c) for c in clients)
         assert link0.committed() is None
-        assert link0.commit(b"first") is False and link0.commit(b"second") is False
-        assert driver.commits == 2 and link1.committed() == b"second"
+        first = {"w": np.arange(50_000, dtype=np.float64)}  # 400 kB: 7 chunks of 64 KiB
+        second = {"w": np.arange(50_000, dtype=np.float64)[::-1].copy(), "epoch": 2}
+        assert upload_state(link0, first) is False and upload_state(link0, second) is False
+        assert driver.commits == 2 and os.listdir(driver._dir) == ["committed"]
+        back = download_state(link1)
+        assert back.keys() == second.keys() and back["epoch"] == 2
+        np.testing.assert_array_equal(back["w"], second["w"])
         with pytest.raises(RunnerError, match="only rank 0 commits the elastic state, not rank 1"):
-            link1.commit(b"forged by rank 1")
+            link1.put("forged", 0, b"by rank 1")
+        # an upload cut off mid-way (its rank lost), then a commit of chunks never sent: the last commit stays
+        link0.put("cut", 0, b"x" * 10)
+        with pytest.raises(RunnerError, match="out of order"):
+            link0.put("cut", 2, b"x")
+        with pytest.raises(RunnerError, match="was not uploaded whole"):
+            link0.commit("cut", [10, 5])
         monkeypatch.setenv(STATE_MAX_ENV, "4")
         with pytest.raises(RunnerError, match="SPARK_HVD_ELASTIC_STATE_MAX"):
-            link0.commit(b"too large")
+            link0.put("big", 0, b"too large")
         with pytest.raises(RunnerError, match="no handler for request 'nope'"):
             clients[0].request("nope")
         assert link0.hosts_updated() is False
-        assert link1.committed() == b"second"  # refused commits left the last good one in place
+        np.testing.assert_array_equal(download_state(link1)["w"], second["w"])  # refused commits left it in place
         for c in clients:
             c.send_done()
         assert service.wait_finished(30.0) and service.failures == []
@@ -51,6 +68,8 @@ def test_commits_reach_the_driver_and_a_later_attempt_fetches_the_last(monkeypat
         for c in clients:
             c.close()
         service.stop()
+        driver.close()
+    assert not os.path.exists(driver._dir)
 
 
 def test_sizes_and_which_failures_relaunch():

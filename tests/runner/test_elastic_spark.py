@@ -249,3 +249,63 @@ def _rank_1_dies() -> None:
 def test_reset_limit_bounds_the_relaunches(spark):
     with pytest.raises(ElasticError, match=r"reset_limit=0 reached; the last reset was needed after rank \d failed"):
         run_elastic(_rank_1_dies, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=0, verbose=0)
+
+
+BIG_ROWS, BIG_COLS, BIG_STEPS = 4096, 4096, 3  # 64 MiB of float32 weights + 64 MiB of momentum: 128 MiB committed
+
+
+def _big_descent(steps_done: int, model, optimizer) -> None:
+    """Step ``steps_done + 1`` of the big-state job: a gradient every rank computes alike, one SGD-momentum step."""
+    model.weight.grad = torch.full_like(model.weight, float(steps_done + 1)) * model.weight.detach().sign()
+    optimizer.step()
+
+
+def _big_model() -> tuple:
+    model = torch.nn.Linear(BIG_COLS, BIG_ROWS, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.linspace(-1, 1, BIG_ROWS * BIG_COLS).reshape(BIG_ROWS, BIG_COLS))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def _digest(model, optimizer) -> str:
+    import hashlib
+
+    momentum = optimizer.state_dict()["state"][0]["momentum_buffer"]
+    return hashlib.sha256(model.weight.detach().numpy().tobytes() + momentum.numpy().tobytes()).hexdigest()
+
+
+def _big_state_job() -> dict:
+    """Rank 1 dies right after the commit of step 2 (of 3); the relaunch must restore all 128 MiB exactly."""
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    model, optimizer = _big_model()
+    state = hvd.elastic.TorchState(model, optimizer, step=0)
+    attempt = int(os.environ["SPARK_HVD_RUN_ATTEMPT"])
+
+    @hvd.elastic.run
+    def loop(state):
+        start = state.step
+        while state.step < BIG_STEPS:
+            hvd.allreduce(torch.ones(1), name=f"step{state.step}")  # fails on rank 0 once rank 1 is gone
+            _big_descent(state.step, model, optimizer)
+            state.step += 1
+            state.commit()
+            if attempt == 0 and hvd.rank() == 1 and state.step == 2:
+                os._exit(3)
+        return start
+
+    start = loop(state)
+    return {"attempt": attempt, "start": start, "digest": _digest(model, optimizer)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_state_above_the_old_60_mib_cap_is_committed_and_restored_after_a_lost_rank(spark):
+    results = run_elastic(_big_state_job, num_proc=2, min_num_proc=1, max_num_proc=2, elastic_timeout=60,
+                          reset_limit=1, verbose=0)
+    model, optimizer = _big_model()
+    for step in range(BIG_STEPS):
+        _big_descent(step, model, optimizer)
+    want = _digest(model, optimizer)
+    assert [(r["attempt"], r["start"], r["digest"]) for r in results] == [(1, 2, want)] * 2
