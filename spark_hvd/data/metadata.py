@@ -15,6 +15,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 FORMAT_VERSION = 1
 
+#: Column kinds whose rows are numbers the reader hands over as one numeric array of ``(rows, *shape)``.
+NUMERIC_KINDS = frozenset({"scalar", "vector", "array"})
+#: Every kind the data layer stores (see :class:`ColumnSpec`).
+KINDS = NUMERIC_KINDS | {"binary", "string", "ragged", "sparse"}
+
 
 def column_roles(feature_cols: Sequence[str], label_cols: Sequence[str],
                  sample_weight_col: str | None) -> dict[str, str]:
@@ -36,9 +41,14 @@ class ColumnSpec:
 
     Attributes:
         name: the column name (as in the DataFrame and the Parquet files).
-        dtype: numpy dtype name of the values (``float32`` for vectors, ``bool``, ``int64`` ...).
-        shape: shape of one row's value: ``()`` for a scalar, ``(n,)`` for a vector or an array of length n.
-        kind: ``"scalar"``, ``"vector"`` (a pyspark.ml Vector, stored as float32 array) or ``"array"``.
+        dtype: numpy dtype name of the values (``float32`` for vectors, ``bool``, ``int64`` ...; ``object`` for
+            binary and string columns, whose rows are Python ``bytes`` / ``str``).
+        shape: shape of one row's value: ``()`` for a scalar, a binary or a string; ``(n,)`` for a vector or an
+            array of length n; ``(d1, d2, ...)`` for nested fixed-shape arrays (``array<array<float>>``); ``(-1,)``
+            for a ragged array; ``(n,)`` for a sparse vector of size n.
+        kind: ``"scalar"``; ``"vector"`` (a pyspark.ml Vector, stored as a dense float32 array); ``"array"`` (one
+            fixed shape, nested or not); ``"ragged"`` (1-D numeric arrays of varying length, stored as they are);
+            ``"sparse"`` (a Vector stored as Spark writes it: size, indices, values); ``"binary"``; ``"string"``.
         spark_type: the Spark SQL type it came from (``simpleString``).
     """
 
@@ -47,6 +57,11 @@ class ColumnSpec:
     shape: tuple[int, ...] = ()
     kind: str = "scalar"
     spark_type: str = ""
+
+    @property
+    def numeric(self) -> bool:
+        """Whether rows are numbers handed over as one ``(rows, *shape)`` array (scalar, vector, array)."""
+        return self.kind in NUMERIC_KINDS
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -57,12 +57,23 @@ _SCALAR_DTYPES = {
 class _Plan:
     name: str
     role: str
-    kind: str  # scalar | vector | array
+    kind: str  # scalar | vector | array | binary | string | sparse  (an array may turn out ragged)
     dtype: str
     spark_type: str
     cast_double: bool = False
-    contains_null: bool = False
+    contains_null: tuple[bool, ...] = ()  # per nesting level of an array: may it hold nulls
+    depth: int = 0  # nesting depth of an array (array<float>: 1, array<array<float>>: 2)
 
+
+#: What a used column may be (the message of ``UnsupportedColumnTypeError``).
+_SUPPORTED = ("a numeric or boolean scalar, a pyspark.ml.linalg.Vector, binary (encoded images, audio ...), string, "
+              "or an array (possibly nested, e.g. array<array<float>>) of numbers; token-id arrays may differ in "
+              "length")
+#: Kinds whose Parquet row groups are sized by bytes (``row_group_bytes``): their rows vary in size.
+_VARIABLE_KINDS = ("binary", "string", "sparse", "ragged")
+#: Default row group size for datasets with such columns (Spark's writer default, 128 MiB, would make a rank's
+#: read-ahead of a few row groups hold hundreds of MiB of encoded images).
+DEFAULT_ROW_GROUP_BYTES = 8 << 20
 
 def _as_list(cols: str | Sequence[str] | None, what: str) -> list[str]:
     if cols is None:
@@ -89,26 +100,41 @@ def _check_validation(validation: float | str | None) -> None:
         raise ValidationParamError(f"validation fraction must be in (0, 1), got {validation}")
 
 
-def _plan_column(name: str, dtype: Any, role: str) -> _Plan:
+def _plan_column(name: str, dtype: Any, role: str, sparse_vectors: str = "dense") -> _Plan:
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import types as T
 
     simple = dtype.simpleString()
     if isinstance(dtype, VectorUDT):
+        if sparse_vectors == "sparse":
+            return _Plan(name, role, "sparse", "float32", "vector")
         return _Plan(name, role, "vector", "float32", "vector")
     if isinstance(dtype, T.DecimalType):
         return _Plan(name, role, "scalar", "float64", simple, cast_double=True)
     if simple in _SCALAR_DTYPES:
         return _Plan(name, role, "scalar", _SCALAR_DTYPES[simple], simple)
+    if isinstance(dtype, T.BinaryType):
+        return _Plan(name, role, "binary", "object", simple)
+    if isinstance(dtype, T.StringType):
+        return _Plan(name, role, "string", "object", simple)
     if isinstance(dtype, T.ArrayType):
-        elem = dtype.elementType
+        nulls = []
+        elem: Any = dtype
+        while isinstance(elem, T.ArrayType):
+            nulls.append(bool(elem.containsNull))
+            elem = elem.elementType
+        depth = len(nulls)
         if isinstance(elem, T.DecimalType):
-            return _Plan(name, role, "array", "float64", simple, cast_double=True, contains_null=dtype.containsNull)
+            return _Plan(name, role, "array", "float64", simple, cast_double=True, contains_null=tuple(nulls),
+                         depth=depth)
         if elem.simpleString() in _SCALAR_DTYPES:
-            return _Plan(
-                name, role, "array", _SCALAR_DTYPES[elem.simpleString()], simple, contains_null=dtype.containsNull
-            )
-    raise UnsupportedColumnTypeError(name, simple, role)
+            return _Plan(name, role, "array", _SCALAR_DTYPES[elem.simpleString()], simple,
+                         contains_null=tuple(nulls), depth=depth)
+    needed = _SUPPORTED
+    if isinstance(dtype, T.MapType | T.StructType):
+        needed += (f"; select the fields the model needs as columns of their own (df.select('{name}.field') or "
+                   "explode the map) first")
+    raise UnsupportedColumnTypeError(name, simple, role, needed=needed)
 
 
 def _fingerprint(df: DataFrame, params: dict[str, Any]) -> str:
@@ -147,8 +173,15 @@ def _params(
     num_parts: int,
     seed: int,
     compression: str,
+    sparse_vectors: str = "dense",
+    row_group_bytes: int | None = None,
 ) -> dict[str, Any]:
-    return {
+    extra: dict[str, Any] = {}  # only where not the default, so that earlier keys stay valid
+    if sparse_vectors != "dense":
+        extra["sparse_vectors"] = sparse_vectors
+    if row_group_bytes is not None:
+        extra["row_group_bytes"] = int(row_group_bytes)
+    return extra | {
         "features": features,
         "labels": labels,
         "weight": weight,
@@ -169,12 +202,15 @@ def dataset_key(
     partitions_per_process: int = 10,
     seed: int = 0,
     compression: str = "snappy",
+    sparse_vectors: str = "dense",
+    row_group_bytes: int | None = None,
 ) -> str:
     """The key :func:`prepare_data` gives the dataset of ``df`` with these settings (nothing runs on Spark)."""
     features, labels, num_proc, ppp, seed = _normalize(
         feature_cols, label_cols, sample_weight_col, validation, num_proc, partitions_per_process, seed
     )
-    params = _params(features, labels, sample_weight_col, validation, num_proc * ppp, seed, compression)
+    params = _params(features, labels, sample_weight_col, validation, num_proc * ppp, seed, compression,
+                     sparse_vectors, row_group_bytes)
     return "ds-" + _fingerprint(df, params)[:20]
 
 
@@ -191,6 +227,8 @@ def prepare_data(
     compression: str = "snappy",
     overwrite: bool = False,
     visibility_timeout_s: float | None = None,
+    sparse_vectors: str = "dense",
+    row_group_bytes: int | None = None,
 ) -> DatasetInfo:
     """Write the columns a training job needs to Parquet in ``store`` and return the dataset's metadata.
 
@@ -209,11 +247,22 @@ def prepare_data(
         compression: Parquet compression codec.
         overwrite: prepare again even when the cache holds a dataset for the same DataFrame and settings.
         visibility_timeout_s: how long to wait for Spark's files to be visible (DBFS); the store's default if None.
+        sparse_vectors: ``"dense"`` (default): Vector columns are stored as dense float32 arrays; ``"sparse"``:
+            stored as Spark writes them (size, indices, values) and handed to the ranks as
+            ``scipy.sparse.csr_matrix`` batches (see :class:`~spark_hvd.data.reader.BatchReader`).
+        row_group_bytes: target size of a Parquet row group in bytes, whatever the row count; default
+            ``DEFAULT_ROW_GROUP_BYTES`` (8 MiB) for datasets with binary, string, ragged or sparse columns, Spark's
+            default (128 MiB) otherwise.
 
-    Columns may be numeric or boolean scalars, ``pyspark.ml.linalg`` Vectors (dense or sparse, stored as dense
-    float32 arrays) or arrays of numbers of one fixed length. Everything is checked before anything is written
-    (missing columns with the closest names suggested, unsupported types, nulls, arrays of different lengths, an
-    empty DataFrame, a bad ``validation``, fewer rows than ``num_proc``); a failure leaves nothing in the store.
+    Columns may be numeric or boolean scalars; ``pyspark.ml.linalg`` Vectors (see ``sparse_vectors``); ``binary``
+    (encoded images, audio: handed to the ranks as Python ``bytes``); ``string`` (as Python ``str``; string
+    categories are indexed with ``pyspark.ml.feature.StringIndexer`` in the Pipeline first); arrays of numbers
+    of one fixed length, nested or not (``array<array<float>>`` becomes an ``(rows, d1, d2)`` array); 1-D
+    arrays of numbers that differ in length (token ids: kind ``"ragged"``, padded per batch by the reader).
+    Maps and structs are refused, naming the column. Everything is checked before anything is written
+    (missing columns with the closest names suggested, unsupported types, nulls, nested arrays of different
+    shapes, an empty DataFrame, a bad ``validation``, fewer rows than ``num_proc``); a failure leaves nothing
+    in the store.
 
     Returns:
         The :class:`~spark_hvd.data.metadata.DatasetInfo` (also at ``store.metadata_path(info.key)``).
@@ -236,7 +285,11 @@ def prepare_data(
             raise ColumnNotFoundError(name, list(fields), role)
     if isinstance(validation, str) and validation not in fields:
         raise ColumnNotFoundError(validation, list(fields), "validation column")
-    plans = [_plan_column(name, fields[name], role) for name, role in roles.items()]
+    if sparse_vectors not in ("dense", "sparse"):
+        raise InvalidParamError(f"sparse_vectors must be 'dense' or 'sparse', got {sparse_vectors!r}")
+    if row_group_bytes is not None and int(row_group_bytes) < 1:
+        raise InvalidParamError(f"row_group_bytes must be a positive number of bytes, got {row_group_bytes!r}")
+    plans = [_plan_column(name, fields[name], role, sparse_vectors) for name, role in roles.items()]
     if sample_weight_col:
         w = next(p for p in plans if p.name == sample_weight_col)
         if w.kind != "scalar":
@@ -250,7 +303,8 @@ def prepare_data(
             )
 
     num_parts = num_proc * partitions_per_process
-    params = _params(features, labels, sample_weight_col, validation, num_parts, seed, compression)
+    params = _params(features, labels, sample_weight_col, validation, num_parts, seed, compression,
+                     sparse_vectors, row_group_bytes)
     fingerprint = _fingerprint(df, params)
     key = "ds-" + fingerprint[:20]
     data_path = store.data_path(key)
@@ -264,22 +318,19 @@ def prepare_data(
     def col(name: str) -> Any:
         return F.col("`" + name.replace("`", "``") + "`")
 
-    def as_array(p: _Plan) -> Any:
-        if p.kind == "vector":
-            from pyspark.ml.functions import vector_to_array
+    def vector_as_array(p: _Plan) -> Any:
+        from pyspark.ml.functions import vector_to_array
 
-            return vector_to_array(col(p.name), "float32")
-        return col(p.name)
+        return vector_to_array(col(p.name), "float32")
 
     aggs = [F.count(F.lit(1)).alias("n")]
     for i, p in enumerate(plans):
         aggs.append(F.sum(F.when(col(p.name).isNull(), 1).otherwise(0)).alias(f"null{i}"))
-        if p.kind != "scalar":
-            size = F.size(as_array(p))
-            aggs += [F.min(size).alias(f"min{i}"), F.max(size).alias(f"max{i}")]
-            if p.contains_null:
-                has_null = F.exists(col(p.name), lambda x: x.isNull())
-                aggs.append(F.sum(F.when(has_null, 1).otherwise(0)).alias(f"elnull{i}"))
+        if p.kind in ("vector", "sparse"):
+            size = F.size(vector_as_array(p))
+            aggs += [F.min(size).alias(f"min{i}_1"), F.max(size).alias(f"max{i}_1")]
+        elif p.kind == "array":
+            aggs += _array_checks(col(p.name), p, i)
     if isinstance(validation, str):
         vcol = col(validation)
         flag = vcol if isinstance(fields[validation], BooleanType) else (vcol > 0)
@@ -299,21 +350,9 @@ def prepare_data(
         detail = ", ".join(f"{roles.get(c, 'validation column')} {c!r}: {n} of {total} rows" for c, n in nulls.items())
         raise NullValuesError(f"null values in used columns ({detail}); drop or fill them first (df.na.drop/fill)")
     shapes: dict[str, tuple[int, ...]] = {}
+    kinds: dict[str, str] = {}
     for i, p in enumerate(plans):
-        if p.kind == "scalar":
-            shapes[p.name] = ()
-            continue
-        lo, hi = int(stats[f"min{i}"]), int(stats[f"max{i}"])
-        if lo != hi:
-            raise InconsistentShapeError(
-                f"{p.role} {p.name!r} holds {p.kind}s of different lengths ({lo} to {hi}); "
-                "every row needs the same length"
-            )
-        if lo == 0:
-            raise InconsistentShapeError(f"{p.role} {p.name!r} holds empty {p.kind}s")
-        if p.contains_null and stats.get(f"elnull{i}"):
-            raise NullValuesError(f"{p.role} {p.name!r}: {stats[f'elnull{i}']} rows hold arrays with null elements")
-        shapes[p.name] = (lo,)
+        shapes[p.name], kinds[p.name] = _shape(p, i, stats)
     if total < num_proc:
         raise TooFewRowsError(f"the DataFrame has {total} rows, fewer than num_proc={num_proc}: some rank gets none")
     if isinstance(validation, str):
@@ -328,9 +367,9 @@ def prepare_data(
     out_cols = []
     for p in plans:
         if p.kind == "vector":
-            out_cols.append(as_array(p).alias(p.name))
+            out_cols.append(vector_as_array(p).alias(p.name))
         elif p.cast_double:
-            out_cols.append(col(p.name).cast("array<double>" if p.kind == "array" else "double").alias(p.name))
+            out_cols.append(col(p.name).cast("array<" * p.depth + "double" + ">" * p.depth).alias(p.name))
         else:
             out_cols.append(col(p.name))
     if validation is None:
@@ -342,16 +381,19 @@ def prepare_data(
             "val": flagged.filter(F.col(_VAL_FLAG)).drop(_VAL_FLAG),
         }
 
-    columns = {p.name: ColumnSpec(p.name, p.dtype, shapes[p.name], p.kind, p.spark_type) for p in plans}
+    columns = {p.name: ColumnSpec(p.name, p.dtype, shapes[p.name], kinds[p.name], p.spark_type) for p in plans}
+    if row_group_bytes is None and any(k in _VARIABLE_KINDS for k in kinds.values()):
+        row_group_bytes = DEFAULT_ROW_GROUP_BYTES
     timeout = visibility_timeout_s
     with store.atomic_dir(data_path, overwrite=True) as target:
         counts = {}
         for split, sdf in splits.items():
             out = posixpath.join(target, split)
             logger.info("writing %s split of dataset %s to %s (%d files)", split, key, out, num_parts)
-            sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression).parquet(
-                store.spark_url(out)
-            )
+            writer = sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression)
+            if row_group_bytes:
+                writer = _row_groups_by_bytes(writer, row_group_bytes)
+            writer.parquet(store.spark_url(out))
             store.wait_until_visible(out, timeout_s=timeout)
             counts[split] = _count_rows(store, out)
         if counts["train"] < num_proc:
@@ -392,6 +434,61 @@ def _mark_used(store: Store, key: str) -> None:
     except Exception as exc:  # pragma: no cover - a store that took the data but not this small file
         logger.warning("could not record the use of dataset %s in %r (%s); Store.clean may delete it early",
                        key, store, exc)
+
+
+def _array_checks(c: Any, p: _Plan, i: int) -> list[Any]:
+    """Aggregates of an array column: min/max length at each nesting level, rows with null elements."""
+    from pyspark.sql import functions as F
+
+    aggs = [F.min(F.size(c)).alias(f"min{i}_1"), F.max(F.size(c)).alias(f"max{i}_1")]
+    outer, level = None, c  # level: the arrays of nesting level k of a row, flattened into one array
+    for k in range(1, p.depth + 1):
+        if outer is not None:  # the sizes of the level-k arrays are those of the elements of level k - 1
+            sizes = F.transform(outer, lambda x: F.size(x))
+            aggs += [F.min(F.array_min(sizes)).alias(f"min{i}_{k}"), F.max(F.array_max(sizes)).alias(f"max{i}_{k}")]
+        if p.contains_null[k - 1]:
+            has_null = F.exists(level, lambda x: x.isNull())
+            aggs.append(F.sum(F.when(has_null, 1).otherwise(0)).alias(f"elnull{i}_{k}"))
+        if k < p.depth:
+            outer, level = level, F.flatten(level)
+    return aggs
+
+
+def _shape(p: _Plan, i: int, stats: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+    """The per-row shape and the final kind of a planned column, from the aggregates (raises on bad data)."""
+    if p.kind in ("scalar", "binary", "string"):
+        return (), p.kind
+    depth = max(p.depth, 1)
+    for k in range(1, depth + 1):
+        if stats.get(f"elnull{i}_{k}"):
+            what = "null elements" if k == depth else f"null arrays at nesting level {k + 1}"
+            raise NullValuesError(f"{p.role} {p.name!r}: {stats[f'elnull{i}_{k}']} rows hold arrays with {what}")
+    dims = []
+    for k in range(1, depth + 1):
+        lo, hi = stats.get(f"min{i}_{k}"), stats.get(f"max{i}_{k}")
+        lo, hi = int(lo if lo is not None else 0), int(hi if hi is not None else 0)
+        if lo != hi:
+            if p.kind == "array" and depth == 1:  # token ids, signals: kept ragged
+                return (-1,), "ragged"
+            where = "" if k == 1 else f" at nesting level {k}"
+            raise InconsistentShapeError(
+                f"{p.role} {p.name!r} holds {p.kind}s of different lengths{where} ({lo} to {hi}); "
+                + ("every row needs the same length" if p.kind != "array" else
+                   "nested arrays need one fixed shape (only 1-D arrays may differ in length)")
+            )
+        if lo == 0:
+            raise InconsistentShapeError(f"{p.role} {p.name!r} holds empty {p.kind}s")
+        dims.append(lo)
+    return tuple(dims), p.kind
+
+
+def _row_groups_by_bytes(writer: Any, row_group_bytes: int) -> Any:
+    """Size the writer's Parquet row groups by bytes: Parquet's writer checks the buffered size after a number of
+    rows it estimates (``parquet.page.size.row.check.min``, 100 by default: 100 rows of 1 MiB images would make a
+    100 MiB row group)."""
+    return (writer.option("parquet.block.size", str(int(row_group_bytes)))
+            .option("parquet.page.size.row.check.min", "2")
+            .option("parquet.page.size.row.check.max", "1000"))
 
 
 def _count_rows(store: Store, path: str) -> int:

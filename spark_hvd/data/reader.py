@@ -123,6 +123,18 @@ class BatchReader:
         timeout_s: how long the caller waits for the read-ahead thread's next batch before raising.
         memory_pool: Arrow allocator for decoding (see :func:`resolve_memory_pool`).
         use_threads: let Arrow decode columns in parallel.
+        kinds: per column, the :class:`~spark_hvd.data.metadata.ColumnSpec` kind (from the dataset's metadata);
+            without it a column's kind comes from its Arrow type (a list column is then one fixed-shape array).
+        ragged: how a ``"ragged"`` column (1-D arrays of varying length, e.g. token ids) is handed over:
+            ``"pad"`` (default): a ``(rows, longest row of the batch)`` array padded with ``pad_value``, plus a
+            column ``<name>_length`` of the rows' lengths (int64); ``"list"``: an object array of one 1-D array
+            per row, for the caller's own collation.
+        pad_value: the padding of ``ragged="pad"``.
+
+    Column kinds in a batch: numbers as ``(rows, *shape)`` arrays (nested fixed-shape arrays included);
+    ``"binary"`` and ``"string"`` columns as object arrays of Python ``bytes`` / ``str``; ``"ragged"`` as set
+    by ``ragged``; ``"sparse"`` (Vectors stored sparse) as a ``scipy.sparse.csr_matrix`` of float32, built from
+    the stored indices and values without a Python loop per row.
 
     Iterate with ``for batch in reader.epoch(e)`` (or ``iter(reader)``, which runs epoch 0, 1, ... in turn).
     """
@@ -147,6 +159,9 @@ class BatchReader:
         timeout_s: float = 600.0,
         memory_pool: str | pa.MemoryPool | None = "jemalloc",
         use_threads: bool = True,
+        kinds: dict[str, str] | None = None,
+        ragged: str = "pad",
+        pad_value: float = 0,
     ) -> None:
         import pyarrow.dataset as ds
 
@@ -183,8 +198,12 @@ class BatchReader:
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ReaderError(f"{self._where}: columns {missing} not in the files (they have {names})")
+        if ragged not in ("pad", "list"):
+            raise InvalidParamError(f"ragged must be 'pad' or 'list', got {ragged!r}")
+        self.ragged, self.pad_value = ragged, pad_value
         self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
-        self._list_cols = {c for c in self.columns if _is_list(self.schema.field(c).type)}
+        self.kinds = {c: (kinds or {}).get(c) or _arrow_kind(self.schema.field(c).type) for c in self.columns}
+        self._list_cols = {c for c in self.columns if self.kinds[c] in ("array", "vector")}
         for c in self._list_cols:
             if not self.shapes[c]:
                 self.shapes[c] = (-1,)
@@ -245,7 +264,9 @@ class BatchReader:
             raise InvalidParamError(f"dataset {info.key!r} has no validation split")
         path = info.train_path(store) if split == "train" else info.val_path(store)
         cols = list(columns) if columns is not None else list(info.columns)
-        return cls(path, filesystem=store.pyarrow_filesystem(), columns=cols, shapes=info.shapes(), **kwargs)
+        kinds = {n: c.kind for n, c in info.columns.items()}
+        return cls(path, filesystem=store.pyarrow_filesystem(), columns=cols, shapes=info.shapes(), kinds=kinds,
+                   **kwargs)
 
     # ------------------------------------------------------------------ iteration
     def __len__(self) -> int:
@@ -316,9 +337,17 @@ class BatchReader:
         if need % self.batch_size:
             sizes.append(need % self.batch_size)
         if self.shuffle:
-            yield from _shuffled_batches(self._shuffled_blocks(rng), sizes)
+            batches = _shuffled_batches(self._shuffled_blocks(rng), sizes)
         else:
-            yield from _sequential_batches(self._passes(None), sizes)
+            batches = _sequential_batches(self._passes(None), sizes)
+        ragged = [c for c, k in self.kinds.items() if k == "ragged"] if self.transformation_fn is None else []
+        if not ragged or self.ragged == "list":
+            yield from batches
+            return
+        for batch in batches:
+            for c in ragged:
+                batch[c], batch[f"{c}_length"] = pad_ragged(batch[c], self.pad_value)
+            yield batch
 
     # ------------------------------------------------------------------ reading
     def _passes(self, rng: np.random.Generator | None) -> Iterator[Batch | None]:
@@ -407,31 +436,46 @@ class BatchReader:
             return self._transform(table)
         return {c: self._column(c, table.column(c)) for c in self.columns}
 
-    def _column(self, name: str, chunked: Any) -> np.ndarray:
+    def _column(self, name: str, chunked: Any) -> Any:
         arr = chunked.combine_chunks() if chunked.num_chunks != 1 else chunked.chunk(0)
         n = len(arr)
         if arr.null_count:
             raise ReaderError(f"{self._where}: column {name!r} holds {arr.null_count} nulls")
-        if name not in self._list_cols:
-            return arr.to_numpy(zero_copy_only=False)
-        shape = self.shapes[name]
-        width = int(np.prod(shape)) if shape[0] != -1 else -1
-        if hasattr(arr, "offsets"):
+        kind = self.kinds[name]
+        if kind == "sparse":
+            return _csr(arr, self.shapes[name])
+        if kind == "ragged":
+            values = arr.flatten()
+            if values.null_count:
+                raise ReaderError(f"{self._where}: column {name!r} holds lists with null elements")
             offsets = np.asarray(arr.offsets)
-            lengths = np.diff(offsets)
-            if n and (lengths.min() != lengths.max() or (width != -1 and lengths[0] != width)):
-                raise ReaderError(
-                    f"{self._where}: column {name!r} holds lists of lengths {lengths.min()}..{lengths.max()}, "
-                    f"expected {width if width != -1 else 'one fixed length'}"
-                )
-            if width == -1:
-                width = int(lengths[0]) if n else 0
-        values = arr.flatten()
+            offsets = offsets - offsets[0]  # a slice of a row group starts further on
+            flat = values.to_numpy(zero_copy_only=False)
+            return np.fromiter((flat[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)), dtype=object,
+                               count=n)
+        if name not in self._list_cols:
+            return arr.to_numpy(zero_copy_only=False)  # numbers; bytes / str as an object array
+        shape = self.shapes[name]
+        values = arr
+        level = 0
+        while _is_list(values.type):  # every nesting level: one length on every row
+            if hasattr(values, "offsets") and len(values):
+                lengths = np.diff(np.asarray(values.offsets))
+                if lengths.min() != lengths.max():
+                    raise ReaderError(
+                        f"{self._where}: column {name!r} holds lists of lengths {lengths.min()}..{lengths.max()}"
+                        + (f" at nesting level {level + 1}" if level else "") + ", expected one fixed length"
+                    )
+            values = values.flatten()
+            level += 1
         if values.null_count:
             raise ReaderError(f"{self._where}: column {name!r} holds lists with null elements")
         flat = values.to_numpy(zero_copy_only=False)
         if shape[0] == -1:
-            return flat.reshape(n, width)
+            return flat.reshape(n, -1) if n else flat.reshape(0, 0)
+        if flat.size != n * int(np.prod(shape)):
+            raise ReaderError(f"{self._where}: column {name!r} holds {flat.size // max(n, 1)} values per row, "
+                              f"expected shape {list(shape)}")
         return flat.reshape((n, *shape))
 
     def _transform(self, table: Any) -> Batch:
@@ -442,11 +486,14 @@ class BatchReader:
         batch = {}
         for c in out.columns:
             values = out[c].to_numpy()
-            if values.dtype == object and len(values):
-                try:
-                    values = np.stack([np.asarray(v) for v in values])
-                except ValueError as e:
-                    raise ReaderError(f"{self._where}: transformation_fn column {c!r}: rows differ in shape") from e
+            if values.dtype == object and len(values) and not isinstance(values[0], str | bytes):
+                shapes = {np.shape(v) for v in values}
+                if len(shapes) > 1:
+                    found = ", ".join(str(list(sh)) for sh in sorted(shapes)[:4])
+                    raise ReaderError(f"{self._where}: transformation_fn returned column {c!r} whose rows differ in "
+                                      f"shape ({found}); every row of a column needs one shape (resize or pad "
+                                      "them there, or pad per batch in collate_fn)")
+                values = np.stack([np.asarray(v) for v in values])
             batch[str(c)] = values
         return batch
 
@@ -457,6 +504,59 @@ class _Failure:
 
 
 _END = object()
+
+
+def _arrow_kind(t: Any) -> str:
+    """A column's kind from its Arrow type alone (files without spark_hvd metadata)."""
+    import pyarrow as pa
+
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_struct(t) and {"type", "size", "indices", "values"} <= {f.name for f in t}:
+        return "sparse"
+    return "array" if _is_list(t) else "scalar"
+
+
+def _csr(arr: Any, shape: tuple[int, ...]) -> Any:
+    """Spark's stored Vector structs (type 0 sparse: size, indices, values; type 1 dense: values) -> one float32
+    ``scipy.sparse.csr_matrix``, with numpy only (no Python loop per row)."""
+    import scipy.sparse
+
+    n = len(arr)
+    kind = arr.field("type").to_numpy(zero_copy_only=False)
+    values = arr.field("values")
+    offsets = np.asarray(values.offsets).astype(np.int64)
+    offsets -= offsets[0]  # a slice of a row group starts further on
+    data = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    lengths = np.diff(offsets)
+    # positions within their row: the column index of a dense row's values
+    within = np.arange(len(data), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    indices = within.astype(np.int32)
+    sparse_rows = np.repeat(kind == 0, lengths)
+    if sparse_rows.any():
+        idx = arr.field("indices")
+        indices[sparse_rows] = idx.flatten().to_numpy(zero_copy_only=False)
+    width = int(shape[0]) if shape and shape[0] != -1 else int(np.max(arr.field("size").fill_null(0)) or 0)
+    if n and not width:
+        width = int(lengths.max())
+    return scipy.sparse.csr_matrix((data, indices, offsets), shape=(n, width))
+
+
+def pad_ragged(rows: np.ndarray, pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An object array of 1-D arrays -> ``(padded (n, longest), lengths (n,) int64)``, filled by one scatter."""
+    n = len(rows)
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=n)
+    dtype = rows[0].dtype if n else np.float32
+    width = int(lengths.max()) if n else 0
+    out = np.full((n, width), pad_value, dtype=dtype)
+    if n and width:
+        flat = np.concatenate(list(rows))
+        row_of = np.repeat(np.arange(n), lengths)
+        col_of = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[row_of, col_of] = flat
+    return out, lengths
 
 
 def _is_list(t: Any) -> bool:
@@ -490,7 +590,19 @@ def _split_until(pieces: list[Piece], count: int) -> list[Piece]:
 
 
 def _num_rows(batch: Batch) -> int:
-    return len(next(iter(batch.values()))) if batch else 0
+    return _rows(next(iter(batch.values()))) if batch else 0
+
+
+def _rows(v: Any) -> int:
+    return v.shape[0] if not isinstance(v, np.ndarray) else len(v)  # a scipy sparse matrix has no len()
+
+
+def _concat(parts: list[Any]) -> Any:
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import scipy.sparse
+
+    return scipy.sparse.vstack(parts, format="csr")
 
 
 def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Iterator[Batch]:
@@ -513,7 +625,7 @@ def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Ite
         if len(parts) == 1:
             yield parts[0]
         else:
-            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            yield {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:
@@ -527,6 +639,7 @@ def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Bat
             avail += len(block[2])
         # take `size` ids from the front of the pending blocks
         out: Batch | None = None
+        others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
         filled = 0
         while filled < size:
             chunks, bases, ids = pending[0]
@@ -544,9 +657,15 @@ def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Bat
                 chunk = chunks[owner[s]]
                 local = sel[s:e] - bases[owner[s]]
                 if out is None:
-                    out = {k: np.empty((size, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()}
+                    out = {k: np.empty((size, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
+                           if isinstance(v, np.ndarray)}
                 for k, v in chunk.items():
-                    np.take(v, local, axis=0, out=out[k][filled + s : filled + e])
+                    if isinstance(v, np.ndarray):
+                        np.take(v, local, axis=0, out=out[k][filled + s : filled + e])
+                    else:
+                        others.setdefault(k, []).append(v[local])
             filled += take
         avail -= size
+        for k, parts in others.items():
+            out[k] = _concat(parts)
         yield out

@@ -109,7 +109,10 @@ class ShardReaders:
         cols = list(spec.feature_cols) + list(spec.label_cols)
         if spec.sample_weight_col:
             cols.append(spec.sample_weight_col)
-        self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec.feature_cols}
+        # numbers become the model's dtype; bytes, strings, ragged and sparse columns are handed on as the reader
+        # gives them (for transformation_fn / collate_fn to turn into arrays)
+        self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec.feature_cols
+                        if self.info.columns[c].kind in ("scalar", "vector", "array")}
         seed = spec.random_seed or 0
         self.readers = {"train": BatchReader.from_dataset(
             spec.store, self.info, "train", columns=cols, rank=rank, size=size, batch_size=spec.batch_size,

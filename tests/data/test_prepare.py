@@ -177,28 +177,34 @@ def test_missing_column_suggests_closest(df, store):
 
 
 def test_bad_types_and_params(df, store, spark):
-    with pytest.raises(UnsupportedColumnTypeError, match="feature column 'text' has type string"):
-        prepare_data(df, store, ["x", "text"], "id")
+    with pytest.raises(UnsupportedColumnTypeError, match="feature column 'm' has type map<string,double>"):
+        prepare_data(df.selectExpr("*", "map('a', x) as m"), store, ["x", "m"], "id")
     for bad in (0.0, 1.0, 1.5, -0.1, True):
         with pytest.raises(ValidationParamError, match="validation"):
             prepare_data(df, store, ["x"], "id", validation=bad)
     with pytest.raises(ValidationParamError, match="'text' has type string"):
         prepare_data(df, store, ["x"], "id", validation="text")
-    nested = spark.createDataFrame([([[1.0]],)], "a array<array<double>>")
-    with pytest.raises(UnsupportedColumnTypeError, match="array<array<double>>"):
+    nested = spark.createDataFrame([([["1"]],)], "a array<array<string>>")
+    with pytest.raises(UnsupportedColumnTypeError, match="array<array<string>>"):
         prepare_data(nested, store, ["a"])
     assert isinstance(UnsupportedColumnTypeError("c", "t"), ValueError)
     assert nothing_written(store)
 
 
 def test_data_checks_before_writing(spark, store):
+    from pyspark.ml.linalg import Vectors
+
     with pytest.raises(NullValuesError, match=r"label column 'y': 1 of 3 rows"):
         prepare_data(
             spark.createDataFrame([(1.0, 1.0), (2.0, None), (3.0, 0.0)], "x double, y double"), store, "x", "y"
         )
-    ragged = spark.createDataFrame([([1.0, 2.0],), ([1.0],)], "a array<double>")
-    with pytest.raises(InconsistentShapeError, match=r"'a' holds arrays of different lengths \(1 to 2\)"):
+    ragged = spark.createDataFrame([([[1.0, 2.0]],), ([[1.0]],)], "a array<array<double>>")
+    with pytest.raises(InconsistentShapeError, match=r"'a' holds arrays of different lengths at nesting level 2 "
+                                                     r"\(1 to 2\)"):
         prepare_data(ragged, store, "a")
+    ragged_vectors = spark.createDataFrame([(Vectors.dense([1.0, 2.0]),), (Vectors.dense([1.0]),)], ["v"])
+    with pytest.raises(InconsistentShapeError, match=r"'v' holds vectors of different lengths \(1 to 2\)"):
+        prepare_data(ragged_vectors, store, "v")
     elem_null = spark.createDataFrame([([1.0, None],), ([1.0, 2.0],)], "a array<double>")
     with pytest.raises(NullValuesError, match="null elements"):
         prepare_data(elem_null, store, "a")

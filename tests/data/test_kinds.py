@@ -1,0 +1,126 @@
+"""Every common column kind through prepare_data, the store and the reader, compared with the DataFrame's values,
+read by two ranks: binary, string, ragged and nested arrays, sparse vectors; maps and structs refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from spark_hvd.data import prepare_data
+from spark_hvd.data.errors import InconsistentShapeError, NullValuesError, UnsupportedColumnTypeError
+from spark_hvd.data.reader import BatchReader, pad_ragged
+from spark_hvd.store import Store
+
+N = 48
+
+
+def _rows():
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(5)
+    rows = []
+    for i in range(N):
+        blob = rng.bytes(int(rng.integers(2_000, 60_000)))  # images of different sizes
+        tokens = [int(t) for t in rng.integers(1, 1000, size=i % 9)]  # 0 to 8 ids, some rows empty
+        nested = rng.standard_normal((2, 3)).round(3).tolist()
+        vec = Vectors.sparse(6, {i % 6: float(i), (i + 3) % 6: -1.5}) if i % 3 else Vectors.dense(rng.random(6))
+        rows.append((i, blob, f"row {i} – ünïcode", tokens, nested, vec))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def kinds_df(spark):
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    schema = T.StructType([
+        T.StructField("id", T.LongType(), False), T.StructField("img", T.BinaryType()),
+        T.StructField("text", T.StringType()), T.StructField("tokens", T.ArrayType(T.IntegerType())),
+        T.StructField("grid", T.ArrayType(T.ArrayType(T.DoubleType()))), T.StructField("vec", VectorUDT()),
+    ])
+    rows = _rows()
+    return rows, spark.createDataFrame(rows, schema)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return Store.create(str(tmp_path_factory.mktemp("kinds") / "store"))
+
+
+def _read(store, info, size=2, **kwargs):
+    got = {}
+    for rank in range(size):
+        reader = BatchReader.from_dataset(store, info, rank=rank, size=size, batch_size=5, **kwargs)
+        for batch in reader.epoch(0):
+            for j, i in enumerate(batch["id"].tolist()):
+                if i not in got:  # the epoch's padding rows repeat rows already seen
+                    got[i] = {k: v[j].toarray()[0] if hasattr(v, "toarray") else v[j] for k, v in batch.items()}
+    return got
+
+
+def test_every_kind_round_trips_across_two_ranks(kinds_df, store):
+    rows, df = kinds_df
+    info = prepare_data(df, store, ["img", "text", "tokens", "grid", "vec"], "id", num_proc=2,
+                        partitions_per_process=2, sparse_vectors="sparse", row_group_bytes=128 << 10)
+    kinds = {n: (c.kind, c.dtype, c.shape) for n, c in info.columns.items()}
+    assert kinds == {"id": ("scalar", "int64", ()), "img": ("binary", "object", ()),
+                     "text": ("string", "object", ()), "tokens": ("ragged", "int32", (-1,)),
+                     "grid": ("array", "float64", (2, 3)), "vec": ("sparse", "float32", (6,))}
+    for shuffle in (False, True):
+        got = _read(store, info, shuffle=shuffle, shuffle_buffer_rows=8)
+        assert sorted(got) == list(range(N))
+        for i, row in got.items():
+            _, blob, text, tokens, grid, vec = rows[i]
+            assert isinstance(row["img"], bytes) and row["img"] == blob
+            assert isinstance(row["text"], str) and row["text"] == text
+            length = int(row["tokens_length"])
+            assert length == len(tokens) and row["tokens"][:length].tolist() == tokens
+            assert not row["tokens"][length:].any()  # padded with 0
+            assert row["grid"].shape == (2, 3) and row["grid"].tolist() == grid
+            np.testing.assert_array_equal(row["vec"], vec.toArray().astype(np.float32))
+
+
+    # binary row groups sized by bytes: ~1.5 MB of images in 4 files, row groups of about the asked size
+    import pyarrow.dataset as ds
+
+    sizes = [f.metadata.row_group(g).total_byte_size for f in ds.dataset(info.train_path(store)).get_fragments()
+             for g in range(f.metadata.num_row_groups)]
+    assert len(sizes) >= 8 and max(sizes) < 3 * (128 << 10), sizes
+
+    # ragged: padded per batch to the batch's longest row, or handed over as a list of arrays
+    reader = BatchReader.from_dataset(store, info, batch_size=5, shuffle=False)
+    for batch in reader.epoch(0):
+        lengths = [len(rows[i][3]) for i in batch["id"]]
+        assert batch["tokens"].shape == (len(lengths), max(lengths)) and batch["tokens"].dtype == np.int32
+        assert batch["tokens_length"].tolist() == lengths
+    lists = BatchReader.from_dataset(store, info, batch_size=5, shuffle=False, ragged="list")
+    for batch in lists.epoch(0):
+        assert "tokens_length" not in batch and batch["tokens"].dtype == object
+        assert [t.tolist() for t in batch["tokens"]] == [rows[i][3] for i in batch["id"]]
+    padded, lengths = pad_ragged(np.array([np.array([1, 2, 3]), np.array([], int), np.array([4])], dtype=object), -1)
+    assert padded.tolist() == [[1, 2, 3], [-1, -1, -1], [4, -1, -1]] and lengths.tolist() == [3, 0, 1]
+
+
+def test_unsupported_and_bad_values_are_caught_on_the_driver(spark, store):
+    maps = spark.createDataFrame([({"a": 1.0}, 1.0)], "m map<string,double>, y double")
+    with pytest.raises(UnsupportedColumnTypeError, match=r"feature column 'm' has type map<string,double>.*select"):
+        prepare_data(maps, store, ["m"], "y")
+    structs = spark.createDataFrame([((1.0, 2.0), 1.0)], "s struct<a:double,b:double>, y double")
+    with pytest.raises(UnsupportedColumnTypeError, match="feature column 's' has type struct<a:double,b:double>"):
+        prepare_data(structs, store, ["s"], "y")
+    strings = spark.createDataFrame([(["a"], 1.0)], "s array<string>, y double")
+    with pytest.raises(UnsupportedColumnTypeError, match="'s' has type array<string>"):
+        prepare_data(strings, store, ["s"], "y")
+    null_bytes = spark.createDataFrame([(b"x", 1.0), (None, 2.0)], "b binary, y double")
+    with pytest.raises(NullValuesError, match=r"feature column 'b': 1 of 2 rows"):
+        prepare_data(null_bytes, store, ["b"], "y")
+    ragged_nested = spark.createDataFrame([([[1.0, 2.0]], 1.0), ([[1.0]], 2.0)], "g array<array<double>>, y double")
+    with pytest.raises(InconsistentShapeError, match="'g' holds arrays of different lengths at nesting level 2"):
+        prepare_data(ragged_nested, store, ["g"], "y")
+    null_inner = spark.createDataFrame([([[1.0], None], 1.0)], "g array<array<double>>, y double")
+    with pytest.raises(NullValuesError, match="'g': 1 rows hold arrays with null arrays at nesting level 2"):
+        prepare_data(null_inner, store, ["g"], "y")
+    assert not os.path.exists(store.data_root()) or store.list_datasets() == [] or all(
+        not n.startswith("._tmp") for n in os.listdir(store.data_root()))
