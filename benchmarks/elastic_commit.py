@@ -41,8 +41,9 @@ def main() -> None:
     import spark_hvd.core as core
     from spark_hvd.core import elastic
     from spark_hvd.core.wire import make_secret
+    from spark_hvd.runner.client import ServiceClient
     from spark_hvd.runner.elastic import _Driver, _ServiceLink
-    from spark_hvd.runner.service import DriverService, ServiceClient
+    from spark_hvd.runner.service import DriverService
     from spark_hvd.torch.elastic import TorchState
 
     class _NoSpark:

@@ -11,13 +11,9 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.context import add_process_set, remove_process_set  # noqa: F401 - re-exported (Horovod's API)
 from spark_hvd.core.errors import NotInitializedError, SparkHvdError
-from spark_hvd.core.process_sets import (  # noqa: F401 - re-exported: Horovod's process set API
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
+from spark_hvd.core.process_sets import ProcessSet, global_process_set  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 

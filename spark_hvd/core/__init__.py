@@ -11,6 +11,7 @@ Process API (Horovod's, on numpy arrays)::
 
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.context import (
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -38,6 +39,7 @@ from spark_hvd.core.context import (
     rank,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     settings,
     shutdown,
     size,
@@ -54,7 +56,7 @@ from spark_hvd.core.errors import (
     StallError,
     TensorMismatchError,
 )
-from spark_hvd.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.core.settings import Settings
 
 Average = ReduceOp.AVERAGE

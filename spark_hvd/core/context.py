@@ -13,6 +13,7 @@ One job per process. ``init()`` chooses the backend:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -28,7 +29,7 @@ from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
 from spark_hvd.core.engine import Engine, GroupHandle, Handle
 from spark_hvd.core.errors import AuthenticationError, NotInitializedError
 from spark_hvd.core.jobenv import JobEnv, running_job
-from spark_hvd.core.process_sets import ProcessSet
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def _get(what: str) -> _Context:
     return ctx
 
 
-def _engine(what: str, process_set: ProcessSet | None) -> tuple[Engine, _ps._Member | None]:
+def _engine(what: str, process_set: ProcessSet | None) -> tuple[Engine, _ps.Member | None]:
     """The engine that runs ``what`` on ``process_set`` (the global one for None / the global set)."""
     ctx = _get(what)
     member = _ps.resolve(process_set, what, ctx.backend.rank)
@@ -144,6 +145,7 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
             be.close()
             raise
         _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), running_job(be))
+        _ps.bind(be.rank, be.size)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
@@ -154,7 +156,7 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
 def _add_sets(process_sets: Sequence[ProcessSet] | None) -> None:
     for ps in process_sets or ():
         if ps.process_set_id is None:
-            _ps.add_process_set(ps)
+            add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -226,6 +228,68 @@ def get_engine(process_set: ProcessSet | None = None) -> Engine:
     """This process's engine, or its engine of ``process_set`` (a member's; for bindings and tests:
     ``get_engine().stats``)."""
     return _engine("get_engine()", process_set)[0]
+
+
+# ---------------------------------------------------------------------- process sets (registration)
+
+
+class _GlobalRendezvous(Rendezvous):
+    """A members-only rendezvous carried by one allgather over the global engine (non-members join that
+    allgather with an empty value)."""
+
+    def __init__(self, ranks: Sequence[int], name: str) -> None:
+        self.ranks, self.name = list(ranks), name
+
+    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
+        values = allgather_object(value, name=self.name)
+        return [values[r] for r in self.ranks]
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register ``process_set`` (or a list of ranks) on every rank and return it with its id. Collective over the
+    whole job: every rank calls it, in the same order. ``ValueError`` for ranks outside the job or a set with the
+    same ranks as one already registered (the global set included). See ``spark_hvd.core.process_sets``."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    size_, me = size(), rank()
+    bad = [r for r in ps.ranks if not 0 <= r < size_]
+    if bad or not ps.ranks:
+        raise ValueError(f"add_process_set: ranks {bad or ps.ranks} are not ranks of a job of size {size_}")
+    with _ps.lock:
+        set_id = _ps.new_id(ps.ranks, size_)
+        secret = broadcast_object(os.urandom(32) if me == 0 else None, 0, name=f"process_set.{set_id}.key")
+        rendezvous_name = f"process_set.{set_id}.rendezvous"
+        backend = engine_ = None
+        if me in ps.ranks:
+            from spark_hvd.core.device import GroupScope
+            from spark_hvd.core.ring import RingBackend
+
+            set_settings = dataclasses.replace(settings(), timeline=None)  # the global engine owns the file
+            job = job_env()
+            backend = RingBackend(ps.ranks.index(me), len(ps.ranks), _GlobalRendezvous(ps.ranks, rendezvous_name),
+                                  secret, set_settings, f"{job.job_id}.ps{set_id}")
+            try:
+                engine_ = Engine(backend, set_settings, GroupScope(set_id, tuple(ps.ranks), job))
+            except BaseException:
+                backend.close()
+                raise
+        else:
+            allgather_object(b"", name=rendezvous_name)
+        _ps.register(ps, set_id, _ps.Member(list(ps.ranks), backend, engine_))
+    logger.debug("rank %d: process set %d (ranks %s) added", me, set_id, ps.ranks)
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` on every rank (collective) and close its engine on members. Returns False for
+    the global set or a set that is not registered, True otherwise; the object's id becomes None."""
+    if process_set.process_set_id is None or process_set.process_set_id == 0 or process_set is global_process_set:
+        return False
+    member = _ps.unregister(process_set)
+    if member is None:
+        return False
+    barrier()  # every rank has finished with the set before its members close it
+    _ps.close(member)
+    return True
 
 
 # ---------------------------------------------------------------------- asynchronous collectives

@@ -13,19 +13,22 @@ opened for a set that never reduces one) and closes when the set is removed (``s
 Semantics follow Horovod: ranks are global ranks everywhere (a broadcast's ``root_rank`` too); averages divide by
 the set's size; a rank outside a set that calls a collective on it gets ``ValueError``; ``remove_process_set`` is
 collective as well and returns False for the global set or a set already removed.
+
+This module is the registry (which sets exist, which ranks and engine each has on this rank); the collective
+registration itself (``add_process_set`` / ``remove_process_set``) lives with the process API in
+``spark_hvd.core.context``, which tells the registry the job it belongs to (:func:`bind`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from spark_hvd.core.backend import Backend, Rendezvous
+from spark_hvd.core.backend import Backend
+from spark_hvd.core.errors import NotInitializedError
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +59,9 @@ class ProcessSet:
 
     def included(self) -> bool | None:
         """Whether this rank belongs to the set (None before ``init()``)."""
-        from spark_hvd.core import context
-
-        if not context.is_initialized():
+        if _world is None:
             return None
-        return context.rank() in _ranks_of(self)
+        return _world[0] in _ranks_of(self)
 
     def size(self) -> int | None:
         """The number of ranks in the set (None while the set is not registered)."""
@@ -71,11 +72,9 @@ class ProcessSet:
     def rank(self) -> int | None:
         """This rank's index in the set (None while the set is not registered); ``ValueError`` for a non-member.
         Collectives still take global ranks (``root_rank=``), as in Horovod."""
-        from spark_hvd.core import context
-
         if self.process_set_id is None:
             return None
-        ranks, me = _ranks_of(self), context.rank()
+        ranks, me = _ranks_of(self), _joined("rank()")[0]
         if me not in ranks:
             raise ValueError(f"rank {me} is not a member of process set {self.process_set_id} (ranks {ranks})")
         return ranks.index(me)
@@ -90,7 +89,7 @@ global_process_set.process_set_id = 0
 
 
 @dataclass
-class _Member:
+class Member:
     """What a registered set holds on this rank: its ranks, and its backend and engine on members."""
 
     ranks: list[int]
@@ -98,21 +97,33 @@ class _Member:
     engine: Any  # spark_hvd.core.engine.Engine on members, None elsewhere
 
 
-_lock = threading.RLock()
-_sets: dict[int, _Member] = {}
+#: held while a set is registered or removed (a registration is collective: it spans the whole exchange)
+lock = threading.RLock()
+_sets: dict[int, Member] = {}
 _next_id = 1
+_world: tuple[int, int] | None = None  # (rank, size) of the job this process has joined
+
+
+def bind(rank: int, size: int) -> None:
+    """The job this process has joined (``init()``): the global set's ranks and this rank's place in them."""
+    global _world
+    _world = (rank, size)
+
+
+def _joined(what: str) -> tuple[int, int]:
+    if _world is None:
+        raise NotInitializedError(what)
+    return _world
 
 
 def _ranks_of(ps: ProcessSet) -> list[int]:
     if ps.process_set_id == 0 or ps is global_process_set:
-        from spark_hvd.core import context
-
-        return list(range(context.size()))
+        return list(range(_joined("size()")[1]))
     member = _sets.get(ps.process_set_id) if ps.process_set_id is not None else None
     return member.ranks if member is not None else ps.ranks
 
 
-def resolve(process_set: ProcessSet | None, what: str, my_rank: int) -> _Member | None:
+def resolve(process_set: ProcessSet | None, what: str, my_rank: int) -> Member | None:
     """The registered set ``process_set`` names on this rank, or None for the global set. ``ValueError`` when it
     is not registered or this rank is not a member (naming the rank and the set)."""
     if process_set is None or process_set is global_process_set or process_set.process_set_id == 0:
@@ -129,7 +140,7 @@ def resolve(process_set: ProcessSet | None, what: str, my_rank: int) -> _Member 
     return member
 
 
-def set_root(member: _Member | None, root_rank: int, what: str) -> int:
+def set_root(member: Member | None, root_rank: int, what: str) -> int:
     """A global ``root_rank`` as the set's own rank; ``ValueError`` when the root is not in the set."""
     if member is None:
         return root_rank
@@ -138,66 +149,33 @@ def set_root(member: _Member | None, root_rank: int, what: str) -> int:
     return member.ranks.index(root_rank)
 
 
-class _GlobalRendezvous(Rendezvous):
-    """A members-only rendezvous carried by one allgather over the global engine (non-members join that
-    allgather with an empty value through :func:`_gather`)."""
-
-    def __init__(self, ranks: Sequence[int], name: str) -> None:
-        self.ranks, self.name = list(ranks), name
-
-    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
-        values = _gather(value, self.name)
-        return [values[r] for r in self.ranks]
-
-
-def _gather(value: bytes, name: str) -> list[bytes]:
-    from spark_hvd.core import context
-
-    return context.allgather_object(value, name=name)
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register ``process_set`` (or a list of ranks) on every rank and return it with its id. Collective over the
-    whole job: every rank calls it, in the same order. ``ValueError`` for ranks outside the job or a set with the
-    same ranks as one already registered (the global set included)."""
+def new_id(ranks: list[int], size: int) -> int:
+    """The id the next set (of ``ranks``, in a job of ``size``) gets; ``ValueError`` for a duplicate of a set
+    already registered (the global set included). Call it holding :data:`lock`."""
     global _next_id
-    from spark_hvd.core import context
+    if ranks == list(range(size)) or any(m.ranks == ranks for m in _sets.values()):
+        raise ValueError(f"Attempted to add a duplicate process set: {ProcessSet(ranks)}")
+    set_id, _next_id = _next_id, _next_id + 1
+    return set_id
 
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    size, me = context.size(), context.rank()
-    bad = [r for r in ps.ranks if not 0 <= r < size]
-    if bad or not ps.ranks:
-        raise ValueError(f"add_process_set: ranks {bad or ps.ranks} are not ranks of a job of size {size}")
-    with _lock:
-        if ps.ranks == list(range(size)) or any(m.ranks == ps.ranks for m in _sets.values()):
-            raise ValueError(f"Attempted to add a duplicate process set: {ps}")
-        set_id, _next_id = _next_id, _next_id + 1
-        secret = context.broadcast_object(os.urandom(32) if me == 0 else None, 0, name=f"process_set.{set_id}.key")
-        rendezvous_name = f"process_set.{set_id}.rendezvous"
-        backend = engine = None
-        if me in ps.ranks:
-            from spark_hvd.core.device import GroupScope
-            from spark_hvd.core.engine import Engine
-            from spark_hvd.core.ring import RingBackend
 
-            settings = dataclasses.replace(context.settings(), timeline=None)  # the global engine owns the file
-            job = context.job_env()
-            backend = RingBackend(ps.ranks.index(me), len(ps.ranks), _GlobalRendezvous(ps.ranks, rendezvous_name),
-                                  secret, settings, f"{job.job_id}.ps{set_id}")
-            try:
-                engine = Engine(backend, settings, GroupScope(set_id, tuple(ps.ranks), job))
-            except BaseException:
-                backend.close()
-                raise
-        else:
-            _gather(b"", rendezvous_name)
-        _sets[set_id] = _Member(list(ps.ranks), backend, engine)
+def register(ps: ProcessSet, set_id: int, member: Member) -> None:
+    """Record ``ps`` under ``set_id`` with what this rank holds of it."""
+    with lock:
+        _sets[set_id] = member
         ps.process_set_id = set_id
-    logger.debug("rank %d: process set %d (ranks %s) added", me, set_id, ps.ranks)
-    return ps
 
 
-def _close(member: _Member) -> None:
+def unregister(ps: ProcessSet) -> Member | None:
+    """Forget ``ps`` (its id becomes None); what this rank held of it, or None when it was not registered."""
+    with lock:
+        member = _sets.pop(ps.process_set_id, None) if ps.process_set_id else None
+    ps._invalidate()
+    return member
+
+
+def close(member: Member) -> None:
+    """Stop a set's engine and close its backend (on a member; nothing to do elsewhere)."""
     try:
         if member.engine is not None:
             member.engine.shutdown()
@@ -206,32 +184,14 @@ def _close(member: _Member) -> None:
             member.backend.close()
 
 
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set`` on every rank (collective) and close its engine on members. Returns False for
-    the global set or a set that is not registered, True otherwise; the object's id becomes None."""
-    from spark_hvd.core import context
-
-    set_id = process_set.process_set_id
-    if set_id is None or set_id == 0:
-        return False
-    with _lock:
-        member = _sets.pop(set_id, None)
-    process_set._invalidate()
-    if member is None:
-        return False
-    context.barrier()  # every rank has finished with the set before its members close it
-    _close(member)
-    return True
-
-
 def close_all() -> None:
     """Close every registered set on this rank (``shutdown()``); ids start again from 1."""
-    global _next_id
-    with _lock:
-        members, _next_id = list(_sets.values()), 1
+    global _next_id, _world
+    with lock:
+        members, _next_id, _world = list(_sets.values()), 1, None
         _sets.clear()
     for member in members:
         try:
-            _close(member)
+            close(member)
         except Exception:  # shutting down: a broken set must not stop the others from closing
             logger.warning("closing a process set failed", exc_info=True)

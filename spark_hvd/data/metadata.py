@@ -21,6 +21,18 @@ NUMERIC_KINDS = frozenset({"scalar", "vector", "array"})
 KINDS = NUMERIC_KINDS | {"binary", "string", "ragged", "sparse"}
 
 
+def model_input_dtype(stored: str | None) -> Any:
+    """The numpy dtype a model gets for a column stored as ``stored``: floats and bools as float32 (the
+    frameworks' default parameter dtype), integers as int64 (class indices, embedding ids). Used by training and
+    by ``transform`` alike, so both feed the model the same arrays."""
+    if stored is None:
+        return None
+    import numpy as np
+
+    dt = np.dtype(stored)
+    return np.int64 if np.issubdtype(dt, np.integer) else np.float32
+
+
 def column_roles(feature_cols: Sequence[str], label_cols: Sequence[str],
                  sample_weight_col: str | None) -> dict[str, str]:
     """Each used column's role, as errors name it ("feature column", "label column", "sample weight column"),

@@ -10,9 +10,6 @@ rebuilt on every rank, then wrapped in ``spark_hvd.keras.DistributedOptimizer``.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -20,8 +17,16 @@ import numpy as np
 
 from spark_hvd import pickling
 from spark_hvd.estimators.fit import BaseEstimator
-from spark_hvd.estimators.keras_rank import MODEL_FILE as _MODEL_FILE
+from spark_hvd.estimators.keras_inference import place_for_inference, predict
 from spark_hvd.estimators.keras_rank import KerasTrainer, set_threads
+from spark_hvd.estimators.keras_serde import (
+    MODEL_FILE,
+    build_optimizer,
+    deserialize_keras_model,
+    load_keras_bytes,
+    optimizer_spec,
+    serialize_keras_model,
+)
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
 from spark_hvd.estimators.rank_data import RunFiles
@@ -33,67 +38,6 @@ log = logging.getLogger(__name__)
 
 #: metric names Keras resolves at compile time from the loss (not through ``keras.metrics.get``)
 _COMPILE_METRIC_NAMES = ("accuracy", "acc", "crossentropy", "ce")
-
-
-# ------------------------------------------------------------------------------------------------ model bytes
-
-
-def serialize_keras_model(model: Any, custom_objects: dict | None = None) -> bytes:
-    """A built Keras 3 model -> bytes: its ``.keras`` file plus ``custom_objects`` (cloudpickle envelope)."""
-    import keras
-
-    if not isinstance(model, keras.Model):
-        kind = type(model).__module__ + "." + type(model).__name__
-        hint = " (a tf.keras / tf_keras model of Keras 2? build it with `import keras`, Keras 3)" \
-            if "keras" in kind else ""
-        raise TypeError(f"model must be a Keras 3 keras.Model, got {kind}{hint}")
-    if not model.built:
-        raise ValueError("the Keras model is not built: give it an input shape (keras.Input(shape=...) or "
-                         "model.build((None, ...))) before passing it to KerasEstimator")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, _MODEL_FILE)
-        try:
-            model.save(path)
-        except Exception as exc:  # noqa: BLE001 - re-raised with what to do
-            raise TypeError(f"the Keras model cannot be saved as .keras: {exc}. Custom layers need get_config(); "
-                            "pass them in custom_objects") from exc
-        with open(path, "rb") as f:
-            data = f.read()
-    try:
-        objects = pickling.dumps(dict(custom_objects or {}))
-    except Exception as exc:  # noqa: BLE001
-        raise TypeError(f"custom_objects cannot be pickled: {exc}") from exc
-    return cloudpickle.dumps({"format": "keras", "keras": data, "custom_objects": objects})
-
-
-def _unpack(data: bytes) -> tuple[bytes, dict]:
-    env = cloudpickle.loads(data)
-    if not isinstance(env, dict) or env.get("format") != "keras":
-        raise ValueError("these bytes are not a model serialised by spark_hvd.estimators.keras")
-    return env["keras"], cloudpickle.loads(env["custom_objects"])
-
-
-def load_keras_bytes(keras_bytes: bytes, custom_objects: dict, compile: bool = False) -> Any:  # noqa: A002
-    """The model in the bytes of a ``.keras`` file (``compile=True``: with its optimizer, loss and metrics if they
-    can be rebuilt, e.g. no unregistered custom loss; falls back to an uncompiled model, with a warning)."""
-    import keras
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, _MODEL_FILE)
-        with open(path, "wb") as f:
-            f.write(keras_bytes)
-        # safe_mode=False: Lambda layers load too; these bytes come from the user's own estimator (as do the pickles)
-        if compile:
-            try:
-                return keras.saving.load_model(path, custom_objects=custom_objects or None, safe_mode=False)
-            except Exception as exc:  # noqa: BLE001 - the weights still load; say why it is not compiled
-                log.warning("Keras model loaded without its compile state (%s: %s)", type(exc).__name__, exc)
-        return keras.saving.load_model(path, custom_objects=custom_objects or None, compile=False, safe_mode=False)
-
-
-def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa: A002 - Keras's name
-    """The inverse of :func:`serialize_keras_model`: a plain Keras model (``compile``: see ``load_keras_bytes``)."""
-    return load_keras_bytes(*_unpack(data), compile=compile)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -151,92 +95,12 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
             import tensorflow as tf
 
             index = task_gpu_index(use_gpu, len(tf.config.list_physical_devices("GPU")))
-            _INFERENCE_DEVICES[id(model)] = (model, "/CPU:0" if index is None else f"/GPU:{index}")
-            while len(_INFERENCE_DEVICES) > 2:  # as many as the worker's model cache keeps
-                _INFERENCE_DEVICES.pop(next(iter(_INFERENCE_DEVICES)))
+            place_for_inference(model, "/CPU:0" if index is None else f"/GPU:{index}")
         return model
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        x = inputs[0] if len(inputs) == 1 else list(inputs)
-        fn = _inference_fn(model, x)
-        out = fn(x) if fn is not None else model.predict_on_batch(x)
-        if isinstance(out, dict):
-            out = [out[name] for name in model.output_names]
-        if not isinstance(out, list | tuple):
-            out = [out]
-        return [np.asarray(o) for o in out]
-
-
-_INFERENCE_FNS: dict[int, tuple[Any, Any, Any, Callable]] = {}  # id -> (model, signature, tf.function, call)
-_INFERENCE_DEVICES: dict[int, tuple[Any, str]] = {}  # a model loaded for transform -> the device it runs on
-
-
-def _inference_fn(model: Any, x: Any) -> Callable | None:
-    """``model(x, training=False)`` as one ``tf.function`` per model and input signature (TensorFlow backend; None
-    otherwise): about 1.7x the rows/s of ``predict_on_batch``, which builds a data adapter on every call. The
-    signature leaves the batch dimension open, so batches of any size share one trace (no retracing warnings)."""
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        return None
-    import tensorflow as tf
-
-    signature = tf.nest.map_structure(lambda a: tf.TensorSpec((None, *np.shape(a)[1:]), tf.as_dtype(a.dtype)), x)
-    entry = _INFERENCE_FNS.get(id(model))
-    if entry is None or entry[0] is not model or entry[1] != signature:
-        placed = _INFERENCE_DEVICES.get(id(model))
-        device = placed[1] if placed is not None and placed[0] is model else None
-
-        def call(inputs: Any) -> Any:
-            if device is None:  # a model not loaded by transform (the rank's own): TensorFlow's placement
-                return model(inputs, training=False)
-            with tf.device(device):
-                return model(inputs, training=False)
-
-        traced = tf.function(call, input_signature=[signature])
-        entry = (model, signature, traced, lambda v: tf.nest.map_structure(lambda t: t.numpy(), traced(v)))
-        _INFERENCE_FNS.clear()  # the worker's model cache keeps two models; one compiled function is enough
-        _INFERENCE_FNS[id(model)] = entry
-    return entry[3]
-
-
-# ------------------------------------------------------------------------------------------------ optimizer
-
-
-def optimizer_spec(optimizer: Any) -> dict:
-    """What rebuilds ``optimizer`` on a rank: a Keras name, or its class (the user's, not a distributed wrapper)
-    and ``get_config()``. Raises ``ValueError``/``TypeError`` naming what is wrong."""
-    import keras
-
-    if optimizer is None:
-        raise ValueError("KerasEstimator: set optimizer, e.g. keras.optimizers.Adam(learning_rate=1e-3) or 'adam'")
-    if isinstance(optimizer, str):
-        try:
-            keras.optimizers.get(optimizer)
-        except ValueError:
-            raise ValueError(f"KerasEstimator: unknown optimizer name {optimizer!r}; use a Keras optimizer name "
-                             "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object") from None
-        return {"name": optimizer}
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"KerasEstimator: optimizer must be a keras.optimizers.Optimizer or a Keras optimizer name, "
-                        f"got {type(optimizer).__name__}")
-    from spark_hvd.keras.optimizer import _DistributedOptimizerMixin
-
-    cls = type(optimizer)
-    if issubclass(cls, _DistributedOptimizerMixin):  # already wrapped: rebuild the user's class
-        cls = next(c for c in cls.__mro__[1:] if not issubclass(c, _DistributedOptimizerMixin)
-                   and issubclass(c, keras.optimizers.Optimizer))
-    return {"cls": cls, "config": optimizer.get_config()}
-
-
-def build_optimizer(spec: dict) -> Any:
-    """The optimizer described by :func:`optimizer_spec` (a fresh, unbuilt one)."""
-    import keras
-
-    if "name" in spec:
-        return keras.optimizers.get(spec["name"])
-    return spec["cls"].from_config(spec["config"])
+        return predict(model, inputs)
 
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
@@ -392,7 +256,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         }
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        data = RunFiles(store, run_id).read_model_file(_MODEL_FILE)
+        data = RunFiles(store, run_id).read_model_file(MODEL_FILE)
         return load_keras_bytes(data, self._custom_objects(), compile=True)
 
     def _model_params(self) -> dict:

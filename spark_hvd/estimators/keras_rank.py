@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
+from spark_hvd.estimators.keras_inference import predict
+from spark_hvd.estimators.keras_serde import MODEL_FILE, build_optimizer, deserialize_keras_model
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer
 
 __all__ = ["KerasTrainer"]
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.keras"
 _OPTIMIZER_FILE = "optimizer.npz"
 
 
@@ -119,8 +120,6 @@ class KerasTrainer(RankTrainer):
         keras.utils.set_random_seed(seed)
 
     def build(self, spec: Any) -> None:
-        from spark_hvd.estimators.keras import build_optimizer, deserialize_keras_model
-
         self.spec = spec
         self.model = deserialize_keras_model(spec.model_bytes)
         kwargs: dict[str, Any] = {"backward_passes_per_step": spec.backward_passes_per_step}
@@ -170,9 +169,7 @@ class KerasTrainer(RankTrainer):
                 return shapes
         except (AttributeError, ValueError):
             pass
-        from spark_hvd.estimators.keras import KerasModel
-
-        out = KerasModel._predict(self.model, [batch[c] for c in self.spec.feature_cols])
+        out = predict(self.model, [batch[c] for c in self.spec.feature_cols])
         return [list(np.asarray(o).shape[1:]) for o in out]
 
     def train(self, run: RankRun) -> None:

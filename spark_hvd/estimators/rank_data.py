@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.data.metadata import model_input_dtype
 from spark_hvd.estimators.spec import TrainSpec
 
-__all__ = ["RunFiles", "ShardReaders", "append_history", "model_input_dtype"]
+__all__ = ["RunFiles", "ShardReaders", "append_history"]
 
 
 class RunFiles:
@@ -81,16 +82,6 @@ def append_history(history: dict[str, list[float]], metrics: dict[str, float]) -
 
 
 # ------------------------------------------------------------------------------------------------ data glue
-
-
-def model_input_dtype(stored: str | None) -> Any:
-    """The numpy dtype a model gets for a column stored as ``stored``: floats and bools as float32 (the
-    frameworks' default parameter dtype), integers as int64 (class indices, embedding ids). Used by training and
-    by ``transform`` alike, so both feed the model the same arrays."""
-    if stored is None:
-        return None
-    dt = np.dtype(stored)
-    return np.int64 if np.issubdtype(dt, np.integer) else np.float32
 
 
 class ShardReaders:

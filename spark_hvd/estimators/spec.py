@@ -108,7 +108,7 @@ def model_metadata(info: Any, output_shapes: list[list[int]]) -> dict:
     dtype, shape and kind; the per-row output shapes; the prepared dataset's key."""
     import numpy as np
 
-    from spark_hvd.estimators.rank_data import model_input_dtype
+    from spark_hvd.data.metadata import model_input_dtype
 
     def describe(col: str, dtype: str) -> dict:
         spec = info.columns[col]

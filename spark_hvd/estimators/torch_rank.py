@@ -23,6 +23,7 @@ import numpy as np
 from spark_hvd.estimators.params import LOSS_NAMES
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext
 from spark_hvd.estimators.torch_precision import MixedPrecision
+from spark_hvd.estimators.torch_serde import build_optimizer, deserialize_module
 
 __all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch"]
 
@@ -185,8 +186,6 @@ class TorchTrainer(RankTrainer):
         np.random.seed(seed % (2**32))
 
     def build(self, spec: Any) -> None:
-        from spark_hvd.estimators.torch import deserialize_module
-
         self.spec = spec
         self.model = deserialize_module(spec.model_bytes).to(self.device)
         optimizer, self.scheduler_interval = self._build_training(spec)
@@ -204,8 +203,6 @@ class TorchTrainer(RankTrainer):
 
     def _build_training(self, spec: Any) -> tuple[Any, str]:
         """The optimizer (not yet distributed) and the scheduler interval; sets up losses and metrics."""
-        from spark_hvd.estimators.torch import build_optimizer
-
         weighted = bool(spec.sample_weight_col)
         losses = resolve_losses(spec.loss, len(spec.label_cols))
         self.losses = [_loss_fn(item, weighted) for item in losses]

@@ -17,6 +17,7 @@ Events carry ``attempt``: with ``max_retries`` the events of failed attempts are
 Importing this package does not import pyspark (``run`` imports it when called).
 """
 
+from spark_hvd.runner.client import Event, report
 from spark_hvd.runner.elastic import ElasticError, run_elastic
 from spark_hvd.runner.errors import (
     NotEnoughSlotsError,
@@ -28,7 +29,6 @@ from spark_hvd.runner.errors import (
 )
 from spark_hvd.runner.launch import LaunchResult, run_local
 from spark_hvd.runner.progress import ProgressDisplay, StepReporter
-from spark_hvd.runner.service import Event, report
 from spark_hvd.runner.spark import check_slots, last_events, resolve_num_proc, run
 
 __all__ = [

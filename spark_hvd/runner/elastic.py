@@ -37,10 +37,9 @@ from typing import Any
 from spark_hvd.core.elastic import HostsUpdatedInterrupt, set_link, state_max_bytes
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import cluster
-from spark_hvd.runner import service as _service
 from spark_hvd.runner import spark as _spark
+from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
-from spark_hvd.runner.service import Event, ServiceClient
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -
     """Runs in each rank: ``fn`` with the driver link installed; a resize becomes a clean ``_Resized`` result."""
     import spark_hvd.core as core
 
-    client = _service._get_client()
+    client = current_client()
     if client is None:
         raise RunnerError("run_elastic: this rank has no connection to the driver service")
     set_link(_ServiceLink(client))

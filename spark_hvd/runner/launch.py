@@ -35,8 +35,9 @@ from typing import IO
 
 from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
+from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
-from spark_hvd.runner.service import DriverService, Event
+from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
 

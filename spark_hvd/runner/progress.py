@@ -48,7 +48,7 @@ class StepReporter:
         if step < self.steps and self._last is not None and now - self._last < self.interval_s:
             return
         self._last = now
-        from spark_hvd.runner.service import report
+        from spark_hvd.runner.client import report
 
         extra = {"epochs": self.epochs} if self.epochs is not None else {}
         report(epoch=epoch, step=step, steps=self.steps, **extra,

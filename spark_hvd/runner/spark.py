@@ -47,8 +47,9 @@ from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
 from spark_hvd.core.wire import make_secret, sign
+from spark_hvd.runner import client as _client
 from spark_hvd.runner import cluster
-from spark_hvd.runner import service as _service
+from spark_hvd.runner.client import Event, OutputForwarder, ServiceClient
 from spark_hvd.runner.errors import (
     NotEnoughSlotsError,
     RankFailedError,
@@ -57,7 +58,7 @@ from spark_hvd.runner.errors import (
     StageNotStartedError,
     StartTimeoutError,
 )
-from spark_hvd.runner.service import DriverService, Event, OutputForwarder, ServiceClient
+from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
         for key, value in env.items():
             saved_env[key] = os.environ.get(key)
             os.environ[key] = value
-        _service.set_client(client)
+        _client.set_client(client)
         fn, args, kwargs = cloudpickle.loads(setup.payload)
         import spark_hvd.core as core
 
@@ -241,7 +242,7 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
                 core.shutdown()
             except Exception:
                 logger.exception("rank %d: spark_hvd.core.shutdown() failed", rank)
-        _service.set_client(None)
+        _client.set_client(None)
         forwarder.stop()
         for key, old in saved_env.items():
             if old is None:

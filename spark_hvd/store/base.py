@@ -59,6 +59,7 @@ from spark_hvd.store import atomic
 from spark_hvd.store.atomic import TMP_PREFIX
 from spark_hvd.store.errors import StoreError, StoreTimeoutError, StoreURLError
 from spark_hvd.store.manifest import LEGACY_MARKER, MANIFEST, Manifest, sha256_of
+from spark_hvd.store.registry import class_name, store_class
 
 if TYPE_CHECKING:  # pragma: no cover
     import fsspec
@@ -124,9 +125,12 @@ class Store(ABC):
         """
         if not isinstance(url, str) or not url.strip():
             raise StoreURLError(f"Store.create needs a non-empty URL string, got {url!r}")
-        from spark_hvd.store.registry import store_class
-
-        return store_class(scheme_of(url))(url, **storage_options)
+        scheme = scheme_of(url)
+        cls = store_class(scheme)
+        if not issubclass(cls, Store):
+            raise StoreURLError(f"the store registered for scheme {scheme!r}, {class_name(cls)}, is not a Store "
+                                "subclass")
+        return cls(url, **storage_options)
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._dropped_secrets is not None:

@@ -49,7 +49,7 @@ def register_store(scheme: str, cls: str | type[Store], clobber: bool = False) -
     with _lock:
         current = _registry.get(scheme)
         if current is not None and current != cls and not clobber:
-            raise StoreURLError(f"store scheme {scheme!r} is already registered to {_name(current)}; "
+            raise StoreURLError(f"store scheme {scheme!r} is already registered to {class_name(current)}; "
                                 "pass clobber=True to replace it")
         _registry[scheme] = cls
 
@@ -57,14 +57,14 @@ def register_store(scheme: str, cls: str | type[Store], clobber: bool = False) -
 def registered_schemes() -> dict[str, str]:
     """Scheme -> dotted class name of every registered store (the fsspec fallback not included)."""
     with _lock:
-        return {scheme: _name(cls) for scheme, cls in sorted(_registry.items())}
+        return {scheme: class_name(cls) for scheme, cls in sorted(_registry.items())}
 
 
 def store_class(scheme: str) -> type[Store]:
-    """The store class for ``scheme``, importing it on first use.
+    """The store class for ``scheme``, importing it on first use (``Store.create`` checks it is a ``Store``).
 
     Raises:
-        StoreURLError: the registered dotted path cannot be imported or is not a ``Store``.
+        StoreURLError: the registered dotted path cannot be imported or is not a class.
     """
     with _lock:
         entry = _registry.get(scheme.lower(), DEFAULT_STORE)
@@ -78,12 +78,12 @@ def store_class(scheme: str) -> type[Store]:
             ) from e
     else:
         cls = entry
-    from spark_hvd.store.base import Store
-
-    if not (isinstance(cls, type) and issubclass(cls, Store)):
-        raise StoreURLError(f"the store registered for scheme {scheme!r}, {_name(entry)}, is not a Store subclass")
+    if not isinstance(cls, type):
+        raise StoreURLError(f"the store registered for scheme {scheme!r}, {class_name(entry)}, is not a Store "
+                            "subclass")
     return cls
 
 
-def _name(cls: str | type) -> str:
+def class_name(cls: str | type) -> str:
+    """The dotted name of a registry entry (a class or its ``"module.Class"`` path)."""
     return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"

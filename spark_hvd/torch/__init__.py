@@ -13,8 +13,9 @@ Example::
 from __future__ import annotations
 
 from spark_hvd._binding_common import HorovodInternalError
+from spark_hvd.core.context import add_process_set, remove_process_set
 from spark_hvd.core.errors import NotInitializedError
-from spark_hvd.core.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.torch import elastic  # hvd.elastic.run / TorchState / ElasticSampler
 from spark_hvd.torch.build import cuda_built, nccl_built, rocm_built
 from spark_hvd.torch.collectives import (

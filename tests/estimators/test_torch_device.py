@@ -20,7 +20,7 @@ import torch
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
 from spark_hvd.estimators.rank_data import RunFiles
-from spark_hvd.estimators.torch import deserialize_module, optimizer_spec, serialize_module
+from spark_hvd.estimators.torch_serde import deserialize_module, optimizer_spec, serialize_module
 from spark_hvd.store import Store
 
 _cuda_tagging = {"on": False}

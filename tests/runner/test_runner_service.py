@@ -11,8 +11,9 @@ import pytest
 
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError
-from spark_hvd.runner.service import DriverService, ServiceClient
+from spark_hvd.runner.service import DriverService
 from spark_hvd.runner.spark import BarrierRendezvous, _assigned_gpu, task_gpus, topology
 
 
