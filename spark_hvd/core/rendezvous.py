@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from spark_hvd.core.addresses import non_loopback_address, route_towards
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
 from spark_hvd.core.listener import Listener
@@ -41,31 +42,11 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def routable_address(towards: str | None = None) -> str:
-    """An address of this host that peers can reach.
-
-    With ``towards`` (a host name or IP of the driver / rendezvous), the local address the kernel would use to
-    reach it (no packet is sent: a UDP ``connect`` only picks a route). Loopback stays loopback.
-    """
-    if towards:
-        try:
-            target = socket.gethostbyname(towards)
-        except OSError:
-            target = None
-        if target is not None:
-            if target.startswith("127."):
-                return "127.0.0.1"
-            probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                probe.connect((target, 9))
-                return probe.getsockname()[0]
-            except OSError:
-                pass
-            finally:
-                probe.close()
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    """An address of this host that peers can reach: routed towards ``towards`` (a host name or IP of the driver /
+    rendezvous) where given and routable, else a non-loopback address of this host
+    (``spark_hvd.core.addresses``). Loopback stays loopback."""
+    found = route_towards(towards) if towards else None
+    return found if found is not None else non_loopback_address()
 
 
 class KVTable:

@@ -41,6 +41,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from spark_hvd.core import shm_cma, shm_slices
+from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
+    HOST_ID_ENV,
+    IFACE_ENV,
+    check_reachable,
+    host_identity,
+    listen_address,
+    machine_identity,
+    meeting_host,
+)
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -50,7 +59,6 @@ from spark_hvd.core.errors import (
 )
 from spark_hvd.core.jobenv import JobEnv, topology
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
-from spark_hvd.core.rendezvous import parse_address, routable_address
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
 from spark_hvd.core.tcp import (
@@ -70,10 +78,6 @@ from spark_hvd.core.tcp import (
 
 logger = logging.getLogger(__name__)
 
-IFACE_ENV = "SPARK_HVD_IFACE_ADDR"
-#: Overrides the host identity (tests use it to make ranks of one machine look like several hosts).
-HOST_ID_ENV = "SPARK_HVD_HOST_ID"
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 #: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
@@ -84,37 +88,10 @@ PAIR_EXCHANGE_BYTES = 1024 * 1024
 HIER_SPLIT_BYTES = 256 * 1024
 
 
-def host_identity() -> str:
-    """hostname + kernel boot id: equal exactly for processes on the same (booted) host."""
-    override = os.environ.get(HOST_ID_ENV)
-    if override:
-        return override
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
-    """(address to bind, address to publish) for this rank's listener."""
-    iface = os.environ.get(IFACE_ENV)
-    if iface:
-        return iface, iface
-    towards = getattr(rendezvous, "host", None)
-    if not towards:
-        job = JobEnv.from_env()
-        address = job.rendezvous if job is not None else None
-        if address:
-            try:
-                towards = parse_address(address)[0]
-            except ValueError:
-                towards = None
-    if towards:
-        local = routable_address(towards)
-        return local, local
-    return "0.0.0.0", routable_address()
+    """(address to bind, address to publish) for this rank's listener (``addresses.listen_address``, routed
+    towards the rendezvous service or the Spark driver's service)."""
+    return listen_address(meeting_host(rendezvous, JobEnv.from_env()))
 
 
 def even_bounds(n: int, parts: int) -> list[int]:
@@ -206,13 +183,16 @@ class RingBackend(Backend):
             port = self._listener.getsockname()[1]
             host_id = host_identity()
             use_shm = bool(self.settings.shm) and shm_available()
-            info = {"host": publish, "port": port, "host_id": host_id, "pid": os.getpid(), "shm": use_shm,
-                    "nonce": new_nonce()}
+            info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
+                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce()}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
+            check_reachable([(i["host"], i.get("machine", "")) for i in infos])
             self._topology(infos)
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
                                       secret, job_id, self.timeout_s)
+            for j, peer in self.peers.items():
+                peer.where = f" on host {infos[j].get('machine', '').split('/', 1)[0]} ({infos[j]['host']})"
             self._listener.close()
             self._listener = None
             self._watcher = PeerWatcher(list(self.peers.values()))

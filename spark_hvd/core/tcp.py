@@ -72,6 +72,8 @@ class PeerSocket(FramedSocket):
     def __init__(self, sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> None:
         super().__init__(sock, secret, f"rank {rank}")
         self.rank = rank
+        #: where the peer runs (" on host NAME (ADDRESS)"), for error messages; set once the mesh is up
+        self.where = ""
         self.timeout_s = timeout_s
         self.send_lock = threading.Lock()
         self.recv_broken = False
@@ -82,9 +84,10 @@ class PeerSocket(FramedSocket):
     def _fail(self, exc: BaseException, operation: str) -> PeerFailureError:
         if isinstance(exc, TimeoutError | socket.timeout):
             return CollectiveTimeoutError(
-                f"{operation}: rank {self.rank} sent nothing for {self.timeout_s:.0f}s (SPARK_HVD_TIMEOUT); "
-                "it is stuck, or waiting for another rank that is", rank=self.rank, operation=operation)
-        return PeerFailureError(f"{operation}: the connection to rank {self.rank} failed ({exc}); "
+                f"{operation}: rank {self.rank}{self.where} sent nothing for {self.timeout_s:.0f}s "
+                "(SPARK_HVD_TIMEOUT); it is stuck, unreachable, or waiting for another rank that is",
+                rank=self.rank, operation=operation)
+        return PeerFailureError(f"{operation}: the connection to rank {self.rank}{self.where} failed ({exc}); "
                                 f"that process probably died", rank=self.rank, operation=operation)
 
     def _read(self, view: memoryview, operation: str) -> None:

@@ -15,13 +15,13 @@ tensors need none of this: they are reduced where they lie (``spark_hvd.core.tor
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from spark_hvd.core.addresses import apply_device_group_env, host_identity
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
@@ -52,7 +52,8 @@ class TorchBackend(Backend):
         timeout = timedelta(seconds=self.settings.timeout_s)
         device = device or os.environ.get("SPARK_HVD_TORCH_DEVICE", "cpu")
         self.cuda = device.startswith("cuda")
-        hostname = socket.gethostname()
+        hostname = host_identity()
+        apply_device_group_env()  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from SPARK_HVD_NETWORK_INTERFACE
         self._store: Any = None
         if rendezvous is not None:
             from spark_hvd.core.torch_store import open_store

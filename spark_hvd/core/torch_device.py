@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.core.addresses import apply_device_group_env
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import PeerFailureError, SparkHvdError
@@ -50,6 +51,7 @@ class TorchDeviceGroup(DeviceGroup):
         self.rank, self.size = backend.rank, backend.size
         self.where = scope.label(self.rank)
         timeout = timedelta(seconds=settings.timeout_s)
+        apply_device_group_env()  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from SPARK_HVD_NETWORK_INTERFACE
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
             self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend),
                                                        torch.cuda.device_count(), required=True))

@@ -11,9 +11,9 @@ Both are already there for the job: spark_hvd opens no port for torch.distribute
 connection to them proves the job's secret with a fresh challenge (``spark_hvd.core.wire``), so a client without
 the secret can neither read nor write a key. A job of one process uses a ``HashStore``. Only where a job has neither
 service (ranks joined through a custom ``rendezvous=`` without a launcher, or ``mpirun``) does rank 0 start a
-``KVStoreServer`` of its own (on ``SPARK_HVD_IFACE_ADDR`` where set), authenticated like the others, and publish
-its address through the job's own rendezvous or backend; under ``mpirun`` (no job secret) a fresh secret travels
-with it over MPI. Never a TCPStore.
+``KVStoreServer`` of its own (on the address a ring rank would listen on, ``spark_hvd.core.addresses``),
+authenticated like the others, and publish its address through the job's own rendezvous or backend; under
+``mpirun`` (no job secret) a fresh secret travels with it over MPI. Never a TCPStore.
 
 Keys live under ``<job id>/torch/<attempt>/<name>/<generation>/``: rank 0 numbers the groups of that name in the
 job (an ``init()`` after a ``shutdown()`` gets a fresh generation) and publishes the number through the job's own
@@ -29,15 +29,14 @@ the methods live in ``_KVStoreOps`` and ``kv_store_class()`` joins them with ``t
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from spark_hvd.core.addresses import listen_address, meeting_host
 from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.rendezvous import KVClient, KVStoreServer
-from spark_hvd.core.ring import IFACE_ENV
 from spark_hvd.core.wire import make_secret
 
 
@@ -184,7 +183,7 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
         fresh = b""
         if fallback:  # a service of our own, under the job's secret (or a fresh one where the job has none)
             fresh = make_secret() if secret is None else b""
-            server = KVStoreServer(secret or fresh, host=os.environ.get(IFACE_ENV) or "0.0.0.0")
+            server = KVStoreServer(secret or fresh, host=listen_address(meeting_host(None, job))[0])
             host, port = server.start()
             address, hello = f"{host}:{port}", None
         client = KVClient(address, secret or fresh, timeout.total_seconds(), hello=hello)

@@ -33,7 +33,6 @@ import logging
 import operator
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd import pickling
+from spark_hvd.core.addresses import host_identity
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
@@ -211,7 +211,7 @@ def _run_rank(ctx: Any, setup: _TaskSetup) -> tuple[int, bytes]:
     try:
         forwarder.start()
         rendezvous = BarrierRendezvous(ctx.allGather, setup.secret, setup.job_id)
-        mine = json.dumps([socket.gethostname(), _assigned_gpu(ctx)]).encode()
+        mine = json.dumps([host_identity(), _assigned_gpu(ctx)]).encode()
         hosts, assigned = zip(*(json.loads(v) for v in rendezvous.exchange(rank, size, mine)), strict=True)
         local_rank, local_size, cross_rank, cross_size = topology(hosts, rank)
         job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
