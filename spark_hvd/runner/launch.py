@@ -1,5 +1,8 @@
 """``spark-hvd-run -np N [--timeout S] [--env K=V] command ...``: N local ranks of a spark_hvd job, no Spark.
 
+With ``-H host:slots,...`` or ``--hostfile`` the ranks run on several hosts, started through ssh
+(``spark_hvd.runner.multihost``).
+
 The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
 driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes, each with
 its ``JobEnv`` in the environment (``SPARK_HVD_*``: rank, size, local rank/size, cross rank/size, rendezvous,
@@ -19,181 +22,33 @@ waited on for more than a moment, so the launcher exits promptly.
 from __future__ import annotations
 
 import argparse
-import collections
 import logging
 import os
 import secrets
-import select
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import IO
 
 from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
+from spark_hvd.runner import hosts
 from spark_hvd.runner.client import Event
-from spark_hvd.runner.errors import LaunchFailure
+from spark_hvd.runner.multihost import run_hosts
+from spark_hvd.runner.procs import (  # noqa: F401 - LaunchResult, describe_exit: part of this module's API
+    PIPE_DRAIN_S,
+    TIMEOUT_EXIT_CODE,
+    LaunchResult,
+    RankProcess,
+    describe_exit,
+    wait_ranks,
+)
 from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
-
-TIMEOUT_EXIT_CODE = 124
-STDERR_TAIL_LINES = 20
-#: Seconds the launcher waits for output pipes after every process group got SIGKILL.
-PIPE_DRAIN_S = 1.0
-
-
-@dataclass
-class LaunchResult:
-    """Outcome of ``run_local``.
-
-    ``returncode`` is 0 when every rank succeeded, else the failed rank's exit code (128+signal for a rank killed
-    by a signal, 124 when the job ran past its timeout). ``stdout`` / ``stderr`` hold the prefixed lines when the
-    output was captured.
-    """
-
-    returncode: int
-    failure: LaunchFailure | None = None
-    timed_out: bool = False
-    stdout: list[str] = field(default_factory=list)
-    stderr: list[str] = field(default_factory=list)
-    events: list[Event] = field(default_factory=list)
-    returncodes: list[int | None] = field(default_factory=list)
-
-
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(returncode: int) -> str:
-    """``exited with code 3`` or ``was killed by SIGKILL`` for a ``Popen.returncode``."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name} (exit code {_exit_code(returncode)})"
-    return f"exited with code {returncode}"
-
-
-class _Rank:
-    def __init__(self, rank: int, proc: subprocess.Popen, sink: Callable[[int, str, str], None]) -> None:
-        self.rank = rank
-        self.proc = proc
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
-        self.readers = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "stdout", sink), daemon=True,
-                             name=f"spark-hvd-run-{rank}-out"),
-            threading.Thread(target=self._pump, args=(proc.stderr, "stderr", sink), daemon=True,
-                             name=f"spark-hvd-run-{rank}-err"),
-        ]
-        for reader in self.readers:
-            reader.start()
-
-    def _pump(self, pipe: IO[bytes], stream: str, sink: Callable[[int, str, str], None]) -> None:
-        try:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if stream == "stderr":
-                    self.stderr_tail.append(line)
-                sink(self.rank, stream, line)
-        except (OSError, ValueError):
-            pass
-        finally:
-            try:
-                pipe.close()
-            except OSError:
-                pass
-
-    def signal(self, signum: int) -> None:
-        """Signal the rank's whole process group (it runs in a session of its own), even after the rank itself
-        exited: its children stay in the group (Linux does not reuse a pid while a group of that id lives)."""
-        try:
-            os.killpg(self.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            if self.proc.poll() is None:
-                try:
-                    self.proc.send_signal(signum)
-                except ProcessLookupError:
-                    pass
-
-    def group_alive(self) -> bool:
-        """Whether a live (not zombie) process of the rank's group remains."""
-        return _group_alive(self.proc.pid)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie (orphans whose reaper is slow are
-    zombies for a while; they hold nothing). Reads ``/proc`` where there is one, else asks ``killpg(pgid, 0)``."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            return True
-    return False
-
-
-class _ExitOrder:
-    """Ranks in the order their processes exited: a pidfd per rank in one epoll set (its ready list is FIFO, so
-    the order is the kernel's, not the order in which this thread got to look). Falls back to polling in rank
-    order where pidfds are missing (not Linux, or an old kernel)."""
-
-    def __init__(self, ranks: list[_Rank]) -> None:
-        self.ranks = ranks
-        self.epoll: select.epoll | None = None
-        self.fds: dict[int, int] = {}
-        try:
-            self.epoll = select.epoll()
-            for r in ranks:
-                fd = os.pidfd_open(r.proc.pid)
-                self.fds[fd] = r.rank
-                self.epoll.register(fd, select.EPOLLIN)
-        except (AttributeError, OSError):
-            self.close()
-
-    def wait(self, pending: dict[int, _Rank], timeout: float) -> list[int]:
-        """Ranks of ``pending`` that exited (reaped), oldest exit first; waits at most ``timeout`` for one."""
-        if self.epoll is None:
-            done = [rank for rank, r in pending.items() if r.proc.poll() is not None]
-            if not done and pending:
-                try:
-                    next(iter(pending.values())).proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    pass
-                done = [rank for rank, r in pending.items() if r.proc.poll() is not None]
-            return done
-        order = []
-        for fd, _ in self.epoll.poll(timeout):
-            self.epoll.unregister(fd)
-            rank = self.fds.pop(fd)
-            os.close(fd)
-            if rank in pending:
-                pending[rank].proc.wait()
-                order.append(rank)
-        return order
-
-    def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds.clear()
-        if self.epoll is not None:
-            self.epoll.close()
-            self.epoll = None
 
 
 def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, timeout: float | None = None,
@@ -242,7 +97,7 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
     service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
                             bind_host="127.0.0.1")
     _, service_port = service.start()
-    ranks: list[_Rank] = []
+    ranks: list[RankProcess] = []
     launch_vars = set(env_names())
     try:
         for rank in range(np):
@@ -255,8 +110,8 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             child_env["PYTHONUNBUFFERED"] = "1"
             proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
-            ranks.append(_Rank(rank, proc, sink))
-        _wait(ranks, result, timeout, grace_s)
+            ranks.append(RankProcess(rank, proc, sink))
+        wait_ranks(ranks, result, timeout, grace_s)
     finally:
         for r in ranks:  # every group, even of ranks that succeeded: a child they left must not outlive the job
             r.signal(signal.SIGKILL)
@@ -279,45 +134,6 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
     return result
 
 
-def _wait(ranks: list[_Rank], result: LaunchResult, timeout: float | None, grace_s: float) -> None:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pending = {r.rank: r for r in ranks}
-    exits = _ExitOrder(ranks)
-    try:
-        while pending:
-            for rank in exits.wait(pending, 0.1):
-                r = pending.pop(rank)
-                code = r.proc.returncode
-                if code != 0:
-                    result.returncode = _exit_code(code)
-                    result.failure = LaunchFailure(rank, result.returncode, description=describe_exit(code))
-                    _stop(ranks, grace_s)
-                    return
-            if deadline is not None and time.monotonic() > deadline:
-                result.timed_out = True
-                result.returncode = TIMEOUT_EXIT_CODE
-                _stop(ranks, grace_s)
-                return
-    finally:
-        exits.close()
-
-
-def _stop(ranks: list[_Rank], grace_s: float) -> None:
-    """SIGTERM to every rank's process group, then SIGKILL to the groups still alive after ``grace_s``."""
-    for r in ranks:
-        r.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    while time.monotonic() < deadline and any(r.group_alive() for r in ranks):
-        time.sleep(0.05)  # the ranks' children, still handling SIGTERM
-    for r in ranks:
-        r.signal(signal.SIGKILL)
-
-
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
     env = {}
     for item in items:
@@ -329,10 +145,29 @@ def _parse_env(items: Sequence[str]) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``spark-hvd-run``."""
     parser = argparse.ArgumentParser(
         prog="spark-hvd-run",
-        description="Run N local ranks of a spark_hvd job (no Spark needed): spark-hvd-run -np 2 python train.py")
-    parser.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
+        description="Run the ranks of a spark_hvd job (no Spark needed): spark-hvd-run -np 2 python train.py, or "
+                    "across hosts through ssh: spark-hvd-run -np 4 -H host1:2,host2:2 python train.py")
+    parser.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
+                        help="number of ranks (default with -H/--hostfile: every slot)")
+    parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+                        help="hosts and their slots, e.g. host1:2,host2:2; ranks fill them in this order")
+    parser.add_argument("--hostfile", default=None, metavar="FILE",
+                        help="a file of 'host slots=N' lines (instead of -H)")
+    parser.add_argument("--ssh-command", default="ssh", metavar="CMD",
+                        help="the remote shell, called as ssh is: CMD [ssh options] HOST 'shell command' "
+                             "(default ssh)")
+    parser.add_argument("-p", "--ssh-port", type=int, default=None, help="ssh port of the hosts")
+    parser.add_argument("-i", "--ssh-identity-file", default=None, metavar="FILE", help="ssh identity file")
+    parser.add_argument("--network-interface", default=None, metavar="IFACE[,IFACE]",
+                        help="the network interface(s) the ranks use (sets SPARK_HVD_NETWORK_INTERFACE)")
+    parser.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR[=VALUE]",
+                        help="hand this environment variable to every rank (repeatable); remote ranks otherwise "
+                             "get their login environment")
+    parser.add_argument("--start-timeout", type=float, default=30.0,
+                        help="seconds a host has to start its ranks (default 30)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds the whole job may run; past it every rank is stopped (exit code 124)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -344,6 +179,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _placements(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[hosts.Placement] | None:
+    """The ranks' hosts from -H / --hostfile (None: every rank local, ``run_local``)."""
+    if args.hosts and args.hostfile:
+        parser.error("give -H or --hostfile, not both")
+    try:
+        if args.hostfile:
+            with open(args.hostfile) as f:
+                listed = hosts.parse_hostfile(f.read(), args.hostfile)
+        elif args.hosts:
+            listed = hosts.parse_hosts(args.hosts)
+        else:
+            return None
+        return hosts.place(listed, args.np)
+    except OSError as exc:
+        parser.error(f"cannot read --hostfile: {exc}")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``spark-hvd-run`` and ``python -m spark_hvd.runner``; returns the exit code."""
     parser = build_parser()
@@ -353,7 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = command[1:]
     if not command:
         parser.error("no command given (e.g. spark-hvd-run -np 2 python train.py)")
-    if args.np < 1:
+    placements = _placements(parser, args)
+    if placements is None and args.np is None:
+        parser.error("give -np N (or -H host:slots,... / --hostfile)")
+    if placements is None and args.np < 1:
         parser.error(f"-np must be >= 1, got {args.np}")
     try:
         env = _parse_env(args.env)
@@ -366,8 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        result = run_local(command, args.np, env=env, timeout=args.timeout, grace_s=args.grace,
-                           verbose=args.verbose)
+        if placements is None:
+            if args.network_interface:
+                env["SPARK_HVD_NETWORK_INTERFACE"] = args.network_interface
+            for item in args.forward:
+                key, sep, value = item.partition("=")
+                if sep:
+                    env[key] = value
+            result = run_local(command, args.np, env=env, timeout=args.timeout, grace_s=args.grace,
+                               verbose=args.verbose)
+        else:
+            result = run_hosts(command, placements, ssh_command=shlex.split(args.ssh_command),
+                               ssh_port=args.ssh_port, identity_file=args.ssh_identity_file, env=env,
+                               forward=args.forward, network_interface=args.network_interface,
+                               timeout=args.timeout, start_timeout=args.start_timeout, grace_s=args.grace,
+                               verbose=args.verbose)
     except KeyboardInterrupt:
         sys.stderr.write("spark-hvd-run: interrupted; all ranks stopped\n")
         return 130

@@ -1,0 +1,265 @@
+"""``spark-hvd-run -H host1:2,host2:2`` (or ``--hostfile``): ranks on several hosts, started through ssh.
+
+``run_hosts`` places the ranks in host order (``spark_hvd.runner.hosts``), starts the job's rendezvous and driver
+services on an address the hosts can reach (the named interface's, else the one routed towards the first remote
+host), and starts each rank: directly when its host is this machine, else as ``CMD [ssh options] HOST 'shell
+command'`` (``CMD`` is ``ssh`` or ``--ssh-command``; options ``-p PORT``, ``-i FILE`` and, for ssh itself,
+``-o BatchMode=yes -o ConnectTimeout=N``). The shell command carries nothing of the job: the rank's environment,
+the job secret among it, goes on the ssh process's stdin (``spark_hvd.runner.remote``), which stays open while the
+rank runs; closing it stops the rank on its host.
+
+Output lines keep the ``[rank]`` prefix. The first rank to fail is named with its host; the launcher then stops
+every rank (local process groups signalled, remote ones through their ssh process and its stdin). A host that does
+not start its rank within ``start_timeout`` seconds (unreachable, ssh asking for a password, a wrong path), or whose
+ssh exits with 255, is a clear error naming the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from spark_hvd.core.addresses import (
+    NETWORK_INTERFACE_ENV,
+    AddressError,
+    interface_address,
+    non_loopback_address,
+    route_towards,
+)
+from spark_hvd.core.jobenv import JobEnv, env_names
+from spark_hvd.core.wire import make_secret
+from spark_hvd.runner.client import Event
+from spark_hvd.runner.errors import LaunchFailure
+from spark_hvd.runner.hosts import Placement, is_local_host
+from spark_hvd.runner.procs import PIPE_DRAIN_S, LaunchResult, RankProcess, describe_exit, wait_ranks
+from spark_hvd.runner.remote import EXIT_MARK, STARTED_MARK, remote_command, request
+from spark_hvd.runner.service import DriverService
+
+logger = logging.getLogger(__name__)
+
+#: ssh's exit status when it could not connect (or authenticate).
+SSH_FAILED = 255
+
+
+def ssh_argv(command: Sequence[str], host: str, shell_command: str, port: int | None = None,
+             identity_file: str | None = None, connect_timeout_s: float = 10.0) -> list[str]:
+    """``CMD [ssh options] HOST 'shell command'``; the ``-o`` options only for ssh itself."""
+    argv = list(command)
+    if os.path.basename(argv[0]) == "ssh":
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, int(connect_timeout_s))}",
+                 "-o", "StrictHostKeyChecking=accept-new"]
+    if port is not None:
+        argv += ["-p", str(port)]
+    if identity_file:
+        argv += ["-i", identity_file]
+    return argv + [host, shell_command]
+
+
+def rendezvous_host(placements: Sequence[Placement], remote: Sequence[bool],
+                    environ: Mapping[str, str] | None = None) -> str:
+    """The address this launcher's services publish: the named interface's, else the route towards the first
+    remote host, else a non-loopback address of this host; loopback when every rank is local."""
+    env = os.environ if environ is None else environ
+    if not any(remote):
+        return "127.0.0.1"
+    names = [n.strip() for n in (env.get(NETWORK_INTERFACE_ENV) or "").split(",") if n.strip()]
+    first = next(p.host for p, r in zip(placements, remote, strict=True) if r)
+    if names:
+        try:
+            return interface_address(names)
+        except AddressError as exc:  # the launcher's host may sit outside the data network: route to the hosts
+            logger.warning("%s; the launcher's services use the route towards %s instead", exc, first)
+    return route_towards(first) or non_loopback_address()
+
+
+class _Marks:
+    """Which remote ranks have started (their ``STARTED_MARK`` line arrived), for the start timeout, and when
+    remote ranks exited with which code (``EXIT_MARK``), to name the first that failed."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.exits: dict[int, tuple[float, int]] = {}
+        self.lock = threading.Lock()
+
+
+def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_command: Sequence[str] = ("ssh",),
+              ssh_port: int | None = None, identity_file: str | None = None,
+              env: Mapping[str, str] | None = None, forward: Sequence[str] = (),
+              network_interface: str | None = None, timeout: float | None = None, start_timeout: float = 30.0,
+              capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
+              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+    """Run ``argv`` as one rank per placement (``hosts.place``) and wait for them.
+
+    Args:
+        argv: every rank's command.
+        placements: where each rank runs.
+        ssh_command: the remote-shell command (``ssh``, or any command called as ssh is).
+        ssh_port / identity_file: ssh's ``-p`` / ``-i``.
+        env: variables for every rank (on every host).
+        forward: names of this process's environment variables to hand to every rank (``-x``; ``NAME=VALUE``
+            sets one); remote ranks otherwise get their login environment, not this one.
+        network_interface: interface(s) the ranks (and these services) use: sets ``SPARK_HVD_NETWORK_INTERFACE``.
+        timeout: seconds the whole job may run (exit code 124 past it).
+        start_timeout: seconds a remote host has to start its rank.
+        capture, grace_s, verbose, on_event: as in ``launch.run_local``.
+    """
+    if not argv:
+        raise ValueError("no command given to run")
+    np = len(placements)
+    remote = [not is_local_host(p.host) for p in placements]
+    extra = dict(env or {})
+    for item in forward:
+        key, sep, value = item.partition("=")
+        if sep:
+            extra[key] = value
+        elif key in os.environ:
+            extra[key] = os.environ[key]
+    if network_interface:
+        extra[NETWORK_INTERFACE_ENV] = network_interface
+    host = rendezvous_host(placements, remote, {**os.environ, **extra})
+    bind = "" if any(remote) else "127.0.0.1"
+    secret = make_secret()
+    job_id = secrets.token_hex(4)
+    result = LaunchResult(returncode=0)
+    print_lock = threading.Lock()
+    marks = _Marks()
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        if stream == "stderr" and line == STARTED_MARK:
+            with marks.lock:
+                marks.started.add(rank)
+            return
+        if stream == "stderr" and line.startswith(EXIT_MARK):
+            code, at = line[len(EXIT_MARK):].split()
+            with marks.lock:
+                marks.exits[rank] = (float(at), int(code))
+            return
+        text = f"[{rank}] {line}"
+        with print_lock:
+            if capture:
+                (result.stderr if stream == "stderr" else result.stdout).append(text)
+            else:
+                out = sys.stderr if stream == "stderr" else sys.stdout
+                out.write(text + "\n")
+                out.flush()
+
+    def add_event(event: Event) -> None:
+        result.events.append(event)
+        if on_event is not None:
+            on_event(event)
+
+    from spark_hvd.core.rendezvous import KVStoreServer
+
+    kv = KVStoreServer(secret, host=bind or "0.0.0.0")
+    _, kv_port = kv.start()
+    service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
+                            bind_host=bind)
+    _, service_port = service.start()
+    ranks: list[RankProcess] = []
+    launch_vars = set(env_names())
+    started_at = time.monotonic()
+    cwd = os.getcwd()
+    pythonpath = [p for p in extra.get("PYTHONPATH", "").split(os.pathsep) if p]
+    try:
+        for p, is_remote in zip(placements, remote, strict=True):
+            job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
+                         cross_rank=p.cross_rank, cross_size=p.cross_size, job_id=job_id, secret=secret,
+                         rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}")
+            rank_env = {**extra, **job.to_env(), "PYTHONUNBUFFERED": "1"}
+            if is_remote:
+                shell = remote_command(sys.executable, cwd)
+                proc = subprocess.Popen(
+                    ssh_argv(ssh_command, p.host, shell, ssh_port, identity_file, start_timeout),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                assert proc.stdin is not None
+                proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath))
+                proc.stdin.flush()  # and kept open: its end stops the rank on its host
+            else:
+                child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+                child_env.update(rank_env)
+                proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                with marks.lock:
+                    marks.started.add(p.rank)
+            ranks.append(RankProcess(p.rank, proc, sink))
+
+        def check() -> LaunchFailure | None:
+            for r in ranks:
+                code = r.proc.poll()
+                if remote[r.rank] and code == SSH_FAILED and r.rank not in marks.started:
+                    return _unreachable(r, placements[r.rank].host, f"{ssh_command[0]} exited with code {code}")
+            if time.monotonic() - started_at < start_timeout:
+                return None
+            with marks.lock:
+                late = [r for r in ranks if r.rank not in marks.started]
+            if late:
+                return _unreachable(late[0], placements[late[0].rank].host,
+                                    f"its rank did not start within {start_timeout:g} s")
+            return None
+
+        wait_ranks(ranks, result, timeout, grace_s, check=check)
+    finally:
+        _stop_all(ranks, grace_s)
+        result.returncodes = [r.proc.returncode for r in ranks]
+        service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
+        service.stop()
+        kv.stop()
+    if result.failure is not None and not result.failure.description.startswith("could not be started"):
+        # ssh hands exits on in its own order: the first failure by the ranks' own exit times wins
+        failed = sorted((at, rank, code) for rank, (at, code) in marks.exits.items() if code != 0)
+        if failed and failed[0][1] != result.failure.rank:
+            _, rank, code = failed[0]
+            result.failure = LaunchFailure(rank, code, description=describe_exit(code if code < 128 else 128 - code))
+            result.returncode = code
+    if result.failure is not None:
+        failure = result.failure
+        if (remote[failure.rank] and failure.returncode == SSH_FAILED and failure.rank not in marks.started
+                and not failure.description.startswith("could not be started")):
+            failure.description = _unreachable(ranks[failure.rank], placements[failure.rank].host,
+                                               f"{ssh_command[0]} exited with code {SSH_FAILED}").description
+        failure.stderr_tail = [line for line in ranks[failure.rank].stderr_tail
+                               if line != STARTED_MARK and not line.startswith(EXIT_MARK)]
+        where = placements[failure.rank].host
+        if f"host {where}" not in failure.description:
+            failure.description = f"on host {where} {failure.description}"
+    return result
+
+
+def _unreachable(r: RankProcess, host: str, why: str) -> LaunchFailure:
+    return LaunchFailure(r.rank, SSH_FAILED, description=f"could not be started on host {host} ({why}): check "
+                         "that the host is reachable and accepts ssh without a password (-p, -i, --ssh-command)")
+
+
+def _stop_all(ranks: Sequence[RankProcess], grace_s: float) -> None:
+    """Every rank down: stdin of the ssh processes closed (their remote end stops the rank), then every local
+    process group SIGKILLed after the grace period; output pumps given a moment."""
+    for r in ranks:
+        if r.proc.stdin is not None:
+            try:
+                r.proc.stdin.close()
+            except OSError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for r in ranks:
+        r.signal(signal.SIGKILL)
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+    drain = time.monotonic() + PIPE_DRAIN_S
+    for r in ranks:
+        for reader in r.readers:
+            reader.join(timeout=max(0.0, drain - time.monotonic()))

@@ -1,0 +1,168 @@
+"""``spark-hvd-run -H`` across simulated hosts (network + UTS namespaces), through ``--ssh-command``: topology and
+collectives against numpy, failures named by rank and host with nothing left running, an unreachable host, Ctrl-C,
+a link taken down mid-allreduce, and the data interface named with ``--network-interface``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import simhosts
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(Path(__file__).with_name("rank_worker.py"))
+
+
+def _launch(sim: simhosts.SimHosts, hosts: str, mode: list[str], *extra: str, env: dict | None = None,
+            **popen: object) -> subprocess.Popen:
+    """``spark-hvd-run -H hosts ... rank_worker.py MODE`` started inside host 0."""
+    argv = [sys.executable, "-m", "spark_hvd.runner", "-H", hosts, "--ssh-command", sim.ssh_command(),
+            "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1", "-x", "SPARK_HVD_TIMEOUT", "--grace", "3", *extra,
+            sys.executable, WORKER, *mode]
+    child_env = {**os.environ, "PYTHONPATH": str(REPO), "SPARK_HVD_TIMEOUT": "8", **(env or {})}
+    child_env.pop("SPARK_HVD_IFACE_ADDR", None)
+    return sim.hosts[0].popen(argv, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              **popen)
+
+
+def _left_running(sim: simhosts.SimHosts) -> list[str]:
+    """Processes still alive in the rank hosts' namespaces (zombies aside)."""
+    found = []
+    for h in sim.hosts[1:]:
+        for pid in simhosts._ip("netns", "pids", h.name, check=False).stdout.split():
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            except OSError:
+                continue
+            if state != "Z":
+                found.append(f"{h.name}: {pid} {cmd}")
+    return found
+
+
+def _wait_none_left(sim: simhosts.SimHosts, within_s: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + within_s
+    left = _left_running(sim)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _left_running(sim)
+    return left
+
+
+def test_two_hosts_two_ranks_topology_and_collectives(sim):
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    proc = _launch(sim, f"{h1.address}:2,{h2.address}:2", ["check"])
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    rows = {}
+    for line in out.splitlines():
+        prefix, _, body = line.partition(" ")
+        rows[int(prefix.strip("[]"))] = json.loads(body)
+    assert sorted(rows) == [0, 1, 2, 3]
+    for rank, row in rows.items():
+        host = h1 if rank < 2 else h2
+        assert row["hostname"] == host.name  # ranks placed in host order
+        assert (row["rank"], row["size"]) == (rank, 4)
+        assert (row["local_rank"], row["local_size"]) == (rank % 2, 2)
+        assert (row["cross_rank"], row["cross_size"]) == (rank // 2, 2)
+        assert row["transport"] == "hier"  # shared memory within a host, TCP between the two
+        assert row["allreduce"] and row["allgather"] and row["broadcast"], row
+    assert not _wait_none_left(sim)
+
+
+def test_failed_rank_stops_every_rank_and_is_named_with_its_host(sim):
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    start = time.monotonic()
+    proc = _launch(sim, f"{h1.address}:2,{h2.address}:2", ["fail", "3"])
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 5, err
+    assert f"rank 3 on host {h2.address} exited with code 5, the first rank to fail" in err
+    assert "[3] rank 3 fails on purpose" in err
+    assert time.monotonic() - start < 60
+    assert not _wait_none_left(sim)
+
+
+def test_unreachable_host_is_a_clear_error_in_bounded_time(sim):
+    h1 = sim.hosts[1]
+    start = time.monotonic()
+    proc = _launch(sim, f"{h1.address}:1,198.18.0.250:1", ["check"])
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 255, err
+    assert "could not be started on host 198.18.0.250" in err
+    assert time.monotonic() - start < 30
+    assert not _wait_none_left(sim)
+
+
+def test_host_that_never_answers_hits_the_start_timeout(sim, tmp_path):
+    h1 = sim.hosts[1]
+    silent = tmp_path / "silent-ssh"
+    silent.write_text("#!/bin/sh\nsleep 300\n")
+    silent.chmod(0o700)
+    argv = [sys.executable, "-m", "spark_hvd.runner", "-H", f"{h1.address}:1", "--ssh-command", str(silent),
+            "--start-timeout", "3", "--grace", "1", sys.executable, WORKER, "check"]
+    start = time.monotonic()
+    done = sim.hosts[0].run(argv, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 255, done.stderr
+    assert f"could not be started on host {h1.address} (its rank did not start within 3 s)" in done.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_ctrl_c_stops_every_remote_rank(sim):
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    proc = _launch(sim, f"{h1.address}:1,{h2.address}:1", ["hang"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(_left_running(sim)) < 2:
+        time.sleep(0.2)
+    assert len(_left_running(sim)) >= 2
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; all ranks stopped" in err
+    assert not _wait_none_left(sim)
+
+
+def test_link_down_mid_allreduce_fails_the_others_naming_the_rank(sim):
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    proc = _launch(sim, f"{h1.address}:1,{h2.address}:1", ["loop"])
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while time.monotonic() < deadline and "looping" not in line:
+            line = proc.stdout.readline()
+        assert "looping" in line
+        time.sleep(1.0)
+        h2.link(False)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=90)
+        took = time.monotonic() - start
+    finally:
+        h2.link(True)
+    assert proc.returncode == 3, err
+    # the rank left behind names the rank it lost and where that rank runs
+    assert f"[0] FAILED CollectiveTimeoutError: allreduce: rank 1 on host {h2.name} ({h2.address}) sent nothing" in err
+    assert took < 8 + 20  # SPARK_HVD_TIMEOUT=8, then the launcher's stop
+    assert not _wait_none_left(sim)
+
+
+def test_named_data_interface_carries_the_traffic(simhosts_ready):
+    with simhosts.SimHosts(3, rate="1gbit") as two:
+        for k in (0, 1, 2):
+            two.add_interface(k, "eth1")
+        h1, h2 = two.hosts[1], two.hosts[2]
+        before = {k: (two.hosts[k].counters("eth0"), two.hosts[k].counters("eth1")) for k in (1, 2)}
+        proc = _launch(two, f"{h1.address}:1,{h2.address}:1", ["check"], "--network-interface", "eth1")
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        assert all(json.loads(line.partition(" ")[2])["allreduce"] for line in out.splitlines())
+        for k in (1, 2):
+            (e0_tx, _), (e1_tx, _) = before[k]
+            (n0_tx, _), (n1_tx, _) = two.hosts[k].counters("eth0"), two.hosts[k].counters("eth1")
+            data, control = n1_tx - e1_tx, n0_tx - e0_tx
+            # the 8 MiB allreduce went over eth1; eth0 carried only ssh-less control (rendezvous, driver service)
+            assert data > 8 * 1024 * 1024, (k, data, control)
+            assert control < data / 10, (k, data, control)
