@@ -25,7 +25,7 @@ added, used and removed in any order Horovod's API allows. Removing the set clos
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.group import Group
 from spark_hvd.core.jobenv import JobEnv
 
 DEVICE_BACKENDS = ("nccl", "gloo", "none")
@@ -118,11 +119,13 @@ class GroupScope:
         return [self.ranks[r] for r in ranks]
 
 
-class DeviceGroup(ABC):
+class DeviceGroup(Group):
     """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only).
 
-    ``rank`` / ``size``: this rank's place in the group and the group's size (a process set's own numbering);
-    ``scope``: whose group it is; ``closed``: whether ``close`` has run.
+    The executor runs them through ``spark_hvd.core.group.Group``, the interface host arrays share; ``bfloat16``
+    arguments are ignored here (a ``DeviceBuffer`` carries its own). ``rank`` / ``size``: this rank's place in the
+    group and the group's size (a process set's own numbering); ``scope``: whose group it is; ``closed``: whether
+    ``close`` has run.
     """
 
     device: str
@@ -132,28 +135,22 @@ class DeviceGroup(ABC):
     closed: bool
 
     @abstractmethod
-    def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float) -> None:
+    def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float,
+                  bfloat16: bool = False) -> None:
         """Reduce the buffers in place as one collective (fused when there are several)."""
 
     @abstractmethod
-    def allgather(self, buf: DeviceBuffer) -> Any:
-        """Every rank's rows concatenated (the first dimension may differ by rank): a new tensor."""
-
-    @abstractmethod
-    def broadcast(self, buf: DeviceBuffer, root: int) -> None:
-        """Root's data into ``buf`` on every rank, in place."""
-
-    @abstractmethod
-    def alltoall(self, buf: DeviceBuffer, splits: Sequence[int]) -> tuple[Any, list[int]]:
-        """``splits[i]`` rows to rank i; returns the rows received (a new tensor) and how many from each rank."""
-
-    @abstractmethod
-    def reducescatter(self, buf: DeviceBuffer, op: ReduceOp, prescale: float, postscale: float) -> Any:
+    def reducescatter(self, buf: DeviceBuffer, op: ReduceOp, prescale: float, postscale: float,
+                      bfloat16: bool = False) -> Any:
         """This rank's rows of the reduction (the reducescatter split): a new tensor."""
 
     @abstractmethod
     def placeholder(self, shape: tuple[int, ...], dtype: np.dtype, bfloat16: bool, op: str) -> DeviceBuffer:
         """What a joined rank contributes: the identity of ``op`` (zeros for the kinds that only move data)."""
+
+    def result(self, buf: DeviceBuffer) -> Any:
+        """The framework tensor itself."""
+        return buf.tensor
 
     @abstractmethod
     def close(self) -> None:

@@ -5,21 +5,14 @@ The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``
 lists (one ``backend.allgather`` of a small message), and every rank runs the same deterministic procedure on the
 same gathered data, so all ranks reach the same answer without a coordinator:
 
-- a table of outstanding tensors (name -> which ranks submitted it, with shape/dtype/op) is kept identical on
-  every rank; a tensor is *ready* when every rank that has not joined has submitted it;
-- ready tensors are answered in one order (first appearance: round, then rank, then submission order), so
-  tensors submitted in different orders on different ranks still meet;
-- the same name with a different shape, dtype or op on different ranks fails on every rank with a
-  ``TensorMismatchError`` naming the tensor and the ranks that disagree;
-- ready allreduces of one dtype / op / scale are fused: where the backend reduces many arrays where they lie
-  (``backend.fuses_in_place``: the ring's shared memory copies them straight into its staging slots), a round's
-  group is one ``allreduce_fused`` collective, since the threshold bounds a fusion buffer and there is none;
-  otherwise the engine packs a reusable fusion buffer of up to ``fusion_threshold`` bytes per collective, and
-  reduces tensors of 4 MiB and more in place on their own, since copying them would cost more than their
-  collective's latency;
-- a tensor that some ranks do not submit within ``stall_check_time_s`` is logged with the missing ranks; after
-  ``stall_shutdown_time_s`` every rank raises a ``StallError`` naming it, in the same round (each rank reports the
-  tensors it finds too old by its own clock in its message, and every rank acts on the union).
+- the negotiation table (``spark_hvd.core.table``, thread-free) keeps the outstanding tensors identical on every
+  rank and says which are ready (every rank that has not joined submitted it), in one order, which mismatch (the
+  same name with a different shape, dtype or op: a ``TensorMismatchError`` naming the tensor and the ranks), and
+  which stall (logged with the missing ranks after ``stall_check_time_s``; after ``stall_shutdown_time_s`` every
+  rank raises a ``StallError`` naming it, in the same round);
+- the executor (``spark_hvd.core.executor``) runs what a round agreed on: ready allreduces fused per place, dtype,
+  op and scale, each collective on its ``Group`` (the host backend, or a device group for CUDA tensors) behind one
+  interface.
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
 (half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
@@ -68,61 +61,55 @@ outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms whi
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
 Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
-host arrays, with their device kind in the metadata (one name on the GPU on some ranks and in host memory on others
-is a ``TensorMismatchError``); their allreduces are fused per device kind and run on a ``DeviceGroup`` (NCCL) that
-the engine opens at the first device collective, instead of on the backend. A process set's engine (``scope``)
-opens a group of the set's members only, and its errors name global ranks.
+host arrays, with their device kind in the metadata; the executor runs them on a ``DeviceGroup`` (NCCL) it opens
+at the first device collective. A process set's engine (``scope``) opens a group of the set's members only, and
+its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-Why this module is long (~1200 lines): a round (pacing, fast, speculative and full negotiation, execution of host
-and device collectives, stalls) is one state machine whose state must stay identical on every rank, and splitting
-it would spread that invariant over several files; what it does not own lives beside it (``handle.py``: handles;
-``negotiation.py``: metadata, the table's entries, the response cache; ``device.py``: device tensors and groups).
+What lives beside this module: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py``
+and ``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
+(metadata, the table's entries, the response cache). This one keeps the API, the loop, pacing and the rounds.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope, open_device_group
-from spark_hvd.core.errors import ShutdownError, SparkHvdError, StallError, TensorMismatchError
+from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
+from spark_hvd.core.errors import ShutdownError, SparkHvdError
+from spark_hvd.core.executor import Executor, Request
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.negotiation import (
-    CACHEABLE,
-    KINDS,
-    RAGGED,
-    Meta,
-    ResponseCache,
-    TableEntry,
-    reduction_identity,
-)
+from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
+from spark_hvd.core.table import (
+    NegotiationTable,
+    Ready,
+    check_same_settings,
+    decode_messages,
+    encode_message,
+    fast_answer,
+    fast_vector,
+)
 from spark_hvd.core.timeline import Timeline, timeline_path
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct("!I")
 _OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
 _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
-_DIRECT_BYTES = 4 * 1024 * 1024
 _SPEC_BYTES = 64 * 1024  # rounds of at most this many bytes are run speculatively (one collective, see _Spec)
-_NOT_WITH_JOIN = frozenset({"allgather", "alltoall", "reducescatter", "broadcast"})  # fail while a rank has joined
 
 
 class _Spec(NamedTuple):
@@ -153,21 +140,6 @@ class _Spec(NamedTuple):
     in_place: bool
 
 
-@dataclass
-class _Request:
-    """One operation submitted on this rank (local state only)."""
-
-    name: str
-    meta: Meta
-    buf: np.ndarray | None
-    op: ReduceOp
-    splits: list[int] | None
-    handle: Handle
-    enqueued: float
-    taken: float = 0.0
-    sent: bool = False
-
-
 class Engine:
     """Runs the collectives of one process on its backend from one background thread.
 
@@ -191,8 +163,8 @@ class Engine:
         self._wake = threading.Event()
         self._sleeping = True  # the engine waits without local work: the next enqueue must wake it
         self._hurried = False  # a caller waits on a handle: send what is submitted now, not after the cycle
-        self._outbox: list[_Request] = []
-        self._local: dict[str, _Request] = {}
+        self._outbox: list[Request] = []
+        self._local: dict[str, Request] = {}
         self._counters: Counter[str] = Counter()
         self._join_handle: Handle | None = None
         self._join_sent = False
@@ -204,8 +176,8 @@ class Engine:
         self._rounds_done = 0
         self._finished = False  # a round ended the engine (failure, shutdown): no more rounds
         # State identical on every rank.
-        self._pending: dict[str, TableEntry] = {}
-        self._joined: set[int] = set()
+        self._table = NegotiationTable(self.size, self.scope, settings.stall_check_time_s,
+                                       settings.stall_shutdown_time_s)
         self._cache = ResponseCache(settings.cache_capacity)
         # Pacing.
         self._cycle = max(settings.cycle_time_ms, 0.0) / 1000.0
@@ -215,13 +187,7 @@ class Engine:
         self._idle_rounds = 0
         self._progress_at = 0.0
         self._last_enqueue = 0.0
-        # A backend that reduces many arrays where they lie (shared memory staging) gets a whole round's
-        # tensors of one kind in one collective: the fusion threshold bounds a fusion buffer, and there is none.
-        # Otherwise the engine packs a reusable fusion buffer of up to the threshold, and reduces tensors this
-        # large in place on their own.
-        self._backend_fuses = backend.fuses_in_place
-        self._direct_bytes = float("inf") if self._backend_fuses else _DIRECT_BYTES
-        self._fusion_buffers: dict[str, np.ndarray] = {}
+        self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
         self._spec: _Spec | None = None  # identical on every rank
         self._last_common: list[int] = []
         self._unspeculable: list[int] = []  # the cache ids ``_arm`` last found unfit to speculate on
@@ -230,7 +196,7 @@ class Engine:
             path = timeline_path(settings.timeline, self.rank)
             if path:
                 self.timeline = Timeline(path, self.rank)
-        self._device_groups: dict[str, DeviceGroup] = {}  # opened by the engine thread at first use
+        self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -277,7 +243,7 @@ class Engine:
             meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
                         float(postscale), bool(bfloat16))
         handle = Handle(name, kind, self)
-        request = _Request(name, meta, buf, op, list(splits) if splits is not None else None, handle,
+        request = Request(name, meta, buf, op, list(splits) if splits is not None else None, handle,
                            time.perf_counter())
         with self._lock:
             self._raise_if_unusable()
@@ -441,7 +407,7 @@ class Engine:
                         continue  # a waiting caller ran a round meanwhile: pace again from the new state
                     self._guarded_round(in_caller=False)
         finally:
-            self._close_device_groups()
+            self._executor.close()
             self._stopped = True
             if self.timeline is not None:
                 self.timeline.flush()
@@ -481,7 +447,7 @@ class Engine:
 
     def _wait_for_round(self) -> None:
         first_seen: float | None = None
-        idle_before = not (self._pending or self._joined)
+        idle_before = self._table.idle
         while not self._finished:
             self._wake.clear()
             now = time.perf_counter()
@@ -504,7 +470,7 @@ class Engine:
                     quiet_at = self._last_enqueue + self._cycle / 2
                     if quiet_at > now and now < first_seen + _BURST_CYCLES * self._cycle:
                         target = quiet_at
-            elif self._pending or self._joined:
+            elif not self._table.idle:
                 cap = self._backoff_cap
                 if now - self._progress_at > _LONG_WAIT_S:
                     cap = max(cap, min(_LONG_BACKOFF_S, self._heartbeat))
@@ -531,7 +497,7 @@ class Engine:
             shutdown_flag = self._shutdown_requested
         ids: list[int] = []
         full: list[list] = []
-        by_id: dict[int, _Request] = {}
+        by_id: dict[int, Request] = {}
         for request in outgoing:
             request.taken = start
             request.sent = True
@@ -545,11 +511,11 @@ class Engine:
         self.stats["full_requests"] += len(full)
         first_round = self.stats["rounds"] == 0
         self.stats["rounds"] += 1
-        ready: list[tuple[TableEntry, TensorMismatchError | None]] = []
+        ready: Ready = []
         progress = False
         # The table, the joins and the round count are identical on every rank, so every rank takes the same
         # branch here; the fast round then tells every rank whether another needs the full one.
-        if not (first_round or self._pending or self._joined):
+        if not (first_round or not self._table.idle):
             irregular = bool(full) or join_flag or shutdown_flag
             if self._spec is not None:
                 exact = not irregular and sorted(ids) == list(self._spec.ids)
@@ -570,39 +536,26 @@ class Engine:
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
         # a full round may change the cache: re-arm from scratch
         self._spec, self._last_common, self._unspeculable = None, [], []
-        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, self._expired_names()]
+        table = self._table
+        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
         if first_round:  # every rank must plan fusion and the cache alike
             fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-        messages = self._gather(fields)
+        messages = decode_messages(self.backend.allgather(encode_message(fields)), self.size)
         if first_round:
-            self._check_same_settings([m[5] for m in messages])
-        new_joins: list[int] = []
-        shutdown_ranks: list[int] = []
-        expired: set[str] = set()
-        for r, (jf, sf, r_ids, r_full, r_expired, *_) in enumerate(messages):
-            if sf:
-                shutdown_ranks.append(r)
-            if jf:
-                self._joined.add(r)
-                new_joins.append(r)
-                progress = True
-            for cache_id in r_ids:
-                name, meta = self._cache.get(int(cache_id))
-                self._add(name, r, meta)
-            for item in r_full:
-                name, meta = Meta.from_wire(item)
-                self._add(name, r, meta)
-            expired.update(str(name) for name in r_expired)
-            progress = progress or bool(r_ids) or bool(r_full)
-        if shutdown_ranks:
-            self._stop_for_shutdown(shutdown_ranks)
+            check_same_settings([m[5] for m in messages])
+        news = table.absorb(messages, self._cache)
+        progress = progress or news.progress
+        if news.shutdown:
+            self._stop_for_shutdown(news.shutdown)
             return progress, True
-        ready += self._ready()
+        ready += table.ready()
         self._finish_round(ready, start, progress)
-        if self._joined and len(self._joined) == self.size:
-            self._complete_join(max(new_joins) if new_joins else max(self._joined))
-        if expired:
-            self._raise_stall(expired)
+        if table.all_joined():
+            self._complete_join(max(news.joins) if news.joins else max(table.joined))
+        if news.expired:
+            error = table.stall_error(news.expired)
+            if error is not None:
+                raise error
         return progress or bool(ready), False
 
     def _fast_round(self, ids: list[int], irregular: bool) -> tuple[list[int], bool] | None:
@@ -613,18 +566,10 @@ class Engine:
         shutdown). Returns None when some rank did (then every rank goes on to the full round), else the ids
         every rank submitted, in id order, and whether some ids were submitted by only some ranks.
         """
-        vec = np.zeros(1 + self._cache.id_count(), np.int32)
-        if irregular:
-            vec[0] = 1
-        elif ids:
-            vec[1 + np.asarray(ids)] = 1
+        vec = fast_vector(ids, irregular, self._cache.id_count())
         self.backend.allreduce(vec, ReduceOp.SUM)
         self.stats["fast_rounds"] += 1
-        if vec[0]:
-            return None
-        counts = vec[1:]
-        common = np.flatnonzero(counts == self.size).tolist()
-        return common, len(common) < np.count_nonzero(counts)
+        return fast_answer(vec, self.size)
 
     def _arm(self, common: list[int]) -> None:
         """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
@@ -707,7 +652,7 @@ class Engine:
         self._progress_at = t1
         return True, t0, t1
 
-    def _speculative_round(self, spec: _Spec, mine: dict[int, _Request] | None, start: float) -> bool:
+    def _speculative_round(self, spec: _Spec, mine: dict[int, Request] | None, start: float) -> bool:
         """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the
         tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
         bufs = None if mine is None else [mine[cache_id].buf for cache_id in spec.ids]
@@ -745,17 +690,16 @@ class Engine:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
         return True, False
 
-    def _gather(self, fields: list[Any]) -> list[list]:
-        payload = json.dumps(fields, separators=(",", ":")).encode()
-        message = np.frombuffer(_LEN.pack(len(payload)) + payload, dtype=np.uint8)
-        return self._parse(self.backend.allgather(message))
-
-    def _finish_round(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], start: float,
+    def _finish_round(self, ready: Ready, start: float,
                       progress: bool) -> None:
         if ready:
             progress = True
-            self._execute(ready, time.perf_counter())
-        self._check_stalls()
+            with self._lock:
+                requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
+                            for e, _ in ready]
+            self._executor.execute(ready, requests, time.perf_counter())
+        for warning in self._table.stall_warnings(self.rank):
+            logger.warning("%s", warning)
         if progress:
             self._idle_rounds = 0
             self._progress_at = time.perf_counter()
@@ -764,313 +708,19 @@ class Engine:
         if self.timeline is not None and progress:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
 
-    def _expired_names(self) -> list[str]:
-        """Outstanding tensors older than the stall-shutdown time by this rank's clock (at most 5, oldest first).
-
-        Each rank reports its own; every rank acts on the union in the same round, so all raise together.
-        """
-        limit = self.settings.stall_shutdown_time_s
-        if not self._pending or limit <= 0:
-            return []
-        now = time.monotonic()
-        old = sorted((e.created, e.name) for e in self._pending.values() if now - e.created >= limit)
-        return [name for _, name in old[:5]]
-
-    def _raise_stall(self, names: set[str]) -> None:
-        """Stop the job on every rank with an error naming the stalled tensors and the ranks that lack them."""
-        entries = sorted((e for n, e in self._pending.items() if n in names), key=lambda e: (e.created, e.name))
-        if not entries:  # they completed in this very round
-            return
-        now = time.monotonic()
-
-        def missing(entry: TableEntry) -> list[int]:  # as global ranks
-            absent = [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
-            return self.scope.global_ranks(absent)
-
-        first = entries[0]
-        text = (f"stall: tensor '{first.name}'{self._in_set()} was submitted by ranks "
-                f"{self.scope.global_ranks(sorted(first.metas))} "
-                f"{now - first.created:.0f} s ago but ranks {missing(first)} never submitted it within "
-                "SPARK_HVD_STALL_SHUTDOWN_TIME="
-                f"{self.settings.stall_shutdown_time_s:g} s, so spark_hvd stopped the job on every rank; one of "
-                "them may be stuck or running a different code path")
-        if len(entries) > 1:
-            text += "; also stalled: " + ", ".join(f"'{e.name}' (missing ranks {missing(e)})" for e in entries[1:])
-        raise StallError(text, name=first.name, ranks=missing(first))
-
-    def _check_same_settings(self, configs: list[list[int]]) -> None:
-        if all(c == configs[0] for c in configs):
-            return
-        detail = "; ".join(f"rank {r}: fusion_threshold={c[0]} cache_capacity={c[1]}" for r, c in enumerate(configs))
-        raise SparkHvdError("the ranks of this job run with different SPARK_HVD_FUSION_THRESHOLD / "
-                            f"SPARK_HVD_CACHE_CAPACITY ({detail}); every rank must use the same values")
-
-    def _parse(self, gathered: np.ndarray) -> list[list]:
-        data = gathered.tobytes()
-        messages = []
-        offset = 0
-        for r in range(self.size):
-            if offset + _LEN.size > len(data):
-                raise SparkHvdError(f"negotiation message of rank {r} is missing (got {len(data)} bytes)")
-            (length,) = _LEN.unpack_from(data, offset)
-            offset += _LEN.size
-            messages.append(json.loads(data[offset:offset + length]))
-            offset += length
-        return messages
-
-    def _add(self, name: str, rank: int, meta: Meta) -> None:
-        entry = self._pending.get(name)
-        if entry is None:
-            entry = self._pending[name] = TableEntry(name, meta)
-        entry.metas[rank] = meta
-
-    def _ready(self) -> list[tuple[TableEntry, TensorMismatchError | None]]:
-        active = [r for r in range(self.size) if r not in self._joined]
-        size = self.size
-        joined = bool(self._joined)
-        ready = []
-        for entry in list(self._pending.values()):
-            if len(entry.metas) == size if not joined else all(r in entry.metas for r in active):
-                del self._pending[entry.name]
-                ready.append((entry, self._mismatch(entry)))
-        return ready
-
-    def _mismatch(self, entry: TableEntry) -> TensorMismatchError | None:
-        metas = list(entry.metas.values())
-        meta = metas[0]
-        same = True
-        for m in metas:
-            if m != meta:
-                same = False
-                break
-        if same or len({m.agreement_key() for m in metas}) == 1:
-            joined = sorted(r for r in self._joined if r not in entry.metas)
-            if joined and meta.kind in _NOT_WITH_JOIN:  # Horovod's rule; every rank sees the same table
-                return TensorMismatchError(
-                    f"{meta.kind} of '{entry.name}' while rank{'s' if len(joined) > 1 else ''} "
-                    f"{', '.join(map(str, joined))} ha{'ve' if len(joined) > 1 else 's'} called join(): as in "
-                    "Horovod, only allreduce runs while a rank has joined (call it before join(), or after every "
-                    "rank has joined)", name=entry.name, ranks=joined)
-            return None
-        g = self.scope.ranks  # messages and ``ranks`` name global ranks (a process set's engine counts from 0)
-        devices = {g[r]: m.device for r, m in entry.metas.items()}
-        if len(set(devices.values())) > 1:
-            return _device_mismatch(entry.name, devices, self._in_set())
-        keys = {g[r]: m.agreement_key() for r, m in entry.metas.items()}
-        distinct = set(keys.values())
-        counts = Counter(keys.values())
-        lowest = min(keys)
-        common = max(distinct, key=lambda k: (counts[k], k == keys[lowest]))
-        bad = sorted(r for r, k in keys.items() if k != common)
-        detail = "; ".join(f"rank {g[r]}: {m.describe()}" for r, m in sorted(entry.metas.items()))
-        return TensorMismatchError(
-            f"tensor '{entry.name}'{self._in_set()} was submitted differently on different ranks (ranks {bad} differ "
-            f"from the others): {detail}. Every rank must submit the same shape, dtype and op under one name.",
-            name=entry.name, ranks=bad)
-
-    def _in_set(self) -> str:
-        """`` in process set 1 (ranks [1, 2])`` for a process set's engine, else nothing."""
-        ps = self.scope.process_set
-        return f" in process set {ps} (ranks {list(self.scope.ranks)})" if ps else ""
-
-    def _execute(self, ready: list[tuple[TableEntry, TensorMismatchError | None]], negotiated: float) -> None:
-        groups: dict[tuple, list[tuple[TableEntry, _Request | None]]] = {}
-        plan: list[tuple[str, Any]] = []
-        with self._lock:
-            requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
-                        for e, _ in ready]
-        for (entry, error), request in zip(ready, requests, strict=True):
-            if request is not None and self.timeline is not None:
-                self.timeline.event(entry.name, "WAIT_FOR_NEGOTIATION", request.enqueued, request.taken)
-                self.timeline.event(entry.name, "NEGOTIATE", request.taken, negotiated)
-            if error is not None:
-                if request is not None:
-                    request.handle._set_error(error)
-                continue
-            meta = entry.meta
-            if meta.kind == "allreduce" and meta.device:  # fused per device kind, on the device group
-                key = ("device", meta.device, meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
-                if key not in groups:
-                    groups[key] = []
-                    plan.append(("device_allreduce", key))
-                groups[key].append((entry, request))
-            elif meta.kind == "allreduce":
-                key = (meta.dtype, meta.op, meta.prescale, meta.postscale, meta.bfloat16)
-                if key not in groups:
-                    groups[key] = []
-                    plan.append(("allreduce", key))
-                groups[key].append((entry, request))
-            else:
-                plan.append(("one", (entry, request)))
-        for what, item in plan:
-            if what == "allreduce":
-                self._run_allreduces(item, groups[item])
-            elif what == "device_allreduce":
-                self._run_device_allreduces(item, groups[item])
-            else:
-                self._run_one(*item)
-
-    def _run_allreduces(self, key: tuple, items: list[tuple[TableEntry, _Request | None]]) -> None:
-        dtype = np.dtype(key[0])
-        limit = float("inf") if self._backend_fuses else max(int(self.settings.fusion_threshold), 0)
-        chunk: list[tuple[TableEntry, _Request | None, np.ndarray]] = []
-        chunk_bytes = 0
-        for entry, request in items:
-            meta = entry.meta
-            if request is not None:
-                buf = request.buf
-            else:
-                buf = reduction_identity(meta.shape, dtype, meta.op, meta.bfloat16)
-            nbytes = buf.nbytes
-            self._cache.put(entry.name, meta)
-            if nbytes >= self._direct_bytes:
-                # packing a large tensor would cost more copying than its own collective's latency
-                self._allreduce_chunk(key, [(entry, request, buf)])
-                continue
-            if chunk and chunk_bytes + nbytes > limit:
-                self._allreduce_chunk(key, chunk)
-                chunk, chunk_bytes = [], 0
-            chunk.append((entry, request, buf))
-            chunk_bytes += nbytes
-        if chunk:
-            self._allreduce_chunk(key, chunk)
-
-    def _allreduce_chunk(self, key: tuple, chunk: list[tuple[TableEntry, _Request | None, np.ndarray]]) -> None:
-        dtype_str, op_value, prescale, postscale, bfloat16 = key
-        op = ReduceOp(op_value)
-        bufs = [buf for _, _, buf in chunk]
-        tl = self.timeline
-        self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += len(chunk)
-        if len(chunk) > 1:
-            self.stats["fused_collectives"] += 1
-        try:
-            if len(bufs) == 1 or self._backend_fuses:
-                if prescale != 1.0:
-                    for buf in bufs:
-                        scale_inplace(buf, prescale, bfloat16)
-                t0 = time.perf_counter()
-                if len(bufs) == 1:
-                    self.backend.allreduce(bufs[0], op, bfloat16=bfloat16)
-                else:
-                    self.backend.allreduce_fused(bufs, op, bfloat16=bfloat16)
-                t1 = time.perf_counter()
-                if postscale != 1.0:
-                    for buf in bufs:
-                        scale_inplace(buf, postscale, bfloat16)
-                if tl is not None:
-                    for entry, _, _ in chunk:
-                        tl.event(entry.name, "ALLREDUCE", t0, t1, fused=len(bufs))
-            else:
-                total = sum(b.size for b in bufs)
-                fusion = self._fusion_buffer(np.dtype(dtype_str), total)
-                t0 = time.perf_counter()
-                offset = 0
-                for buf in bufs:
-                    fusion[offset:offset + buf.size] = buf.reshape(-1)
-                    offset += buf.size
-                scale_inplace(fusion, prescale, bfloat16)
-                t1 = time.perf_counter()
-                self.backend.allreduce(fusion, op, bfloat16=bfloat16)
-                t2 = time.perf_counter()
-                scale_inplace(fusion, postscale, bfloat16)
-                offset = 0
-                for buf in bufs:
-                    buf.reshape(-1)[...] = fusion[offset:offset + buf.size]
-                    offset += buf.size
-                t3 = time.perf_counter()
-                if tl is not None:
-                    for entry, _, _ in chunk:
-                        tl.event(entry.name, "MEMCPY_IN_FUSION_BUFFER", t0, t1)
-                        tl.event(entry.name, "ALLREDUCE", t1, t2, fused=len(bufs))
-                        tl.event(entry.name, "MEMCPY_OUT_FUSION_BUFFER", t2, t3)
-        except SparkHvdError:  # a peer failure, a closed backend: as it is
-            raise
-        except Exception as exc:
-            names = [e.name for e, _, _ in chunk]
-            raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} failed on rank "
-                                f"{self.rank}: {exc!r}; the ranks can no longer be kept in step, so spark_hvd "
-                                "stopped") from exc
-        # last first: a caller synchronizing in submission order then wakes once per group, not per tensor
-        finish_all([(request.handle, buf) for _, request, buf in reversed(chunk) if request is not None])
-
-    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
-        buf = self._fusion_buffers.get(dtype.str)
-        if buf is None or buf.size < count:
-            buf = self._fusion_buffers[dtype.str] = np.empty(count, dtype)
-        return buf[:count]
-
-    def _run_one(self, entry: TableEntry, request: _Request | None) -> None:
-        meta = entry.meta if request is None else request.meta
-        if meta.device:
-            self._run_device_one(entry, request)
-            return
-        kind = meta.kind
-        op = ReduceOp(meta.op) if meta.op else ReduceOp.SUM
-        self.stats[f"{kind}_collectives"] += 1
-        if kind in CACHEABLE:  # before anything can fail: the caches of all ranks must stay identical
-            self._cache.put(entry.name, entry.meta)
-        t0 = time.perf_counter()
-        try:
-            if kind == "barrier":  # the one collective here a joined rank (``request`` None) takes part in
-                self.backend.barrier()
-                result: Any = None
-            elif request is None:  # pragma: no cover - ``_mismatch`` fails these while a rank has joined
-                raise SparkHvdError(f"{kind} of '{entry.name}' reached rank {self.rank}, which has joined")
-            elif kind == "broadcast":
-                self.backend.broadcast(request.buf, meta.root)
-                result = request.buf
-            elif kind == "allgather":
-                result = self.backend.allgather(request.buf)
-            elif kind == "alltoall":
-                out, recv_splits = self.backend.alltoall(request.buf, request.splits)
-                result = (out, list(recv_splits))
-            elif kind == "reducescatter":
-                buf = request.buf.copy() if meta.prescale != 1.0 else request.buf
-                scale_inplace(buf, meta.prescale, meta.bfloat16)
-                result = self.backend.reducescatter(buf, op, bfloat16=meta.bfloat16)
-                scale_inplace(result, meta.postscale, meta.bfloat16)
-            else:  # pragma: no cover - enqueue rejects unknown kinds
-                raise SparkHvdError(f"unknown collective {kind!r}")
-        except SparkHvdError:  # a peer failure, a closed backend: as it is
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"{kind} of '{entry.name}' failed on rank {self.rank}: {exc!r}; the ranks can no "
-                                "longer be kept in step, so spark_hvd stopped") from exc
-        if self.timeline is not None and request is not None:
-            self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
-        if request is not None:
-            request.handle._set_result(result)
-
     def _complete_join(self, last: int) -> None:
-        self._joined.clear()
+        self._table.clear_joins()
         with self._lock:
             handle, self._join_handle = self._join_handle, None
             self._join_sent = False
         if handle is not None:
             handle._set_result(last)
 
-    def _check_stalls(self) -> None:
-        limit = self.settings.stall_check_time_s
-        if not self._pending or limit <= 0:
-            return
-        now = time.monotonic()
-        for entry in self._pending.values():
-            if now - entry.created >= limit and now - entry.warned >= limit:
-                entry.warned = now
-                if self.rank not in entry.metas:
-                    continue
-                missing = [r for r in range(self.size) if r not in entry.metas and r not in self._joined]
-                logger.warning(
-                    "stall: tensor '%s' was submitted by ranks %s %.0f s ago but ranks %s have not submitted it; "
-                    "one of them may be stuck or running a different code path",
-                    entry.name, sorted(entry.metas), now - entry.created, missing)
-
     def _stop_for_shutdown(self, ranks: list[int]) -> None:
         others = self.scope.global_ranks([r for r in ranks if r != self.rank])
         if others:
             error = ShutdownError(f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} shut down "
-                                  f"spark_hvd{self._in_set()} while rank {self.scope.ranks[self.rank]} "
+                                  f"spark_hvd{self._table.in_set()} while rank {self.scope.ranks[self.rank]} "
                                   "still had operations pending")
             self._error = error
         else:
@@ -1091,13 +741,11 @@ class Engine:
             join._set_error(error)
 
     # ------------------------------------------------------------------ device tensors (spark_hvd.core.device)
-    # CUDA tensors (DeviceBuffer) are negotiated like host arrays; only where they are reduced differs: on a
-    # DeviceGroup (NCCL; gloo stands in on CPU), opened at the first device collective every rank submitted.
 
     def device_groups(self) -> dict[str, DeviceGroup]:
         """The device groups this engine has opened so far, by device kind (none until its first device
         collective; for tests and diagnostics)."""
-        return dict(self._device_groups)
+        return self._executor.device_groups()
 
     def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
                              splits: Sequence[int] | None) -> list[int] | None:
@@ -1114,112 +762,7 @@ class Engine:
                 raise ValueError(f"alltoall of '{name}': {exc}") from None
         return None
 
-    def _device_group(self, device: str) -> DeviceGroup:
-        group = self._device_groups.get(device)
-        if group is None:
-            try:
-                group = open_device_group(device, self.backend, self.settings, self.scope)
-            except SparkHvdError:
-                raise
-            except Exception as exc:
-                raise SparkHvdError(f"{self.scope.label(self.rank)} could not set up the collectives on {device} "
-                                    f"tensors: {exc!r}") from exc
-            self._device_groups[device] = group
-        return group
-
-    def _run_device_allreduces(self, key: tuple, items: list[tuple[TableEntry, _Request | None]]) -> None:
-        _, device, dtype_str, op_value, prescale, postscale, bfloat16 = key
-        group = self._device_group(device)
-        limit = max(int(self.settings.fusion_threshold), 1)
-        dtype = np.dtype(dtype_str)
-        chunks: list[list[tuple[TableEntry, _Request | None, DeviceBuffer]]] = [[]]
-        chunk_bytes = 0
-        for entry, request in items:
-            meta = entry.meta
-            buf = request.buf if request is not None else group.placeholder(meta.shape, dtype, bfloat16, meta.op)
-            self._cache.put(entry.name, meta)
-            if chunks[-1] and chunk_bytes + buf.nbytes > limit:
-                chunks.append([])
-                chunk_bytes = 0
-            chunks[-1].append((entry, request, buf))
-            chunk_bytes += buf.nbytes
-        for chunk in chunks:
-            names = [e.name for e, _, _ in chunk]
-            self.stats["allreduce_collectives"] += 1
-            self.stats["device_collectives"] += 1
-            self.stats["allreduce_tensors"] += len(chunk)
-            if len(chunk) > 1:
-                self.stats["fused_collectives"] += 1
-            t0 = time.perf_counter()
-            try:
-                group.allreduce([b for _, _, b in chunk], ReduceOp(op_value), prescale, postscale)
-            except SparkHvdError:
-                raise
-            except Exception as exc:
-                raise SparkHvdError(f"allreduce of {names[:5]}{'...' if len(names) > 5 else ''} on {device} failed on "
-                                    f"{self.scope.label(self.rank)}: {exc!r}; the ranks can no longer be kept in step, "
-                                    "so spark_hvd stopped") from exc
-            if self.timeline is not None:
-                for name in names:
-                    self.timeline.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=len(chunk))
-            finish_all([(r.handle, b.tensor) for _, r, b in reversed(chunk) if r is not None])
-
-    def _run_device_one(self, entry: TableEntry, request: _Request | None) -> None:
-        meta = entry.meta if request is None else request.meta
-        kind = meta.kind
-        group = self._device_group(meta.device)
-        self.stats[f"{kind}_collectives"] += 1
-        self.stats["device_collectives"] += 1
-        if kind in CACHEABLE:
-            self._cache.put(entry.name, entry.meta)
-        if request is None:  # pragma: no cover - ``_mismatch`` fails these while a rank has joined
-            raise SparkHvdError(f"{kind} of '{entry.name}' reached rank {self.rank}, which has joined")
-        buf = request.buf
-        t0 = time.perf_counter()
-        try:
-            if kind == "broadcast":
-                group.broadcast(buf, meta.root)
-                result: Any = buf.tensor
-            elif kind == "allgather":
-                result = group.allgather(buf)
-            elif kind == "alltoall":
-                out, recv = group.alltoall(buf, request.splits)
-                result = (out, list(recv))
-            elif kind == "reducescatter":
-                result = group.reducescatter(buf, ReduceOp(meta.op), meta.prescale, meta.postscale)
-            else:
-                raise SparkHvdError(f"{kind} is not a collective on device tensors")
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"{kind} of '{entry.name}' on {meta.device} failed on {self.scope.label(self.rank)}: "
-                                f"{exc!r}; the ranks can no longer be kept in step, so spark_hvd stopped") from exc
-        if self.timeline is not None:
-            self.timeline.event(entry.name, kind.upper(), t0, time.perf_counter())
-        request.handle._set_result(result)
-
-    def _close_device_groups(self) -> None:
-        groups, self._device_groups = list(self._device_groups.values()), {}
-        for group in groups:
-            try:
-                group.close()
-            except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
-                logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
-
 
 def _in_place_ok(flags: Any) -> bool:
     """An array an allreduce may work on in place (``np.ndarray.flags``): C-contiguous and writable."""
     return bool(flags.c_contiguous and flags.writeable)
-
-
-def _device_mismatch(name: str, devices: dict[int, str], in_set: str = "") -> TensorMismatchError:
-    where = {r: d or "host memory" for r, d in devices.items()}
-    by_place: dict[str, list[int]] = {}
-    for r, place in sorted(where.items()):
-        by_place.setdefault(place, []).append(r)
-    detail = "; ".join(f"on {place} on ranks {ranks}" for place, ranks in by_place.items())
-    majority = max(by_place.values(), key=len)
-    return TensorMismatchError(
-        f"tensor '{name}'{in_set} is {detail}: a collective's tensors must be on the GPU on every rank or in host "
-        "memory on every rank (move them with .cuda() / .cpu(), or set SPARK_HVD_DEVICE_BACKEND=none to reduce CUDA "
-        "tensors through host memory)", name=name, ranks=sorted(r for r in where if r not in majority))

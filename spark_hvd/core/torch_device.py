@@ -129,7 +129,8 @@ class TorchDeviceGroup(DeviceGroup):
         return t.reshape(-1).view(self._torch.uint8)
 
     # -- collectives -------------------------------------------------------------------------------------------
-    def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float) -> None:
+    def allreduce(self, bufs: Sequence[DeviceBuffer], op: ReduceOp, prescale: float, postscale: float,
+                  bfloat16: bool = False) -> None:
         torch = self._torch
         self._enter(bufs)
         tensors = [b.tensor for b in bufs]
@@ -203,7 +204,8 @@ class TorchDeviceGroup(DeviceGroup):
         self._done()
         return out.view(t.dtype).reshape(sum(recv), *t.shape[1:]), recv
 
-    def reducescatter(self, buf: DeviceBuffer, op: ReduceOp, prescale: float, postscale: float) -> Any:
+    def reducescatter(self, buf: DeviceBuffer, op: ReduceOp, prescale: float, postscale: float,
+                      bfloat16: bool = False) -> Any:
         work = buf.tensor.clone()
         if work.dim() == 0:
             work = work.reshape(1)
