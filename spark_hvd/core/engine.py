@@ -191,7 +191,7 @@ class Engine:
         self._spec: _Spec | None = None  # identical on every rank
         self._last_common: list[int] = []
         self._unspeculable: list[int] = []  # the cache ids ``_arm`` last found unfit to speculate on
-        self.timeline: Timeline | None = None
+        self._timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
             if path:
@@ -375,6 +375,17 @@ class Engine:
             error = self._error or ShutdownError(f"the spark_hvd engine of rank {self.rank} stopped before "
                                                  f"'{handle.name}' completed")
             handle._set_error(error)
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where the engine records its activities (``start_timeline`` may replace it while the engine runs)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value: Timeline | None) -> None:
+        self._timeline = value
+        if hasattr(self, "_executor"):
+            self._executor.timeline = value
 
     @property
     def error(self) -> BaseException | None:
