@@ -213,7 +213,8 @@ class BaseEstimator(Estimator, PersistableStage):
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
-            scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), **self._train_spec(),
+            scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), checkpoint_upload=get(self.checkpoint_upload),
+            checkpoint_when_busy=get(self.checkpoint_when_busy), **self._train_spec(),
         )
 
     def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:

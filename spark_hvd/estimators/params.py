@@ -235,6 +235,11 @@ class EstimatorParams(Params):
     scale_lr_by_num_proc = _p("scale_lr_by_num_proc", "multiply the optimizer's learning rate by num_proc on every "
                               "rank, as Horovod's estimators always did (default False: the rate is used as given)",
                               TypeConverters.toBoolean)
+    checkpoint_upload = _p("checkpoint_upload", "'async' (default): a checkpoint is snapshotted to the rank's local "
+                           "disk and uploaded to the store in the background while training goes on; 'sync': "
+                           "training waits for each upload", _to_choice("async", "sync"))
+    checkpoint_when_busy = _p("checkpoint_when_busy", "when a checkpoint is due while the previous one is still "
+                              "uploading: 'wait' for it (default) or 'skip' this one", _to_choice("wait", "skip"))
     overwrite_prepared_data = _p("overwrite_prepared_data", "prepare the DataFrame's Parquet again even when the "
                                  "store holds a preparation of the same plan and settings (the cache key cannot see "
                                  "rewritten files under an unchanged plan: set it for a nightly job on a rewritten "
@@ -247,7 +252,8 @@ class EstimatorParams(Params):
             validation=None, batch_size=32, val_batch_size=None, epochs=1, train_steps_per_epoch=None,
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
-            overwrite_prepared_data=False, scale_lr_by_num_proc=False,
+            overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
+            checkpoint_when_busy="wait",
         )
 
 

@@ -7,9 +7,11 @@
 3. resume: rank 0 loads the newest checkpoint of the run (``trainer.load_checkpoint``), ``broadcast_object``
    gives every rank the epoch to start at and the history so far, ``trainer.sync()`` broadcasts the state;
 4. ``trainer.train(run)`` trains epochs ``run.start .. spec.epochs - 1`` and calls ``run.end_epoch(epoch, logs)``
-   after each (history, rank 0's checkpoint or metrics log, the progress report; it says when to stop);
-5. finish: rank 0 reloads the best epoch's checkpoint if a ``BestPolicy`` chose epochs, measures the output
-   shapes on one batch, writes the final model (``trainer.save_model``) and returns the history.
+   after each (history, rank 0's checkpoint or metrics log, the progress report; it says when to stop); a
+   checkpoint is snapshotted to local disk and uploaded by a ``BackgroundWriter`` while training goes on
+   (``checkpoint_upload="async"``, at most one in flight) or before it goes on (``"sync"``);
+5. finish: rank 0 waits for the last upload, reloads the best epoch's checkpoint if a ``BestPolicy`` chose epochs,
+   measures the output shapes on one batch, writes the final model (``trainer.save_model``) and returns the history.
 
 A framework supplies only ``init``, ``build``, ``train``, ``save_checkpoint``/``load_checkpoint``, ``save_model``
 and ``output_shapes``.
@@ -17,18 +19,24 @@ and ``output_shapes``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import shutil
 import tempfile
 from abc import ABC, abstractmethod
 from typing import Any
 
 from spark_hvd.estimators.rank_data import RunFiles, ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
+from spark_hvd.store.background import BackgroundWriter
 
 __all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a failed rank 0 still waits for the checkpoint it is uploading before it raises.
+UPLOAD_DRAIN_S = 120.0
 
 
 class TrainingContext:
@@ -134,6 +142,8 @@ class RankRun:
         self._best: float | None = None
         self._checkpointed = False
         self._progress: Any = None
+        self.writer = BackgroundWriter(background=spec.checkpoint_upload == "async",
+                                       when_busy=spec.checkpoint_when_busy)
 
     def execute(self) -> dict | None:
         """Run everything; rank 0 returns ``{"history": ..., "output_shapes": ...}``, the others None."""
@@ -150,9 +160,22 @@ class RankRun:
             from spark_hvd.runner import StepReporter
 
             self._progress = StepReporter(self.readers.steps("train"), spec.epochs)
-        if self.start < spec.epochs:
-            trainer.train(self)
+        try:
+            if self.start < spec.epochs:
+                trainer.train(self)
+        except BaseException:
+            self._drain_uploads()
+            raise
         return self._finish()
+
+    def _drain_uploads(self) -> None:
+        """Training failed (often a lost peer): give the checkpoint being uploaded a bounded time to commit, so the
+        retry resumes from it rather than from the one before."""
+        try:
+            self.writer.wait(UPLOAD_DRAIN_S)
+        except Exception as exc:  # the training failure is the one to raise
+            log.warning("run %s: the checkpoint upload did not finish after training failed: %s",
+                        self.spec.run_id, exc)
 
     # ---- resume
     def _resume(self) -> None:
@@ -201,15 +224,35 @@ class RankRun:
                 save = policy.improved(value, self._best)
                 self._best = value if save else self._best
         if self.rank == 0:
-            if save:
-                with tempfile.TemporaryDirectory() as tmp:
-                    self.trainer.save_checkpoint(tmp)
-                    self.files.write_checkpoint(epoch, tmp, self.history)
-                self._checkpointed = True
-            else:
-                self.files.write_metrics(self.history)
+            if not (save and self._checkpoint(epoch)):
+                history = copy.deepcopy(self.history)
+                self.writer.submit(lambda: self.files.write_metrics(history), what=f"the metrics log of epoch {epoch}")
         report(epoch=epoch, **logs)
         return bool(self.trainer.hvd.broadcast_object(bool(stop), root_rank=0))
+
+    def _checkpoint(self, epoch: int) -> bool:
+        """Rank 0: snapshot the state to local disk and hand its upload to the writer (in the background under
+        ``checkpoint_upload="async"``). False when skipped (``checkpoint_when_busy="skip"`` and one in flight)."""
+        if self.writer.when_busy == "skip" and self.writer.busy():
+            self.writer.skipped += 1
+            log.info("run %s: checkpoint of epoch %d skipped: the previous one is still uploading",
+                     self.spec.run_id, epoch)
+            return False
+        snapshot = tempfile.mkdtemp(prefix="spark_hvd_ckpt_")
+        try:
+            self.trainer.save_checkpoint(snapshot)
+        except BaseException:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise
+        history = copy.deepcopy(self.history)
+        submitted = self.writer.submit(lambda: self.files.write_checkpoint(epoch, snapshot, history),
+                                       what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch}",
+                                       checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True))
+        if not submitted:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            return False
+        self._checkpointed = True
+        return True
 
     def first_batch(self) -> dict:
         """One batch of this rank's training data (for shapes)."""
@@ -223,6 +266,8 @@ class RankRun:
     def _finish(self) -> dict | None:
         if self.rank != 0:
             return None
+        self.writer.wait()  # the last checkpoint is uploaded (or its failure raised) before the final model
+        self.writer.close()
         if self.spec.best is not None and self.spec.store.latest_checkpoint(self.spec.run_id) is not None:
             with tempfile.TemporaryDirectory() as tmp:  # the best epoch's state
                 self.files.latest_checkpoint(tmp)

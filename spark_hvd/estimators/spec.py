@@ -69,6 +69,8 @@ class TrainSpec:
     terminate_on_nan: bool = True
     scale_lr_by_num_proc: bool = False
     best: BestPolicy | None = None
+    checkpoint_upload: str = "async"  #: "async" (background upload of a local snapshot) or "sync"
+    checkpoint_when_busy: str = "wait"  #: "wait" for the upload in flight, or "skip" the checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)

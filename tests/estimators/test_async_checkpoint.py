@@ -1,0 +1,170 @@
+"""Checkpoints uploaded in the background (``checkpoint_upload``): rank 0's ``RankRun`` over a real local store
+whose uploads block on a gate (a slow store). Training steps go on while the upload runs, the manifest is
+committed after the data, a failed upload is retried (and raised, never lost, when it keeps failing), a busy
+upload makes the next checkpoint wait or be skipped, and the end of the run waits for the last one."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from spark_hvd.estimators.rank_run import RankRun
+from spark_hvd.store import Store
+from spark_hvd.store.background import UploadFailedError
+from spark_hvd.store.local import LocalStore
+from spark_hvd.store.manifest import MANIFEST
+
+RUN = "async-run"
+
+
+class SlowStore(LocalStore):
+    """A local store whose directory uploads wait for ``gate`` (or fail ``fail`` times first), recording when each
+    upload started and ended and when each manifest was written."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = 0
+        self.uploads: list[tuple[float, float]] = []
+        self.manifests: list[float] = []
+
+    def __reduce__(self):  # pragma: no cover - never pickled here
+        raise TypeError("not shipped")
+
+    def upload_dir(self, local_dir: str, path: str) -> None:
+        start = time.monotonic()
+        if not self.gate.wait(60):
+            raise TimeoutError("the test never opened the gate")
+        if self.fail:
+            self.fail -= 1
+            raise OSError("the store is unreachable (injected)")
+        super().upload_dir(local_dir, path)
+        self.uploads.append((start, time.monotonic()))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        super().write_bytes(path, data)
+        if os.path.basename(path) == MANIFEST:
+            self.manifests.append(time.monotonic())
+
+
+class Trainer:
+    """What ``RankRun`` needs of a framework here: the state is a counter written as the checkpoint's file."""
+
+    hvd = SimpleNamespace(broadcast_object=lambda value, root_rank: value)
+
+    def __init__(self) -> None:
+        self.weights = 0
+
+    def save_checkpoint(self, directory: str) -> None:
+        with open(os.path.join(directory, "weights.json"), "w") as f:
+            json.dump({"weights": self.weights}, f)
+
+
+def _run(store: Store, upload: str = "async", when_busy: str = "wait") -> tuple[RankRun, Trainer]:
+    spec = SimpleNamespace(store=store, run_id=RUN, best=None, checkpoint_upload=upload,
+                           checkpoint_when_busy=when_busy)
+    trainer = Trainer()
+    run = RankRun(spec, trainer)
+    run.writer.retry_pause_s = 0.01
+    return run, trainer
+
+
+def _steps(trainer: Trainer, n: int) -> list[float]:
+    stamps = []
+    for _ in range(n):
+        trainer.weights += 1
+        stamps.append(time.monotonic())
+        time.sleep(0.005)
+    return stamps
+
+
+def _committed_weights(store: Store, epoch: int, tmp_path) -> int:
+    local = str(tmp_path / f"check-{epoch}")
+    store.download_checkpoint(RUN, epoch, local)
+    with open(os.path.join(local, "weights.json")) as f:
+        return json.load(f)["weights"]
+
+
+def test_steps_go_on_while_the_checkpoint_uploads_and_the_manifest_comes_last(tmp_path):
+    store = SlowStore(str(tmp_path / "store"))
+    run, trainer = _run(store)
+    _steps(trainer, 3)
+    store.gate.clear()
+    run.end_epoch(0, {"loss": 1.0})  # snapshot (weights 3) taken; the upload blocks on the gate
+    submitted = time.monotonic()
+    stamps = _steps(trainer, 20)
+    assert store.latest_checkpoint(RUN) is None, "nothing may be committed before the upload finished"
+    time.sleep(0.3)
+    store.gate.set()
+    run.writer.wait()
+    (_, end), = store.uploads
+    assert all(submitted < t < end for t in stamps), "the steps did not run during the upload"
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    assert max(gaps) < (end - submitted) / 2, "a step waited for the upload"
+    assert store.manifests and min(store.manifests) > end, "the manifest must be written after the data"
+    assert store.latest_checkpoint(RUN)[0] == 0
+    assert _committed_weights(store, 0, tmp_path) == 3, "the checkpoint is the state at the step it was taken"
+
+
+def test_sync_upload_blocks_the_steps(tmp_path):
+    store = SlowStore(str(tmp_path / "store"))
+    run, trainer = _run(store, upload="sync")
+    store.gate.clear()
+    threading.Timer(0.3, store.gate.set).start()
+    run.end_epoch(0, {"loss": 1.0})
+    stamps = _steps(trainer, 3)
+    (start, end), = store.uploads
+    assert min(stamps) > end and end - start >= 0.25
+
+
+def test_a_failed_upload_is_retried_and_one_that_keeps_failing_is_raised(tmp_path, caplog):
+    store = SlowStore(str(tmp_path / "store"))
+    run, trainer = _run(store)
+    store.fail = 2  # two failures, then it works (3 retries allowed)
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.background"):
+        run.end_epoch(0, {"loss": 1.0})
+        run.writer.wait()
+    assert store.latest_checkpoint(RUN)[0] == 0
+    assert sum("retrying" in r.getMessage() for r in caplog.records) == 2
+    store.fail = 10
+    trainer.weights = 7
+    run.end_epoch(1, {"loss": 0.5})
+    with pytest.raises(UploadFailedError, match="checkpoint of epoch 1 failed 4 times.*unreachable"):
+        run.writer.wait()
+    assert store.latest_checkpoint(RUN)[0] == 0  # the earlier checkpoint stays the newest committed one
+    with pytest.raises(UploadFailedError):  # and training cannot go on as if it had been saved
+        run.end_epoch(2, {"loss": 0.4})
+
+
+def test_a_busy_upload_makes_the_next_checkpoint_wait_or_be_skipped(tmp_path):
+    store = SlowStore(str(tmp_path / "store"))
+    run, trainer = _run(store, when_busy="skip")
+    store.gate.clear()
+    run.end_epoch(0, {"loss": 1.0})
+    trainer.weights = 5
+    run.end_epoch(1, {"loss": 0.5})  # skipped: epoch 0 is still uploading
+    assert run.writer.skipped == 1
+    store.gate.set()
+    run.writer.wait()
+    assert store.list_checkpoints(RUN) == [0]
+    metrics = store.read_bytes(f"{store.logs_path(RUN)}/metrics.jsonl").decode().splitlines()
+    assert [json.loads(line)["epoch"] for line in metrics] == [0, 1]  # the metrics of the skipped epoch are kept
+
+    store2 = SlowStore(str(tmp_path / "store2"))
+    run, trainer = _run(store2, when_busy="wait")
+    store2.gate.clear()
+    run.end_epoch(0, {"loss": 1.0})
+    threading.Timer(0.3, store2.gate.set).start()
+    t0 = time.monotonic()
+    trainer.weights = 5
+    run.end_epoch(1, {"loss": 0.5})  # waits until epoch 0's upload is done, then snapshots
+    assert time.monotonic() - t0 > 0.2 and len(store2.uploads) >= 1
+    run.writer.wait()
+    assert store2.list_checkpoints(RUN) == [0, 1] and _committed_weights(store2, 1, tmp_path) == 5
