@@ -1,0 +1,115 @@
+"""Horovod's TensorFlow 2 API over the spark_hvd core: ``import spark_hvd.tensorflow as hvd``.
+
+Example (a custom training loop)::
+
+    import spark_hvd.tensorflow as hvd
+    hvd.init()
+
+    @tf.function
+    def step(x, y, first):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if first:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return loss
+
+Collectives take ``tf.Tensor`` / ``tf.Variable`` (and ``tf.IndexedSlices`` for allreduce), run eagerly or inside
+``tf.function`` / TF1 graphs, and have Horovod's gradients (``collectives``).
+"""
+
+from __future__ import annotations
+
+from spark_hvd._binding_common import (
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    allgather_object,
+    barrier,
+    broadcast_object,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from spark_hvd.core.errors import NotInitializedError
+from spark_hvd.tensorflow import elastic, util
+from spark_hvd.tensorflow.collectives import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    reducescatter,
+)
+from spark_hvd.tensorflow.compression import Compression
+from spark_hvd.tensorflow.functions import broadcast_global_variables, broadcast_object_fn, broadcast_variables
+from spark_hvd.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from spark_hvd.tensorflow.mpi_ops import (
+    init,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
+from spark_hvd.tensorflow.optimizer import DistributedOptimizer
+from spark_hvd.tensorflow.sync_batch_norm import SyncBatchNormalization
+from spark_hvd.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod's tests call hvd._executing_eagerly
+
+
+def nccl_built() -> int:
+    """0: TensorFlow tensors go through the core's host buffers (see docs/tensorflow.md for GPU tensors)."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """False: this binding has no CUDA kernels of its own."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: this binding has no ROCm kernels of its own."""
+    return False
+
+
+__all__ = [
+    "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max",
+    "Min", "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum",
+    "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
+    "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+    "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
+    "local_size", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
+    "size", "size_op", "start_timeline", "stop_timeline", "util",
+]
