@@ -47,8 +47,10 @@ def reduce_gradients(grads: Sequence[Any], sources: Sequence[Any], *, compressio
     prescale, postscale = common.gradient_scales(op, gradient_predivide_factor)
     values = [tf.convert_to_tensor(grads[i]) if sparse_as_dense and isinstance(grads[i], tf.IndexedSlices)
               else grads[i] for i in present]
+    # named by the count: a rank that ran extra batches before join() keeps its unnamed ops' counters in step
     reduced = collectives.grouped_allreduce(values, compression=compression, op=op, prescale_factor=prescale,
-                                            postscale_factor=postscale, process_set=process_set, name=name)
+                                            postscale_factor=postscale, process_set=process_set,
+                                            name=name or f"DistributedGradientTape.{len(values)}grads")
     for i, r in zip(present, reduced, strict=True):
         out[i] = r
     return out

@@ -4,9 +4,14 @@ Eagerly a tensor's numpy value is handed to the core; inside a graph (``tf.funct
 numpy code runs in a stateful ``tf.numpy_function``. bfloat16 travels as a uint16 view with ``bfloat16=True``.
 
 Names: an eager op without a name takes the engine's per-kind counter (the same on every rank that calls in the
-same order). A graph op without one gets a name fixed when the graph is built, ``Horovod<Kind>_<input tensor>``
-made unique in its graph (Horovod's rule), so ranks whose TF executor happens to run a graph's collectives in
-different orders still pair them by name.
+same order). A graph op without one gets a name fixed when the graph is built, ``Horovod<Kind>`` made unique in its
+graph, the same on every rank that builds the same graph.
+
+Order: a collective blocks the TensorFlow thread that runs it until every rank has submitted it, so ranks must start
+a graph's collectives in one order, or a rank's threads could all wait on collectives that the other ranks have not
+started. Inside ``tf.function`` TensorFlow's automatic control dependencies run stateful ops in program order. In a
+TF1 graph each collective gets a control dependency on the one built before it in the same graph, so fetching a
+collective also runs the ones built before it (the same on every rank).
 
 Errors: a tensor whose shape, dtype or root differs between ranks raises ``tf.errors.FailedPreconditionError``
 (Horovod's) eagerly. Inside a graph TensorFlow turns any exception of a ``numpy_function`` into ``UnknownError``
@@ -17,7 +22,7 @@ ranks, is kept.
 from __future__ import annotations
 
 import logging
-import re
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +35,8 @@ from spark_hvd.core.errors import TensorMismatchError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger(__name__)
+
+_LAST_OP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TF1 graph -> its last collective op
 
 
 def init(*args: Any, **kwargs: Any) -> None:
@@ -72,18 +79,13 @@ def _host_copy(a: Any) -> np.ndarray:
     return np.array(a, copy=True, order="C")
 
 
-def _normalize(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
-
-
 def op_name(kind: str, name: str | None, tensors: Sequence[Any]) -> str | None:
-    """The collective's name: ``name`` as given; eagerly None (the engine's counter); in a graph Horovod's
-    ``Horovod<Kind>_<first input>`` made unique in the graph being built."""
+    """The collective's name: ``name`` as given; eagerly None (the engine's counter); in a graph
+    ``Horovod<Kind>`` made unique in the graph being built (Horovod appends the input's name, but inside
+    ``tf.function`` a captured tensor's name differs between ranks)."""
     if name is not None or tf.executing_eagerly():
         return name
-    first = getattr(tensors[0], "name", None) if tensors else None
-    base = f"Horovod{kind}_{_normalize(first or 'tensor')}"
-    return "tf." + tf.compat.v1.get_default_graph().unique_name(base, mark_as_used=True)
+    return "tf." + tf.compat.v1.get_default_graph().unique_name(f"Horovod{kind}", mark_as_used=True)
 
 
 def member_names(name: str | None, count: int) -> list[str | None]:
@@ -113,7 +115,15 @@ def run_numpy(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Sequenc
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, tout, strict=True)]
     _check_not_xla()
-    outs = tf.numpy_function(fn, list(inputs), list(tout), stateful=True, name=f"spark_hvd_{kind}")
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(graph, "building_function", False):  # tf.function: its automatic control dependencies order
+        outs = tf.numpy_function(fn, list(inputs), list(tout), stateful=True, name=f"spark_hvd_{kind}")
+    else:  # a TF1 graph: run the collectives in the order they were built (see the module docstring)
+        last = _LAST_OP.get(graph)
+        with tf.control_dependencies([last] if last is not None else []):
+            outs = tf.numpy_function(fn, list(inputs), list(tout), stateful=True, name=f"spark_hvd_{kind}")
+        first = outs[0] if isinstance(outs, (list, tuple)) else outs
+        _LAST_OP[graph] = first.op
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 

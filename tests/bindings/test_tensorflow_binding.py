@@ -1,0 +1,40 @@
+"""spark_hvd.tensorflow on two ranks (spark-hvd-run): every collective against numpy on random data, eagerly, in
+tf.function and in a TF1 graph; Horovod's gradients; a TF2 custom loop with DistributedGradientTape (eager and
+tf.function) and DistributedOptimizer equal to one process on the combined batches; partial tapes, SyncBatchNorm,
+join, process sets, elastic states. One launch runs every check (TensorFlow's import is slow); each check is one
+test here."""
+
+from __future__ import annotations
+
+import pytest
+from bindings_launch import assert_check, launch_worker
+
+pytest.importorskip("tensorflow")
+
+CHECKS = [
+    "collectives_eager",
+    "collectives_tf_function",
+    "collectives_tf1_graph_session",
+    "indexed_slices_allreduce",
+    "gradients_eager_and_tf_function",
+    "training_tape_matches_single_process_eager",
+    "training_tape_matches_single_process_tf_function",
+    "distributed_optimizer_keras_in_tf_loop",
+    "partial_tape_local_layers",
+    "sync_batch_norm_matches_whole_batch",
+    "objects_join_barrier_ops_process_set",
+    "mismatch_raises_failed_precondition",
+    "elastic_tensorflow_state",
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return launch_worker("tf_worker.py", 2, tmp_path_factory.mktemp("tf2"), timeout_s=400)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", CHECKS)
+def test_tensorflow_np2(two_ranks, name):
+    assert_check(two_ranks, name)
+
