@@ -61,3 +61,33 @@ def test_spark_submit_command_of_the_readme():
                  str(EXAMPLES / "spark_submit_train.py")], timeout=900,
                 PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     assert proc.stdout.rstrip().splitlines()[-1] == "OK", proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_tensorflow_loop_example_two_ranks():
+    """docs/tensorflow.md's script under the launcher."""
+    pytest.importorskip("tensorflow")
+    proc = _run([*LAUNCHER, "-np", "2", "--timeout", "500", sys.executable, str(EXAMPLES / "tensorflow_loop.py"),
+                 "--steps", "40"], timeout=600)
+    assert "ranks=2 weights identical on every rank: True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_tensorflow_loop_example_under_spark_run(spark):
+    """The same script's ``main`` on two Spark tasks through ``spark_hvd.runner.run``."""
+    pytest.importorskip("tensorflow")
+    import importlib.util
+
+    import cloudpickle
+
+    from spark_hvd.runner import run
+
+    spec = importlib.util.spec_from_file_location("tensorflow_loop_example", EXAMPLES / "tensorflow_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)  # the tasks cannot import examples/
+    results = run(module.main, args=(["--steps", "40"],), num_proc=2, env={"OMP_NUM_THREADS": "1"})
+    assert [r["rank"] for r in results] == [0.0, 1.0]
+    assert all(r["same"] == 1.0 for r in results), results
+    assert results[0]["accuracy"] > 0.5, results
