@@ -155,14 +155,3 @@ class DeviceGroup(Group):
     @abstractmethod
     def close(self) -> None:
         """Release the communicator. Safe to call twice."""
-
-
-def open_device_group(device: str, backend: Any, settings: Any, scope: GroupScope) -> DeviceGroup:
-    """Set up the group for ``device`` among ``scope``'s ranks (collective over them: each calls it in the same
-    round of their engine)."""
-    from spark_hvd.core.torch_device import TorchDeviceGroup
-
-    kind = check_device_backend(settings.device_backend)
-    if kind in (None, "none"):
-        kind = "nccl" if device == "cuda" else "gloo"
-    return TorchDeviceGroup(device, kind, backend, settings, scope)

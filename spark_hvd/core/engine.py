@@ -1,5 +1,8 @@
 """The background engine: one thread per process that negotiates, fuses and runs every collective.
 
+Why this file is over 600 lines (~780): it is one idea, the loop and its rounds (pacing, fast, speculative and
+full negotiation), a state machine whose state must stay identical on every rank.
+
 The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
 *rounds*. In a round every rank publishes what was submitted locally since its last round, the ranks gather those
 lists (one ``backend.allgather`` of a small message), and every rank runs the same deterministic procedure on the
@@ -67,9 +70,9 @@ its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-What lives beside this module: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py``
-and ``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
-(metadata, the table's entries, the response cache). This one keeps the API, the loop, pacing and the rounds.
+What lives beside it: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py`` and
+``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
+(metadata, the table's entries, the response cache).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
-from spark_hvd.core.device import DeviceGroup, GroupScope, open_device_group
+from spark_hvd.core.device import DeviceGroup, GroupScope, check_device_backend
 from spark_hvd.core.errors import SparkHvdError, TensorMismatchError
 from spark_hvd.core.group import Group, HostGroup
 from spark_hvd.core.handle import Handle, finish_all
@@ -119,7 +119,7 @@ class Executor:
         group = self._device_groups.get(device)
         if group is None:
             try:
-                group = open_device_group(device, self.backend, self.settings, self.scope)
+                group = _open_device_group(device, self.backend, self.settings, self.scope)
             except SparkHvdError:
                 raise
             except Exception as exc:
@@ -238,3 +238,14 @@ class Executor:
         where = f" on {group.device}" if group.device else ""
         return SparkHvdError(f"{what}{where} failed on {self.scope.label(self.rank)}: {exc!r}; the ranks can no "
                              "longer be kept in step, so spark_hvd stopped")
+
+
+def _open_device_group(device: str, backend: Backend, settings: Settings, scope: GroupScope) -> DeviceGroup:
+    """Set up the group for ``device`` among ``scope``'s ranks (collective over them: each calls it in the same
+    round of their engine). torch is imported here, at the first device collective, never before."""
+    from spark_hvd.core.torch_device import TorchDeviceGroup
+
+    kind = check_device_backend(settings.device_backend)
+    if kind in (None, "none"):
+        kind = "nccl" if device == "cuda" else "gloo"
+    return TorchDeviceGroup(device, kind, backend, settings, scope)
