@@ -152,12 +152,21 @@ class BaseEstimator(Estimator, PersistableStage):
             except ImportError as exc:
                 raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
         self._check_label_types(df)
-        from spark_hvd.runner.spark import resolve_num_proc
-
-        num_proc = resolve_num_proc(df.sparkSession, get(self.num_proc))  # classic or Spark Connect
+        backend = self._backend(df.sparkSession)
+        num_proc = backend.num_processes()  # the one slot check of this fit (classic or Spark Connect)
         store.check_writable()  # a probe write, only once every other check passed
         _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
-        return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes}
+        return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes,
+                "backend": backend}
+
+    def _backend(self, spark: Any) -> Any:
+        """The runner for this fit (``spark_hvd.runner.backend.SparkBackend``): its num_proc, GPU, retry and
+        verbosity settings from the params."""
+        from spark_hvd.runner.backend import SparkBackend
+
+        get = self.getOrDefault
+        return SparkBackend(spark, get(self.num_proc), use_gpu=get(self.use_gpu), max_retries=get(self.max_retries),
+                            verbose=get(self.verbose))
 
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:
@@ -222,14 +231,11 @@ class BaseEstimator(Estimator, PersistableStage):
         get = self.getOrDefault
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
         spec = self._spec(store, run_id, data, plan["model_bytes"])
-        from spark_hvd.runner.spark import run
-
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         tracking = self._start_mlflow(store, run_id)
         try:
-            results = run(train_on_rank, args=(self._trainer_class, spec), num_proc=num_proc, use_gpu=get(self.use_gpu),
-                          max_retries=get(self.max_retries), verbose=get(self.verbose), spark=df.sparkSession,
-                          on_event=tracking.on_event if tracking else None)
+            results = plan["backend"].run(train_on_rank, args=(self._trainer_class, spec),
+                                          on_event=tracking.on_event if tracking else None)
             trained = self._load_trained_model(store, run_id)
         except BaseException:
             if tracking:

@@ -269,10 +269,10 @@ def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
         return None
     from pyspark import TaskContext
 
-    from spark_hvd.runner.spark import _assigned_gpu
+    from spark_hvd.runner.barrier_task import assigned_gpu
 
     ctx = TaskContext.get()
-    address = _assigned_gpu(ctx) if ctx is not None else None
+    address = assigned_gpu(ctx) if ctx is not None else None
     if address is not None and address.isdigit() and int(address) < device_count:
         return int(address)
     return 0

@@ -29,7 +29,8 @@ from spark_hvd.runner.errors import (
 )
 from spark_hvd.runner.launch import LaunchResult, run_local
 from spark_hvd.runner.progress import ProgressDisplay, StepReporter
-from spark_hvd.runner.spark import check_slots, last_events, resolve_num_proc, run
+from spark_hvd.runner.slots import check_slots, resolve_num_proc
+from spark_hvd.runner.spark import last_events, run
 
 __all__ = [
     "ElasticError",

@@ -3,7 +3,7 @@
 A barrier stage cannot lose or gain a task, so each reset is a new stage (an "attempt"):
 
 1. The driver launches ``size`` ranks, ``min_num_proc <= size <= max_num_proc``, as many as there are free task
-   slots (the first time at most ``num_proc``), through the runner's ``_run_attempt`` (one stage, one driver
+   slots (the first time at most ``num_proc``), through the runner's ``stage.run_attempt`` (one stage, one driver
    service, the job's secret shared by every attempt).
 2. Each rank runs ``fn`` with a ``DriverLink`` installed (``spark_hvd.core.elastic``): ``state.commit()`` on rank 0
    streams the snapshot to the driver service in chunks (authenticated frames; the driver keeps it on its local
@@ -37,9 +37,11 @@ from typing import Any
 from spark_hvd.core.elastic import HostsUpdatedInterrupt, set_link, state_max_bytes
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import cluster
-from spark_hvd.runner import spark as _spark
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.slots import free_slots
+from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, pickled, start_timeout_s
+from spark_hvd.runner.stage import Attempt, run_attempt
 
 logger = logging.getLogger(__name__)
 
@@ -195,14 +197,6 @@ class _Driver:
         return grow
 
 
-def free_slots(spark: Any, unknown: int) -> int:
-    """Free task slots now: classic from the status tracker; Connect the ``local[N]`` total, else ``unknown``."""
-    if not cluster.is_connect(spark):
-        return _spark._slots(spark.sparkContext)[0]
-    total = cluster.total_slots(spark)
-    return unknown if total is None else total
-
-
 def _wait_slots(spark: Any, low: int, high: int, timeout_s: float, why: str) -> int:
     """``min(high, free slots)`` once at least ``low`` are free; ``ElasticError`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -225,7 +219,7 @@ def _recoverable(exc: RankFailedError) -> bool:
 
 
 def _timeout(value: float | None) -> float:
-    seconds = float(value) if value is not None else _spark.env_seconds((ELASTIC_TIMEOUT_ENV,), 600.0)
+    seconds = float(value) if value is not None else env_seconds((ELASTIC_TIMEOUT_ENV,), 600.0)
     if seconds <= 0:
         raise RunnerError(f"elastic_timeout must be a positive number of seconds, got {seconds:g}")
     return seconds
@@ -273,21 +267,16 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
         RankFailedError: ``fn`` raised an exception of its own (not a lost rank).
     """
     spark = cluster.active_session(spark)
-    start_s = _spark._start_timeout(start_timeout)
+    start_s = start_timeout_s(start_timeout)
     elastic_s = _timeout(elastic_timeout)
     if reset_limit is not None and reset_limit < 0:
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
-    env = _spark.checked_env(env)
-    payload = _spark.pickled(_elastic_rank, (fn, tuple(args), dict(kwargs or {})), {})
+    env = checked_env(env)
+    payload = pickled(_elastic_rank, (fn, tuple(args), dict(kwargs or {})), {})
     driver = _Driver(spark, high)
     secret, run_id = make_secret(), secrets.token_hex(4)
-    events: list[Event] = []
-
-    def collect_event(event: Event) -> None:
-        events.append(event)
-        if on_event is not None:
-            on_event(event)
+    events = EventLog(on_event)
 
     resets = 0
     try:
@@ -296,8 +285,8 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
             driver.size = size
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
             try:
-                results = _spark._run_attempt(spark, payload, size, env, start_s, use_gpu, verbose, secret,
-                                              f"{run_id}a{attempt}", attempt, collect_event, driver.handlers())
+                stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose)
+                results = run_attempt(spark, stage, events, driver.handlers())
                 why = "" if not any(isinstance(r, _Resized) for r in results) else "to grow"
             except RankFailedError as exc:
                 if not _recoverable(exc):
@@ -316,4 +305,4 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
         raise AssertionError("unreachable")
     finally:
         driver.close()
-        _spark._last_events[:] = events
+        events.publish()

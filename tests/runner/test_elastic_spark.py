@@ -195,10 +195,10 @@ def _hold_a_slot(spark, release: str) -> threading.Thread:
 
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
-    from spark_hvd.runner.spark import _slots
+    from spark_hvd.runner.slots import slots
 
     deadline = time.monotonic() + 60
-    while _slots(spark.sparkContext)[0] > 1 and time.monotonic() < deadline:
+    while slots(spark.sparkContext)[0] > 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     return thread
 

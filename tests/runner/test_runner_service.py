@@ -10,11 +10,12 @@ import time
 import pytest
 
 from spark_hvd.core.errors import AuthenticationError
+from spark_hvd.core.jobenv import topology
 from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.runner.barrier_task import BarrierRendezvous, assigned_gpu, task_gpus
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.service import DriverService
-from spark_hvd.runner.spark import BarrierRendezvous, _assigned_gpu, task_gpus, topology
 
 
 def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
@@ -215,9 +216,9 @@ class _Ctx:
 
 
 def test_gpu_from_spark_resources_then_local_rank():
-    assert _assigned_gpu(_Ctx({"gpu": _Resource(["3", "5"])})) == "3"
-    assert _assigned_gpu(_Ctx({"gpu": _Resource([])})) is None
-    assert _assigned_gpu(_Ctx({})) is None
+    assert assigned_gpu(_Ctx({"gpu": _Resource(["3", "5"])})) == "3"
+    assert assigned_gpu(_Ctx({"gpu": _Resource([])})) is None
+    assert assigned_gpu(_Ctx({})) is None
     hosts = ["h1", "h1", "h2"]
     assert task_gpus(hosts, ["3", "1", "0"], None) == ["3", "1", "0"]
     assert task_gpus(hosts, ["3", "1", "0"], True) == ["3", "1", "0"]

@@ -186,7 +186,7 @@ def test_report_events_reach_the_driver(any_spark, capsys):
 def test_ranks_that_cannot_start_time_out_with_their_names(spark, monkeypatch):
     import threading
 
-    import spark_hvd.runner.spark as runner_spark
+    import spark_hvd.runner.slots as runner_slots
     from spark_hvd.runner import StartTimeoutError
 
     sc = spark.sparkContext
@@ -194,11 +194,11 @@ def test_ranks_that_cannot_start_time_out_with_their_names(spark, monkeypatch):
     holder.start()
     try:
         deadline = time.monotonic() + 120
-        while runner_spark._slots(sc)[0] > 1 and time.monotonic() < deadline:
+        while runner_slots.slots(sc)[0] > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert runner_spark._slots(sc)[0] == 1
+        assert runner_slots.slots(sc)[0] == 1
         # pretend the slot check passed (a slot taken between the check and the launch)
-        monkeypatch.setattr(runner_spark, "check_slots", lambda *a, **k: 2)
+        monkeypatch.setattr(runner_slots, "check_slots", lambda *a, **k: 2)
         with pytest.raises(StartTimeoutError) as info:
             run(_rank, num_proc=2, start_timeout=5)
         assert info.value.missing == [0, 1]
@@ -206,7 +206,7 @@ def test_ranks_that_cannot_start_time_out_with_their_names(spark, monkeypatch):
     finally:
         sc.cancelJobGroup("runner-test-hold-slot")
         holder.join(120)
-        runner_spark._wait_tasks_gone(sc, "runner-test-hold-slot", 60)
+        runner_slots.wait_tasks_gone(sc, "runner-test-hold-slot", 60)
 
 
 def _run_in_group(sc, group: str) -> None:
@@ -229,12 +229,12 @@ def test_connect_stage_that_cannot_get_its_slots_fails_fast(spark_connect, monke
     """Over Connect the driver cannot see the slots of a cluster (only a local[N] master tells its total): the
     stage itself is the check, and a stage none of whose ranks starts is cancelled with a clear error."""
     import spark_hvd.runner.cluster as cluster
-    import spark_hvd.runner.spark as runner_spark
+    import spark_hvd.runner.stage as runner_stage
     from spark_hvd.runner import StartTimeoutError
     from spark_hvd.runner.errors import StageNotStartedError
 
     monkeypatch.setattr(cluster, "total_slots", lambda _spark: None)  # as for a remote cluster
-    monkeypatch.setattr(runner_spark, "CONNECT_START_WAIT_S", 3.0)
+    monkeypatch.setattr(runner_stage, "CONNECT_START_WAIT_S", 3.0)
     began = time.monotonic()
     with pytest.raises(StageNotStartedError) as info:
         run(_rank, num_proc=3, spark=spark_connect)
@@ -246,16 +246,16 @@ def test_connect_stage_that_cannot_get_its_slots_fails_fast(spark_connect, monke
 
 def test_start_timeout_falls_back_to_horovods_variable(monkeypatch):
     from spark_hvd.runner.errors import RunnerError
-    from spark_hvd.runner.spark import _start_timeout
+    from spark_hvd.runner.spark import start_timeout_s
 
     monkeypatch.delenv("SPARK_HVD_START_TIMEOUT", raising=False)
     monkeypatch.delenv("HOROVOD_SPARK_START_TIMEOUT", raising=False)
-    assert _start_timeout(None) == 600.0
+    assert start_timeout_s(None) == 600.0
     monkeypatch.setenv("HOROVOD_SPARK_START_TIMEOUT", "42")
-    assert _start_timeout(None) == 42.0
-    assert _start_timeout(7) == 7.0  # the argument wins
+    assert start_timeout_s(None) == 42.0
+    assert start_timeout_s(7) == 7.0  # the argument wins
     monkeypatch.setenv("SPARK_HVD_START_TIMEOUT", "9")
-    assert _start_timeout(None) == 9.0  # spark_hvd's own name before Horovod's
+    assert start_timeout_s(None) == 9.0  # spark_hvd's own name before Horovod's
     monkeypatch.setenv("SPARK_HVD_START_TIMEOUT", "soon")
     with pytest.raises(RunnerError, match="SPARK_HVD_START_TIMEOUT='soon' is not a number"):
-        _start_timeout(None)
+        start_timeout_s(None)

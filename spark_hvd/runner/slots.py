@@ -1,0 +1,124 @@
+"""Task slots of a Spark session: how many are free, the check that ``num_proc`` of them are (before any job
+starts), and the wait for a failed stage's tasks to leave theirs."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+import time
+from typing import Any
+
+from spark_hvd.runner import cluster
+from spark_hvd.runner.errors import NotEnoughSlotsError, RunnerError
+
+logger = logging.getLogger(__name__)
+
+#: Seconds run() waits for executors to register when the cluster has fewer slots than asked (a fresh
+#: local-cluster / standalone application); free slots short because of other running jobs fail after a short grace.
+SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
+#: Seconds ``check_slots`` gives slots that exist but are busy before it fails.
+BUSY_SLOT_GRACE_S = 3.0
+
+
+def slots(sc: Any) -> tuple[int, int]:
+    """``(free, total)`` task slots of the default resource profile, running tasks subtracted."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    total = int(jsc.maxNumConcurrentTasks(profile))
+    running = sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos())
+    return max(0, total - running), total
+
+
+def is_local_mode(sc: Any) -> bool:
+    """``local`` / ``local[N]``: the executor lives in the driver's JVM (not ``local-cluster``)."""
+    master = str(sc.master)
+    return master == "local" or master.startswith("local[")
+
+
+def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
+    """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
+
+    ``sc`` is a classic ``SparkContext``. While the cluster's total is below ``num_proc`` (executors still
+    registering), waits up to ``wait_s`` (not in local mode, whose slots never change). Slots that exist but are
+    busy get ``BUSY_SLOT_GRACE_S`` (the tasks of a stage just cancelled, a previous run's, take a moment to go),
+    then the error; a ``wait_s`` longer than ``SLOT_WAIT_S`` (``run_elastic`` waiting for slots) waits for them
+    that long. Returns the number of free slots.
+    """
+    if is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
+        wait_s = 0.0
+    start = time.monotonic()
+    free, total = slots(sc)
+    while free < num_proc:
+        waited = time.monotonic() - start
+        if total >= num_proc and wait_s <= SLOT_WAIT_S:
+            if waited >= BUSY_SLOT_GRACE_S:
+                break  # the slots exist but stay busy with other work: fail rather than wait
+        elif waited >= wait_s:
+            break
+        threading.Event().wait(0.25)
+        free, total = slots(sc)
+    if free < num_proc:
+        raise NotEnoughSlotsError(num_proc, free, total)
+    return free
+
+
+def check_session_slots(spark: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int | None:
+    """``check_slots`` for a classic session; on Spark Connect, which cannot tell the free slots, the total of a
+    ``local[N]`` master is checked (None is returned where the session says nothing: the stage itself is then
+    the check, ``StageNotStartedError``)."""
+    if not cluster.is_connect(spark):
+        return check_slots(spark.sparkContext, num_proc, wait_s)
+    total = cluster.total_slots(spark)
+    if total is not None and total < num_proc:
+        raise NotEnoughSlotsError(num_proc, total, total)
+    return total
+
+
+def resolve_num_proc(spark: Any, num_proc: Any = None) -> int:
+    """``num_proc`` checked to be a positive integer (default: the session's default parallelism), and its task
+    slots checked (``check_session_slots``). ``run`` calls it first; a caller that already did (an estimator's
+    ``SparkBackend``) hands the result to ``run_checked``."""
+    if num_proc is None:
+        num_proc = cluster.default_parallelism(spark)
+    try:
+        num_proc = operator.index(num_proc)
+    except TypeError:
+        raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}") from None
+    if num_proc < 1:
+        raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}")
+    check_session_slots(spark, num_proc)
+    return num_proc
+
+
+def free_slots(spark: Any, unknown: int) -> int:
+    """Free task slots now: classic from the status tracker; Connect the ``local[N]`` total, else ``unknown``."""
+    if not cluster.is_connect(spark):
+        return slots(spark.sparkContext)[0]
+    total = cluster.total_slots(spark)
+    return unknown if total is None else total
+
+
+def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
+    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            active = 0
+            for job_id in tracker.getJobIdsForGroup(group):
+                job = tracker.getJobInfo(job_id)
+                for stage_id in (job.stageIds if job else []):
+                    stage = tracker.getStageInfo(stage_id)
+                    active += stage.numActiveTasks if stage else 0
+        except Exception:  # the status tracker is best effort
+            logger.debug("spark_hvd: status tracker query failed", exc_info=True)
+            return False
+        if active == 0:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("spark_hvd: %d task(s) of job group %s still running %.0f s after the run failed",
+                           active, group, timeout_s)
+            return False
+        threading.Event().wait(0.2)
