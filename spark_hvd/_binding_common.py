@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import ReduceOp
+import spark_hvd.core as _core
+from spark_hvd.core import process_sets
+from spark_hvd.core.backend import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
 from spark_hvd.core.context import add_process_set, remove_process_set  # noqa: F401 - re-exported (Horovod's API)
 from spark_hvd.core.errors import NotInitializedError, SparkHvdError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set  # noqa: F401 - re-exported
@@ -20,26 +22,12 @@ log = logging.getLogger(__name__)
 # Horovod's name of the error a failed collective raises (``except hvd.HorovodInternalError``)
 HorovodInternalError = SparkHvdError
 
-# Horovod's names for the reductions: ``hvd.Average``, ``hvd.Sum`` ...
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
-
-
-_CORE: Any = None
 
 
 def core() -> Any:
-    """The core's process API (imported late so that ``import spark_hvd.torch`` stays cheap; then kept, since
-    every collective asks for it and an ``import`` statement costs more than the call it serves)."""
-    global _CORE
-    if _CORE is None:
-        import spark_hvd.core as _core
-
-        _CORE = _core
-    return _CORE
+    """The core's process API, ``spark_hvd.core`` (imported with this module: the core package loads its process
+    API as soon as any of its modules is imported, so a late import here would save nothing)."""
+    return _core
 
 
 def require_init(what: str) -> None:
@@ -51,8 +39,6 @@ def require_init(what: str) -> None:
 def check_member(process_set: ProcessSet | None, what: str) -> None:
     """Raise ``ValueError`` now (not inside a TensorFlow graph op) unless this rank may run ``what`` on
     ``process_set`` (registered, and this rank a member)."""
-    from spark_hvd.core import process_sets
-
     process_sets.resolve(process_set, what, rank())
 
 

@@ -25,3 +25,11 @@ def test_import_pulls_in_no_framework(modules):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"import {modules} imported {out}"
+
+
+def test_store_loads_no_core_module():
+    """The store reaches spark_hvd's root error without loading the ring core (its engine, context, settings)."""
+    code = ("import sys, spark_hvd.store\n"
+            "print(','.join(sorted(m for m in sys.modules if m.startswith('spark_hvd.core'))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"import spark_hvd.store loaded {out}"

@@ -9,7 +9,7 @@ Process API (Horovod's, on numpy arrays)::
     core.shutdown()
 """
 
-from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
+from spark_hvd.core.backend import Average, Backend, Max, Min, Product, ReduceOp, Rendezvous, Sum
 from spark_hvd.core.context import (
     add_process_set,
     allgather,
@@ -58,12 +58,6 @@ from spark_hvd.core.errors import (
 )
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.core.settings import Settings
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
-Min = ReduceOp.MIN
-Max = ReduceOp.MAX
-Product = ReduceOp.PRODUCT
 
 __all__ = [
     "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",

@@ -23,6 +23,15 @@ class ReduceOp(enum.Enum):
     PRODUCT = "product"
 
 
+# Horovod's names for the reductions (``hvd.Average``, ``hvd.Sum`` ...), defined here once; the core and both
+# bindings re-export them.
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
 class Backend(ABC):
     """Collectives over the ranks of one job.
 

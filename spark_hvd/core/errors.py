@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from spark_hvd.errors import SparkHvdError
 
-class SparkHvdError(RuntimeError):
-    """Base class of every error raised by spark_hvd."""
+__all__ = ["SparkHvdError", "NotInitializedError", "AuthenticationError", "PeerFailureError", "CollectiveTimeoutError",
+           "TensorMismatchError", "StallError", "ShutdownError"]
 
 
 class NotInitializedError(SparkHvdError, ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spark_hvd.core.errors import SparkHvdError
+from spark_hvd.errors import SparkHvdError
 
 
 class DataError(SparkHvdError, ValueError):

@@ -15,6 +15,7 @@ from typing import Any
 
 from pyspark.ml import Estimator
 
+from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.model import BaseModel
 from spark_hvd.estimators.params import OBJECT_PARAMS
 from spark_hvd.estimators.persistence import PersistableStage
@@ -89,9 +90,9 @@ class BaseEstimator(Estimator, PersistableStage):
             fractional = isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType)
             if fractional and self._is_class_index_loss(item):
                 kind = df.schema[col].dataType.simpleString()
-                raise ValueError(f"{type(self).__name__}: label column {col!r} is {kind} but its loss takes class "
-                                 "indices; cast it to an integer type "
-                                 f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
+                raise param_error(self, f"label column {col!r} is {kind} but its loss takes class "
+                                  "indices; cast it to an integer type "
+                                  f"(df.withColumn({col!r}, df[{col!r}].cast('int')))")
 
     def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
         """Log ``model`` with the framework's MLflow flavour; ``kwargs`` (signature, input_example,
@@ -105,8 +106,8 @@ class BaseEstimator(Estimator, PersistableStage):
         get = self.getOrDefault
         store = self._opt(self.store)
         if store is None:
-            raise ValueError(f"{name}: set store, e.g. store=Store.create('/tmp/spark_hvd_store') "
-                             "(or an s3://, hdfs://, dbfs:/ URL)")
+            raise param_error(name, "set store, e.g. store=Store.create('/tmp/spark_hvd_store') "
+                              "(or an s3://, hdfs://, dbfs:/ URL)")
         if isinstance(store, str):
             from spark_hvd.store import Store
 
@@ -114,18 +115,18 @@ class BaseEstimator(Estimator, PersistableStage):
         for param in ("batch_size", "epochs", "backward_passes_per_step", "partitions_per_process"):
             value = get(getattr(self, param))
             if value is None or value <= 0:
-                raise ValueError(f"{name}: {param} must be a positive integer, got {value!r}")
+                raise param_error(name, f"{param} must be a positive integer, got {value!r}")
         for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc"):
             value = get(getattr(self, param))
             if value is not None and value <= 0:
-                raise ValueError(f"{name}: {param} must be a positive integer or None, got {value!r}")
+                raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
         if get(self.max_retries) < 0:
-            raise ValueError(f"{name}: max_retries must be >= 0, got {get(self.max_retries)}")
+            raise param_error(name, f"max_retries must be >= 0, got {get(self.max_retries)}")
         features, labels = get(self.feature_cols), get(self.label_cols)
         if not features:
-            raise ValueError(f"{name}: feature_cols is empty: name the column(s) the model takes as input")
+            raise param_error(name, "feature_cols is empty: name the column(s) the model takes as input")
         if not labels:
-            raise ValueError(f"{name}: label_cols is empty: name the column(s) the model is trained to predict")
+            raise param_error(name, "label_cols is empty: name the column(s) the model is trained to predict")
         weight_col = get(self.sample_weight_col)
         validation = get(self.validation)
         wanted = [("feature_cols", c) for c in features] + [("label_cols", c) for c in labels]
@@ -135,22 +136,22 @@ class BaseEstimator(Estimator, PersistableStage):
             wanted.append(("validation", validation))
         _check_columns(df, wanted)
         if len(set(features) | set(labels)) != len(features) + len(labels):
-            raise ValueError(f"{name}: a column is both a feature and a label: {sorted(set(features) & set(labels))}")
+            raise param_error(name, f"a column is both a feature and a label: {sorted(set(features) & set(labels))}")
         model = self._opt(self.model)
         if model is None:
-            raise ValueError(f"{name}: set model")
+            raise param_error(name, "set model")
         model_bytes = self._check_model(model)
         self._check_loss(len(labels))
         weights = get(self.loss_weights)
         if weights is not None and len(weights) != len(labels):
-            raise ValueError(f"{name}: loss_weights has {len(weights)} entries for {len(labels)} label columns")
+            raise param_error(name, f"loss_weights has {len(weights)} entries for {len(labels)} label columns")
         run_id = get(self.run_id) or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         store.run_path(run_id)  # checks the name
         if get(self.mlflow) is not None:
             try:
                 import mlflow  # noqa: F401
             except ImportError as exc:
-                raise ValueError(f"{name}: mlflow is set but the mlflow package is not installed") from exc
+                raise param_error(name, "mlflow is set but the mlflow package is not installed") from exc
         self._check_label_types(df)
         backend = self._backend(df.sparkSession)
         num_proc = backend.num_processes()  # the one slot check of this fit (classic or Spark Connect)
@@ -190,15 +191,15 @@ class BaseEstimator(Estimator, PersistableStage):
         name, get = type(self).__name__, self.getOrDefault
         validation = get(self.validation)
         if validation not in (None, 0.0):
-            raise ValueError(f"{name}: fit_on_parquet takes its validation rows from validation_path; unset "
-                             f"validation (it is {validation!r})")
+            raise param_error(name, f"fit_on_parquet takes its validation rows from validation_path; unset "
+                              f"validation (it is {validation!r})")
         store = self._opt(self.store)
         if isinstance(store, str):
             from spark_hvd.store import Store
 
             store = Store.create(store)
         if store is None:
-            raise ValueError(f"{name}: set store (fit_on_parquet reads path through the store's filesystem)")
+            raise param_error(name, "set store (fit_on_parquet reads path through the store's filesystem)")
         spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
         df = spark.read.parquet(store.spark_url(store_path(store, path)))
         plan = self._check(df)
@@ -279,11 +280,11 @@ def _check_rows(df: Any, name: str, cols: list[str]) -> None:
                                                  for i, c in enumerate(cols)]
     counts = df.agg(*aggs).collect()[0]
     if not counts["rows"]:
-        raise ValueError(f"{name}: the DataFrame given to fit is empty")
+        raise param_error(name, "the DataFrame given to fit is empty")
     nulls = {c: counts[f"n{i}"] for i, c in enumerate(cols) if counts[f"n{i}"]}
     if nulls:
-        raise ValueError(f"{name}: null values in column(s) {nulls} (column: rows); drop or fill them before fit "
-                         "(df.na.drop(subset=[...]) or df.na.fill(...))")
+        raise param_error(name, f"null values in column(s) {nulls} (column: rows); drop or fill them before fit "
+                          "(df.na.drop(subset=[...]) or df.na.fill(...))")
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

@@ -16,6 +16,7 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
+from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.keras_inference import place_for_inference, predict
 from spark_hvd.estimators.keras_rank import KerasTrainer, set_threads
@@ -111,23 +112,23 @@ def check_losses(loss: Any, n_labels: int) -> None:
     import keras
 
     if loss is None:
-        raise ValueError("KerasEstimator: set loss: a Keras loss name ('mse', 'sparse_categorical_crossentropy', "
-                         "...), a keras.losses.Loss or a callable, or a list with one per label")
+        raise param_error("KerasEstimator", "set loss: a Keras loss name ('mse', 'sparse_categorical_crossentropy', "
+                          "...), a keras.losses.Loss or a callable, or a list with one per label")
     if isinstance(loss, dict):
-        raise TypeError("KerasEstimator: give loss as a list in label_cols order, not a dict")
+        raise param_type_error("KerasEstimator", "give loss as a list in label_cols order, not a dict")
     losses = list(loss) if isinstance(loss, list | tuple) else [loss]
     if isinstance(loss, list | tuple) and len(losses) != n_labels:
-        raise ValueError(f"KerasEstimator: {len(losses)} losses for {n_labels} label columns; give one loss per "
-                         "label (or a single loss for all of them)")
+        raise param_error("KerasEstimator", f"{len(losses)} losses for {n_labels} label columns; give one loss per "
+                          "label (or a single loss for all of them)")
     for i, item in enumerate(losses):
         if isinstance(item, str):
             try:
                 keras.losses.get(item)
             except ValueError:
-                raise ValueError(f"KerasEstimator: unknown loss name {item!r} (label {i}); use a Keras loss name, "
-                                 "a keras.losses.Loss or a callable") from None
+                raise param_error("KerasEstimator", f"unknown loss name {item!r} (label {i}); use a Keras loss name, "
+                                  "a keras.losses.Loss or a callable") from None
         elif not callable(item):
-            raise ValueError(f"KerasEstimator: loss {i} is a {type(item).__name__}, not a Keras loss or a name")
+            raise param_error("KerasEstimator", f"loss {i} is a {type(item).__name__}, not a Keras loss or a name")
 
 
 def check_metrics(metrics: list) -> None:
@@ -143,10 +144,10 @@ def check_metrics(metrics: list) -> None:
                 try:
                     keras.metrics.get(item)
                 except ValueError:
-                    raise ValueError(f"KerasEstimator: unknown metric name {item!r}; use a Keras metric name, a "
-                                     "keras.metrics.Metric or a callable") from None
+                    raise param_error("KerasEstimator", f"unknown metric name {item!r}; use a Keras metric name, a "
+                                      "keras.metrics.Metric or a callable") from None
             elif not callable(item):
-                raise ValueError(f"KerasEstimator: metric {item!r} is not a Keras metric, a callable or a name")
+                raise param_error("KerasEstimator", f"metric {item!r} is not a Keras metric, a callable or a name")
 
 
 def _model_output_count(model: Any) -> int | None:
@@ -218,15 +219,16 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         n_labels = len(self.getOrDefault(self.label_cols))
         n_out = _model_output_count(model)
         if n_out is not None and n_out != n_labels:
-            raise ValueError(f"KerasEstimator: the model has {n_out} outputs for {n_labels} label columns "
-                             f"{self.getOrDefault(self.label_cols)}; give one label column per output")
+            raise param_error("KerasEstimator", f"the model has {n_out} outputs for {n_labels} label columns "
+                              f"{self.getOrDefault(self.label_cols)}; give one label column per output")
         cb = self._opt(self.checkpoint_callback)
         if cb is not None:
             import keras
 
             if not isinstance(cb, keras.callbacks.ModelCheckpoint):
-                raise TypeError(f"KerasEstimator: checkpoint_callback must be a keras.callbacks.ModelCheckpoint, "
-                                f"got {type(cb).__name__}")
+                raise param_type_error("KerasEstimator",
+                                       f"checkpoint_callback must be a keras.callbacks.ModelCheckpoint, "
+                                       f"got {type(cb).__name__}")
         return data
 
     def _check_loss(self, n_labels: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
+from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.keras_inference import predict
 from spark_hvd.estimators.keras_serde import MODEL_FILE, build_optimizer, deserialize_keras_model
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer
@@ -97,8 +98,8 @@ def scale_learning_rate(optimizer: Any, factor: float) -> None:
 
     if isinstance(optimizer.learning_rate, keras.optimizers.schedules.LearningRateSchedule) or callable(
             getattr(optimizer, "_learning_rate", None)):
-        raise ValueError("KerasEstimator: scale_lr_by_num_proc needs a constant learning rate, the optimizer has a "
-                         "schedule; scale the schedule's rates by num_proc yourself")
+        raise param_error("KerasEstimator", "scale_lr_by_num_proc needs a constant learning rate, the optimizer has a "
+                          "schedule; scale the schedule's rates by num_proc yourself")
     optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd import pickling
+from spark_hvd.estimators.errors import param_error, param_type_error
 
 __all__ = ["MODEL_FILE", "serialize_keras_model", "deserialize_keras_model", "load_keras_bytes", "optimizer_spec",
            "build_optimizer"]
@@ -93,17 +94,18 @@ def optimizer_spec(optimizer: Any) -> dict:
     import keras
 
     if optimizer is None:
-        raise ValueError("KerasEstimator: set optimizer, e.g. keras.optimizers.Adam(learning_rate=1e-3) or 'adam'")
+        raise param_error("KerasEstimator", "set optimizer, e.g. keras.optimizers.Adam(learning_rate=1e-3) or 'adam'")
     if isinstance(optimizer, str):
         try:
             keras.optimizers.get(optimizer)
         except ValueError:
-            raise ValueError(f"KerasEstimator: unknown optimizer name {optimizer!r}; use a Keras optimizer name "
-                             "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object") from None
+            raise param_error("KerasEstimator", f"unknown optimizer name {optimizer!r}; use a Keras optimizer name "
+                              "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object") from None
         return {"name": optimizer}
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"KerasEstimator: optimizer must be a keras.optimizers.Optimizer or a Keras optimizer name, "
-                        f"got {type(optimizer).__name__}")
+        raise param_type_error("KerasEstimator",
+                               f"optimizer must be a keras.optimizers.Optimizer or a Keras optimizer name, "
+                               f"got {type(optimizer).__name__}")
     from spark_hvd.keras.optimizer import _DistributedOptimizerMixin
 
     cls = type(optimizer)

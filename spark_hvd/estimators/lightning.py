@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.lightning_rank import LightningTrainer
 from spark_hvd.estimators.params import KeywordParams, LightningEstimatorParams
 from spark_hvd.estimators.spec import LightningSpec
@@ -69,15 +70,16 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
         import lightning.pytorch as pl
 
         if not isinstance(model, pl.LightningModule):
-            raise TypeError(f"LightningEstimator: model must be a lightning LightningModule, got "
-                            f"{type(model).__name__}")
+            raise param_type_error("LightningEstimator", f"model must be a lightning LightningModule, got "
+                                   f"{type(model).__name__}")
         for hook in ("training_step", "configure_optimizers"):
             if getattr(type(model), hook) is getattr(pl.LightningModule, hook):
-                raise TypeError(f"LightningEstimator: {type(model).__name__} does not define {hook}")
+                raise param_type_error("LightningEstimator", f"{type(model).__name__} does not define {hook}")
         for param in ("optimizer", "loss", "metrics", "loss_weights"):
             if self._opt(getattr(self, param)):
-                raise ValueError(f"LightningEstimator: {param} is defined by the LightningModule (configure_optimizers"
-                                 ", training_step, self.log); leave the {param} param unset")
+                raise param_error("LightningEstimator",
+                                  f"{param} is defined by the LightningModule (configure_optimizers"
+                                  ", training_step, self.log); leave the {param} param unset")
         return super()._check_model(model)
 
     def _check_loss(self, n_labels: int) -> None:

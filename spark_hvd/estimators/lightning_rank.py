@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.rank_run import RankRun
 from spark_hvd.estimators.torch_rank import TorchTrainer
 
@@ -37,13 +38,13 @@ def split_optimizers(configured: Any) -> tuple[Any, Any, str]:
     elif isinstance(configured, list | tuple) and len(configured) == 2 and isinstance(configured[0], list | tuple):
         optimizers, schedulers = configured
         if len(optimizers) != 1 or len(schedulers) > 1:
-            raise ValueError("LightningEstimator: configure_optimizers must give one optimizer and at most one "
-                             f"scheduler, got {len(optimizers)} and {len(schedulers)}")
+            raise param_error("LightningEstimator", "configure_optimizers must give one optimizer and at most one "
+                              f"scheduler, got {len(optimizers)} and {len(schedulers)}")
         optimizer, scheduler = optimizers[0], (schedulers[0] if schedulers else None)
     elif isinstance(configured, list | tuple):
         if len(configured) != 1:
-            raise ValueError(f"LightningEstimator: configure_optimizers gave {len(configured)} optimizers; one is "
-                             "supported")
+            raise param_error("LightningEstimator", f"configure_optimizers gave {len(configured)} optimizers; one is "
+                              "supported")
         optimizer = configured[0]
     else:
         optimizer = configured
@@ -51,8 +52,8 @@ def split_optimizers(configured: Any) -> tuple[Any, Any, str]:
         interval = "batch" if scheduler.get("interval", "epoch") == "step" else "epoch"
         scheduler = scheduler.get("scheduler")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"LightningEstimator: configure_optimizers must give a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise param_type_error("LightningEstimator", f"configure_optimizers must give a torch.optim.Optimizer, got "
+                               f"{type(optimizer).__name__}")
     return optimizer, scheduler, interval
 
 
@@ -122,7 +123,7 @@ class LightningTrainer(TorchTrainer):
             self.optimizer.zero_grad()
         loss = self._loss_of(self.model.training_step(data, step))
         if loss is None:
-            raise ValueError("LightningEstimator: training_step returned None; return the loss (or {'loss': ...})")
+            raise param_error("LightningEstimator", "training_step returned None; return the loss (or {'loss': ...})")
         (loss / bpps if bpps > 1 else loss).backward()
         if (step + 1) % bpps == 0:
             self.optimizer.step()

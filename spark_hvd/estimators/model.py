@@ -21,6 +21,7 @@ import numpy as np
 from pyspark.ml import Model
 
 from spark_hvd.estimators.arrow import feature_to_numpy, output_spark_type, output_to_arrow
+from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.persistence import PersistableStage
 
 __all__ = ["BaseModel", "task_gpu_index", "task_threads"]
@@ -105,7 +106,7 @@ class BaseModel(Model, PersistableStage):
         """Per feature column: name, dtype and per-row shape (from the data metadata or input_shapes; None = as is)."""
         cols = self.getOrDefault(self.feature_cols)
         if not cols:
-            raise ValueError(f"{type(self).__name__}: feature_cols is not set")
+            raise param_error(self, "feature_cols is not set")
         meta = (self.getOrDefault(self.metadata) or {}).get("features") or {}
         shapes = self._input_shapes()
         if shapes is not None and len(shapes) != len(cols):

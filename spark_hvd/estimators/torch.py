@@ -12,6 +12,7 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
+from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
@@ -107,8 +108,8 @@ class TorchModuleEstimator(BaseEstimator):
     def _check_model(self, model: Any) -> bytes:
         shapes, features = self.getOrDefault(self.input_shapes), self.getOrDefault(self.feature_cols)
         if shapes is not None and len(shapes) != len(features):
-            raise ValueError(f"{type(self).__name__}: input_shapes has {len(shapes)} entries for {len(features)} "
-                             "feature columns")
+            raise param_error(self, f"input_shapes has {len(shapes)} entries for {len(features)} "
+                              "feature columns")
         return serialize_module(model)
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
@@ -182,7 +183,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
         data = super()._check_model(model)
         opt = self._opt(self.optimizer)
         if opt is None:
-            raise ValueError("TorchEstimator: set optimizer, e.g. torch.optim.Adam(model.parameters(), lr=1e-3)")
+            raise param_error("TorchEstimator", "set optimizer, e.g. torch.optim.Adam(model.parameters(), lr=1e-3)")
         self._optimizer_spec = optimizer_spec(opt, model)
         return data
 
@@ -193,11 +194,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
         for param in ("lr_scheduler", "train_minibatch_fn"):
             value = self._opt(getattr(self, param))
             if value is not None and not callable(value):
-                raise TypeError(f"TorchEstimator: {param} must be a callable, got {type(value).__name__}")
+                raise param_type_error("TorchEstimator", f"{param} must be a callable, got {type(value).__name__}")
         if self.getOrDefault(self.mixed_precision) == "fp16" and self._opt(self.train_minibatch_fn) is not None:
-            raise ValueError("TorchEstimator: mixed_precision='fp16' scales the loss in the estimator's own step, "
-                             "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
-                             "drop train_minibatch_fn")
+            raise param_error("TorchEstimator", "mixed_precision='fp16' scales the loss in the estimator's own step, "
+                              "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
+                              "drop train_minibatch_fn")
 
     _is_class_index_loss = staticmethod(is_class_index_loss)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.params import LOSS_NAMES
 from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext
 from spark_hvd.estimators.torch_precision import MixedPrecision
@@ -39,18 +40,18 @@ _LOSS_FUNCTIONS = {"mse": "mse_loss", "cross_entropy": "cross_entropy",
 def resolve_losses(loss: Any, n_labels: int) -> list[Any]:
     """One loss (a callable or a name) per label; raises ``ValueError`` naming what is wrong."""
     if loss is None:
-        raise ValueError(f"TorchEstimator: set loss: a callable, one of {list(LOSS_NAMES)}, or a list of them")
+        raise param_error("TorchEstimator", f"set loss: a callable, one of {list(LOSS_NAMES)}, or a list of them")
     losses = list(loss) if isinstance(loss, list | tuple) else [loss] * n_labels
     if len(losses) != n_labels:
-        raise ValueError(f"TorchEstimator: {len(losses)} losses for {n_labels} label columns; give one loss per "
-                         "label (or a single loss for all of them)")
+        raise param_error("TorchEstimator", f"{len(losses)} losses for {n_labels} label columns; give one loss per "
+                          "label (or a single loss for all of them)")
     for i, item in enumerate(losses):
         if isinstance(item, str):
             if item not in _LOSS_FUNCTIONS:
-                raise ValueError(f"TorchEstimator: unknown loss name {item!r} (label {i}); use one of "
-                                 f"{list(LOSS_NAMES)} or a callable")
+                raise param_error("TorchEstimator", f"unknown loss name {item!r} (label {i}); use one of "
+                                  f"{list(LOSS_NAMES)} or a callable")
         elif not callable(item):
-            raise ValueError(f"TorchEstimator: loss {i} is a {type(item).__name__}, not a callable or a name")
+            raise param_error("TorchEstimator", f"loss {i} is a {type(item).__name__}, not a callable or a name")
     return losses
 
 
@@ -85,10 +86,10 @@ def resolve_metric(metric: Any) -> tuple[str, Callable]:
     """(name, fn(output, label) -> scalar tensor) of a metric name or callable."""
     if isinstance(metric, str):
         if metric not in _METRICS:
-            raise ValueError(f"TorchEstimator: unknown metric {metric!r}; use accuracy, mse, mae or a callable")
+            raise param_error("TorchEstimator", f"unknown metric {metric!r}; use accuracy, mse, mae or a callable")
         return metric, _METRICS[metric]
     if not callable(metric):
-        raise ValueError(f"TorchEstimator: metric {metric!r} is not a callable or a name")
+        raise param_error("TorchEstimator", f"metric {metric!r} is not a callable or a name")
     return getattr(metric, "__name__", type(metric).__name__), metric
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spark_hvd.core.errors import SparkHvdError
+from spark_hvd.errors import SparkHvdError
 
 # Remote exception types that are consequences of another rank's failure rather than a cause of their own.
 CONSEQUENCE_TYPES = frozenset({

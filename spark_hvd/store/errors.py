@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spark_hvd.core.errors import SparkHvdError
+from spark_hvd.errors import SparkHvdError
 
 
 class StoreError(SparkHvdError):
