@@ -36,6 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spark_hvd.data.columns import (
+    arrow_kind,
+    frame_to_batch,
+    is_list,
+    pad_ragged,
+    sparse_to_csr,
+    transform_in_worker,
+    transform_processes,
+)
 from spark_hvd.data.errors import InvalidParamError, ReaderError, ReaderTimeoutError, TooFewRowsError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -130,6 +139,13 @@ class BatchReader:
             column ``<name>_length`` of the rows' lengths (int64); ``"list"``: an object array of one 1-D array
             per row, for the caller's own collation.
         pad_value: the padding of ``ragged="pad"``.
+        collate_fn: ``fn(batch) -> batch`` run on every batch (a dict of arrays by column) on the read-ahead
+            thread: tokenising, padding, turning sparse rows into what the model takes.
+        pool_type: ``"thread"`` (default) or ``"process"``: where ``transformation_fn`` runs. The
+            ``read_ahead_pieces`` row groups under way are read on threads either way (Arrow releases the GIL);
+            with ``"process"`` each one's ``transformation_fn`` runs in one of ``read_ahead_pieces`` worker
+            processes (for decoders that hold the GIL), the function travelling by cloudpickle. Memory stays
+            bounded: at most ``read_ahead_pieces`` row groups are in the pool, ``prefetch`` batches are queued.
 
     Column kinds in a batch: numbers as ``(rows, *shape)`` arrays (nested fixed-shape arrays included);
     ``"binary"`` and ``"string"`` columns as object arrays of Python ``bytes`` / ``str``; ``"ragged"`` as set
@@ -162,6 +178,8 @@ class BatchReader:
         kinds: dict[str, str] | None = None,
         ragged: str = "pad",
         pad_value: float = 0,
+        collate_fn: Callable[[Batch], Batch] | None = None,
+        pool_type: str = "thread",
     ) -> None:
         import pyarrow.dataset as ds
 
@@ -201,8 +219,12 @@ class BatchReader:
         if ragged not in ("pad", "list"):
             raise InvalidParamError(f"ragged must be 'pad' or 'list', got {ragged!r}")
         self.ragged, self.pad_value = ragged, pad_value
+        if pool_type not in ("thread", "process"):
+            raise InvalidParamError(f"reader_pool_type must be 'thread' or 'process', got {pool_type!r}")
+        self.collate_fn, self.pool_type = collate_fn, pool_type
+        self._procs: Any = None
         self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
-        self.kinds = {c: (kinds or {}).get(c) or _arrow_kind(self.schema.field(c).type) for c in self.columns}
+        self.kinds = {c: (kinds or {}).get(c) or arrow_kind(self.schema.field(c).type) for c in self.columns}
         self._list_cols = {c for c in self.columns if self.kinds[c] in ("array", "vector")}
         for c in self._list_cols:
             if not self.shapes[c]:
@@ -341,12 +363,20 @@ class BatchReader:
         else:
             batches = _sequential_batches(self._passes(None), sizes)
         ragged = [c for c, k in self.kinds.items() if k == "ragged"] if self.transformation_fn is None else []
-        if not ragged or self.ragged == "list":
+        if self.ragged == "list":
+            ragged = []
+        if not ragged and self.collate_fn is None:
             yield from batches
             return
         for batch in batches:
             for c in ragged:
                 batch[c], batch[f"{c}_length"] = pad_ragged(batch[c], self.pad_value)
+            if self.collate_fn is not None:
+                out = self.collate_fn(batch)
+                if not isinstance(out, dict):
+                    raise ReaderError(f"{self._where}: collate_fn must return a dict of arrays by column, got "
+                                      f"{type(out).__name__}")
+                batch = out
             yield batch
 
     # ------------------------------------------------------------------ reading
@@ -365,6 +395,8 @@ class BatchReader:
                     yield self._read(self.pieces[i])
                 yield None
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-decode-r{self.rank}")
+        if self.pool_type == "process" and self.transformation_fn is not None:
+            self._procs = transform_processes(self.transformation_fn, workers)
         try:
             while True:
                 order = list(rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces)))
@@ -378,6 +410,9 @@ class BatchReader:
                 yield None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the reads under way
+            procs, self._procs = self._procs, None
+            if procs is not None:
+                procs.shutdown(wait=True, cancel_futures=True)
 
     def _shuffled_blocks(self, rng: np.random.Generator) -> Iterator[Block]:
         """Blocks of row ids in shuffled order, over a buffer of chunks.
@@ -443,7 +478,7 @@ class BatchReader:
             raise ReaderError(f"{self._where}: column {name!r} holds {arr.null_count} nulls")
         kind = self.kinds[name]
         if kind == "sparse":
-            return _csr(arr, self.shapes[name])
+            return sparse_to_csr(arr, self.shapes[name])
         if kind == "ragged":
             values = arr.flatten()
             if values.null_count:
@@ -458,7 +493,7 @@ class BatchReader:
         shape = self.shapes[name]
         values = arr
         level = 0
-        while _is_list(values.type):  # every nesting level: one length on every row
+        while is_list(values.type):  # every nesting level: one length on every row
             if hasattr(values, "offsets") and len(values):
                 lengths = np.diff(np.asarray(values.offsets))
                 if lengths.min() != lengths.max():
@@ -479,23 +514,15 @@ class BatchReader:
         return flat.reshape((n, *shape))
 
     def _transform(self, table: Any) -> Batch:
-        df = table.to_pandas()
-        out = self.transformation_fn(df)
-        if out is None or not hasattr(out, "columns"):
-            raise ReaderError(f"{self._where}: transformation_fn must return a pandas DataFrame, got {type(out)}")
-        batch = {}
-        for c in out.columns:
-            values = out[c].to_numpy()
-            if values.dtype == object and len(values) and not isinstance(values[0], str | bytes):
-                shapes = {np.shape(v) for v in values}
-                if len(shapes) > 1:
-                    found = ", ".join(str(list(sh)) for sh in sorted(shapes)[:4])
-                    raise ReaderError(f"{self._where}: transformation_fn returned column {c!r} whose rows differ in "
-                                      f"shape ({found}); every row of a column needs one shape (resize or pad "
-                                      "them there, or pad per batch in collate_fn)")
-                values = np.stack([np.asarray(v) for v in values])
-            batch[str(c)] = values
-        return batch
+        if self._procs is not None:
+            out = self._procs.submit(transform_in_worker, table).result(timeout=self.timeout_s)
+        else:
+            out = self.transformation_fn(table.to_pandas())
+        return frame_to_batch(out, self._where)
+
+
+
+
 
 
 class _Failure:
@@ -506,63 +533,12 @@ class _Failure:
 _END = object()
 
 
-def _arrow_kind(t: Any) -> str:
-    """A column's kind from its Arrow type alone (files without spark_hvd metadata)."""
-    import pyarrow as pa
-
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
-        return "binary"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "string"
-    if pa.types.is_struct(t) and {"type", "size", "indices", "values"} <= {f.name for f in t}:
-        return "sparse"
-    return "array" if _is_list(t) else "scalar"
 
 
-def _csr(arr: Any, shape: tuple[int, ...]) -> Any:
-    """Spark's stored Vector structs (type 0 sparse: size, indices, values; type 1 dense: values) -> one float32
-    ``scipy.sparse.csr_matrix``, with numpy only (no Python loop per row)."""
-    import scipy.sparse
-
-    n = len(arr)
-    kind = arr.field("type").to_numpy(zero_copy_only=False)
-    values = arr.field("values")
-    offsets = np.asarray(values.offsets).astype(np.int64)
-    offsets -= offsets[0]  # a slice of a row group starts further on
-    data = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
-    lengths = np.diff(offsets)
-    # positions within their row: the column index of a dense row's values
-    within = np.arange(len(data), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    indices = within.astype(np.int32)
-    sparse_rows = np.repeat(kind == 0, lengths)
-    if sparse_rows.any():
-        idx = arr.field("indices")
-        indices[sparse_rows] = idx.flatten().to_numpy(zero_copy_only=False)
-    width = int(shape[0]) if shape and shape[0] != -1 else int(np.max(arr.field("size").fill_null(0)) or 0)
-    if n and not width:
-        width = int(lengths.max())
-    return scipy.sparse.csr_matrix((data, indices, offsets), shape=(n, width))
 
 
-def pad_ragged(rows: np.ndarray, pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
-    """An object array of 1-D arrays -> ``(padded (n, longest), lengths (n,) int64)``, filled by one scatter."""
-    n = len(rows)
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=n)
-    dtype = rows[0].dtype if n else np.float32
-    width = int(lengths.max()) if n else 0
-    out = np.full((n, width), pad_value, dtype=dtype)
-    if n and width:
-        flat = np.concatenate(list(rows))
-        row_of = np.repeat(np.arange(n), lengths)
-        col_of = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        out[row_of, col_of] = flat
-    return out, lengths
 
 
-def _is_list(t: Any) -> bool:
-    import pyarrow as pa
-
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
 def _row_groups(frag: Any) -> list[tuple[int, int]]:

@@ -88,6 +88,8 @@ class BaseEstimator(Estimator, PersistableStage):
         losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(labels)  # one per label, or one
         for col, item in zip(labels, losses, strict=False):
             fractional = isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType)
+            if (df.schema[col].metadata or {}).get("ml_attr", {}).get("type") == "nominal":
+                fractional = False  # StringIndexer's output: whole class indices stored as double
             if fractional and self._is_class_index_loss(item):
                 kind = df.schema[col].dataType.simpleString()
                 raise param_error(self, f"label column {col!r} is {kind} but its loss takes class "
@@ -219,7 +221,8 @@ class BaseEstimator(Estimator, PersistableStage):
             train_steps_per_epoch=get(self.train_steps_per_epoch),
             validation_steps_per_epoch=get(self.validation_steps_per_epoch), shuffle=get(self.shuffle),
             random_seed=get(self.random_seed), callbacks=tuple(self._opt(self.callbacks) or ()),
-            transformation_fn=self._opt(self.transformation_fn),
+            transformation_fn=self._opt(self.transformation_fn), collate_fn=self._opt(self.collate_fn),
+            reader_pool_type=get(self.reader_pool_type), reader_num_workers=get(self.train_reader_num_workers),
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
@@ -232,6 +235,7 @@ class BaseEstimator(Estimator, PersistableStage):
         get = self.getOrDefault
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
         spec = self._spec(store, run_id, data, plan["model_bytes"])
+        _check_batch_functions(spec)
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         tracking = self._start_mlflow(store, run_id)
         try:
@@ -247,6 +251,9 @@ class BaseEstimator(Estimator, PersistableStage):
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
             history=history, run_id=run_id, metadata=model_metadata(data, output_shapes), **self._model_params(),
         )
+        for param in ("transformation_fn", "collate_fn"):  # transform preprocesses as training did
+            if self._opt(getattr(self, param)) is not None:
+                model._set(**{param: self._opt(getattr(self, param))})
         if tracking:
             tracking.finish(model, df, self._log_mlflow_model)
         return model
@@ -270,6 +277,28 @@ class BaseEstimator(Estimator, PersistableStage):
         if latest is not None:
             earlier = json.loads(store.read_bytes(f"{latest[1]}/{RunFiles.STATE}")).get("history")
         return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
+
+
+def _check_batch_functions(spec: TrainSpec) -> None:
+    """``transformation_fn`` / ``collate_fn`` tried on the driver on the first rows, before any task starts: a
+    decoder that drops a column or returns rows of different shapes fails here, naming the column."""
+    from spark_hvd.data.transform_check import TransformationFnError, check_batch_functions
+
+    if spec.transformation_fn is None and spec.collate_fn is None:
+        for col in list(spec.feature_cols) + list(spec.label_cols):
+            kind = spec.dataset.columns[col].kind
+            if kind in ("binary", "string", "sparse"):
+                raise TransformationFnError(
+                    f"column {col!r} is {kind}: the model needs numbers, so set transformation_fn to decode it "
+                    "on the ranks (e.g. spark_hvd.data.decode.ImageDecoder for images, a tokenizer for text) or "
+                    "collate_fn to turn each batch into arrays; string categories go through "
+                    "pyspark.ml.feature.StringIndexer in the Pipeline")
+        return
+
+    cols = list(spec.feature_cols) + list(spec.label_cols)
+    if spec.sample_weight_col:
+        cols.append(spec.sample_weight_col)
+    check_batch_functions(spec.store, spec.dataset, cols, cols, spec.transformation_fn, spec.collate_fn)
 
 
 def _check_rows(df: Any, name: str, cols: list[str]) -> None:

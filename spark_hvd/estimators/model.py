@@ -115,7 +115,7 @@ class BaseModel(Model, PersistableStage):
         for i, col in enumerate(cols):
             info = meta.get(col, {}) if isinstance(meta, dict) else {}
             shape = shapes[i] if shapes is not None else info.get("shape")
-            specs.append({"name": col, "dtype": info.get("dtype"), "shape": shape})
+            specs.append({"name": col, "dtype": info.get("dtype"), "shape": shape, "kind": info.get("kind", "scalar")})
         return specs
 
     def _prepared_input(self, df: Any) -> tuple[Any, list[int], list[int]]:
@@ -163,8 +163,7 @@ class BaseModel(Model, PersistableStage):
             raise ValueError("cannot infer the output shapes from an empty DataFrame; "
                              "fit the model with the estimator or set metadata={'output_shapes': ...}")
         model = self._load_for_inference(data)
-        inputs = [feature_to_numpy(rows.column(i), s["name"], s["dtype"], s["shape"])
-                  for i, s in zip(feature_idx, specs, strict=True)]
+        inputs = model_inputs(rows, feature_idx, specs, self._opt(self.transformation_fn), self._opt(self.collate_fn))
         return [list(np.asarray(o).shape[1:]) for o in self._predict(model, inputs)]
 
     def _model_fingerprint(self, model: Any) -> str | None:
@@ -217,13 +216,15 @@ class BaseModel(Model, PersistableStage):
                             [StructField(c, output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
         fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
-                                bool(self.getOrDefault(self.use_gpu)))
+                                bool(self.getOrDefault(self.use_gpu)), self._opt(self.transformation_fn),
+                                self._opt(self.collate_fn))
         return prepared.mapInArrow(fn, schema)
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
-                       batch_size: int, use_gpu: bool = False) -> Callable:
+                       batch_size: int, use_gpu: bool = False, transformation_fn: Callable | None = None,
+                       collate_fn: Callable | None = None) -> Callable:
     """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -240,8 +241,7 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
                 empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
                 yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
                 continue
-            inputs = [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
-                      for i, s in zip(feature_idx, specs, strict=True)]
+            inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn)
             outs = model_cls._predict_batches(model, inputs, batch_size)
             if len(outs) != len(out_cols):
                 raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
@@ -250,6 +250,41 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
             yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
 
     return transform_batches
+
+
+def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformation_fn: Callable | None = None,
+                 collate_fn: Callable | None = None) -> list[np.ndarray]:
+    """The model's inputs for an Arrow batch: its feature columns as training gave them. Without preprocessing,
+    one reshape per column (``feature_to_numpy``); with ``transformation_fn`` / ``collate_fn``, the feature
+    columns as a pandas DataFrame (named as in training) through the same functions, numeric columns then cast
+    as the training reader casts them."""
+    if transformation_fn is None and collate_fn is None:
+        return [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
+                for i, s in zip(feature_idx, specs, strict=True)]
+    import pyarrow as pa
+
+    from spark_hvd.data.reader import frame_to_batch
+
+    table = pa.table({s["name"]: rb.column(i) for i, s in zip(feature_idx, specs, strict=True)})
+    if transformation_fn is not None:
+        batch = frame_to_batch(transformation_fn(table.to_pandas()), "transform")
+    else:
+        batch = {s["name"]: feature_to_numpy(table.column(s["name"]), s["name"], s["dtype"], s["shape"])
+                 for s in specs if s.get("kind", "scalar") in ("scalar", "vector", "array")}
+        batch |= {s["name"]: table.column(s["name"]).to_numpy(zero_copy_only=False)
+                  for s in specs if s["name"] not in batch}
+    if collate_fn is not None:
+        batch = collate_fn(batch)
+    inputs = []
+    for s in specs:
+        if s["name"] not in batch:
+            raise ValueError(f"transform: the preprocessing returned no feature column {s['name']!r} "
+                             f"(it returned {sorted(batch)})")
+        value = batch[s["name"]]
+        if s.get("kind", "scalar") in ("scalar", "vector", "array") and s["dtype"] and hasattr(value, "astype"):
+            value = value.astype(s["dtype"], copy=False)
+        inputs.append(value)
+    return inputs
 
 
 def task_threads() -> int | None:

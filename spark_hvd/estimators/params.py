@@ -41,6 +41,7 @@ OBJECT_PARAMS = frozenset(
         "checkpoint_callback",
         "train_minibatch_fn",
         "transformation_fn",
+        "collate_fn",
         "gradient_compression",
         "lr_scheduler",
     }
@@ -216,7 +217,15 @@ class EstimatorParams(Params):
     run_id = _p("run_id", "name of this run under runs/ in the store; an earlier run's id resumes it",
                 _to_optional(TypeConverters.toString))
     callbacks = _p("callbacks", "list of callbacks run on every rank during training")
-    transformation_fn = _p("transformation_fn", "function applied to every pandas batch before training")
+    transformation_fn = _p("transformation_fn", "fn(pandas.DataFrame) -> pandas.DataFrame run on the ranks on every "
+                           "row group as it is read (decoding: binary columns arrive as bytes, strings as str; e.g. "
+                           "spark_hvd.data.decode.ImageDecoder); also applied by the fitted model's transform")
+    collate_fn = _p("collate_fn", "fn(batch: dict of numpy arrays) -> dict, run on each batch on the reader's thread "
+                    "(tokenising, padding); also applied by the fitted model's transform to each feature batch")
+    reader_pool_type = _p("reader_pool_type", "'thread' or 'process': the pool that reads and transforms row "
+                          "groups on each rank (transformation_fn runs there)", _to_choice("thread", "process"))
+    train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one row "
+                                  "group at a time; default min(4, CPUs)", _to_optional(_to_strict_int))
     backward_passes_per_step = _p("backward_passes_per_step", "local gradient accumulation steps per allreduce",
                                   _to_strict_int)
     gradient_compression = _p("gradient_compression",
@@ -253,7 +262,7 @@ class EstimatorParams(Params):
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
-            checkpoint_when_busy="wait",
+            checkpoint_when_busy="wait", reader_pool_type="thread", train_reader_num_workers=None,
         )
 
 
@@ -322,11 +331,15 @@ class ModelParams(Params):
                   _to_json_dict)
     use_gpu = _p("use_gpu", "run transform on the executor's GPU where the task has one (its Spark GPU resource, "
                  "else the first visible CUDA device); the CPU otherwise", TypeConverters.toBoolean)
+    transformation_fn = _p("transformation_fn", "the preprocessing transform applies to the raw feature columns "
+                           "(a pandas DataFrame of them) before the model; fit sets the estimator's")
+    collate_fn = _p("collate_fn", "the per-batch hook transform applies to the feature arrays (a dict by column) "
+                    "after transformation_fn; fit sets the estimator's")
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(feature_cols=None, label_cols=None, output_cols=None, batch_size=1024, history=None,
-                         run_id=None, metadata=None, use_gpu=False)
+                         run_id=None, metadata=None, use_gpu=False, transformation_fn=None, collate_fn=None)
 
     def getOutputCols(self) -> list[str]:  # noqa: N802 (Spark ML naming)
         """The prediction column names: ``output_cols`` if set, else ``<label>__output`` for every label."""

@@ -105,14 +105,14 @@ class ShardReaders:
         self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec.feature_cols
                         if self.info.columns[c].kind in ("scalar", "vector", "array")}
         seed = spec.random_seed or 0
+        common = {"columns": cols, "rank": rank, "size": size, "seed": seed,
+                  "transformation_fn": spec.transformation_fn, "collate_fn": spec.collate_fn,
+                  "pool_type": spec.reader_pool_type, "read_ahead_pieces": spec.reader_num_workers}
         self.readers = {"train": BatchReader.from_dataset(
-            spec.store, self.info, "train", columns=cols, rank=rank, size=size, batch_size=spec.batch_size,
-            shuffle=spec.shuffle, seed=seed, transformation_fn=spec.transformation_fn)}
+            spec.store, self.info, "train", batch_size=spec.batch_size, shuffle=spec.shuffle, **common)}
         if self.info.has_validation:
             self.readers["val"] = BatchReader.from_dataset(
-                spec.store, self.info, "val", columns=cols, rank=rank, size=size,
-                batch_size=spec.val_batch_size, shuffle=False, seed=seed,
-                transformation_fn=spec.transformation_fn)
+                spec.store, self.info, "val", batch_size=spec.val_batch_size, shuffle=False, **common)
 
     @property
     def has_validation(self) -> bool:

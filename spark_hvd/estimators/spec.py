@@ -62,6 +62,9 @@ class TrainSpec:
     random_seed: int | None = None
     callbacks: tuple = ()
     transformation_fn: Any = None
+    collate_fn: Any = None
+    reader_pool_type: str = "thread"
+    reader_num_workers: int | None = None
     backward_passes_per_step: int = 1
     gradient_compression: Any = None
     use_gpu: bool | None = None

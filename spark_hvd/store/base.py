@@ -74,7 +74,9 @@ _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
 def scheme_of(url: str) -> str:
-    """The store scheme of ``url``: ``""`` (local path), ``file``, ``dbfs``, ``hdfs``, or an fsspec protocol."""
+    """The store scheme of ``url``: ``""`` (local), ``file``, ``dbfs``, ``volumes``, ``hdfs``, or an fsspec one."""
+    if url.startswith(("/Volumes/", "dbfs:/Volumes/")):
+        return "volumes"
     if url == "/dbfs" or url.startswith("/dbfs/"):
         return "dbfs"
     m = _SCHEME_RE.match(url)
@@ -117,6 +119,7 @@ class Store(ABC):
 
         - a local path or ``file://...``: :class:`~spark_hvd.store.local.LocalStore`;
         - ``dbfs:/...`` or ``/dbfs/...``: :class:`~spark_hvd.store.dbfs.DBFSStore` (Databricks FUSE mount);
+        - ``/Volumes/<catalog>/<schema>/<volume>/...``: :class:`~spark_hvd.store.volumes.VolumesStore`;
         - ``hdfs://host:port/path`` (or ``hdfs:///path``): :class:`~spark_hvd.store.hdfs.HDFSStore`;
         - any other fsspec protocol (``s3://``, ``gs://``, ``abfs://``, ``memory://``, ...):
           :class:`~spark_hvd.store.fsspec_store.FsspecStore`, with ``storage_options`` passed to

@@ -33,6 +33,7 @@ _registry: dict[str, str | type[Store]] = {
     "": "spark_hvd.store.local.LocalStore",
     "file": "spark_hvd.store.local.LocalStore",
     "dbfs": "spark_hvd.store.dbfs.DBFSStore",
+    "volumes": "spark_hvd.store.volumes.VolumesStore",
     "hdfs": "spark_hvd.store.hdfs.HDFSStore",
     "viewfs": "spark_hvd.store.hdfs.HDFSStore",
 }

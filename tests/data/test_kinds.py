@@ -124,3 +124,63 @@ def test_unsupported_and_bad_values_are_caught_on_the_driver(spark, store):
         prepare_data(null_inner, store, ["g"], "y")
     assert not os.path.exists(store.data_root()) or store.list_datasets() == [] or all(
         not n.startswith("._tmp") for n in os.listdir(store.data_root()))
+
+
+def _png_parquet(tmp_path, n=24):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, size=(n, 20, 30, 3), dtype=np.uint8)
+    blobs = []
+    for img in images:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        blobs.append(buf.getvalue())
+    path = str(tmp_path / "images.parquet")
+    pq.write_table(pa.table({"id": np.arange(n), "content": pa.array(blobs, pa.binary())}), path, row_group_size=5)
+    return path, images
+
+
+@pytest.mark.parametrize("pool_type", ["thread", "process"])
+def test_image_decoder_on_the_reader_pool(tmp_path, pool_type):
+    pytest.importorskip("PIL")
+    from spark_hvd.data.decode import ImageDecoder
+
+    path, images = _png_parquet(tmp_path)
+    decoder = ImageDecoder("content", size=(20, 30), mean=[0.5] * 3, std=[0.25] * 3)  # no resize: exact values
+    reader = BatchReader(path, batch_size=7, transformation_fn=decoder, pool_type=pool_type, read_ahead_pieces=2)
+    seen = 0
+    for batch in reader.epoch(0):
+        assert batch["content"].shape == (len(batch["id"]), 3, 20, 30) and batch["content"].dtype == np.float32
+        want = (images[batch["id"]].transpose(0, 3, 1, 2) / 255.0 - 0.5) / 0.25
+        np.testing.assert_allclose(batch["content"], want, atol=1e-5)
+        seen += len(batch["id"])
+    assert seen == len(images)
+    small = ImageDecoder("content", size=(8, 12), mode="L", channels_last=True)
+    batch = next(iter(BatchReader(path, batch_size=4, transformation_fn=small).epoch(0)))
+    assert batch["content"].shape == (4, 8, 12, 1) and small.shape == (8, 12, 1)
+    assert 0.0 <= batch["content"].min() and batch["content"].max() <= 1.0
+
+
+def test_collate_fn_runs_per_batch_and_must_return_a_dict(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "text.parquet")
+    words = [" ".join(["w"] * (1 + i % 5)) for i in range(30)]
+    pq.write_table(pa.table({"id": np.arange(30), "text": words}), path, row_group_size=8)
+
+    def tokenise(batch):
+        ids = [np.arange(1, len(t.split()) + 1) for t in batch["text"]]
+        padded, lengths = pad_ragged(np.array(ids + [np.zeros(0, int)], dtype=object)[:-1])
+        return {"id": batch["id"], "ids": padded, "lengths": lengths}
+
+    for batch in BatchReader(path, batch_size=6, shuffle=True, collate_fn=tokenise).epoch(0):
+        assert batch["lengths"].tolist() == [1 + i % 5 for i in batch["id"]]
+        assert batch["ids"].shape == (6, max(batch["lengths"]))
+    with pytest.raises(Exception, match="collate_fn must return a dict"):
+        next(iter(BatchReader(path, batch_size=6, collate_fn=lambda b: [b]).epoch(0)))

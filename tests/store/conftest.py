@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -78,18 +79,66 @@ def make_store(kind: str, request, tmp_path):
         return Store.create(f"memory://spark-hvd-{uuid.uuid4().hex[:8]}/store")
     if kind == "dbfs":
         return Store.create("dbfs:/ml/store", fuse_root=str(tmp_path / "dbfs"))
+    if kind == "volumes":
+        root = request.getfixturevalue("volumes_mount")
+        return Store.create("/Volumes/main/ml/artifacts/store", fuse_root=root)
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = request.getfixturevalue("s3_bucket")
     return Store.create(f"s3://{bucket}/{uuid.uuid4().hex[:8]}", **s3_options(endpoint))
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture
+def volumes_mount(tmp_path, monkeypatch):
+    """A directory standing in for a Unity Catalog volume mount, with the mount's limits: under it, opening a
+    file to append or to write in place (modes with ``a`` or ``+``) and renaming fail as the mount fails them."""
+    import builtins
+    import shutil
+
+    root = str(tmp_path / "uc")
+    os.makedirs(os.path.join(root, "Volumes", "main", "ml", "artifacts"))
+    real_open, real_rename, real_replace, real_move = builtins.open, os.rename, os.replace, shutil.move
+
+    def under(*paths) -> bool:
+        return any(isinstance(p, str | os.PathLike) and os.path.abspath(os.fspath(p)).startswith(root)
+                   for p in paths)
+
+    def refused(what: str, path) -> OSError:
+        return OSError(errno.EOPNOTSUPP, f"simulated Unity Catalog volume: {what} is not supported", str(path))
+
+    def vopen(file, mode="r", *args, **kwargs):
+        if under(file) and ("a" in mode or "+" in mode):
+            raise refused(f"open(mode={mode!r})", file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def vrename(src, dst, *args, **kwargs):
+        if under(src, dst):
+            raise refused("rename", src)
+        return real_rename(src, dst, *args, **kwargs)
+
+    def vreplace(src, dst, *args, **kwargs):
+        if under(src, dst):
+            raise refused("rename", src)
+        return real_replace(src, dst, *args, **kwargs)
+
+    def vmove(src, dst, *args, **kwargs):
+        if under(src, dst):
+            raise refused("rename", src)
+        return real_move(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", vopen)
+    monkeypatch.setattr(os, "rename", vrename)
+    monkeypatch.setattr(os, "replace", vreplace)
+    monkeypatch.setattr(shutil, "move", vmove)
+    return root
+
+
+@pytest.fixture(params=["local", "memory", "s3", "volumes"])
 def any_store(request, tmp_path):
     """A fresh, empty store of each kind the contract suite runs against."""
     return make_store(request.param, request, tmp_path)
 
 
-@pytest.fixture(params=["local", "memory", "s3", "dbfs"])
+@pytest.fixture(params=["local", "memory", "s3", "dbfs", "volumes"])
 def durable_store(request, tmp_path):
     """A fresh, empty store of each kind, DBFS included (the checkpoint durability suite)."""
     return make_store(request.param, request, tmp_path)

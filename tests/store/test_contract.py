@@ -164,6 +164,8 @@ def test_spark_url(any_store):
             s.spark_url(path)
     elif s.url.startswith("s3://"):
         assert s.spark_url(path) == "s3a://" + path
+    elif s.url.startswith("/Volumes/"):
+        assert s.spark_url(path) == "dbfs:/Volumes/main/ml/artifacts/store/data/k/train"
     else:
         assert s.spark_url(path) == "file://" + path
 

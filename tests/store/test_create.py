@@ -168,3 +168,30 @@ def test_unwritable_store_is_named(tmp_path):
     good = Store.create(str(tmp_path / "ok"))
     good.check_writable()
     assert os.listdir(tmp_path / "ok") == []  # the probe is gone
+
+
+def test_volumes_paths_and_the_mounts_limits(volumes_mount):
+    from spark_hvd.store.volumes import VolumesStore
+
+    store = Store.create("/Volumes/main/ml/artifacts/store", fuse_root=volumes_mount)
+    assert isinstance(store, VolumesStore) and not store.supports_rename
+    assert (store.catalog, store.schema, store.volume) == ("main", "ml", "artifacts")
+    assert store.url == "/Volumes/main/ml/artifacts/store"
+    assert isinstance(Store.create("dbfs:/Volumes/main/ml/artifacts", fuse_root=volumes_mount), VolumesStore)
+    for bad in ("/Volumes/main/ml", "/Volumes/main/ml/artifacts/../../x"):
+        with pytest.raises(StoreURLError, match="volume"):
+            Store.create(bad, fuse_root=volumes_mount)
+    # the simulated mount refuses what the local store does (write a temporary file, rename it over) ...
+    local = Store.create(volumes_mount + "/Volumes/main/ml/artifacts/plain")
+    with pytest.raises(OSError, match="rename is not supported"):
+        local.write_bytes(local.path("f"), b"x")
+    # ... and the volume store writes, overwrites and commits without renaming or appending
+    store.write_bytes(store.path("f"), b"one")
+    store.write_bytes(store.path("f"), b"two")
+    assert store.read_bytes(store.path("f")) == b"two"
+    with store.atomic_dir(store.data_path("k")) as target:
+        store.write_bytes(f"{target}/part-0", b"data")
+    with store.atomic_dir(store.data_path("k")) as target:  # replaced while committed
+        store.write_bytes(f"{target}/part-0", b"new data")
+    assert store.is_committed(store.data_path("k"))
+    assert store.read_bytes(store.data_path("k") + "/part-0") == b"new data"

@@ -31,6 +31,7 @@ def test_builtin_schemes():
         "file": "spark_hvd.store.local.LocalStore",
         "hdfs": "spark_hvd.store.hdfs.HDFSStore",
         "viewfs": "spark_hvd.store.hdfs.HDFSStore",
+        "volumes": "spark_hvd.store.volumes.VolumesStore",
     }
     assert registry.store_class("s3").__name__ == "FsspecStore"  # anything else: fsspec
 
@@ -65,5 +66,5 @@ def test_base_imports_no_implementation():
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     implementations = {path.rpartition(".")[0] for path in [*registered_schemes().values(), registry.DEFAULT_STORE]}
     assert implementations == {"spark_hvd.store.local", "spark_hvd.store.dbfs", "spark_hvd.store.hdfs",
-                               "spark_hvd.store.fsspec_store"}
+                               "spark_hvd.store.fsspec_store", "spark_hvd.store.volumes"}
     assert not imported & implementations

@@ -1,0 +1,241 @@
+"""The data kinds' pipelines against their peers, one invocation, ratios of the same run.
+
+- **images**: ``--images`` PNG files (sklearn's digits drawn at 64x64 RGB) decoded, resized to 32x32 and
+  normalised, batches of 64, ``--workers`` workers each:
+  ``spark_hvd``: ``BatchReader`` over the same images in Parquet (a binary column, row groups of 1 MiB) with
+  ``ImageDecoder`` as ``transformation_fn`` on its thread pool; ``torch DataLoader``: a ``Dataset`` over the image
+  files (the same Pillow decode per file: torchvision is not installed here) with ``num_workers`` worker processes
+  and torch's default collation; ``in-memory loop``: ``decode_images`` over the bytes already in memory, 64 at a
+  time, on one thread.
+- **text**: ``--sentences`` strings (Python's standard-library docstrings, offline) tokenised by a BPE tokenizer
+  trained on them in seconds (``tokenizers``), padded per batch of 64: ``spark_hvd``: ``BatchReader`` over a string
+  column in Parquet, tokenising in ``collate_fn``; ``in-memory``: the same ``encode_batch`` + padding over the
+  strings in a Python list.
+- **peak RSS**: one rank (a fresh process) reads an epoch of ``--rss-mib`` MiB of incompressible 64 KiB binary
+  rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it); reported:
+  its peak RSS above the RSS it had after its imports, against the budget.
+
+Run:  .venv/bin/python benchmarks/data_kinds.py [--images 2000] [--workers 2] [--sentences 20000] [--rss-mib 512]
+Results go to stdout (a table) and, with ``--json``, to a file. The machine's load matters: report it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from spark_hvd.data.decode import ImageDecoder, decode_images  # noqa: E402
+from spark_hvd.data.reader import BatchReader  # noqa: E402
+
+SIZE = (32, 32)
+BATCH = 64
+
+
+def make_images(directory: str, count: int) -> list[str]:
+    """``count`` PNG files of digits at 64x64 RGB (tinted so that the 3 channels differ)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    paths = []
+    os.makedirs(directory, exist_ok=True)
+    for n in range(count):
+        image = digits.images[n % len(digits.images)] * (255 / 16)
+        rgb = np.stack([image, image[::-1], image.T], axis=-1).astype(np.uint8)
+        path = os.path.join(directory, f"{n:05d}.png")
+        Image.fromarray(rgb, mode="RGB").resize((64, 64), Image.BILINEAR).save(path)
+        paths.append(path)
+    return paths
+
+
+class FileImages:
+    """torch Dataset over image files, decoding each as ``ImageDecoder`` does."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        import torch
+
+        with open(self.paths[i], "rb") as f:
+            blob = f.read()
+        return torch.from_numpy(decode_images([blob], SIZE, "RGB", [0.5] * 3, [0.5] * 3)[0]), i
+
+
+def bench_images(work: str, count: int, workers: int) -> dict:
+    import torch
+
+    paths = make_images(os.path.join(work, "png"), count)
+    blobs = [open(p, "rb").read() for p in paths]
+    pq.write_table(pa.table({"id": np.arange(count), "content": pa.array(blobs, pa.binary())}),
+                   os.path.join(work, "images.parquet"), row_group_size=max(1, (1 << 20) // max(map(len, blobs))))
+    decoder = ImageDecoder("content", size=SIZE, mean=[0.5] * 3, std=[0.5] * 3)
+
+    def ours() -> int:
+        reader = BatchReader(os.path.join(work, "images.parquet"), batch_size=BATCH, shuffle=True,
+                             transformation_fn=decoder, read_ahead_pieces=workers)
+        return sum(len(b["content"]) for b in reader.epoch(0))
+
+    def loader() -> int:
+        dl = torch.utils.data.DataLoader(FileImages(paths), batch_size=BATCH, shuffle=True, num_workers=workers,
+                                         persistent_workers=False)
+        return sum(len(x) for x, _ in dl)
+
+    def memory() -> int:
+        n = 0
+        for start in range(0, count, BATCH):
+            n += len(decode_images(blobs[start:start + BATCH], SIZE, "RGB", [0.5] * 3, [0.5] * 3))
+        return n
+
+    return {name: count / best_time(fn, count) for name, fn in
+            (("spark_hvd", ours), ("torch DataLoader", loader), ("in-memory loop", memory))}
+
+
+def best_time(fn, count: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        got = fn()
+        best = min(best, time.perf_counter() - t0)
+        assert got >= count, (got, count)
+    return best
+
+
+def corpus(count: int) -> list[str]:
+    """Docstrings of the standard library, split into sentences (offline, real English)."""
+    import pkgutil
+
+    texts: list[str] = []
+    for mod in pkgutil.iter_modules():
+        if len(texts) >= count or mod.name.startswith("_") or mod.name in ("antigravity", "this", "idlelib"):
+            continue
+        try:
+            module = __import__(mod.name)
+        except BaseException:  # noqa: BLE001 - anything importable will do
+            continue
+        for obj in [module, *vars(module).values()]:
+            doc = getattr(obj, "__doc__", None)
+            if isinstance(doc, str):
+                texts += [s.strip() for s in doc.split(". ") if len(s.strip()) > 20]
+    while len(texts) < count:
+        texts += texts
+    return texts[:count]
+
+
+def bench_text(work: str, count: int) -> dict:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    sentences = corpus(count)
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(sentences, trainers.BpeTrainer(vocab_size=4000, special_tokens=["[PAD]", "[UNK]"]))
+    pq.write_table(pa.table({"text": sentences}), os.path.join(work, "text.parquet"), row_group_size=4096)
+
+    def pad(encodings) -> np.ndarray:
+        ids = [e.ids for e in encodings]
+        out = np.zeros((len(ids), max(map(len, ids))), np.int64)
+        for i, row in enumerate(ids):
+            out[i, :len(row)] = row
+        return out
+
+    def collate(batch: dict) -> dict:
+        return {"ids": pad(tok.encode_batch(list(batch["text"])))}
+
+    def ours() -> int:
+        reader = BatchReader(os.path.join(work, "text.parquet"), batch_size=BATCH, shuffle=True, collate_fn=collate)
+        return sum(1 for _ in reader.epoch(0)) * BATCH
+
+    def memory() -> int:
+        return sum(len(pad(tok.encode_batch(sentences[s:s + BATCH]))) for s in range(0, count, BATCH))
+
+    batches = -(-count // BATCH)
+    return {name: batches / best_time(fn, count) for name, fn in (("spark_hvd", ours), ("in-memory", memory))}
+
+
+_RSS_CHILD = r"""
+import os, resource, sys, json
+sys.path.insert(0, {root!r})
+from spark_hvd.data.reader import BatchReader
+import numpy as np, pyarrow
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
+base = rss()
+reader = BatchReader({path!r}, batch_size={batch}, shuffle=True, shuffle_buffer_rows={buffer_rows},
+                     read_ahead_pieces={ahead}, prefetch={prefetch})
+peak, rows = 0, 0
+for batch in reader.epoch(0):
+    rows += len(batch["blob"])
+    peak = max(peak, rss())
+print(json.dumps({{"base": base, "peak": peak, "rows": rows}}))
+"""
+
+
+def bench_rss(work: str, mib: int) -> dict:
+    row = 64 << 10
+    rows = (mib << 20) // row
+    path = os.path.join(work, "rss.parquet")
+    rng = np.random.default_rng(0)
+    with pq.ParquetWriter(path, pa.schema([("id", pa.int64()), ("blob", pa.binary())]), compression="none") as w:
+        for start in range(0, rows, 16):  # row groups of 1 MiB, as prepare_data writes binary columns
+            n = min(16, rows - start)
+            w.write_table(pa.table({"id": np.arange(start, start + n),
+                                    "blob": pa.array([rng.bytes(row) for _ in range(n)], pa.binary())}))
+    budget = (mib << 20) // 4
+    # the budget split: half shuffle buffer, a quarter read-ahead, a quarter prefetched batches
+    batch = 32
+    buffer_rows = (budget // 2) // row
+    ahead = max(1, (budget // 4) // (1 << 20))
+    prefetch = max(1, (budget // 4) // (batch * row))
+    code = _RSS_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path=path,
+                             batch=batch, buffer_rows=buffer_rows, ahead=min(ahead, 8), prefetch=prefetch)
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                     .stdout.strip().splitlines()[-1])
+    grown = out["peak"] - out["base"]
+    return {"dataset MiB": mib, "budget MiB": budget >> 20, "peak RSS above start MiB": round(grown / 2**20, 1),
+            "ratio to budget": round(grown / budget, 2), "rows read": out["rows"],
+            "settings": {"shuffle_buffer_rows": buffer_rows, "read_ahead_pieces": min(ahead, 8),
+                         "prefetch": prefetch, "batch_size": batch}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--sentences", type=int, default=20000)
+    parser.add_argument("--rss-mib", type=int, default=512)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    results = {"load": os.getloadavg(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
+        images = bench_images(work, args.images, args.workers)
+        results["images/s"] = images
+        results["images ratios"] = {"vs torch DataLoader": images["spark_hvd"] / images["torch DataLoader"],
+                                    "vs in-memory loop": images["spark_hvd"] / images["in-memory loop"]}
+        text = bench_text(work, args.sentences)
+        results["text batches/s"] = text
+        results["text ratio vs in-memory"] = text["spark_hvd"] / text["in-memory"]
+        results["rss"] = bench_rss(work, args.rss_mib)
+    results["load after"] = os.getloadavg()
+    print(json.dumps(results, indent=2, default=float))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=float)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""How each column kind becomes part of a batch: Spark's stored sparse Vectors as a CSR matrix, ragged arrays
+padded, a ``transformation_fn``'s DataFrame as arrays, and the worker processes of ``reader_pool_type="process"``.
+All numpy and Arrow, no Python loop per row except where each row is its own object (bytes, str, ragged rows)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from spark_hvd.data.errors import ReaderError
+
+__all__ = ["arrow_kind", "frame_to_batch", "is_list", "pad_ragged", "sparse_to_csr", "transform_processes"]
+
+Batch = dict[str, np.ndarray]
+
+
+def is_list(t: Any) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def arrow_kind(t: Any) -> str:
+    """A column's kind from its Arrow type alone (files without spark_hvd metadata)."""
+    import pyarrow as pa
+
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_struct(t) and {"type", "size", "indices", "values"} <= {f.name for f in t}:
+        return "sparse"
+    return "array" if is_list(t) else "scalar"
+
+
+def sparse_to_csr(arr: Any, shape: tuple[int, ...]) -> Any:
+    """Spark's stored Vector structs (type 0 sparse: size, indices, values; type 1 dense: values) -> one float32
+    ``scipy.sparse.csr_matrix``, with numpy only (no Python loop per row)."""
+    import scipy.sparse
+
+    n = len(arr)
+    kind = arr.field("type").to_numpy(zero_copy_only=False)
+    values = arr.field("values")
+    offsets = np.asarray(values.offsets).astype(np.int64)
+    offsets -= offsets[0]  # a slice of a row group starts further on
+    data = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32)
+    lengths = np.diff(offsets)
+    # positions within their row: the column index of a dense row's values
+    within = np.arange(len(data), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+    indices = within.astype(np.int32)
+    sparse_rows = np.repeat(kind == 0, lengths)
+    if sparse_rows.any():
+        idx = arr.field("indices")
+        indices[sparse_rows] = idx.flatten().to_numpy(zero_copy_only=False)
+    width = int(shape[0]) if shape and shape[0] != -1 else int(np.max(arr.field("size").fill_null(0)) or 0)
+    if n and not width:
+        width = int(lengths.max())
+    return scipy.sparse.csr_matrix((data, indices, offsets), shape=(n, width))
+
+
+def pad_ragged(rows: np.ndarray, pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An object array of 1-D arrays -> ``(padded (n, longest), lengths (n,) int64)``, filled by one scatter."""
+    n = len(rows)
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=n)
+    dtype = rows[0].dtype if n else np.float32
+    width = int(lengths.max()) if n else 0
+    out = np.full((n, width), pad_value, dtype=dtype)
+    if n and width:
+        flat = np.concatenate(list(rows))
+        row_of = np.repeat(np.arange(n), lengths)
+        col_of = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[row_of, col_of] = flat
+    return out, lengths
+
+
+def frame_to_batch(out: Any, where: str) -> Batch:
+    """A ``transformation_fn``'s pandas DataFrame -> a batch: a column of per-row arrays becomes one stacked
+    array (its rows must share a shape), ``bytes`` / ``str`` stay object arrays, numbers stay as they are."""
+    if out is None or not hasattr(out, "columns"):
+        raise ReaderError(f"{where}: transformation_fn must return a pandas DataFrame, got {type(out)}")
+    batch = {}
+    for c in out.columns:
+        values = out[c].to_numpy()
+        if values.dtype == object and len(values) and not isinstance(values[0], str | bytes):
+            shapes = {np.shape(v) for v in values}
+            if len(shapes) > 1:
+                found = ", ".join(str(list(sh)) for sh in sorted(shapes)[:4])
+                raise ReaderError(f"{where}: transformation_fn returned column {c!r} whose rows differ in "
+                                  f"shape ({found}); every row of a column needs one shape (resize or pad "
+                                  "them there, or pad per batch in collate_fn)")
+            values = np.stack([np.asarray(v) for v in values])
+        batch[str(c)] = values
+    return batch
+
+
+_WORKER_FN: Any = None
+
+
+def init_transform_worker(fn_bytes: bytes) -> None:
+    global _WORKER_FN
+    import cloudpickle
+
+    _WORKER_FN = cloudpickle.loads(fn_bytes)
+
+
+def transform_in_worker(table: Any) -> Any:
+    return _WORKER_FN(table.to_pandas())
+
+
+def transform_processes(fn: Callable, workers: int) -> Any:
+    """A pool of ``workers`` processes holding ``fn`` (forkserver: no fork of a process with threads)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import cloudpickle
+
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"),
+                               initializer=init_transform_worker, initargs=(cloudpickle.dumps(fn),))

@@ -1,0 +1,94 @@
+"""A store in a Databricks Unity Catalog volume, through its local mount (``/Volumes/<catalog>/<schema>/<volume>``).
+
+Files in a volume are reached by the same path from Python (a FUSE mount on every node) and from Spark. What the
+mount allows matters to a store (Databricks documents the volume mount's limits): files are written whole and in
+order, and neither appended to nor written at random offsets, and nothing in a volume is renamed. So this store
+
+- writes every file in one sequential pass (``write_bytes`` removes an earlier file first instead of writing a
+  temporary file and renaming it over the old one, as the local store does);
+- commits directories with the ``_COMMITTED`` manifest written last (as on DBFS), never by renaming a
+  temporary directory (``supports_rename = False``): a reader sees a checkpoint or dataset only once its
+  manifest is there, so a torn copy is never taken for a committed one;
+- never opens a file for appending: logs are rewritten whole (the store has no append at all).
+
+A single file rewritten in place (the metrics log) can be read half-written for a moment; everything a run
+resumes from is committed by manifest.
+
+Storage options:
+    fuse_root: where ``/Volumes`` lives (default ``/``, the real mount; tests point it at a temporary directory).
+    visibility_timeout_s: how long :meth:`wait_until_visible` waits by default (default 120).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from typing import Any
+
+from spark_hvd.store.base import _poll
+from spark_hvd.store.errors import StoreError, StoreURLError
+from spark_hvd.store.local import LocalStore, _fsync
+
+__all__ = ["VolumesStore", "is_volume_path"]
+
+_VOLUME = re.compile(r"^(?:dbfs:)?/Volumes/([^/]+)/([^/]+)/([^/]+)(/.*)?$")
+
+
+def is_volume_path(url: str) -> bool:
+    """Whether ``url`` is a Unity Catalog volume path (``/Volumes/...`` or ``dbfs:/Volumes/...``)."""
+    return url.startswith(("/Volumes/", "dbfs:/Volumes/")) or url in ("/Volumes", "dbfs:/Volumes")
+
+
+class VolumesStore(LocalStore):
+    """A store under ``/Volumes/<catalog>/<schema>/<volume>/<prefix>`` (see the module docstring)."""
+
+    supports_rename = False
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        options = dict(storage_options)
+        fuse_root = str(options.pop("fuse_root", "/")).rstrip("/")
+        timeout = float(options.pop("visibility_timeout_s", 120.0))
+        if options:
+            raise StoreURLError(f"unknown Volumes storage options {sorted(options)} for {url!r}")
+        m = _VOLUME.match(url.rstrip("/"))
+        if not m:
+            raise StoreURLError(f"not a Unity Catalog volume path: {url!r} (expected "
+                                "/Volumes/<catalog>/<schema>/<volume>/<path>)")
+        rel = posixpath.normpath("/Volumes/" + "/".join(m.group(1, 2, 3)) + (m.group(4) or ""))
+        if not rel.startswith("/Volumes/" + "/".join(m.group(1, 2, 3))):
+            raise StoreURLError(f"volume path {url!r} leaves its volume")
+        self.catalog, self.schema, self.volume = m.group(1, 2, 3)
+        self.fuse_root = fuse_root
+        self.visibility_timeout_s = timeout
+        super().__init__(fuse_root + rel)
+        self.url = rel
+        self.storage_options = dict(storage_options)
+
+    def spark_url(self, path: str) -> str:
+        """``dbfs:/Volumes/...`` for a path under the mount (Spark on Unity Catalog compute reads it)."""
+        root = self.fuse_root
+        if not path.startswith(root + "/Volumes/"):
+            raise StoreURLError(f"{path!r} is not under the volume mount {root + '/Volumes'!r}")
+        return "dbfs:" + path[len(root):]
+
+    def _rename(self, src: str, dst: str) -> None:
+        raise StoreError(f"{self!r}: a Unity Catalog volume cannot rename {src!r} (a store bug: "
+                         "supports_rename is False)")
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` in one sequential pass (no temporary file, no rename; an earlier file is removed first)."""
+        data = bytes(data)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.lexists(path):
+            os.remove(path)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            _fsync(f.fileno())
+        self._record(path, data)
+
+    def wait_until_visible(self, path: str, timeout_s: float | None = None) -> None:
+        """Poll the mount until Spark's ``_SUCCESS`` file under ``path`` is visible."""
+        timeout = self.visibility_timeout_s if timeout_s is None else timeout_s
+        _poll(lambda: self.exists(posixpath.join(path, "_SUCCESS")), timeout, f"Spark output {path!r} in {self!r}")
