@@ -7,8 +7,8 @@ optimizer become bytes and back, its typed spec (``spec.py``), the training func
 
 from __future__ import annotations
 
-import json
 import logging
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -19,9 +19,9 @@ from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.model import BaseModel
 from spark_hvd.estimators.params import OBJECT_PARAMS
 from spark_hvd.estimators.persistence import PersistableStage
-from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
 from spark_hvd.estimators.spec import TrainSpec, model_metadata
+from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["BaseEstimator"]
 
@@ -40,7 +40,8 @@ class BaseEstimator(Estimator, PersistableStage):
     metrics and ``_log_mlflow_model(model)`` go to the active tracking URI.
 
     On the ranks a framework's training function uses ``ShardReaders`` (its shard, same step count on every
-    rank), ``RunFiles`` (checkpoints with the history inside, metrics log, final model) and ``append_history``.
+    rank), ``RunDir`` (``spark_hvd.store.run_dir``: checkpoints with the history inside, metrics log, final
+    model) and ``append_history``.
     A resumed run (same ``run_id``, or a retry after a failed rank) starts after the newest complete checkpoint.
     """
 
@@ -68,7 +69,7 @@ class BaseEstimator(Estimator, PersistableStage):
         raise NotImplementedError
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        """The final model that rank 0 wrote to ``store.model_path(run_id)``."""
+        """The final model that rank 0 wrote to ``RunDir(store, run_id).model_path``."""
         raise NotImplementedError
 
     def _model_params(self) -> dict:
@@ -272,10 +273,9 @@ class BaseEstimator(Estimator, PersistableStage):
         params["model_class"] = type(self.getOrDefault(self.model)).__name__
         if self._opt(self.optimizer) is not None:
             params["optimizer"] = type(self.getOrDefault(self.optimizer)).__name__
-        latest = store.latest_checkpoint(run_id)
-        earlier = None
-        if latest is not None:
-            earlier = json.loads(store.read_bytes(f"{latest[1]}/{RunFiles.STATE}")).get("history")
+        with tempfile.TemporaryDirectory() as tmp:
+            latest = RunDir(store, run_id).latest_checkpoint(tmp)
+        earlier = latest.state.get("history") if latest is not None else None
         return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
 
 

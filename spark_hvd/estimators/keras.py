@@ -30,8 +30,8 @@ from spark_hvd.estimators.keras_serde import (
 )
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
-from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.spec import BestPolicy, KerasSpec
+from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
 
@@ -258,7 +258,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         }
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        data = RunFiles(store, run_id).read_model_file(MODEL_FILE)
+        data = RunDir(store, run_id).read_model_file(MODEL_FILE)
         return load_keras_bytes(data, self._custom_objects(), compile=True)
 
     def _model_params(self) -> dict:

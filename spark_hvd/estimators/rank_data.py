@@ -1,78 +1,16 @@
-"""What a rank reads and writes in the store: its shard of the prepared data (``ShardReaders``) and the run's
-files (``RunFiles``: checkpoints with the history inside, the metrics log, the final model)."""
+"""What a rank reads from the store: its shard of the prepared data (``ShardReaders``); and ``append_history``.
+(The run's files, checkpoints, metrics log and final model, are ``spark_hvd.store.run_dir.RunDir``'s.)"""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
 from spark_hvd.data.metadata import model_input_dtype
 from spark_hvd.estimators.spec import TrainSpec
 
-__all__ = ["RunFiles", "ShardReaders", "append_history"]
-
-
-class RunFiles:
-    """A training run's files in the store, as the ranks use them (rank 0 writes, every rank may read).
-
-    ``runs/<run_id>/checkpoints/epoch-<e>/`` (committed atomically; ``e`` is the 0-based epoch just finished) holds
-    the framework's files plus ``state.json`` (``{"epoch": e, "history": {...}}``), so a resumed run continues
-    at epoch ``e + 1`` with the history so far. ``runs/<run_id>/logs/metrics.jsonl`` has one JSON line per epoch.
-    ``runs/<run_id>/logs/events.out.tfevents.*`` has the same metrics as TensorBoard scalars (``train/<name>``,
-    ``val/<name>``, step = epoch; see ``spark_hvd.estimators.tensorboard``).
-    ``runs/<run_id>/model/`` holds the final model.
-    """
-
-    STATE = "state.json"
-
-    def __init__(self, store: Any, run_id: str) -> None:
-        self.store = store
-        self.run_id = run_id
-        self._events: Any = None
-
-    def latest_checkpoint(self, local_dir: str) -> tuple[int, dict] | None:
-        """Download the newest complete checkpoint into ``local_dir``; ``(epoch, history)`` or None."""
-        latest = self.store.latest_checkpoint(self.run_id)
-        if latest is None:
-            return None
-        epoch, _ = latest
-        self.store.download_checkpoint(self.run_id, epoch, local_dir)
-        with open(f"{local_dir}/{self.STATE}") as f:
-            state = json.load(f)
-        return int(state["epoch"]), dict(state.get("history") or {})
-
-    def write_checkpoint(self, epoch: int, local_dir: str, history: dict) -> None:
-        """Commit ``local_dir`` (plus ``state.json``) as the checkpoint of ``epoch``, and the metrics log."""
-        with open(f"{local_dir}/{self.STATE}", "w") as f:
-            json.dump({"epoch": epoch, "history": history, "time": time.time()}, f)
-        self.store.write_checkpoint(self.run_id, epoch, local_dir)
-        self.write_metrics(history)
-
-    def write_metrics(self, history: dict) -> None:
-        """Rewrite ``logs/metrics.jsonl`` (one line per epoch so far; the store has no append) and the
-        TensorBoard event file."""
-        n = max((len(v) for v in history.values()), default=0)
-        lines = [json.dumps({"epoch": e, **{k: v[e] for k, v in history.items() if e < len(v)}}) for e in range(n)]
-        logs = self.store.logs_path(self.run_id)
-        self.store.write_bytes(f"{logs}/metrics.jsonl", ("\n".join(lines) + "\n").encode())
-        if self._events is None:
-            from spark_hvd.estimators.tensorboard import EventFileWriter
-
-            self._events = EventFileWriter(self.store, logs)
-        self._events.write_history(history)
-
-    def write_model(self, local_dir: str) -> None:
-        """Commit ``local_dir`` as ``runs/<run_id>/model``."""
-        with self.store.atomic_dir(self.store.model_path(self.run_id)) as target:
-            self.store.upload_dir(local_dir, target)
-
-    def read_model_file(self, name: str) -> bytes:
-        """A file of the final model directory."""
-        return self.store.read_bytes(f"{self.store.model_path(self.run_id)}/{name}")
+__all__ = ["ShardReaders", "append_history"]
 
 
 def append_history(history: dict[str, list[float]], metrics: dict[str, float]) -> None:

@@ -27,9 +27,10 @@ import tempfile
 from abc import ABC, abstractmethod
 from typing import Any
 
-from spark_hvd.estimators.rank_data import RunFiles, ShardReaders, append_history
+from spark_hvd.estimators.rank_data import ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
 from spark_hvd.store.background import BackgroundWriter
+from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank"]
 
@@ -134,7 +135,8 @@ class RankRun:
     def __init__(self, spec: TrainSpec, trainer: RankTrainer) -> None:
         self.spec = spec
         self.trainer = trainer
-        self.files = RunFiles(spec.store, spec.run_id)
+        self.run_dir = RunDir(spec.store, spec.run_id)
+        self._events: Any = None  # the TensorBoard event file, opened by the first metrics written
         self.history: dict[str, list[float]] = {}
         self.start = 0
         self.rank, self.size = 0, 1
@@ -182,9 +184,9 @@ class RankRun:
         start, history = 0, {}
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                found = self.files.latest_checkpoint(tmp)
+                found = self.run_dir.latest_checkpoint(tmp)
                 if found is not None:
-                    last, history = found
+                    last, history = int(found.state.get("epoch", found.epoch)), dict(found.state.get("history") or {})
                     self.trainer.load_checkpoint(tmp)
                     start = last + 1
                     log.info("run %s: resuming after epoch %d", self.spec.run_id, last)
@@ -226,7 +228,7 @@ class RankRun:
         if self.rank == 0:
             if not (save and self._checkpoint(epoch)):
                 history = copy.deepcopy(self.history)
-                self.writer.submit(lambda: self.files.write_metrics(history), what=f"the metrics log of epoch {epoch}")
+                self.writer.submit(lambda: self._write_metrics(history), what=f"the metrics log of epoch {epoch}")
         report(epoch=epoch, **logs)
         return bool(self.trainer.hvd.broadcast_object(bool(stop), root_rank=0))
 
@@ -245,7 +247,7 @@ class RankRun:
             shutil.rmtree(snapshot, ignore_errors=True)
             raise
         history = copy.deepcopy(self.history)
-        submitted = self.writer.submit(lambda: self.files.write_checkpoint(epoch, snapshot, history),
+        submitted = self.writer.submit(lambda: self._commit(epoch, snapshot, history),
                                        what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch}",
                                        checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True))
         if not submitted:
@@ -253,6 +255,22 @@ class RankRun:
             return False
         self._checkpointed = True
         return True
+
+    def _commit(self, epoch: int, snapshot: str, history: dict) -> None:
+        """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), then the
+        metrics log."""
+        self.run_dir.write_checkpoint(epoch, snapshot, {"history": history})
+        self._write_metrics(history)
+
+    def _write_metrics(self, history: dict) -> None:
+        """``history`` as ``logs/metrics.jsonl`` and as TensorBoard scalars (``train/<name>``, ``val/<name>``,
+        step = epoch; ``spark_hvd.estimators.tensorboard``) beside it."""
+        self.run_dir.write_metrics(history)
+        if self._events is None:
+            from spark_hvd.estimators.tensorboard import EventFileWriter
+
+            self._events = EventFileWriter(self.spec.store, self.run_dir.logs_path)
+        self._events.write_history(history)
 
     def first_batch(self) -> dict:
         """One batch of this rank's training data (for shapes)."""
@@ -268,14 +286,14 @@ class RankRun:
             return None
         self.writer.wait()  # the last checkpoint is uploaded (or its failure raised) before the final model
         self.writer.close()
-        if self.spec.best is not None and self.spec.store.latest_checkpoint(self.spec.run_id) is not None:
+        if self.spec.best is not None:
             with tempfile.TemporaryDirectory() as tmp:  # the best epoch's state
-                self.files.latest_checkpoint(tmp)
-                self.trainer.load_checkpoint(tmp)
+                if self.run_dir.latest_checkpoint(tmp) is not None:
+                    self.trainer.load_checkpoint(tmp)
         output_shapes = self.trainer.output_shapes(self.first_batch())
         with tempfile.TemporaryDirectory() as tmp:
             self.trainer.save_model(tmp)
-            self.files.write_model(tmp)
+            self.run_dir.write_model(tmp)
         return {"history": self.history, "output_shapes": output_shapes}
 
 

@@ -216,7 +216,7 @@ class EventFileWriter:
 
     Args:
         store: a ``spark_hvd.store.Store``; every read and write goes through it.
-        logs_dir: the store path of the run's logs directory (``store.logs_path(run_id)``).
+        logs_dir: the store path of the run's logs directory (``RunDir(store, run_id).logs_path``).
     """
 
     def __init__(self, store: Any, logs_dir: str) -> None:

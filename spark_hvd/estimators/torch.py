@@ -16,7 +16,6 @@ from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
-from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.rank_run import EarlyStopping
 from spark_hvd.estimators.spec import BestPolicy, TorchSpec
 from spark_hvd.estimators.torch_rank import TorchTrainer, is_class_index_loss, resolve_losses, resolve_metric
@@ -27,6 +26,7 @@ from spark_hvd.estimators.torch_serde import (
     optimizer_spec,
     serialize_module,
 )
+from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["TorchEstimator", "TorchModel", "EarlyStopping"]
 
@@ -117,7 +117,7 @@ class TorchModuleEstimator(BaseEstimator):
 
         # a CPU copy of the user's module (which may sit on a GPU of the driver), then the trained weights
         model = deserialize_module(serialize_module(self.getOrDefault(self.model)))
-        state = torch.load(io.BytesIO(RunFiles(store, run_id).read_model_file("model.pt")), map_location="cpu")
+        state = torch.load(io.BytesIO(RunDir(store, run_id).read_model_file("model.pt")), map_location="cpu")
         model.load_state_dict(state)
         return model.eval()
 

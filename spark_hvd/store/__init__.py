@@ -10,13 +10,16 @@ from spark_hvd.store.fsspec_store import FsspecStore
 from spark_hvd.store.hdfs import HDFSStore
 from spark_hvd.store.local import LocalStore
 from spark_hvd.store.registry import register_store, registered_schemes
+from spark_hvd.store.run_dir import Checkpoint, RunDir
 
 __all__ = [
     "COMMIT_MARKER",
+    "Checkpoint",
     "DBFSStore",
     "FsspecStore",
     "HDFSStore",
     "LocalStore",
+    "RunDir",
     "Store",
     "StoreError",
     "StoreTimeoutError",

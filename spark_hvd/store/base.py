@@ -1,17 +1,16 @@
 """The :class:`Store` contract: where prepared data, checkpoints, logs and models of a job live.
 
 (Longer than ~400 lines on purpose: this is the one class a store implementer reads, the whole contract every
-store honours: layout, bytes and listings, directories, atomic commits, checkpoints, visibility. The commit protocol,
-the manifest, the scheme registry and the handling of secrets live in their own modules.)
+store honours: layout, bytes and listings, directories, atomic commits, visibility. The commit protocol, the
+manifest, the scheme registry, the handling of secrets and a run's directory (``RunDir``) live in their own
+modules.)
 
 A store is a root (a *prefix*) on some filesystem. Every store, whatever its URL, lays its files out the same way::
 
     <prefix>/data/<dataset_key>/train/part-*.parquet   written by spark_hvd.data (Spark or pyarrow)
     <prefix>/data/<dataset_key>/val/part-*.parquet
     <prefix>/data/<dataset_key>/_metadata.json          columns, dtypes, shapes, row counts
-    <prefix>/runs/<run_id>/checkpoints/epoch-<n>/...    committed atomically (see :meth:`Store.atomic_dir`)
-    <prefix>/runs/<run_id>/logs/                        metrics (JSON lines), TensorBoard events, timeline
-    <prefix>/runs/<run_id>/model/                       the final model
+    <prefix>/runs/<run_id>/...                          a training run: :class:`~spark_hvd.store.run_dir.RunDir`
 
 Paths. Every ``*_path`` method returns a *store path*: the filesystem's own absolute path (``/abs/dir/...`` for a
 local or DBFS store, ``bucket/prefix/...`` for S3, ``/user/x/...`` for HDFS). The same string is understood by
@@ -29,8 +28,8 @@ a crash never removes its last committed version: files are written aside (or in
 yet and the store cannot rename), fsynced where the filesystem supports it, and committed by a manifest of sizes and
 checksums written last (``_MANIFEST.json``); a committed version is replaced only once its successor is committed.
 :mod:`spark_hvd.store.atomic` has the protocol and its recovery, :mod:`spark_hvd.store.manifest` the manifest.
-:meth:`Store.is_committed` checks for a manifest, :meth:`Store.verify` checks the files against it. Checkpoints
-(:meth:`Store.write_checkpoint`; :meth:`Store.latest_checkpoint` gives the newest that verifies) and prepared
+:meth:`Store.is_committed` checks for a manifest, :meth:`Store.verify` checks the files against it. A run's
+checkpoints (``RunDir.write_checkpoint``; ``RunDir.latest_checkpoint`` gives the newest that verifies) and prepared
 datasets are written this way.
 
 Pickling. A store pickles as its URL and storage options (no open connection), so it can be shipped to Spark
@@ -69,7 +68,6 @@ logger = logging.getLogger(__name__)
 
 #: Name of the file that marks an atomically written directory as complete: its manifest.
 COMMIT_MARKER = MANIFEST
-_EPOCH_RE = re.compile(r"^epoch-(\d+)$")
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
@@ -108,7 +106,6 @@ class Store(ABC):
         self.storage_options = dict(storage_options)
         self._fs: fsspec.AbstractFileSystem | None = None
         self._pa_fs: pyarrow.fs.FileSystem | None = None
-        self._synced: dict[tuple[str, str], tuple[int, int]] = {}
         self._recorded: dict[str, tuple[int, str]] = {}  # path -> (size, sha256) of files this process wrote
         self._dropped_secrets: list[str] | None = None  # set by without_secrets
 
@@ -263,24 +260,6 @@ class Store(ABC):
         _check_name(run_id, "run_id")
         return self.path("runs", run_id)
 
-    def checkpoints_path(self, run_id: str) -> str:
-        """``<prefix>/runs/<run_id>/checkpoints``."""
-        return posixpath.join(self.run_path(run_id), "checkpoints")
-
-    def checkpoint_path(self, run_id: str, epoch: int) -> str:
-        """``<prefix>/runs/<run_id>/checkpoints/epoch-<epoch>``."""
-        if int(epoch) < 0:
-            raise ValueError(f"checkpoint epoch must be >= 0, got {epoch}")
-        return posixpath.join(self.checkpoints_path(run_id), f"epoch-{int(epoch)}")
-
-    def logs_path(self, run_id: str) -> str:
-        """``<prefix>/runs/<run_id>/logs``: metrics (JSON lines), TensorBoard events, timeline."""
-        return posixpath.join(self.run_path(run_id), "logs")
-
-    def model_path(self, run_id: str) -> str:
-        """``<prefix>/runs/<run_id>/model``: the final model."""
-        return posixpath.join(self.run_path(run_id), "model")
-
     # ------------------------------------------------------------------ bytes and listings
     def exists(self, path: str) -> bool:
         """Whether a file or directory exists at the store path ``path``."""
@@ -380,37 +359,6 @@ class Store(ABC):
             self.fs.get_file(remote, target)
         return local_dir
 
-    def sync_dir(self, local_dir: str, path: str) -> int:
-        """Copy to ``path`` the files of ``local_dir`` that are new or changed since the last sync; returns how many.
-
-        Meant to be called repeatedly by a worker (e.g. after each epoch) to mirror its local log or checkpoint
-        directory into the store. Changes are detected by size and modification time.
-        """
-        copied = 0
-        for local, rel in _walk_files(local_dir):
-            st = os.stat(local)
-            key = (path, rel)
-            stamp = (st.st_size, st.st_mtime_ns)
-            if self._synced.get(key) == stamp:
-                continue
-            remote = posixpath.join(path, rel)
-            self._makedirs(posixpath.dirname(remote))
-            self.fs.put_file(local, remote)
-            self._synced[key] = stamp
-            copied += 1
-        if copied:
-            self._invalidate(path)
-        return copied
-
-    def sync_fn(self, run_id: str) -> Callable[[str], int]:
-        """A function ``fn(local_dir)`` that mirrors a worker's local run directory into ``run_path(run_id)``."""
-        target = self.run_path(run_id)
-
-        def sync(local_dir: str) -> int:
-            return self.sync_dir(local_dir, target)
-
-        return sync
-
     def atomic_dir(self, path: str, overwrite: bool = True) -> contextlib.AbstractContextManager[str]:
         """Write a directory that readers see complete or not at all, and that a crash never loses.
 
@@ -438,72 +386,6 @@ class Store(ABC):
         """What is wrong with the directory ``path`` (no manifest, a missing, truncated or altered file), or ``None``
         when every file matches the manifest. Reads every checksummed file."""
         return atomic.verify(self, path.rstrip("/"))
-
-    # ------------------------------------------------------------------ checkpoints
-    def write_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
-        """Copy the local directory ``local_dir`` atomically to ``checkpoint_path(run_id, epoch)``; returns it."""
-        final = self.checkpoint_path(run_id, epoch)
-        with self.atomic_dir(final) as target:
-            self.upload_dir(local_dir, target)
-        return final
-
-    def list_checkpoints(self, run_id: str) -> list[int]:
-        """The epochs of the committed checkpoints of ``run_id`` (a manifest present; not verified), ascending."""
-        root = self.checkpoints_path(run_id)
-        epochs = []
-        for name in self.listdir(root):
-            m = _EPOCH_RE.match(name)
-            if m and self.is_committed(posixpath.join(root, name)):
-                epochs.append(int(m.group(1)))
-        return sorted(epochs)
-
-    def latest_checkpoint(self, run_id: str) -> tuple[int, str] | None:
-        """``(epoch, store path)`` of the newest checkpoint of ``run_id`` that verifies, or ``None``.
-
-        Called when a run starts (to resume), so it also tidies the run's checkpoint directory first: interrupted
-        replacements are finished, stale temporary directories and partial epochs (no manifest, no marker)
-        deleted. Each newer checkpoint that fails :meth:`verify` is skipped with a warning saying why; it is left
-        in place and replaced when that epoch is written again.
-        """
-        root = self.checkpoints_path(run_id)
-        atomic.recover(self, root)
-        epochs = []
-        for name in self.listdir(root):
-            m = _EPOCH_RE.match(name)
-            if m:
-                epochs.append((int(m.group(1)), posixpath.join(root, name)))
-        for epoch, path in sorted(epochs, reverse=True):
-            if not self.exists(posixpath.join(path, MANIFEST)) and not self.exists(posixpath.join(path, LEGACY_MARKER)):
-                logger.info("run %s: deleting the partial checkpoint of epoch %d (never committed)", run_id, epoch)
-                self.delete(path)
-                continue
-            problem = self.verify(path)
-            if problem is None:
-                return epoch, path
-            if not self.exists(posixpath.join(path, MANIFEST)):
-                problem = f"it has only the {LEGACY_MARKER} marker of a spark_hvd without manifests: cannot verify"
-            logger.warning("run %s: skipping the checkpoint of epoch %d in %r: %s", run_id, epoch, self, problem)
-        return None
-
-    def download_checkpoint(self, run_id: str, epoch: int, local_dir: str) -> str:
-        """Copy the committed checkpoint of ``epoch`` into ``local_dir`` and check the copy against its manifest;
-        returns ``local_dir``.
-
-        Raises:
-            FileNotFoundError: no committed checkpoint of that epoch.
-            StoreError: the downloaded files do not match the manifest (naming the file).
-        """
-        path = self.checkpoint_path(run_id, epoch)
-        try:
-            manifest = Manifest.loads(self.read_bytes(posixpath.join(path, MANIFEST)))
-        except (FileNotFoundError, ValueError) as e:
-            raise FileNotFoundError(f"no committed checkpoint for epoch {epoch} of run {run_id!r} in {self!r}") from e
-        self.download_dir(path, local_dir)
-        problem = manifest.problem_in_local_copy(local_dir)
-        if problem is not None:
-            raise StoreError(f"the checkpoint of epoch {epoch} of run {run_id!r} in {self!r} changed while "
-                             f"downloading: {problem}")
-        return local_dir
 
     # ------------------------------------------------------------------ visibility
     def wait_until_visible(self, path: str, timeout_s: float | None = None) -> None:

@@ -13,6 +13,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from spark_hvd.store import RunDir
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 KILLED_MARKER = "killed"
@@ -70,7 +72,7 @@ def tf_scalars(path: Any) -> tuple[dict[str, list[float]], dict[str, list[int]],
 def assert_events_match_history(store: Any, run_id: str, history: dict[str, list[float]], tmp_dir: Any) -> None:
     """The run's logs hold one TensorBoard event file whose scalars (read by TensorFlow) are ``history``:
     ``train/<m>`` / ``val/<m>`` per key, step = epoch, every epoch once."""
-    logs = store.logs_path(run_id)
+    logs = RunDir(store, run_id).logs_path
     names = [n for n in store.listdir(logs) if ".tfevents." in n]
     assert len(names) == 1, f"expected one event file in {logs}: {store.listdir(logs)}"
     local = os.path.join(str(tmp_dir), names[0])

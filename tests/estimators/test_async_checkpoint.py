@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import threading
 import time
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from spark_hvd.estimators.rank_run import RankRun
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 from spark_hvd.store.background import UploadFailedError
 from spark_hvd.store.local import LocalStore
 from spark_hvd.store.manifest import MANIFEST
@@ -86,10 +87,14 @@ def _steps(trainer: Trainer, n: int) -> list[float]:
 
 
 def _committed_weights(store: Store, epoch: int, tmp_path) -> int:
-    local = str(tmp_path / f"check-{epoch}")
-    store.download_checkpoint(RUN, epoch, local)
-    with open(os.path.join(local, "weights.json")) as f:
-        return json.load(f)["weights"]
+    path = posixpath.join(RunDir(store, RUN).checkpoint_path(epoch), "weights.json")
+    return json.loads(store.read_bytes(path))["weights"]
+
+
+def _latest(store: Store, tmp_path) -> int | None:
+    """The epoch of the newest checkpoint that verifies (``RunDir.latest_checkpoint``), or None."""
+    found = RunDir(store, RUN).latest_checkpoint(str(tmp_path / "latest"))
+    return None if found is None else found.epoch
 
 
 def test_steps_go_on_while_the_checkpoint_uploads_and_the_manifest_comes_last(tmp_path):
@@ -100,7 +105,7 @@ def test_steps_go_on_while_the_checkpoint_uploads_and_the_manifest_comes_last(tm
     run.end_epoch(0, {"loss": 1.0})  # snapshot (weights 3) taken; the upload blocks on the gate
     submitted = time.monotonic()
     stamps = _steps(trainer, 20)
-    assert store.latest_checkpoint(RUN) is None, "nothing may be committed before the upload finished"
+    assert _latest(store, tmp_path) is None, "nothing may be committed before the upload finished"
     time.sleep(0.3)
     store.gate.set()
     run.writer.wait()
@@ -109,7 +114,7 @@ def test_steps_go_on_while_the_checkpoint_uploads_and_the_manifest_comes_last(tm
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     assert max(gaps) < (end - submitted) / 2, "a step waited for the upload"
     assert store.manifests and min(store.manifests) > end, "the manifest must be written after the data"
-    assert store.latest_checkpoint(RUN)[0] == 0
+    assert _latest(store, tmp_path) == 0
     assert _committed_weights(store, 0, tmp_path) == 3, "the checkpoint is the state at the step it was taken"
 
 
@@ -131,14 +136,14 @@ def test_a_failed_upload_is_retried_and_one_that_keeps_failing_is_raised(tmp_pat
     with caplog.at_level(logging.WARNING, logger="spark_hvd.store.background"):
         run.end_epoch(0, {"loss": 1.0})
         run.writer.wait()
-    assert store.latest_checkpoint(RUN)[0] == 0
+    assert _latest(store, tmp_path) == 0
     assert sum("retrying" in r.getMessage() for r in caplog.records) == 2
     store.fail = 10
     trainer.weights = 7
     run.end_epoch(1, {"loss": 0.5})
     with pytest.raises(UploadFailedError, match="checkpoint of epoch 1 failed 4 times.*unreachable"):
         run.writer.wait()
-    assert store.latest_checkpoint(RUN)[0] == 0  # the earlier checkpoint stays the newest committed one
+    assert _latest(store, tmp_path) == 0  # the earlier checkpoint stays the newest committed one
     with pytest.raises(UploadFailedError):  # and training cannot go on as if it had been saved
         run.end_epoch(2, {"loss": 0.4})
 
@@ -153,8 +158,8 @@ def test_a_busy_upload_makes_the_next_checkpoint_wait_or_be_skipped(tmp_path):
     assert run.writer.skipped == 1
     store.gate.set()
     run.writer.wait()
-    assert store.list_checkpoints(RUN) == [0]
-    metrics = store.read_bytes(f"{store.logs_path(RUN)}/metrics.jsonl").decode().splitlines()
+    assert RunDir(store, RUN).list_checkpoints() == [0]
+    metrics = store.read_bytes(f"{RunDir(store, RUN).logs_path}/metrics.jsonl").decode().splitlines()
     assert [json.loads(line)["epoch"] for line in metrics] == [0, 1]  # the metrics of the skipped epoch are kept
 
     store2 = SlowStore(str(tmp_path / "store2"))
@@ -167,4 +172,4 @@ def test_a_busy_upload_makes_the_next_checkpoint_wait_or_be_skipped(tmp_path):
     run.end_epoch(1, {"loss": 0.5})  # waits until epoch 0's upload is done, then snapshots
     assert time.monotonic() - t0 > 0.2 and len(store2.uploads) >= 1
     run.writer.wait()
-    assert store2.list_checkpoints(RUN) == [0, 1] and _committed_weights(store2, 1, tmp_path) == 5
+    assert RunDir(store2, RUN).list_checkpoints() == [0, 1] and _committed_weights(store2, 1, tmp_path) == 5

@@ -16,7 +16,7 @@ import torch
 from estimator_helpers import EpochRecorder, epochs_begun
 
 from spark_hvd.estimators import TorchEstimator
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -53,14 +53,14 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_epoch(spark, tmp
     store = Store.create(str(tmp_path / "store"))
     first = _fit(store, df, 2, tmp_path, seed=0)
     assert epochs_begun(tmp_path) == [0, 1]
-    newest = os.path.join(store.checkpoint_path("torn", 1), "model.pt")
+    newest = os.path.join(RunDir(store, "torn").checkpoint_path(1), "model.pt")
     with open(newest, "r+b") as f:  # a torn write: the file lost its second half after the commit
         f.truncate(os.path.getsize(newest) // 2)
-    assert store.verify(store.checkpoint_path("torn", 1)) is not None
+    assert store.verify(RunDir(store, "torn").checkpoint_path(1)) is not None
 
     second = _fit(store, df, 3, tmp_path, seed=123)  # a differently initialised net: only a resume gives epoch 0
     assert epochs_begun(tmp_path) == [0, 1, 1, 2], "resumed after epoch 0, the newest checkpoint that verifies"
     h1, h2 = first.getHistory()["loss"], second.getHistory()["loss"]
     assert len(h2) == 3 and h2[0] == h1[0]  # epoch 0's history came from its checkpoint
-    assert store.list_checkpoints("torn") == [0, 1, 2]
-    assert all(store.verify(store.checkpoint_path("torn", e)) is None for e in range(3))  # epoch 1 rewritten
+    assert RunDir(store, "torn").list_checkpoints() == [0, 1, 2]
+    assert all(store.verify(RunDir(store, "torn").checkpoint_path(e)) is None for e in range(3))  # epoch 1 rewritten

@@ -15,7 +15,7 @@ import pytest
 from estimator_helpers import EpochRecorder, assert_events_match_history, epochs_begun
 
 from spark_hvd.estimators import KerasEstimator, KerasModel
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -118,7 +118,7 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
     trained = km.getModel()
     assert isinstance(trained.layers[-1], Scale) and type(trained.optimizer).__mro__[0] is keras.optimizers.SGD
     assert epochs_begun(tmp_path, 0) == [0, 1, 2] and epochs_begun(tmp_path, 1) == [0, 1, 2]
-    assert store.list_checkpoints("keras-resume") == [0, 1, 2]
+    assert RunDir(store, "keras-resume").list_checkpoints() == [0, 1, 2]
 
     # transform == model.predict on the same rows
     out = fitted.transform(reg_df).select("a", "b", "c", "y__output").collect()
@@ -198,7 +198,7 @@ def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg
     # best-only: the checkpoints are the epochs where val_loss improved, and the final model is the best one
     val = hist["val_loss"]
     improved = [e for e in range(len(val)) if val[e] < min(val[:e], default=np.inf)]
-    assert store.list_checkpoints(fitted.getRunId()) == improved
+    assert RunDir(store, fitted.getRunId()).list_checkpoints() == improved
     assert_events_match_history(store, fitted.getRunId(), hist, tmp_path)  # every epoch, checkpointed or not
 
     out = fitted.setOutputCols(["y_pred", "z_pred"]).transform(df)
@@ -224,5 +224,5 @@ def test_killed_rank_costs_at_most_its_epoch(spark, store, reg_df, tmp_path):
     hist = fitted.getHistory()
     assert len(hist["loss"]) == 3 and len(hist["val_loss"]) == 3, hist
     assert hist["loss"][-1] < hist["loss"][0], hist
-    assert store.list_checkpoints(fitted.getRunId()) == [0, 1, 2]
+    assert RunDir(store, fitted.getRunId()).list_checkpoints() == [0, 1, 2]
     assert_events_match_history(store, fitted.getRunId(), hist, tmp_path)

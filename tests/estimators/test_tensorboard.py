@@ -17,7 +17,7 @@ from spark_hvd.estimators.tensorboard import (
     read_records,
     scalar_tag,
 )
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 
 def test_crc32c_known_vectors():
@@ -62,7 +62,7 @@ def test_encoded_events_read_by_tensorflow(tmp_path):
 
 def test_writer_rewrites_per_epoch_and_resumes_without_duplicates(tmp_path):
     store = Store.create(str(tmp_path / "store"))
-    logs = store.logs_path("run-a")
+    logs = RunDir(store, "run-a").logs_path
     history = {"loss": [1.0, 0.5], "val_loss": [1.2, 0.6], "val_accuracy": [0.25, 0.5], "mae": [0.9, 0.4]}
     first = EventFileWriter(store, logs)
     first.write_history({k: v[:1] for k, v in history.items()})
@@ -87,7 +87,7 @@ def test_writer_rewrites_per_epoch_and_resumes_without_duplicates(tmp_path):
 def test_writer_through_a_memory_store(tmp_path):
     store = Store.create("memory://tb-test")
     history = {"loss": [3.0, 2.0, 1.0]}
-    path = EventFileWriter(store, store.logs_path("mem")).write_history(history)
+    path = EventFileWriter(store, RunDir(store, "mem").logs_path).write_history(history)
     local = tmp_path / "events.out.tfevents.copy"
     local.write_bytes(store.read_bytes(path))
     values, steps, _ = tf_scalars(local)

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
-from spark_hvd.estimators.rank_data import RunFiles
 from spark_hvd.estimators.torch_serde import deserialize_module, optimizer_spec, serialize_module
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 _cuda_tagging = {"on": False}
 
@@ -92,8 +91,8 @@ def test_final_model_and_optimizer_state_saved_on_cuda_load_on_cpu(tmp_path):
         torch.save(net.state_dict(), model_dir / "model.pt")
         model_bytes = serialize_module(net)
         opt_bytes = cloudpickle.dumps(optimizer_spec(opt, net))
-    RunFiles(store, "gpu-run").write_model(str(model_dir))
-    raw = store.read_bytes(f"{store.model_path('gpu-run')}/model.pt")
+    RunDir(store, "gpu-run").write_model(str(model_dir))
+    raw = store.read_bytes(f"{RunDir(store, 'gpu-run').model_path}/model.pt")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(io.BytesIO(raw))

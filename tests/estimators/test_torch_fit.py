@@ -16,7 +16,7 @@ import torch
 from estimator_helpers import EpochRecorder, assert_events_match_history, epochs_begun
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -92,8 +92,8 @@ def test_pipeline_regression_fit_save_load_transform(spark, store, reg_df, tmp_p
     again = PipelineModel.load(path)
     assert again.stages[1].getHistory() == hist and again.stages[1].getRunId() == tm.getRunId()
     assert again.transform(reg_df).select("a", "b", "c", "y__output").collect() == out
-    assert store.list_checkpoints(tm.getRunId()) == [0, 1, 2, 3]
-    lines = store.read_bytes(f"{store.logs_path(tm.getRunId())}/metrics.jsonl").decode().splitlines()
+    assert RunDir(store, tm.getRunId()).list_checkpoints() == [0, 1, 2, 3]
+    lines = store.read_bytes(f"{RunDir(store, tm.getRunId()).logs_path}/metrics.jsonl").decode().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1, 2, 3]
     assert_events_match_history(store, tm.getRunId(), hist, tmp_path)
 

@@ -19,7 +19,7 @@ from torch_replay import assert_fit_equals_replay, rank_shards, replay
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.estimators.torch import EarlyStopping
-from spark_hvd.store import Store
+from spark_hvd.store import RunDir, Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
@@ -101,10 +101,8 @@ def test_early_stopping_lr_scheduler_best_epoch_bpps(spark, df, tmp_path):
     assert hist["lr"] == pytest.approx([0.2, 0.1, 0.05]), "0.1 scaled by num_proc=2, then halved per epoch"
     for rank in (0, 1):  # the scheduler's rate, seen on every rank
         assert [float(v) for v in _lines(tmp_path / f"lr{rank}.log")] == pytest.approx([0.2, 0.1, 0.05])
-    assert store.latest_checkpoint("steer")[0] == 1, "only improving epochs are checkpointed"
     ck = tmp_path / "ck1"
-    ck.mkdir()
-    store.download_checkpoint("steer", 1, str(ck))
+    assert RunDir(store, "steer").latest_checkpoint(str(ck)).epoch == 1, "only improving epochs are checkpointed"
     best = torch.load(io.BytesIO((ck / "model.pt").read_bytes()))
     for name, value in model.getModel().state_dict().items():
         torch.testing.assert_close(value, best[name])  # the returned model is the best epoch's
@@ -138,7 +136,7 @@ def test_diverging_fit_raises_naming_epoch_and_step(spark, df, tmp_path):
                          partitions_per_process=1, verbose=0, run_id="diverge")
     with pytest.raises(Exception, match=r"training loss is (nan|inf).* at epoch 0, step \d+ \(rank [01]\)"):
         est.fit(df)
-    assert not store.exists(store.model_path("diverge"))
+    assert not store.exists(RunDir(store, "diverge").model_path)
 
 
 def _halve_per_epoch(opt):

@@ -12,11 +12,12 @@ import os
 import posixpath
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 
-from spark_hvd.store import Store, StoreError
+from spark_hvd.store import RunDir, Store, StoreError
 from spark_hvd.store.manifest import LEGACY_MARKER, MANIFEST
 
 
@@ -41,6 +42,13 @@ def _raw(store, path):
     return store._raw_names(path)
 
 
+def _latest(store):
+    """``(epoch, store path)`` of the checkpoint ``RunDir.latest_checkpoint`` downloads and verifies, or None."""
+    with tempfile.TemporaryDirectory() as tmp:
+        found = RunDir(store, "r").latest_checkpoint(tmp)
+    return None if found is None else (found.epoch, found.path)
+
+
 def _fresh(store):
     """The same store as a new process opens it (no cached state)."""
     return Store.create(store.url, **store.storage_options)
@@ -50,19 +58,19 @@ def test_manifest_lists_sizes_and_checksums(store, tmp_path):
     import hashlib
 
     payload = os.urandom(3000)
-    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", payload))
+    path = RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", payload))
     manifest = json.loads(store.read_bytes(posixpath.join(path, MANIFEST)))
     assert manifest["files"]["model.pt"] == {"size": 3000, "sha256": hashlib.sha256(payload).hexdigest()}
     assert set(manifest["files"]) == {"model.pt", "opt/state"}
     assert store.verify(path) is None
-    out = store.download_checkpoint("r", 0, str(tmp_path / "back"))
+    out = RunDir(store, "r").latest_checkpoint(str(tmp_path / "back")).local_dir
     assert sorted(os.listdir(out)) == ["model.pt", "opt"]
 
 
 def test_crash_while_replacing_a_committed_checkpoint_loses_nothing(store, tmp_path, monkeypatch):
     """Re-committing epoch 3 dies between taking the old copy away and putting the new one in place: a fresh
     process still finds epoch 3 committed (the new copy, which was complete) and no temporary directory is left."""
-    store.write_checkpoint("r", 3, _local_checkpoint(tmp_path, "old", b"old" * 100))
+    RunDir(store, "r").write_checkpoint(3, _local_checkpoint(tmp_path, "old", b"old" * 100))
     if store.supports_rename:
         real_rename, calls = store._rename, []
 
@@ -79,14 +87,15 @@ def test_crash_while_replacing_a_committed_checkpoint_loses_nothing(store, tmp_p
 
         monkeypatch.setattr(store.fs, "copy", copy)
     with pytest.raises(Crash):
-        store.write_checkpoint("r", 3, _local_checkpoint(tmp_path, "new", b"new" * 100))
+        RunDir(store, "r").write_checkpoint(3, _local_checkpoint(tmp_path, "new", b"new" * 100))
     monkeypatch.undo()
     reopened = _fresh(store)
-    assert reopened.latest_checkpoint("r") == (3, reopened.checkpoint_path("r", 3))
-    out = reopened.download_checkpoint("r", 3, str(tmp_path / "back"))
+    found = RunDir(reopened, "r").latest_checkpoint(str(tmp_path / "back"))
+    assert (found.epoch, found.path) == (3, RunDir(reopened, "r").checkpoint_path(3))
+    out = found.local_dir
     with open(os.path.join(out, "model.pt"), "rb") as f:
         assert f.read() == b"new" * 100
-    assert _raw(reopened, reopened.checkpoints_path("r")) == ["epoch-3"]
+    assert _raw(reopened, RunDir(reopened, "r").checkpoints_path) == ["epoch-3"]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs a child process to kill")
@@ -94,11 +103,11 @@ def test_killed_between_rename_aside_and_rename_in_loses_nothing(tmp_path):
     """The same crash as a real process death (``os._exit``, no handler runs) on a local store."""
     root = tmp_path / "store"
     store = Store.create(str(root))
-    store.write_checkpoint("r", 1, _local_checkpoint(tmp_path, "old", b"old"))
+    RunDir(store, "r").write_checkpoint(1, _local_checkpoint(tmp_path, "old", b"old"))
     new = _local_checkpoint(tmp_path, "new", b"new")
     script = textwrap.dedent(f"""
         import os
-        from spark_hvd.store import Store
+        from spark_hvd.store import RunDir, Store
         store = Store.create({str(root)!r})
         real, calls = store._rename, []
         def rename(src, dst):
@@ -107,12 +116,12 @@ def test_killed_between_rename_aside_and_rename_in_loses_nothing(tmp_path):
                 os._exit(9)
             real(src, dst)
         store._rename = rename
-        store.write_checkpoint("r", 1, {new!r})
+        RunDir(store, "r").write_checkpoint(1, {new!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 9, proc.stderr
     assert "epoch-1" not in os.listdir(root / "runs" / "r" / "checkpoints")  # the moment of danger was reached
-    assert store.latest_checkpoint("r") == (1, store.checkpoint_path("r", 1))
+    assert _latest(store) == (1, RunDir(store, "r").checkpoint_path(1))
     assert (root / "runs" / "r" / "checkpoints" / "epoch-1" / "model.pt").read_bytes() == b"new"
     assert os.listdir(root / "runs" / "r" / "checkpoints") == ["epoch-1"]
 
@@ -125,56 +134,58 @@ def _overwrite_object(store, path: str, data: bytes) -> None:
 
 def test_newest_checkpoints_that_fail_verification_are_skipped_with_the_reason(store, tmp_path, caplog):
     for epoch in range(3):
-        store.write_checkpoint("r", epoch, _local_checkpoint(tmp_path, f"c{epoch}", bytes([epoch]) * 500))
-    _overwrite_object(store, posixpath.join(store.checkpoint_path("r", 2), "model.pt"), bytes([2]) * 123)
-    _overwrite_object(store, posixpath.join(store.checkpoint_path("r", 1), "opt", "state"), b"state-\xff\xff\xff\xff")
-    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.base"):
-        assert _fresh(store).latest_checkpoint("r") == (0, store.checkpoint_path("r", 0))
+        RunDir(store, "r").write_checkpoint(epoch, _local_checkpoint(tmp_path, f"c{epoch}",
+                                                                     bytes([epoch]) * 500))
+    _overwrite_object(store, posixpath.join(RunDir(store, "r").checkpoint_path(2), "model.pt"), bytes([2]) * 123)
+    _overwrite_object(store, posixpath.join(RunDir(store, "r").checkpoint_path(1), "opt", "state"),
+                      b"state-\xff\xff\xff\xff")
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.run_dir"):
+        assert _latest(_fresh(store)) == (0, RunDir(store, "r").checkpoint_path(0))
     skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert len(skipped) == 2
     assert "epoch 2" in skipped[0] and "model.pt has 123 bytes, the manifest says 500" in skipped[0]
     assert "epoch 1" in skipped[1] and "opt/state does not match its SHA-256" in skipped[1]
     # the bad epochs stay (evidence) until written again; writing epoch 1 again replaces it
-    store.write_checkpoint("r", 1, _local_checkpoint(tmp_path, "c1b", b"again"))
-    assert store.latest_checkpoint("r") == (1, store.checkpoint_path("r", 1))
+    RunDir(store, "r").write_checkpoint(1, _local_checkpoint(tmp_path, "c1b", b"again"))
+    assert _latest(store) == (1, RunDir(store, "r").checkpoint_path(1))
 
 
 def test_legacy_marker_and_broken_manifest_do_not_count(store, tmp_path, caplog):
-    store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
-    legacy = store.checkpoint_path("r", 1)
+    RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    legacy = RunDir(store, "r").checkpoint_path(1)
     store.write_bytes(posixpath.join(legacy, "model.pt"), b"x")
     store.write_bytes(posixpath.join(legacy, LEGACY_MARKER), b"")
-    broken = store.checkpoint_path("r", 2)
+    broken = RunDir(store, "r").checkpoint_path(2)
     store.write_bytes(posixpath.join(broken, "model.pt"), b"y")
     store.write_bytes(posixpath.join(broken, MANIFEST), b'{"format": "spark_hvd.manif')
     assert not store.is_committed(legacy) and not store.is_committed(broken)
-    assert store.list_checkpoints("r") == [0]
-    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.base"):
-        assert store.latest_checkpoint("r")[0] == 0
+    assert RunDir(store, "r").list_checkpoints() == [0]
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.run_dir"):
+        assert _latest(store)[0] == 0
     text = caplog.text
     assert "epoch 2" in text and "manifest is unreadable" in text
     assert "epoch 1" in text and "_COMMITTED marker of a spark_hvd without manifests" in text
 
 
 def test_stale_temporary_and_partial_directories_are_cleaned_when_a_run_starts(store, tmp_path):
-    root = store.checkpoints_path("r")
-    store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    root = RunDir(store, "r").checkpoints_path
+    RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", b"zero"))
     store.write_bytes(posixpath.join(root, "._tmp-epoch-1.new-0123456789ab", "model.pt"), b"dead writer")
     store.write_bytes(posixpath.join(root, "._tmp-epoch-0-0123456789ab", "model.pt"), b"older spark_hvd temp")
     store.write_bytes(posixpath.join(root, "epoch-2", "model.pt"), b"partial, never committed")
     assert len(_raw(store, root)) == 4
-    assert store.latest_checkpoint("r") == (0, store.checkpoint_path("r", 0))
+    assert _latest(store) == (0, RunDir(store, "r").checkpoint_path(0))
     assert _raw(store, root) == ["epoch-0"]
 
 
 def test_failed_write_leaves_the_previous_version(store, tmp_path):
-    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"first"))
+    path = RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", b"first"))
     with pytest.raises(OSError, match="disk full"), store.atomic_dir(path) as target:
         store.write_bytes(posixpath.join(target, "model.pt"), b"second, half")
         raise OSError("disk full")
     assert store.verify(path) is None
     assert store.read_bytes(posixpath.join(path, "model.pt")) == b"first"
-    assert _raw(store, store.checkpoints_path("r")) == ["epoch-0"]
+    assert _raw(store, RunDir(store, "r").checkpoints_path) == ["epoch-0"]
 
 
 def test_torn_write_is_not_committed(store):
@@ -197,9 +208,9 @@ def test_local_commit_fsyncs_files_and_directories(tmp_path, monkeypatch):
         pytest.skip("names fds through /proc")
     monkeypatch.setattr(os, "fsync", fsync)
     store = Store.create(str(tmp_path / "s"))
-    path = store.write_checkpoint("r", 0, _local_checkpoint(tmp_path, "c0", b"zero"))
+    path = RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", b"zero"))
     tmp_names = [p for p in synced if "._tmp-epoch-0.new-" in p]
     assert any(p.endswith("/model.pt") for p in tmp_names) and any(p.endswith("/opt/state") for p in tmp_names)
     assert any(f"/{MANIFEST}.tmp-" in p for p in tmp_names)  # written to a temporary name, fsynced, renamed
-    assert store.checkpoints_path("r") in synced  # the parent, after the rename
+    assert RunDir(store, "r").checkpoints_path in synced  # the parent, after the rename
     assert store.verify(path) is None

@@ -13,7 +13,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from spark_hvd.store import COMMIT_MARKER, Store, StoreError
+from spark_hvd.store import COMMIT_MARKER, RunDir, Store, StoreError
 
 
 def test_layout_under_prefix(any_store):
@@ -24,9 +24,9 @@ def test_layout_under_prefix(any_store):
     assert s.val_data_path("k1") == f"{p}/data/k1/val"
     assert s.metadata_path("k1") == f"{p}/data/k1/_metadata.json"
     assert s.run_path("r1") == f"{p}/runs/r1"
-    assert s.checkpoint_path("r1", 3) == f"{p}/runs/r1/checkpoints/epoch-3"
-    assert s.logs_path("r1") == f"{p}/runs/r1/logs"
-    assert s.model_path("r1") == f"{p}/runs/r1/model"
+    assert RunDir(s, "r1").checkpoint_path(3) == f"{p}/runs/r1/checkpoints/epoch-3"
+    assert RunDir(s, "r1").logs_path == f"{p}/runs/r1/logs"
+    assert RunDir(s, "r1").model_path == f"{p}/runs/r1/model"
     with pytest.raises(ValueError, match="run_id"):
         s.run_path("a/b")
 
@@ -54,7 +54,7 @@ def test_list_runs(any_store):
     s = any_store
     assert s.list_runs() == []
     for run in ("run-b", "run-a"):
-        s.write_bytes(posixpath.join(s.logs_path(run), "metrics.jsonl"), b"{}\n")
+        s.write_bytes(posixpath.join(RunDir(s, run).logs_path, "metrics.jsonl"), b"{}\n")
     assert s.list_runs() == ["run-a", "run-b"]
 
 
@@ -100,39 +100,26 @@ def test_atomic_dir_commits_or_leaves_nothing(any_store):
 
 def test_checkpoints_latest_complete(any_store, tmp_path):
     s = any_store
-    assert s.latest_checkpoint("r") is None
+    run = RunDir(s, "r")
+    assert run.latest_checkpoint(str(tmp_path / "none")) is None
     for epoch in (0, 1):
         local = _make_local_dir(tmp_path / f"ck{epoch}", {"model.pt": bytes([epoch]) * 10, "opt/state": b"s"})
-        assert s.write_checkpoint("r", epoch, local) == s.checkpoint_path("r", epoch)
+        assert run.write_checkpoint(epoch, local) == run.checkpoint_path(epoch)
     # a crashed writer: files of epoch 5 without the commit marker
-    s.write_bytes(posixpath.join(s.checkpoint_path("r", 5), "model.pt"), b"partial")
+    s.write_bytes(posixpath.join(run.checkpoint_path(5), "model.pt"), b"partial")
     # a writer that fails midway leaves nothing
     bad = _make_local_dir(tmp_path / "bad", {"model.pt": b"x"})
-    with pytest.raises(OSError), s.atomic_dir(s.checkpoint_path("r", 2)) as target:
+    with pytest.raises(OSError), s.atomic_dir(run.checkpoint_path(2)) as target:
         s.upload_dir(bad, target)
         raise OSError("disk full")
-    assert s.list_checkpoints("r") == [0, 1]
-    epoch, path = s.latest_checkpoint("r")
-    assert epoch == 1 and path == s.checkpoint_path("r", 1)
-    out = s.download_checkpoint("r", 1, str(tmp_path / "restored"))
+    assert run.list_checkpoints() == [0, 1]
+    found = run.latest_checkpoint(str(tmp_path / "restored"))
+    assert found.epoch == 1 and found.path == run.checkpoint_path(1)
+    out = found.local_dir
     assert sorted(os.listdir(out)) == ["model.pt", "opt"]
     with open(os.path.join(out, "model.pt"), "rb") as f:
         assert f.read() == bytes([1]) * 10
-    with pytest.raises(FileNotFoundError, match="epoch 5"):
-        s.download_checkpoint("r", 5, str(tmp_path / "nope"))
-
-
-def test_sync_dir_copies_only_changes(any_store, tmp_path):
-    s = any_store
-    local = _make_local_dir(tmp_path / "logs", {"metrics.jsonl": b"1\n", "tb/events": b"e"})
-    sync = s.sync_fn("run1")
-    assert sync(local) == 2
-    assert sync(local) == 0
-    with open(os.path.join(local, "metrics.jsonl"), "ab") as f:
-        f.write(b"2\n")
-    assert sync(local) == 1
-    assert s.read_bytes(posixpath.join(s.run_path("run1"), "metrics.jsonl")) == b"1\n2\n"
-    assert s.read_bytes(posixpath.join(s.run_path("run1"), "tb", "events")) == b"e"
+    assert not s.exists(run.checkpoint_path(5)), "the partial epoch is deleted when the run starts"
 
 
 def test_pickles_and_works_after(any_store):

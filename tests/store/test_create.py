@@ -12,6 +12,7 @@ from spark_hvd.store import (
     FsspecStore,
     HDFSStore,
     LocalStore,
+    RunDir,
     Store,
     StoreError,
     StoreTimeoutError,
@@ -123,7 +124,7 @@ def test_local_wait_checks_existence(tmp_path):
 def test_hdfs_url_and_config(monkeypatch):
     store = Store.create("hdfs://nn.example:9000/user/me/store", user="me", extra_conf={"dfs.replication": 2})
     assert store.url == "hdfs://nn.example:9000/user/me/store"
-    assert store.spark_url(store.model_path("r")) == "hdfs://nn.example:9000/user/me/store/runs/r/model"
+    assert store.spark_url(RunDir(store, "r").model_path) == "hdfs://nn.example:9000/user/me/store/runs/r/model"
     assert store.pyarrow_kwargs() == {
         "host": "nn.example",
         "port": 9000,
