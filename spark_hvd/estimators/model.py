@@ -188,6 +188,17 @@ class BaseModel(Model, PersistableStage):
             self._broadcast = ((key, type(spark)), share(spark, data))  # on Spark Connect: in the closure
         return key, self._broadcast[1], data
 
+    def _preprocessing_bytes(self) -> bytes | None:
+        """``(transformation_fn, collate_fn)`` pickled by spark_hvd's cloudpickle (which honours
+        ``register_pickle_by_value``; pyspark's own copy of cloudpickle, which pickles the mapInArrow function, does
+        not see those registrations), or None without preprocessing."""
+        fns = (self._opt(self.transformation_fn), self._opt(self.collate_fn))
+        if fns == (None, None):
+            return None
+        from spark_hvd import pickling
+
+        return pickling.dumps(fns)
+
     def _transform(self, df: Any) -> Any:
         from pyspark.sql.types import StructField, StructType
 
@@ -216,15 +227,13 @@ class BaseModel(Model, PersistableStage):
                             [StructField(c, output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
         fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
-                                bool(self.getOrDefault(self.use_gpu)), self._opt(self.transformation_fn),
-                                self._opt(self.collate_fn))
+                                bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes())
         return prepared.mapInArrow(fn, schema)
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
-                       batch_size: int, use_gpu: bool = False, transformation_fn: Callable | None = None,
-                       collate_fn: Callable | None = None) -> Callable:
+                       batch_size: int, use_gpu: bool = False, preprocessing: bytes | None = None) -> Callable:
     """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -232,6 +241,11 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
 
         model = _cached_model(f"{key}-gpu" if use_gpu else key,
                               lambda: model_cls._load_for_inference(bc.value, use_gpu))
+        transformation_fn, collate_fn = (None, None)
+        if preprocessing is not None:
+            from spark_hvd import pickling
+
+            transformation_fn, collate_fn = pickling.loads(preprocessing)
         names = None
         for rb in batches:
             if names is None:
