@@ -22,6 +22,7 @@ from typing import Any
 
 import cloudpickle
 
+from spark_hvd.core import torchrun
 from spark_hvd.core.addresses import host_identity
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
@@ -162,14 +163,21 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
     try:
         forwarder.start()
         rendezvous = BarrierRendezvous(ctx.allGather, setup.secret, setup.job_id)
-        mine = json.dumps([host_identity(), assigned_gpu(ctx)]).encode()
-        hosts, assigned = zip(*(json.loads(v) for v in rendezvous.exchange(rank, size, mine)), strict=True)
+        master = torchrun.master_address(setup.service_address) if rank == 0 else None
+        mine = json.dumps([host_identity(), assigned_gpu(ctx), master]).encode()
+        hosts, assigned, masters = zip(*(json.loads(v) for v in rendezvous.exchange(rank, size, mine)),
+                                       strict=True)
         local_rank, local_size, cross_rank, cross_size = topology(hosts, rank)
+        gpus = task_gpus(hosts, assigned, setup.use_gpu)
         job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
                      cross_size=cross_size, job_id=setup.job_id, secret=setup.secret,
-                     service_address=setup.service_address, attempt=setup.attempt,
-                     gpu=task_gpus(hosts, assigned, setup.use_gpu)[rank])
+                     service_address=setup.service_address, attempt=setup.attempt, gpu=gpus[rank])
+        # torchrun's variables, and Spark's GPUs of this host visible in local-rank order (cuda:LOCAL_RANK)
+        spark_gpus = [gpus[r] if assigned[r] is not None else None for r in range(size) if hosts[r] == hosts[rank]]
+        job, cuda_env = torchrun.pin_visible_devices(job, spark_gpus)
         env = job.to_env()
+        env.update(cuda_env)
+        env.update(torchrun.torchrun_env(job, *masters[0]))
         env.update(setup.env)
         for key, value in env.items():
             saved_env[key] = os.environ.get(key)
@@ -179,6 +187,7 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
         import spark_hvd.core as core
 
         core.init(rendezvous=rendezvous, rank=rank, size=size, secret=setup.secret, job_id=setup.job_id)
+        torchrun.install()  # dist.init_process_group() meets over the job's store
         result = fn(*args, **kwargs)
         payload = cloudpickle.dumps(result)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the driver, then to Spark
@@ -193,6 +202,7 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
                 core.shutdown()
             except Exception:
                 logger.exception("rank %d: spark_hvd.core.shutdown() failed", rank)
+        torchrun.destroy_default_group()
         _client.set_client(None)
         forwarder.stop()
         for key, old in saved_env.items():

@@ -39,6 +39,7 @@ from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import free_slots
 from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, pickled, start_timeout_s
 from spark_hvd.runner.stage import Attempt, run_attempt
@@ -238,7 +239,8 @@ def _sizes(spark: Any, num_proc: int | None, min_num_proc: int | None,
     return max(low, min(num_proc, high)), low, high
 
 
-def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (),
+                kwargs: dict[str, Any] | None = None,
                 num_proc: int | None = None, min_num_proc: int | None = None, max_num_proc: int | None = None,
                 start_timeout: float | None = None, elastic_timeout: float | None = None,
                 reset_limit: int | None = None, env: dict[str, str] | None = None, verbose: int = 1, *,
@@ -251,7 +253,8 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
     slots free up below ``max_num_proc`` the ranks stop at their next commit and the job is relaunched bigger.
 
     Args:
-        fn, args, kwargs: as for ``run``.
+        fn, args, kwargs: as for ``run`` (a script too: it uses ``hvd.elastic.run`` itself, and a relaunch runs it
+            again from the top, its state restored from the last commit).
         num_proc: ranks of the first launch (default: the session's default parallelism); fewer when fewer slots
             are free, but at least ``min_num_proc``.
         min_num_proc: the fewest ranks training goes on with (default ``num_proc``).
@@ -273,7 +276,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[s
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
     env = checked_env(env)
-    payload = pickled(_elastic_rank, (fn, tuple(args), dict(kwargs or {})), {})
+    payload = pickled(_elastic_rank, as_callable(fn, args, kwargs), {})
     driver = _Driver(spark, high)
     secret, run_id = make_secret(), secrets.token_hex(4)
     events = EventLog(on_event)

@@ -77,6 +77,14 @@ class StageNotStartedError(StartTimeoutError):
         self.num_proc = num_proc
 
 
+class ScriptExitError(RunnerError):
+    """A script run by ``run("train.py")`` exited with a non-zero status (``exit_code``) on a rank."""
+
+    def __init__(self, script: str, exit_code: int) -> None:
+        super().__init__(f"the script {script} exited with code {exit_code}")
+        self.exit_code = exit_code
+
+
 class RankFailedError(RunnerError):
     """A rank of a distributed run failed; carries that rank's remote exception type, message and traceback.
 
@@ -86,6 +94,8 @@ class RankFailedError(RunnerError):
         remote_message: the remote exception's message.
         remote_traceback: the remote traceback, formatted.
         failures: every failure the driver saw, first the cause.
+        exit_code: a script's exit status when the rank's script exited with one (``ScriptExitError``), else
+            None.
     """
 
     def __init__(self, failure: RankFailure, failures: list[RankFailure] | None = None, detail: str = "") -> None:
@@ -94,6 +104,9 @@ class RankFailedError(RunnerError):
         self.remote_message = failure.message
         self.remote_traceback = failure.traceback
         self.failures = failures or [failure]
+        self.exit_code: int | None = None
+        if failure.type_name == "ScriptExitError":
+            self.exit_code = int(failure.message.rsplit(" ", 1)[-1])
         text = f"rank {failure.rank} failed: {failure.type_name}: {failure.message}"
         others = [f for f in self.failures if f is not failure]
         if others:

@@ -6,8 +6,11 @@ With ``-H host:slots,...`` or ``--hostfile`` the ranks run on several hosts, sta
 The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
 driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes, each with
 its ``JobEnv`` in the environment (``SPARK_HVD_*``: rank, size, local rank/size, cross rank/size, rendezvous,
-secret, job id, driver service; a launching process's own launch variables are not handed on). Their
-output lines are printed prefixed with ``[rank]``.
+secret, job id, driver service; a launching process's own launch variables are not handed on) and torchrun's
+variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...: ``spark_hvd.core.torchrun``). A command
+``python train.py ...`` / ``python -m mod ...`` on this interpreter starts through ``spark_hvd.runner.pyrun``, so
+its ``dist.init_process_group()`` meets over the job's authenticated store. Their output lines are printed
+prefixed with ``[rank]``.
 
 Failure. The rank reported is the first to fail *by time*: the launcher watches every rank through a pidfd in one
 epoll set, whose ready list is in the order the kernel saw the processes exit, so a rank SIGKILLed mid-allreduce is
@@ -33,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from spark_hvd.core import torchrun
 from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import hosts
@@ -98,7 +102,11 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
                             bind_host="127.0.0.1")
     _, service_port = service.start()
     ranks: list[RankProcess] = []
-    launch_vars = set(env_names())
+    launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
+    master = torchrun.master_address("127.0.0.1:0")  # local ranks: MASTER_ADDR is loopback
+    from spark_hvd.runner.pyrun import wrap  # not at import: ``python -m spark_hvd.runner.pyrun`` imports launch
+
+    argv = wrap(argv)
     try:
         for rank in range(np):
             # a launcher started inside another job's rank must not hand that job's variables on
@@ -107,6 +115,7 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             job = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job_id, secret=secret,
                          rendezvous=f"{kv_host}:{kv_port}", service_address=f"127.0.0.1:{service_port}")
             child_env.update(job.to_env())
+            child_env.update(torchrun.torchrun_env(job, *master))
             child_env["PYTHONUNBUFFERED"] = "1"
             proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)

@@ -19,6 +19,7 @@ from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import NotEnoughSlotsError, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import check_session_slots, resolve_num_proc
 from spark_hvd.runner.stage import Attempt, run_attempt
 
@@ -96,19 +97,27 @@ def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> byte
         raise RunnerError(f"fn and its arguments cannot be pickled with cloudpickle: {exc}") from exc
 
 
-def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float | None = None,
         use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
         on_event: Callable[[Event], None] | None = None, spark: Any = None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``num_proc`` ranks of one Spark barrier stage and return the results by rank.
+    """Run ``fn(*args, **kwargs)`` (or a script) on ``num_proc`` ranks of one Spark barrier stage; the results by rank.
 
     Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
     (``hvd.init()``, ``hvd.allreduce(...)``, ``DistributedOptimizer``) runs unchanged. Works on a classic
     SparkSession and on a Spark Connect one (Databricks shared / serverless compute) alike.
 
+    Every rank also gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` ...),
+    and an unmodified ``torch.distributed.init_process_group()`` meets over the job's authenticated store
+    (``spark_hvd.core.torchrun``), so DDP / FSDP / Lightning / Hugging Face code runs unchanged.
+
     Args:
-        fn: the function each rank runs; shipped with cloudpickle, so closures and lambdas work.
-        args, kwargs: its arguments (the same on every rank).
+        fn: the function each rank runs; shipped with cloudpickle, so closures and lambdas work. Or the path of a
+            Python script, run as ``__main__`` on every rank with ``sys.argv = [path, *args]``
+            (``spark_hvd.runner.script``); its result is 0 and a non-zero exit status fails the run
+            (``RankFailedError.exit_code``).
+        args, kwargs: its arguments (the same on every rank); for a script, ``args`` are its command-line
+            arguments (strings) and there are no kwargs.
         num_proc: number of ranks; defaults to the session's default parallelism. Must not exceed the free task
             slots (checked before launching where the session can tell them: ``NotEnoughSlotsError``).
         env: environment variables set in each rank while ``fn`` runs.
@@ -134,7 +143,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any]
     return launch.run(spark, resolve_num_proc(spark, num_proc), use_gpu, verbose, on_event)
 
 
-def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any], args: Sequence[Any] = (),
+def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (),
                 kwargs: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
                 start_timeout: float | None = None, use_gpu: bool | None = None, max_retries: int = 0,
                 verbose: int = 1, on_event: Callable[[Event], None] | None = None) -> list[Any]:
@@ -147,14 +156,14 @@ def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any], args: Sequenc
 class _Launch:
     """``run``'s arguments checked (before any slot check or Spark job), and its loop of attempts."""
 
-    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None,
+    def __init__(self, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any], kwargs: dict[str, Any] | None,
                  env: dict[str, str] | None, start_timeout: float | None, max_retries: int) -> None:
         self.start_timeout = start_timeout_s(start_timeout)
         if max_retries < 0:
             raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
         self.max_retries = max_retries
         self.env = checked_env(env)
-        self.payload = pickled(fn, tuple(args), dict(kwargs or {}))
+        self.payload = pickled(*as_callable(fn, args, kwargs))
 
     def run(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
             on_event: Callable[[Event], None] | None) -> list[Any]:
