@@ -51,11 +51,13 @@ def train(data: str, out: str, steps: int, batch_size: int) -> None:
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=TOKEN_LEN, n_embd=32, n_layer=2, n_head=2,
-                        pad_token_id=tokenizer.pad_token_id)
+                        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size,
                              learning_rate=3e-3, logging_steps=5, save_strategy="no", report_to=[], use_cpu=True,
-                             ddp_backend="gloo", dataloader_num_workers=0, disable_tqdm=True, seed=0)
+                             ddp_backend="gloo", ddp_find_unused_parameters=False,
+                             dataloader_num_workers=0, disable_tqdm=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=TextData())
     trainer.train()
     if trainer.is_world_process_zero():
