@@ -12,8 +12,9 @@
   column in Parquet, tokenising in ``collate_fn``; ``in-memory``: the same ``encode_batch`` + padding over the
   strings in a Python list.
 - **peak RSS**: one rank (a fresh process) reads an epoch of ``--rss-mib`` MiB of incompressible 64 KiB binary
-  rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it); reported:
-  its peak RSS above the RSS it had after its imports, against the budget.
+  rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it by the
+  reader's documented memory formula); reported: its peak RSS above the RSS it had after its imports, against
+  the budget.
 
 Run:  .venv/bin/python benchmarks/data_kinds.py [--images 2000] [--workers 2] [--sentences 20000] [--rss-mib 512]
 Results go to stdout (a table) and, with ``--json``, to a file. The machine's load matters: report it.
@@ -196,19 +197,22 @@ def bench_rss(work: str, mib: int) -> dict:
             w.write_table(pa.table({"id": np.arange(start, start + n),
                                     "blob": pa.array([rng.bytes(row) for _ in range(n)], pa.binary())}))
     budget = (mib << 20) // 4
-    # the budget split: half shuffle buffer, a quarter read-ahead, a quarter prefetched batches
+    # the reader's memory, as its docstring gives it: up to 2 x shuffle_buffer_rows rows held by the shuffle (rows
+    # of row groups still partly in the buffer; compacted beyond that), read_ahead_pieces row groups being decoded,
+    # prefetch batches queued. Sized here: a quarter of the budget for the buffer (twice held: a half), a quarter
+    # for the queued batches, 4 row groups of 1 MiB read ahead.
     batch = 32
-    buffer_rows = (budget // 2) // row
-    ahead = max(1, (budget // 4) // (1 << 20))
+    buffer_rows = (budget // 4) // row
+    ahead = 4
     prefetch = max(1, (budget // 4) // (batch * row))
     code = _RSS_CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path=path,
-                             batch=batch, buffer_rows=buffer_rows, ahead=min(ahead, 8), prefetch=prefetch)
+                             batch=batch, buffer_rows=buffer_rows, ahead=ahead, prefetch=prefetch)
     out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                      .stdout.strip().splitlines()[-1])
     grown = out["peak"] - out["base"]
     return {"dataset MiB": mib, "budget MiB": budget >> 20, "peak RSS above start MiB": round(grown / 2**20, 1),
             "ratio to budget": round(grown / budget, 2), "rows read": out["rows"],
-            "settings": {"shuffle_buffer_rows": buffer_rows, "read_ahead_pieces": min(ahead, 8),
+            "settings": {"shuffle_buffer_rows": buffer_rows, "read_ahead_pieces": ahead,
                          "prefetch": prefetch, "batch_size": batch}}
 
 
@@ -218,18 +222,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--sentences", type=int, default=20000)
     parser.add_argument("--rss-mib", type=int, default=512)
+    parser.add_argument("--only", choices=["images", "text", "rss"], help="run one part only")
     parser.add_argument("--json")
     args = parser.parse_args()
     results = {"load": os.getloadavg(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
-        images = bench_images(work, args.images, args.workers)
-        results["images/s"] = images
-        results["images ratios"] = {"vs torch DataLoader": images["spark_hvd"] / images["torch DataLoader"],
-                                    "vs in-memory loop": images["spark_hvd"] / images["in-memory loop"]}
-        text = bench_text(work, args.sentences)
-        results["text batches/s"] = text
-        results["text ratio vs in-memory"] = text["spark_hvd"] / text["in-memory"]
-        results["rss"] = bench_rss(work, args.rss_mib)
+        if args.only in (None, "images"):
+            images = bench_images(work, args.images, args.workers)
+            results["images/s"] = images
+            results["images ratios"] = {"vs torch DataLoader": images["spark_hvd"] / images["torch DataLoader"],
+                                        "vs in-memory loop": images["spark_hvd"] / images["in-memory loop"]}
+        if args.only in (None, "text"):
+            text = bench_text(work, args.sentences)
+            results["text batches/s"] = text
+            results["text ratio vs in-memory"] = text["spark_hvd"] / text["in-memory"]
+        if args.only in (None, "rss"):
+            results["rss"] = bench_rss(work, args.rss_mib)
     results["load after"] = os.getloadavg()
     print(json.dumps(results, indent=2, default=float))
     if args.json:

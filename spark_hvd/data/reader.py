@@ -122,7 +122,11 @@ class BatchReader:
         batch_size: rows per batch.
         shuffle: shuffle piece order and rows (within ``shuffle_buffer_rows``) each epoch.
         seed: seed of the shuffles (epoch ``e`` of rank ``r`` uses ``(seed, e, r)``).
-        shuffle_buffer_rows: rows mixed together; memory use is about this many rows (default 65536 or the shard).
+        shuffle_buffer_rows: rows mixed together (default 65536 or the shard). Memory: the shuffle holds at most
+            about 2 x this many rows (rows of row groups partly still in the buffer; where the row groups alive hold
+            more than twice the buffer's rows, its rows are copied out and the row groups freed); a rank's reader
+            then holds about ``2 * shuffle_buffer_rows * row_bytes + read_ahead_pieces * row_group_bytes +
+            prefetch * batch_bytes`` (benchmarks/data_kinds.py measures it against a budget).
         drop_last: only full batches (``floor(min_r R_r / batch_size)`` per epoch).
         transformation_fn: ``fn(pandas.DataFrame) -> pandas.DataFrame`` run on each piece as it is read (list
             columns hold one numpy array per row); its output columns make the batch (arrays of one length per
@@ -451,6 +455,11 @@ class BatchReader:
                     keep[alive] = True
                     for c in np.flatnonzero(~keep):
                         chunks[c] = None
+                    held = sum(_num_rows(chunks[c]) for c in alive)
+                    if held > 2 * len(pool):  # a few rows keep many row groups alive: copy them out (bounded RSS)
+                        chunks, pool = [_compact(chunks, np.asarray(bases, dtype=np.int64), pool)], \
+                            np.arange(len(pool), dtype=np.int64)
+                        bases, next_base = [0], len(pool)
                 else:
                     chunks = [None] * len(chunks)
 
@@ -602,6 +611,23 @@ def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Ite
             yield parts[0]
         else:
             yield {k: _concat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _compact(chunks: list[Batch | None], bases: np.ndarray, ids: np.ndarray) -> Batch:
+    """The rows ``ids`` (in that order) of the concatenated chunks, copied into one new chunk."""
+    order = np.argsort(ids, kind="stable")
+    sel = ids[order]
+    owner = np.searchsorted(bases, sel, side="right") - 1
+    cuts = np.flatnonzero(np.diff(owner)) + 1
+    parts: dict[str, list] = {}
+    for s, e in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(sel)]]), strict=True):
+        chunk = chunks[owner[s]]
+        local = sel[s:e] - bases[owner[s]]
+        for k, v in chunk.items():
+            parts.setdefault(k, []).append(v[local])
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return {k: _concat(p)[inverse] for k, p in parts.items()}
 
 
 def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:
