@@ -65,6 +65,17 @@ def test_ddp_and_fsdp_scripts_at_two_ranks_equal_one_rank_on_the_combined_batche
     assert not torch.equal(one["0.weight"], torch.nn.Linear(8, 16).weight)  # it trained
 
 
+def test_a_users_own_lightning_trainer_script(spark, tmp_path):
+    pytest.importorskip("lightning")
+    assert run(os.path.join(SCRIPTS, "lightning_trainer.py"), args=["--dir", str(tmp_path)], num_proc=2) == [0, 0]
+    hooks = json.loads((tmp_path / "hooks.json").read_text())
+    assert hooks == ["fit_start world=2 rank=0 env=TorchElasticEnvironment", "epoch_end 0", "epoch_end 1",
+                     "fit_end"]
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert set(rows[0].split(",")) == {"epoch", "step", "train_loss"}
+    assert len(rows) - 1 == 8  # 64 rows / 2 ranks / batch 8 = 4 steps an epoch, 2 epochs, logged every step
+
+
 def test_a_failing_script_names_the_rank_with_its_traceback_and_exit_status(spark):
     script = os.path.join(SCRIPTS, "fails.py")
     with pytest.raises(RankFailedError) as raised:
