@@ -6,6 +6,8 @@
   range 198.18.0.0/15 (``198.18.0.<k+1>/24``; no default route: nothing can leave the simulated network);
 * its own UTS namespace (bind-mounted under ``/run/spark-hvd-simhosts/``) whose host name is the host's name, so
   spark_hvd never takes two of them for one host;
+* its own ``/etc/hosts`` (``/etc/netns/<name>/hosts``, mounted by ``ip netns exec``) mapping the host name to
+  127.0.1.1 as Debian and Ubuntu do: the trap that made ranks publish a loopback address;
 * ``eth0`` plugged into one bridge that lives in a namespace of its own (``<tag>br``): the root namespace's
   interfaces, routes and netfilter are not touched;
 * with ``rate``: a ``tc tbf`` shaper on both directions of each host's link (this kernel has no ``netem``).
@@ -99,6 +101,7 @@ def sweep_stale() -> list[str]:
         else:
             _kill_netns_processes(name)
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         removed.append(name)
     return removed
 
@@ -113,8 +116,9 @@ class SimHost:
     interfaces: dict[str, str] = field(default_factory=dict)
 
     def prefix(self) -> list[str]:
-        """The argv prefix that runs a command inside this host."""
-        return ["nsenter", f"--net=/run/netns/{self.name}", f"--uts={self.uts}", "--"]
+        """The argv prefix that runs a command inside this host (``ip netns exec`` also mounts this namespace's
+        ``/sys`` and the host's ``/etc/netns/<name>/hosts`` over ``/etc/hosts``)."""
+        return ["ip", "netns", "exec", self.name, "nsenter", f"--uts={self.uts}", "--"]
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside this host (a session of its own unless told otherwise)."""
@@ -193,6 +197,10 @@ class SimHosts:
         uts = os.path.join(UTS_DIR, name)
         open(uts, "w").close()
         subprocess.run(["unshare", f"--uts={uts}", "hostname", name], check=True, capture_output=True, timeout=30)
+        # Debian/Ubuntu's /etc/hosts: the host name resolves to 127.0.1.1, which no other host can reach
+        os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+        with open(f"/etc/netns/{name}/hosts", "w") as f:
+            f.write(f"127.0.0.1\tlocalhost\n127.0.1.1\t{name}\n")
         address = self._plug(name, k, self.bridges[0], "eth0", 0)
         self.hosts.append(SimHost(name, address, uts, {"eth0": address}))
 
@@ -230,6 +238,7 @@ class SimHosts:
         time.sleep(0.05)
         for ns in names:
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         for h in self.hosts:
             _remove_uts(h.uts)
         uts_left = os.path.join(UTS_DIR, f"{self.tag}h{len(self.hosts)}")  # a host that failed half-built

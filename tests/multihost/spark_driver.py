@@ -1,0 +1,169 @@
+"""The driver of the Spark-standalone test, run inside the driver's simulated host: ``spark_driver.py MASTER STORE
+STEP...``. Each step prints one JSON line ``{"step": ..., ...}`` (or ``{"step": ..., "error": ...}``) for the test
+to check: ``run`` (ranks' hosts, topology, transport, allreduce vs numpy), ``torch`` (TorchEstimator fit ->
+transform -> save/load, transform equal to the model called directly), ``keras`` (KerasEstimator fit -> transform),
+``kill`` (a fit while the test kills a worker host's processes: it must fail or retry, naming what happened).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def _session(master: str):
+    from pyspark.sql import SparkSession
+
+    me = os.environ["SIM_DRIVER_ADDRESS"]
+    return (SparkSession.builder.master(master).appName("spark_hvd-multihost")
+            .config("spark.driver.host", me).config("spark.driver.bindAddress", me)
+            .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m")
+            .config("spark.driver.memory", "512m").config("spark.executor.cores", "1")
+            .config("spark.cores.max", "2").config("spark.sql.shuffle.partitions", "2")
+            .config("spark.python.worker.reuse", "true")
+            .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
+
+
+def _rank_fn(n: int) -> dict:
+    import socket
+
+    import spark_hvd.core as hvd
+
+    rank = hvd.rank()
+    mine = np.random.default_rng(rank).standard_normal(n)
+    total = hvd.allreduce(mine, op=hvd.Sum)
+    expected = sum(np.random.default_rng(r).standard_normal(n) for r in range(hvd.size()))
+    backend = hvd.get_engine().backend
+    return {"rank": rank, "hostname": socket.gethostname(), "local_size": hvd.local_size(),
+            "cross_size": hvd.cross_size(), "transport": getattr(backend, "transport", None),
+            "peers": sorted({p.where for p in getattr(backend, "peers", {}).values()}),
+            "env": sorted(k for k in os.environ if k.startswith("SPARK_HVD_") and k not in _LAUNCH_VARS),
+            "allreduce": bool(np.allclose(total, expected, rtol=1e-10, atol=1e-10))}
+
+
+_LAUNCH_VARS = {"SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
+                "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_JOB_ID", "SPARK_HVD_SECRET",
+                "SPARK_HVD_RENDEZVOUS", "SPARK_HVD_DRIVER_SERVICE", "SPARK_HVD_RUN_ATTEMPT", "SPARK_HVD_GPU"}
+
+
+def _reg_df(spark):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 3))
+    y = x @ np.array([1.5, -2.0, 0.5]) + 0.3
+    rows = [(float(a), float(b), float(c), float(t)) for (a, b, c), t in zip(x, y, strict=True)]
+    from pyspark.ml.feature import VectorAssembler
+
+    df = spark.createDataFrame(rows, ["a", "b", "c", "y"])
+    return VectorAssembler(inputCols=["a", "b", "c"], outputCol="features").transform(df)
+
+
+def step_run(spark, store_dir: str) -> dict:
+    from spark_hvd.runner import run
+
+    start = time.monotonic()
+    results = run(_rank_fn, args=(1 << 18,), num_proc=2, spark=spark, verbose=0)
+    return {"ranks": results, "seconds": time.monotonic() - start}
+
+
+def step_torch(spark, store_dir: str) -> dict:
+    import torch
+
+    from spark_hvd.estimators import TorchEstimator, TorchModel
+    from spark_hvd.store import Store
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1))
+    df = _reg_df(spark)
+    est = TorchEstimator(num_proc=2, store=Store.create(store_dir), model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss="mse", feature_cols=["features"],
+                         label_cols=["y"], batch_size=32, epochs=3, validation=0.2, random_seed=1, verbose=0)
+    start = time.monotonic()
+    model = est.fit(df)
+    fit_s = time.monotonic() - start
+    out = model.transform(df).select("a", "b", "c", "y__output").collect()
+    x = torch.tensor([[r.a, r.b, r.c] for r in out], dtype=torch.float32)
+    with torch.no_grad():
+        direct = model.getModel()(x).numpy().reshape(-1)
+    path = os.path.join(store_dir, "saved-torch-model")
+    model.save(path)
+    again = TorchModel.load(path)
+    reloaded = again.transform(df).select("a", "b", "c", "y__output").collect()
+    hist = model.getHistory()
+    return {"loss": hist["loss"], "fit_seconds": fit_s,
+            "transform_matches_model": bool(np.allclose([r.y__output for r in out], direct, rtol=1e-5, atol=1e-6)),
+            "reloaded_equal": reloaded == out}
+
+
+def step_keras(spark, store_dir: str) -> dict:
+    import keras
+
+    from spark_hvd.estimators import KerasEstimator
+    from spark_hvd.store import Store
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input(shape=(3,))
+    model = keras.Model(inp, keras.layers.Dense(1)(inp))
+    df = _reg_df(spark)
+    est = KerasEstimator(num_proc=2, store=Store.create(store_dir), model=model,
+                         optimizer=keras.optimizers.SGD(learning_rate=0.05), loss="mse", feature_cols=["features"],
+                         label_cols=["y"], batch_size=32, epochs=3, validation=0.2, random_seed=1, verbose=0)
+    start = time.monotonic()
+    fitted = est.fit(df)
+    fit_s = time.monotonic() - start
+    rows = fitted.transform(df).select("a", "b", "c", "y__output").collect()
+    x = np.array([[r.a, r.b, r.c] for r in rows], dtype=np.float32)
+    direct = np.asarray(fitted.getModel()(x)).reshape(-1)
+    return {"loss": fitted.getHistory()["loss"], "fit_seconds": fit_s,
+            "transform_matches_model": bool(np.allclose([r.y__output for r in rows], direct, rtol=1e-5,
+                                                        atol=1e-5))}
+
+
+def _slow_rank(seconds: float, marks: str) -> int:
+    import spark_hvd.core as hvd
+
+    hvd.allreduce(np.ones(8))
+    with open(os.path.join(marks, f"rank-{hvd.rank()}-running"), "w"):
+        pass  # the test kills a host only once every rank is in its loop
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        hvd.allreduce(np.ones(1 << 16))
+    return hvd.rank()
+
+
+def step_kill(spark, store_dir: str) -> dict:
+    """A run whose worker host the test kills: it must end (failing, naming what happened) in bounded time."""
+    from spark_hvd.runner import run
+
+    marks = os.path.join(store_dir, "kill-marks")
+    os.makedirs(marks, exist_ok=True)
+    print(json.dumps({"step": "kill", "marks": marks}), flush=True)
+    start = time.monotonic()
+    try:
+        run(_slow_rank, args=(120.0, marks), num_proc=2, spark=spark, verbose=0, start_timeout=120)
+        return {"outcome": "finished", "seconds": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        return {"outcome": "failed", "type": type(exc).__name__, "error": str(exc)[:3000],
+                "seconds": time.monotonic() - start}
+
+
+def main() -> None:
+    master, store_dir, *steps = sys.argv[1:]
+    spark = _session(master)
+    try:
+        for step in steps:
+            try:
+                row = {"step": step, **globals()[f"step_{step}"](spark, store_dir)}
+            except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
+                row = {"step": step, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            print(json.dumps(row), flush=True)
+    finally:
+        spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""``spark-hvd-run -H`` through a real OpenSSH server on each of two simulated hosts (key authentication, a
+non-default port, ``-i``), skipped where ``sshd`` is not installed or cannot start."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import simhosts
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(Path(__file__).with_name("rank_worker.py"))
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+PORT = 2222
+
+
+def _sshd_config(tmp: Path) -> Path:
+    for kind in ("ed25519",):
+        subprocess.run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(tmp / f"host_{kind}")], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "client")], check=True)
+    (tmp / "authorized_keys").write_text((tmp / "client.pub").read_text())
+    config = tmp / "sshd_config"
+    config.write_text(f"Port {PORT}\nHostKey {tmp / 'host_ed25519'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
+                      "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+                      f"UsePAM no\nStrictModes no\nPidFile {tmp / 'sshd.pid'}\nLogLevel ERROR\n")
+    return config
+
+
+@pytest.fixture(scope="module")
+def sshd_hosts(simhosts_ready, tmp_path_factory):
+    if not os.path.exists(SSHD) or shutil.which("ssh-keygen") is None or shutil.which("ssh") is None:
+        pytest.skip("OpenSSH (sshd, ssh, ssh-keygen) is not installed: apt-get install openssh-server")
+    tmp = tmp_path_factory.mktemp("sshd")
+    config = _sshd_config(tmp)
+    os.makedirs("/run/sshd", exist_ok=True)
+    sim = simhosts.SimHosts(3)
+    try:
+        servers = []
+        for h in sim.hosts[1:]:
+            servers.append(h.popen([SSHD, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE))
+        probe = [sys.executable, "-c", "import socket,sys;socket.create_connection((sys.argv[1], int(sys.argv[2])),1)"]
+        for h, server in zip(sim.hosts[1:], servers, strict=True):
+            deadline = time.monotonic() + 15
+            while sim.hosts[0].run([*probe, h.address, str(PORT)]).returncode != 0:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.skip(f"sshd could not start in a simulated host: {server.stderr.read()[-500:]!r}")
+                time.sleep(0.2)
+        yield sim, tmp
+    finally:
+        sim.close()
+
+
+def test_two_hosts_through_sshd(sshd_hosts):
+    sim, tmp = sshd_hosts
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    ssh = f"ssh -o UserKnownHostsFile={tmp / 'known_hosts'} -o LogLevel=ERROR"
+    argv = [sys.executable, "-m", "spark_hvd.runner", "-np", "4", "-H", f"{h1.address}:2,{h2.address}:2",
+            "-p", str(PORT), "-i", str(tmp / "client"), "--ssh-command", ssh, "-x", "PYTHONPATH",
+            "-x", "OMP_NUM_THREADS=1", sys.executable, WORKER, "check"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("SPARK_HVD_IFACE_ADDR", None)
+    done = sim.hosts[0].run(argv, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr
+    rows = {int(line.split(" ", 1)[0].strip("[]")): json.loads(line.split(" ", 1)[1])
+            for line in done.stdout.splitlines()}
+    assert sorted(rows) == [0, 1, 2, 3]
+    for rank, row in rows.items():
+        assert row["hostname"] == (h1 if rank < 2 else h2).name
+        assert (row["local_rank"], row["local_size"], row["cross_rank"], row["cross_size"]) == \
+            (rank % 2, 2, rank // 2, 2)
+        assert row["allreduce"] and row["allgather"] and row["broadcast"], row
