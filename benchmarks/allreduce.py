@@ -42,6 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import allreduce_hosts  # noqa: E402 - --hosts: ranks on simulated hosts
+
 from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
@@ -97,7 +99,8 @@ def _worker(impl: str) -> None:
 
         torch.set_num_threads(1)
         rank, size = int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_GLOO_PORT']}",
+        gloo_addr = os.environ.get("BENCH_GLOO_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://{gloo_addr}:{os.environ['BENCH_GLOO_PORT']}",
                                 rank=rank, world_size=size)
 
         def allreduce(buf: np.ndarray) -> None:
@@ -185,16 +188,21 @@ class Group:
         env = dict(os.environ, BENCH_CONTROL=control_addr, BENCH_SECRET=secret.hex(), OMP_NUM_THREADS="1")
         script = [sys.executable, str(Path(__file__).resolve()), "--worker", impl]
         self.procs: list[subprocess.Popen] = []
+        hosts = allreduce_hosts.inside()
         if impl == "mpi":
             mpirun = str(Path(sys.executable).parent / "mpirun")
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-            self.procs.append(subprocess.Popen([mpirun, "-np", str(n), "--oversubscribe", *script], env=env))
+            where = allreduce_hosts.mpirun_args(n) if hosts else []
+            self.procs.append(subprocess.Popen([mpirun, "-np", str(n), "--oversubscribe", *where, *script], env=env))
             return
         job = f"bench{os.getpid()}{impl}{n}"
         extra = {"SPARK_HVD_SIZE": str(n), "SPARK_HVD_JOB_ID": job, "SPARK_HVD_SECRET": secret.hex()}
         if impl in ("ring-tcp", "api-tcp"):
             extra["SPARK_HVD_SHM"] = "0"
-        if impl == "gloo":
+        if impl == "gloo" and hosts:  # rank 0 serves gloo's store on its own host: a port free there, likely
+            extra.update(BENCH_GLOO_ADDR=allreduce_hosts.host_of(0, n)["address"], GLOO_SOCKET_IFNAME="eth0",
+                         BENCH_GLOO_PORT=str(20000 + os.getpid() % 20000))
+        elif impl == "gloo":
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 extra["BENCH_GLOO_PORT"] = str(probe.getsockname()[1])
@@ -204,7 +212,8 @@ class Group:
             own = {"SPARK_HVD_RANK": str(rank)}
             if impl in ("ring-hier", "api-hier"):
                 own["SPARK_HVD_HOST_ID"] = f"bench-host-{2 * rank // n}"
-            self.procs.append(subprocess.Popen(script, env={**env, **extra, **own}))
+            place = allreduce_hosts.prefix(rank, n) if hosts else []
+            self.procs.append(subprocess.Popen([*place, *script], env={**env, **extra, **own}))
 
     def run(self, nbytes: int, iters: int, warmup: int) -> tuple[float, float]:
         """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
@@ -230,13 +239,14 @@ def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group
     from spark_hvd.core.rendezvous import KVStoreServer
 
     secret = make_secret()
-    kv = KVStoreServer(secret)
+    bind = allreduce_hosts.driver_address() if allreduce_hosts.inside() else "127.0.0.1"
+    kv = KVStoreServer(secret, host=bind)
     kv_host, kv_port = kv.start()
     listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener.bind((bind, 0))
     listener.listen(64)
     listener.settimeout(1.0)
-    control_addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    control_addr = f"{bind}:{listener.getsockname()[1]}"
     groups = {impl: Group(impl, n, control_addr, secret, f"{kv_host}:{kv_port}") for impl in impls}
     deadline = time.monotonic() + timeout_s
     while any(len(g.conns) < n for g in groups.values()):
@@ -300,7 +310,14 @@ def table(n: int, impls: list[str], sizes: list[int], times: dict[tuple[str, int
                     f"{cpu[i] * 1e3:.3f} ms"]
         if "gloo" in impls:
             row += [f"{med['gloo'] / med[i]:.2f}x" for i in impls if i != "gloo"]
+        if allreduce_hosts.inside():  # the fraction of the link rate each one's bus bandwidth reaches
+            link = allreduce_hosts.rate_bits(allreduce_hosts.link_rate()) / 8
+            row += [f"{factor * nbytes / med[i] / link:.2f}" for i in impls]
         lines.append("| " + " | ".join(row) + " |")
+    if allreduce_hosts.inside():
+        lines[1] = lines[1].rstrip(" |") + " | " + " | ".join(f"{i}/link" for i in impls) + " |"
+        lines[2] += "---|" * len(impls)
+        lines[0] += f"; ranks on simulated hosts, links shaped to {allreduce_hosts.link_rate()} (x/link: busbw / link)"
     return "\n".join(lines)
 
 
@@ -321,10 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated sizes, e.g. 4K,1M,256M")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--fusion", action="store_true", help="also run benchmarks/engine_fusion.py (ring, N=2)")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="place the ranks on this many simulated hosts (root; benchmarks/allreduce_hosts.py)")
+    parser.add_argument("--link", default="2gbit", help="with --hosts: each host's link rate, as tc writes it")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
         return 0
+    if args.hosts and not allreduce_hosts.inside():
+        return allreduce_hosts.enter(args.hosts, args.link, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     impls = [i for i in args.impls.split(",") if i]
     nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
