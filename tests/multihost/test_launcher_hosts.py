@@ -22,7 +22,8 @@ def _launch(sim: simhosts.SimHosts, hosts: str, mode: list[str], *extra: str, en
             **popen: object) -> subprocess.Popen:
     """``spark-hvd-run -H hosts ... rank_worker.py MODE`` started inside host 0."""
     argv = [sys.executable, "-m", "spark_hvd.runner", "-H", hosts, "--ssh-command", sim.ssh_command(),
-            "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1", "-x", "SPARK_HVD_TIMEOUT", "--grace", "3", *extra,
+            "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS=1", "-x", "SPARK_HVD_TIMEOUT", "-x", "SPARK_HVD_BACKEND",
+            "--grace", "3", *extra,
             sys.executable, WORKER, *mode]
     child_env = {**os.environ, "PYTHONPATH": str(REPO), "SPARK_HVD_TIMEOUT": "8", **(env or {})}
     child_env.pop("SPARK_HVD_IFACE_ADDR", None)
@@ -166,3 +167,13 @@ def test_named_data_interface_carries_the_traffic(simhosts_ready):
             # the 8 MiB allreduce went over eth1; eth0 carried only ssh-less control (rendezvous, driver service)
             assert data > 8 * 1024 * 1024, (k, data, control)
             assert control < data / 10, (k, data, control)
+        # torch.distributed gloo (the device path's kind of group) is told the same interface (GLOO_SOCKET_IFNAME):
+        # without it gloo would take the host name's address, 127.0.1.1 here, and never connect
+        before = {k: two.hosts[k].counters("eth1")[0] for k in (1, 2)}
+        proc = _launch(two, f"{h1.address}:1,{h2.address}:1", ["check"], "--network-interface", "eth1",
+                       env={"SPARK_HVD_BACKEND": "torch"})
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+        assert all(json.loads(line.partition(" ")[2])["allreduce"] for line in out.splitlines())
+        for k in (1, 2):
+            assert two.hosts[k].counters("eth1")[0] - before[k] > 8 * 1024 * 1024

@@ -76,3 +76,43 @@ def test_two_hosts_through_sshd(sshd_hosts):
         assert (row["local_rank"], row["local_size"], row["cross_rank"], row["cross_size"]) == \
             (rank % 2, 2, rank // 2, 2)
         assert row["allreduce"] and row["allgather"] and row["broadcast"], row
+
+
+def _ranks_on(sim: simhosts.SimHosts) -> list[str]:
+    """Live processes of the rank hosts other than sshd itself."""
+    found = []
+    for h in sim.hosts[1:]:
+        for pid in simhosts._ip("netns", "pids", h.name, check=False).stdout.split():
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+            except OSError:
+                continue
+            if state != "Z" and "sshd" not in cmd:
+                found.append(f"{h.name}: {pid} {cmd}")
+    return found
+
+
+def test_ctrl_c_through_sshd_leaves_no_rank_behind(sshd_hosts):
+    """The launcher's Ctrl-C ends the ssh clients; sshd closes the remote command's stdin, which stops the rank."""
+    import signal
+
+    sim, tmp = sshd_hosts
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    ssh = f"ssh -o UserKnownHostsFile={tmp / 'known_hosts'} -o LogLevel=ERROR"
+    argv = [sys.executable, "-m", "spark_hvd.runner", "-H", f"{h1.address}:1,{h2.address}:1", "-p", str(PORT),
+            "-i", str(tmp / "client"), "--ssh-command", ssh, "-x", "PYTHONPATH", "--grace", "2",
+            sys.executable, WORKER, "hang"]
+    proc = sim.hosts[0].popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sum("rank_worker" in p for p in _ranks_on(sim)) < 2:
+        time.sleep(0.2)
+    assert sum("rank_worker" in p for p in _ranks_on(sim)) == 2, _ranks_on(sim)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _ranks_on(sim):
+        time.sleep(0.2)
+    assert not _ranks_on(sim)
