@@ -19,6 +19,7 @@ from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.model import BaseModel
 from spark_hvd.estimators.params import OBJECT_PARAMS
 from spark_hvd.estimators.persistence import PersistableStage
+from spark_hvd.estimators.preflight import check_not_classes
 from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
 from spark_hvd.estimators.spec import TrainSpec, model_metadata
 from spark_hvd.store.run_dir import RunDir
@@ -50,6 +51,8 @@ class BaseEstimator(Estimator, PersistableStage):
     _model_class: type[BaseModel] = BaseModel
     _spec_class: type = TrainSpec
     _trainer_class: type[RankTrainer] = RankTrainer
+    #: "torch" or "keras": which fix the pre-flight suggests for a class passed as an instance
+    _framework = "torch"
 
     def _metrics(self) -> list:
         """The ``metrics`` param as a list (empty when unset)."""
@@ -75,6 +78,9 @@ class BaseEstimator(Estimator, PersistableStage):
     def _model_params(self) -> dict:
         """Extra params of the returned Model (e.g. input_shapes)."""
         return {}
+
+    def _preflight(self, spec: TrainSpec, label_max: dict[str, float]) -> None:
+        """Checks on a few prepared rows on the driver before any rank starts (``preflight.py``; default none)."""
 
     @staticmethod
     def _is_class_index_loss(loss: Any) -> bool:
@@ -143,6 +149,8 @@ class BaseEstimator(Estimator, PersistableStage):
         model = self._opt(self.model)
         if model is None:
             raise param_error(name, "set model")
+        check_not_classes(name, self._framework, model, self._opt(self.optimizer) if self.hasParam("optimizer")
+                          else None, self._opt(self.loss) if self.hasParam("loss") else None)
         model_bytes = self._check_model(model)
         self._check_loss(len(labels))
         weights = get(self.loss_weights)
@@ -159,9 +167,10 @@ class BaseEstimator(Estimator, PersistableStage):
         backend = self._backend(df.sparkSession)
         num_proc = backend.num_processes()  # the one slot check of this fit (classic or Spark Connect)
         store.check_writable()  # a probe write, only once every other check passed
-        _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []))  # one job
+        label_max = _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []),
+                                labels)  # one job
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes,
-                "backend": backend}
+                "backend": backend, "label_max": label_max}
 
     def _backend(self, spark: Any) -> Any:
         """The runner for this fit (``spark_hvd.runner.backend.SparkBackend``): its num_proc, GPU, retry and
@@ -237,6 +246,7 @@ class BaseEstimator(Estimator, PersistableStage):
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
         spec = self._spec(store, run_id, data, plan["model_bytes"])
         _check_batch_functions(spec)
+        self._preflight(spec, plan.get("label_max", {}))
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         tracking = self._start_mlflow(store, run_id)
         try:
@@ -301,12 +311,16 @@ def _check_batch_functions(spec: TrainSpec) -> None:
     check_batch_functions(spec.store, spec.dataset, cols, cols, spec.transformation_fn, spec.collate_fn)
 
 
-def _check_rows(df: Any, name: str, cols: list[str]) -> None:
-    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads."""
+def _check_rows(df: Any, name: str, cols: list[str], labels: list[str] = ()) -> dict[str, float]:
+    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads.
+    Returns the largest value of each numeric scalar label column (the pre-flight's number of classes)."""
     from pyspark.sql import functions as F  # noqa: N812
+    from pyspark.sql.types import NumericType
 
+    numeric = [c for c in labels if isinstance(df.schema[c].dataType, NumericType)]
     aggs = [F.count(F.lit(1)).alias("rows")] + [F.sum(F.col(c).isNull().cast("long")).alias(f"n{i}")
                                                  for i, c in enumerate(cols)]
+    aggs += [F.max(F.col(c)).alias(f"max{i}") for i, c in enumerate(numeric)]
     counts = df.agg(*aggs).collect()[0]
     if not counts["rows"]:
         raise param_error(name, "the DataFrame given to fit is empty")
@@ -314,6 +328,7 @@ def _check_rows(df: Any, name: str, cols: list[str]) -> None:
     if nulls:
         raise param_error(name, f"null values in column(s) {nulls} (column: rows); drop or fill them before fit "
                           "(df.na.drop(subset=[...]) or df.na.fill(...))")
+    return {c: float(counts[f"max{i}"]) for i, c in enumerate(numeric)}
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

@@ -194,6 +194,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
     """
 
     _model_class = KerasModel
+    _framework = "keras"
     _spec_class = KerasSpec
     _trainer_class = KerasTrainer
 

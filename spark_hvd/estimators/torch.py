@@ -202,6 +202,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     _is_class_index_loss = staticmethod(is_class_index_loss)
 
+    def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
+        from spark_hvd.estimators.preflight import torch_forward_check
+
+        torch_forward_check(type(self).__name__, spec, label_max)
+
     def _train_spec(self) -> dict:
         get = self.getOrDefault
         best = get(self.best_metric)

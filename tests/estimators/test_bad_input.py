@@ -29,8 +29,8 @@ class _Unpicklable(torch.nn.Module):
 def df(spark):
     from pyspark.ml.linalg import Vectors
 
-    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2)) for i in range(8)],
-                                 ["features", "label", "weight"])
+    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2), i) for i in range(8)],
+                                 ["features", "label", "weight", "cls"])
 
 
 def _kwargs(store, **kw):
@@ -52,6 +52,14 @@ CASES = [
     ("not a module", dict(model="resnet"), TypeError, r"torch.nn.Module"),
     ("zero epochs", dict(epochs=0), ValueError, r"epochs must be a positive integer"),
     ("foreign optimizer", dict(optimizer="adam"), TypeError, r"torch.optim.Optimizer"),
+    ("loss class", dict(loss=torch.nn.CrossEntropyLoss), TypeError,
+     r"TorchEstimator: loss is the class torch.nn.CrossEntropyLoss, not a loss; pass an instance: "
+     r"torch.nn.CrossEntropyLoss\(\)"),
+    ("optimizer class", dict(optimizer=torch.optim.Adam), TypeError,
+     r"TorchEstimator: optimizer is the class torch.optim.Adam, not an optimizer; build it: "
+     r"optimizer=torch.optim.Adam\(model.parameters\(\), lr=1e-3\)"),
+    ("model class", dict(model=torch.nn.Linear), TypeError,
+     r"model is the class torch.nn.Linear, not a model; pass an instance: model=torch.nn.Linear\(...\)"),
 ]
 
 
@@ -86,3 +94,32 @@ def test_estimator_params_spark_style():
         assert name in text
     copy = est.copy({est.batch_size: 64})
     assert copy.getBatchSize() == 64 and est.getBatchSize() == 16
+
+
+PREFLIGHT = [
+    ("too few logits", dict(model_out=5, loss="cross_entropy", label_cols=["cls"]),
+     r"TorchEstimator: label 'cls' holds class indices up to 7 \(8 classes\) but the model gives 5 values per row; "
+     r"a class-index loss needs one logit per class: make the last layer 8 wide"),
+    ("regression loss, class outputs", dict(model_out=3, loss="mse"),
+     r"TorchEstimator: label 'label' has 1 value\(s\) per row but the model gives 3; .*loss='cross_entropy'"),
+    ("bad input width", dict(model_in=3, loss="mse"),
+     r"TorchEstimator: the model failed on a forward pass of 4 prepared rows on the driver "
+     r"\(inputs: features \(4, 2\)\): RuntimeError"),
+]
+
+
+@pytest.mark.parametrize("what,kw,match", PREFLIGHT, ids=[c[0] for c in PREFLIGHT])
+def test_forward_pass_preflight_fails_before_any_rank(spark, df, tmp_path, monkeypatch, what, kw, match):
+    """One forward pass on a few prepared rows on the driver checks outputs against labels; no rank starts."""
+    from spark_hvd.runner.backend import SparkBackend
+
+    def no_rank(*a, **k):
+        raise AssertionError("a training rank started")
+
+    monkeypatch.setattr(SparkBackend, "run", no_rank)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(kw.pop("model_in", 2), kw.pop("model_out", 1)))
+    est = TorchEstimator(**_kwargs(Store.create(str(tmp_path / "store")), model=net,
+                                   optimizer=torch.optim.SGD(net.parameters(), lr=0.1), **kw))
+    with pytest.raises(ValueError, match=match):
+        est.fit(df)

@@ -53,6 +53,12 @@ CASES = [
     ("foreign optimizer", dict(optimizer=object()), TypeError, r"keras.optimizers.Optimizer"),
     ("checkpoint callback", dict(checkpoint_callback=keras.callbacks.EarlyStopping()), TypeError,
      r"ModelCheckpoint"),
+    ("loss class", dict(loss=keras.losses.SparseCategoricalCrossentropy), TypeError,
+     r"KerasEstimator: loss is the class keras.losses.SparseCategoricalCrossentropy, not a loss; pass an instance: "
+     r"keras.losses.SparseCategoricalCrossentropy\(\)"),
+    ("optimizer class", dict(optimizer=keras.optimizers.Adam), TypeError,
+     r"KerasEstimator: optimizer is the class keras.optimizers.Adam, not an optimizer; build it: "
+     r"optimizer=keras.optimizers.Adam\(learning_rate=1e-3\)"),
 ]
 
 

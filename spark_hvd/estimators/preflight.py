@@ -1,0 +1,148 @@
+"""Driver-side pre-flight: the mistakes a new user makes, caught before any training task starts.
+
+Two kinds, both raised on the driver with the estimator's name, what was wrong and the fix:
+
+- :func:`check_not_classes` (before any Spark job): a class passed where an instance is wanted
+  (``loss=torch.nn.CrossEntropyLoss``, ``optimizer=torch.optim.Adam``, ``model=MyNet``), which otherwise fails
+  30 s later on a rank in the framework's words ("Boolean value of Tensor ... is ambiguous").
+- :func:`torch_forward_check` (after the data is prepared, before the ranks start): the module called once on a
+  few prepared rows, exactly as a rank would feed them, and each output compared with its label: a class-index
+  loss needs one logit per class (the label column's largest index + 1), a regression loss as many values as the
+  label; the error names both numbers. A module or loss that fails on those rows fails here, with the shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+from spark_hvd.estimators.errors import param_error, param_type_error
+
+__all__ = ["check_not_classes", "public_name", "torch_forward_check"]
+
+# where the public name of a class lives (torch.nn.modules.loss.CrossEntropyLoss -> torch.nn.CrossEntropyLoss)
+_PUBLIC = (("torch.nn.modules.", "torch.nn"), ("torch.optim.", "torch.optim"), ("keras.src.losses", "keras.losses"),
+           ("keras.src.optimizers", "keras.optimizers"), ("keras.src.models", "keras"))
+
+
+def public_name(cls: type) -> str:
+    """``module.Class`` as users write it (``torch.nn.CrossEntropyLoss``, ``keras.optimizers.Adam``)."""
+    module = getattr(cls, "__module__", "") or ""
+    for prefix, public in _PUBLIC:
+        if module.startswith(prefix):
+            return f"{public}.{cls.__qualname__}"
+    return cls.__qualname__ if module in ("__main__", "builtins", "") else f"{module}.{cls.__qualname__}"
+
+
+def check_not_classes(name: str, framework: str, model: Any, optimizer: Any, loss: Any) -> None:
+    """Raise ``TypeError`` when ``model``, ``optimizer`` or a loss is a class rather than an instance.
+
+    Args:
+        name: the estimator's name, the start of every message.
+        framework: ``"torch"`` or ``"keras"`` (the fix differs).
+        model, optimizer, loss: the params (``loss`` may be a list, one per label).
+    """
+    if inspect.isclass(model):
+        raise param_type_error(name, f"model is the class {public_name(model)}, not a model; pass an instance: "
+                        f"model={public_name(model)}(...)")
+    if inspect.isclass(optimizer):
+        cls = public_name(optimizer)
+        fix = (f"optimizer={cls}(model.parameters(), lr=1e-3)" if framework == "torch"
+               else f"optimizer={cls}(learning_rate=1e-3) (or a name such as 'adam')")
+        raise param_type_error(name, f"optimizer is the class {cls}, not an optimizer; build it: {fix}")
+    for i, item in enumerate(loss if isinstance(loss, list | tuple) else [loss]):
+        if inspect.isclass(item):
+            cls = public_name(item)
+            where = f"loss {i}" if isinstance(loss, list | tuple) else "loss"
+            raise param_type_error(name, f"{where} is the class {cls}, not a loss; pass an instance: {cls}() "
+                            "(or a loss name, or a function)")
+
+
+def torch_forward_check(name: str, spec: Any, label_max: dict[str, float], rows: int = 4) -> None:
+    """Call the module of ``spec`` (a ``TorchSpec``) on ``rows`` prepared training rows on the driver, as a rank
+    would, and check each output against its label and loss; raise ``ValueError`` naming both numbers.
+
+    ``label_max`` maps a label column to its largest value over the whole DataFrame (the number of classes of a
+    class-index loss is that + 1). A ``train_minibatch_fn`` replaces the loss step: then only the forward pass runs.
+    """
+    import torch
+
+    from spark_hvd.estimators.rank_data import ShardReaders
+    from spark_hvd.estimators.torch_precision import MixedPrecision
+    from spark_hvd.estimators.torch_rank import TorchTrainer, is_class_index_loss, resolve_losses
+
+    small = dataclasses.replace(spec, batch_size=rows, shuffle=False, train_steps_per_epoch=1)
+    gen = ShardReaders(small, 0, 1).epoch("train", 0)
+    try:
+        batch = next(gen)
+    finally:
+        gen.close()
+    trainer = TorchTrainer()
+    trainer.spec, trainer.device = small, torch.device("cpu")
+    trainer.precision = MixedPrecision(None, trainer.device)
+    from spark_hvd.estimators.torch import deserialize_module
+
+    trainer.model = deserialize_module(spec.model_bytes).eval()
+    trainer._build_training(small)
+    inputs, labels, weights = trainer._tensors(batch)
+    n = len(inputs[0])
+    shapes = ", ".join(f"{c} {tuple(t.shape)}" for c, t in zip(spec.feature_cols, inputs, strict=True))
+    where = f"on a forward pass of {n} prepared rows on the driver"
+    try:
+        with torch.no_grad():
+            out = trainer.model(*inputs)
+    except Exception as exc:
+        raise param_error(name, f"the model failed {where} (inputs: {shapes}): {type(exc).__name__}: {exc}. "
+                         "Check input_shapes (without the batch dimension) and the first layer's size") from exc
+    outputs = list(out) if isinstance(out, list | tuple) else [out]
+    if len(outputs) != len(spec.label_cols):
+        raise param_error(name, f"the model returns {len(outputs)} outputs for {len(spec.label_cols)} label columns "
+                         f"{list(spec.label_cols)}; return one tensor per label (a tuple for several)")
+    losses = resolve_losses(spec.loss, len(spec.label_cols))
+    for col, o, y, item in zip(spec.label_cols, outputs, labels, losses, strict=True):
+        _check_output(name, col, o, y, is_class_index_loss(item), _is_elementwise(item), label_max.get(col))
+    if spec.train_minibatch_fn is not None:
+        return
+    try:
+        with torch.no_grad():
+            outs, fitted = trainer._transform_outputs(outputs, labels)
+            trainer._loss(outs, fitted, weights)
+    except Exception as exc:
+        got = ", ".join(f"output {tuple(o.shape)} vs label {c!r} {tuple(y.shape)}"
+                        for c, o, y in zip(spec.label_cols, outputs, labels, strict=True))
+        raise param_error(name, f"the loss failed {where} ({got}): {type(exc).__name__}: {exc}") from exc
+
+
+def _is_elementwise(item: Any) -> bool:
+    """Whether a torch loss compares output and label value by value (the built-in regression losses)."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    if isinstance(item, str):
+        return item in ("mse", "l1", "bce_with_logits")
+    return item in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy_with_logits) \
+        or isinstance(item, torch.nn.MSELoss | torch.nn.L1Loss | torch.nn.SmoothL1Loss | torch.nn.HuberLoss
+                      | torch.nn.BCEWithLogitsLoss)
+
+
+def _check_output(name: str, col: str, out: Any, label: Any, class_index: bool, elementwise: bool,
+                  label_max: float | None) -> None:
+    per_row = int(out[0].numel()) if out.dim() > 1 else 1
+    label_per_row = int(label[0].numel()) if label.dim() > 1 else 1
+    if class_index:
+        if out.dim() < 2:
+            raise param_error(name, f"label {col!r} takes a class-index loss, which needs one logit per class "
+                             f"(rows, classes), but the model gives one value per row (shape {tuple(out.shape)})")
+        if label_max is not None:
+            classes = int(label_max) + 1
+            width = int(out.shape[-1])
+            if width < classes:
+                raise param_error(name, f"label {col!r} holds class indices up to {int(label_max)} ({classes} "
+                                 f"classes) but the model gives {width} values per row; a class-index loss needs "
+                                 f"one logit per class: make the last layer {classes} wide")
+        return
+    if elementwise and per_row != label_per_row:
+        hint = (" For class indices use a class-index loss (loss='cross_entropy')." if label_per_row == 1 else "")
+        raise param_error(name, f"label {col!r} has {label_per_row} value(s) per row but the model gives "
+                         f"{per_row}; the loss compares them value by value, so they must match.{hint}")
