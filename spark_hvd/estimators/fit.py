@@ -82,6 +82,11 @@ class BaseEstimator(Estimator, PersistableStage):
     def _preflight(self, spec: TrainSpec, label_max: dict[str, float]) -> None:
         """Checks on a few prepared rows on the driver before any rank starts (``preflight.py``; default none)."""
 
+    def _classifier_kind(self) -> str | None:
+        """For a one-label model, what its output is (``classifier.py``: ``logits``, ``probabilities``,
+        ``binary_logits``, ``binary_probabilities``), judged from the loss; None: not a classifier."""
+        return None
+
     @staticmethod
     def _is_class_index_loss(loss: Any) -> bool:
         """Whether ``loss`` (one label's, as the loss param gives it) takes class indices (default: none known)."""
@@ -258,9 +263,13 @@ class BaseEstimator(Estimator, PersistableStage):
                 tracking.fail()
             raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
+        metadata = model_metadata(data, output_shapes)
+        kind = self._classifier_kind() if len(get(self.label_cols)) == 1 else None
+        if kind:
+            metadata["classifier"] = kind
         model = self._model_class(
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
-            history=history, run_id=run_id, metadata=model_metadata(data, output_shapes), **self._model_params(),
+            history=history, run_id=run_id, metadata=metadata, **self._model_params(),
         )
         for param in ("transformation_fn", "collate_fn"):  # transform preprocesses as training did
             if self._opt(getattr(self, param)) is not None:

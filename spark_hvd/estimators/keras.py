@@ -195,6 +195,11 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
 
     _model_class = KerasModel
     _framework = "keras"
+
+    def _classifier_kind(self) -> str | None:
+        from spark_hvd.estimators.classifier import keras_kind
+
+        return keras_kind(self._opt(self.loss))
     _spec_class = KerasSpec
     _trainer_class = KerasTrainer
 

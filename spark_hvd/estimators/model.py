@@ -228,7 +228,21 @@ class BaseModel(Model, PersistableStage):
                                                                                           strict=True)])
         fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
                                 bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes())
-        return prepared.mapInArrow(fn, schema)
+        return self._classifier_columns(prepared.mapInArrow(fn, schema), out_cols)
+
+    def _classifier_columns(self, out: Any, out_cols: list[str]) -> Any:
+        """A classifier's ``prediction`` and ``probability`` columns beside its raw output (``classifier.py``)."""
+        kind = (self.getOrDefault(self.metadata) or {}).get("classifier")
+        if not kind or len(out_cols) != 1:
+            return out
+        names = [self.getOrDefault(self.prediction_col), self.getOrDefault(self.probability_col)]
+        clash = [c for c in names if c and c in out.columns]
+        if clash:
+            raise ValueError(f"{type(self).__name__}: column(s) {clash} already exist in the DataFrame; choose "
+                             "others with setPredictionCol / setProbabilityCol ('' leaves one out)")
+        from spark_hvd.estimators.classifier import add_classifier_columns
+
+        return add_classifier_columns(out, out_cols[0], kind, *names)
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],

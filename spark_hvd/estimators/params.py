@@ -335,11 +335,17 @@ class ModelParams(Params):
                            "(a pandas DataFrame of them) before the model; fit sets the estimator's")
     collate_fn = _p("collate_fn", "the per-batch hook transform applies to the feature arrays (a dict by column) "
                     "after transformation_fn; fit sets the estimator's")
+    prediction_col = _p("prediction_col", "classifiers (one label, class-index or binary loss): the column of the "
+                        "predicted class as a double, as Spark's classifiers; '' to leave it out",
+                        TypeConverters.toString)
+    probability_col = _p("probability_col", "classifiers: the column of class probabilities as a Vector "
+                         "(softmax or sigmoid of logits); '' to leave it out", TypeConverters.toString)
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(feature_cols=None, label_cols=None, output_cols=None, batch_size=1024, history=None,
-                         run_id=None, metadata=None, use_gpu=False, transformation_fn=None, collate_fn=None)
+                         run_id=None, metadata=None, use_gpu=False, transformation_fn=None, collate_fn=None,
+                         prediction_col="prediction", probability_col="probability")
 
     def getOutputCols(self) -> list[str]:  # noqa: N802 (Spark ML naming)
         """The prediction column names: ``output_cols`` if set, else ``<label>__output`` for every label."""

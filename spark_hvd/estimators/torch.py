@@ -202,6 +202,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     _is_class_index_loss = staticmethod(is_class_index_loss)
 
+    def _classifier_kind(self) -> str | None:
+        from spark_hvd.estimators.classifier import torch_kind
+
+        return torch_kind(self._opt(self.loss))
+
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
         from spark_hvd.estimators.preflight import torch_forward_check
 

@@ -198,3 +198,39 @@ def test_gpu_transform_equals_cpu_transform(spark):
     cpu = sorted((r.id, r.t__output) for r in model.transform(df).collect())
     gpu = sorted((r.id, r.t__output) for r in model.setUseGpu(True).transform(df).collect())
     np.testing.assert_allclose(np.array([v for _, v in gpu]), np.array([v for _, v in cpu]), rtol=1e-4, atol=1e-5)
+
+
+def test_classifier_columns_feed_spark_evaluators(spark):
+    """A classifier's model (metadata 'classifier') adds Spark's prediction (arg-max, double) and probability
+    (softmax Vector) beside the raw output, equal to the module called directly; binary models get sigmoid."""
+    from pyspark.ml.evaluation import BinaryClassificationEvaluator, MulticlassClassificationEvaluator
+
+    net = _trained_net(n_out=3, seed=4)
+    df, x = _vector_df(spark, n=60)
+    with torch.no_grad():
+        logits = net(torch.from_numpy(x.astype(np.float32)))
+    labels = logits.argmax(1).numpy()
+    rows = [(i, r.features, int(labels[i])) for i, r in enumerate(sorted(df.collect(), key=lambda r: r.id))]
+    df = spark.createDataFrame(rows, ["id", "features", "label"])
+    model = TorchModel(model=net, feature_cols=["features"], label_cols=["label"],
+                       metadata={"classifier": "logits"})
+    out = model.transform(df)
+    assert out.columns == ["id", "features", "label", "label__output", "prediction", "probability"]
+    assert dict(out.dtypes)["prediction"] == "double"
+    got = sorted(out.collect(), key=lambda r: r.id)
+    np.testing.assert_array_equal([r.prediction for r in got], labels.astype(float))
+    np.testing.assert_allclose(np.array([r.probability.toArray() for r in got]),
+                               torch.softmax(logits, 1).numpy(), rtol=1e-5, atol=1e-6)
+    assert MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out) == 1.0
+
+    model.setPredictionCol("").setProbabilityCol("proba")
+    assert model.transform(df).columns[-1] == "proba" and "prediction" not in model.transform(df).columns
+
+    binary = TorchModel(model=_trained_net(), feature_cols=["features"], label_cols=["label"],
+                        metadata={"classifier": "binary_logits"})
+    out = binary.transform(df.withColumn("label", (df["label"] > 0).cast("double")))
+    first = out.orderBy("id").first()
+    p1 = 1.0 / (1.0 + np.exp(-first.label__output))
+    np.testing.assert_allclose(first.probability.toArray(), [1.0 - p1, p1], rtol=1e-6)
+    assert first.prediction == float(first.label__output > 0)
+    assert 0.0 <= BinaryClassificationEvaluator(rawPredictionCol="probability").evaluate(out) <= 1.0

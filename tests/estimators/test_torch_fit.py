@@ -116,6 +116,32 @@ def test_digits_classification_accuracy(spark, store):
     assert hist["val_accuracy"][-1] >= 0.90, hist
     pred = model.transform(df.limit(20)).collect()
     assert len(pred[0].digit__output) == 10  # logits per row: array<float>
+    assert pred[0].prediction == float(np.argmax(pred[0].digit__output))  # Spark's classifier columns beside it
+    assert abs(sum(pred[0].probability) - 1.0) < 1e-6
+
+
+def test_cross_validator_over_torch_estimator(spark, store):
+    """CrossValidator + MulticlassClassificationEvaluator work on a TorchEstimator as on Spark's classifiers
+    (2 folds x 1 grid point + the final fit: three small fits)."""
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    rng = np.random.default_rng(5)
+    centers = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 2.5]])
+    y = rng.integers(0, 3, 240)
+    x = centers[y] + 0.3 * rng.standard_normal((240, 2))
+    df = spark.createDataFrame([(x[i].tolist(), int(y[i])) for i in range(240)], "xy array<float>, label int")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    est = TorchEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.1),
+                         loss="cross_entropy", feature_cols=["xy"], label_cols=["label"], batch_size=16, epochs=3,
+                         random_seed=1, partitions_per_process=1, verbose=0)
+    evaluator = MulticlassClassificationEvaluator(labelCol="label", metricName="accuracy")
+    cv = CrossValidator(estimator=est, estimatorParamMaps=ParamGridBuilder().addGrid(est.epochs, [3]).build(),
+                        evaluator=evaluator, numFolds=2, seed=7)
+    cv_model = cv.fit(df)
+    assert cv_model.avgMetrics[0] >= 0.9, cv_model.avgMetrics
+    assert evaluator.evaluate(cv_model.transform(df)) >= 0.9
 
 
 class _EpochLog:
