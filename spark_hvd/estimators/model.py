@@ -238,8 +238,8 @@ class BaseModel(Model, PersistableStage):
         names = [self.getOrDefault(self.prediction_col), self.getOrDefault(self.probability_col)]
         clash = [c for c in names if c and c in out.columns]
         if clash:
-            raise ValueError(f"{type(self).__name__}: column(s) {clash} already exist in the DataFrame; choose "
-                             "others with setPredictionCol / setProbabilityCol ('' leaves one out)")
+            raise param_error(self, f"column(s) {clash} already exist in the DataFrame; choose others with "
+                              "setPredictionCol / setProbabilityCol ('' leaves one out)")
         from spark_hvd.estimators.classifier import add_classifier_columns
 
         return add_classifier_columns(out, out_cols[0], kind, *names)
