@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,8 @@ import allreduce_hosts  # noqa: E402 - --hosts: ranks on simulated hosts
 from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
+_MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
+          "alt": "--alternate: two tensors alternating, time per call"}
 IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -64,6 +67,11 @@ def human(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:g} {unit}"
     return f"{nbytes} B"
+
+
+def osu_iterations(nbytes: int) -> int:
+    """``--osu`` / ``--alternate``: fewer calls (each also pays a barrier or a second tensor)."""
+    return max(3, min(200, (16 << 20) // max(nbytes, 1)))
 
 
 def iterations(nbytes: int, quick: bool) -> int:
@@ -120,12 +128,13 @@ def _worker(impl: str) -> None:
         rank, size = hvd.rank(), hvd.size()
         tensors: dict[int, torch.Tensor] = {}
 
-        def allreduce(buf: np.ndarray) -> None:
+        def allreduce(buf: np.ndarray, tag: str = "") -> None:
             tensor = tensors.get(id(buf))
             if tensor is None:
-                tensors.clear()
+                if len(tensors) > 1:
+                    tensors.clear()
                 tensor = tensors[id(buf)] = torch.from_numpy(buf)  # shares buf's memory
-            hvd.allreduce_(tensor, name=f"bench.{buf.nbytes}", op=hvd.Sum)
+            hvd.allreduce_(tensor, name=f"bench.{buf.nbytes}{tag}", op=hvd.Sum)
 
         barrier = hvd.barrier
         close = hvd.shutdown
@@ -158,11 +167,14 @@ def _worker(impl: str) -> None:
         command = control.recv_object()
         if command[0] == "stop":
             break
-        _, nbytes, iters, warmup = command
+        _, nbytes, iters, warmup, *mode = command
         buf = buffers.get(nbytes)
         if buf is None:
             buffers.clear()
             buf = buffers[nbytes] = rng.standard_normal(nbytes // 4).astype(np.float32)
+        if mode and mode[0] != "loop":
+            control.send_object(("result", *_osu_timed(mode[0], allreduce, barrier, buf, iters, warmup)))
+            continue
         with np.errstate(over="ignore", invalid="ignore"):  # repeated sums of the same buffer overflow to inf
             for _ in range(warmup):
                 allreduce(buf)
@@ -175,6 +187,48 @@ def _worker(impl: str) -> None:
     barrier()
     close()
     control.close()
+
+
+def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: int,
+               warmup: int) -> tuple[float, float]:
+    """``--osu``: osu_allreduce's loop, a barrier between timed allreduces (only the allreduce is timed), so each
+    one starts with every rank arriving together after another collective. ``alt`` (``--alternate``):
+    back-to-back calls alternating two tensors of this size (two names; on the bare backends, two buffers).
+    Returns (seconds, CPU seconds) per allreduce."""
+    other = buf.copy()
+    tagged = "tag" in getattr(getattr(allreduce, "__code__", None), "co_varnames", ())
+
+    def call(b: np.ndarray, tag: str) -> None:
+        if tagged:
+            allreduce(b, tag)
+        else:
+            allreduce(b)
+
+    elapsed = cpu = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):  # repeated sums of the same buffer overflow to inf
+        if mode == "osu":
+            for _ in range(warmup + 2):
+                call(buf, "")
+                barrier()
+            for _ in range(iters):
+                t, c = time.perf_counter(), time.process_time()
+                call(buf, "")
+                elapsed += time.perf_counter() - t
+                cpu += time.process_time() - c
+                barrier()
+        else:
+            for _ in range(warmup + 2):
+                call(buf, "")
+                call(other, ".b")
+            barrier()
+            t, c = time.perf_counter(), time.process_time()
+            for i in range(iters):
+                if i % 2:
+                    call(other, ".b")
+                else:
+                    call(buf, "")
+            elapsed, cpu = time.perf_counter() - t, time.process_time() - c
+    return elapsed / iters, cpu / iters
 
 
 # ---------------------------------------------------------------------------------------------- driver side
@@ -215,10 +269,10 @@ class Group:
             place = allreduce_hosts.prefix(rank, n) if hosts else []
             self.procs.append(subprocess.Popen([*place, *script], env={**env, **extra, **own}))
 
-    def run(self, nbytes: int, iters: int, warmup: int) -> tuple[float, float]:
+    def run(self, nbytes: int, iters: int, warmup: int, mode: str = "loop") -> tuple[float, float]:
         """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
         for conn in self.conns.values():
-            conn.send_object(("run", nbytes, iters, warmup))
+            conn.send_object(("run", nbytes, iters, warmup, mode))
         replies = [conn.recv_object() for conn in self.conns.values()]
         return max(r[1] for r in replies), sum(r[2] for r in replies) / len(replies)
 
@@ -273,7 +327,7 @@ def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group
 
 
 def bench(n: int, impls: list[str], sizes: list[int], rounds: int,
-          quick: bool) -> dict[tuple[str, int], list[tuple[float, float]]]:
+          quick: bool, mode: str = "loop") -> dict[tuple[str, int], list[tuple[float, float]]]:
     groups = start_groups(impls, n)
     print(f"N={n} transports: " + "; ".join(f"{g.impl}: {'/'.join(sorted(g.transports))}" for g in groups))
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -281,10 +335,10 @@ def bench(n: int, impls: list[str], sizes: list[int], rounds: int,
         for rnd in range(rounds):
             order = groups[rnd % len(groups):] + groups[:rnd % len(groups)]
             for nbytes in sizes:
-                iters = iterations(nbytes, quick)
+                iters = iterations(nbytes, quick) if mode == "loop" else osu_iterations(nbytes)
                 warmup = 1 if rnd or nbytes >= (16 << 20) else 3
                 for g in order:
-                    times.setdefault((g.impl, nbytes), []).append(g.run(nbytes, iters, warmup))
+                    times.setdefault((g.impl, nbytes), []).append(g.run(nbytes, iters, warmup, mode))
             logger.info("N=%d: round %d/%d done", n, rnd + 1, rounds)
     finally:
         for g in groups:
@@ -341,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=None,
                         help="place the ranks on this many simulated hosts (root; benchmarks/allreduce_hosts.py)")
     parser.add_argument("--link", default="2gbit", help="with --hosts: each host's link rate, as tc writes it")
+    parser.add_argument("--osu", action="store_true",
+                        help="OSU style: a barrier between timed allreduces (osu_allreduce's loop)")
+    parser.add_argument("--alternate", action="store_true",
+                        help="back-to-back calls alternating two tensors of each size (two names)")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
@@ -358,7 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     for n in nps:
         # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring
         run = [i for i in impls if not i.endswith("-hier") or n >= 4]
-        times = bench(n, run, sizes, rounds, args.quick)
+        mode = "osu" if args.osu else "alt" if args.alternate else "loop"
+        if mode != "loop":
+            print(f"mode: {_MODES[mode]}")
+        times = bench(n, run, sizes, rounds, args.quick, mode)
         print(table(n, run, sizes, times))
         print(f"load average {os.getloadavg()[0]:.1f} after N={n}", flush=True)
     if args.fusion:

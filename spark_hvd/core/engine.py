@@ -36,10 +36,11 @@ Fast rounds: a steady training loop sends only cache ids and leaves nothing outs
 (which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
 with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
 no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``). After two
-clean fast rounds that agreed on the same small float group, the next round speculates: one allreduce of
-``[flag, tensors...]`` carries negotiation and data together (``_Spec``; at N=2 on shared memory, one larger SUM
-tensor is speculated on in place).
+some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``). Once the
+ranks have seen which clean round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two
+tensors alternating, an allreduce between barriers), the next round speculates on it: one allreduce of
+``[flag, tensors...]`` carries negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM
+tensor is speculated on in place; a round of barriers is the flag's collective alone).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
 the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
@@ -82,7 +83,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +95,7 @@ from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  #
 from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
+from spark_hvd.core.speculation import Predictor, Spec
 from spark_hvd.core.table import (
     NegotiationTable,
     Ready,
@@ -112,35 +114,6 @@ _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
-_SPEC_BYTES = 64 * 1024  # rounds of at most this many bytes are run speculatively (one collective, see _Spec)
-
-
-class _Spec(NamedTuple):
-    """A round every rank expects to repeat: the same cache ids, one small float SUM/AVERAGE group.
-
-    Armed (identically on every rank) after two consecutive clean fast rounds that agreed on these ids. The next
-    round is then a single allreduce of ``[flag, tensors...]``: every rank whose submissions are exactly ``ids``
-    packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the packed part
-    is the answer (negotiation and data in one collective); otherwise every rank drops it, disarms, and negotiates
-    the round as usual, having spent one small collective.
-
-    ``in_place``: two ranks on a backend that reduces several arrays where they lie (shared memory), one float
-    tensor larger than ``_SPEC_BYTES``, SUM without prescale. Packing it would cost more than the negotiation it
-    saves, so the collective is ``allreduce_fused([flag], tensor)`` on the tensor itself; a rank that did not submit
-    exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
-    that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
-    """
-
-    ids: tuple[int, ...]
-    dtype: np.dtype
-    op: ReduceOp
-    prescale: float
-    postscale: float
-    count: int
-    sole: tuple[str, Meta] | None  # (name, metadata) when the round is one tensor: ``Engine.allreduce`` matches it
-    staging: np.ndarray  # [flag, tensors...], this speculation's own ([flag] when in_place)
-    views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
-    in_place: bool
 
 
 class Engine:
@@ -191,9 +164,8 @@ class Engine:
         self._progress_at = 0.0
         self._last_enqueue = 0.0
         self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
-        self._spec: _Spec | None = None  # identical on every rank
-        self._last_common: list[int] = []
-        self._unspeculable: list[int] = []  # the cache ids ``_arm`` last found unfit to speculate on
+        self._spec: Spec | None = None  # identical on every rank
+        self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses)
         self._timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -222,7 +194,9 @@ class Engine:
             raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
         if op.__class__ is not ReduceOp:
             op = ReduceOp(op)
-        if name is None:
+        if name is None and kind == "barrier":
+            name = "barrier"  # one at a time per rank (it blocks): one name, so the response cache knows it
+        elif name is None:
             with self._lock:
                 name = f"{kind}.noname.{self._counters[kind]}"
                 self._counters[kind] += 1
@@ -324,7 +298,7 @@ class Engine:
 
         The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the last two
         rounds agreed on it alone: same name, dtype, shape, op and scales) and nothing else is queued on this rank,
-        the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``_Spec``), and this
+        the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
         runs it at once in the calling thread with no request, handle or metadata to build. Otherwise, or when
         the speculation misses (another rank submitted something else), it goes through ``enqueue`` and ``wait``.
         """
@@ -344,7 +318,7 @@ class Engine:
         return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
                             bfloat16=bfloat16, start_engine=False).wait()
 
-    def _sole_ready(self, spec: _Spec) -> bool:
+    def _sole_ready(self, spec: Spec) -> bool:
         """Take the round lock for ``_sole_round`` if ``spec`` is still armed and nothing else is queued here
         (a join, a shutdown, another request); False (lock not held) otherwise."""
         if self._outbox or self._join_handle is not None or self._shutdown_requested:
@@ -543,13 +517,14 @@ class Engine:
                 ready = [(TableEntry(*get(cache_id)), None) for cache_id in common]
                 progress = bool(common) or partial
                 if not partial:
-                    self._arm(common)
+                    self._spec = self._predictor.advance(common)
                     self._finish_round(ready, start, progress)
                     return progress, False
                 # some ids were sent by only some ranks: they become outstanding entries through the full round
                 ids = [cache_id for cache_id in ids if cache_id not in set(common)]
-        # a full round may change the cache: re-arm from scratch
-        self._spec, self._last_common, self._unspeculable = None, [], []
+        # a full round may change the cache: learn the rounds afresh
+        self._spec = None
+        self._predictor.reset()
         table = self._table
         fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
         if first_round:  # every rank must plan fusion and the cache alike
@@ -585,39 +560,8 @@ class Engine:
         self.stats["fast_rounds"] += 1
         return fast_answer(vec, self.size)
 
-    def _arm(self, common: list[int]) -> None:
-        """After a clean fast round: arm speculation when it agreed on the same small float group as the last."""
-        previous, self._last_common = self._last_common, common
-        self._spec = None
-        if not common or common != previous or common == self._unspeculable:
-            return
-        self._unspeculable = common  # until armed below: a large group is not looked at again every round
-        metas = [self._cache.get(cache_id)[1] for cache_id in common]
-        first = metas[0]
-        dtype = np.dtype(first.dtype)
-        key = (first.dtype, first.op, first.prescale, first.postscale, False)
-        if dtype.kind != "f" or first.op not in ("sum", "average") or any(
-                m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
-                or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
-            return
-        count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
-        packed = count * dtype.itemsize <= _SPEC_BYTES
-        in_place = (not packed and self.size == 2 and self._backend_fuses and len(common) == 1
-                    and first.op == "sum" and first.prescale == 1.0)
-        if packed or in_place:
-            sole = self._cache.get(common[0]) if len(common) == 1 else None
-            staging = np.zeros(1 if in_place else 1 + count, dtype)
-            views, offset = [], 1
-            for m in metas if packed else ():
-                n = int(np.prod(m.shape, dtype=np.int64))
-                views.append(staging[offset:offset + n].reshape(m.shape))
-                offset += n
-            self._spec = _Spec(tuple(common), dtype, ReduceOp(first.op), first.prescale, first.postscale, count,
-                               sole, staging, tuple(views), in_place)
-            self._unspeculable = []
-
-    def _speculate(self, spec: _Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
-        """The one collective of a speculative round (see ``_Spec``): allreduce ``[flag, bufs...]`` (zeros when
+    def _speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
+        """The one collective of a speculative round (see ``Spec``): allreduce ``[flag, bufs...]`` (zeros when
         ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
         reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
         staging = spec.staging
@@ -658,34 +602,39 @@ class Engine:
                 scale_inplace(staging[1:], spec.postscale)
             for view, buf in zip(spec.views, bufs, strict=True):
                 buf[...] = view
-        self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += len(bufs)
-        if len(bufs) > 1:
-            self.stats["fused_collectives"] += 1
+        if spec.barrier:
+            self.stats["barrier_collectives"] += 1
+        else:
+            self.stats["allreduce_collectives"] += 1
+            self.stats["allreduce_tensors"] += len(bufs)
+            if len(bufs) > 1:
+                self.stats["fused_collectives"] += 1
         self._idle_rounds = 0
         self._progress_at = t1
         return True, t0, t1
 
-    def _speculative_round(self, spec: _Spec, mine: dict[int, Request] | None, start: float) -> bool:
+    def _speculative_round(self, spec: Spec, mine: dict[int, Request] | None, start: float) -> bool:
         """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the
         tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
-        bufs = None if mine is None else [mine[cache_id].buf for cache_id in spec.ids]
+        bufs = None if mine is None else [] if spec.barrier else [mine[cache_id].buf for cache_id in spec.ids]
         hit, t0, t1 = self._speculate(spec, bufs)
         if not hit:
             return False
         assert mine is not None
         with self._lock:
             requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
+        self._spec = self._predictor.advance(spec.ids)
+        activity = "BARRIER" if spec.barrier else "ALLREDUCE"
         for request in requests:
             self._cache.put(request.name, request.meta)
             if self.timeline is not None:
-                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(requests), speculative=True)
+                self.timeline.event(request.name, activity, t0, t1, fused=len(requests), speculative=True)
         finish_all([(request.handle, request.buf) for request in reversed(requests)])
         if self.timeline is not None:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
         return True
 
-    def _sole_round(self, spec: _Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
+    def _sole_round(self, spec: Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
         """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle.
 
         On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
@@ -699,6 +648,7 @@ class Engine:
         self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         self.stats["cache_hits"] += 1
         self._cache.put(name, meta)
+        self._spec = self._predictor.advance(spec.ids)
         if self.timeline is not None:
             self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import shm_cma, shm_slices
+from spark_hvd.core import recursive_doubling, shm_cma, shm_slices
 from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
     HOST_ID_ENV,
     IFACE_ENV,
@@ -442,10 +442,15 @@ class RingBackend(Backend):
     def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None = None) -> None:
         """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined; two
-        members and a small array: one exchange (``_pair_exchange``)."""
-        n = self._neighbours(members)[1]
+        members and a small array: one exchange (``_pair_exchange``); more members and an array up to
+        ``settings.log_depth_bytes``: recursive doubling (log2 N exchanges, not 2(N-1) ring steps)."""
+        p, n = self._neighbours(members)[:2]
         if n == 2 and flat.nbytes <= self._pair_bytes:
             self._pair_exchange(flat, op, bfloat16, operation, members)
+            return
+        if n > 2 and flat.nbytes <= self.settings.log_depth_bytes:
+            recursive_doubling.allreduce(flat, op, bfloat16, members or range(self.size), p,
+                                         _MeshPeers(self, operation), self._scratch_bytes(flat.nbytes))
             return
         self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
                    op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
@@ -652,6 +657,27 @@ class RingBackend(Backend):
     def __repr__(self) -> str:
         return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "
                 f"cross={self.cross_rank}/{self.cross_size}, transport={self.transport})")
+
+
+class _MeshPeers:
+    """``recursive_doubling.Peers`` over the backend's authenticated TCP mesh."""
+
+    def __init__(self, backend: RingBackend, operation: str) -> None:
+        self.backend, self.operation = backend, operation
+
+    def send(self, dst: int, data: np.ndarray) -> None:
+        self.backend._wait_sent(self.backend._post(dst, data, self.operation), self.operation)
+
+    def recv(self, src: int, into: np.ndarray) -> None:
+        self.backend._recv(src, into, self.operation)
+
+    def exchange(self, peer: int, data: np.ndarray, into: np.ndarray) -> None:
+        frame = self.backend._frame
+        pieces = range(0, data.nbytes, frame)
+        sock = self.backend.peers[peer]
+        RingExchange(sock, sock, self.operation).run([memoryview(data[lo:lo + frame]) for lo in pieces],
+                                                     [memoryview(into[lo:lo + frame]) for lo in pieces],
+                                                     lambda i: None)
 
 
 __all__ = ["RingBackend", "host_identity", "even_bounds"]

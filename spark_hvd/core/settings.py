@@ -78,6 +78,10 @@ class Settings:
         "two ranks alone on one host allreduce arrays from this many bytes by reading each other's buffers "
         "(Linux cross-memory attach, process_vm_readv: one copy) instead of through shared-memory slots; "
         "0 turns it off")
+    log_depth_bytes: int = _setting(
+        "SPARK_HVD_LOG_DEPTH_BYTES", None, 64 * 1024, int,
+        "TCP allreduces among three or more ranks (or host leaders) up to this many bytes use recursive doubling "
+        "(log2 N exchanges of the whole array) instead of the ring's 2(N-1) steps; 0 turns it off")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -1,0 +1,148 @@
+"""Speculative rounds: which round the ranks expect next, and the one collective that carries it.
+
+Thread-free and rank-free, like the table (``spark_hvd.core.table``): every rank feeds its ``Predictor`` the same
+clean rounds (the response-cache ids every rank submitted, from a fast round or a speculative hit) and so arms the
+same ``Spec`` at the same moment.
+
+The predictor learns which round follows which: after a clean round of ids ``C`` it looks up the round that came
+after ``C`` last time and, when that successor was not contradicted since, arms a speculation on it. A steady loop
+of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an allreduce between barriers
+(osu_allreduce's loop), a training step's gradients then its metric: each becomes a cycle of predicted rounds of
+one collective each, negotiation and data together. A prediction that fails costs one small collective, and the
+successor it predicted must then be seen twice in a row before it is armed again, so an irregular pattern does
+not pay that on every round. A full round (new names, a join, a partial fast round) may change the cache, so the
+engine forgets everything learned (``reset``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.negotiation import Meta
+
+#: Rounds of at most this many bytes are run speculatively, packed into one staging array.
+SPEC_BYTES = 64 * 1024
+_MAX_LEARNED = 4096  # rounds remembered (a loop with more distinct rounds than this is forgotten and relearned)
+
+Ids = tuple[int, ...]
+
+
+class Spec(NamedTuple):
+    """A round every rank expects: these cache ids, one small float SUM/AVERAGE group, or barriers alone.
+
+    The round is then a single allreduce of ``[flag, tensors...]``: every rank whose submissions are exactly
+    ``ids`` packs its tensors and a flag of 1, any other rank zeros. When the flags add up to the job size, the
+    packed part is the answer (negotiation and data in one collective; for barriers, the flag's collective is the
+    barrier: no rank's flag is counted before it arrived); otherwise every rank drops it, disarms, and negotiates
+    the round as usual, having spent one small collective.
+
+    ``in_place``: two ranks on a backend that reduces several arrays where they lie (shared memory), one float
+    tensor larger than ``SPEC_BYTES``, SUM without prescale. Packing it would cost more than the negotiation it
+    saves, so the collective is ``allreduce_fused([flag], tensor)`` on the tensor itself; a rank that did not submit
+    exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
+    that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
+    """
+
+    ids: Ids
+    dtype: np.dtype
+    op: ReduceOp
+    prescale: float
+    postscale: float
+    count: int
+    sole: tuple[str, Meta] | None  # (name, metadata) when the round is one tensor: ``Engine.allreduce`` matches it
+    staging: np.ndarray  # [flag, tensors...], this speculation's own ([flag] when in_place or barriers)
+    views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
+    in_place: bool
+    barrier: bool  # the round is barriers only (no data)
+
+
+def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool) -> Spec | None:
+    """The speculation for a round of ``ids`` (``lookup``: the response cache), or None when it cannot be one."""
+    entries = [lookup(cache_id) for cache_id in ids]
+    metas = [meta for _, meta in entries]
+    if all(m.kind == "barrier" for m in metas):
+        return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None, np.zeros(1, np.float32), (), False,
+                    True)
+    first = metas[0]
+    dtype = np.dtype(first.dtype)
+    key = (first.dtype, first.op, first.prescale, first.postscale, False)
+    if dtype.kind != "f" or first.op not in ("sum", "average") or any(
+            m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
+            or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
+        return None
+    count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
+    packed = count * dtype.itemsize <= SPEC_BYTES
+    in_place = (not packed and size == 2 and fuses_in_place and len(ids) == 1
+                and first.op == "sum" and first.prescale == 1.0)
+    if not (packed or in_place):
+        return None
+    sole = entries[0] if len(ids) == 1 else None
+    staging = np.zeros(1 if in_place else 1 + count, dtype)
+    views, offset = [], 1
+    for m in metas if packed else ():
+        n = int(np.prod(m.shape, dtype=np.int64))
+        views.append(staging[offset:offset + n].reshape(m.shape))
+        offset += n
+    return Spec(ids, dtype, ReduceOp(first.op), first.prescale, first.postscale, count, sole, staging, tuple(views),
+                in_place, False)
+
+
+class Predictor:
+    """Which clean round follows which, and the speculation to arm after each (identical on every rank).
+
+    Args:
+        lookup: the response cache's ``get`` (cache id -> name, metadata).
+        size: the number of ranks.
+        fuses_in_place: the backend reduces several arrays where they lie (an in-place speculation is possible).
+    """
+
+    def __init__(self, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool) -> None:
+        self._lookup = lookup
+        self._size = size
+        self._fuses = fuses_in_place
+        self._last: Ids | None = None  # the last clean round with something in it
+        self._follows: dict[Ids, tuple[Ids, bool]] = {}  # round -> (the round after it last time, confirmed)
+        self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
+
+    def advance(self, common: list[int] | Ids) -> Spec | None:
+        """A clean round agreed on ``common`` (in id order): learn, and return the speculation for the next round.
+
+        An empty round (a heartbeat) teaches nothing and keeps the prediction made before it.
+        """
+        if common:
+            now = tuple(common)
+            last = self._last
+            if last is not None:
+                seen = self._follows.get(last)
+                if seen is None or seen[0] == now:
+                    if seen is None and len(self._follows) >= _MAX_LEARNED:
+                        self.reset()
+                    self._follows[last] = (now, True)
+                else:  # the successor changed: arm it only once it is seen again
+                    self._follows[last] = (now, False)
+            self._last = now
+        return self.predict()
+
+    def predict(self) -> Spec | None:
+        """The speculation for the round after the last clean one, if one is expected."""
+        if self._last is None:
+            return None
+        seen = self._follows.get(self._last)
+        if seen is None or not seen[1]:
+            return None
+        ids = seen[0]
+        if ids not in self._specs:
+            if len(self._specs) >= _MAX_LEARNED:
+                self._specs.clear()
+            self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses)
+        return self._specs[ids]
+
+    def reset(self) -> None:
+        """Forget every round (the cache may have changed: a full round)."""
+        self._last = None
+        self._follows.clear()
+        self._specs.clear()

@@ -1,0 +1,133 @@
+"""Speculative rounds: the predictor on its own (no ranks, no threads), then patterns that are not a steady loop
+of one tensor (osu_allreduce's barrier between allreduces, two tensors alternating) through the engine on ranks,
+checked against numpy while a rank breaks the pattern."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import test_engine_scenarios as sc
+from ringutil import run_ranks
+
+import spark_hvd.core as core
+from spark_hvd.core.negotiation import Meta, ResponseCache
+from spark_hvd.core.reduce import reference_reduce
+from spark_hvd.core.speculation import SPEC_BYTES, Predictor, build_spec
+
+ReduceOp = core.ReduceOp
+
+
+def _cache(*metas: tuple[str, Meta]) -> ResponseCache:
+    cache = ResponseCache(16)
+    for name, meta in metas:
+        cache.put(name, meta)
+    return cache
+
+
+def _allreduce(shape=(8,), dtype="<f4", op="sum") -> Meta:
+    return Meta("allreduce", dtype, shape, op, 0, 1.0, 1.0, False)
+
+
+BARRIER = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)
+
+
+def test_a_steady_loop_is_armed_after_two_clean_rounds():
+    cache = _cache(("a", _allreduce()))
+    predictor = Predictor(cache.get, 2, False)
+    assert predictor.advance([0]) is None
+    spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (0,) and spec.sole == ("a", _allreduce()) and spec.count == 8
+    assert predictor.advance([0]) is spec  # built once
+
+
+def test_alternating_rounds_and_barriers_are_predicted_and_an_empty_round_changes_nothing():
+    cache = _cache(("a", _allreduce()), ("b", _allreduce((3, 2))), ("barrier", BARRIER))
+    predictor = Predictor(cache.get, 3, False)
+    for ids in ([0], [2], [0]):
+        spec = predictor.advance(ids)
+    assert spec is not None and spec.ids == (2,) and spec.barrier and spec.staging.size == 1
+    assert predictor.advance([]) is spec  # a heartbeat round in between
+    spec = predictor.advance([2])
+    assert spec is not None and spec.ids == (0,) and not spec.barrier
+    predictor.reset()
+    for ids in ([0], [1], [0]):
+        spec = predictor.advance(ids)
+    assert spec is not None and spec.ids == (1,) and spec.views[0].shape == (3, 2)
+
+
+def test_a_changed_successor_is_armed_only_once_seen_again():
+    cache = _cache(("a", _allreduce()), ("b", _allreduce()), ("c", _allreduce()))
+    predictor = Predictor(cache.get, 2, False)
+    for ids in ([0], [1], [0]):
+        predictor.advance(ids)
+    assert predictor.advance([2]) is None  # 0 was followed by 1 before: 2 is not trusted yet
+    predictor.advance([0])
+    assert predictor.predict() is None  # after 0 came 2 once, contradicting 1
+    predictor.advance([2])
+    spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (2,)
+
+
+def test_what_cannot_be_speculated_on():
+    big = SPEC_BYTES // 4 + 1
+    cache = _cache(("i", _allreduce(dtype="<i4")), ("m", _allreduce(op="max")), ("big", _allreduce((big,))),
+                   ("g", Meta("allgather", "<f4", (2,), "", 0, 1.0, 1.0, False)), ("a", _allreduce()))
+    assert build_spec((0,), cache.get, 2, True) is None  # integers: the flag could not be told apart
+    assert build_spec((1,), cache.get, 2, True) is None  # max: the flags would not add up
+    assert build_spec((3,), cache.get, 2, True) is None  # an allgather
+    in_place = build_spec((2,), cache.get, 2, True)
+    assert in_place is not None and in_place.in_place and in_place.staging.size == 1
+    assert build_spec((2,), cache.get, 3, True) is None  # three ranks: two could match and mix
+    assert build_spec((2,), cache.get, 2, False) is None  # no backend that reduces where the arrays lie
+    packed = build_spec((4,), cache.get, 3, False)
+    assert packed is not None and packed.staging.size == 9
+
+
+def _patterns_job(seed: int) -> dict:
+    core.init()
+    try:
+        n, r = core.size(), core.rank()
+        engine = core.get_engine()
+        shape = (1024,)
+
+        def blocking(name: str, i: int) -> None:
+            datas = [sc._data(seed + i, q, shape, np.float32) for q in range(n)]
+            buf = datas[r].copy()
+            core.allreduce(buf, name=name, op=ReduceOp.SUM)
+            sc._check(buf, reference_reduce(datas, ReduceOp.SUM), f"{name} {i}")
+
+        # osu_allreduce's loop: a barrier between allreduces
+        for i in range(12):
+            blocking("osu", i)
+            core.barrier()
+        osu = dict(engine.stats)
+        # two tensors alternating, then a rank breaks the pattern (a third tensor first), then it resumes
+        for i in range(12):
+            blocking("even" if i % 2 == 0 else "odd", 100 + i)
+        third = [sc._data(seed + 200, q, shape, np.float32) for q in range(n)]
+        mine = third[r].copy()
+        if r == 0:  # the third tensor before the expected one here, after it elsewhere
+            handle = core.allreduce_async(mine, name="third", op=ReduceOp.SUM)
+            blocking("even", 201)
+            handle.wait()
+        else:
+            blocking("even", 201)
+            core.allreduce(mine, name="third", op=ReduceOp.SUM)
+        sc._check(mine, reference_reduce(third, ReduceOp.SUM), "third")
+        for i in range(8):
+            blocking("odd" if i % 2 == 0 else "even", 300 + i)
+        return {"osu": osu, "stats": dict(engine.stats)}
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_barrier_between_allreduces_and_alternating_tensors_speculate_and_stay_right(n):
+    results = run_ranks(_patterns_job, n, env={"SPARK_HVD_TIMEOUT": "60"}, args=(11 * n,), timeout=150)
+    for res in results:
+        osu, stats = res["osu"], res["stats"]
+        # 12 allreduces and 12 barriers: after the first few rounds every one is a single speculative collective
+        assert osu["speculative_rounds"] - osu.get("speculation_misses", 0) >= 16, osu
+        alternating = stats["speculative_rounds"] - osu["speculative_rounds"]
+        assert alternating >= 12, stats
+        assert stats["speculation_misses"] >= 1, stats  # the broken pattern was seen, and survived
