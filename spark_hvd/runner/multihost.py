@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from spark_hvd.core import torchrun
 from spark_hvd.core.addresses import (
     NETWORK_INTERFACE_ENV,
     AddressError,
@@ -46,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: ssh's exit status when it could not connect (or authenticate).
 SSH_FAILED = 255
+#: MASTER_PORT of the ranks (torchrun's default).
+TORCHRUN_PORT = 29500
 
 
 def ssh_argv(command: Sequence[str], host: str, shell_command: str, port: int | None = None,
@@ -163,7 +166,13 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                             bind_host=bind)
     _, service_port = service.start()
     ranks: list[RankProcess] = []
-    launch_vars = set(env_names())
+    launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
+    # torchrun's variables too; MASTER_ADDR is rank 0's host, MASTER_PORT torchrun's default (only code that opens
+    # its own TCPStore binds it: ``env://`` is answered over the job's store, through ``pyrun``)
+    master = (placements[0].host if remote[0] else host, TORCHRUN_PORT)
+    from spark_hvd.runner.pyrun import wrap  # not at import: ``python -m spark_hvd.runner.pyrun`` imports launch
+
+    argv = wrap(argv)
     started_at = time.monotonic()
     cwd = os.getcwd()
     pythonpath = [p for p in extra.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -172,7 +181,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
                          cross_rank=p.cross_rank, cross_size=p.cross_size, job_id=job_id, secret=secret,
                          rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}")
-            rank_env = {**extra, **job.to_env(), "PYTHONUNBUFFERED": "1"}
+            rank_env = {**extra, **job.to_env(), **torchrun.torchrun_env(job, *master), "PYTHONUNBUFFERED": "1"}
             if is_remote:
                 shell = remote_command(sys.executable, cwd)
                 proc = subprocess.Popen(

@@ -41,6 +41,7 @@ def main() -> None:
             "rank": rank, "size": size, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
             "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "hostname": socket.gethostname(),
             "transport": getattr(hvd.get_engine().backend, "transport", None),
+            "torchrun": {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")},
             "allreduce": bool(np.allclose(got, expected, rtol=1e-10, atol=1e-10)),
             "allgather": bool(np.array_equal(gathered, expected_gather)),
             "broadcast": bool(np.array_equal(root, _arrays(size - 1, 1000)))}), flush=True)

@@ -73,6 +73,8 @@ def test_two_hosts_two_ranks_topology_and_collectives(sim):
         assert (row["local_rank"], row["local_size"]) == (rank % 2, 2)
         assert (row["cross_rank"], row["cross_size"]) == (rank // 2, 2)
         assert row["transport"] == "hier"  # shared memory within a host, TCP between the two
+        assert row["torchrun"] == {"RANK": str(rank), "LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4",
+                                   "MASTER_ADDR": h1.address}
         assert row["allreduce"] and row["allgather"] and row["broadcast"], row
     assert not _wait_none_left(sim)
 
