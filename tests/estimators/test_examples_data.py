@@ -130,3 +130,30 @@ def test_string_categories_through_string_indexer(spark):
     est._check_label_types(indexed)  # no error: whole class indices
     with pytest.raises(ValueError, match="label column 'label' is double but its loss takes class indices"):
         est._check_label_types(indexed.withColumn("label", indexed["label"] + 0.0))
+
+
+@pytest.mark.slow
+def test_keras_image_classifier_transform_equals_the_model_on_decoded_images(images, tmp_path):
+    """The same binaryFile images through KerasEstimator with a channels-last ImageDecoder."""
+    keras = pytest.importorskip("keras")
+    from spark_hvd.data.decode import ImageDecoder, decode_images
+    from spark_hvd.estimators import KerasEstimator
+    from spark_hvd.store import Store
+
+    ex, df = images
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((16, 16, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                              keras.layers.MaxPooling2D(), keras.layers.Flatten(), keras.layers.Dense(10)])
+    decoder = ImageDecoder("content", size=ex.SIZE, mode="L", channels_last=True)
+    est = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
+                         optimizer=keras.optimizers.Adam(learning_rate=1e-2),
+                         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                         feature_cols=["content"], label_cols=["label"], batch_size=32, epochs=3, random_seed=1,
+                         partitions_per_process=2, transformation_fn=decoder, verbose=0)
+    fitted = est.fit(df.filter("NOT holdout"))
+    scored = fitted.transform(df.filter("holdout").limit(80)).select("content", "label", "label__output").collect()
+    acc = np.mean([int(np.argmax(r.label__output)) == r.label for r in scored])
+    assert acc >= 0.6, (acc, fitted.getHistory())  # chance is 0.1
+    decoded = decode_images([r.content for r in scored], ex.SIZE, "L", channels_last=True)
+    direct = np.asarray(fitted.getModel()(decoded))
+    np.testing.assert_allclose(np.array([r.label__output for r in scored]), direct, rtol=1e-4, atol=1e-4)
