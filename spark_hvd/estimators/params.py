@@ -86,9 +86,21 @@ def _to_validation(value: Any) -> float | str | None:
 
 
 def _to_input_shapes(value: Any) -> list[list[int]] | None:
+    """Each model input's per-row shape. Horovod's form with the batch dimension first (``[[-1, 1, 28, 28]]``)
+    is taken too: a leading -1 (or None) is dropped, as this param has no batch dimension."""
     if value is None:
         return None
-    return [[int(d) for d in shape] for shape in value]
+    shapes = []
+    for shape in value:
+        dims = list(shape)
+        if len(dims) > 1 and dims[0] in (-1, None):
+            dims = dims[1:]  # Horovod's input_shapes include the batch dimension
+        if any(d is None or int(d) < 1 for d in dims):
+            raise ValueError(f"input_shapes: {list(shape)} has an unknown or non-positive dimension; give each "
+                             "input's shape per row without the batch dimension, e.g. [[1, 28, 28]] (Horovod's "
+                             "[[-1, 1, 28, 28]] is taken too)")
+        shapes.append([int(d) for d in dims])
+    return shapes
 
 
 def _to_mlflow(value: Any) -> str | dict | None:
@@ -179,8 +191,59 @@ class KeywordParams(Params):
                 known = [p.name for p in self.params]
                 near = difflib.get_close_matches(name, known, n=3)
                 hint = f"; did you mean {near}?" if near else ""
+                if name in HOROVOD_ONLY:
+                    hint = f" (a Horovod param: {HOROVOD_ONLY[name]}; see docs/migrating-from-horovod.md)"
                 raise TypeError(f"{type(self).__name__} has no param {name!r}{hint}")
         return self._set(**params)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _KeywordSignature()  # help(TorchEstimator) and IDEs that inspect at run time
+
+
+class _KeywordSignature:
+    """``cls.__signature__``: the keyword-only params with their defaults, built on first use (a throwaway
+    instance holds the defaults) so ``help()``, ``inspect.signature`` and notebook completion show them."""
+
+    def __get__(self, obj: Any, cls: type) -> Any:
+        import inspect
+
+        if obj is not None:  # an instance has no call signature of its own (pyspark's Params walk every attribute)
+            return None
+        cached = cls.__dict__.get("_keyword_signature")
+        if cached is None:
+            if cls.__dict__.get("_keyword_signature_busy"):  # Params.__init__ walks every attribute of cls
+                return None
+            cls._keyword_signature_busy = True
+            try:
+                probe = cls()
+                params = [inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=probe.getOrDefault(p) if probe.hasDefault(p) else None)
+                          for p in sorted(probe.params, key=lambda p: p.name)]
+            finally:
+                cls._keyword_signature_busy = False
+            cached = inspect.Signature(params)
+            cls._keyword_signature = cached
+        return cached
+
+
+#: params of Horovod's estimators that spark_hvd does not take, and what to do instead
+HOROVOD_ONLY = {
+    "backend": "training always runs as one Spark barrier stage; set num_proc",
+    "loss_constructors": "pass the loss itself as loss= (one per label for several)",
+    "continuous_cols": "list every input column in feature_cols",
+    "categorical_cols": "list every input column in feature_cols (index strings with StringIndexer first)",
+    "compress_sparse_cols": "sparse Vectors are stored dense; nothing to set",
+    "shuffle_buffer_size": "shuffle=True shuffles within a bounded buffer of its own",
+    "val_reader_num_workers": "train_reader_num_workers serves both splits",
+    "inmemory_cache_all": "not supported; the reader streams the Parquet files",
+    "mp_start_method": "not needed",
+    "label_shapes": "label shapes come from the prepared data",
+    "transformation_edit_fields": "transformation_fn returns the columns it changes; no field list is needed",
+    "transformation_removed_fields": "transformation_fn returns the columns it keeps; no field list is needed",
+    "feature_columns": "the param is feature_cols",
+    "label_columns": "the param is label_cols",
+}
 
 
 # --------------------------------------------------------------------------------------------------- estimators

@@ -104,9 +104,9 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
     ranks: list[RankProcess] = []
     launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
     master = torchrun.master_address("127.0.0.1:0")  # local ranks: MASTER_ADDR is loopback
-    from spark_hvd.runner.pyrun import wrap  # not at import: ``python -m spark_hvd.runner.pyrun`` imports launch
+    from spark_hvd.runner.pyrun import launcher_python, wrap  # not at import: ``python -m ...pyrun`` imports launch
 
-    argv = wrap(argv)
+    argv = wrap(launcher_python(argv))
     try:
         for rank in range(np):
             # a launcher started inside another job's rank must not hand that job's variables on

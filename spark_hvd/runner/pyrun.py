@@ -29,6 +29,22 @@ def wrap(argv: Sequence[str]) -> list[str]:
     return [argv[0], "-m", __name__, *argv[1:]]
 
 
+def launcher_python(argv: Sequence[str]) -> list[str]:
+    """``argv`` with a bare ``python`` / ``python3`` replaced by this interpreter (the one spark_hvd is installed
+    in), as ``spark-hvd-run`` runs local ranks; a note on stderr says so when PATH's one differs. A full path
+    (``/usr/bin/python3``) is left as given."""
+    import shutil
+
+    argv = list(argv)
+    if not argv or argv[0] not in ("python", "python3"):
+        return argv
+    found = shutil.which(argv[0])
+    if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
+        sys.stderr.write(f"spark-hvd-run: running {argv[0]!r} as the launcher's interpreter {sys.executable} "
+                         f"(PATH's is {found or 'absent'}); give a full path to run another\n")
+    return [sys.executable, *argv[1:]]
+
+
 def main(argv: Sequence[str]) -> None:
     """Run ``argv`` (``script.py ARGS`` or ``-m module ARGS``) as ``__main__``."""
     torchrun.install()

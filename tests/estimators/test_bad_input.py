@@ -123,3 +123,20 @@ def test_forward_pass_preflight_fails_before_any_rank(spark, df, tmp_path, monke
                                    optimizer=torch.optim.SGD(net.parameters(), lr=0.1), **kw))
     with pytest.raises(ValueError, match=match):
         est.fit(df)
+
+
+def test_horovod_habits_and_keyword_signature():
+    """Horovod's input_shapes with the batch dimension are taken; Horovod-only params get a pointer; help() and
+    inspect.signature show every param with its default."""
+    import inspect
+
+    assert TorchEstimator(input_shapes=[[-1, 1, 28, 28], [3]]).getInputShapes() == [[1, 28, 28], [3]]
+    with pytest.raises(ValueError, match=r"input_shapes: \[1, -1\] has an unknown or non-positive dimension"):
+        TorchEstimator(input_shapes=[[1, -1]])
+    with pytest.raises(TypeError, match=r"no param 'backend' \(a Horovod param: training always runs as one Spark "
+                                        r"barrier stage; set num_proc; see docs/migrating-from-horovod.md\)"):
+        TorchEstimator(backend="spark")
+    sig = inspect.signature(TorchEstimator)
+    assert sig.parameters["batch_size"].default == 32 and sig.parameters["batch_size"].kind.name == "KEYWORD_ONLY"
+    assert set(sig.parameters) == {p.name for p in TorchEstimator().params}
+    assert inspect.signature(TorchEstimator) is sig  # built once

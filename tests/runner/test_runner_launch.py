@@ -210,3 +210,20 @@ def test_command_line_names_the_signal(tmp_path):
                            sys.executable, script], capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "rank 1 was killed by SIGTERM" in proc.stderr
+
+
+def test_bare_python_runs_the_launchers_interpreter(tmp_path):
+    """``spark-hvd-run -np 1 python ...`` runs the interpreter spark_hvd is installed in, not PATH's, and says so."""
+    import os
+
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "python").write_text("#!/bin/sh\necho PATH-python\n")
+    (other / "python").chmod(0o755)
+    env = {**os.environ, "PATH": f"{other}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "1", "--timeout", "120", "python", "-c",
+                           "import sys; print('exe', sys.executable)"], capture_output=True, text=True, timeout=180,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"[0] exe {sys.executable}" in proc.stdout and "PATH-python" not in proc.stdout
+    assert f"running 'python' as the launcher's interpreter {sys.executable} (PATH's is {other}/python)" in proc.stderr
