@@ -115,3 +115,15 @@ def test_ring_refuses_loopback_peer_on_another_machine(monkeypatch):
     expected = f"rank 0 on host {socket.gethostname()} published the loopback address 127.0.0.1"
     with pytest.raises(AddressError, match=expected):
         RingBackend(0, 2, StaticRendezvous(exchange), make_secret(), job_id="t-loop")
+
+
+def test_torchrun_master_address_follows_the_same_policy(monkeypatch):
+    from spark_hvd.core import torchrun
+
+    monkeypatch.delenv("SPARK_HVD_IFACE_ADDR", raising=False)
+    monkeypatch.setenv("SPARK_HVD_NETWORK_INTERFACE", "lo")
+    assert torchrun.master_address("198.18.0.1:5000")[0] == "127.0.0.1"  # the named interface wins over the route
+    monkeypatch.delenv("SPARK_HVD_NETWORK_INTERFACE")
+    other = _non_loopback()
+    if other is not None:
+        assert torchrun.master_address(f"{other}:5000")[0] == other
