@@ -126,3 +126,13 @@ def test_a_rank_killed_in_recursive_doubling_is_named_by_every_other_rank():
         assert results[r]["error"] is not None, f"rank {r} did not notice"
         assert results[r]["rank"] == victim, f"rank {r}: {results[r]['message']}"
         assert results[r]["seconds"] < 20, f"rank {r} took {results[r]['seconds']:.1f} s"
+
+
+def test_recursive_doubling_between_the_leaders_of_three_hosts():
+    # ranks 0-1 share host a, 2 and 3 are alone on b and c: the leaders' leg is recursive doubling among three
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    hosts = "aabc"
+    results = run_ranks(_every_op_and_dtype, 4, args=(seed,), timeout=300,
+                        env=lambda r: {**LOG_DEPTH, "SPARK_HVD_SHM": "1", "SPARK_HVD_HOST_ID": hosts[r]})
+    assert {res["transport"] for res in results} == {"hier"}
+    assert len({res["digest"] for res in results}) == 1
