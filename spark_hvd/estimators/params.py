@@ -348,11 +348,18 @@ class TorchEstimatorParams(EstimatorParams):
     mixed_precision = _p("mixed_precision", "'bf16' or 'fp16': forward pass and loss under torch.autocast on the "
                          "rank's device (fp16 with a GradScaler); default None (float32)",
                          _to_optional(_to_choice("bf16", "fp16")))
+    checkpoint_every_steps = _p("checkpoint_every_steps", "also checkpoint every this many optimizer steps inside "
+                                "an epoch; a resume continues at the exact batch (reader position, running sums "
+                                "and every rank's random state are in the checkpoint); default None (epochs only)",
+                                _to_optional(_to_strict_int))
+    checkpoint_every_seconds = _p("checkpoint_every_seconds", "also checkpoint inside an epoch when this many "
+                                  "seconds passed since the last one (rank 0's clock); default None",
+                                  _to_optional(TypeConverters.toFloat))
 
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto",
-                         mixed_precision=None)
+                         mixed_precision=None, checkpoint_every_steps=None, checkpoint_every_seconds=None)
 
 
 @_add_accessors

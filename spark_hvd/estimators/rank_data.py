@@ -62,15 +62,18 @@ class ShardReaders:
         limit = self.spec.train_steps_per_epoch if split == "train" else self.spec.validation_steps_per_epoch
         return int(limit) if limit else len(self.readers[split])
 
-    def epoch(self, split: str, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        """Exactly ``steps(split)`` batches (passing over the shard again if ``*_steps_per_epoch`` asks for more)."""
+    def epoch(self, split: str, epoch: int, skip: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """Exactly ``steps(split)`` batches (passing over the shard again if ``*_steps_per_epoch`` asks for more),
+        less the first ``skip`` (read and dropped: a resume after batch ``skip`` of this epoch; the batches are a
+        function of the seed, the epoch and their index, so the next one is the batch an uninterrupted run had)."""
         reader, steps = self.readers[split], self.steps(split)
         done, lap = 0, 0
         while done < steps:
             gen = reader.epoch(epoch * 1000 + lap)
             try:
                 for batch in gen:
-                    yield self._cast(batch)
+                    if done >= skip:
+                        yield self._cast(batch)
                     done += 1
                     if done >= steps:
                         break

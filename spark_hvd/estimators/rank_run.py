@@ -29,6 +29,15 @@ from typing import Any
 
 from spark_hvd.estimators.rank_data import ShardReaders, append_history
 from spark_hvd.estimators.spec import TrainSpec
+from spark_hvd.estimators.step_checkpoint import (
+    StepState,
+    StepTrigger,
+    delete_step_checkpoints,
+    latest_step_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_step_checkpoint,
+)
 from spark_hvd.store.background import BackgroundWriter
 from spark_hvd.store.run_dir import RunDir
 
@@ -146,6 +155,13 @@ class RankRun:
         self._progress: Any = None
         self.writer = BackgroundWriter(background=spec.checkpoint_upload == "async",
                                        when_busy=spec.checkpoint_when_busy)
+        #: batches of epoch ``start`` already done (a resume from a step checkpoint), and the loop's running sums
+        self.start_step = 0
+        self.resume_progress: dict = {}
+        self.step_checkpoints = 0
+        self._trigger = StepTrigger(getattr(spec, "checkpoint_every_steps", None),
+                                    getattr(spec, "checkpoint_every_seconds", None),
+                                    getattr(spec, "backward_passes_per_step", 1))
 
     def execute(self) -> dict | None:
         """Run everything; rank 0 returns ``{"history": ..., "output_shapes": ...}``, the others None."""
@@ -181,7 +197,7 @@ class RankRun:
 
     # ---- resume
     def _resume(self) -> None:
-        start, history = 0, {}
+        start, history, step_state = 0, {}, None
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 found = self.run_dir.latest_checkpoint(tmp)
@@ -190,7 +206,25 @@ class RankRun:
                     self.trainer.load_checkpoint(tmp)
                     start = last + 1
                     log.info("run %s: resuming after epoch %d", self.spec.run_id, last)
-        self.start, self.history = self.trainer.hvd.broadcast_object((start, history), root_rank=0)
+            if self._trigger.enabled:
+                with tempfile.TemporaryDirectory() as tmp:
+                    step_state = latest_step_checkpoint(self.spec.store, self.spec.run_id, tmp, after=(start, 0))
+                    if step_state is not None:
+                        self.trainer.load_checkpoint(tmp)
+                        start, history = step_state.epoch, step_state.history
+                        log.info("run %s: resuming after batch %d of epoch %d", self.spec.run_id, step_state.step,
+                                 step_state.epoch)
+        self.start, self.history, step_state = self.trainer.hvd.broadcast_object((start, history, step_state),
+                                                                                 root_rank=0)
+        if step_state is not None:
+            self.start_step = step_state.step
+            if len(step_state.rngs) == self.size:
+                set_rng_state(step_state.rngs[self.rank])
+                self.resume_progress = step_state.progress[self.rank]
+            else:
+                log.warning("run %s: the step checkpoint holds the state of %d ranks, this run has %d: random "
+                            "state and the epoch's running metrics not restored", self.spec.run_id,
+                            len(step_state.rngs), self.size)
         best = self.spec.best
         if best is not None:
             for value in self.history.get(best.monitor, []):
@@ -207,6 +241,38 @@ class RankRun:
             check_finite(loss, epoch, step, self.rank)
         if self._progress is not None:
             self._progress(epoch, step + 1, loss=loss)
+
+    def step_end(self, epoch: int, step: int, progress: dict) -> None:
+        """After batch ``step`` (0-based) of ``epoch``, once everything of the batch is done (optimizer, scheduler,
+        callbacks): take a step checkpoint when one is due (``checkpoint_every_steps`` / ``_seconds``); every rank
+        calls it (the ranks' random states are gathered). ``progress``: the loop's running sums of the epoch."""
+        if not self._trigger.enabled:
+            return
+        if not self._trigger.due(epoch * self.readers.steps("train") + step + 1, self.trainer.hvd):
+            return
+        gathered = self.trainer.hvd.allgather_object((rng_state(), copy.deepcopy(progress)))
+        if self.rank != 0:
+            return
+        if self.writer.when_busy == "skip" and self.writer.busy():
+            self.writer.skipped += 1
+            log.info("run %s: step checkpoint at batch %d of epoch %d skipped: the previous one is still uploading",
+                     self.spec.run_id, step + 1, epoch)
+            return
+        state = StepState(epoch, step + 1, copy.deepcopy(self.history), [g[1] for g in gathered],
+                          [g[0] for g in gathered])
+        snapshot = tempfile.mkdtemp(prefix="spark_hvd_step_")
+        try:
+            self.trainer.save_checkpoint(snapshot)
+        except BaseException:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise
+        store, run_id = self.spec.store, self.spec.run_id
+        if self.writer.submit(lambda: write_step_checkpoint(store, run_id, snapshot, state),
+                              what=f"run {run_id}: the checkpoint after batch {step + 1} of epoch {epoch}",
+                              checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True)):
+            self.step_checkpoints += 1
+        else:
+            shutil.rmtree(snapshot, ignore_errors=True)
 
     def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
         """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics
@@ -247,7 +313,12 @@ class RankRun:
             shutil.rmtree(snapshot, ignore_errors=True)
             raise
         history = copy.deepcopy(self.history)
-        submitted = self.writer.submit(lambda: self._commit(epoch, snapshot, history),
+        def write() -> None:
+            self._commit(epoch, snapshot, history)
+            if self._trigger.enabled:  # the epoch's end supersedes its step checkpoints
+                delete_step_checkpoints(self.spec.store, self.spec.run_id, before=(epoch + 1, 0))
+
+        submitted = self.writer.submit(write,
                                        what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch}",
                                        checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True))
         if not submitted:

@@ -89,6 +89,8 @@ class TorchSpec(TrainSpec):
     lr_scheduler: Any = None
     lr_scheduler_interval: str = "epoch"
     mixed_precision: str | None = None  #: "bf16", "fp16" or None (see ``torch_precision``)
+    checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
+    checkpoint_every_seconds: float | None = None  #: ... or every N seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -268,9 +268,10 @@ class TorchTrainer(RankTrainer):
                 getattr(cb, "on_epoch_begin", lambda e: None)(epoch)
             self.model.train()
             self._epoch_start()
-            acc: dict[str, float] = {}
-            rows = 0
-            for step, batch in enumerate(run.readers.epoch("train", epoch)):
+            skip = run.start_step if epoch == run.start else 0  # a resume from a step checkpoint
+            acc: dict[str, float] = dict(run.resume_progress.get("acc", {})) if skip else {}
+            rows = int(run.resume_progress.get("rows", 0)) if skip else 0
+            for step, batch in enumerate(run.readers.epoch("train", epoch, skip=skip), start=skip):
                 loss, n = self._train_batch(batch, step, acc)
                 run.batch_done(epoch, step, loss)
                 rows += n
@@ -279,6 +280,7 @@ class TorchTrainer(RankTrainer):
                     self.scheduler.step()
                 for cb in callbacks:
                     getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, loss)
+                run.step_end(epoch, step, {"acc": acc, "rows": rows})
             self._epoch_end()
             logs = self._epoch_metrics(acc, rows)
             if run.readers.has_validation:
