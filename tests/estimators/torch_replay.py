@@ -28,7 +28,8 @@ def rank_shards(store: Any, fitted: Any, *, seed: int, batch_size: int, label_co
     spec = SimpleNamespace(store=store, dataset=info, feature_cols=("features",), label_cols=label_cols,
                            sample_weight_col=sample_weight_col, random_seed=seed, batch_size=batch_size,
                            val_batch_size=batch_size, shuffle=True, transformation_fn=None,
-                           train_steps_per_epoch=None, validation_steps_per_epoch=None)
+                           train_steps_per_epoch=None, validation_steps_per_epoch=None, collate_fn=None,
+                           reader_pool_type="thread", reader_num_workers=None)
     return [ShardReaders(spec, rank, num_proc) for rank in range(num_proc)]
 
 
