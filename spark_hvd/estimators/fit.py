@@ -258,9 +258,11 @@ class BaseEstimator(Estimator, PersistableStage):
             results = plan["backend"].run(train_on_rank, args=(self._trainer_class, spec),
                                           on_event=tracking.on_event if tracking else None)
             trained = self._load_trained_model(store, run_id)
-        except BaseException:
+        except BaseException as exc:
             if tracking:
                 tracking.fail()
+            if isinstance(exc, KeyboardInterrupt):
+                _say_interrupted(type(self).__name__, store, run_id)
             raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
         metadata = model_metadata(data, output_shapes)
@@ -338,6 +340,24 @@ def _check_rows(df: Any, name: str, cols: list[str], labels: list[str] = ()) -> 
         raise param_error(name, f"null values in column(s) {nulls} (column: rows); drop or fill them before fit "
                           "(df.na.drop(subset=[...]) or df.na.fill(...))")
     return {c: float(counts[f"max{i}"]) for i, c in enumerate(numeric)}
+
+
+def interrupted_message(name: str, run_id: str, epochs: list[int]) -> str:
+    """The one line a Ctrl-C during ``fit`` prints: the run, its last committed checkpoint, how to resume."""
+    if not epochs:
+        return (f"{name}: interrupted; run {run_id!r} had no checkpoint yet, so fitting again starts it over "
+                f"(same run: setRunId({run_id!r}))")
+    return (f"{name}: interrupted; run {run_id!r} has a checkpoint after epoch {epochs[-1] + 1}; resume it with "
+            f"setRunId({run_id!r}) (or run_id={run_id!r}) and fit again")
+
+
+def _say_interrupted(name: str, store: Any, run_id: str) -> None:
+    """Log :func:`interrupted_message` as a warning (the runner has stopped the ranks already)."""
+    try:
+        epochs = RunDir(store, run_id).list_checkpoints()
+    except Exception:  # noqa: BLE001 - a store that cannot list now: say what is known
+        epochs = []
+    log.warning("%s", interrupted_message(name, run_id, epochs))
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

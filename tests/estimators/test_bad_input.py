@@ -140,3 +140,27 @@ def test_horovod_habits_and_keyword_signature():
     assert sig.parameters["batch_size"].default == 32 and sig.parameters["batch_size"].kind.name == "KEYWORD_ONLY"
     assert set(sig.parameters) == {p.name for p in TorchEstimator().params}
     assert inspect.signature(TorchEstimator) is sig  # built once
+
+
+def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, monkeypatch, caplog):
+    """Ctrl-C while the ranks train (the runner stops them and re-raises): one line names the run, its last
+    checkpoint and how to resume; the KeyboardInterrupt goes on to the caller."""
+    import logging
+
+    from spark_hvd.runner.backend import SparkBackend
+    from spark_hvd.store.run_dir import RunDir
+
+    store = Store.create(str(tmp_path / "store"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def interrupted(*a, **k):
+        RunDir(store, "run-ctrl-c").write_checkpoint(1, str(ckpt), {"history": {}})  # epochs 1 and 2 were done
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SparkBackend, "run", interrupted)
+    est = TorchEstimator(**_kwargs(store, run_id="run-ctrl-c"))
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.estimators.fit"), pytest.raises(KeyboardInterrupt):
+        est.fit(df)
+    assert ("TorchEstimator: interrupted; run 'run-ctrl-c' has a checkpoint after epoch 2; resume it with "
+            "setRunId('run-ctrl-c') (or run_id='run-ctrl-c') and fit again") in caplog.text
