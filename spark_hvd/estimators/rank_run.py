@@ -376,7 +376,17 @@ def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:
             "learning rate, check the data for NaN/inf, or set terminate_on_nan=False to continue anyway")
 
 
+#: framework log settings a rank gets unless its environment sets them: TensorFlow's C++ INFO/WARNING lines
+#: (oneDNN, CUDA probing, XLA) and gRPC's would repeat on every rank
+QUIET_FRAMEWORK_LOGS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}
+
+
 def train_on_rank(trainer_class: type[RankTrainer], spec: TrainSpec) -> dict | None:
     """The training function of every rank (run by ``spark_hvd.runner``): a ``RankRun`` with a new
-    ``trainer_class``; rank 0 returns the history and output shapes."""
+    ``trainer_class``; rank 0 returns the history and output shapes. Frameworks log quietly
+    (``QUIET_FRAMEWORK_LOGS``, before they are imported) unless the rank's environment says otherwise."""
+    import os
+
+    for name, value in QUIET_FRAMEWORK_LOGS.items():
+        os.environ.setdefault(name, value)
     return RankRun(spec, trainer_class()).execute()

@@ -4,8 +4,10 @@ The convention on the wire is an ordinary ``report``: ``report(epoch=e, step=s, 
 while an epoch runs (``s`` batches of ``n`` done), ``report(epoch=e, **metrics)`` when it ends.
 
 On a terminal or in a notebook the driver shows a ``tqdm.auto`` bar per epoch (epoch, batches done of the epoch,
-the last loss, ETA); elsewhere (a log file, a CI job) it prints one plain line per finished epoch. ``verbose=0``
-shows nothing; ``verbose=2`` prints every report as a line.
+the last loss, ETA; the plain text bar in a notebook without ipywidgets), and when the epoch ends a line with every
+metric, wrapped at 80 columns (Keras style: a bar's postfix is cut off at the terminal's edge); elsewhere (a log
+file, a CI job) it prints one plain line per finished epoch. Epochs count from 1 on screen (reports and files count
+from 0). ``verbose=0`` shows nothing; ``verbose=2`` prints every report as a line.
 """
 
 from __future__ import annotations
@@ -77,6 +79,34 @@ def _format_metrics(metrics: dict[str, Any]) -> str:
                      for k, v in metrics.items() if k not in PROGRESS_KEYS)
 
 
+#: the width an epoch's summary line is wrapped to (every metric stays visible on an 80-column terminal)
+LINE_WIDTH = 80
+
+
+def epoch_summary(prefix: str, metrics: dict[str, Any], width: int = LINE_WIDTH) -> str:
+    """``prefix: k=v, k=v, ...`` wrapped at metric boundaries to ``width`` columns (continuations indented), so
+    no metric is cut off as a bar's postfix is."""
+    import textwrap
+
+    text = _format_metrics(metrics)
+    if not text:
+        return prefix
+    return textwrap.fill(text, width=width, initial_indent=prefix + ": ", subsequent_indent="    ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def _tqdm_class() -> Any:
+    """``tqdm.auto``'s bar, except in a notebook without ipywidgets, where that one warns (TqdmWarning: IProgress
+    not found) and draws nothing: there the plain text bar."""
+    import importlib.util
+
+    if "ipykernel" in sys.modules and importlib.util.find_spec("ipywidgets") is None:
+        from tqdm.std import tqdm
+    else:
+        from tqdm.auto import tqdm
+    return tqdm
+
+
 class ProgressDisplay:
     """The driver's view of a run's reports (see the module docstring).
 
@@ -93,6 +123,7 @@ class ProgressDisplay:
         self.interactive = _interactive(self.stream) if interactive is None else interactive
         self._bar: Any = None
         self._bar_epoch: int | None = None
+        self._epochs: int | None = None  # the run's epoch count, from its batch reports
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +136,8 @@ class ProgressDisplay:
         if self.verbose < 1:
             return
         with self._lock:
+            if isinstance(event.metrics.get("epochs"), int | float):
+                self._epochs = int(event.metrics["epochs"])
             if self.verbose >= 2:
                 self._line(event)
             elif event.rank != 0 or event.epoch is None:
@@ -128,9 +161,7 @@ class ProgressDisplay:
         with self._lock:
             try:
                 if self._bar is not None:
-                    from tqdm.auto import tqdm
-
-                    tqdm.write(text.rstrip("\n"), file=out)
+                    _tqdm_class().write(text.rstrip("\n"), file=out)
                 else:
                     out.write(text)
                     out.flush()
@@ -143,18 +174,20 @@ class ProgressDisplay:
             self._close_bar()
 
     # ------------------------------------------------------------------ internals
+    def _epoch_name(self, epoch: int) -> str:
+        """``epoch 3/10`` (on screen epochs count from 1; the store's files count from 0)."""
+        return f"epoch {epoch + 1}/{self._epochs}" if self._epochs else f"epoch {epoch + 1}"
+
     def _line(self, event: Any) -> None:
         where = []
         if event.epoch is not None:
-            where.append(f"epoch {event.epoch}")
+            where.append(self._epoch_name(event.epoch))
         if event.step is not None:
             where.append(f"step {event.step}")
-        line = f"[spark_hvd] rank {event.rank} {' '.join(where)}: {_format_metrics(event.metrics)}".rstrip(": ")
+        line = epoch_summary(f"[spark_hvd] rank {event.rank} {' '.join(where)}".rstrip(), event.metrics)
         try:
             if self._bar is not None:
-                from tqdm.auto import tqdm
-
-                tqdm.write(line, file=self.stream)
+                _tqdm_class().write(line, file=self.stream)
             else:
                 self.stream.write(line + "\n")
                 self.stream.flush()
@@ -162,8 +195,7 @@ class ProgressDisplay:
             pass
 
     def _bar_update(self, event: Any) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _tqdm_class()
         metrics = event.metrics
         if event.step is None and (self._bar is None or self._bar_epoch != event.epoch):
             self._close_bar()  # an epoch reported without its batches: a plain line
@@ -171,10 +203,13 @@ class ProgressDisplay:
             return
         if self._bar is None or self._bar_epoch != event.epoch:
             self._close_bar()
-            epochs = metrics.get("epochs")
-            desc = f"epoch {event.epoch + 1}/{epochs}" if epochs else f"epoch {event.epoch + 1}"
-            self._bar = tqdm(total=metrics.get("steps"), desc=desc, unit="batch", file=self.stream, leave=True,
-                             dynamic_ncols=True)
+            # initial: a bar opened by a report of step k starts at k, so those k batches do not count as done in
+            # no time (the first frame shows no rate rather than 600000 batch/s); smoothing=0: the rate is the
+            # average since that report, not the last frame's
+            first = int(event.step) if event.step is not None else 0
+            self._bar = tqdm(total=metrics.get("steps"), desc=self._epoch_name(event.epoch), unit="batch",
+                             file=self.stream, leave=True, dynamic_ncols=True, initial=max(0, first),
+                             smoothing=0)
             self._bar_epoch = event.epoch
         bar = self._bar
         if event.step is not None:
@@ -183,11 +218,15 @@ class ProgressDisplay:
             if isinstance(loss, float):
                 bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
             bar.refresh()
-        else:  # the epoch ended: its averaged metrics stay on the bar's last line
+        else:  # the epoch ended: the bar closes; every averaged metric goes on a line of its own (Keras style)
             if bar.total is not None:
                 bar.update(max(0, bar.total - bar.n))
-            bar.set_postfix_str(_format_metrics(metrics), refresh=False)
             self._close_bar()
+            try:
+                self.stream.write(epoch_summary(self._epoch_name(event.epoch), metrics) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
 
     def _close_bar(self) -> None:
         if self._bar is not None:

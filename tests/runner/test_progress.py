@@ -43,11 +43,26 @@ def test_bar_shows_epoch_batches_loss_and_eta():
 def test_plain_lines_when_not_interactive_and_nothing_with_verbose_0():
     events = _epoch(0, 2, [0.9, 0.7]) + _epoch(1, 2, [0.5, 0.3])
     out = _shown(ProgressDisplay(1, io.StringIO(), interactive=False), events)
-    assert out.splitlines() == ["[spark_hvd] rank 0 epoch 0: loss=0.8, val_loss=0.25",
-                                "[spark_hvd] rank 0 epoch 1: loss=0.4, val_loss=0.25"]
+    assert out.splitlines() == ["[spark_hvd] rank 0 epoch 1/3: loss=0.8, val_loss=0.25",  # 1-based on screen
+                                "[spark_hvd] rank 0 epoch 2/3: loss=0.4, val_loss=0.25"]
     assert _shown(ProgressDisplay(0, io.StringIO(), interactive=True), events) == ""
     every = _shown(ProgressDisplay(2, io.StringIO(), interactive=False), events).splitlines()
-    assert len(every) == len(events) and every[0] == "[spark_hvd] rank 0 epoch 0 step 1: loss=0.9"
+    assert len(every) == len(events) and every[0] == "[spark_hvd] rank 0 epoch 1/3 step 1: loss=0.9"
+
+
+def test_epoch_summary_shows_every_metric_within_80_columns_and_a_sane_first_rate():
+    metrics = {"loss": 0.11234, "accuracy": 0.97221, "val_loss": 0.13456, "val_accuracy": 0.96012,
+               "top5_accuracy": 0.99901, "val_top5_accuracy": 0.99812, "lr": 0.001}
+    events = [Event(0, 4, 1, {"steps": 2000, "epochs": 10, "loss": 0.2}),  # the bar opens at a report of step 1
+              Event(0, 4, 2000, {"steps": 2000, "epochs": 10, "loss": 0.1}), Event(0, 4, None, metrics)]
+    out = _shown(ProgressDisplay(1, io.StringIO(), interactive=True), events)
+    summary = out[out.rindex("epoch 5/10: loss="):].splitlines()
+    assert all(len(line) <= 80 for line in summary), summary
+    text = " ".join(summary)
+    for name, value in metrics.items():
+        assert f"{name}={value:.4g}" in text
+    first = [f for f in re.split(r"[\r\n]", out) if "1/2000" in f]
+    assert first and "?batch/s" in first[0], first  # no rate yet, not the 646119.94batch/s of counting 0 -> 1 at once
 
 
 def test_output_lines_do_not_break_the_bar():
@@ -83,4 +98,18 @@ def test_a_bar_that_cannot_be_drawn_falls_back_to_lines(monkeypatch):
 
     monkeypatch.setattr(tqdm.auto, "tqdm", no_widget)  # as in a notebook without ipywidgets
     out = _shown(ProgressDisplay(1, io.StringIO(), interactive=True), _epoch(0, 2, [0.9, 0.7]))
-    assert out.splitlines() == ["[spark_hvd] rank 0 epoch 0: loss=0.8, val_loss=0.25"]
+    assert out.splitlines() == ["[spark_hvd] rank 0 epoch 1/3: loss=0.8, val_loss=0.25"]
+
+
+def test_a_notebook_without_ipywidgets_gets_the_text_bar(monkeypatch):
+    """tqdm.auto would warn (TqdmWarning: IProgress not found) and draw nothing; the text bar is used instead."""
+    import importlib.util
+
+    from spark_hvd.runner import progress
+
+    monkeypatch.setitem(sys.modules, "ipykernel", sys)  # a notebook kernel is loaded
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ipywidgets" else real(name, *a))
+    import tqdm.std
+
+    assert progress._tqdm_class() is tqdm.std.tqdm
