@@ -189,7 +189,33 @@ class BaseEstimator(Estimator, PersistableStage):
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:
         plan = self._check(df)
-        return self._train(df, plan, _prepare_data(self, df, plan["store"], plan["num_proc"]))
+        from spark_hvd.runner.progress import phase_line
+
+        verbose = self.getOrDefault(self.verbose)
+        phase_line(f"preparing data for {plan['num_proc']} ranks", verbose)
+        data = _prepare_data(self, df, plan["store"], plan["num_proc"])
+        phase_line(f"data {data.key}: {data.train_rows} training + {data.val_rows} validation rows -> "
+                   f"{data.num_partitions} files per split", verbose)
+        return self._train(df, plan, data)
+
+    def _learning_rate(self) -> float | None:
+        """The optimizer's learning rate as given (for the start summary), or None when it has no single one."""
+        return None
+
+    def _start_summary(self, plan: dict) -> str:
+        """``starting N ranks ...`` with the effective batch and the learning rate, and whether it is scaled."""
+        get, n = self.getOrDefault, plan["num_proc"]
+        bpps = get(self.backward_passes_per_step)
+        batch = get(self.batch_size)
+        text = (f"starting {n} ranks (run {plan['run_id']}): batch {batch} per rank x {n} ranks"
+                f"{f' x {bpps} passes' if bpps > 1 else ''} = {batch * n * bpps} rows per optimizer step")
+        lr = self._learning_rate()
+        if lr is not None:
+            if get(self.scale_lr_by_num_proc):
+                text += f"; learning rate {lr:g} x {n} = {lr * n:g} (scale_lr_by_num_proc)"
+            else:
+                text += f"; learning rate {lr:g} as given (not scaled by num_proc; Horovod scaled it)"
+        return text
 
     def fit_on_parquet(self, path: str, validation_path: str | None = None) -> BaseModel:
         """Train on Parquet files already at ``path`` (Horovod's name), read in place by the ranks: no copy.
@@ -253,6 +279,14 @@ class BaseEstimator(Estimator, PersistableStage):
         _check_batch_functions(spec)
         self._preflight(spec, plan.get("label_max", {}))
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
+        from spark_hvd.runner.progress import phase_line
+
+        verbose = get(self.verbose)
+        if verbose:
+            done = RunDir(store, run_id).list_checkpoints()
+            if done:
+                phase_line(f"resuming run {run_id} after epoch {done[-1] + 1} of {get(self.epochs)}", verbose)
+            phase_line(self._start_summary(plan), verbose)
         tracking = self._start_mlflow(store, run_id)
         try:
             results = plan["backend"].run(train_on_rank, args=(self._trainer_class, spec),

@@ -196,6 +196,12 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
     _model_class = KerasModel
     _framework = "keras"
 
+    def _learning_rate(self) -> float | None:
+        try:
+            return float(self._opt(self.optimizer).learning_rate)  # a schedule or an optimizer name: no number
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def _classifier_kind(self) -> str | None:
         from spark_hvd.estimators.classifier import keras_kind
 

@@ -207,6 +207,12 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     _is_class_index_loss = staticmethod(is_class_index_loss)
 
+    def _learning_rate(self) -> float | None:
+        groups = getattr(self._opt(self.optimizer), "param_groups", None) or []
+        rates = {g.get("lr") for g in groups}
+        rate = rates.pop() if len(rates) == 1 else None
+        return float(rate) if isinstance(rate, int | float) else None
+
     def _classifier_kind(self) -> str | None:
         from spark_hvd.estimators.classifier import torch_kind
 

@@ -79,6 +79,19 @@ def _format_metrics(metrics: dict[str, Any]) -> str:
                      for k, v in metrics.items() if k not in PROGRESS_KEYS)
 
 
+def phase_line(text: str, verbose: int = 1, stream: TextIO | None = None) -> None:
+    """One ``[spark_hvd] <text>`` line on the driver for a phase of a run (preparing data, starting ranks,
+    resuming), with ``verbose >= 1``: the word from spark_hvd between Spark's stage bars."""
+    if verbose < 1:
+        return
+    out = stream or sys.stdout
+    try:
+        out.write(f"[spark_hvd] {text}\n")
+        out.flush()
+    except (OSError, ValueError):
+        pass
+
+
 #: the width an epoch's summary line is wrapped to (every metric stays visible on an 80-column terminal)
 LINE_WIDTH = 80
 

@@ -142,7 +142,7 @@ def test_horovod_habits_and_keyword_signature():
     assert inspect.signature(TorchEstimator) is sig  # built once
 
 
-def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, monkeypatch, caplog):
+def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, monkeypatch, caplog, capsys):
     """Ctrl-C while the ranks train (the runner stops them and re-raises): one line names the run, its last
     checkpoint and how to resume; the KeyboardInterrupt goes on to the caller."""
     import logging
@@ -159,8 +159,17 @@ def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, m
         raise KeyboardInterrupt
 
     monkeypatch.setattr(SparkBackend, "run", interrupted)
-    est = TorchEstimator(**_kwargs(store, run_id="run-ctrl-c"))
+    est = TorchEstimator(**_kwargs(store, run_id="run-ctrl-c", verbose=1))
     with caplog.at_level(logging.WARNING, logger="spark_hvd.estimators.fit"), pytest.raises(KeyboardInterrupt):
         est.fit(df)
     assert ("TorchEstimator: interrupted; run 'run-ctrl-c' has a checkpoint after epoch 2; resume it with "
             "setRunId('run-ctrl-c') (or run_id='run-ctrl-c') and fit again") in caplog.text
+    # the phase lines and the start summary (verbose=1); fitting again resumes
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(df)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[spark_hvd]")]
+    assert lines[0] == "[spark_hvd] preparing data for 2 ranks"
+    assert lines[1].startswith("[spark_hvd] data ds-") and "8 training + 0 validation rows -> 20 files" in lines[1]
+    assert lines[2] == ("[spark_hvd] starting 2 ranks (run run-ctrl-c): batch 4 per rank x 2 ranks = 8 rows per "
+                        "optimizer step; learning rate 0.1 as given (not scaled by num_proc; Horovod scaled it)")
+    assert "[spark_hvd] resuming run run-ctrl-c after epoch 2 of 1" in lines
