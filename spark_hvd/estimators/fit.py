@@ -264,6 +264,7 @@ class BaseEstimator(Estimator, PersistableStage):
             random_seed=get(self.random_seed), callbacks=tuple(self._opt(self.callbacks) or ()),
             transformation_fn=self._opt(self.transformation_fn), collate_fn=self._opt(self.collate_fn),
             reader_pool_type=get(self.reader_pool_type), reader_num_workers=get(self.train_reader_num_workers),
+            ragged=get(self.ragged),
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
@@ -307,6 +308,7 @@ class BaseEstimator(Estimator, PersistableStage):
             model=trained, feature_cols=list(get(self.feature_cols)), label_cols=list(get(self.label_cols)),
             history=history, run_id=run_id, metadata=metadata, **self._model_params(),
         )
+        model.getOrDefault(model.metadata)["ragged"] = get(self.ragged)  # transform hands ragged rows over alike
         for param in ("transformation_fn", "collate_fn"):  # transform preprocesses as training did
             if self._opt(getattr(self, param)) is not None:
                 model._set(**{param: self._opt(getattr(self, param))})
@@ -418,5 +420,5 @@ def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any
         df, store, feature_cols=list(get(est.feature_cols)), label_cols=list(get(est.label_cols)),
         sample_weight_col=get(est.sample_weight_col), validation=validation, num_proc=num_proc,
         partitions_per_process=get(est.partitions_per_process), seed=get(est.random_seed) or 0,
-        overwrite=bool(get(est.overwrite_prepared_data)),
+        overwrite=bool(get(est.overwrite_prepared_data)), sparse_vectors=get(est.sparse_vectors),
     )

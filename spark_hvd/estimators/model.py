@@ -163,7 +163,8 @@ class BaseModel(Model, PersistableStage):
             raise ValueError("cannot infer the output shapes from an empty DataFrame; "
                              "fit the model with the estimator or set metadata={'output_shapes': ...}")
         model = self._load_for_inference(data)
-        inputs = model_inputs(rows, feature_idx, specs, self._opt(self.transformation_fn), self._opt(self.collate_fn))
+        inputs = model_inputs(rows, feature_idx, specs, self._opt(self.transformation_fn), self._opt(self.collate_fn),
+                              self._ragged())
         return [list(np.asarray(o).shape[1:]) for o in self._predict(model, inputs)]
 
     def _model_fingerprint(self, model: Any) -> str | None:
@@ -187,6 +188,10 @@ class BaseModel(Model, PersistableStage):
         if self._broadcast is None or self._broadcast[0] != (key, type(spark)):
             self._broadcast = ((key, type(spark)), share(spark, data))  # on Spark Connect: in the closure
         return key, self._broadcast[1], data
+
+    def _ragged(self) -> str:
+        """How the training reader handed ragged columns over (``"pad"`` or ``"list"``; from the fit's metadata)."""
+        return str((self.getOrDefault(self.metadata) or {}).get("ragged", "pad"))
 
     def _preprocessing_bytes(self) -> bytes | None:
         """``(transformation_fn, collate_fn)`` pickled by spark_hvd's cloudpickle (which honours
@@ -227,7 +232,7 @@ class BaseModel(Model, PersistableStage):
                             [StructField(c, output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
         fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
-                                bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes())
+                                bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes(), self._ragged())
         return self._classifier_columns(prepared.mapInArrow(fn, schema), out_cols)
 
     def _classifier_columns(self, out: Any, out_cols: list[str]) -> Any:
@@ -247,7 +252,8 @@ class BaseModel(Model, PersistableStage):
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
-                       batch_size: int, use_gpu: bool = False, preprocessing: bytes | None = None) -> Callable:
+                       batch_size: int, use_gpu: bool = False, preprocessing: bytes | None = None,
+                       ragged: str = "pad") -> Callable:
     """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
@@ -269,7 +275,7 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
                 empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
                 yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
                 continue
-            inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn)
+            inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn, ragged)
             outs = model_cls._predict_batches(model, inputs, batch_size)
             if len(outs) != len(out_cols):
                 raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
@@ -281,26 +287,35 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
 
 
 def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformation_fn: Callable | None = None,
-                 collate_fn: Callable | None = None) -> list[np.ndarray]:
+                 collate_fn: Callable | None = None, ragged: str = "pad") -> list[np.ndarray]:
     """The model's inputs for an Arrow batch: its feature columns as training gave them. Without preprocessing,
     one reshape per column (``feature_to_numpy``); with ``transformation_fn`` / ``collate_fn``, the feature
     columns as a pandas DataFrame (named as in training) through the same functions, numeric columns then cast
-    as the training reader casts them."""
-    if transformation_fn is None and collate_fn is None:
+    as the training reader casts them; ragged columns padded per Arrow batch (``ragged="pad"``, with
+    ``<name>_length``) or as one array per row (``"list"``), as the training reader handed them over."""
+    numeric = ("scalar", "vector", "array")
+    if transformation_fn is None and collate_fn is None and all(s.get("kind", "scalar") in numeric for s in specs):
         return [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
                 for i, s in zip(feature_idx, specs, strict=True)]
     import pyarrow as pa
 
-    from spark_hvd.data.reader import frame_to_batch
+    from spark_hvd.data.columns import frame_to_batch, pad_ragged
 
     table = pa.table({s["name"]: rb.column(i) for i, s in zip(feature_idx, specs, strict=True)})
     if transformation_fn is not None:
         batch = frame_to_batch(transformation_fn(table.to_pandas()), "transform")
     else:
-        batch = {s["name"]: feature_to_numpy(table.column(s["name"]), s["name"], s["dtype"], s["shape"])
-                 for s in specs if s.get("kind", "scalar") in ("scalar", "vector", "array")}
-        batch |= {s["name"]: table.column(s["name"]).to_numpy(zero_copy_only=False)
-                  for s in specs if s["name"] not in batch}
+        batch = {}
+        for s in specs:
+            name, kind = s["name"], s.get("kind", "scalar")
+            if kind in numeric:
+                batch[name] = feature_to_numpy(table.column(name), name, s["dtype"], s["shape"])
+                continue
+            values = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
+            if kind == "ragged" and ragged == "pad":  # as the training reader pads a batch
+                batch[name], batch[f"{name}_length"] = pad_ragged(values)
+            else:
+                batch[name] = values
     if collate_fn is not None:
         batch = collate_fn(batch)
     inputs = []
@@ -309,7 +324,8 @@ def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformat
             raise ValueError(f"transform: the preprocessing returned no feature column {s['name']!r} "
                              f"(it returned {sorted(batch)})")
         value = batch[s["name"]]
-        if s.get("kind", "scalar") in ("scalar", "vector", "array") and s["dtype"] and hasattr(value, "astype"):
+        cast = numeric + (("ragged",) if ragged == "pad" and transformation_fn is None and collate_fn is None else ())
+        if s.get("kind", "scalar") in cast and s["dtype"] and hasattr(value, "astype"):
             value = value.astype(s["dtype"], copy=False)
         inputs.append(value)
     return inputs

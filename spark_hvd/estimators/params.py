@@ -285,6 +285,12 @@ class EstimatorParams(Params):
                            "spark_hvd.data.decode.ImageDecoder); also applied by the fitted model's transform")
     collate_fn = _p("collate_fn", "fn(batch: dict of numpy arrays) -> dict, run on each batch on the reader's thread "
                     "(tokenising, padding); also applied by the fitted model's transform to each feature batch")
+    sparse_vectors = _p("sparse_vectors", "'dense' (default): Vector columns stored and handed over as dense float32 "
+                        "arrays; 'sparse': kept sparse, handed to transformation_fn / collate_fn as "
+                        "scipy.sparse.csr_matrix batches", _to_choice("dense", "sparse"))
+    ragged = _p("ragged", "'pad' (default): arrays of varying length (token ids) padded per batch to its longest "
+                "row, with a <name>_length column; 'list': one array per row, for collate_fn",
+                _to_choice("pad", "list"))
     reader_pool_type = _p("reader_pool_type", "'thread' or 'process': the pool that reads and transforms row "
                           "groups on each rank (transformation_fn runs there)", _to_choice("thread", "process"))
     train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one row "
@@ -326,6 +332,7 @@ class EstimatorParams(Params):
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
             checkpoint_when_busy="wait", reader_pool_type="thread", train_reader_num_workers=None,
+            sparse_vectors="dense", ragged="pad",
         )
 
 

@@ -40,12 +40,15 @@ class ShardReaders:
             cols.append(spec.sample_weight_col)
         # numbers become the model's dtype; bytes, strings, ragged and sparse columns are handed on as the reader
         # gives them (for transformation_fn / collate_fn to turn into arrays)
+        padded = spec.ragged == "pad" and spec.transformation_fn is None and spec.collate_fn is None
+        numeric = ("scalar", "vector", "array") + (("ragged",) if padded else ())
         self._dtypes = {c: model_input_dtype(self.info.columns[c].dtype) for c in spec.feature_cols
-                        if self.info.columns[c].kind in ("scalar", "vector", "array")}
+                        if self.info.columns[c].kind in numeric}
         seed = spec.random_seed or 0
         common = {"columns": cols, "rank": rank, "size": size, "seed": seed,
                   "transformation_fn": spec.transformation_fn, "collate_fn": spec.collate_fn,
-                  "pool_type": spec.reader_pool_type, "read_ahead_pieces": spec.reader_num_workers}
+                  "pool_type": spec.reader_pool_type, "read_ahead_pieces": spec.reader_num_workers,
+                  "ragged": spec.ragged}
         self.readers = {"train": BatchReader.from_dataset(
             spec.store, self.info, "train", batch_size=spec.batch_size, shuffle=spec.shuffle, **common)}
         if self.info.has_validation:

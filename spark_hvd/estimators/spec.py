@@ -65,6 +65,7 @@ class TrainSpec:
     collate_fn: Any = None
     reader_pool_type: str = "thread"
     reader_num_workers: int | None = None
+    ragged: str = "pad"
     backward_passes_per_step: int = 1
     gradient_compression: Any = None
     use_gpu: bool | None = None

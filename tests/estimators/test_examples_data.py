@@ -157,3 +157,26 @@ def test_keras_image_classifier_transform_equals_the_model_on_decoded_images(ima
     decoded = decode_images([r.content for r in scored], ex.SIZE, "L", channels_last=True)
     direct = np.asarray(fitted.getModel()(decoded))
     np.testing.assert_allclose(np.array([r.label__output for r in scored]), direct, rtol=1e-4, atol=1e-4)
+
+
+def test_transform_inputs_pad_ragged_rows_as_training_does():
+    """transform's model inputs for a ragged feature (token ids of varying length) without preprocessing: padded
+    per Arrow batch and cast as the training reader does; with ragged='list', one array per row to collate_fn."""
+    import pyarrow as pa
+
+    from spark_hvd.estimators.model import model_inputs
+
+    rb = pa.record_batch({"ids": pa.array([[3, 1], [], [7, 8, 9]], pa.list_(pa.int32())), "x": [1.0, 2.0, 3.0]})
+    specs = [{"name": "ids", "dtype": "int64", "shape": [-1], "kind": "ragged"},
+             {"name": "x", "dtype": "float32", "shape": [], "kind": "scalar"}]
+    ids, x = model_inputs(rb, [0, 1], specs)
+    assert ids.dtype == np.int64 and ids.tolist() == [[3, 1, 0], [0, 0, 0], [7, 8, 9]]
+    assert x.dtype == np.float32 and x.tolist() == [1.0, 2.0, 3.0]
+    seen = {}
+
+    def collate(batch):
+        seen.update(batch)
+        return {"ids": np.array([len(r) for r in batch["ids"]]), "x": batch["x"]}
+
+    lengths, _ = model_inputs(rb, [0, 1], specs, collate_fn=collate, ragged="list")
+    assert lengths.tolist() == [2, 0, 3] and [r.tolist() for r in seen["ids"]] == [[3, 1], [], [7, 8, 9]]
