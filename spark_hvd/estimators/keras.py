@@ -199,7 +199,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
     def _learning_rate(self) -> float | None:
         try:
             return float(self._opt(self.optimizer).learning_rate)  # a schedule or an optimizer name: no number
-        except (AttributeError, TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - only the start summary's number is lost
             return None
 
     def _classifier_kind(self) -> str | None:
