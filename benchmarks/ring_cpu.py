@@ -38,7 +38,10 @@ def _rank(sizes: list[int], profile: int) -> dict:
     import pstats
 
     import numpy as np
-    from ringutil import backend_from_env
+    try:
+        from helpers.ranks import backend_from_env
+    except ImportError:  # a tree from before tests/helpers
+        from ringutil import backend_from_env
 
     from spark_hvd.core.backend import ReduceOp
 
@@ -73,8 +76,11 @@ def _rank(sizes: list[int], profile: int) -> dict:
 def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> None:
     """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
     {size: [wall of the slowest rank, mean cpu]} as JSON."""
-    sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests", "core")]
-    from ringutil import run_ranks
+    sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests"), os.path.join(os.getcwd(), "tests", "core")]
+    try:
+        from helpers.ranks import run_ranks
+    except ImportError:  # a tree from before tests/helpers (the "before" of a comparison)
+        from ringutil import run_ranks
 
     env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "1" if shm else "0"}
     results = run_ranks(_rank, n, env=env, args=(sizes, profile), timeout=900)

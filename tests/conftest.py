@@ -4,10 +4,10 @@ session on the same JVM, also started on first use (``spark_connect``; ``any_spa
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
+from helpers.net import free_port
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -29,17 +29,11 @@ def spark():
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.python.worker.reuse", "true")
         .config("spark.connect.grpc.binding.address", "127.0.0.1")  # used only if a test asks for spark_connect
-        .config("spark.connect.grpc.binding.port", str(_free_port()))
+        .config("spark.connect.grpc.binding.port", str(free_port()))
         .getOrCreate()
     )
     yield session
     session.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ combinations. The worker script runs every check once per launch; each check is 
 from __future__ import annotations
 
 import pytest
-from bindings_launch import assert_check, launch_worker
+from helpers.launch import assert_check, launch_worker
 
 pytest.importorskip("keras")
 pytest.importorskip("tensorflow")

@@ -7,7 +7,7 @@ One launch per binding runs every check."""
 from __future__ import annotations
 
 import pytest
-from bindings_launch import assert_check, launch_worker
+from helpers.launch import assert_check, launch_worker
 
 pytest.importorskip("torch")
 

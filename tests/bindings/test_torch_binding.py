@@ -4,7 +4,7 @@ process, broadcasts, join. The worker script runs every check once per launch; e
 from __future__ import annotations
 
 import pytest
-from bindings_launch import assert_check, launch_worker
+from helpers.launch import assert_check, launch_worker
 
 pytest.importorskip("torch")
 

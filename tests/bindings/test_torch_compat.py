@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from bindings_launch import assert_check, launch_worker
+from helpers.launch import assert_check, launch_worker
 
 pytest.importorskip("torch")
 

@@ -14,7 +14,7 @@ communicator on one GPU), which still builds each set's independent NCCL group a
 from __future__ import annotations
 
 import pytest
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -24,7 +24,7 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs two CUDA GPUs, one per r
 
 
 def _job(full: bool) -> dict:
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
     import torch
 
     import spark_hvd.core as core
@@ -50,7 +50,7 @@ def test_cuda_collectives_one_rank_nccl():
 
 
 def _sets_job(with_global: bool) -> dict:
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
 
     import spark_hvd.torch as hvd
 
@@ -63,7 +63,7 @@ def _sets_job(with_global: bool) -> dict:
 
 @needs_two
 def test_cuda_process_sets_nccl():
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
 
     n = min(GPUS, 3)
     env = lambda rank: {"SPARK_HVD_GPU": str(rank), "SPARK_HVD_TIMEOUT": "60"}  # noqa: E731
@@ -72,7 +72,7 @@ def test_cuda_process_sets_nccl():
 
 @needs_cuda
 def test_cuda_process_sets_one_gpu_two_one_rank_sets():
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
 
     env = {"SPARK_HVD_GPU": "0", "SPARK_HVD_TIMEOUT": "60"}
     ds.check_process_sets(run_ranks(_sets_job, 2, env=env, args=(False,), timeout=300), "cuda")

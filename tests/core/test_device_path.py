@@ -15,7 +15,7 @@ import sys
 import cloudpickle
 import numpy as np
 import pytest
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 pytest.importorskip("torch")
 
@@ -24,7 +24,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _job(device: str) -> dict:
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
     import torch.distributed as dist
 
     import spark_hvd.torch as hvd
@@ -59,7 +59,7 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
         assert "'mixed' is on cpu on ranks [0]; on host memory on ranks" in report["mixed"]
     # the joined rank contributed zeros on its device; the last to join is one of the others, the same everywhere
     assert len({report["join"] for report in reports}) == 1 and reports[0]["join"] in range(n - 1)
-    import device_scenarios as ds
+    import helpers.device_scenarios as ds
 
     ds.check_process_sets([report["sets"] for report in reports], "cpu")
 

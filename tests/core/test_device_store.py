@@ -13,7 +13,8 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from ringutil import run_ranks, wait_until
+from helpers.net import wait_until
+from helpers.ranks import run_ranks
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv

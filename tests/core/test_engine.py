@@ -6,10 +6,10 @@ import json
 import os
 import signal
 
+import helpers.engine_scenarios as sc
 import numpy as np
 import pytest
-import test_engine_scenarios as sc
-from ringutil import RankDied, run_ranks
+from helpers.ranks import RankDied, run_ranks
 
 import spark_hvd.core as core
 from spark_hvd.core.engine import Engine

@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
+import helpers.engine_scenarios as sc
 import numpy as np
 import pytest
-import test_engine_scenarios as sc
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
 from spark_hvd.core.engine import Engine

@@ -8,7 +8,7 @@ import sys
 import time
 
 import numpy as np
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
 from spark_hvd.core.settings import Settings

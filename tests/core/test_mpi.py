@@ -16,8 +16,7 @@ MPIRUN = Path(sys.executable).parent / "mpirun"
 
 
 def _rank_main() -> None:
-    sys.path.insert(0, str(HERE))
-    import test_engine_scenarios as sc
+    import helpers.engine_scenarios as sc
 
     import spark_hvd.core as core
 
@@ -66,7 +65,8 @@ def _late_rank_main() -> None:
 def _mpirun(np_: int, *args: str, timeout: float = 150) -> list[dict]:
     mpirun = str(MPIRUN) if MPIRUN.exists() else shutil.which("mpirun")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-               SPARK_HVD_TIMEOUT="60", SPARK_HVD_CYCLE_TIME="5", PYTHONPATH=str(HERE.parent.parent))
+               SPARK_HVD_TIMEOUT="60", SPARK_HVD_CYCLE_TIME="5",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent.parent), str(HERE.parent)]))  # the repo, tests/ (helpers)
     for var in ("SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_BACKEND"):
         env.pop(var, None)
     proc = subprocess.run([mpirun, "-np", str(np_), "--oversubscribe", sys.executable, __file__, *args], env=env,

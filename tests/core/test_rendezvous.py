@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from ringutil import wait_until
+from helpers.net import free_port, wait_until
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
@@ -173,11 +173,8 @@ def test_replayed_connection_does_not_revert_a_value(kv_server):
 
 
 def test_unreachable_service_raises():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with pytest.raises(PeerFailureError):
-        KVClient(f"127.0.0.1:{port}", make_secret(), timeout_s=0.3)
+        KVClient(f"127.0.0.1:{free_port()}", make_secret(), timeout_s=0.3)
 
 
 @pytest.mark.parametrize("op", list(ReduceOp))

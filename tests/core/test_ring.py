@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from ringutil import RankDied, backend_from_env, run_ranks, shm_leftovers
+from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from ringutil import backend_from_env, on_threads, run_ranks, shm_groups
+from helpers.ranks import backend_from_env, on_threads, run_ranks, shm_groups
 
 from spark_hvd.core import shm_cma
 from spark_hvd.core.backend import ReduceOp

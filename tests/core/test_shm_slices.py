@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ringutil import on_threads, shm_groups
+from helpers.ranks import on_threads, shm_groups
 
 from spark_hvd.core import shm_slices
 from spark_hvd.core.backend import ReduceOp

@@ -5,9 +5,9 @@ Mismatch errors and the full dtype x op matrix are covered on the ring and MPI b
 
 from __future__ import annotations
 
+import helpers.engine_scenarios as sc
 import pytest
-import test_engine_scenarios as sc
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 pytest.importorskip("torch")
 

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.net import RecordingRelay
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.wire import HEADER_SIZE, MAGIC, NONCE_SIZE, PROOF_SIZE, FramedSocket, make_secret
@@ -119,22 +120,14 @@ def test_frame_replayed_within_a_connection_is_rejected():
     writer.close()
 
 
-def _pump(src: socket.socket, dst: socket.socket, record: bytearray) -> None:
-    while chunk := src.recv(65536):
-        record += chunk
-        dst.sendall(chunk)
-
-
 def test_recorded_connection_replayed_fails_the_handshake():
     secret = make_secret()
     # client <-> relay <-> server, the relay recording what the client sent
-    client_end, relay_client = socket.socketpair()
-    relay_server, server_end = socket.socketpair()
-    recorded, ignored = bytearray(), bytearray()
-    pumps = [threading.Thread(target=_pump, args=(relay_client, relay_server, recorded), daemon=True),
-             threading.Thread(target=_pump, args=(relay_server, relay_client, ignored), daemon=True)]
-    for t in pumps:
-        t.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    relay = RecordingRelay(listener.getsockname()[:2])
+    host, port = relay.address.rsplit(":", 1)
+    client_end = socket.create_connection((host, int(port)), timeout=20)
+    server_end, _ = listener.accept()
     client, server = FramedSocket(client_end, secret, "client"), FramedSocket(server_end, secret, "server")
     got: list[bytes] = []
     thread = threading.Thread(target=lambda: got.append(server.recv_bytes()))
@@ -142,15 +135,16 @@ def test_recorded_connection_replayed_fails_the_handshake():
     client.send_bytes(b"set k v1")
     thread.join(20)
     assert got == [b"set k v1"]
-    assert len(recorded) == len(MAGIC) + NONCE_SIZE + PROOF_SIZE + HEADER_SIZE + 8
+    assert len(relay.recorded) == len(MAGIC) + NONCE_SIZE + PROOF_SIZE + HEADER_SIZE + 8
     # the same bytes on a new connection: the server's fresh nonce makes the recorded proof wrong
     attacker, victim_end = socket.socketpair()
     victim = FramedSocket(victim_end, secret, "server")
-    attacker.sendall(bytes(recorded))
+    attacker.sendall(bytes(relay.recorded))
     with pytest.raises(AuthenticationError):
         victim.handshake("server", timeout_s=10)
-    for sock in (client_end, server_end, attacker, victim_end):
+    for sock in (client_end, server_end, attacker, victim_end, listener):
         sock.close()
+    relay.close()
 
 
 def test_silent_peer_times_out_in_the_handshake():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from parquet_files import write_dataset
+from helpers.parquet import write_dataset
 
 from spark_hvd.data.reader import BatchReader
 

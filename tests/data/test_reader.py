@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from parquet_files import write_dataset
+from helpers.parquet import write_dataset
 
 from spark_hvd.data.errors import InvalidParamError, ReaderError, TooFewRowsError
 from spark_hvd.data.reader import BatchReader, Piece, assign_pieces

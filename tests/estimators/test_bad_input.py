@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from estimator_helpers import assert_fit_fails_before_anything_runs
+from helpers.estimators import assert_fit_fails_before_anything_runs
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.store import Store

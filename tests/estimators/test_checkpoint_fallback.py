@@ -13,7 +13,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from estimator_helpers import EpochRecorder, epochs_begun
+from helpers.estimators import EpochRecorder, epochs_begun
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.store import RunDir, Store

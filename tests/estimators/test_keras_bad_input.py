@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import keras
 import pytest
-from estimator_helpers import assert_fit_fails_before_anything_runs
+from helpers.estimators import assert_fit_fails_before_anything_runs
 
 from spark_hvd.estimators import KerasEstimator
 from spark_hvd.store import Store

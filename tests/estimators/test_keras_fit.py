@@ -12,7 +12,7 @@ import cloudpickle
 import keras
 import numpy as np
 import pytest
-from estimator_helpers import EpochRecorder, assert_events_match_history, epochs_begun
+from helpers.estimators import EpochRecorder, assert_events_match_history, epochs_begun
 
 from spark_hvd.estimators import KerasEstimator, KerasModel
 from spark_hvd.store import RunDir, Store

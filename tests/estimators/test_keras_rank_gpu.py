@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
 
 
     def fit(store, data, run_id, env):
-        from ringutil import run_ranks
+        from helpers.ranks import run_ranks
 
         from spark_hvd.estimators import KerasEstimator
 
@@ -99,7 +99,7 @@ def test_keras_torch_backend_gpu_fit_equals_cpu_fit(tmp_path):
     script = tmp_path / "keras_gpu_check.py"  # a file: the spawned ranks import its functions from it
     script.write_text(SCRIPT)
     env = {**os.environ, "KERAS_BACKEND": "torch",
-           "PYTHONPATH": os.pathsep.join([repo, os.path.join(repo, "tests", "core"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([repo, os.path.join(repo, "tests"), os.environ.get("PYTHONPATH", "")])}
     env.pop("KERAS_TORCH_DEVICE", None)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from estimator_helpers import tf_events, tf_scalars
+from helpers.estimators import tf_events, tf_scalars
 
 from spark_hvd.estimators.tensorboard import (
     FILE_VERSION,

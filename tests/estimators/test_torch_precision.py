@@ -16,7 +16,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from torch_replay import assert_fit_equals_replay, rank_shards, replay
+from helpers.torch_replay import assert_fit_equals_replay, rank_shards, replay
 
 from spark_hvd.estimators import TorchEstimator
 from spark_hvd.store import Store

@@ -26,8 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core"))
-from ringutil import run_ranks  # noqa: E402
+from helpers.ranks import run_ranks  # noqa: E402
 
 from spark_hvd.data.parquet import describe_parquet  # noqa: E402
 from spark_hvd.estimators import TorchEstimator, TorchModel  # noqa: E402

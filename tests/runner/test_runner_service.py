@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 
 import pytest
+from helpers.net import RecordingRelay, wait_until
 
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import topology
@@ -16,15 +16,6 @@ from spark_hvd.runner.barrier_task import BarrierRendezvous, assigned_gpu, task_
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.service import DriverService
-
-
-def _wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
@@ -37,7 +28,7 @@ def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
             with pytest.raises(AuthenticationError):
                 forged.send_object(("hello", "job1", 0, "rank"))
             forged.close()
-            assert _wait_for(lambda: service.rejected == 1)
+            assert wait_until(lambda: service.rejected == 1)
         assert any("before authentication" in r.getMessage() for r in caplog.records)
         assert service.started == set()
 
@@ -45,7 +36,7 @@ def test_forged_frame_is_dropped_and_logged_and_genuine_client_works(caplog):
         client.send_event(2, 10, {"loss": 0.25})
         client.send_done()
         assert service.wait_finished(30.0, only_started=True)
-        assert _wait_for(lambda: 1 in service.finished)
+        assert wait_until(lambda: 1 in service.finished)
         client.close()
         assert [(e.rank, e.epoch, e.step, e.metrics) for e in service.events] == [(1, 2, 10, {"loss": 0.25})]
         assert service.failures == []
@@ -61,9 +52,9 @@ def test_wrong_job_id_and_lost_connection():
     try:
         other = ServiceClient(f"127.0.0.1:{port}", secret, "another-job", 0)
         lost = ServiceClient(f"127.0.0.1:{port}", secret, "job2", 1)
-        assert _wait_for(lambda: service.started == {1})
+        assert wait_until(lambda: service.started == {1})
         lost.close()  # closes without "done": the rank counts as lost
-        assert _wait_for(lambda: bool(failures))
+        assert wait_until(lambda: bool(failures))
         assert failures[0].rank == 1 and failures[0].type_name == "ProcessLost"
         other.close()
     finally:
@@ -77,35 +68,17 @@ def test_replayed_hello_does_not_mark_a_live_rank_lost():
     _, port = service.start()
     try:
         # record a legitimate rank 0's connection bytes through a relay
-        relay = socket.create_server(("127.0.0.1", 0))
-        recorded = bytearray()
-
-        def pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
-            try:
-                while chunk := src.recv(65536):
-                    if record is not None:
-                        record += chunk
-                    dst.sendall(chunk)
-            except OSError:
-                pass
-
-        def run_relay() -> None:
-            client, _ = relay.accept()
-            upstream = socket.create_connection(("127.0.0.1", port))
-            threading.Thread(target=pump, args=(client, upstream, recorded), daemon=True).start()
-            pump(upstream, client, None)
-
-        threading.Thread(target=run_relay, daemon=True).start()
-        rank0 = ServiceClient(f"127.0.0.1:{relay.getsockname()[1]}", secret, "job4", 0)
-        assert _wait_for(lambda: service.started == {0})
+        relay = RecordingRelay(("127.0.0.1", port))
+        rank0 = ServiceClient(relay.address, secret, "job4", 0)
+        assert wait_until(lambda: service.started == {0})
         # the recorded hello replayed on a new connection, then closed: refused, rank 0 is not reported lost
         replay = socket.create_connection(("127.0.0.1", port), timeout=10)
-        replay.sendall(bytes(recorded))
-        assert _wait_for(lambda: service.rejected == 1)
+        replay.sendall(bytes(relay.recorded))
+        assert wait_until(lambda: service.rejected == 1)
         replay.close()
-        assert not _wait_for(lambda: bool(failures), timeout_s=1.0)
+        assert not wait_until(lambda: bool(failures), timeout_s=1.0)
         rank0.send_done()
-        assert _wait_for(lambda: 0 in service.finished)
+        assert wait_until(lambda: 0 in service.finished)
         rank0.close()
         relay.close()
     finally:
@@ -120,9 +93,9 @@ def test_helper_connection_carries_events_without_lifecycle():
     try:
         helper = ServiceClient(f"127.0.0.1:{port}", secret, "job3", 0, role="aux")
         helper.send_event(0, 1, {"x": 1})
-        assert _wait_for(lambda: len(service.events) == 1)
+        assert wait_until(lambda: len(service.events) == 1)
         helper.close()  # a helper going away is not a failure, and does not count as the rank starting
-        assert not _wait_for(lambda: bool(failures) or bool(service.started), timeout_s=1.0)
+        assert not wait_until(lambda: bool(failures) or bool(service.started), timeout_s=1.0)
     finally:
         service.stop()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import urllib.request
 import uuid
 
 import pytest
+from helpers.net import free_port
 
 MOTO = os.path.join(os.path.dirname(sys.executable), "moto_server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +21,7 @@ def s3_endpoint(tmp_path_factory):
     """``http://127.0.0.1:<port>`` of a moto S3 server started for this session and stopped afterwards."""
     if not os.path.exists(MOTO):
         pytest.skip(f"moto_server not installed beside {sys.executable}")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -159,17 +159,6 @@ def shm_leftovers(job_id: str) -> list[str]:
     return glob.glob(f"/dev/shm/spark_hvd-{job_id}-*")
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    """``predicate()`` became true within ``timeout_s`` (e.g. a listener counting a refused connection on its own
-    thread)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def shm_groups(name: str, size: int, *, timeout_s: float = 20.0, block_bytes: int = 256, nslots: int = 3) -> list:
     """``size`` members of one ``ShmGroup`` in this process (real /dev/shm segments, names already unlinked): the
     protocol tests run each member on a thread of its own (``on_threads``)."""

@@ -7,8 +7,8 @@ against numpy on the same random data (every rank draws every rank's data from t
 
 from __future__ import annotations
 
+import helpers.engine_scenarios as sc
 import numpy as np
-import test_engine_scenarios as sc
 import torch
 
 import spark_hvd.core as core

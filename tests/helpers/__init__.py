@@ -1,0 +1,5 @@
+"""Helpers the tests share, importable from every test folder as ``helpers.<module>`` (``pythonpath = tests`` in
+setup.cfg): ``ranks`` (a job's ranks as local processes), ``engine_scenarios`` / ``device_scenarios`` (what those
+ranks run), ``launch`` (bindings' scripts under the launcher), ``net`` (free ports, a recording relay, waiting),
+``parquet`` (small Parquet datasets), ``estimators`` / ``torch_replay`` (estimator scenarios and their
+single-process reference)."""
