@@ -23,7 +23,7 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import CollectiveTimeoutError
-from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
+from spark_hvd.core.reduce import check_dtype, divide_average, reduce_widened
 from spark_hvd.core.settings import Settings
 
 _QUERY, _ANSWER = 1, 2  # tags on the diagnosis communicator
@@ -123,13 +123,7 @@ class MpiBackend(Backend):
         check_dtype(buf, bfloat16)
         if buf.size == 0:
             return
-        if bfloat16 or buf.dtype == np.float16:
-            wide = bf16_to_f32(buf) if bfloat16 else buf.astype(np.float32)
-            self._allreduce_native(wide.reshape(-1), op)
-            if bfloat16:
-                f32_to_bf16(wide, buf)
-            else:
-                buf[...] = wide
+        if reduce_widened(buf, bfloat16, lambda wide: self._allreduce_native(wide.reshape(-1), op)):
             return
         self._allreduce_native(buf.reshape(-1), op)
 

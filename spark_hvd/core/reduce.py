@@ -6,6 +6,8 @@ rounded back to bfloat16 with round-to-nearest-even (NaN stays NaN).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
@@ -35,6 +37,21 @@ def check_dtype(buf: np.ndarray, bfloat16: bool = False) -> None:
     if buf.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"cannot reduce arrays of dtype {buf.dtype}; supported: float16/32/64, int32/64, uint8, "
                         "and bfloat16 as a uint16 view")
+
+
+def reduce_widened(buf: np.ndarray, bfloat16: bool, reduce: Callable[[np.ndarray], None]) -> bool:
+    """For a float16 buffer, or a bfloat16 one (its uint16 view): ``reduce`` a float32 copy, then narrow the
+    result back into ``buf`` (for backends without half-precision reductions); returns True. Other dtypes: nothing
+    is done, False."""
+    if not (bfloat16 or buf.dtype == np.float16):
+        return False
+    wide = bf16_to_f32(buf) if bfloat16 else buf.astype(np.float32)
+    reduce(wide)
+    if bfloat16:
+        f32_to_bf16(wide, buf)
+    else:
+        buf[...] = wide
+    return True
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -25,7 +25,7 @@ from spark_hvd.core.addresses import apply_device_group_env, host_identity
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
-from spark_hvd.core.reduce import bf16_to_f32, check_dtype, divide_average, f32_to_bf16
+from spark_hvd.core.reduce import check_dtype, divide_average, reduce_widened
 from spark_hvd.core.rendezvous import KVRendezvous
 from spark_hvd.core.settings import Settings
 
@@ -102,13 +102,7 @@ class TorchBackend(Backend):
         check_dtype(buf, bfloat16)
         if buf.size == 0:
             return
-        if bfloat16 or buf.dtype == np.float16:
-            wide = bf16_to_f32(buf) if bfloat16 else buf.astype(np.float32)
-            self.allreduce(wide, op)
-            if bfloat16:
-                f32_to_bf16(wide, buf)
-            else:
-                buf[...] = wide
+        if reduce_widened(buf, bfloat16, lambda wide: self.allreduce(wide, op)):
             return
         flat = buf.reshape(-1)
         t = self._tensor(flat)

@@ -11,22 +11,11 @@ import threading
 import time
 
 import pytest
+from helpers.net import closed_by_server
 
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.rendezvous import KVClient, KVStoreServer
 from spark_hvd.core.wire import MAGIC, make_secret
-
-
-def _closed_by_server(sock: socket.socket, timeout_s: float = 30.0) -> bool:
-    sock.settimeout(timeout_s)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
 
 
 def _conn_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -85,8 +74,8 @@ def test_slow_loris_does_not_hold_the_service():
         client = KVClient(server.address, secret)  # served while both are connected
         client.set("k", b"v")
         assert client.get("k", 5) == b"v"
-        assert _closed_by_server(huge)
-        assert _closed_by_server(loris)  # dropped after the handshake timeout
+        assert closed_by_server(huge)
+        assert closed_by_server(loris)  # dropped after the handshake timeout
         client.close()
         deadline = time.monotonic() + 10
         while _conn_threads(before) and time.monotonic() < deadline:
@@ -106,7 +95,7 @@ def test_unauthenticated_connections_are_capped():
         deadline = time.monotonic() + 20
         while len(open_) > 4 and time.monotonic() < deadline:
             for sock in select.select(list(open_), [], [], 0.2)[0]:
-                if _closed_by_server(sock, timeout_s=1.0):
+                if closed_by_server(sock, timeout_s=1.0):
                     open_.discard(sock)
         time.sleep(0.3)
         assert not select.select(list(open_), [], [], 0)[0]

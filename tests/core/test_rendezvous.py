@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.net import free_port, wait_until
+from helpers.net import RecordingRelay, closed_by_server, free_port, wait_until
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
@@ -98,7 +98,7 @@ def test_forged_client_is_dropped_never_unpickled(kv_server):
     # raw bytes claiming a huge frame: not a handshake, dropped after reading the fixed-size hello
     sock = socket.create_connection((host, port), timeout=30)
     sock.sendall(struct.pack("!Q", 1 << 40) + b"\0" * 64)
-    assert _closed_by_server(sock)
+    assert closed_by_server(sock)
     sock.close()
     assert unpickled == [] and wait_until(lambda: srv.rejected == 2)
     # the service still serves honest clients
@@ -108,55 +108,12 @@ def test_forged_client_is_dropped_never_unpickled(kv_server):
     client.close()
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    """Read until the server closes (True) or 30 s pass (False); what it sent before (its hello) is ignored."""
-    sock.settimeout(30)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return False
-    return True
-
-
-def _recording_proxy(target: tuple[str, int]) -> tuple[tuple[str, int], bytearray]:
-    """A one-connection TCP relay to ``target`` that records what the client sends."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    recorded = bytearray()
-
-    def pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
-        try:
-            while chunk := src.recv(65536):
-                if record is not None:
-                    record += chunk
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def run() -> None:
-        client, _ = listener.accept()
-        listener.close()
-        upstream = socket.create_connection(target)
-        threading.Thread(target=pump, args=(client, upstream, recorded), daemon=True).start()
-        pump(upstream, client, None)
-
-    threading.Thread(target=run, daemon=True).start()
-    return listener.getsockname()[:2], recorded
-
-
 def test_replayed_connection_does_not_revert_a_value(kv_server):
     srv, address, secret = kv_server
     target = parse_address(address)
-    proxy, recorded = _recording_proxy(target)
-    legit = KVClient(proxy, secret)
+    relay = RecordingRelay(target)
+    recorded = relay.recorded
+    legit = KVClient(relay.host_port, secret)
     legit.set("k", b"old")
     legit.close()
     honest = KVClient(address, secret)
@@ -165,7 +122,7 @@ def test_replayed_connection_does_not_revert_a_value(kv_server):
     assert len(recorded) > 0
     sock = socket.create_connection(target, timeout=30)
     sock.sendall(bytes(recorded))
-    assert _closed_by_server(sock)
+    assert closed_by_server(sock)
     sock.close()
     assert wait_until(lambda: srv.rejected == 1)
     assert honest.get("k", 5) == b"new"

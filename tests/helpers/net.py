@@ -26,7 +26,23 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 20.0) -> bool:
     return True
 
 
+def closed_by_server(sock: socket.socket, timeout_s: float = 30.0) -> bool:
+    """Read until the server closes ``sock`` (True) or ``timeout_s`` pass (False); what it sent before (its hello)
+    is ignored."""
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
 def _pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> None:
+    """Copy ``src`` to ``dst`` (recording into ``record``) until ``src`` ends; then both are shut down, so the end
+    of one side reaches the other."""
     try:
         while chunk := src.recv(65536):
             if record is not None:
@@ -34,6 +50,12 @@ def _pump(src: socket.socket, dst: socket.socket, record: bytearray | None) -> N
             dst.sendall(chunk)
     except OSError:
         pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class RecordingRelay:
@@ -44,7 +66,8 @@ class RecordingRelay:
         self.upstream = upstream
         self.recorded = bytearray()
         self._server = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self.host_port: tuple[str, int] = ("127.0.0.1", self._server.getsockname()[1])
+        self.address = f"127.0.0.1:{self.host_port[1]}"
         threading.Thread(target=self._run, name="recording-relay", daemon=True).start()
 
     def _run(self) -> None:
@@ -52,6 +75,7 @@ class RecordingRelay:
             client, _ = self._server.accept()
         except OSError:  # closed before anyone connected
             return
+        self._server.close()
         upstream = socket.create_connection(self.upstream)
         threading.Thread(target=_pump, args=(client, upstream, self.recorded), daemon=True).start()
         _pump(upstream, client, None)

@@ -14,7 +14,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
+from checks import expect_errors, make_check  # noqa: E402 - the scripts' directory is on sys.path
 
 import spark_hvd.torch as hvd  # noqa: E402
 
@@ -33,14 +33,9 @@ check = make_check(RESULTS, only=QUICK if ONLY_QUICK else None)
 
 # --------------------------------------------------------------------------------------------- before init
 def _before_init() -> None:
-    for call in (hvd.rank, lambda: hvd.allreduce(torch.ones(2)), lambda: hvd.broadcast_parameters({}, 0),
-                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))):
-        try:
-            call()
-        except hvd.NotInitializedError as e:
-            assert "init()" in str(e), str(e)
-        else:
-            raise AssertionError("no error before init()")
+    calls = (hvd.rank, lambda: hvd.allreduce(torch.ones(2)), lambda: hvd.broadcast_parameters({}, 0),
+             lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)))
+    expect_errors([(call, "init()") for call in calls], hvd.NotInitializedError)
 
 
 check("before_init_error")(_before_init)
