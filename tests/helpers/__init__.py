@@ -1,5 +1,9 @@
 """Helpers the tests share, importable from every test folder as ``helpers.<module>`` (``pythonpath = tests`` in
-setup.cfg): ``ranks`` (a job's ranks as local processes), ``engine_scenarios`` / ``device_scenarios`` (what those
-ranks run), ``launch`` (bindings' scripts under the launcher), ``net`` (free ports, a recording relay, waiting),
-``parquet`` (small Parquet datasets), ``estimators`` / ``torch_replay`` (estimator scenarios and their
-single-process reference)."""
+setup.cfg):
+
+- ``ranks``: a job's ranks as local processes; ``engine_scenarios`` / ``device_scenarios``: what those ranks run;
+- ``launch``: the bindings' worker scripts under the launcher;
+- ``net``: free ports, a recording relay (replay attacks), waiting for a condition;
+- ``parquet``: small Parquet datasets;
+- ``estimators`` / ``torch_replay``: estimator scenarios and their single-process reference.
+"""

@@ -7,10 +7,10 @@ against numpy on the same random data (every rank draws every rank's data from t
 
 from __future__ import annotations
 
-import helpers.engine_scenarios as sc
 import numpy as np
 import torch
 
+import helpers.engine_scenarios as sc
 import spark_hvd.core as core
 import spark_hvd.torch as hvd
 from spark_hvd.core.backend import rank_rows

@@ -1,17 +1,13 @@
-"""Fixtures of the multi-host tests: simulated hosts (``simhosts.SimHosts``), skipped with the reason where network
-namespaces cannot be made; every test here is marked ``multihost`` so the suite's time on them is visible
+"""Fixtures of the multi-host tests: simulated hosts (``simhosts.SimHosts``), skipped with the reason where
+network namespaces cannot be made; every test here is marked ``multihost`` so the suite's time on them is visible
 (``pytest -m multihost``, ``--durations``)."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-import simhosts  # noqa: E402
+import simhosts  # beside this conftest, whose folder pytest puts on the path
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
