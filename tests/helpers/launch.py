@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "bindings" / "scripts"  # the worker scripts
 
 
 def launch_worker(script: str, np_: int, out_dir: Path, timeout_s: float = 240.0,
