@@ -3,8 +3,20 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable, Container, Iterable
+
+
+def setup_tensorflow() -> None:
+    """Before Keras is imported: Keras on TensorFlow, TensorFlow's logs quiet, one intra-op thread and two
+    inter-op threads per rank (the ranks share a small machine)."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
 def make_check(results: dict[str, str], *, only: Container[str] | None = None,

@@ -7,18 +7,14 @@ import json
 import os
 import sys
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from checks import expect_errors, make_check, setup_tensorflow  # the scripts' directory is on sys.path
+
+setup_tensorflow()
 
 import keras  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(2)
-
-from checks import expect_errors, make_check  # noqa: E402 - the scripts' directory is on sys.path
 
 import spark_hvd.keras as hvd  # noqa: E402
 
