@@ -3,6 +3,7 @@ randomly initialised GPT-2 on text from a DataFrame; the Trainer sees a world of
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -16,11 +17,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_transformers_trainer_on_two_ranks(spark, tmp_path):
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import hf_trainer
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location("hf_trainer", EXAMPLES / "hf_trainer.py")
+    hf_trainer = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = hf_trainer
+    spec.loader.exec_module(hf_trainer)  # it runs itself (its file) on the ranks
     df = spark.createDataFrame([(t,) for t in hf_trainer.sample_text(512)], "text string")
     summary = hf_trainer.fit_on_spark(spark, df, str(tmp_path), num_proc=2, steps=30)
     assert summary["world_size"] == 2 and summary["steps"] == 30

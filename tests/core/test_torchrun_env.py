@@ -11,7 +11,7 @@ import threading
 from datetime import timedelta
 
 import pytest
-from ringutil import wait_until
+from helpers.net import wait_until
 
 from spark_hvd.core import torchrun
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
