@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from ringutil import RankDied, backend_from_env, run_ranks
+from helpers.ranks import RankDied, backend_from_env, run_ranks
 
 from spark_hvd.core import recursive_doubling
 from spark_hvd.core.backend import ReduceOp

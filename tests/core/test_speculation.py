@@ -4,10 +4,10 @@ checked against numpy while a rank breaks the pattern."""
 
 from __future__ import annotations
 
+import helpers.engine_scenarios as sc
 import numpy as np
 import pytest
-import test_engine_scenarios as sc
-from ringutil import run_ranks
+from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
 from spark_hvd.core.negotiation import Meta, ResponseCache

@@ -15,7 +15,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from torch_replay import rank_shards, replay
+from helpers.torch_replay import rank_shards, replay
 
 from spark_hvd.estimators.step_checkpoint import (
     StepState,
