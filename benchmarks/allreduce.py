@@ -55,7 +55,8 @@ from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
-          "alt": "--alternate: two tensors alternating, time per call"}
+          "alt": "--alternate: two tensors alternating, time per call",
+          "new": "--new-names: every call a new name, time per call"}
 IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -195,11 +196,15 @@ def _worker(impl: str) -> None:
     control.close()
 
 
+_NEW_NAMES = [0]  # --new-names: a name no call used before
+
+
 def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: int,
                warmup: int) -> tuple[float, float]:
     """``--osu``: osu_allreduce's loop, a barrier between timed allreduces (only the allreduce is timed), so each
     one starts with every rank arriving together after another collective. ``alt`` (``--alternate``):
     back-to-back calls alternating two tensors of this size (two names; on the bare backends, two buffers).
+    ``new`` (``--new-names``): every call a name never used before (a full negotiation round each).
     Returns (seconds, CPU seconds) per allreduce."""
     other = buf.copy()
     tagged = "tag" in getattr(getattr(allreduce, "__code__", None), "co_varnames", ())
@@ -222,6 +227,13 @@ def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: 
                 elapsed += time.perf_counter() - t
                 cpu += time.process_time() - c
                 barrier()
+        elif mode == "new":
+            barrier()
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(iters):
+                _NEW_NAMES[0] += 1
+                call(buf, f".new{_NEW_NAMES[0]}")
+            elapsed, cpu = time.perf_counter() - t, time.process_time() - c
         else:
             for _ in range(warmup + 2):
                 call(buf, "")
@@ -405,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="OSU style: a barrier between timed allreduces (osu_allreduce's loop)")
     parser.add_argument("--alternate", action="store_true",
                         help="back-to-back calls alternating two tensors of each size (two names)")
+    parser.add_argument("--new-names", action="store_true",
+                        help="back-to-back calls, each under a name not used before (a full negotiation each)")
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker)
@@ -422,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in nps:
         # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring
         run = [i for i in impls if not i.endswith("-hier") or n >= 4]
-        mode = "osu" if args.osu else "alt" if args.alternate else "loop"
+        mode = "osu" if args.osu else "alt" if args.alternate else "new" if args.new_names else "loop"
         if mode != "loop":
             print(f"mode: {_MODES[mode]}")
         times = bench(n, run, sizes, rounds, args.quick, mode)

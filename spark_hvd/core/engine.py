@@ -36,8 +36,9 @@ Fast rounds: a steady training loop sends only cache ids and leaves nothing outs
 (which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
 with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
 no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full gather of messages in the same round (``_fast_round``). Once the
-ranks have seen which clean round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two
+some ranks sent, or a flag, lead to the full round's messages in the same round, in one more allreduce (the
+vector carried every rank's message length, so each rank's message has its place in one buffer). Once the ranks
+have seen which clean round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two
 tensors alternating, an allreduce between barriers), the next round speculates on it: one allreduce of
 ``[flag, tensors...]`` carries negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM
 tensor is speculated on in place; a round of barriers is the flag's collective alone).
@@ -104,6 +105,8 @@ from spark_hvd.core.table import (
     encode_message,
     fast_answer,
     fast_vector,
+    message_lengths,
+    place_message,
 )
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -501,6 +504,7 @@ class Engine:
         self.stats["rounds"] += 1
         ready: Ready = []
         progress = False
+        messages: list[list] | None = None
         # The table, the joins and the round count are identical on every rank, so every rank takes the same
         # branch here; the fast round then tells every rank whether another needs the full one.
         if not (first_round or not self._table.idle):
@@ -510,7 +514,14 @@ class Engine:
                 if self._speculative_round(self._spec, by_id if exact else None, start):
                     return True, False
                 self._spec = None
-            fast = self._fast_round(ids, irregular)
+            # the message this rank would send in a full round (the table is empty: nothing has expired); its
+            # length rides on the fast round, so a full round that follows moves every message in one allreduce
+            message = encode_message([int(join_flag), int(shutdown_flag), ids, full, []])
+            vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size)
+            self.backend.allreduce(vec, ReduceOp.SUM)
+            self.stats["fast_rounds"] += 1
+            fast = fast_answer(vec, self.size)
+            common: list[int] = []
             if fast is not None:
                 common, partial = fast
                 get = self._cache.get
@@ -520,18 +531,25 @@ class Engine:
                     self._spec = self._predictor.advance(common)
                     self._finish_round(ready, start, progress)
                     return progress, False
-                # some ids were sent by only some ranks: they become outstanding entries through the full round
-                ids = [cache_id for cache_id in ids if cache_id not in set(common)]
+            lengths = message_lengths(vec, self.size)
+            buf = place_message(message, lengths, self.rank)
+            self.backend.allreduce(buf, ReduceOp.SUM)
+            messages = decode_messages(buf, self.size)
+            if common:  # some ids were sent by only some ranks: only those become outstanding entries
+                done = set(common)
+                for m in messages:
+                    m[2] = [cache_id for cache_id in m[2] if cache_id not in done]
         # a full round may change the cache: learn the rounds afresh
         self._spec = None
         self._predictor.reset()
         table = self._table
-        fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
-        if first_round:  # every rank must plan fusion and the cache alike
-            fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-        messages = decode_messages(self.backend.allgather(encode_message(fields)), self.size)
-        if first_round:
-            check_same_settings([m[5] for m in messages])
+        if messages is None:  # the first round, or outstanding tensors: gather the messages
+            fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
+            if first_round:  # every rank must plan fusion and the cache alike
+                fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
+            messages = decode_messages(self.backend.allgather(encode_message(fields)), self.size)
+            if first_round:
+                check_same_settings([m[5] for m in messages])
         news = table.absorb(messages, self._cache)
         progress = progress or news.progress
         if news.shutdown:
@@ -546,19 +564,6 @@ class Engine:
             if error is not None:
                 raise error
         return progress or bool(ready), False
-
-    def _fast_round(self, ids: list[int], irregular: bool) -> tuple[list[int], bool] | None:
-        """Negotiate response-cache hits with one small allreduce instead of gathering messages.
-
-        Every rank adds a 1 at the position of each cache id it submits (the cache, hence the vector's length,
-        is identical on every rank) and a 1 in front when it has anything else to say (a new tensor, a join, a
-        shutdown). Returns None when some rank did (then every rank goes on to the full round), else the ids
-        every rank submitted, in id order, and whether some ids were submitted by only some ranks.
-        """
-        vec = fast_vector(ids, irregular, self._cache.id_count())
-        self.backend.allreduce(vec, ReduceOp.SUM)
-        self.stats["fast_rounds"] += 1
-        return fast_answer(vec, self.size)
 
     def _speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
         """The one collective of a speculative round (see ``Spec``): allreduce ``[flag, bufs...]`` (zeros when

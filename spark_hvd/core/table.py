@@ -227,14 +227,20 @@ class NegotiationTable:
 
 # ---------------------------------------------------------------------- the rounds' wire format
 
-def fast_vector(ids: Sequence[int], irregular: bool, id_count: int) -> np.ndarray:
-    """A fast round's contribution: a 1 at ``1 + id`` for each cache id submitted, or a lone 1 in front when this
-    rank has anything else to say (a new tensor, a join, a shutdown). SUM-reduced over the ranks."""
-    vec = np.zeros(1 + id_count, np.int32)
+def fast_vector(ids: Sequence[int], irregular: bool, id_count: int, rank: int = 0, size: int = 1,
+                length: int = 0) -> np.ndarray:
+    """A fast round's contribution, SUM-reduced over the ranks: ``[irregular, lengths..., ids...]``.
+
+    A 1 in front when this rank has anything else to say (a new tensor, a join, a shutdown); at ``1 + rank`` the
+    length of this rank's full-round message (so that, when a full round follows, every rank knows where every
+    message lies and the messages travel in one allreduce, see ``message_lengths``); a 1 at ``1 + size + id`` for
+    each cache id submitted (none when irregular: the full round carries them)."""
+    vec = np.zeros(1 + size + id_count, np.int32)
+    vec[1 + rank] = length
     if irregular:
         vec[0] = 1
     elif ids:
-        vec[1 + np.asarray(ids)] = 1
+        vec[1 + size + np.asarray(ids)] = 1
     return vec
 
 
@@ -243,9 +249,23 @@ def fast_answer(summed: np.ndarray, size: int) -> tuple[list[int], bool] | None:
     submitted (in id order: the order they run in) and whether some ids were submitted by only some ranks."""
     if summed[0]:
         return None
-    counts = summed[1:]
+    counts = summed[1 + size:]
     common = np.flatnonzero(counts == size).tolist()
     return common, len(common) < np.count_nonzero(counts)
+
+
+def message_lengths(summed: np.ndarray, size: int) -> list[int]:
+    """Every rank's full-round message length, from the summed fast vectors."""
+    return [int(n) for n in summed[1:1 + size]]
+
+
+def place_message(message: np.ndarray, lengths: Sequence[int], rank: int) -> np.ndarray:
+    """A zero buffer of every rank's message length with this rank's message in its place: SUM-reduced over the
+    ranks (exactly: one rank is nonzero at each byte) it holds every message, which ``decode_messages`` reads."""
+    buf = np.zeros(sum(lengths), np.uint8)
+    at = sum(lengths[:rank])
+    buf[at:at + lengths[rank]] = message
+    return buf
 
 
 def encode_message(fields: list[Any]) -> np.ndarray:

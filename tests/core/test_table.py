@@ -19,6 +19,8 @@ from spark_hvd.core.table import (
     encode_message,
     fast_answer,
     fast_vector,
+    message_lengths,
+    place_message,
 )
 
 
@@ -143,13 +145,24 @@ def test_a_stall_is_warned_once_per_period_then_stops_the_job_naming_the_missing
 
 def test_the_fast_rounds_vector_finds_the_common_ids_and_the_partial_ones():
     size, count = 3, 6
-    mine = [[1, 4], [4, 1, 5], [1, 4]]
-    summed = sum(fast_vector(ids, False, count) for ids in mine)
-    assert fast_answer(summed, size) == ([1, 4], True)  # 5 was sent by one rank only
-    summed = sum(fast_vector(ids, False, count) for ids in [[2], [2], [2]])
-    assert fast_answer(summed, size) == ([2], False)
-    summed = fast_vector([2], False, count) + fast_vector([], True, count) + fast_vector([2], False, count)
-    assert fast_answer(summed, size) is None  # someone has something new: the full round
+
+    def summed(*per_rank: tuple[list[int], bool]) -> np.ndarray:
+        return sum(fast_vector(ids, irregular, count, r, size, 10 + r) for r, (ids, irregular) in enumerate(per_rank))
+
+    vec = summed(([1, 4], False), ([4, 1, 5], False), ([1, 4], False))
+    assert fast_answer(vec, size) == ([1, 4], True)  # 5 was sent by one rank only
+    assert message_lengths(vec, size) == [10, 11, 12]
+    assert fast_answer(summed(([2], False), ([2], False), ([2], False)), size) == ([2], False)
+    vec = summed(([2], False), ([], True), ([2], False))
+    assert fast_answer(vec, size) is None  # someone has something new: the full round
+
+
+def test_messages_placed_by_their_lengths_add_up_to_every_message():
+    fields = [[1, 0, [3], [meta().to_wire("x")], []], [0, 0, [], [], []], [0, 1, [2, 5], [], []]]
+    encoded = [encode_message(f) for f in fields]
+    lengths = [e.size for e in encoded]
+    total = sum(place_message(e, lengths, r).astype(np.int64) for r, e in enumerate(encoded))
+    assert decode_messages(total.astype(np.uint8), 3) == fields
 
 
 def test_messages_round_trip_and_a_short_gather_is_an_error():
