@@ -180,3 +180,39 @@ def test_transform_inputs_pad_ragged_rows_as_training_does():
 
     lengths, _ = model_inputs(rb, [0, 1], specs, collate_fn=collate, ragged="list")
     assert lengths.tolist() == [2, 0, 3] and [r.tolist() for r in seen["ids"]] == [[3, 1], [], [7, 8, 9]]
+
+
+@pytest.mark.slow
+def test_ragged_token_ids_through_fit_and_transform(spark, tmp_path):
+    """An array<int> column of varying length goes through fit without any preprocessing (padded per batch by
+    the reader), and transform gives what the model gives on the padded ids."""
+    from spark_hvd.estimators import TorchEstimator
+    from spark_hvd.store import Store
+
+    ex = _example("text_classifier")
+    rng = np.random.default_rng(4)
+    rows = []
+    for _ in range(240):
+        ids = rng.integers(2, 50, size=int(rng.integers(1, 12))).tolist()
+        label = int(rng.random() < 0.5)
+        if label:
+            ids[int(rng.integers(0, len(ids)))] = 1  # the class is marked by id 1 somewhere in the row
+        rows.append((ids, label))
+    df = spark.createDataFrame(rows, "ids array<int>, label int")
+    torch.manual_seed(0)
+    net = ex.MeanEmbedding(50, 16)
+    est = TorchEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                         optimizer=torch.optim.Adam(net.parameters(), lr=3e-2), loss="cross_entropy",
+                         metrics=["accuracy"], feature_cols=["ids"], label_cols=["label"], batch_size=16, epochs=4,
+                         random_seed=1, partitions_per_process=2, verbose=0)
+    model = est.fit(df)
+    hist = model.getHistory()
+    assert hist["accuracy"][-1] > 0.75, hist  # chance is 0.5
+    out = model.transform(df.limit(30)).select("ids", "label__output").collect()
+    longest = max(len(r.ids) for r in out)
+    padded = np.zeros((len(out), longest), np.int64)
+    for i, r in enumerate(out):
+        padded[i, :len(r.ids)] = r.ids
+    with torch.no_grad():
+        direct = model.getModel()(torch.from_numpy(padded)).numpy()
+    np.testing.assert_allclose(np.array([r.label__output for r in out]), direct, rtol=1e-4, atol=1e-5)
