@@ -81,7 +81,7 @@ def torch_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     trainer = TorchTrainer()
     trainer.spec, trainer.device = small, torch.device("cpu")
     trainer.precision = MixedPrecision(None, trainer.device)
-    from spark_hvd.estimators.torch import deserialize_module
+    from spark_hvd.estimators.torch_serde import deserialize_module
 
     trainer.model = deserialize_module(spec.model_bytes).eval()
     trainer._build_training(small)
