@@ -30,6 +30,19 @@ from spark_hvd.tensorflow import mpi_ops
 from spark_hvd.tensorflow.compression import Compression, Compressor
 
 
+def _recording() -> bool:
+    """False when no gradient tape could record this op (eager, no tape active): the op then skips
+    ``tf.custom_gradient``, which costs about a millisecond per eager call."""
+    if not tf.executing_eagerly():
+        return True
+    try:
+        from tensorflow.python.eager import record
+
+        return bool(record.could_possibly_record())
+    except Exception:  # noqa: BLE001 - private API moved: always wrap
+        return True
+
+
 def _names(kind: str, name: str | None, tensors: Sequence[Any]) -> list[str | None]:
     """One name per tensor: ``name`` (graph: Horovod's generated name) itself for one tensor, ``<name>.<i>`` for
     a group."""
@@ -44,6 +57,8 @@ def _zeros_for(dys: Sequence[Any], xs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
 def _allreduce_diff(tensors: list[tf.Tensor], name: str | None, op: ReduceOp, prescale: float, postscale: float,
                     process_set: ProcessSet) -> list[tf.Tensor]:
     names = _names("GroupedAllreduce" if len(tensors) > 1 else "Allreduce", name, tensors)
+    if not _recording():
+        return mpi_ops.allreduce_raw(tensors, names, op, prescale, postscale, process_set)
 
     @tf.custom_gradient
     def fn(*xs: tf.Tensor) -> Any:
@@ -122,6 +137,8 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 def _allgather_diff(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     names = _names("Allgather", name, tensors)
+    if not _recording():
+        return mpi_ops.allgather_raw(tensors, names, process_set)
 
     @tf.custom_gradient
     def fn(*xs: tf.Tensor) -> Any:
@@ -167,6 +184,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     common.require_init("broadcast()")
     t = tf.convert_to_tensor(tensor)
     op_name = mpi_ops.op_name("Broadcast", name, [t])
+    if not _recording():
+        return mpi_ops.broadcast_raw(t, root_rank, op_name, process_set)
 
     @tf.custom_gradient
     def fn(x: tf.Tensor) -> Any:
@@ -221,13 +240,15 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
             return (out, rsplits), grad
         return fn(x)
 
-    out, rsplits = run(t, splits)
+    out, rsplits = run(t, splits) if _recording() else mpi_ops.alltoall_raw(t, splits, op_name, process_set)
     return (out, rsplits) if splits is not None else out
 
 
 def _reducescatter_diff(tensors: list[tf.Tensor], name: str | None, op: ReduceOp, prescale: float,
                         postscale: float, process_set: ProcessSet) -> list[tf.Tensor]:
     names = _names("Reducescatter", name, tensors)
+    if not _recording():
+        return mpi_ops.reducescatter_raw(tensors, names, op, prescale, postscale, process_set)
 
     @tf.custom_gradient
     def fn(*xs: tf.Tensor) -> Any:

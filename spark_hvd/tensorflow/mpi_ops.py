@@ -145,15 +145,16 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
         bufs = [_host_copy(a) for a in arrays]
         views = [common.to_core_buffer(b) for b in bufs]
         c = common.core()
-        handles = []
-        for flag in (False, True):
-            idx = [i for i, v in enumerate(views) if v[1] == flag]
-            if idx:
-                handles.append(c.grouped_allreduce_async(
-                    [views[i][0] for i in idx], names=None if names[0] is None else [names[i] for i in idx],
-                    op=op, prescale=prescale, postscale=postscale, bfloat16=flag, process_set=process_set))
+        if len(views) == 1:  # the blocking call: the round runs in this thread (the engine's fast path)
+            c.allreduce(views[0][0], name=names[0], op=op, prescale=prescale, postscale=postscale,
+                        bfloat16=views[0][1], process_set=process_set)
+            return bufs
+        # every tensor queued without waking the engine thread; the first wait runs the round that takes them all
+        engine = c.get_engine(process_set)
+        handles = [engine.enqueue("allreduce", v, n, op=op, prescale=prescale, postscale=postscale, bfloat16=flag,
+                                  start_engine=False) for (v, flag), n in zip(views, names, strict=True)]
         for h in handles:
-            c.synchronize(h)
+            h.wait()
         return bufs
 
     outs = run_numpy(fn, tensors, [t.dtype for t in tensors], "allreduce")
