@@ -13,6 +13,10 @@ started. Inside ``tf.function`` TensorFlow's automatic control dependencies run 
 TF1 graph each collective gets a control dependency on the one built before it in the same graph, so fetching a
 collective also runs the ones built before it (the same on every rank).
 
+Devices: eagerly, a tensor on a GPU goes to the device group by DLPack, without a copy through host memory
+(``spark_hvd.tensorflow.device``: allreduce, allgather, broadcast); alltoall and reducescatter stage it through
+host memory.
+
 Errors: a tensor whose shape, dtype or root differs between ranks raises ``tf.errors.FailedPreconditionError``
 (Horovod's) eagerly. Inside a graph TensorFlow turns any exception of a ``numpy_function`` into ``UnknownError``
 (``ValueError`` and ``TypeError`` into ``InvalidArgumentError``); the message, which names the tensor and the
@@ -33,6 +37,7 @@ from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import TensorMismatchError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
+from spark_hvd.tensorflow import device
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,8 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
     _check(process_set, "allreduce()")
     if not tensors:
         return []
+    if device.on_device_path(tensors):
+        return device.allreduce(tensors, names, op, prescale, postscale, process_set)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         bufs = [_host_copy(a) for a in arrays]
@@ -167,6 +174,8 @@ def allgather_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None],
                   process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Every rank's tensors concatenated on dimension 0 (which may differ by rank), each tensor separately."""
     _check(process_set, "allgather()")
+    if device.on_device_path(tensors):
+        return device.allgather(tensors, names, process_set)
     for t in tensors:
         if t.shape.rank == 0:
             raise ValueError(f"allgather of {t.name if not tf.executing_eagerly() else 'a tensor'} needs a tensor "
@@ -189,6 +198,8 @@ def broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None,
                   process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Root's ``tensor`` (``root_rank`` a global rank) as a new tensor on every rank (of ``process_set``)."""
     _check(process_set, "broadcast()")
+    if device.on_device_path([tensor]):
+        return device.broadcast(tensor, root_rank, name, process_set)
 
     def fn(a: np.ndarray) -> np.ndarray:
         buf = _host_copy(a)

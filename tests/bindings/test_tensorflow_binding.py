@@ -25,6 +25,7 @@ CHECKS = [
     "objects_join_barrier_ops_process_set",
     "mismatch_raises_failed_precondition",
     "elastic_tensorflow_state",
+    "device_path_dlpack_gloo_stand_in",
 ]
 
 

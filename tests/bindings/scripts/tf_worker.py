@@ -348,6 +348,45 @@ def _elastic() -> None:
         close(w.numpy(), r)
 
 
+@check("device_path_dlpack_gloo_stand_in")
+def _device_path() -> None:
+    """SPARK_HVD_DEVICE_BACKEND=gloo: TF tensors go by DLPack to the device group (gloo standing in for NCCL),
+    the path a GPU tensor takes, without a copy through numpy."""
+    from spark_hvd.core import get_engine
+    from spark_hvd.tensorflow import device
+
+    hvd.shutdown()
+    os.environ["SPARK_HVD_DEVICE_BACKEND"] = "gloo"
+    try:
+        hvd.init()
+        xs = [data(r, (6, 3), seed=30) for r in range(N)]
+        x = tf.constant(xs[R])
+        assert device.on_device_path([x])
+        # DLPack both ways shares memory: torch sees TF's own buffer (a copy would have a new address each time),
+        # and TF sees torch's (a change through torch shows in the TF tensor)
+        assert device.to_torch(x).data_ptr() == device.to_torch(x).data_ptr()
+        w = device.to_torch(x).clone()
+        back = device.to_tf(w)
+        w.add_(1.0)
+        close(back, xs[R] + 1.0)
+        before = get_engine().stats["device_collectives"]
+        close(hvd.allreduce(x, op=hvd.Sum), np.stack(xs).sum(0))
+        close(hvd.allreduce(x), np.stack(xs).mean(0))
+        a, b = hvd.grouped_allreduce([x, x * 3.0], op=hvd.Sum)
+        close(a, np.stack(xs).sum(0))
+        close(b, 3 * np.stack(xs).sum(0))
+        close(hvd.allgather(tf.constant(xs[R][:R + 1])), np.concatenate([xs[r][:r + 1] for r in range(N)]))
+        close(hvd.broadcast(x, root_rank=1), xs[1])
+        close(x, xs[R])  # the input is untouched (the collective worked on a copy on the device)
+        close(grad_of(lambda t: tf.reduce_sum(hvd.allreduce(t, op=hvd.Sum) * float(R + 1)), x, False),
+              np.full((6, 3), sum(r + 1 for r in range(N)), np.float32))
+        assert get_engine().stats["device_collectives"] - before >= 6, get_engine().stats
+    finally:
+        hvd.shutdown()
+        del os.environ["SPARK_HVD_DEVICE_BACKEND"]
+        hvd.init()
+
+
 with open(os.path.join(OUT_DIR, f"tf-rank{R}.json"), "w") as f:
     json.dump({"rank": R, "size": N, "results": RESULTS}, f)
 hvd.shutdown()
