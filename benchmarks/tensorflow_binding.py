@@ -107,6 +107,8 @@ def loop_round(kind: str, steps: int) -> float:
                              capture_output=True, text=True, timeout=600)
         procs_out = [out.stdout]
         ok = out.returncode == 0
+        if not ok:
+            print(out.stderr[-3000:], file=sys.stderr)
     else:
         ports = [_free_port(), _free_port()]
         procs = []
@@ -177,6 +179,10 @@ def main() -> None:
         tf.config.threading.set_intra_op_parallelism_threads(1)
         tf.config.threading.set_inter_op_parallelism_threads(2)
         print(f"RATE {_model_and_step(tf, args.worker, args.steps):.3f}", flush=True)
+        if args.worker == "hvd":
+            import spark_hvd.tensorflow as hvd
+
+            hvd.shutdown()
         return
     if args.worker == "allreduce":
         allreduce_worker(args.calls)
