@@ -1,8 +1,10 @@
 """The Horovod Keras API for Keras 3 over the spark_hvd core: ``import spark_hvd.keras as hvd``.
 
 TensorFlow backend: collectives take TF tensors (eagerly or inside ``tf.function``). Torch backend
-(``KERAS_BACKEND=torch``): they take torch tensors (``spark_hvd.torch``'s functions); ``DistributedOptimizer``,
-the callbacks and ``load_model`` work on both.
+(``KERAS_BACKEND=torch``): they take torch tensors (``spark_hvd.torch``'s functions). JAX backend
+(``KERAS_BACKEND=jax``): they take JAX arrays (``spark_hvd.keras.jax_ops``; the optimizer's reduction runs inside
+``jax.jit`` as an ordered host callback). ``DistributedOptimizer``, the callbacks and ``load_model`` work on all
+three.
 
 Example::
 
@@ -81,9 +83,20 @@ elif keras.backend.backend() == "torch":  # Keras on torch: the tensors are torc
     )
     from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
     from spark_hvd.torch.mpi_ops import init  # type: ignore[assignment]
+elif keras.backend.backend() == "jax":  # Keras on JAX: the arrays are jax.Arrays (CPU)
+    from spark_hvd.keras.jax_ops import (  # type: ignore[assignment]
+        Compression,
+        allgather,
+        allreduce,
+        alltoall,
+        broadcast,
+        grouped_allreduce,
+        init,
+        reducescatter,
+    )
 else:
-    raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow and torch backends; this process runs Keras on "
-                      f"{keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow)")
+    raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow, torch and JAX backends; this process runs "
+                      f"Keras on {keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow, torch or jax)")
 
 
 def _builtin_optimizer_classes() -> list[type]:

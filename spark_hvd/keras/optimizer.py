@@ -225,6 +225,11 @@ class _DistributedOptimizerMixin:
             from spark_hvd.keras.compression import Compression
 
             dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
+        elif keras.backend.backend() == "jax":  # JAX arrays, traced inside Keras's jitted train step
+            from spark_hvd.keras import jax_ops as mpi_ops  # type: ignore[no-redef]
+            from spark_hvd.keras.jax_ops import Compression  # type: ignore[no-redef]
+
+            dense = [grads[i] for i in present]
         else:  # torch backend: the gradients are torch tensors
             from spark_hvd.torch import collectives as mpi_ops  # type: ignore[no-redef]
             from spark_hvd.torch.compression import Compression  # type: ignore[no-redef]
