@@ -18,9 +18,9 @@ Devices: eagerly, a tensor on a GPU goes to the device group by DLPack, without 
 host memory.
 
 Errors: a tensor whose shape, dtype or root differs between ranks raises ``tf.errors.FailedPreconditionError``
-(Horovod's) eagerly. Inside a graph TensorFlow turns any exception of a ``numpy_function`` into ``UnknownError``
-(``ValueError`` and ``TypeError`` into ``InvalidArgumentError``); the message, which names the tensor and the
-ranks, is kept.
+(Horovod's) eagerly, bad arguments found by the engine (alltoall splits) ``tf.errors.InvalidArgumentError``.
+Inside a graph TensorFlow turns any exception of a ``numpy_function`` into ``UnknownError`` (``ValueError`` and
+``TypeError`` into ``InvalidArgumentError``); the message, which names the tensor and the ranks, is kept.
 """
 
 from __future__ import annotations
@@ -117,6 +117,8 @@ def run_numpy(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Sequenc
             outs = fn(*[t.numpy() for t in inputs])
         except TensorMismatchError as e:
             raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
+        except ValueError as e:  # bad arguments found by the engine (splits, root rank): as inside a graph
+            raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, tout, strict=True)]
     _check_not_xla()
@@ -149,14 +151,25 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
         return device.allreduce(tensors, names, op, prescale, postscale, process_set)
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        c = common.core()
+        if len(arrays) > 1 and len({a.dtype for a in arrays}) == 1 and not common.is_bfloat16_dtype(arrays[0].dtype):
+            # one dtype: packed into one buffer (the one copy needed anyway: TF's memory is read-only) and reduced
+            # by one blocking call, the engine's fast path in a steady loop; the results are views of it
+            flat = np.concatenate([a.reshape(-1) for a in arrays])
+            c.allreduce(flat, name=None if names[0] is None else f"{names[0]}.packed", op=op, prescale=prescale,
+                        postscale=postscale, process_set=process_set)
+            out, offset = [], 0
+            for a in arrays:
+                out.append(flat[offset:offset + a.size].reshape(a.shape))
+                offset += a.size
+            return out
         bufs = [_host_copy(a) for a in arrays]
         views = [common.to_core_buffer(b) for b in bufs]
-        c = common.core()
         if len(views) == 1:  # the blocking call: the round runs in this thread (the engine's fast path)
             c.allreduce(views[0][0], name=names[0], op=op, prescale=prescale, postscale=postscale,
                         bfloat16=views[0][1], process_set=process_set)
             return bufs
-        # every tensor queued without waking the engine thread; the first wait runs the round that takes them all
+        # mixed dtypes: every tensor queued without waking the engine thread; the first wait runs the round
         engine = c.get_engine(process_set)
         handles = [engine.enqueue("allreduce", v, n, op=op, prescale=prescale, postscale=postscale, bfloat16=flag,
                                   start_engine=False) for (v, flag), n in zip(views, names, strict=True)]

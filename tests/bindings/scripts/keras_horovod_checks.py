@@ -28,21 +28,26 @@ def _np_grad(w: np.ndarray, r: int, p: int) -> np.ndarray:
 
 
 class _CountReductions:
-    """Counts the engine's grouped allreduces while active."""
+    """Counts the engine's gradient reductions while active: a blocking ``allreduce`` (one tensor, or a step's
+    gradients packed into one buffer) counts 1, a ``grouped_allreduce_async`` its number of tensors."""
 
     def __enter__(self) -> list[int]:
         self.calls: list[int] = []
-        self.real = core.grouped_allreduce_async
+        self.real = core.grouped_allreduce_async, core.allreduce
 
         def counting(bufs, *args, **kwargs):
             self.calls.append(len(bufs))
-            return self.real(bufs, *args, **kwargs)
+            return self.real[0](bufs, *args, **kwargs)
 
-        core.grouped_allreduce_async = counting
+        def counting_one(buf, *args, **kwargs):
+            self.calls.append(1)
+            return self.real[1](buf, *args, **kwargs)
+
+        core.grouped_allreduce_async, core.allreduce = counting, counting_one
         return self.calls
 
     def __exit__(self, *exc: object) -> None:
-        core.grouped_allreduce_async = self.real
+        core.grouped_allreduce_async, core.allreduce = self.real
 
 
 def _run_passes(opt, w: tf.Variable, passes: int, rank: int) -> list[np.ndarray]:

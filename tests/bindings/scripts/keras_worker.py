@@ -175,25 +175,26 @@ def _fit_equal() -> None:
 
 @check("one_grouped_collective_per_step")
 def _one_collective() -> None:
+    """A step's gradients (one dtype) go out packed in one buffer, by one blocking allreduce."""
     import spark_hvd.core as core
 
     calls: list[int] = []
-    real = core.grouped_allreduce_async
+    real = core.allreduce
 
-    def counting(bufs, *args, **kwargs):
-        calls.append(len(bufs))
-        return real(bufs, *args, **kwargs)
+    def counting(buf, *args, **kwargs):
+        calls.append(buf.size)
+        return real(buf, *args, **kwargs)
 
-    core.grouped_allreduce_async = counting
+    core.allreduce = counting
     try:
         x, y = data(B)
         model = make_model(0)
         fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N)
     finally:
-        core.grouped_allreduce_async = real
-    n_vars = len(model.trainable_variables)
-    want = [n_vars] * STEPS if N > 1 else []
-    assert calls == want, f"grouped allreduces per fit of {STEPS} steps: {calls}, expected {want}"
+        core.allreduce = real
+    n_values = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    want = [n_values] * STEPS if N > 1 else []
+    assert calls == want, f"allreduces (sizes) per fit of {STEPS} steps: {calls}, expected {want}"
 
 
 @check("backward_passes_per_step_2")
