@@ -87,8 +87,15 @@ from spark_hvd.tensorflow.util import _executing_eagerly  # noqa: F401 - Horovod
 
 
 def nccl_built() -> int:
-    """0: TensorFlow tensors go through the core's host buffers (see docs/tensorflow.md for GPU tensors)."""
-    return 0
+    """Horovod's NCCL version number of the device group that eager GPU tensors reach by DLPack (torch's NCCL; see
+    ``spark_hvd.torch.nccl_built``), or 0 when torch is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    from spark_hvd.torch.build import nccl_built as torch_nccl_built
+
+    return torch_nccl_built()
 
 
 def cuda_built() -> bool:
