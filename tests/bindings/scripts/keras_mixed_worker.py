@@ -91,19 +91,23 @@ def _bf16() -> None:
 
 @check("mixed_float16_loss_scale_matches_single_process")
 def _fp16() -> None:
-    calls: list[int] = []
-    real = core.grouped_allreduce_async
+    calls: list[int] = []  # tensors per collective: a blocking allreduce (one tensor, or a packed step) counts 1
+    real = core.grouped_allreduce_async, core.allreduce
 
     def counting(bufs, *args, **kwargs):
         calls.append(len(bufs))
-        return real(bufs, *args, **kwargs)
+        return real[0](bufs, *args, **kwargs)
 
-    core.grouped_allreduce_async = counting
+    def counting_one(buf, *args, **kwargs):
+        calls.append(1)
+        return real[1](buf, *args, **kwargs)
+
+    core.grouped_allreduce_async, core.allreduce = counting, counting_one
     try:  # a plain optimizer: DistributedOptimizer puts the LossScaleOptimizer around it, as compile would
         model, ref = distributed_vs_single("mixed_float16", lambda: keras.optimizers.SGD(0.1, momentum=0.9),
                                            tol=1e-2)
     finally:
-        core.grouped_allreduce_async = real
+        core.grouped_allreduce_async, core.allreduce = real
     opt, ref_opt = model.optimizer, ref.optimizer
     assert isinstance(opt, keras.optimizers.LossScaleOptimizer), type(opt).__mro__
     assert isinstance(ref_opt, keras.optimizers.LossScaleOptimizer), type(ref_opt).__mro__
@@ -113,9 +117,9 @@ def _fp16() -> None:
                                                                        float(ref_opt.dynamic_scale))
     assert int(opt.step_counter) == int(ref_opt.step_counter)
     assert int(opt.iterations) == int(ref_opt.iterations)
-    n_vars = len(model.trainable_variables)
-    # one grouped allreduce per step (not two), then this check's own allreduce of the losses
-    assert calls == ([n_vars] * 2 * STEPS if N > 1 else []) + [1], calls
+    # one collective per step (not two: the step's gradients packed into one buffer), then this check's own
+    # allreduce of the losses
+    assert calls == ([1] * 2 * STEPS if N > 1 else []) + [1], calls
 
 
 @check("overflow_on_one_rank_skips_the_step_everywhere")
