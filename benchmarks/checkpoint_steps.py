@@ -1,0 +1,90 @@
+"""Training steps/s with step checkpoints every 50 steps: background upload vs synchronous upload vs none.
+
+One process plays rank 0 of a one-rank run: the estimators' own ``RankRun`` (step trigger, local snapshot,
+``BackgroundWriter``, ``write_step_checkpoint`` into a real local store with fsync and manifest) around a plain
+torch loop (forward, backward, SGD step) on a model of ~100 MB of state (a 5000 x 5000 float32 ``Linear`` is
+95 MiB of weights; SGD without momentum adds no state). What is timed is the loop: steps/s over ``--steps`` steps,
+the modes interleaved ``--repeats`` times so the machine's load hits them alike. The wait for ``async``'s last
+upload after the loop (what the end of a fit pays once) is reported apart as ``end_wait_s``; choose ``--steps``
+not a multiple of ``--every`` so that no checkpoint falls on the last step.
+
+Usage::
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/checkpoint_steps.py --steps 120 --batch 8 --repeats 2
+
+Prints one JSON line per run and a summary line with each mode's median steps/s and its ratio to ``none``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--width", type=int, default=5000, help="the Linear is width x width float32")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    from spark_hvd.estimators.rank_run import RankRun
+    from spark_hvd.store import Store
+
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(args.width, args.width, bias=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(args.batch, args.width)
+    hvd = SimpleNamespace(broadcast_object=lambda value, root_rank: value, allgather_object=lambda value: [value])
+
+    class Trainer:
+        def save_checkpoint(self, directory: str) -> None:
+            torch.save(model.state_dict(), f"{directory}/model.pt")
+            torch.save(optimizer.state_dict(), f"{directory}/optimizer.pt")
+
+    Trainer.hvd = hvd
+    state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+
+    def one(mode: str, store: Store) -> tuple[float, float]:
+        spec = SimpleNamespace(store=store, run_id=f"bench-{mode}", best=None, backward_passes_per_step=1,
+                               checkpoint_upload="sync" if mode == "sync" else "async", checkpoint_when_busy="wait",
+                               checkpoint_every_steps=None if mode == "none" else args.every,
+                               checkpoint_every_seconds=None)
+        run = RankRun(spec, Trainer())
+        run.readers = SimpleNamespace(steps=lambda split: args.steps)
+        t0 = time.perf_counter()
+        for step in range(args.steps):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+            run.step_end(0, step, {"rows": step})
+        loop_s = time.perf_counter() - t0
+        run.writer.wait()
+        return args.steps / loop_s, time.perf_counter() - t0 - loop_s
+
+    rates: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.create(tmp)
+        one("none", store)  # warm-up
+        for repeat in range(args.repeats):
+            for mode in ("none", "sync", "async"):
+                rate, end_wait = one(mode, store)
+                rates[mode].append(rate)
+                print(json.dumps({"repeat": repeat, "mode": mode, "steps_per_s": round(rate, 3),
+                                  "end_wait_s": round(end_wait, 3),
+                                  "state_mb": round(state_mb, 1), "every": args.every}), flush=True)
+    none = statistics.median(rates["none"])
+    print(json.dumps({mode: {"steps_per_s": round(statistics.median(r), 3),
+                             "vs_none": round(statistics.median(r) / none, 3)} for mode, r in rates.items()}))
+
+
+if __name__ == "__main__":
+    main()
