@@ -32,7 +32,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,6 +45,7 @@ from spark_hvd.runner.procs import (  # noqa: F401 - LaunchResult, describe_exit
     PIPE_DRAIN_S,
     TIMEOUT_EXIT_CODE,
     LaunchResult,
+    RankOutput,
     RankProcess,
     describe_exit,
     wait_ranks,
@@ -79,22 +79,8 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
     secret = make_secret()
     job_id = secrets.token_hex(4)
     result = LaunchResult(returncode=0)
-    print_lock = threading.Lock()
-
-    def sink(rank: int, stream: str, line: str) -> None:
-        text = f"[{rank}] {line}"
-        with print_lock:
-            if capture:
-                (result.stderr if stream == "stderr" else result.stdout).append(text)
-            else:
-                out = sys.stderr if stream == "stderr" else sys.stdout
-                out.write(text + "\n")
-                out.flush()
-
-    def add_event(event: Event) -> None:
-        result.events.append(event)
-        if on_event is not None:
-            on_event(event)
+    output = RankOutput(result, capture, on_event)
+    sink, add_event = output.line, output.event
 
     kv = KVStoreServer(secret)
     kv_host, kv_port = kv.start()

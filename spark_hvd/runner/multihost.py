@@ -39,7 +39,7 @@ from spark_hvd.core.wire import make_secret
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
 from spark_hvd.runner.hosts import Placement, is_local_host
-from spark_hvd.runner.procs import PIPE_DRAIN_S, LaunchResult, RankProcess, describe_exit, wait_ranks
+from spark_hvd.runner.procs import PIPE_DRAIN_S, LaunchResult, RankOutput, RankProcess, describe_exit, wait_ranks
 from spark_hvd.runner.remote import EXIT_MARK, STARTED_MARK, remote_command, request
 from spark_hvd.runner.service import DriverService
 
@@ -131,7 +131,8 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
     secret = make_secret()
     job_id = secrets.token_hex(4)
     result = LaunchResult(returncode=0)
-    print_lock = threading.Lock()
+    output = RankOutput(result, capture, on_event)
+    add_event = output.event
     marks = _Marks()
 
     def sink(rank: int, stream: str, line: str) -> None:
@@ -144,19 +145,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             with marks.lock:
                 marks.exits[rank] = (float(at), int(code))
             return
-        text = f"[{rank}] {line}"
-        with print_lock:
-            if capture:
-                (result.stderr if stream == "stderr" else result.stdout).append(text)
-            else:
-                out = sys.stderr if stream == "stderr" else sys.stdout
-                out.write(text + "\n")
-                out.flush()
-
-    def add_event(event: Event) -> None:
-        result.events.append(event)
-        if on_event is not None:
-            on_event(event)
+        output.line(rank, stream, line)
 
     from spark_hvd.core.rendezvous import KVStoreServer
 

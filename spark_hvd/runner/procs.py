@@ -15,6 +15,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,33 @@ class LaunchResult:
     stderr: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     returncodes: list[int | None] = field(default_factory=list)
+
+
+class RankOutput:
+    """Where a launch's rank output goes: each line printed prefixed ``[rank]`` on the stream it came from (with
+    ``capture``, kept in ``result.stdout`` / ``result.stderr`` instead); each progress event kept in
+    ``result.events`` and handed to ``on_event``."""
+
+    def __init__(self, result: LaunchResult, capture: bool, on_event: Callable[[Event], None] | None = None) -> None:
+        self.result = result
+        self.capture = capture
+        self.on_event = on_event
+        self._lock = threading.Lock()
+
+    def line(self, rank: int, stream: str, line: str) -> None:
+        text = f"[{rank}] {line}"
+        with self._lock:
+            if self.capture:
+                (self.result.stderr if stream == "stderr" else self.result.stdout).append(text)
+            else:
+                out = sys.stderr if stream == "stderr" else sys.stdout
+                out.write(text + "\n")
+                out.flush()
+
+    def event(self, event: Event) -> None:
+        self.result.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
 
 def exit_code(returncode: int) -> int:
