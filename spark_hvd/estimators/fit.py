@@ -130,7 +130,8 @@ class BaseEstimator(Estimator, PersistableStage):
             value = get(getattr(self, param))
             if value is None or value <= 0:
                 raise param_error(name, f"{param} must be a positive integer, got {value!r}")
-        for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc"):
+        for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc",
+                      "keep_checkpoints"):
             value = get(getattr(self, param))
             if value is not None and value <= 0:
                 raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
@@ -269,7 +270,8 @@ class BaseEstimator(Estimator, PersistableStage):
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
             scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), checkpoint_upload=get(self.checkpoint_upload),
-            checkpoint_when_busy=get(self.checkpoint_when_busy), **self._train_spec(),
+            checkpoint_when_busy=get(self.checkpoint_when_busy), keep_checkpoints=get(self.keep_checkpoints),
+            **self._train_spec(),
         )
 
     def _train(self, df: Any, plan: dict, data: Any) -> BaseModel:

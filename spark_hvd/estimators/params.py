@@ -316,6 +316,9 @@ class EstimatorParams(Params):
     checkpoint_upload = _p("checkpoint_upload", "'async' (default): a checkpoint is snapshotted to the rank's local "
                            "disk and uploaded to the store in the background while training goes on; 'sync': "
                            "training waits for each upload", _to_choice("async", "sync"))
+    keep_checkpoints = _p("keep_checkpoints", "keep only the newest this many epoch checkpoints of the run (older "
+                          "ones are deleted once a newer one is committed); default None: keep all",
+                          _to_optional(_to_strict_int))
     checkpoint_when_busy = _p("checkpoint_when_busy", "when a checkpoint is due while the previous one is still "
                               "uploading: 'wait' for it (default) or 'skip' this one", _to_choice("wait", "skip"))
     overwrite_prepared_data = _p("overwrite_prepared_data", "prepare the DataFrame's Parquet again even when the "
@@ -331,8 +334,8 @@ class EstimatorParams(Params):
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
-            checkpoint_when_busy="wait", reader_pool_type="thread", train_reader_num_workers=None,
-            sparse_vectors="dense", ragged="pad",
+            checkpoint_when_busy="wait", keep_checkpoints=None, reader_pool_type="thread",
+            train_reader_num_workers=None, sparse_vectors="dense", ragged="pad",
         )
 
 

@@ -328,9 +328,13 @@ class RankRun:
         return True
 
     def _commit(self, epoch: int, snapshot: str, history: dict) -> None:
-        """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), then the
-        metrics log."""
+        """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), delete the
+        epochs beyond ``keep_checkpoints``, then write the metrics log."""
         self.run_dir.write_checkpoint(epoch, snapshot, {"history": history})
+        keep = getattr(self.spec, "keep_checkpoints", None)
+        if keep:  # retention: the newest ``keep`` epochs stay, older ones go once this one is committed
+            for old in self.run_dir.list_checkpoints()[:-keep]:
+                self.spec.store.delete(self.run_dir.checkpoint_path(old))
         self._write_metrics(history)
 
     def _write_metrics(self, history: dict) -> None:

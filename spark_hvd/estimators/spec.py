@@ -75,6 +75,7 @@ class TrainSpec:
     best: BestPolicy | None = None
     checkpoint_upload: str = "async"  #: "async" (background upload of a local snapshot) or "sync"
     checkpoint_when_busy: str = "wait"  #: "wait" for the upload in flight, or "skip" the checkpoint
+    keep_checkpoints: int | None = None  #: the newest N epoch checkpoints are kept (None: all)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,9 +68,10 @@ class Trainer:
             json.dump({"weights": self.weights}, f)
 
 
-def _run(store: Store, upload: str = "async", when_busy: str = "wait") -> tuple[RankRun, Trainer]:
+def _run(store: Store, upload: str = "async", when_busy: str = "wait",
+         keep: int | None = None) -> tuple[RankRun, Trainer]:
     spec = SimpleNamespace(store=store, run_id=RUN, best=None, checkpoint_upload=upload,
-                           checkpoint_when_busy=when_busy)
+                           checkpoint_when_busy=when_busy, keep_checkpoints=keep)
     trainer = Trainer()
     run = RankRun(spec, trainer)
     run.writer.retry_pause_s = 0.01
@@ -173,3 +174,16 @@ def test_a_busy_upload_makes_the_next_checkpoint_wait_or_be_skipped(tmp_path):
     assert time.monotonic() - t0 > 0.2 and len(store2.uploads) >= 1
     run.writer.wait()
     assert RunDir(store2, RUN).list_checkpoints() == [0, 1] and _committed_weights(store2, 1, tmp_path) == 5
+
+
+def test_keep_checkpoints_keeps_the_newest_and_resumes_from_the_last(tmp_path):
+    store = SlowStore(str(tmp_path / "store"))
+    run, trainer = _run(store, keep=2)
+    for epoch in range(5):
+        trainer.weights = 10 + epoch
+        run.end_epoch(epoch, {"loss": 1.0 / (epoch + 1)})
+    run.writer.wait()
+    assert RunDir(store, RUN).list_checkpoints() == [3, 4]
+    assert _latest(store, tmp_path) == 4 and _committed_weights(store, 4, tmp_path) == 14
+    metrics = store.read_bytes(f"{RunDir(store, RUN).logs_path}/metrics.jsonl").decode().splitlines()
+    assert len(metrics) == 5  # retention drops checkpoints, never the metrics
