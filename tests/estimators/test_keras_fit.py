@@ -176,6 +176,10 @@ def test_digits_classification_accuracy(spark, store):
     assert hist["val_accuracy"][-1] >= 0.90, hist
     pred = fitted.transform(df.limit(20)).collect()
     assert len(pred[0].digit__output) == 10  # class probabilities per row: array<float>
+    # Spark's classifier columns: the softmax layer's output normalised, and its arg-max as a double
+    np.testing.assert_allclose(pred[0].probability.toArray(), np.array(pred[0].digit__output) /
+                               np.sum(pred[0].digit__output), rtol=1e-5)
+    assert pred[0].prediction == float(np.argmax(pred[0].digit__output))
 
 
 def test_multi_output_loss_weights_optimizer_by_name_best_only(spark, store, reg_df, tmp_path):
