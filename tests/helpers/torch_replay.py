@@ -10,6 +10,7 @@ the LR scheduler, per batch or per epoch). A test then compares the fit's weight
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -19,17 +20,18 @@ import torch
 
 from spark_hvd.data.metadata import DatasetInfo
 from spark_hvd.estimators.rank_data import ShardReaders
+from spark_hvd.estimators.spec import TrainSpec
 
 
 def rank_shards(store: Any, fitted: Any, *, seed: int, batch_size: int, label_cols: tuple = ("y",),
                 sample_weight_col: str | None = None, num_proc: int = 2) -> list[ShardReaders]:
     """Every rank's ``ShardReaders`` over the data ``fitted`` (a ``TorchModel``) was trained on."""
     info = DatasetInfo.load(store, fitted.getMetadata()["dataset"])
-    spec = SimpleNamespace(store=store, dataset=info, feature_cols=("features",), label_cols=label_cols,
-                           sample_weight_col=sample_weight_col, random_seed=seed, batch_size=batch_size,
-                           val_batch_size=batch_size, shuffle=True, transformation_fn=None,
-                           train_steps_per_epoch=None, validation_steps_per_epoch=None, collate_fn=None,
-                           reader_pool_type="thread", reader_num_workers=None)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSpec) if f.default is not dataclasses.MISSING}
+    spec = SimpleNamespace(**{**defaults, **dict(
+        store=store, dataset=info, feature_cols=("features",), label_cols=label_cols,
+        sample_weight_col=sample_weight_col, random_seed=seed, batch_size=batch_size, val_batch_size=batch_size,
+        shuffle=True)})  # every other reader setting at the fit's default (new ones included)
     return [ShardReaders(spec, rank, num_proc) for rank in range(num_proc)]
 
 
