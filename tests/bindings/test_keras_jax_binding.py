@@ -5,7 +5,7 @@ launch runs every check; each check is one test here."""
 from __future__ import annotations
 
 import pytest
-from bindings_launch import assert_check, launch_worker
+from helpers.launch import assert_check, launch_worker
 
 pytest.importorskip("jax")
 pytest.importorskip("keras")
