@@ -32,7 +32,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 from spark_hvd.core import torchrun
@@ -48,6 +47,7 @@ from spark_hvd.runner.procs import (  # noqa: F401 - LaunchResult, describe_exit
     RankOutput,
     RankProcess,
     describe_exit,
+    kill_and_drain,
     wait_ranks,
 )
 from spark_hvd.runner.service import DriverService
@@ -108,18 +108,7 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             ranks.append(RankProcess(rank, proc, sink))
         wait_ranks(ranks, result, timeout, grace_s)
     finally:
-        for r in ranks:  # every group, even of ranks that succeeded: a child they left must not outlive the job
-            r.signal(signal.SIGKILL)
-        for r in ranks:
-            try:
-                r.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
-        # A process that left its group (setsid) may still hold a pipe: wait a moment, not for it.
-        drain = time.monotonic() + PIPE_DRAIN_S
-        for r in ranks:
-            for reader in r.readers:
-                reader.join(timeout=max(0.0, drain - time.monotonic()))
+        kill_and_drain(ranks, grace_s)
         result.returncodes = [r.proc.returncode for r in ranks]
         service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
         service.stop()

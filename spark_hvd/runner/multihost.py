@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -39,7 +38,15 @@ from spark_hvd.core.wire import make_secret
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
 from spark_hvd.runner.hosts import Placement, is_local_host
-from spark_hvd.runner.procs import PIPE_DRAIN_S, LaunchResult, RankOutput, RankProcess, describe_exit, wait_ranks
+from spark_hvd.runner.procs import (
+    PIPE_DRAIN_S,
+    LaunchResult,
+    RankOutput,
+    RankProcess,
+    describe_exit,
+    kill_and_drain,
+    wait_ranks,
+)
 from spark_hvd.runner.remote import EXIT_MARK, STARTED_MARK, remote_command, request
 from spark_hvd.runner.service import DriverService
 
@@ -250,14 +257,4 @@ def _stop_all(ranks: Sequence[RankProcess], grace_s: float) -> None:
             r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    for r in ranks:
-        r.signal(signal.SIGKILL)
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
-    drain = time.monotonic() + PIPE_DRAIN_S
-    for r in ranks:
-        for reader in r.readers:
-            reader.join(timeout=max(0.0, drain - time.monotonic()))
+    kill_and_drain(ranks, grace_s)

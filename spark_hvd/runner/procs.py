@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -259,3 +259,20 @@ def stop_ranks(ranks: list[RankProcess], grace_s: float) -> None:
         time.sleep(0.05)  # the ranks' children, still handling SIGTERM
     for r in ranks:
         r.signal(signal.SIGKILL)
+
+
+def kill_and_drain(ranks: Sequence[RankProcess], grace_s: float) -> None:
+    """SIGKILL every rank's process group (even of ranks that succeeded: a child they left must not outlive the
+    job), reap them, then give the output pumps a moment: a process that left its group (setsid) may still hold
+    a pipe, and is not waited for."""
+    for r in ranks:
+        r.signal(signal.SIGKILL)
+    for r in ranks:
+        try:
+            r.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("rank %d (pid %d) did not exit after SIGKILL", r.rank, r.proc.pid)
+    drain = time.monotonic() + PIPE_DRAIN_S
+    for r in ranks:
+        for reader in r.readers:
+            reader.join(timeout=max(0.0, drain - time.monotonic()))
