@@ -106,8 +106,9 @@ def test_fit_on_parquet_rejects_a_validation_fraction(spark, tmp_path):
 
 
 @pytest.mark.spark
-def test_overwrite_prepared_data_sees_rewritten_files(spark, tmp_path):
-    """The cache key is the plan: files rewritten under the same path are not seen unless overwrite is set."""
+def test_rewritten_files_get_a_new_key_and_overwrite_prepares_again(spark, tmp_path):
+    """The cache key sees the source files' sizes and mtimes: files rewritten under the same path are prepared
+    again without any setting; overwrite_prepared_data prepares again even when nothing changed."""
     from spark_hvd.data.reader import BatchReader
     from spark_hvd.estimators.fit import _prepare_data
 
@@ -123,10 +124,15 @@ def test_overwrite_prepared_data_sees_rewritten_files(spark, tmp_path):
         return np.sort(np.concatenate([b["y"] for b in reader]))
 
     _write(tmp_path / "t", n=40, files=2, seed=0)
-    first = labels(_prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2))
+    first_info = _prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2)
+    first = labels(first_info)
+    again = _prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2)
+    assert again.key == first_info.key  # same files, same plan: the cache hits
     _write(tmp_path / "t", n=40, files=2, seed=5)  # last night's path, rewritten with the same schema
-    stale = labels(_prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2))
-    np.testing.assert_array_equal(stale, first)  # what the docs warn about
+    rewritten_info = _prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2)
+    assert rewritten_info.key != first_info.key
+    rewritten = labels(rewritten_info)
+    assert not np.allclose(rewritten, first)  # never stale
     est.setOverwritePreparedData(True)
-    fresh = labels(_prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2))
-    assert not np.allclose(fresh, first)
+    np.testing.assert_array_equal(labels(_prepare_data(est, spark.read.parquet(str(tmp_path / "t")), store, 2)),
+                                  rewritten)
