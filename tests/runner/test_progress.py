@@ -91,12 +91,13 @@ def test_rank_0_batch_reports_are_throttled_and_reach_the_driver(spark):
 
 
 def test_a_bar_that_cannot_be_drawn_falls_back_to_lines(monkeypatch):
-    import tqdm.auto
+    from spark_hvd.runner import progress
 
     def no_widget(*_args, **_kwargs):
         raise ImportError("IProgress not found. Please update jupyter and ipywidgets.")
 
-    monkeypatch.setattr(tqdm.auto, "tqdm", no_widget)  # as in a notebook without ipywidgets
+    # whichever bar class is chosen (the choice depends on what this process imported before), it cannot draw
+    monkeypatch.setattr(progress, "_tqdm_class", lambda: no_widget)
     out = _shown(ProgressDisplay(1, io.StringIO(), interactive=True), _epoch(0, 2, [0.9, 0.7]))
     assert out.splitlines() == ["[spark_hvd] rank 0 epoch 1/3: loss=0.8, val_loss=0.25"]
 
