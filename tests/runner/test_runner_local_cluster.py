@@ -73,7 +73,8 @@ SCRIPT = textwrap.dedent("""
         return {"rank": hvd.rank(), "size": hvd.size(), "data": data.tolist(), "sum": out.tolist(),
                 "executors": [info.address for info in task.getTaskInfos()], "pid": os.getpid(),
                 "spark_gpu": list(task.resources()["gpu"].addresses), "job_gpu": hvd.job_env().gpu,
-                "env_gpu": JobEnv.from_env().gpu}
+                "env_gpu": JobEnv.from_env().gpu, "local_rank": hvd.local_rank(),
+                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "env_local_rank": os.environ.get("LOCAL_RANK")}
 
     try:
         results = run(fn, args=(99,), num_proc=2, start_timeout=400)
@@ -121,7 +122,11 @@ def test_allreduce_across_two_executor_jvms(cluster_results):
 
 @pytest.mark.timeout(660)
 def test_each_rank_gets_the_gpu_spark_assigned_to_its_task(cluster_results):
+    # the host's GPUs become CUDA_VISIBLE_DEVICES in local-rank order (as torchrun users expect), so the rank's
+    # device index is its local rank, and that index of the visible list is the GPU Spark gave its task
     for r in cluster_results:
         assert len(r["spark_gpu"]) == 1, r
-        assert r["job_gpu"] == r["env_gpu"] == r["spark_gpu"][0], r
-    assert sorted(r["job_gpu"] for r in cluster_results) == ["0", "1"]
+        assert r["job_gpu"] == r["env_gpu"] == str(r["local_rank"]) == r["env_local_rank"], r
+        assert r["cuda_visible"].split(",")[int(r["job_gpu"])] == r["spark_gpu"][0], r
+    assert sorted(r["spark_gpu"][0] for r in cluster_results) == ["0", "1"]
+    assert len({r["cuda_visible"] for r in cluster_results}) == 1
