@@ -314,6 +314,8 @@ class RingBackend(Backend):
         if self._worker is not None:
             self._worker.stop()
         for peer in self.peers.values():
+            if self._broken is None:
+                peer.send_bye()
             try:
                 peer.sock.shutdown(socket.SHUT_RDWR)
             except OSError:

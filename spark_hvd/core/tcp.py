@@ -3,9 +3,11 @@
 Every connection first proves the job's secret (``FramedSocket.handshake``: fresh nonces from both ends,
 per-connection keys), then carries ``FramedSocket`` frames whose payload starts with one type byte: ``DATA``
 frames carry collective payloads, are authenticated with Poly1305 (cheap next to the copy) and received straight
-into the destination buffer, and are never unpickled; ``ABORT`` and ``HELLO`` frames are HMAC'd control frames.
-An ABORT tells a peer that a rank failed, so that every rank of the job fails fast and names the same culprit
-instead of waiting for its own timeout.
+into the destination buffer, and are never unpickled; ``ABORT``, ``HELLO`` and ``BYE`` frames are HMAC'd control
+frames. An ABORT tells a peer that a rank failed, so that every rank of the job fails fast and names the same culprit
+instead of waiting for its own timeout. A BYE, the last frame of a healthy rank that closes its backend, tells a peer
+that the connection's end is no death: a rank that finished its part of the last collective may leave while others
+still wait on shared memory, and their liveness checks must not blame it (a receive it still owed fails, naming it).
 
 Mesh setup: each rank accepts its higher-ranked peers on a ``Listener`` (concurrent handshakes, bounded in time,
 a cap on unauthenticated connections, accept errors survived), so one silent client cannot stall the setup. The
@@ -19,11 +21,13 @@ Over 400 lines on purpose: the mesh setup, the framed peer connection and the pi
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import queue
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,8 +41,11 @@ logger = logging.getLogger(__name__)
 DATA = b"\x00"
 ABORT = b"\x01"
 HELLO = b"\x02"
+BYE = b"\x03"
 _ABORT_HEAD = struct.Struct("!q")
 MAX_CONTROL_FRAME = 64 * 1024
+#: A peer that closed with up to this many bytes unread is checked for a final BYE without reading them
+MAX_PEEK_BYTES = 64 * 1024 * 1024
 #: Large payloads go out in frames of at most this many bytes (bounded sendall time, hashing overlaps sending).
 FRAME_BYTES = 1024 * 1024
 #: The ring splits each step's chunk into ``SUB_CHUNKS`` sub-chunks (frames), each of at least this size (fewer,
@@ -78,10 +85,15 @@ class PeerSocket(FramedSocket):
         self.send_lock = threading.Lock()
         self.recv_broken = False
         self.send_broken = False
+        #: the peer closed its backend on purpose (a BYE frame arrived): its EOF is no failure
+        self.said_bye = False
+        self._bye_checked = -1  # the stream length at which _ends_with_bye last found a BYE at its end
         sock.settimeout(timeout_s)
 
     # -- receiving -------------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException, operation: str) -> PeerFailureError:
+        if self.said_bye:
+            return self._left(operation)
         if isinstance(exc, TimeoutError | socket.timeout):
             return CollectiveTimeoutError(
                 f"{operation}: rank {self.rank}{self.where} sent nothing for {self.timeout_s:.0f}s "
@@ -120,6 +132,8 @@ class PeerSocket(FramedSocket):
         payload = bytearray(length - 1)
         self._read(memoryview(payload), operation)
         self._verify(digest, length, kind, payload, fast=kind == DATA)
+        if kind == BYE:
+            self.said_bye = True
         if kind == ABORT:
             (culprit,) = _ABORT_HEAD.unpack_from(payload)
             reason = bytes(payload[_ABORT_HEAD.size:]).decode("utf-8", "replace")
@@ -134,7 +148,7 @@ class PeerSocket(FramedSocket):
         length, digest, kind = self._header(operation)
         if kind != DATA:
             self._control(length, digest, kind, operation)
-            raise ProtocolError(f"{operation}: unexpected control frame from rank {self.rank}")
+            raise self.unexpected(kind, operation)
         if length - 1 != buffer.nbytes:
             self.recv_broken = True
             raise ProtocolError(
@@ -142,6 +156,19 @@ class PeerSocket(FramedSocket):
                 "ranks called collectives in different orders or with different shapes")
         self._read(buffer, operation)
         self._verify(digest, length, kind, buffer, fast=True)
+
+    def _left(self, operation: str) -> PeerFailureError:
+        self.recv_broken = True
+        return PeerFailureError(
+            f"{operation}: rank {self.rank}{self.where} closed its connection (it shut down or finished) while this "
+            "rank still expected its data; the ranks ran different numbers of collectives", rank=self.rank,
+            operation=operation)
+
+    def unexpected(self, kind: bytes, operation: str) -> SparkHvdError:
+        """The error for a control frame of type ``kind`` where a DATA frame was expected."""
+        if kind == BYE:
+            return self._left(operation)
+        return ProtocolError(f"{operation}: unexpected control frame from rank {self.rank}")
 
     def recv_message(self, operation: str, kind_expected: bytes = DATA) -> bytes:
         """Receive one small frame of type ``kind_expected`` and return its payload."""
@@ -184,6 +211,18 @@ class PeerSocket(FramedSocket):
                 pass
             self.send_lock.release()
 
+    def send_bye(self) -> None:
+        """Best effort: tell the peer this rank closes its backend in good health (see the module docstring)."""
+        if self.send_broken or not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            self.sock.settimeout(0.5)
+            self.send_bytes(BYE)
+        except (PeerFailureError, OSError):
+            self.send_broken = True
+        finally:
+            self.send_lock.release()
+
     # -- liveness --------------------------------------------------------------------------------------------
     def _peek(self) -> bytes | None:
         """The next frame's header + type byte if fully arrived, b"" at EOF, None if nothing (complete) is there."""
@@ -211,20 +250,59 @@ class PeerSocket(FramedSocket):
         A pending DATA frame (the peer already in the next collective) is left in place, unless ``closed`` says
         the peer shut the connection: then pending frames are read in search of an ABORT naming the culprit.
         """
-        if self.recv_broken:
+        if self.recv_broken or self.said_bye:
             return
         head = self._peek()
         if head is None and not closed:
             return
-        if head and head[HEADER_SIZE:] == ABORT:
-            self._control(*self._header(operation), operation)  # raises PeerAbort
+        if head and head[HEADER_SIZE:] in (ABORT, BYE):
+            self._control(*self._header(operation), operation)  # raises PeerAbort, or notes the BYE
+            if self.said_bye:
+                return
         if head and closed:
+            if self._ends_with_bye():  # it left in good health after sending frames this rank is yet to read
+                return
             reported = self.find_abort(operation)
             if reported is not None:
                 raise reported
+            if self.said_bye:
+                return
         if not head or closed:
             self.recv_broken = True
             raise self._fail(ConnectionError("connection closed by peer"), operation)
+
+    def _ends_with_bye(self) -> bool:
+        """Does what is left of the stream (the peer closed it) end with a BYE frame? Peeked, nothing consumed.
+
+        Frames are walked by their (not yet verified) lengths only to decide this; each is verified when read.
+        """
+        try:
+            available = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+        except OSError:
+            return False
+        if self._bye_checked == available:
+            return True
+        if not 0 < available <= MAX_PEEK_BYTES:
+            return False
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.settimeout(0.0)
+            data = self.sock.recv(available, socket.MSG_PEEK)
+        except OSError:
+            return False
+        finally:
+            self.sock.settimeout(timeout)
+        offset, kind = 0, b""
+        while offset + HEADER_SIZE + 1 <= len(data):
+            (length,) = _LENGTH.unpack_from(data, offset)
+            if length < 1:
+                return False
+            kind = data[offset + HEADER_SIZE:offset + HEADER_SIZE + 1]
+            offset += HEADER_SIZE + length
+        if offset != len(data) or kind != BYE:
+            return False
+        self._bye_checked = available
+        return True
 
     def find_abort(self, operation: str, wait_s: float = 0.05) -> PeerAbort | None:
         """Read (and drop) pending frames looking for an ABORT; its ``PeerAbort``, or None.
@@ -382,7 +460,7 @@ class RingExchange:
         if kind != DATA:  # an ABORT (or a stray control frame): read it whole, blocking
             recv.sock.settimeout(recv.timeout_s)
             recv._control(length, self._tag, kind, self.operation)  # raises PeerAbort for an ABORT
-            raise ProtocolError(f"{self.operation}: unexpected control frame from rank {recv.rank}")
+            raise recv.unexpected(kind, self.operation)
         if length - 1 != into.nbytes:
             recv.recv_broken = True
             raise ProtocolError(
@@ -405,6 +483,9 @@ class PeerWatcher:
             peer = self._peers.get(fd)
             if peer is not None:
                 peer.probe(operation, closed=bool(events & _POLL_BAD))
+                if peer.said_bye:  # its end of the socket stays readable (EOF): stop polling it
+                    self._poll.unregister(fd)
+                    del self._peers[fd]
 
 
 class SendWorker:

@@ -17,7 +17,7 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
 from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.tcp import PeerSocket, RingExchange, connect_mesh, open_listener
+from spark_hvd.core.tcp import PeerSocket, PeerWatcher, RingExchange, connect_mesh, open_listener
 from spark_hvd.core.wire import HEADER_SIZE, make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
@@ -339,6 +339,53 @@ def test_ring_exchange_rejects_a_tampered_data_frame():
     assert receiver.recv_broken
     for sock in (sender.sock, writer, reader):
         sock.close()
+
+
+def _close_after(sender: PeerSocket, bye: bool) -> None:
+    if bye:
+        sender.send_bye()
+    sender.sock.shutdown(socket.SHUT_RDWR)
+    sender.sock.close()
+
+
+@pytest.mark.parametrize("pending", [0, 2])
+def test_a_peer_that_said_bye_is_not_taken_for_dead(pending):
+    # a rank that finished the last collective closes while its peers still wait (on shared memory): their
+    # liveness checks must not blame it, whether or not its last frames are still unread; what it sent stays
+    # readable, and a receive it never sends names it
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sent = [np.random.default_rng(k).random(1000) for k in range(pending)]
+    for array in sent:
+        sender.send_data([array.view(np.uint8)], "test")
+    _close_after(sender, bye=True)
+    watcher = PeerWatcher([receiver])
+    for _ in range(3):
+        watcher.check("test")  # no PeerFailureError
+    for array in sent:
+        got = np.zeros_like(array)
+        receiver.recv_data_into(memoryview(got).cast("B"), "test")
+        np.testing.assert_array_equal(got, array)
+    watcher.check("test")
+    with pytest.raises(PeerFailureError, match="rank 0 closed its connection"):
+        receiver.recv_data_into(memoryview(bytearray(64)), "test")
+    receiver.sock.close()
+
+
+@pytest.mark.parametrize("pending", [0, 2])
+def test_a_peer_that_closed_without_bye_is_named_dead(pending):
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    for k in range(pending):
+        sender.send_data([np.random.default_rng(k).random(1000).view(np.uint8)], "test")
+    _close_after(sender, bye=False)
+    watcher = PeerWatcher([receiver])
+    deadline = time.monotonic() + 10
+    with pytest.raises(PeerFailureError, match="connection to rank 0 failed"):
+        while time.monotonic() < deadline:  # the EOF is seen by the first poll that reports it
+            watcher.check("test")
+            time.sleep(0.01)
+    receiver.sock.close()
 
 
 def test_mesh_setup_drops_intruders_and_survives_a_silent_client():
