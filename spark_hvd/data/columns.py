@@ -84,6 +84,10 @@ def frame_to_batch(out: Any, where: str) -> Batch:
     for c in out.columns:
         values = out[c].to_numpy()
         if values.dtype == object and len(values) and not isinstance(values[0], str | bytes):
+            whole = _rows_of_one_array(values)
+            if whole is not None:  # e.g. ImageDecoder's list(images): the array itself, no stacking copy
+                batch[str(c)] = whole
+                continue
             shapes = {np.shape(v) for v in values}
             if len(shapes) > 1:
                 found = ", ".join(str(list(sh)) for sh in sorted(shapes)[:4])
@@ -93,6 +97,21 @@ def frame_to_batch(out: Any, where: str) -> Batch:
             values = np.stack([np.asarray(v) for v in values])
         batch[str(c)] = values
     return batch
+
+
+def _rows_of_one_array(values: np.ndarray) -> np.ndarray | None:
+    """The C-contiguous array whose rows ``values`` holds, one each in order (``list(array)``), else None."""
+    first = values[0]
+    base = first.base if isinstance(first, np.ndarray) else None
+    if (not isinstance(base, np.ndarray) or base.shape != (len(values), *first.shape) or base.dtype != first.dtype
+            or not base.flags.c_contiguous):
+        return None
+    start, step = base.__array_interface__["data"][0], base.strides[0] if base.ndim else 0
+    for i, v in enumerate(values):
+        if (not isinstance(v, np.ndarray) or v.base is not base or v.shape != first.shape
+                or v.__array_interface__["data"][0] != start + i * step):
+            return None
+    return base
 
 
 _WORKER_FN: Any = None

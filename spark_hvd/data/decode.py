@@ -37,23 +37,41 @@ def decode_images(blobs: Sequence[bytes], size: tuple[int, int], mode: str = "RG
 
     height, width = int(size[0]), int(size[1])
     channels = _CHANNELS[mode]
-    out = np.empty((len(blobs), height, width, channels), dtype=np.float32)
+    pixels = np.empty((len(blobs), height, width, channels), dtype=np.uint8)
     for i, blob in enumerate(blobs):
         try:
             with Image.open(io.BytesIO(blob)) as img:
                 img.draft(mode, (width, height))  # JPEG: decode at the nearest scale >= size (much less work)
-                img = img.convert(mode)
+                if img.mode != mode:
+                    img = img.convert(mode)
                 if img.size != (width, height):
                     img = img.resize((width, height), Image.BILINEAR)
-                out[i] = np.asarray(img, dtype=np.uint8).reshape(height, width, channels)
+                pixels[i] = np.frombuffer(img.tobytes(), dtype=np.uint8).reshape(height, width, channels)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise DataError(f"column {column!r}, row {i} of the batch: not an image Pillow can decode ({exc})") from exc
-    out *= np.float32(1 / 255)
+    return _normalise(pixels, mean, std, channels_last)
+
+
+def _normalise(pixels: np.ndarray, mean: Any, std: Any, channels_last: bool) -> np.ndarray:
+    """uint8 ``(n, H, W, C)`` -> contiguous float32 ``(pixel / 255 - mean) / std`` in the asked layout, written in
+    one pass as ``pixel * scale + offset`` (per channel), transposed on the way for channels first."""
+    channels = pixels.shape[-1]
+    scale = np.full(channels, 1 / 255, dtype=np.float64)
+    offset = np.zeros(channels, dtype=np.float64)
     if mean is not None:
-        out -= np.asarray(mean, dtype=np.float32).reshape(1, 1, 1, -1)
+        offset -= np.asarray(mean, dtype=np.float64).reshape(-1)
     if std is not None:
-        out /= np.asarray(std, dtype=np.float32).reshape(1, 1, 1, -1)
-    return out if channels_last else out.transpose(0, 3, 1, 2)
+        inv = 1 / np.asarray(std, dtype=np.float64).reshape(-1)
+        scale, offset = scale * inv, offset * inv
+    if channels_last:
+        src, shape = pixels, (1, 1, 1, channels)
+    else:
+        src, shape = pixels.transpose(0, 3, 1, 2), (1, channels, 1, 1)
+    out = np.empty(src.shape, dtype=np.float32)
+    np.multiply(src, scale.astype(np.float32).reshape(shape), out=out)
+    if offset.any():
+        out += offset.astype(np.float32).reshape(shape)
+    return out
 
 
 class ImageDecoder:

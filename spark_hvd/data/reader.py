@@ -663,7 +663,7 @@ def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Bat
                            if isinstance(v, np.ndarray)}
                 for k, v in chunk.items():
                     if isinstance(v, np.ndarray):
-                        np.take(v, local, axis=0, out=out[k][filled + s : filled + e])
+                        np.take(v, local, axis=0, out=out[k][filled + s : filled + e], mode="clip")
                     else:
                         others.setdefault(k, []).append(v[local])
             filled += take

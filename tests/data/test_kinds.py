@@ -184,3 +184,17 @@ def test_collate_fn_runs_per_batch_and_must_return_a_dict(tmp_path):
         assert batch["ids"].shape == (6, max(batch["lengths"]))
     with pytest.raises(Exception, match="collate_fn must return a dict"):
         next(iter(BatchReader(path, batch_size=6, collate_fn=lambda b: [b]).epoch(0)))
+
+
+def test_transformed_rows_of_one_array_are_taken_whole_else_stacked():
+    import pandas as pd
+
+    from spark_hvd.data.columns import frame_to_batch
+
+    a = np.random.default_rng(0).random((6, 3, 2)).astype(np.float32)
+    assert frame_to_batch(pd.DataFrame({"x": list(a)}), "t")["x"] is a  # a decoder's list(images): no copy
+    t = a.transpose(0, 2, 1)
+    for rows, want in ((list(a)[::-1], a[::-1]), (list(a)[:4], a[:4]), (list(t), t), ([r.copy() for r in a], a)):
+        got = frame_to_batch(pd.DataFrame({"x": rows}), "t")["x"]
+        assert got is not a and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
