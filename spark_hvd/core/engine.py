@@ -33,15 +33,17 @@ that waits on a handle whose request is still unsent starts the round at once (`
 later could join that operation, so the cycle would only add latency.
 
 Fast rounds: a steady training loop sends only cache ids and leaves nothing outstanding. When the table is empty
-(which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector
-with a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With
-no flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full round's messages in the same round, in one more allreduce (the
-vector carried every rank's message length, so each rank's message has its place in one buffer). Once the ranks
-have seen which clean round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two
-tensors alternating, an allreduce between barriers), the next round speculates on it: one allreduce of
-``[flag, tensors...]`` carries negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM
-tensor is speculated on in place; a round of barriers is the flag's collective alone).
+(which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector with
+a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With no
+flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
+some ranks sent, or a flag, lead to the full round's messages in the same round, in one more allreduce (the vector
+carried every rank's message length, so each rank's message has its place in one buffer). When every rank's message
+is the same (the same new tensors in the same order everywhere: the vector carries each message's digest too), none
+travels: each rank's own is every rank's, and its tensors are ready and agreed. Once the ranks have seen which clean
+round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two tensors alternating, an
+allreduce between barriers), the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
+negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place; a
+round of barriers is the flag's collective alone).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
 the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
@@ -105,8 +107,10 @@ from spark_hvd.core.table import (
     encode_message,
     fast_answer,
     fast_vector,
+    message_digest,
     message_lengths,
     place_message,
+    same_messages,
 )
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -488,6 +492,7 @@ class Engine:
             shutdown_flag = self._shutdown_requested
         ids: list[int] = []
         full: list[list] = []
+        fresh: list[Request] = []  # the requests ``full`` describes, in the same order
         by_id: dict[int, Request] = {}
         for request in outgoing:
             request.taken = start
@@ -495,6 +500,7 @@ class Engine:
             cache_id = self._cache.lookup(request.name, request.meta) if request.meta.kind in CACHEABLE else None
             if cache_id is None:
                 full.append(request.meta.to_wire(request.name))
+                fresh.append(request)
             else:
                 ids.append(cache_id)
                 by_id[cache_id] = request
@@ -517,7 +523,8 @@ class Engine:
             # the message this rank would send in a full round (the table is empty: nothing has expired); its
             # length rides on the fast round, so a full round that follows moves every message in one allreduce
             message = encode_message([int(join_flag), int(shutdown_flag), ids, full, []])
-            vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size)
+            vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size,
+                              message_digest(message) if irregular else (0, 0))
             self.backend.allreduce(vec, ReduceOp.SUM)
             self.stats["fast_rounds"] += 1
             fast = fast_answer(vec, self.size)
@@ -531,10 +538,23 @@ class Engine:
                     self._spec = self._predictor.advance(common)
                     self._finish_round(ready, start, progress)
                     return progress, False
-            lengths = message_lengths(vec, self.size)
-            buf = place_message(message, lengths, self.rank)
-            self.backend.allreduce(buf, ReduceOp.SUM)
-            messages = decode_messages(buf, self.size)
+            if same_messages(vec, self.size):  # every rank sent this very message (the same new tensors)
+                self.stats["messages_skipped"] += 1
+                if not (join_flag or shutdown_flag):
+                    # what the table would make of ``size`` copies of it: every tensor ready, all agreed, in the
+                    # message's order (its cache ids, then its new tensors)
+                    get = self._cache.get
+                    ready = [(TableEntry(*get(cache_id)), None) for cache_id in ids]
+                    ready += [(TableEntry(request.name, request.meta), None) for request in fresh]
+                    self._spec = None  # the new tensors change the cache: learn the rounds afresh
+                    self._predictor.reset()
+                    self._finish_round(ready, start, True)
+                    return True, False
+                messages = decode_messages(message, 1) * self.size
+            else:
+                buf = place_message(message, message_lengths(vec, self.size), self.rank)
+                self.backend.allreduce(buf, ReduceOp.SUM)
+                messages = decode_messages(buf, self.size)
             if common:  # some ids were sent by only some ranks: only those become outstanding entries
                 done = set(common)
                 for m in messages:

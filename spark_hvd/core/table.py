@@ -20,6 +20,7 @@ length-prefixed, never unpickled), and the fast round's vector (a 1 at each resp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import time
@@ -227,20 +228,31 @@ class NegotiationTable:
 
 # ---------------------------------------------------------------------- the rounds' wire format
 
+def message_digest(message: np.ndarray) -> tuple[int, int]:
+    """A 60-bit digest of one rank's full-round message as two positive int32 values (each with bit 30 set, so
+    a digest is never zero): what the fast round carries so that ranks whose messages are all the same skip the
+    round that would move them (``same_messages``)."""
+    h = int.from_bytes(hashlib.blake2b(message.tobytes(), digest_size=8).digest(), "little")
+    return (h & 0x3FFFFFFF) | 0x40000000, ((h >> 30) & 0x3FFFFFFF) | 0x40000000
+
+
 def fast_vector(ids: Sequence[int], irregular: bool, id_count: int, rank: int = 0, size: int = 1,
-                length: int = 0) -> np.ndarray:
-    """A fast round's contribution, SUM-reduced over the ranks: ``[irregular, lengths..., ids...]``.
+                length: int = 0, digest: tuple[int, int] = (0, 0)) -> np.ndarray:
+    """A fast round's contribution, SUM-reduced over the ranks: ``[irregular, lengths..., digests..., ids...]``.
 
     A 1 in front when this rank has anything else to say (a new tensor, a join, a shutdown); at ``1 + rank`` the
     length of this rank's full-round message (so that, when a full round follows, every rank knows where every
-    message lies and the messages travel in one allreduce, see ``message_lengths``); a 1 at ``1 + size + id`` for
-    each cache id submitted (none when irregular: the full round carries them)."""
-    vec = np.zeros(1 + size + id_count, np.int32)
+    message lies and the messages travel in one allreduce, see ``message_lengths``); at ``1 + size + 2 rank`` the
+    message's digest (``message_digest``: when every rank's message is the same, none needs to travel, see
+    ``same_messages``); a 1 at ``1 + 3 size + id`` for each cache id submitted (none when irregular: the full round
+    carries them). Every slot but the ids' is one rank's alone, so the sum is exact."""
+    vec = np.zeros(1 + 3 * size + id_count, np.int32)
     vec[1 + rank] = length
+    vec[1 + size + 2 * rank:3 + size + 2 * rank] = digest
     if irregular:
         vec[0] = 1
     elif ids:
-        vec[1 + size + np.asarray(ids)] = 1
+        vec[1 + 3 * size + np.asarray(ids)] = 1
     return vec
 
 
@@ -249,7 +261,7 @@ def fast_answer(summed: np.ndarray, size: int) -> tuple[list[int], bool] | None:
     submitted (in id order: the order they run in) and whether some ids were submitted by only some ranks."""
     if summed[0]:
         return None
-    counts = summed[1 + size:]
+    counts = summed[1 + 3 * size:]
     common = np.flatnonzero(counts == size).tolist()
     return common, len(common) < np.count_nonzero(counts)
 
@@ -257,6 +269,17 @@ def fast_answer(summed: np.ndarray, size: int) -> tuple[list[int], bool] | None:
 def message_lengths(summed: np.ndarray, size: int) -> list[int]:
     """Every rank's full-round message length, from the summed fast vectors."""
     return [int(n) for n in summed[1:1 + size]]
+
+
+def same_messages(summed: np.ndarray, size: int) -> bool:
+    """Whether every rank's full-round message is the same (same length and digest, from the summed fast vectors;
+    a digest is never zero, so a rank that sent none fails this). Then each rank holds every rank's message: its
+    own, and the round that would gather them is skipped. Two different messages pass only when their 60-bit
+    digests collide (odds ~1e-18 per pair of ranks and round)."""
+    head = summed[1:1 + 3 * size].tolist()  # small: plain Python compares faster than numpy here
+    lengths, digests = head[:size], head[size:]
+    return bool(digests[0]) and lengths.count(lengths[0]) == size and digests[0::2].count(digests[0]) == size \
+        and digests[1::2].count(digests[1]) == size
 
 
 def place_message(message: np.ndarray, lengths: Sequence[int], rank: int) -> np.ndarray:

@@ -201,10 +201,12 @@ def test_blocking_calls_run_their_rounds_in_the_calling_thread():
             buf = np.full(4, float(i))
             assert engine.enqueue("allreduce", buf, "x", op=ReduceOp.SUM, start_engine=False).wait() is buf
             assert np.all(buf == i)
-        # no hand-off: every collective ran in this thread. A new name: a flagged fast round, the gather, the data;
-        # two clean fast rounds (fast allreduce + data) arm speculation; then one collective per call
+        # no hand-off: every collective ran in this thread. A new name: a flagged fast round and the data (every
+        # rank's message was the same, so none travels); two clean fast rounds (fast allreduce + data) arm
+        # speculation; then one collective per call
         assert set(backend.threads) == {threading.current_thread().name}, backend.threads
-        assert len(backend.threads) == 3 + 2 * 2 + 3, backend.threads
+        assert len(backend.threads) == 2 + 2 * 2 + 3, backend.threads
+        assert engine.stats["messages_skipped"] == 1, engine.stats
         assert engine.stats["speculative_rounds"] == 3 and engine.stats["rounds"] == 7, engine.stats
     finally:
         engine.shutdown()

@@ -19,8 +19,10 @@ from spark_hvd.core.table import (
     encode_message,
     fast_answer,
     fast_vector,
+    message_digest,
     message_lengths,
     place_message,
+    same_messages,
 )
 
 
@@ -155,6 +157,31 @@ def test_the_fast_rounds_vector_finds_the_common_ids_and_the_partial_ones():
     assert fast_answer(summed(([2], False), ([2], False), ([2], False)), size) == ([2], False)
     vec = summed(([2], False), ([], True), ([2], False))
     assert fast_answer(vec, size) is None  # someone has something new: the full round
+    assert not same_messages(vec, size)  # no digests: the messages must travel
+
+
+def test_the_fast_rounds_vector_says_when_every_rank_sent_the_same_message():
+    rng = np.random.default_rng(7)
+    size, count = 4, 5
+    same = encode_message([0, 0, [], [meta().to_wire("new.1")], []])
+    other = encode_message([0, 0, [], [meta().to_wire("new.2")], []])
+    assert message_digest(same) == message_digest(encode_message([0, 0, [], [meta().to_wire("new.1")], []]))
+    assert message_digest(same) != message_digest(other)
+    assert all(0 < d < 2 ** 31 for d in message_digest(same))
+
+    def summed(messages: list[np.ndarray]) -> np.ndarray:
+        return sum(fast_vector([], True, count, r, size, m.size, message_digest(m)) for r, m in enumerate(messages))
+
+    assert same_messages(summed([same] * size), size)
+    for odd in range(size):  # any one rank with another message: every message travels
+        messages = [same] * size
+        messages[odd] = other
+        assert not same_messages(summed(messages), size)
+    # a random message on one rank, random ids elsewhere in the vector: the ids never disturb the digests
+    noise = encode_message([0, 0, [], [meta().to_wire(str(rng.integers(1 << 30)))], []])
+    vec = summed([same, same, noise, same])
+    vec[1 + 3 * size:] += rng.integers(0, 3, count, dtype=np.int32)
+    assert not same_messages(vec, size)
 
 
 def test_messages_placed_by_their_lengths_add_up_to_every_message():
