@@ -137,6 +137,7 @@ class BaseEstimator(Estimator, PersistableStage):
                 raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
         if get(self.max_retries) < 0:
             raise param_error(name, f"max_retries must be >= 0, got {get(self.max_retries)}")
+        self._check_elastic()
         features, labels = get(self.feature_cols), get(self.label_cols)
         if not features:
             raise param_error(name, "feature_cols is empty: name the column(s) the model takes as input")
@@ -178,14 +179,54 @@ class BaseEstimator(Estimator, PersistableStage):
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes,
                 "backend": backend, "label_max": label_max}
 
+    def _elastic_range(self) -> tuple[int, int | None] | None:
+        """``(min_num_proc, max_num_proc)`` of an ``elastic=True`` fit (min default 1; max default num_proc, None
+        when that is unset too: the backend takes the session's default parallelism), else None."""
+        if not self.hasParam("elastic") or not self.getOrDefault(self.elastic):
+            return None
+        get = self.getOrDefault
+        low, high = get(self.min_num_proc), get(self.max_num_proc)
+        return (1 if low is None else low), (high if high is not None else get(self.num_proc))
+
+    def _check_elastic(self) -> None:
+        """The elastic params, on the driver: ranges, and the options that do not go with ``elastic=True``."""
+        if not self.hasParam("elastic"):
+            return
+        name, get = type(self).__name__, self.getOrDefault
+        elastic = get(self.elastic)
+        low, high, limit = get(self.min_num_proc), get(self.max_num_proc), get(self.reset_limit)
+        if not elastic:
+            for param, value in (("min_num_proc", low), ("max_num_proc", high), ("reset_limit", limit)):
+                if value is not None:
+                    raise param_error(name, f"{param}={value} is set but elastic is False; set elastic=True "
+                                      f"(or unset {param})")
+            return
+        for param, value in (("min_num_proc", low), ("max_num_proc", high)):
+            if value is not None and value < 1:
+                raise param_error(name, f"{param} must be a positive integer, got {value}")
+        if limit is not None and limit < 0:
+            raise param_error(name, f"reset_limit must be >= 0 or None (no limit), got {limit}")
+        low, high = self._elastic_range()
+        if high is not None and low > high:
+            raise param_error(name, f"min_num_proc={low} is above max_num_proc={high}")
+        num_proc = get(self.num_proc)
+        if num_proc is not None and high is not None and not low <= num_proc <= high:
+            raise param_error(name, f"num_proc={num_proc} (the first launch's ranks) is outside min_num_proc={low} "
+                              f".. max_num_proc={high}")
+        if get(self.max_retries):
+            raise param_error(name, f"max_retries={get(self.max_retries)} does not go with elastic=True, which "
+                              "relaunches on its own after a lost rank; bound the relaunches with reset_limit")
+
     def _backend(self, spark: Any) -> Any:
-        """The runner for this fit (``spark_hvd.runner.backend.SparkBackend``): its num_proc, GPU, retry and
-        verbosity settings from the params."""
+        """The runner for this fit (``spark_hvd.runner.backend.SparkBackend``): its num_proc, GPU, retry, elastic
+        and verbosity settings from the params."""
         from spark_hvd.runner.backend import SparkBackend
 
         get = self.getOrDefault
+        elastic = self._elastic_range()
         return SparkBackend(spark, get(self.num_proc), use_gpu=get(self.use_gpu), max_retries=get(self.max_retries),
-                            verbose=get(self.verbose))
+                            verbose=get(self.verbose), elastic=elastic,
+                            reset_limit=get(self.reset_limit) if elastic else None)
 
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:

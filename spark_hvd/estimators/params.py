@@ -366,10 +366,21 @@ class TorchEstimatorParams(EstimatorParams):
                                   "seconds passed since the last one (rank 0's clock); default None",
                                   _to_optional(TypeConverters.toFloat))
 
+    elastic = _p("elastic", "train on spark_hvd.runner.run_elastic: a lost rank or executor relaunches the job on "
+                 "the task slots that are free (min_num_proc .. max_num_proc ranks), resuming from the last "
+                 "checkpoint (set checkpoint_every_steps to lose at most that many steps); default False",
+                 TypeConverters.toBoolean)
+    min_num_proc = _p("min_num_proc", "elastic=True: the fewest ranks training goes on with (default 1)",
+                      _to_optional(_to_strict_int))
+    max_num_proc = _p("max_num_proc", "elastic=True: the most ranks (default num_proc)", _to_optional(_to_strict_int))
+    reset_limit = _p("reset_limit", "elastic=True: the most relaunches after lost ranks; default None (no limit, "
+                     "as Horovod's)", _to_optional(_to_strict_int))
+
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto",
-                         mixed_precision=None, checkpoint_every_steps=None, checkpoint_every_seconds=None)
+                         mixed_precision=None, checkpoint_every_steps=None, checkpoint_every_seconds=None,
+                         elastic=False, min_num_proc=None, max_num_proc=None, reset_limit=None)
 
 
 @_add_accessors

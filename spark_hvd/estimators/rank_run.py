@@ -137,6 +137,11 @@ class RankTrainer(ABC):
     def save_model(self, directory: str) -> None:
         """Write the final model into ``directory``."""
 
+    def rescale_lr(self, factor: float) -> None:
+        """Multiply the learning rate by ``factor`` (a resume on another number of ranks under
+        ``scale_lr_by_num_proc``); by default a framework cannot, and says so."""
+        log.warning("the learning rate was scaled for another number of ranks and is not rescaled by %g", factor)
+
 
 class RankRun:
     """One rank's training run (see the module docstring)."""
@@ -158,6 +163,8 @@ class RankRun:
         #: batches of epoch ``start`` already done (a resume from a step checkpoint), and the loop's running sums
         self.start_step = 0
         self.resume_progress: dict = {}
+        #: a resumed step checkpoint's batches per epoch (None: as saved by a spark_hvd that did not record them)
+        self._saved_steps: int | None = None
         self.step_checkpoints = 0
         self._trigger = StepTrigger(getattr(spec, "checkpoint_every_steps", None),
                                     getattr(spec, "checkpoint_every_seconds", None),
@@ -174,6 +181,7 @@ class RankRun:
         trainer.build(spec)
         self._resume()
         self.readers = ShardReaders(spec, self.rank, self.size)
+        self._map_resume_step()
         if self.rank == 0 and spec.verbose:
             from spark_hvd.runner import StepReporter
 
@@ -197,12 +205,13 @@ class RankRun:
 
     # ---- resume
     def _resume(self) -> None:
-        start, history, step_state = 0, {}, None
+        start, history, step_state, saved_size = 0, {}, None, None
         if self.rank == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 found = self.run_dir.latest_checkpoint(tmp)
                 if found is not None:
                     last, history = int(found.state.get("epoch", found.epoch)), dict(found.state.get("history") or {})
+                    saved_size = found.state.get("num_proc")
                     self.trainer.load_checkpoint(tmp)
                     start = last + 1
                     log.info("run %s: resuming after epoch %d", self.spec.run_id, last)
@@ -211,25 +220,43 @@ class RankRun:
                     step_state = latest_step_checkpoint(self.spec.store, self.spec.run_id, tmp, after=(start, 0))
                     if step_state is not None:
                         self.trainer.load_checkpoint(tmp)
-                        start, history = step_state.epoch, step_state.history
+                        start, history, saved_size = step_state.epoch, step_state.history, len(step_state.rngs)
                         log.info("run %s: resuming after batch %d of epoch %d", self.spec.run_id, step_state.step,
                                  step_state.epoch)
-        self.start, self.history, step_state = self.trainer.hvd.broadcast_object((start, history, step_state),
-                                                                                 root_rank=0)
+        self.start, self.history, step_state, saved_size = self.trainer.hvd.broadcast_object(
+            (start, history, step_state, saved_size), root_rank=0)
         if step_state is not None:
             self.start_step = step_state.step
+            self._saved_steps = getattr(step_state, "steps", None)
             if len(step_state.rngs) == self.size:
                 set_rng_state(step_state.rngs[self.rank])
                 self.resume_progress = step_state.progress[self.rank]
             else:
-                log.warning("run %s: the step checkpoint holds the state of %d ranks, this run has %d: random "
-                            "state and the epoch's running metrics not restored", self.spec.run_id,
-                            len(step_state.rngs), self.size)
+                if self.rank < len(step_state.rngs):
+                    set_rng_state(step_state.rngs[self.rank])
+                self.resume_progress = merged_progress(step_state.progress) if self.rank == 0 else {}
         best = self.spec.best
         if best is not None:
             for value in self.history.get(best.monitor, []):
                 self._best = value if best.improved(value, self._best) else self._best
         self.trainer.sync()
+        if saved_size is not None and int(saved_size) != self.size:
+            log.warning("run %s: resuming a checkpoint of %d ranks on %d", self.spec.run_id, saved_size, self.size)
+            if self.spec.scale_lr_by_num_proc:
+                self.trainer.rescale_lr(self.size / int(saved_size))
+
+    def _map_resume_step(self) -> None:
+        """A step checkpoint of another number of ranks (an elastic relaunch) has another number of batches per
+        epoch: resume at the same fraction of the epoch, ``round(step * steps_now / steps_then)`` batches into this
+        rank's new shard. The rows of the epoch's rest are then the new shards' rest, not exactly the rows the lost
+        run had left (docs/elastic.md); from the next epoch on, every row is read once per epoch again."""
+        then, now = self._saved_steps, self.readers.steps("train")
+        if not self.start_step or then is None or then == now:
+            return
+        mapped = min(now, round(self.start_step * now / then))
+        log.info("run %s: batch %d of %d per epoch on the ranks of the checkpoint is batch %d of %d on %d ranks",
+                 self.spec.run_id, self.start_step, then, mapped, now, self.size)
+        self.start_step = mapped
 
     # ---- per batch, per epoch
     def batch_done(self, epoch: int, step: int, loss: Any) -> None:
@@ -259,7 +286,7 @@ class RankRun:
                      self.spec.run_id, step + 1, epoch)
             return
         state = StepState(epoch, step + 1, copy.deepcopy(self.history), [g[1] for g in gathered],
-                          [g[0] for g in gathered])
+                          [g[0] for g in gathered], steps=self.readers.steps("train"))
         snapshot = tempfile.mkdtemp(prefix="spark_hvd_step_")
         try:
             self.trainer.save_checkpoint(snapshot)
@@ -281,6 +308,8 @@ class RankRun:
         from spark_hvd.runner import report
 
         append_history(self.history, logs)
+        if getattr(self.spec, "elastic", False):  # the ranks that ended each epoch: an elastic run's size changes
+            append_history(self.history, {"num_proc": self.size})
         save = True
         policy = self.spec.best
         if policy is not None:
@@ -330,7 +359,7 @@ class RankRun:
     def _commit(self, epoch: int, snapshot: str, history: dict) -> None:
         """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), delete the
         epochs beyond ``keep_checkpoints``, then write the metrics log."""
-        self.run_dir.write_checkpoint(epoch, snapshot, {"history": history})
+        self.run_dir.write_checkpoint(epoch, snapshot, {"history": history, "num_proc": self.size})
         keep = getattr(self.spec, "keep_checkpoints", None)
         if keep:  # retention: the newest ``keep`` epochs stay, older ones go once this one is committed
             for old in self.run_dir.list_checkpoints()[:-keep]:
@@ -370,6 +399,19 @@ class RankRun:
             self.trainer.save_model(tmp)
             self.run_dir.write_model(tmp)
         return {"history": self.history, "output_shapes": output_shapes}
+
+
+def merged_progress(progress: list[dict]) -> dict:
+    """The running sums of an epoch of several ranks as one rank's (a resume on another number of ranks: rank 0
+    carries them all, the others start from zero; the epoch's metrics sum over the ranks, so they come out the
+    same). ``progress``: by rank, ``{"acc": {name: sum}, "rows": n}`` as the torch loop keeps them."""
+    acc: dict[str, float] = {}
+    rows = 0
+    for p in progress:
+        for key, value in (p.get("acc") or {}).items():
+            acc[key] = acc.get(key, 0.0) + float(value)
+        rows += int(p.get("rows", 0))
+    return {"acc": acc, "rows": rows}
 
 
 def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:

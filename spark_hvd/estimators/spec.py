@@ -93,6 +93,7 @@ class TorchSpec(TrainSpec):
     mixed_precision: str | None = None  #: "bf16", "fp16" or None (see ``torch_precision``)
     checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
     checkpoint_every_seconds: float | None = None  #: ... or every N seconds
+    elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -99,6 +99,7 @@ class StepState:
     history: dict
     progress: list  #: the loop's running sums of the epoch on every rank, by rank
     rngs: list  #: ``rng_state()`` of every rank, by rank
+    steps: int | None = None  #: batches per epoch on each rank when it was taken (``len(rngs)`` ranks)
 
 
 def _root(store: Any, run_id: str) -> str:

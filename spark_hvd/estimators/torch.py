@@ -238,5 +238,6 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             "mixed_precision": get(self.mixed_precision),
             "checkpoint_every_steps": get(self.checkpoint_every_steps),
             "checkpoint_every_seconds": get(self.checkpoint_every_seconds),
+            "elastic": get(self.elastic),
             "best": BestPolicy.create(best, get(self.best_mode)) if best else None,
         }

@@ -245,6 +245,15 @@ class TorchTrainer(RankTrainer):
         if self.precision.scaler is not None:  # the loss scale of a resumed run: rank 0's
             self.precision.load_state_dict(self.hvd.broadcast_object(self.precision.state_dict(), root_rank=0))
 
+    def rescale_lr(self, factor: float) -> None:
+        """Multiply every param group's learning rate (and the scheduler's base rates) by ``factor``."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
     def save_model(self, directory: str) -> None:
         import torch
 

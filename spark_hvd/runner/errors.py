@@ -40,10 +40,10 @@ class RunnerError(SparkHvdError):
 class NotEnoughSlotsError(RunnerError):
     """More processes were asked for than the cluster has free task slots (raised before anything is launched)."""
 
-    def __init__(self, num_proc: int, free_slots: int, total_slots: int) -> None:
+    def __init__(self, num_proc: int, free_slots: int, total_slots: int, param: str = "num_proc") -> None:
         super().__init__(
-            f"num_proc={num_proc} processes were requested but the cluster has only {free_slots} free task slots "
-            f"({total_slots} in all). A barrier stage needs all of its tasks running at once: lower num_proc to at "
+            f"{param}={num_proc} processes were requested but the cluster has only {free_slots} free task slots "
+            f"({total_slots} in all). A barrier stage needs all of its tasks running at once: lower {param} to at "
             f"most {free_slots}, or add executors/cores (spark.executor.instances, spark.executor.cores, "
             f"spark.task.cpus).")
         self.num_proc = num_proc
