@@ -2,9 +2,12 @@
 
 :func:`describe_parquet` reads the footers and the used columns of a Parquet directory in the store's filesystem
 and returns a :class:`~spark_hvd.data.metadata.DatasetInfo` whose paths point at that directory, so the training
-ranks read the user's files in place. It accepts the column types the worker-side reader takes as they are
-(numeric or boolean scalars; lists of one fixed length of numbers, without nulls) and names the column and the
-type it needs otherwise. Nothing is written: where a column needs converting, ``fit(df)`` prepares a copy.
+ranks read the user's files in place. It takes the column kinds ``fit(df)`` prepares, where the files already hold
+them as the reader reads them: numeric or boolean scalars; ``binary`` (encoded images ...) and ``string`` columns,
+handed to ``transformation_fn`` / ``collate_fn`` as ``bytes`` / ``str``; lists of numbers of one fixed shape (nested
+included, e.g. ``array<array<float>>``), or 1-D lists that differ in length (token ids: kind ``"ragged"``, padded per
+batch as ``fit(df)`` does); no nulls at any depth. It names the column and the type it needs otherwise. Nothing is
+written: where a column needs converting (Spark ML Vectors, decimals), ``fit(df)`` prepares a copy.
 
 A Delta table's current files can be read the same way only through ``delta-spark`` (the transaction log says which
 files are current); spark_hvd does not depend on it, so a Delta table must be given to ``fit(spark.read.format(
@@ -34,8 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["describe_parquet"]
 
-_NEEDED = ("a numeric or boolean scalar (float, double, tinyint..bigint, boolean) or an array of one fixed length "
-           "of such numbers, without nulls,")
+_NEEDED = ("a numeric or boolean scalar (float, double, tinyint..bigint, boolean), binary, string, or an array of "
+           "such numbers (nested arrays of one fixed shape; 1-D arrays may differ in length), without nulls,")
 
 
 def store_path(store: Store, path: str) -> str:
@@ -48,8 +51,9 @@ def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label
                      num_proc: int = 1) -> DatasetInfo:
     """The :class:`DatasetInfo` of the Parquet directory ``path`` (and ``validation_path``), read in place.
 
-    Checks, from the footers and one read of the used list columns: every column exists, has a type the reader
-    takes as it is, no nulls, fixed-length arrays; at least ``num_proc`` rows and row groups per split (the ranks
+    Checks, from the footers and one read of the used columns: every column exists, has a type the reader takes
+    as it is, no nulls at any depth, nested arrays of one fixed shape (1-D arrays of differing lengths are
+    ``"ragged"``); at least ``num_proc`` rows and row groups per split (the ranks
     shard by row group).
 
     Raises:
@@ -64,6 +68,9 @@ def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label
     for split, split_path in paths.items():
         split_columns, rows[split] = _describe_split(store, split_path, roles, num_proc)
         for name, spec in split_columns.items():
+            if name in columns and {columns[name].kind, spec.kind} == {"array", "ragged"} and \
+                    columns[name].spark_type == spec.spark_type and len(columns[name].shape) == 1:
+                spec = columns[name] if columns[name].kind == "ragged" else spec  # one split's rows happen to agree
             if name in columns and columns[name] != spec:
                 raise InconsistentShapeError(f"{roles[name]} {name!r} is {columns[name].spark_type} of shape "
                                              f"{list(columns[name].shape)} in {paths['train']!r} but "
@@ -104,50 +111,67 @@ def _describe_split(store: Store, path: str, roles: dict[str, str], num_proc: in
         raise TooFewRowsError(f"the Parquet files at {path!r} hold {total} rows in {groups} row groups, fewer than "
                               f"num_proc={num_proc}: every rank reads whole row groups, so some rank gets none; "
                               "write more files or row groups, or use fit(df), which prepares a copy that has them")
-    columns = {}
+    columns, depths = {}, {}
     for name, role in roles.items():
-        columns[name] = _column_spec(name, role, schema.field(name).type, path)
-    lists = [n for n, c in columns.items() if c.kind == "array"]
-    lengths: dict[str, set] = {n: set() for n in lists}
+        columns[name], depths[name] = _column_spec(name, role, schema.field(name).type, path)
+    lengths: dict[str, list[list[int]]] = {n: [[] for _ in range(d)] for n, d in depths.items() if d}
     nulls = {n: 0 for n in columns}
     for batch in dataset.to_batches(columns=list(columns)):
         for n in columns:
             arr = batch.column(n)
             nulls[n] += arr.null_count
-            if n in lists:
+            for level in lengths.get(n, ()):  # one nesting level after the other: its lengths, its nulls
                 if arr.null_count == 0 and len(arr):
                     bounds = pc.min_max(pc.list_value_length(arr))
-                    lengths[n].update((bounds["min"].as_py(), bounds["max"].as_py()))
-                nulls[n] += pc.sum(pc.is_null(arr.flatten())).as_py() or 0
+                    level += [bounds["min"].as_py(), bounds["max"].as_py()]
+                arr = arr.flatten()
+                nulls[n] += arr.null_count
     bad = {n: k for n, k in nulls.items() if k}
     if bad:
         detail = ", ".join(f"{roles[n]} {n!r}: {k} null values" for n, k in bad.items())
         raise NullValuesError(f"null values in {path!r} ({detail}); the reader takes no nulls: use fit(df) on a "
                               "DataFrame with them dropped or filled (df.na.drop/fill)")
-    for n in lists:
-        if len(lengths[n]) != 1 or 0 in lengths[n]:
-            found = sorted(lengths[n])
-            raise InconsistentShapeError(f"{roles[n]} {n!r} in {path!r} holds arrays of lengths {found[0]} to "
-                                         f"{found[-1]}; the reader needs one fixed, non-zero length")
-        (length,) = lengths[n]
+    for n, levels in lengths.items():
         c = columns[n]
-        columns[n] = ColumnSpec(c.name, c.dtype, (int(length),), c.kind, c.spark_type)
+        dims = []
+        for k, seen in enumerate(levels, start=1):
+            lo, hi = (min(seen), max(seen)) if seen else (0, 0)
+            if lo != hi and len(levels) == 1:  # token ids, signals: kept ragged, padded per batch by the reader
+                columns[n] = ColumnSpec(c.name, c.dtype, (-1,), "ragged", c.spark_type)
+                break
+            if lo != hi or lo == 0:
+                where = f" at nesting level {k}" if k > 1 else ""
+                raise InconsistentShapeError(f"{roles[n]} {n!r} in {path!r} holds arrays of lengths {lo} to {hi}"
+                                             f"{where}; nested arrays need one fixed, non-zero shape (only 1-D "
+                                             "arrays may differ in length)")
+            dims.append(int(lo))
+        else:
+            columns[n] = ColumnSpec(c.name, c.dtype, tuple(dims), c.kind, c.spark_type)
     return columns, total
 
 
-def _column_spec(name: str, role: str, arrow_type: Any, path: str) -> ColumnSpec:
-    """The stored column's spec, or ``UnsupportedColumnTypeError`` saying what the reader needs."""
+def _column_spec(name: str, role: str, arrow_type: Any, path: str) -> tuple[ColumnSpec, int]:
+    """The stored column's spec (an array's shape still to be measured) and its list nesting depth, or
+    ``UnsupportedColumnTypeError`` saying what the reader needs."""
     import numpy as np
     import pyarrow as pa
 
-    kind, value_type = "scalar", arrow_type
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type) or pa.types.is_fixed_size_list(arrow_type):
-        kind, value_type = "array", arrow_type.value_type
+    from spark_hvd.data.columns import is_list
+
+    if pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type):
+        return ColumnSpec(name, "object", (), "binary", "binary"), 0
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return ColumnSpec(name, "object", (), "string", "string"), 0
+    depth, value_type = 0, arrow_type
+    while is_list(value_type):
+        depth, value_type = depth + 1, value_type.value_type
     if (pa.types.is_boolean(value_type) or pa.types.is_signed_integer(value_type)
             or pa.types.is_float32(value_type) or pa.types.is_float64(value_type)):
         dtype = np.dtype(value_type.to_pandas_dtype()).name
         spark = _SPARK_NAMES[dtype]
-        return ColumnSpec(name, dtype, (), kind, f"array<{spark}>" if kind == "array" else spark)
+        for _ in range(depth):
+            spark = f"array<{spark}>"
+        return ColumnSpec(name, dtype, (), "array" if depth else "scalar", spark), depth
     hint = ""
     if pa.types.is_struct(arrow_type) and {"type", "values"} <= {f.name for f in arrow_type}:
         hint = " (a Spark ML Vector: write it with pyspark.ml.functions.vector_to_array, or use fit(df))"

@@ -263,9 +263,11 @@ class BaseEstimator(Estimator, PersistableStage):
         """Train on Parquet files already at ``path`` (Horovod's name), read in place by the ranks: no copy.
 
         ``path`` is a directory in the store's filesystem (a path, or a URL of the store's scheme); its
-        feature, label and weight columns must already have types the reader takes (numeric or boolean scalars,
-        fixed-length arrays of numbers, no nulls), else a ``DataError`` names the column and the type needed (use
-        ``fit(df)``, which prepares a converted copy). Validation rows come from ``validation_path`` (leave the
+        feature, label and weight columns must already have types the reader takes as ``fit(df)`` prepares them
+        (numeric or boolean scalars; ``binary`` / ``string``, decoded by ``transformation_fn`` / ``collate_fn``;
+        arrays of numbers of one fixed shape, or 1-D arrays differing in length, padded per batch; no nulls),
+        else a ``DataError`` names the column and the type needed (use ``fit(df)``, which prepares a converted
+        copy). Validation rows come from ``validation_path`` (leave the
         ``validation`` param unset). Spark ML Vectors, decimals, and Delta tables (whose current files only
         ``delta-spark`` knows; it is not a dependency) go through ``fit(spark.read...)``.
         """
