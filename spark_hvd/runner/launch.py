@@ -34,11 +34,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
+from spark_hvd import __version__
 from spark_hvd.core import torchrun
 from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
 from spark_hvd.runner import hosts
 from spark_hvd.runner.client import Event
+from spark_hvd.runner.horovod_flags import add_horovod_flags
 from spark_hvd.runner.multihost import run_hosts
 from spark_hvd.runner.procs import (  # noqa: F401 - LaunchResult, describe_exit: part of this module's API
     PIPE_DRAIN_S,
@@ -134,18 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spark-hvd-run",
         description="Run the ranks of a spark_hvd job (no Spark needed): spark-hvd-run -np 2 python train.py, or "
                     "across hosts through ssh: spark-hvd-run -np 4 -H host1:2,host2:2 python train.py")
+    parser.add_argument("-v", "--version", action="version", version=f"spark_hvd {__version__}")
     parser.add_argument("-np", "--num-proc", dest="np", type=int, default=None,
                         help="number of ranks (default with -H/--hostfile: every slot)")
     parser.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
                         help="hosts and their slots, e.g. host1:2,host2:2; ranks fill them in this order")
-    parser.add_argument("--hostfile", default=None, metavar="FILE",
+    parser.add_argument("--hostfile", "-hostfile", default=None, metavar="FILE",
                         help="a file of 'host slots=N' lines (instead of -H)")
     parser.add_argument("--ssh-command", default="ssh", metavar="CMD",
                         help="the remote shell, called as ssh is: CMD [ssh options] HOST 'shell command' "
                              "(default ssh)")
     parser.add_argument("-p", "--ssh-port", type=int, default=None, help="ssh port of the hosts")
     parser.add_argument("-i", "--ssh-identity-file", default=None, metavar="FILE", help="ssh identity file")
-    parser.add_argument("--network-interface", default=None, metavar="IFACE[,IFACE]",
+    parser.add_argument("--network-interface", "--network-interfaces", default=None, metavar="IFACE[,IFACE]",
                         help="the network interface(s) the ranks use (sets SPARK_HVD_NETWORK_INTERFACE)")
     parser.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR[=VALUE]",
                         help="hand this environment variable to every rank (repeatable); remote ranks otherwise "
@@ -160,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
     parser.add_argument("--verbose", type=int, default=1, help="0: no progress lines; 1: per epoch; 2: every report")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+    add_horovod_flags(parser)  # horovodrun's other flags: an error naming what to write instead
     return parser
 
 
