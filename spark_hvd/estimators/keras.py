@@ -243,6 +243,11 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
                                        f"got {type(cb).__name__}")
         return data
 
+    def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
+        from spark_hvd.estimators.preflight import keras_forward_check
+
+        keras_forward_check(type(self).__name__, spec, label_max)
+
     def _check_loss(self, n_labels: int) -> None:
         check_losses(self._opt(self.loss), n_labels)
         check_metrics(self._metrics())

@@ -9,17 +9,21 @@ Two kinds, both raised on the driver with the estimator's name, what was wrong a
   few prepared rows, exactly as a rank would feed them, and each output compared with its label: a class-index
   loss needs one logit per class (the label column's largest index + 1), a regression loss as many values as the
   label; the error names both numbers. A module or loss that fails on those rows fails here, with the shapes.
+- :func:`keras_forward_check` (the same moment, for a Keras model): each feature column's row shape against the
+  model's input it feeds (naming both), then the model called on a few prepared rows as ``model.fit`` gets them,
+  each output checked against its label and loss as above.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import Any
 
 from spark_hvd.estimators.errors import param_error, param_type_error
 
-__all__ = ["check_not_classes", "public_name", "torch_forward_check"]
+__all__ = ["check_not_classes", "keras_forward_check", "public_name", "torch_forward_check"]
 
 # where the public name of a class lives (torch.nn.modules.loss.CrossEntropyLoss -> torch.nn.CrossEntropyLoss)
 _PUBLIC = (("torch.nn.modules.", "torch.nn"), ("torch.optim.", "torch.optim"), ("keras.src.losses", "keras.losses"),
@@ -101,7 +105,8 @@ def torch_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
                          f"{list(spec.label_cols)}; return one tensor per label (a tuple for several)")
     losses = resolve_losses(spec.loss, len(spec.label_cols))
     for col, o, y, item in zip(spec.label_cols, outputs, labels, losses, strict=True):
-        _check_output(name, col, o, y, is_class_index_loss(item), _is_elementwise(item), label_max.get(col))
+        _check_output(name, col, tuple(o.shape), tuple(y.shape), is_class_index_loss(item), _is_elementwise(item),
+                      label_max.get(col), "loss='cross_entropy'")
     if spec.train_minibatch_fn is not None:
         return
     try:
@@ -112,6 +117,102 @@ def torch_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
         got = ", ".join(f"output {tuple(o.shape)} vs label {c!r} {tuple(y.shape)}"
                         for c, o, y in zip(spec.label_cols, outputs, labels, strict=True))
         raise param_error(name, f"the loss failed {where} ({got}): {type(exc).__name__}: {exc}") from exc
+
+
+def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows: int = 4) -> None:
+    """Check the Keras model of ``spec`` (a ``KerasSpec``) on ``rows`` prepared training rows on the driver, as
+    ``model.fit`` on a rank gets them; raise ``ValueError`` naming the column and both shapes or numbers.
+
+    First each feature column's row shape against the model input it feeds (``model.inputs``, where the model has
+    them), then one call of the model, then each output against its label and loss (``label_max`` as for
+    :func:`torch_forward_check`), then the loss on those rows as ``model.fit`` computes it (``compute_loss``).
+    """
+    import keras
+
+    from spark_hvd.data.keras_loader import KerasBatchDataset
+    from spark_hvd.estimators.keras_serde import deserialize_keras_model
+    from spark_hvd.estimators.rank_data import ShardReaders
+
+    small = dataclasses.replace(spec, batch_size=rows, shuffle=False, train_steps_per_epoch=1)
+    batches = KerasBatchDataset(ShardReaders(small, 0, 1).readers["train"], spec.feature_cols, spec.label_cols)
+    try:
+        x, y = batches[0][:2]
+    finally:
+        batches.on_epoch_end()
+    xs, ys = (list(v) if isinstance(v, tuple) else [v] for v in (x, y))
+    model = deserialize_keras_model(spec.model_bytes, compile=False)
+    _check_keras_inputs(name, model, list(spec.feature_cols), xs)
+    shapes = ", ".join(f"{c} {tuple(a.shape)}" for c, a in zip(spec.feature_cols, xs, strict=True))
+    where = f"on a forward pass of {len(xs[0])} prepared rows on the driver"
+    try:
+        out = model(x, training=False)
+    except Exception as exc:
+        raise param_error(name, f"the model failed {where} (inputs: {shapes}): {type(exc).__name__}: {exc}. "
+                         "Check the feature columns' shapes against the model's inputs") from exc
+    outputs = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, list | tuple) else [out]
+    if len(outputs) != len(spec.label_cols):
+        raise param_error(name, f"the model returns {len(outputs)} outputs for {len(spec.label_cols)} label columns "
+                         f"{list(spec.label_cols)}; give one label column per output")
+    losses = list(spec.loss) if isinstance(spec.loss, list | tuple) else [spec.loss] * len(outputs)
+    for col, o, label, item in zip(spec.label_cols, outputs, ys, losses, strict=True):
+        fn = _keras_loss_function(item)
+        _check_output(name, col, tuple(o.shape), tuple(label.shape),
+                      fn is keras.losses.sparse_categorical_crossentropy, fn in _keras_elementwise(),
+                      label_max.get(col), "loss='sparse_categorical_crossentropy'")
+    model.compile(loss=spec.loss, loss_weights=list(spec.loss_weights) if spec.loss_weights else None)
+    try:  # what model.fit's train step calls
+        model.compute_loss(x=x, y=y, y_pred=out, training=False)
+    except Exception as exc:
+        got = ", ".join(f"output {tuple(o.shape)} vs label {c!r} {tuple(a.shape)}"
+                        for c, o, a in zip(spec.label_cols, outputs, ys, strict=True))
+        raise param_error(name, f"the loss failed {where} ({got}): {type(exc).__name__}: {exc}") from exc
+
+
+def _check_keras_inputs(name: str, model: Any, cols: list[str], arrays: list[Any]) -> None:
+    """Each feature column's row shape against the Keras input it feeds (skipped where the model has no
+    ``inputs``: a subclassed model shows its mistakes in the forward pass)."""
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        return
+    if not inputs:
+        return
+    if len(inputs) != len(cols):
+        raise param_error(name, f"the model takes {len(inputs)} inputs for {len(cols)} feature columns {cols}; give "
+                         "one feature column per model input, in the model's input order")
+    for i, (col, arr, inp) in enumerate(zip(cols, arrays, inputs, strict=True)):
+        want = tuple(inp.shape[1:])
+        got = tuple(arr.shape[1:])
+        if len(want) == len(got) and all(w is None or w == g for w, g in zip(want, got, strict=True)):
+            continue
+        label = f"input {i} ({getattr(inp, 'name', '?')!r})" if len(cols) > 1 else "input"
+        fix = ("give a column of that shape (an array column, or a Vector of that many values)")
+        if None not in want and math.prod(want) == math.prod(got):
+            fix = f"add keras.layers.Reshape({want}) after the model's Input({got}), or {fix}"
+        raise param_error(name, f"feature column {col!r} has rows of shape {got} but the model's {label} expects "
+                         f"rows of shape {want}; {fix}")
+
+
+def _keras_loss_function(item: Any) -> Any:
+    """The function behind a Keras loss given by name, as a built-in ``Loss`` object, or as a function."""
+    import keras
+
+    if isinstance(item, str):
+        try:
+            item = keras.losses.get(item)
+        except ValueError:
+            return None
+    return getattr(item, "fn", item)
+
+
+def _keras_elementwise() -> tuple:
+    """Keras's loss functions that compare output and label value by value."""
+    import keras
+
+    ls = keras.losses
+    return (ls.mean_squared_error, ls.mean_absolute_error, ls.mean_absolute_percentage_error,
+            ls.mean_squared_logarithmic_error, ls.huber, ls.log_cosh, ls.binary_crossentropy,
+            ls.binary_focal_crossentropy, ls.categorical_crossentropy, ls.categorical_focal_crossentropy)
 
 
 def _is_elementwise(item: Any) -> bool:
@@ -126,23 +227,24 @@ def _is_elementwise(item: Any) -> bool:
                       | torch.nn.BCEWithLogitsLoss)
 
 
-def _check_output(name: str, col: str, out: Any, label: Any, class_index: bool, elementwise: bool,
-                  label_max: float | None) -> None:
-    per_row = int(out[0].numel()) if out.dim() > 1 else 1
-    label_per_row = int(label[0].numel()) if label.dim() > 1 else 1
+def _check_output(name: str, col: str, out: tuple, label: tuple, class_index: bool, elementwise: bool,
+                  label_max: float | None, class_loss: str) -> None:
+    """One output's shape ``out`` against its label's shape ``label`` (both with the batch dimension first)."""
+    per_row = math.prod(out[1:]) if len(out) > 1 else 1
+    label_per_row = math.prod(label[1:]) if len(label) > 1 else 1
     if class_index:
-        if out.dim() < 2:
+        if len(out) < 2:
             raise param_error(name, f"label {col!r} takes a class-index loss, which needs one logit per class "
-                             f"(rows, classes), but the model gives one value per row (shape {tuple(out.shape)})")
+                             f"(rows, classes), but the model gives one value per row (shape {out})")
         if label_max is not None:
             classes = int(label_max) + 1
-            width = int(out.shape[-1])
+            width = int(out[-1])
             if width < classes:
                 raise param_error(name, f"label {col!r} holds class indices up to {int(label_max)} ({classes} "
                                  f"classes) but the model gives {width} values per row; a class-index loss needs "
                                  f"one logit per class: make the last layer {classes} wide")
         return
     if elementwise and per_row != label_per_row:
-        hint = (" For class indices use a class-index loss (loss='cross_entropy')." if label_per_row == 1 else "")
+        hint = f" For class indices use a class-index loss ({class_loss})." if label_per_row == 1 else ""
         raise param_error(name, f"label {col!r} has {label_per_row} value(s) per row but the model gives "
                          f"{per_row}; the loss compares them value by value, so they must match.{hint}")

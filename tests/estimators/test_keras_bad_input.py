@@ -17,8 +17,8 @@ pytestmark = pytest.mark.spark
 def df(spark):
     from pyspark.ml.linalg import Vectors
 
-    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2), float(i)) for i in range(8)],
-                                 ["features", "label", "weight", "other"])
+    return spark.createDataFrame([(Vectors.dense([float(i), 1.0]), float(i), float(i % 2), float(i), i)
+                                  for i in range(8)], ["features", "label", "weight", "other", "cls"])
 
 
 def _model(outputs: int = 1) -> keras.Model:
@@ -87,3 +87,40 @@ def test_params_spark_style_and_copy():
     for name in ("custom_objects", "checkpoint_callback", "loss_weights", "mlflow", "store"):
         assert name in text
     assert est.copy({est.epochs: 3}).getEpochs() == 3 and est.getEpochs() == 1
+
+
+def _dense(inputs: tuple, width: int) -> keras.Model:
+    inp = keras.Input(shape=inputs)
+    return keras.Model(inp, keras.layers.Dense(width)(keras.layers.Flatten()(inp)))
+
+
+PREFLIGHT = [
+    ("too few logits", dict(model=(2,), out=5, loss="sparse_categorical_crossentropy", label_cols=["cls"]),
+     r"KerasEstimator: label 'cls' holds class indices up to 7 \(8 classes\) but the model gives 5 values per row; "
+     r"a class-index loss needs one logit per class: make the last layer 8 wide"),
+    ("regression loss, class outputs", dict(model=(2,), out=3, loss=keras.losses.MeanSquaredError()),
+     r"KerasEstimator: label 'label' has 1 value\(s\) per row but the model gives 3; .*"
+     r"loss='sparse_categorical_crossentropy'"),
+    ("input width", dict(model=(3,), out=1, loss="mse"),
+     r"KerasEstimator: feature column 'features' has rows of shape \(2,\) but the model's input expects rows of "
+     r"shape \(3,\); give a column of that shape"),
+    ("input rank", dict(model=(2, 1), out=1, loss="mse"),
+     r"feature column 'features' has rows of shape \(2,\) but the model's input expects rows of shape \(2, 1\); "
+     r"add keras.layers.Reshape\(\(2, 1\)\) after the model's Input\(\(2,\)\)"),
+]
+
+
+@pytest.mark.parametrize("what,kw,match", PREFLIGHT, ids=[c[0] for c in PREFLIGHT])
+def test_forward_pass_preflight_fails_before_any_rank(spark, df, tmp_path, monkeypatch, what, kw, match):
+    """The model called on a few prepared rows on the driver: inputs against the feature columns, outputs against
+    the labels and their loss, each error naming the column and both shapes; no rank starts."""
+    from spark_hvd.runner.backend import SparkBackend
+
+    def no_rank(*a, **k):
+        raise AssertionError("a training rank started")
+
+    monkeypatch.setattr(SparkBackend, "run", no_rank)
+    model = _dense(kw.pop("model"), kw.pop("out"))
+    est = KerasEstimator(**_kwargs(Store.create(str(tmp_path / "store")), model=model, **kw))
+    with pytest.raises(ValueError, match=match):
+        est.fit(df)
