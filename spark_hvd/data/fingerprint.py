@@ -13,6 +13,10 @@ Spark's own JSON rendering of the tree, and adds what that rendering leaves out 
 - an RDD-backed relation (``createDataFrame`` from a list, ``df.checkpoint()``): the RDD's id *and this Spark
   application's id*: it cannot be recognised in another session, so it is not.
 
+One thing the rendering shows is left out: a Spark ML stage's uid in the field names of a struct built only to be
+handed to a ``ScalaUDF`` (``VectorAssembler`` casts a non-double input ``c`` to ``c_double_<its uid>``, the UDF
+reads the struct by position), so a new assembler instance over the same data gives the same key.
+
 Anything else the rendering cannot show (a node kind not listed above, a Spark Connect DataFrame) falls back to
 ``semanticHash`` scoped to the Spark application: it may miss the cache, it never hits it wrongly across sessions.
 """
@@ -43,6 +47,9 @@ _COVERED = {
     ("Cast", "evalMode"),  # from spark.sql.ansi.enabled, which the key includes
 }
 _CONFS = ("spark.sql.ansi.enabled", "spark.sql.session.timeZone", "spark.sql.caseSensitive")
+# a struct field name VectorAssembler derives from its uid: "<column>_double_<Class>_<12 hex digits>"
+_STAGE_UID_NAME = re.compile(r"^(.*_double_)[A-Za-z]\w*_[0-9a-f]{12}$")
+_EXPR = "org.apache.spark.sql.catalyst.expressions."
 
 
 def plan_key(df: DataFrame) -> dict[str, Any]:
@@ -89,6 +96,7 @@ def _classic_key(df: DataFrame, jdf: Any) -> dict[str, Any]:
     plan = jdf.queryExecution().analyzed().canonicalized()
     nodes = json.loads(plan.toJSON())
     uncovered = sorted(_null_fields(nodes) - _COVERED)
+    _drop_stage_uids(nodes)
     if uncovered:
         raise _Uncovered("plan holds fields Spark cannot render: " + ", ".join(f"{c}.{f}" for c, f in uncovered))
     jvm = df.sparkSession.sparkContext._jvm
@@ -117,6 +125,45 @@ def _null_fields(node: Any, out: set[tuple[str, str]] | None = None) -> set[tupl
             else:
                 _null_fields(value, out)
     return out
+
+
+def _drop_stage_uids(node: Any) -> None:
+    """In every flattened expression of Spark's JSON (a pre-order list of nodes with ``num-children``), replace
+    the stage uid in the field names of a struct that is a ``ScalaUDF``'s argument (module docstring)."""
+    if isinstance(node, dict):
+        for value in node.values():
+            _drop_stage_uids(value)
+        return
+    if not isinstance(node, list):
+        return
+    if node and all(isinstance(n, dict) and "num-children" in n for n in node):
+        for i, n in enumerate(node):
+            if n.get("class") == _EXPR + "ScalaUDF":
+                for child in _children(node, i):
+                    if node[child].get("class") == _EXPR + "CreateNamedStruct":
+                        for name in _children(node, child)[0::2]:
+                            lit = node[name]
+                            if lit.get("class") == _EXPR + "Literal" and isinstance(lit.get("value"), str):
+                                lit["value"] = _STAGE_UID_NAME.sub(r"\1<stage uid>", lit["value"])
+    for item in node:
+        _drop_stage_uids(item)
+
+
+def _children(nodes: list[dict], i: int) -> list[int]:
+    """Indices of the children of ``nodes[i]`` in a pre-order list of nodes."""
+    out, j = [], i + 1
+    for _ in range(int(nodes[i].get("num-children", 0))):
+        out.append(j)
+        j += _subtree_size(nodes, j)
+    return out
+
+
+def _subtree_size(nodes: list[dict], i: int) -> int:
+    size, pending = 0, 1
+    while pending:
+        pending += int(nodes[i + size].get("num-children", 0)) - 1
+        size += 1
+    return size
 
 
 def _seq(seq: Any) -> list[Any]:

@@ -135,8 +135,9 @@ def test_cache_reuses_same_dataframe_and_settings(df, store, monkeypatch):
 
 
 def test_cache_key_stable_across_vector_assembler_calls(spark, df, store, tmp_path):
-    """VectorAssembler.transform makes a new UDF object per call (a new semanticHash): the key must not change,
-    while whatever changes the data does (the assembler's settings, the files under the source, the rows)."""
+    """VectorAssembler.transform makes a new UDF object per call (a new semanticHash), and a new assembler over a
+    non-double column (val_num: int) puts its own uid in the plan: the key must not change, while whatever changes
+    the data does (the assembler's settings and column order, the files under the source, the rows)."""
     from pyspark.ml.feature import VectorAssembler
 
     path = str(tmp_path / "src")
@@ -151,6 +152,10 @@ def test_cache_key_stable_across_vector_assembler_calls(spark, df, store, tmp_pa
     assert dataset_key(keep.transform(src), "v", "id") != key
     info = prepare_data(first, store, "v", "id")
     assert prepare_data(second, store, "v", "id") == info and store.list_datasets() == [info.key]
+    again = VectorAssembler(inputCols=["x", "val_num"], outputCol="v")  # a new instance, a new uid
+    assert again.uid != assembler.uid and dataset_key(again.transform(src), "v", "id") == key
+    assert prepare_data(again.transform(src), store, "v", "id") == info and store.list_datasets() == [info.key]
+    assert dataset_key(VectorAssembler(inputCols=["val_num", "x"], outputCol="v").transform(src), "v", "id") != key
 
     df.select("id", "x", "val_num").filter("id < 30").write.mode("overwrite").parquet(path)  # rewritten in place
     assert dataset_key(assembler.transform(spark.read.parquet(path)), "v", "id") != key
