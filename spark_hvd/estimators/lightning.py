@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from spark_hvd.estimators.errors import param_error, param_type_error
+from spark_hvd.estimators.lightning_checks import check_trainer_settings
 from spark_hvd.estimators.lightning_rank import LightningTrainer
 from spark_hvd.estimators.params import KeywordParams, LightningEstimatorParams
 from spark_hvd.estimators.spec import LightningSpec
@@ -50,16 +51,18 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                  label_cols=["label"], batch_size=32, epochs=5, validation=0.2)
         fitted = est.fit(df)              # fitted.getModel() is the trained Net
 
-    Batches are dicts of tensors keyed by column name (features shaped by ``input_shapes`` if given). Every rank
-    runs ``training_step`` on its shard; gradients are averaged over ranks by ``spark_hvd.torch.DistributedOptimizer``
-    around the optimizer of ``configure_optimizers`` (its LR scheduler, ``interval`` "epoch" or "step", is
-    stepped and checkpointed). ``self.log``/``self.log_dict`` values are averaged over all ranks' rows per epoch:
-    ``getHistory()`` has them by the logged name, plus ``loss`` (the mean of ``training_step``'s result) and
-    ``val_loss`` (what ``validation_step`` returns, unless it logs ``val_loss`` itself). Checkpoints, resume by
-    ``run_id``, retries, callbacks, ``terminate_on_nan``, MLflow and progress work as for ``TorchEstimator``.
-    ``optimizer``, ``loss`` and ``metrics`` are not params here: the module defines them. See
-    ``lightning_rank.py`` for why the module's hooks are driven by spark_hvd's loop rather than a Lightning
-    ``Trainer`` (in short: ``self.trainer`` is not available inside the module).
+    Each rank runs Lightning's own ``lightning.Trainer.fit`` with a ``DDPStrategy`` over torch.distributed, which
+    meets over the job's authenticated store (``lightning_rank.py``, ``lightning_env.py``): gradients are averaged
+    by DDP, and Lightning runs ``configure_optimizers`` (one or several optimizers with manual optimization, LR
+    schedulers), precision, gradient clipping and accumulation, ``callbacks`` (Lightning callbacks), ``logger`` and
+    ``self.log``. Batches are dicts of tensors keyed by column name (features shaped by ``input_shapes`` if given),
+    from the rank's shard of the prepared data. ``self.log``/``self.log_dict`` values are averaged over all ranks'
+    rows per epoch: ``getHistory()`` has them by the logged name, plus ``loss`` (the mean of ``training_step``'s
+    loss), ``val_loss`` (what ``validation_step`` returns, unless it logs ``val_loss`` itself) and ``lr`` under a
+    scheduler. Checkpoints (Lightning's full state, once an epoch), resume by ``run_id``, retries,
+    ``terminate_on_nan``, ``scale_lr_by_num_proc``, MLflow and progress work as for ``TorchEstimator``.
+    ``optimizer``, ``loss`` and ``metrics`` are not params here (the module defines them), nor
+    ``gradient_compression`` (DDP averages). docs/estimators.md lists what the Trainer is given.
     """
 
     _model_class = LightningModel
@@ -80,10 +83,14 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                 raise param_error("LightningEstimator",
                                   f"{param} is defined by the LightningModule (configure_optimizers"
                                   ", training_step, self.log); leave the {param} param unset")
+        check_trainer_settings(self, model)
         return super()._check_model(model)
 
     def _check_loss(self, n_labels: int) -> None:
         """Nothing to check: the loss is the module's ``training_step``."""
 
     def _train_spec(self) -> dict:
-        return {"input_shapes": self.getOrDefault(self.input_shapes)}
+        get = self.getOrDefault
+        return {"input_shapes": get(self.input_shapes), "trainer_args": dict(self._opt(self.trainer_args) or {}),
+                "logger": self._opt(self.logger), "log_every_n_steps": get(self.log_every_n_steps),
+                "precision": get(self.precision), "gradient_clip_val": get(self.gradient_clip_val)}

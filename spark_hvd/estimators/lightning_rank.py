@@ -1,158 +1,321 @@
-"""The rank half of ``LightningEstimator``: ``LightningTrainer``, the torch loop driving a LightningModule's hooks.
+"""The rank half of ``LightningEstimator``: ``LightningTrainer`` runs Lightning's own ``Trainer.fit`` in each rank.
 
-Why our own loop and not ``lightning.Trainer`` with a strategy of ours: the Trainer brings its own process launch,
-device placement, checkpointing, loggers and progress bars, each of which spark_hvd already does (the runner,
-``RankRun`` with the store, ``report``); a strategy would have to switch most of them off again, and the Trainer's
-internals change between Lightning releases. The loop here is ``TorchTrainer``'s (resume, checkpoints, best epoch,
-LR scheduler, callbacks, ``terminate_on_nan``, gradients averaged by ``spark_hvd.torch.DistributedOptimizer``)
-and calls the module's own hooks: ``configure_optimizers``, ``on_train_epoch_start``, ``training_step(batch,
-batch_idx)``, ``on_train_epoch_end``, ``on_validation_epoch_start``, ``validation_step``,
-``on_validation_epoch_end``. ``batch`` is a dict of tensors keyed by column name (features, labels, sample
-weight), Horovod's contract. ``self.log(name, value)`` / ``self.log_dict`` are recorded per batch and averaged
-over every rank's rows into the history. The module is not attached to a ``Trainer``: ``self.trainer`` is
-unavailable, and Lightning callbacks and loggers are not run (spark_hvd's torch-loop callbacks are).
+Each rank builds a ``lightning.Trainer`` whose ``DDPStrategy`` has the job's ``SparkHvdEnvironment``
+(``lightning_env.py``: Lightning launches nothing; every rank is a node of one device) and whose
+``init_process_group`` meets over the job's authenticated store (``env://``, ``spark_hvd.core.torchrun``). So
+Lightning does the training itself: DDP's gradient averaging, ``configure_optimizers`` (one or several
+optimizers, manual optimization, LR schedulers), precision plugins, gradient clipping and accumulation, the
+user's callbacks and loggers, ``self.log``. The Trainer gets (``trainer_args`` added last, overriding):
+``max_epochs=epochs``, ``accumulate_grad_batches=backward_passes_per_step``, ``log_every_n_steps``,
+``precision``/``gradient_clip_val`` where set, ``logger`` (default none), ``enable_progress_bar=False`` and
+``enable_model_summary=False`` (spark_hvd reports progress), ``num_sanity_val_steps=0``,
+``use_distributed_sampler=False`` (the data is already sharded).
+
+What spark_hvd adds, through ``_Bridge`` (a Lightning ``Checkpoint`` callback, so it runs after the module's own
+``on_train_epoch_end`` and Lightning adds no ``ModelCheckpoint`` of its own):
+
+- the data: a ``DataLoader`` over the rank's shard of the prepared Parquet data (``ShardReaders``), batches as
+  dicts of tensors keyed by column name (features, labels, sample weight), the same number of batches on every
+  rank, reshuffled per epoch;
+- the history: ``self.log``/``self.log_dict`` values (recorded by a wrapper that then calls Lightning's own
+  ``log``) averaged over every rank's rows per epoch, plus ``loss`` (the mean of ``training_step``'s loss),
+  ``val_loss`` (what ``validation_step`` returns, unless it logs ``val_loss`` itself) and ``lr`` where a scheduler
+  runs. Values logged outside a batch (e.g. in ``on_train_epoch_end``) are averaged over the ranks;
+- per epoch: ``RankRun.end_epoch`` (rank 0's checkpoint, the metrics log, progress, MLflow); the checkpoint is
+  Lightning's own full state (``lightning.ckpt``: model, optimizers, schedulers, loops, callbacks' state,
+  precision scaler), and a resumed run hands it to ``Trainer.fit(ckpt_path=...)`` on every rank;
+- ``terminate_on_nan`` and ``scale_lr_by_num_proc`` (applied to the optimizers ``configure_optimizers`` built).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import shutil
+import tempfile
+import warnings
 from typing import Any
 
-from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.rank_run import RankRun
 from spark_hvd.estimators.torch_rank import TorchTrainer
 
-__all__ = ["LightningTrainer", "split_optimizers"]
+__all__ = ["LightningTrainer", "CHECKPOINT_FILE"]
+
+#: the file of a run's checkpoint directory that holds Lightning's checkpoint
+CHECKPOINT_FILE = "lightning.ckpt"
+
+#: Lightning's advice that does not apply here (the reader has its own worker pool; the shards are equal)
+_QUIET = (".*does not have many workers.*", ".*IterableDataset.*__len__.*", ".*Total length of.*",
+          ".*sync_dist=True.*", ".*is smaller than the logging interval.*")
 
 
-def split_optimizers(configured: Any) -> tuple[Any, Any, str]:
-    """``configure_optimizers()``'s result -> (optimizer, scheduler or None, "epoch" | "batch").
-
-    Accepted: an optimizer; a list/tuple of one; ``([optimizer], [scheduler])``; a dict ``{"optimizer": ...,
-    "lr_scheduler": scheduler | {"scheduler": ..., "interval": "epoch" | "step"}}``. Several optimizers are an error.
-    """
-    import torch
-
-    scheduler, interval = None, "epoch"
-    if isinstance(configured, dict):
-        optimizer, scheduler = configured.get("optimizer"), configured.get("lr_scheduler")
-    elif isinstance(configured, list | tuple) and len(configured) == 2 and isinstance(configured[0], list | tuple):
-        optimizers, schedulers = configured
-        if len(optimizers) != 1 or len(schedulers) > 1:
-            raise param_error("LightningEstimator", "configure_optimizers must give one optimizer and at most one "
-                              f"scheduler, got {len(optimizers)} and {len(schedulers)}")
-        optimizer, scheduler = optimizers[0], (schedulers[0] if schedulers else None)
-    elif isinstance(configured, list | tuple):
-        if len(configured) != 1:
-            raise param_error("LightningEstimator", f"configure_optimizers gave {len(configured)} optimizers; one is "
-                              "supported")
-        optimizer = configured[0]
-    else:
-        optimizer = configured
-    if isinstance(scheduler, dict):
-        interval = "batch" if scheduler.get("interval", "epoch") == "step" else "epoch"
-        scheduler = scheduler.get("scheduler")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise param_type_error("LightningEstimator", f"configure_optimizers must give a torch.optim.Optimizer, got "
-                               f"{type(optimizer).__name__}")
-    return optimizer, scheduler, interval
+def _scalar(value: Any) -> float | None:
+    """A logged value as a float, or None when it is not a number (a torchmetrics ``Metric``: Lightning's)."""
+    try:
+        return float(value.detach()) if hasattr(value, "detach") else float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
-def _scalar(value: Any) -> float:
-    return float(value.detach()) if hasattr(value, "detach") else float(value)
+def _loss_of(output: Any) -> Any:
+    return output.get("loss") if isinstance(output, dict) else output
+
+
+class _Recorder:
+    """The row-weighted sums of one epoch: training and validation batches, and values logged outside a batch."""
+
+    def __init__(self) -> None:
+        self.phase = "train"
+        self.rows = 0  #: rows of the batch being run (0: outside a batch)
+        self.train: dict[str, float] = {}
+        self.train_rows = 0
+        self.val: dict[str, float] = {}
+        self.val_rows = 0
+        self.val_returned: float | None = None
+        self.outside: dict[str, float] = {}
+        self.lr: float | None = None
+
+    def record(self, name: str, value: Any, batch_size: int | None) -> None:
+        number = _scalar(value)
+        if number is None:
+            return
+        if not self.rows:
+            self.outside[name] = number
+            return
+        acc = self.val if self.phase == "val" else self.train
+        acc[name] = acc.get(name, 0.0) + number * (batch_size or self.rows)
 
 
 class LightningTrainer(TorchTrainer):
-    """``TorchTrainer`` whose optimizer, step and metrics come from the LightningModule (see the module docstring)."""
+    """A ``RankTrainer`` whose training is ``lightning.Trainer.fit`` (see the module docstring); ``init`` (binding,
+    device, threads), the batch tensors, the output shapes and the final model are ``TorchTrainer``'s."""
 
-    def _build_training(self, spec: Any) -> tuple[Any, str]:
-        import torch
+    def build(self, spec: Any) -> None:
+        from spark_hvd.estimators.torch_serde import deserialize_module
 
-        self._bool = torch.bool
-        self._acc: dict[str, float] = {}
-        self._rows = 0
-        module = self.model
+        self.spec = spec
+        self.model = deserialize_module(spec.model_bytes).to(self.device)
+        self.recorder = _Recorder()
+        self.resume: dict | None = None  #: the Lightning checkpoint a resumed run starts from
+        self.trainer: Any = None
+        module, owner = self.model, self
+        lightning_log = type(module).log
 
-        def log(name: str, value: Any, *args: Any, batch_size: int | None = None, **kwargs: Any) -> None:
-            n = batch_size or self._rows
-            self._acc[name] = self._acc.get(name, 0.0) + _scalar(value) * n
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            trainer = module._trainer
+            if trainer is None or not trainer.sanity_checking:
+                owner.recorder.record(name, value, kwargs.get("batch_size"))
+            lightning_log(module, name, value, *args, **kwargs)
 
-        def log_dict(dictionary: dict, *args: Any, batch_size: int | None = None, **kwargs: Any) -> None:
-            for name, value in dictionary.items():
-                log(name, value, batch_size=batch_size)
-
-        # instance attributes shadow LightningModule.log/log_dict (which need a Trainer) on this rank's copy only
+        # an instance attribute on this rank's copy (log_dict calls it too); removed before the model is saved
         object.__setattr__(module, "log", log)
-        object.__setattr__(module, "log_dict", log_dict)
-        optimizer, self._user_scheduler, interval = split_optimizers(module.configure_optimizers())
-        return optimizer, interval
 
-    def _build_scheduler(self, spec: Any) -> Any:
-        scheduler = self._user_scheduler
-        if scheduler is not None:
-            # the scheduler was built on the plain optimizer: point it at the one that averages gradients, and
-            # drop the step wrapper it installed (copied along with the optimizer's attributes)
-            self.optimizer.__dict__.pop("step", None)
-            scheduler.optimizer = self.optimizer
-        return scheduler
-
-    def _batch(self, batch: dict) -> dict:
-        inputs, labels, sw = self._tensors(batch)
-        out = dict(zip(self.spec.feature_cols, inputs, strict=True))
-        # integer labels as int64 (what class-index losses take), as integer features are
-        out.update((c, y.long() if not y.is_floating_point() and y.dtype != self._bool else y)
-                   for c, y in zip(self.spec.label_cols, labels, strict=True))
-        if sw is not None:
-            out[self.spec.sample_weight_col] = sw
-        return out
-
-    def _loss_of(self, result: Any) -> Any:
-        return result["loss"] if isinstance(result, dict) else result
-
-    def _epoch_start(self) -> None:
-        self.model.on_train_epoch_start()
-
-    def _epoch_end(self) -> None:
-        self.model.on_train_epoch_end()
-
-    def _train_batch(self, batch: dict, step: int, acc: dict) -> tuple[float, int]:
-        bpps = self.spec.backward_passes_per_step
-        data = self._batch(batch)
-        n = int(next(iter(data.values())).shape[0])
-        self._acc, self._rows = acc, n
-        if step % bpps == 0:
-            self.optimizer.zero_grad()
-        loss = self._loss_of(self.model.training_step(data, step))
-        if loss is None:
-            raise param_error("LightningEstimator", "training_step returned None; return the loss (or {'loss': ...})")
-        (loss / bpps if bpps > 1 else loss).backward()
-        if (step + 1) % bpps == 0:
-            self.optimizer.step()
-        value = _scalar(loss)
-        acc["loss"] = acc.get("loss", 0.0) + value * n
-        return value, n
-
-    def _validate(self, run: RankRun, epoch: int) -> dict[str, float]:
+    # ---- checkpoints: Lightning's own
+    def save_checkpoint(self, directory: str) -> None:
         import torch
 
-        self.model.eval()
-        acc: dict[str, float] = {}
-        rows, returned = 0, None
-        self.model.on_validation_epoch_start()
-        with torch.no_grad():
-            for step, batch in enumerate(run.readers.epoch("val", epoch)):
-                data = self._batch(batch)
-                n = int(next(iter(data.values())).shape[0])
-                self._acc, self._rows = acc, n
-                result = self.model.validation_step(data, step)
-                if result is not None:  # a returned loss counts as val_loss unless the step logs one itself
-                    returned = (returned or 0.0) + _scalar(self._loss_of(result)) * n
-                rows += n
-        self.model.on_validation_epoch_end()
-        if returned is not None and "val_loss" not in acc:
-            acc["val_loss"] = returned
-        return self._epoch_metrics(acc, rows)
+        state = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        torch.save(state, os.path.join(directory, CHECKPOINT_FILE))
+
+    def load_checkpoint(self, directory: str) -> None:
+        import torch
+
+        path = os.path.join(directory, CHECKPOINT_FILE)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"run {self.spec.run_id}: the checkpoint has no {CHECKPOINT_FILE}; it was not "
+                                    "written by LightningEstimator (start a new run_id)")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self.model.load_state_dict(state["state_dict"])
+        self.resume = state
+
+    def sync(self) -> None:
+        self.resume = self.hvd.broadcast_object(self.resume, root_rank=0)
+        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def save_model(self, directory: str) -> None:
-        for name in ("log", "log_dict"):  # our recording hooks are not part of the module
-            self.model.__dict__.pop(name, None)
+        self.model.__dict__.pop("log", None)  # our recording wrapper is not part of the module
         super().save_model(directory)
+
+    # ---- training
+    def _batch(self, batch: dict) -> dict:
+        """The reader's numpy batch as the module's dict of tensors (integer labels as int64, for class-index
+        losses)."""
+        import torch
+
+        spec = self.spec
+        inputs, labels, sw = self._tensors(batch)
+        out = dict(zip(spec.feature_cols, inputs, strict=True))
+        out.update((c, y.long() if not y.is_floating_point() and y.dtype != torch.bool else y)
+                   for c, y in zip(spec.label_cols, labels, strict=True))
+        if sw is not None:
+            out[spec.sample_weight_col] = sw
+        return out
+
+    def _loader(self, run: RankRun, split: str) -> Any:
+        import torch
+
+        owner = self
+
+        class Shard(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for batch in run.readers.epoch(split, owner.trainer.current_epoch):
+                    yield owner._batch(batch)
+
+            def __len__(self) -> int:
+                return run.readers.steps(split)
+
+        return torch.utils.data.DataLoader(Shard(), batch_size=None)
+
+    def _trainer_args(self, run: RankRun, root: str) -> dict:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from spark_hvd.estimators.lightning_env import SparkHvdEnvironment
+
+        spec = self.spec
+        on_gpu = self.device.type == "cuda"
+        args = {
+            "accelerator": "gpu" if on_gpu else "cpu", "devices": [self.device.index] if on_gpu else 1,
+            "num_nodes": run.size, "max_epochs": spec.epochs,
+            "strategy": DDPStrategy(cluster_environment=SparkHvdEnvironment(run.rank, run.size)),
+            "callbacks": [*spec.callbacks, _Bridge(self, run)], "logger": spec.logger or False,
+            "enable_checkpointing": True, "enable_progress_bar": False, "enable_model_summary": False,
+            "num_sanity_val_steps": 0, "use_distributed_sampler": False, "default_root_dir": root,
+            "accumulate_grad_batches": spec.backward_passes_per_step, "log_every_n_steps": spec.log_every_n_steps,
+        }
+        if spec.precision is not None:
+            args["precision"] = spec.precision
+        if spec.gradient_clip_val is not None:
+            args["gradient_clip_val"] = spec.gradient_clip_val
+        if not run.readers.has_validation:
+            args["limit_val_batches"] = 0
+        extra = dict(spec.trainer_args or {})
+        strategy = extra.pop("strategy", "ddp")
+        if isinstance(strategy, DDPStrategy):  # the user's DDP settings, on the job's ranks
+            strategy.cluster_environment = args["strategy"].cluster_environment
+            args["strategy"] = strategy
+        elif strategy == "ddp_find_unused_parameters_true":
+            args["strategy"] = DDPStrategy(cluster_environment=args["strategy"].cluster_environment,
+                                           find_unused_parameters=True)
+        args.update(extra)
+        return args
+
+    def train(self, run: RankRun) -> None:
+        import lightning.pytorch as pl
+        import torch
+
+        root = tempfile.mkdtemp(prefix="spark_hvd_lightning_")
+        quiet = logging.getLogger("lightning.pytorch")
+        level = quiet.level
+        if self.spec.verbose < 2:
+            quiet.setLevel(logging.WARNING)  # "GPU available", "Initializing distributed", ... once per rank
+        try:
+            with warnings.catch_warnings():
+                for message in _QUIET:
+                    warnings.filterwarnings("ignore", message=message)
+                self.trainer = pl.Trainer(**self._trainer_args(run, root))
+                ckpt = None
+                if self.resume is not None:
+                    ckpt = os.path.join(root, CHECKPOINT_FILE)
+                    torch.save(self.resume, ckpt)
+                    self.resume = None
+                val = self._loader(run, "val") if run.readers.has_validation else None
+                self.trainer.fit(self.model, train_dataloaders=self._loader(run, "train"), val_dataloaders=val,
+                                 ckpt_path=ckpt)
+        finally:
+            quiet.setLevel(level)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@functools.cache
+def _bridge_class() -> type:
+    """``_Bridge`` (built on first use, so that importing this module does not import Lightning)."""
+    from lightning.pytorch.callbacks import Checkpoint
+
+    return type("_Bridge", (_BridgeHooks, Checkpoint), {})
+
+
+def _Bridge(owner: LightningTrainer, run: RankRun) -> Any:  # noqa: N802 (a class, built lazily)
+    return _bridge_class()(owner, run)
+
+
+class _BridgeHooks:
+    """spark_hvd's side of the Lightning fit (see the module docstring): history, ``RankRun.end_epoch``,
+    ``terminate_on_nan``, progress, ``scale_lr_by_num_proc``."""
+
+    def __init__(self, owner: LightningTrainer, run: RankRun) -> None:
+        self.owner, self.run = owner, run
+
+    @property
+    def state_key(self) -> str:
+        return "spark_hvd"
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        # after configure_optimizers, before a resumed run's optimizer state (already scaled) is restored
+        if self.owner.spec.scale_lr_by_num_proc:
+            size = self.run.size
+            for optimizer in trainer.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] *= size
+                    if "initial_lr" in group:
+                        group["initial_lr"] *= size
+            for config in trainer.lr_scheduler_configs:
+                if hasattr(config.scheduler, "base_lrs"):
+                    config.scheduler.base_lrs = [lr * size for lr in config.scheduler.base_lrs]
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        self.owner.recorder = rec = _Recorder()
+        if trainer.lr_scheduler_configs:  # the epoch's rate (Lightning steps an epoch scheduler at its last batch)
+            rec.lr = float(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: dict, batch_idx: int) -> None:
+        self.owner.recorder.rows = int(next(iter(batch.values())).shape[0])
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: dict, batch_idx: int) -> None:
+        rec = self.owner.recorder
+        loss = _loss_of(outputs)
+        value = None
+        if loss is not None and _scalar(loss) is not None:
+            value = _scalar(loss)
+            if module.automatic_optimization:  # Lightning divided it by the accumulation
+                value *= trainer.accumulate_grad_batches
+            rec.train["loss"] = rec.train.get("loss", 0.0) + value * rec.rows
+        rec.train_rows += rec.rows
+        rec.rows = 0
+        self.run.batch_done(trainer.current_epoch, batch_idx, value)
+
+    def on_validation_start(self, trainer: Any, module: Any) -> None:
+        self.owner.recorder.phase = "val"
+
+    def on_validation_batch_start(self, trainer: Any, module: Any, batch: dict, batch_idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self.owner.recorder.rows = int(next(iter(batch.values())).shape[0])
+
+    def on_validation_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: dict, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        rec = self.owner.recorder
+        if not trainer.sanity_checking:
+            loss = _scalar(_loss_of(outputs)) if _loss_of(outputs) is not None else None
+            if loss is not None:  # a returned loss counts as val_loss unless the step logs one itself
+                rec.val_returned = (rec.val_returned or 0.0) + loss * rec.rows
+            rec.val_rows += rec.rows
+        rec.rows = 0
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        self.owner.recorder.phase = "train"
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        owner, rec = self.owner, self.owner.recorder
+        logs = owner._epoch_metrics(rec.train, rec.train_rows)
+        if self.run.readers.has_validation:
+            val = dict(rec.val)
+            if rec.val_returned is not None and "val_loss" not in val:
+                val["val_loss"] = rec.val_returned
+            logs.update(owner._epoch_metrics(val, rec.val_rows))
+        if rec.outside:
+            logs.update(owner._epoch_metrics(dict(rec.outside), 1))
+        if rec.lr is not None:
+            logs["lr"] = rec.lr
+        if self.run.end_epoch(trainer.current_epoch, logs, stop=trainer.should_stop):
+            trainer.should_stop = True
+

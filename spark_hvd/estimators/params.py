@@ -44,6 +44,8 @@ OBJECT_PARAMS = frozenset(
         "collate_fn",
         "gradient_compression",
         "lr_scheduler",
+        "logger",
+        "trainer_args",
     }
 )
 
@@ -394,14 +396,28 @@ class KerasEstimatorParams(EstimatorParams):
 
 @_add_accessors
 class LightningEstimatorParams(EstimatorParams):
-    """``EstimatorParams`` plus the Torch input shapes; optimizer, loss and metrics come from the module itself."""
+    """``EstimatorParams`` plus the Torch input shapes and the rank's ``lightning.Trainer`` settings (Horovod's
+    names); optimizer, loss and metrics come from the module itself, ``callbacks`` are Lightning callbacks."""
 
     input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
                       _to_input_shapes)
+    trainer_args = _p("trainer_args", "dict of further lightning.Trainer arguments, added to (and overriding) those "
+                      "the estimator gives (strategy: 'ddp', 'ddp_find_unused_parameters_true' or a "
+                      "DDPStrategy); not accelerator, devices, num_nodes, max_epochs, callbacks, logger, "
+                      "enable_checkpointing, use_distributed_sampler", _to_json_dict)
+    logger = _p("logger", "a Lightning logger (or a list of them) run on the ranks, e.g. CSVLogger(path); default "
+                "none (the store keeps the metrics log and TensorBoard scalars)")
+    log_every_n_steps = _p("log_every_n_steps", "how often the Trainer logs training steps (Lightning's setting)",
+                           _to_strict_int)
+    precision = _p("precision", "Lightning's precision: 'bf16-mixed', '16-mixed', 'bf16-true', '32-true', 64 ...; "
+                   "default Lightning's ('32-true')")
+    gradient_clip_val = _p("gradient_clip_val", "clip gradients at this value (norm by default; "
+                           "trainer_args={'gradient_clip_algorithm': 'value'} for values); default none",
+                           _to_optional(TypeConverters.toFloat))
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None)
+        self._setDefault(input_shapes=None, log_every_n_steps=50, precision=None, gradient_clip_val=None)
 
 
 # --------------------------------------------------------------------------------------------------- models

@@ -108,9 +108,15 @@ class KerasSpec(TrainSpec):
 
 @dataclass(frozen=True, kw_only=True)
 class LightningSpec(TrainSpec):
-    """``TrainSpec`` plus the input shapes (the module brings its own optimizer, loss and metrics)."""
+    """``TrainSpec`` plus the input shapes and what the rank's ``lightning.Trainer`` is given (the module brings its
+    own optimizer, loss and metrics; ``callbacks`` are Lightning callbacks)."""
 
     input_shapes: tuple | None = None
+    trainer_args: dict | None = None  #: extra ``lightning.Trainer`` arguments (override the estimator's)
+    logger: Any = None  #: a Lightning logger (or a list of them); None: none
+    log_every_n_steps: int = 50
+    precision: Any = None  #: Lightning's ``precision`` ("bf16-mixed", "16-mixed", 32 ...); None: its default
+    gradient_clip_val: float | None = None
 
 
 def model_metadata(info: Any, output_shapes: list[list[int]]) -> dict:

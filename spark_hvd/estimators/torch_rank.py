@@ -3,7 +3,8 @@
 ``TorchTrainer`` is a ``RankTrainer`` (see ``rank_run.py``): the shared ``RankRun`` does init order, seeding,
 resume, per-epoch end and finish; this file builds the module, its optimizer (wrapped in
 ``spark_hvd.torch.DistributedOptimizer``) and LR scheduler, and trains one epoch at a time. ``LightningTrainer``
-(``lightning_rank.py``) reuses everything here but the step and the metrics.
+(``lightning_rank.py``) reuses the device set-up, the batch tensors, the metric averaging and the final model, and
+trains with Lightning's own ``Trainer``.
 
 Callbacks (on every rank) may define ``on_train_begin(context)`` (a ``TrainingContext``: model, optimizer,
 scheduler, ``stop_training``), ``on_epoch_begin(epoch)``, ``on_batch_end(epoch, step, loss)`` and
@@ -151,8 +152,7 @@ def default_train_minibatch(model: Any, optimizer: Any, transform_outputs: Calla
 
 
 class TorchTrainer(RankTrainer):
-    """The torch loop (see the module docstring); ``_build_training``, ``_train_batch``, ``_validate`` and
-    ``_epoch_start``/``_epoch_end`` are what ``LightningTrainer`` replaces."""
+    """The torch loop (see the module docstring)."""
 
     def init(self, spec: Any) -> None:
         import torch
@@ -276,7 +276,6 @@ class TorchTrainer(RankTrainer):
             for cb in callbacks:
                 getattr(cb, "on_epoch_begin", lambda e: None)(epoch)
             self.model.train()
-            self._epoch_start()
             skip = run.start_step if epoch == run.start else 0  # a resume from a step checkpoint
             acc: dict[str, float] = dict(run.resume_progress.get("acc", {})) if skip else {}
             rows = int(run.resume_progress.get("rows", 0)) if skip else 0
@@ -290,7 +289,6 @@ class TorchTrainer(RankTrainer):
                 for cb in callbacks:
                     getattr(cb, "on_batch_end", lambda e, s, loss: None)(epoch, step, loss)
                 run.step_end(epoch, step, {"acc": acc, "rows": rows})
-            self._epoch_end()
             logs = self._epoch_metrics(acc, rows)
             if run.readers.has_validation:
                 logs.update(self._validate(run, epoch))
@@ -302,12 +300,6 @@ class TorchTrainer(RankTrainer):
                 getattr(cb, "on_epoch_end", lambda e, logs: None)(epoch, logs)
             if run.end_epoch(epoch, logs, stop=self.context.stop_training):
                 break
-
-    def _epoch_start(self) -> None:
-        """Before an epoch's first batch (a hook for subclasses)."""
-
-    def _epoch_end(self) -> None:
-        """After an epoch's last batch (a hook for subclasses)."""
 
     def _tensors(self, batch: dict) -> tuple[list, list, Any]:
         import torch

@@ -1,0 +1,235 @@
+"""LightningEstimator on Lightning's own Trainer (local[2], num_proc=2): the fit equals single-process training on
+the same combined batches (gradient clipping included, and across a resume), a user's Lightning Callback and
+CSVLogger ran in the ranks, several optimizers under manual optimization with bf16-mixed precision and a scaled
+learning rate, and bad Trainer settings refused on the driver."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+from helpers.estimators import assert_fit_fails_before_anything_runs
+from helpers.torch_replay import assert_fit_equals_replay, rank_shards, replay
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from spark_hvd.estimators import LightningEstimator  # noqa: E402
+from spark_hvd.estimators.errors import EstimatorError  # noqa: E402
+from spark_hvd.estimators.torch import EarlyStopping  # noqa: E402
+from spark_hvd.store import Store  # noqa: E402
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+_CLIP = 0.5
+
+
+def _mse(module, batch):
+    return torch.nn.functional.mse_loss(module(batch["features"]).squeeze(1), batch["y"].float())
+
+
+class Reg(pl.LightningModule):
+    """A linear regression trained with SGD and momentum (so a resume must restore the optimizer's state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = _mse(self, batch)
+        self.log("train_mse", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_mse", _mse(self, batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Hooks(pl.Callback):
+    """Appends what each hook saw to ``<directory>/rank<global rank>.jsonl`` on the rank's filesystem."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def _write(self, trainer, **what) -> None:
+        with open(f"{self.directory}/rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(what) + "\n")
+
+    def on_train_start(self, trainer, module):
+        self._write(trainer, hook="train_start", world=trainer.world_size, strategy=type(trainer.strategy).__name__,
+                    env=type(trainer.strategy.cluster_environment).__name__,
+                    group=torch.distributed.get_world_size())
+
+    def on_train_epoch_end(self, trainer, module):
+        self._write(trainer, hook="train_epoch_end", epoch=trainer.current_epoch)
+
+    def on_validation_epoch_end(self, trainer, module):
+        self._write(trainer, hook="validation_epoch_end", epoch=trainer.current_epoch,
+                    val_mse=float(trainer.callback_metrics["val_mse"]))
+
+    def on_train_end(self, trainer, module):
+        self._write(trainer, hook="train_end", step=trainer.global_step)
+
+
+@pytest.fixture(scope="module")
+def df(spark):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 3)).astype(np.float32)
+    y = x @ np.array([1.5, -2.0, 0.5], np.float32) + 0.3 + rng.normal(scale=0.1, size=256).astype(np.float32)
+    return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+
+
+def _replayed(store, fitted, initial, epochs: int, clip: float | None) -> tuple[torch.nn.Module, list[float]]:
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def apply(optimizer):
+        if clip is not None:  # Lightning's gradient_clip_val: the norm of all gradients, after DDP's average
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+
+    shards = rank_shards(store, fitted, seed=1, batch_size=16)
+    batch_loss = lambda m, b: _mse(m, {k: torch.from_numpy(v) for k, v in b.items()})  # noqa: E731
+    return model, replay(shards, model, opt, batch_loss, epochs, apply=apply)
+
+
+def test_fit_equals_replay_with_callbacks_logger_resume_and_transform(spark, df, tmp_path):
+    store = Store.create(str(tmp_path / "store"))
+    (tmp_path / "hooks").mkdir()
+    torch.manual_seed(0)
+    net = Reg()
+    initial = copy.deepcopy(net)
+    est = LightningEstimator(num_proc=2, store=store, model=net, feature_cols=["features"], label_cols=["y"],
+                             batch_size=16, epochs=2, validation=0.25, random_seed=1, partitions_per_process=1,
+                             verbose=0, run_id="lightning-replay", gradient_clip_val=_CLIP, log_every_n_steps=1,
+                             callbacks=[Hooks(str(tmp_path / "hooks"))],
+                             logger=CSVLogger(str(tmp_path / "csv"), name="fit", version=0))
+    fitted = est.fit(df)
+
+    # the fit equals one process training on both ranks' batches with averaged, clipped gradients
+    model, losses = _replayed(store, fitted, initial, 2, _CLIP)
+    assert_fit_equals_replay(fitted, model, losses, atol=1e-5, rtol=1e-4)
+    unclipped, _ = _replayed(store, fitted, initial, 2, None)  # the control: clipping changed the weights
+    assert (unclipped.lin.weight - model.lin.weight).abs().max() > 1e-3
+    hist = fitted.getHistory()
+    assert hist["train_mse"] == pytest.approx(hist["loss"]) and len(hist["val_mse"]) == 2
+
+    # the callback ran on both ranks, inside Lightning's DDP over the job's two ranks
+    steps = rank_shards(store, fitted, seed=1, batch_size=16)[0].steps("train")
+    for rank in (0, 1):
+        seen = [json.loads(line) for line in (tmp_path / "hooks" / f"rank{rank}.jsonl").read_text().splitlines()]
+        assert [s["hook"] for s in seen] == ["train_start", "validation_epoch_end", "train_epoch_end",
+                                             "validation_epoch_end", "train_epoch_end", "train_end"], seen
+        assert seen[0] == {"hook": "train_start", "world": 2, "strategy": "DDPStrategy",
+                           "env": "SparkHvdEnvironment", "group": 2}
+        assert [s["epoch"] for s in seen[1:5]] == [0, 0, 1, 1] and seen[-1]["step"] == 2 * steps
+        # Lightning's own epoch value (sync_dist) is the history's mean over both ranks' rows
+        assert seen[3]["val_mse"] == pytest.approx(hist["val_mse"][1], rel=1e-2)
+
+    # CSVLogger (rank 0) wrote every training step's train_mse
+    with open(tmp_path / "csv" / "fit" / "version_0" / "metrics.csv") as f:
+        header, *rows = [line.split(",") for line in f.read().splitlines()]
+    assert {"epoch", "step", "train_mse", "val_mse"} <= set(header)
+    assert sum(1 for r in rows if r[header.index("train_mse")]) == 2 * steps
+
+    # transform equals the trained module called directly
+    got = np.array([r.y__output for r in fitted.transform(df.limit(20)).collect()])
+    x = torch.tensor([r.features for r in df.limit(20).collect()])
+    with torch.no_grad():
+        np.testing.assert_allclose(got, fitted.getModel()(x).squeeze(1).numpy(), rtol=1e-6, atol=1e-6)
+
+    # resume by run_id from Lightning's checkpoint of epoch 1 (weights, momentum, loops): a third epoch equals
+    # three epochs of the replay
+    more = est.copy({est.epochs: 3}).fit(df)
+    model3, losses3 = _replayed(store, more, initial, 3, _CLIP)
+    assert_fit_equals_replay(more, model3, losses3, atol=1e-5, rtol=1e-4)
+    assert more.getHistory()["loss"][:2] == hist["loss"]
+
+
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with an optimizer per layer; records whether training_step ran under bf16 autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = torch.nn.Linear(3, 8)
+        self.b = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        out = self(batch["features"])
+        loss = torch.nn.functional.mse_loss(out.squeeze(1).float(), batch["y"].float())
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        opt_b.step()
+        self.log("bf16", float(out.dtype == torch.bfloat16))
+        self.log("lr_a", opt_a.param_groups[0]["lr"])
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.a.parameters(), lr=0.02), torch.optim.Adam(self.b.parameters(), lr=0.01)]
+
+
+def test_two_optimizers_manual_optimization_bf16_scaled_lr(spark, df, tmp_path):
+    torch.manual_seed(0)
+    net = TwoOptimizers()
+    initial = copy.deepcopy(net)
+    est = LightningEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                             feature_cols=["features"], label_cols=["y"], batch_size=16, epochs=3, random_seed=1,
+                             verbose=0, precision="bf16-mixed", scale_lr_by_num_proc=True)
+    fitted = est.fit(df)
+    hist = fitted.getHistory()
+    assert hist["bf16"] == [1.0, 1.0, 1.0], hist  # Lightning's precision plugin ran the step under autocast
+    assert hist["lr_a"] == pytest.approx([0.04] * 3), hist  # 0.02 x 2 ranks (scale_lr_by_num_proc)
+    assert hist["loss"][0] > hist["loss"][1] > hist["loss"][2] and hist["loss"][2] < 0.8 * hist["loss"][0], hist
+    trained = fitted.getModel()
+    for layer in ("a", "b"):  # both optimizers stepped
+        assert (getattr(trained, layer).weight - getattr(initial, layer).weight).abs().max() > 1e-3, layer
+
+
+def _manual() -> pl.LightningModule:
+    return TwoOptimizers()
+
+
+BAD = [  # (what, params, message)
+    ("a torch-loop callback", dict(callbacks=[EarlyStopping()]), r"callbacks\[0\] is a EarlyStopping, not a "
+     r"lightning Callback"),
+    ("a reserved Trainer argument", dict(trainer_args={"max_epochs": 3}), r"'max_epochs' is set by the estimator "
+     r"\(set epochs\)"),
+    ("a misspelt Trainer argument", dict(trainer_args={"gradient_clip_vall": 1.0}),
+     r"'gradient_clip_vall' is not a lightning.Trainer argument; did you mean \['gradient_clip_val'"),
+    ("a param given twice", dict(precision="bf16-mixed", trainer_args={"precision": 32}), r"precision is given both"),
+    ("an unknown precision", dict(precision="bf17"), r"precision 'bf17' is not one of Lightning's"),
+    ("another strategy", dict(trainer_args={"strategy": "fsdp"}), r"strategy 'fsdp' is not supported"),
+    ("a logger that is not one", dict(logger="csv"), r"logger must be a lightning Logger"),
+    ("gradient compression", dict(gradient_compression=object()), r"gradient_compression is not supported"),
+    ("clipping under manual optimization", dict(model=_manual(), gradient_clip_val=1.0),
+     r"TwoOptimizers uses manual optimization"),
+]
+
+
+@pytest.mark.parametrize("what,params,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_trainer_settings_fail_on_the_driver(spark, df, tmp_path, what, params, match):
+    root = tmp_path / "store"
+    args = dict(num_proc=2, store=Store.create(str(root)), model=Reg(), feature_cols=["features"], label_cols=["y"],
+                batch_size=16, verbose=0)
+    args.update(params)
+    assert_fit_fails_before_anything_runs(spark, LightningEstimator(**args), df, root, what, EstimatorError, match)
