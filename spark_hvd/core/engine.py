@@ -94,6 +94,7 @@ from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
 from spark_hvd.core.executor import Executor, Request
+from spark_hvd.core.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, unpack
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
 from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
@@ -173,6 +174,9 @@ class Engine:
         self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
         self._spec: Spec | None = None  # identical on every rank
         self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses)
+        self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.fresh``)
+        self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
+        self._fresh_specs: dict[Layout, FreshSpec] = {}
         self._timeline: Timeline | None = None
         if settings.timeline:
             path = timeline_path(settings.timeline, self.rank)
@@ -520,6 +524,12 @@ class Engine:
                 if self._speculative_round(self._spec, by_id if exact else None, start):
                     return True, False
                 self._spec = None
+            if self._fresh is not None:
+                layout = self._fresh.layout
+                same = not (ids or join_flag or shutdown_flag) and len(fresh) == len(layout) and all(
+                    request.meta == meta for request, meta in zip(fresh, layout, strict=False))
+                if self._fresh_round(self._fresh, fresh if same else None, start):
+                    return True, False
             # the message this rank would send in a full round (the table is empty: nothing has expired); its
             # length rides on the fast round, so a full round that follows moves every message in one allreduce
             message = encode_message([int(join_flag), int(shutdown_flag), ids, full, []])
@@ -536,6 +546,8 @@ class Engine:
                 progress = bool(common) or partial
                 if not partial:
                     self._spec = self._predictor.advance(common)
+                    if common:
+                        self._fresh_last = None
                     self._finish_round(ready, start, progress)
                     return progress, False
             if same_messages(vec, self.size):  # every rank sent this very message (the same new tensors)
@@ -548,6 +560,11 @@ class Engine:
                     ready += [(TableEntry(request.name, request.meta), None) for request in fresh]
                     self._spec = None  # the new tensors change the cache: learn the rounds afresh
                     self._predictor.reset()
+                    # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.fresh``)
+                    layout = None if ids else fresh_layout([request.meta for request in fresh])
+                    if layout is not None and layout == self._fresh_last:
+                        self._fresh = self._fresh_spec(layout)
+                    self._fresh_last = layout
                     self._finish_round(ready, start, True)
                     return True, False
                 messages = decode_messages(message, 1) * self.size
@@ -562,6 +579,7 @@ class Engine:
         # a full round may change the cache: learn the rounds afresh
         self._spec = None
         self._predictor.reset()
+        self._fresh = self._fresh_last = None
         table = self._table
         if messages is None:  # the first round, or outstanding tensors: gather the messages
             fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
@@ -649,6 +667,7 @@ class Engine:
         with self._lock:
             requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
         self._spec = self._predictor.advance(spec.ids)
+        self._fresh_last = None
         activity = "BARRIER" if spec.barrier else "ALLREDUCE"
         for request in requests:
             self._cache.put(request.name, request.meta)
@@ -657,6 +676,55 @@ class Engine:
         finish_all([(request.handle, request.buf) for request in reversed(requests)])
         if self.timeline is not None:
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
+        return True
+
+    def _fresh_spec(self, layout: Layout) -> FreshSpec:
+        spec = self._fresh_specs.get(layout)
+        if spec is None:
+            if len(self._fresh_specs) >= 64:
+                self._fresh_specs.clear()
+            spec = self._fresh_specs[layout] = build_fresh(layout, self.size)
+        return spec
+
+    def _fresh_round(self, spec: FreshSpec, mine: list[Request] | None, start: float) -> bool:
+        """A round of new names as one collective (``spark_hvd.core.fresh``); True when every rank submitted
+        ``spec.layout`` under the same names and the tensors are reduced. ``mine``: this rank's requests when they
+        have the layout, else None. On a miss the speculation is disarmed and nothing of the requests changed."""
+        names = None if mine is None else [request.name for request in mine]
+        pack(spec, self.rank, names, None if mine is None else [request.buf for request in mine])
+        t0 = time.perf_counter()
+        try:
+            self.backend.allreduce(spec.staging, spec.op)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        t1 = time.perf_counter()
+        self.stats["fresh_rounds"] += 1
+        if mine is None or not agreed(spec):
+            self.stats["fresh_misses"] += 1
+            self._fresh = None
+            return False
+        unpack(spec, [request.buf for request in mine])
+        with self._lock:
+            for request in mine:
+                self._local.pop(request.name)
+        for request in mine:  # in the same order on every rank (the names agreed), as the executor would
+            self._cache.put(request.name, request.meta)
+        self._spec = None  # the cache changed: learn the rounds afresh
+        self._predictor.reset()
+        self.stats["allreduce_collectives"] += 1
+        self.stats["allreduce_tensors"] += len(mine)
+        if len(mine) > 1:
+            self.stats["fused_collectives"] += 1
+        if self.timeline is not None:
+            for request in mine:
+                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(mine), speculative=True)
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(mine))
+        finish_all([(request.handle, request.buf) for request in reversed(mine)])
+        self._idle_rounds = 0
+        self._progress_at = t1
         return True
 
     def _sole_round(self, spec: Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
@@ -674,6 +742,7 @@ class Engine:
         self.stats["cache_hits"] += 1
         self._cache.put(name, meta)
         self._spec = self._predictor.advance(spec.ids)
+        self._fresh_last = None
         if self.timeline is not None:
             self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)

@@ -1,0 +1,126 @@
+"""Rounds of new names in one collective: speculation on a round's layout rather than its names.
+
+A round of tensors no rank has negotiated before (a name made up per step, ``allreduce(metric)`` without a name,
+which gets a new ``allreduce.noname.N`` every call) costs a fast round and then the data: two collectives, even when
+every rank submitted the same (``spark_hvd.core.table.same_messages``). When the ranks have agreed twice in a row on
+a round of new small float tensors with the same *layout* (the same metadata in the same order, only the names
+differ), they expect the next round to be one too, and run it as one allreduce of::
+
+    [flag, name digests (3 slots per rank), tensors...]
+
+Every rank whose submissions have that layout packs a flag of 1, the digest of its names (60 bits in three
+float slots of 20 bits, each slot one rank's alone, so the sum is exact) and its tensors; any other rank zeros.
+When every flag is set and every rank's names digest alike, every rank submitted the same names with the same
+metadata, which is all a negotiation would have established, and the packed part is the answer. Otherwise every
+rank drops it (the tensors were packed copies: nothing of theirs changed), disarms and negotiates as usual, having
+spent one small collective. Like the table and ``spark_hvd.core.speculation``, this is thread-free and rank-free:
+every rank arms the same ``FreshSpec`` from the same agreed rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.negotiation import Meta
+from spark_hvd.core.reduce import scale_inplace
+from spark_hvd.core.speculation import SPEC_BYTES
+
+Layout = tuple[Meta, ...]
+_SLOTS = 3  # digest slots per rank, 20 bits each (float32 holds integers up to 2**24 exactly)
+
+
+class FreshSpec(NamedTuple):
+    """The expected layout of the next round and its staging array ``[flag, digests, tensors...]``."""
+
+    layout: Layout
+    dtype: np.dtype
+    op: ReduceOp
+    prescale: float
+    postscale: float
+    size: int
+    staging: np.ndarray
+    views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape
+
+    @property
+    def data(self) -> np.ndarray:
+        """The tensors' part of ``staging``."""
+        return self.staging[1 + _SLOTS * self.size:]
+
+
+def fresh_layout(metas: Sequence[Meta]) -> Layout | None:
+    """The layout of a round of new tensors with these metadata, or None when such a round cannot be packed:
+    host allreduces of one float32/float64 dtype, SUM or AVERAGE, one scaling, at most ``SPEC_BYTES`` in all."""
+    if not metas:
+        return None
+    first = metas[0]
+    key = (first.dtype, first.op, first.prescale, first.postscale)
+    if first.op not in ("sum", "average") or np.dtype(first.dtype) not in (np.float32, np.float64):
+        return None
+    count = 0
+    for m in metas:
+        if m.kind != "allreduce" or m.device or m.bfloat16 or (m.dtype, m.op, m.prescale, m.postscale) != key:
+            return None
+        count += int(np.prod(m.shape, dtype=np.int64))
+    if count * np.dtype(first.dtype).itemsize > SPEC_BYTES:
+        return None
+    return tuple(metas)
+
+
+def build_fresh(layout: Layout, size: int) -> FreshSpec:
+    """The speculation for a round of ``layout`` among ``size`` ranks."""
+    first = layout[0]
+    dtype = np.dtype(first.dtype)
+    counts = [int(np.prod(m.shape, dtype=np.int64)) for m in layout]
+    head = 1 + _SLOTS * size
+    staging = np.zeros(head + sum(counts), dtype)
+    views, offset = [], head
+    for m, n in zip(layout, counts, strict=True):
+        views.append(staging[offset:offset + n].reshape(m.shape))
+        offset += n
+    return FreshSpec(layout, dtype, ReduceOp(first.op), first.prescale, first.postscale, size, staging,
+                     tuple(views))
+
+
+def name_digest(names: Sequence[str]) -> tuple[int, int, int]:
+    """60 bits of a digest of ``names`` as three integers in [2**20, 2**21) (never zero, exact in float32)."""
+    h = int.from_bytes(hashlib.blake2b("\0".join(names).encode(), digest_size=8).digest(), "little")
+    return tuple((h >> (20 * i)) & 0xFFFFF | 0x100000 for i in range(_SLOTS))  # type: ignore[return-value]
+
+
+def pack(spec: FreshSpec, rank: int, names: Sequence[str] | None, bufs: Sequence[np.ndarray] | None) -> None:
+    """Fill ``spec.staging`` with this rank's part: flag, digest and tensors, or zeros (``names`` None: this rank
+    submitted something else)."""
+    staging = spec.staging
+    staging.fill(0)
+    if names is None or bufs is None:
+        return
+    staging[0] = 1
+    at = 1 + _SLOTS * rank
+    staging[at:at + _SLOTS] = name_digest(names)
+    for view, buf in zip(spec.views, bufs, strict=True):
+        view[...] = buf
+    scale_inplace(spec.data, spec.prescale)
+
+
+def agreed(spec: FreshSpec) -> bool:
+    """After the allreduce of ``spec.staging``: did every rank submit this layout under the same names?"""
+    staging, size = spec.staging, spec.size
+    scale = float(size) if spec.op is ReduceOp.AVERAGE else 1.0  # AVERAGE divided every slot by the size
+    flags = float(staging[0]) * scale
+    if not flags > size - 0.5:
+        return False
+    digests = np.rint(staging[1:1 + _SLOTS * size].astype(np.float64) * scale).astype(np.int64).tolist()
+    mine = digests[:_SLOTS]
+    return mine[0] > 0 and all(digests[r * _SLOTS:(r + 1) * _SLOTS] == mine for r in range(1, size))
+
+
+def unpack(spec: FreshSpec, bufs: Sequence[np.ndarray]) -> None:
+    """Copy the reduced tensors (postscaled) back into ``bufs``."""
+    scale_inplace(spec.data, spec.postscale)
+    for view, buf in zip(spec.views, bufs, strict=True):
+        buf[...] = view
