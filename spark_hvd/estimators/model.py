@@ -292,7 +292,8 @@ def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformat
     one reshape per column (``feature_to_numpy``); with ``transformation_fn`` / ``collate_fn``, the feature
     columns as a pandas DataFrame (named as in training) through the same functions, numeric columns then cast
     as the training reader casts them; ragged columns padded per Arrow batch (``ragged="pad"``, with
-    ``<name>_length``) or as one array per row (``"list"``), as the training reader handed them over."""
+    ``<name>_length``) or as one array per row (``"list"``), Vectors stored sparse as a float32 CSR matrix, as the
+    training reader handed them over."""
     numeric = ("scalar", "vector", "array")
     if transformation_fn is None and collate_fn is None and all(s.get("kind", "scalar") in numeric for s in specs):
         return [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
@@ -310,6 +311,12 @@ def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformat
             name, kind = s["name"], s.get("kind", "scalar")
             if kind in numeric:
                 batch[name] = feature_to_numpy(table.column(name), name, s["dtype"], s["shape"])
+                continue
+            if kind == "sparse":  # arrives dense (vector_to_array); training handed collate_fn a CSR matrix
+                import scipy.sparse
+
+                dense = feature_to_numpy(table.column(name), name, "float32", s["shape"])
+                batch[name] = scipy.sparse.csr_matrix(dense)
                 continue
             values = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
             if kind == "ragged" and ragged == "pad":  # as the training reader pads a batch
