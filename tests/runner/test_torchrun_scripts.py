@@ -100,3 +100,19 @@ def test_a_bad_script_is_refused_on_the_driver(tmp_path):
         run(str(bad), num_proc=2)
     with pytest.raises(RunnerError, match="must be strings"):
         run(os.path.join(SCRIPTS, "fails.py"), args=["--code", 3], num_proc=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_elastic_runs_a_script_again_after_a_lost_rank(spark, tmp_path):
+    from spark_hvd.runner import run_elastic
+
+    results = run_elastic(os.path.join(SCRIPTS, "elastic_train.py"), args=["--dir", str(tmp_path)], num_proc=2,
+                          min_num_proc=1, max_num_proc=2, reset_limit=1, verbose=0)
+    assert results == [0, 0] and (tmp_path / "killed").exists()
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rep in reports:
+        # the relaunch ran the script from the top; hvd.elastic.run restored epoch 1 after its 3 committed batches
+        assert rep["starts"] == [[1, 3 * 2 * 2]], rep
+        assert rep["world"] == "2" and rep["restart_count"] == "1", rep
+    assert reports[0]["weights"] == reports[1]["weights"]
