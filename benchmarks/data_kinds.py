@@ -1,12 +1,13 @@
 """The data kinds' pipelines against their peers, one invocation, ratios of the same run.
 
 - **images**: ``--images`` PNG files (sklearn's digits drawn at 64x64 RGB) decoded, resized to 32x32 and
-  normalised, batches of 64, ``--workers`` workers each:
-  ``spark_hvd``: ``BatchReader`` over the same images in Parquet (a binary column, row groups of 1 MiB) with
-  ``ImageDecoder`` as ``transformation_fn`` on its thread pool; ``torch DataLoader``: a ``Dataset`` over the image
-  files (the same Pillow decode per file: torchvision is not installed here) with ``num_workers`` worker processes
-  and torch's default collation; ``in-memory loop``: ``decode_images`` over the bytes already in memory, 64 at a
-  time, on one thread.
+  normalised, batches of 64, ``--workers`` workers each, every pipeline built once and timed over whole epochs (best
+  of 3: the steady state of training, pool start-up excluded):
+  ``spark_hvd threads`` / ``processes``: ``BatchReader`` over the same images in Parquet (a binary column, row
+  groups of 1 MiB) with ``ImageDecoder`` as ``transformation_fn`` on its thread pool / its worker processes
+  (``reader_pool_type``); ``torch DataLoader``: a ``Dataset`` over the image files (the same Pillow decode per file:
+  torchvision is not installed here) with ``num_workers`` persistent worker processes and torch's default
+  collation; ``in-memory loop``: ``decode_images`` over the bytes already in memory, 64 at a time, on one thread.
 - **text**: ``--sentences`` strings (Python's standard-library docstrings, offline) tokenised by a BPE tokenizer
   trained on them in seconds (``tokenizers``), padded per batch of 64: ``spark_hvd``: ``BatchReader`` over a string
   column in Parquet, tokenising in ``collate_fn``; ``in-memory``: the same ``encode_batch`` + padding over the
@@ -85,15 +86,18 @@ def bench_images(work: str, count: int, workers: int) -> dict:
     pq.write_table(pa.table({"id": np.arange(count), "content": pa.array(blobs, pa.binary())}),
                    os.path.join(work, "images.parquet"), row_group_size=max(1, (1 << 20) // max(map(len, blobs))))
     decoder = ImageDecoder("content", size=SIZE, mean=[0.5] * 3, std=[0.5] * 3)
+    readers = {pool: BatchReader(os.path.join(work, "images.parquet"), batch_size=BATCH, shuffle=True,
+                                 transformation_fn=decoder, read_ahead_pieces=workers, pool_type=pool)
+               for pool in ("thread", "process")}
+    epochs = {pool: iter(range(1 << 30)) for pool in readers}
 
-    def ours() -> int:
-        reader = BatchReader(os.path.join(work, "images.parquet"), batch_size=BATCH, shuffle=True,
-                             transformation_fn=decoder, read_ahead_pieces=workers)
-        return sum(len(b["content"]) for b in reader.epoch(0))
+    def ours(pool: str) -> int:
+        return sum(len(b["content"]) for b in readers[pool].epoch(next(epochs[pool])))
+
+    dl = torch.utils.data.DataLoader(FileImages(paths), batch_size=BATCH, shuffle=True, num_workers=workers,
+                                     persistent_workers=workers > 0)
 
     def loader() -> int:
-        dl = torch.utils.data.DataLoader(FileImages(paths), batch_size=BATCH, shuffle=True, num_workers=workers,
-                                         persistent_workers=False)
         return sum(len(x) for x, _ in dl)
 
     def memory() -> int:
@@ -102,8 +106,12 @@ def bench_images(work: str, count: int, workers: int) -> dict:
             n += len(decode_images(blobs[start:start + BATCH], SIZE, "RGB", [0.5] * 3, [0.5] * 3))
         return n
 
-    return {name: count / best_time(fn, count) for name, fn in
-            (("spark_hvd", ours), ("torch DataLoader", loader), ("in-memory loop", memory))}
+    try:
+        return {name: count / best_time(fn, count) for name, fn in
+                (("spark_hvd threads", lambda: ours("thread")), ("spark_hvd processes", lambda: ours("process")),
+                 ("torch DataLoader", loader), ("in-memory loop", memory))}
+    finally:
+        readers["process"].close()
 
 
 def best_time(fn, count: int, repeats: int = 3) -> float:
@@ -230,8 +238,10 @@ def main() -> None:
         if args.only in (None, "images"):
             images = bench_images(work, args.images, args.workers)
             results["images/s"] = images
-            results["images ratios"] = {"vs torch DataLoader": images["spark_hvd"] / images["torch DataLoader"],
-                                        "vs in-memory loop": images["spark_hvd"] / images["in-memory loop"]}
+            results["images ratios"] = {
+                f"{ours} vs {peer}": images[ours] / images[peer]
+                for ours in ("spark_hvd threads", "spark_hvd processes")
+                for peer in ("torch DataLoader", "in-memory loop")}
         if args.only in (None, "text"):
             text = bench_text(work, args.sentences)
             results["text batches/s"] = text

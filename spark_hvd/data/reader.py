@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -148,8 +149,10 @@ class BatchReader:
         pool_type: ``"thread"`` (default) or ``"process"``: where ``transformation_fn`` runs. The
             ``read_ahead_pieces`` row groups under way are read on threads either way (Arrow releases the GIL);
             with ``"process"`` each one's ``transformation_fn`` runs in one of ``read_ahead_pieces`` worker
-            processes (for decoders that hold the GIL), the function travelling by cloudpickle. Memory stays
-            bounded: at most ``read_ahead_pieces`` row groups are in the pool, ``prefetch`` batches are queued.
+            processes (for decoders that hold the GIL), the function travelling by cloudpickle; the processes are
+            started by the first epoch and kept for the next ones until :meth:`close` (or garbage collection).
+            Memory stays bounded: at most ``read_ahead_pieces`` row groups are in the pool, ``prefetch`` batches
+            are queued.
 
     Column kinds in a batch: numbers as ``(rows, *shape)`` arrays (nested fixed-shape arrays included);
     ``"binary"`` and ``"string"`` columns as object arrays of Python ``bytes`` / ``str``; ``"ragged"`` as set
@@ -356,6 +359,13 @@ class BatchReader:
             else:
                 gen.close()  # stops the decoding pool of this epoch
 
+    def close(self) -> None:
+        """Stop the worker processes of ``pool_type="process"`` (kept across epochs; also stopped when the reader
+        is garbage collected). A later epoch starts new ones."""
+        procs, self._procs = self._procs, None
+        if procs is not None:
+            procs.shutdown(wait=True, cancel_futures=True)
+
     def _batches(self, epoch: int) -> Iterator[Batch]:
         rng = np.random.default_rng([self.seed, epoch, self.rank])
         need = self.rows_per_epoch
@@ -399,8 +409,10 @@ class BatchReader:
                     yield self._read(self.pieces[i])
                 yield None
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-decode-r{self.rank}")
-        if self.pool_type == "process" and self.transformation_fn is not None:
+        if self.pool_type == "process" and self.transformation_fn is not None and self._procs is None:
+            # started once per reader, kept across epochs (a start costs each worker its imports: seconds)
             self._procs = transform_processes(self.transformation_fn, workers)
+            weakref.finalize(self, self._procs.shutdown, wait=False, cancel_futures=True)
         try:
             while True:
                 order = list(rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces)))
@@ -414,9 +426,6 @@ class BatchReader:
                 yield None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the reads under way
-            procs, self._procs = self._procs, None
-            if procs is not None:
-                procs.shutdown(wait=True, cancel_futures=True)
 
     def _shuffled_blocks(self, rng: np.random.Generator) -> Iterator[Block]:
         """Blocks of row ids in shuffled order, over a buffer of chunks.

@@ -198,3 +198,23 @@ def test_transformed_rows_of_one_array_are_taken_whole_else_stacked():
         got = frame_to_batch(pd.DataFrame({"x": rows}), "t")["x"]
         assert got is not a and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
+
+
+def test_process_pool_is_kept_across_epochs_until_close(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"id": np.arange(40)}), path, row_group_size=5)
+
+    def tag(df):
+        return df.assign(pid=os.getpid())
+
+    reader = BatchReader(path, batch_size=8, transformation_fn=tag, pool_type="process", read_ahead_pieces=2)
+    first, second = ({int(p) for b in reader.epoch(e) for p in b["pid"]} for e in range(2))
+    workers = set(reader._procs._processes)  # the same pool ran both epochs
+    assert first and second and first | second <= workers and os.getpid() not in workers, (first, second, workers)
+    reader.close()
+    assert reader._procs is None
+    assert {int(p) for b in reader.epoch(2) for p in b["pid"]}.isdisjoint(workers)  # new workers after close
+    reader.close()
