@@ -1,4 +1,4 @@
-"""The authenticated framing: handshake, control (HMAC) and data (Poly1305) frames, tampering and replays."""
+"""The authenticated framing: handshake, control (HMAC) and data (GMAC) frames, tampering and replays."""
 
 from __future__ import annotations
 
