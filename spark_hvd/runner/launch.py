@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "get their login environment")
     parser.add_argument("--start-timeout", type=float, default=30.0,
                         help="seconds a host has to start its ranks (default 30)")
+    parser.add_argument("--ssh-connect-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds a host's remote shell has to answer, whatever --ssh-command is (default 10; "
+                             "ssh's ConnectTimeout); it runs with no terminal, so a password prompt fails at once")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds the whole job may run; past it every rank is stopped (exit code 124)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
@@ -225,8 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_hosts(command, placements, ssh_command=shlex.split(args.ssh_command),
                                ssh_port=args.ssh_port, identity_file=args.ssh_identity_file, env=env,
                                forward=args.forward, network_interface=args.network_interface,
-                               timeout=args.timeout, start_timeout=args.start_timeout, grace_s=args.grace,
-                               verbose=args.verbose)
+                               timeout=args.timeout, start_timeout=args.start_timeout,
+                               connect_timeout=args.ssh_connect_timeout, grace_s=args.grace, verbose=args.verbose)
     except KeyboardInterrupt:
         sys.stderr.write("spark-hvd-run: interrupted; all ranks stopped\n")
         return 130

@@ -9,9 +9,15 @@ the job secret among it, goes on the ssh process's stdin (``spark_hvd.runner.rem
 rank runs; closing it stops the rank on its host.
 
 Output lines keep the ``[rank]`` prefix. The first rank to fail is named with its host; the launcher then stops
-every rank (local process groups signalled, remote ones through their ssh process and its stdin). A host that does
-not start its rank within ``start_timeout`` seconds (unreachable, ssh asking for a password, a wrong path), or whose
-ssh exits with 255, is a clear error naming the host.
+every rank (local process groups signalled, remote ones through their ssh process and its stdin).
+
+A host is named in a clear error when its ssh exits with 255 (unreachable, refused, authentication failed), when its
+remote shell does not answer within ``connect_timeout`` seconds (``--ssh-connect-timeout``, 10 by default: the
+bootstrap's first line, written before it reads anything, proves that the command connected and the host's Python
+started), or when it does not start its rank within ``start_timeout`` (a wrong path, a hung import). That watch is
+the equivalent of ssh's ``ConnectTimeout`` for any ``--ssh-command``; and whatever the command, it runs with no
+terminal (a session of its own) and ``SSH_ASKPASS_REQUIRE=never`` (unless set), the equivalent of ``BatchMode``: an
+ssh anywhere inside it that would ask for a password or a passphrase fails at once (exit 255) instead of waiting.
 """
 
 from __future__ import annotations
@@ -47,13 +53,15 @@ from spark_hvd.runner.procs import (
     kill_and_drain,
     wait_ranks,
 )
-from spark_hvd.runner.remote import EXIT_MARK, STARTED_MARK, remote_command, request
+from spark_hvd.runner.remote import CONNECTED_MARK, EXIT_MARK, STARTED_MARK, remote_command, request
 from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
 
 #: ssh's exit status when it could not connect (or authenticate).
 SSH_FAILED = 255
+#: Seconds a remote shell has to answer by default (ssh's ``ConnectTimeout``, and the launcher's own watch).
+CONNECT_TIMEOUT_S = 10.0
 #: MASTER_PORT of the ranks (torchrun's default).
 TORCHRUN_PORT = 29500
 
@@ -90,10 +98,12 @@ def rendezvous_host(placements: Sequence[Placement], remote: Sequence[bool],
 
 
 class _Marks:
-    """Which remote ranks have started (their ``STARTED_MARK`` line arrived), for the start timeout, and when
+    """Which remote ranks' remote shells answered (``CONNECTED_MARK``), for the connect timeout, which have started
+    (their ``STARTED_MARK`` line arrived), for the start timeout, and when
     remote ranks exited with which code (``EXIT_MARK``), to name the first that failed."""
 
     def __init__(self) -> None:
+        self.connected: set[int] = set()
         self.started: set[int] = set()
         self.exits: dict[int, tuple[float, int]] = {}
         self.lock = threading.Lock()
@@ -103,8 +113,8 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
               ssh_port: int | None = None, identity_file: str | None = None,
               env: Mapping[str, str] | None = None, forward: Sequence[str] = (),
               network_interface: str | None = None, timeout: float | None = None, start_timeout: float = 30.0,
-              capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
-              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+              connect_timeout: float = CONNECT_TIMEOUT_S, capture: bool = False, grace_s: float = 10.0,
+              verbose: int = 1, on_event: Callable[[Event], None] | None = None) -> LaunchResult:
     """Run ``argv`` as one rank per placement (``hosts.place``) and wait for them.
 
     Args:
@@ -118,6 +128,10 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
         network_interface: interface(s) the ranks (and these services) use: sets ``SPARK_HVD_NETWORK_INTERFACE``.
         timeout: seconds the whole job may run (exit code 124 past it).
         start_timeout: seconds a remote host has to start its rank.
+        connect_timeout: seconds the remote shell has to answer (connect, authenticate, start the host's Python),
+            whatever ``ssh_command`` is; ssh itself also gets ``-o ConnectTimeout``. The remote shell runs with no
+            terminal and ``SSH_ASKPASS_REQUIRE=never`` (unless set), so a host that asks for a password fails at
+            once instead of waiting for an answer.
         capture, grace_s, verbose, on_event: as in ``launch.run_local``.
     """
     if not argv:
@@ -143,6 +157,10 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
     marks = _Marks()
 
     def sink(rank: int, stream: str, line: str) -> None:
+        if stream == "stderr" and line == CONNECTED_MARK:
+            with marks.lock:
+                marks.connected.add(rank)
+            return
         if stream == "stderr" and line == STARTED_MARK:
             with marks.lock:
                 marks.started.add(rank)
@@ -172,6 +190,8 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
     started_at = time.monotonic()
     cwd = os.getcwd()
     pythonpath = [p for p in extra.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # no terminal (a session of its own) and no askpass program: a remote shell cannot wait for a password
+    shell_env = {**os.environ, "SSH_ASKPASS_REQUIRE": os.environ.get("SSH_ASKPASS_REQUIRE", "never")}
     try:
         for p, is_remote in zip(placements, remote, strict=True):
             job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
@@ -181,8 +201,9 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             if is_remote:
                 shell = remote_command(sys.executable, cwd)
                 proc = subprocess.Popen(
-                    ssh_argv(ssh_command, p.host, shell, ssh_port, identity_file, start_timeout),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                    ssh_argv(ssh_command, p.host, shell, ssh_port, identity_file, min(connect_timeout, start_timeout)),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                    env=shell_env)
                 assert proc.stdin is not None
                 proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath))
                 proc.stdin.flush()  # and kept open: its end stops the rank on its host
@@ -192,6 +213,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                 proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                 with marks.lock:
+                    marks.connected.add(p.rank)
                     marks.started.add(p.rank)
             ranks.append(RankProcess(p.rank, proc, sink))
 
@@ -200,7 +222,15 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                 code = r.proc.poll()
                 if remote[r.rank] and code == SSH_FAILED and r.rank not in marks.started:
                     return _unreachable(r, placements[r.rank].host, f"{ssh_command[0]} exited with code {code}")
-            if time.monotonic() - started_at < start_timeout:
+            waited = time.monotonic() - started_at
+            if waited >= connect_timeout:
+                with marks.lock:
+                    silent = [r for r in ranks if r.rank not in marks.connected]
+                if silent:
+                    return _unreachable(silent[0], placements[silent[0].rank].host,
+                                        f"its remote shell did not answer within {connect_timeout:g} s "
+                                        "(--ssh-connect-timeout)")
+            if waited < start_timeout:
                 return None
             with marks.lock:
                 late = [r for r in ranks if r.rank not in marks.started]

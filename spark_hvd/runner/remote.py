@@ -3,7 +3,9 @@
 The launcher runs ``CMD [ssh options] HOST 'cd DIR; exec PYTHON -c BOOTSTRAP'`` (``remote_command``). Nothing
 about the job is on that command line: the bootstrap reads one JSON line from stdin holding the rank's
 environment (its ``JobEnv``, the job secret among it, and the variables forwarded with ``-x``), the command and
-the working directory, and hands it to ``serve``, which
+the working directory, and hands it to ``serve``. Before reading anything it writes ``CONNECTED_MARK`` to stderr:
+the launcher's proof that the remote shell answered (ssh connected and authenticated, the host's Python started),
+which it expects within ``--ssh-connect-timeout`` whatever the remote-shell command is. ``serve``
 
 * starts the rank's command with that environment (stdout and stderr inherited: they travel back through ssh, where
   the launcher prefixes them with ``[rank]``), in this process's group, and with ``PR_SET_PDEATHSIG`` so the rank
@@ -29,13 +31,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+#: The first line the remote end writes to stderr, before it reads its request (the launcher drops it from the output).
+CONNECTED_MARK = "\x1fspark-hvd-run: remote shell answered\x1f"
 #: A line the remote end writes to stderr once the rank process exists (the launcher drops it from the output).
 STARTED_MARK = "\x1fspark-hvd-run: rank started\x1f"
 #: Begins the last line the remote end writes to stderr: ``EXIT_MARK <exit code> <time.time() of the exit>``, so the
 #: launcher can tell which rank failed first even though ssh reorders the exits it sees.
 EXIT_MARK = "\x1fspark-hvd-run: rank exited\x1f"
 
-_BOOTSTRAP = ("import json,sys;c=json.loads(sys.stdin.readline());sys.path[:0]=c['path'];"
+_BOOTSTRAP = ("import json,sys;sys.stderr.write('\\x1fspark-hvd-run: remote shell answered\\x1f\\n');"
+              "sys.stderr.flush();c=json.loads(sys.stdin.readline());sys.path[:0]=c['path'];"
               "from spark_hvd.runner.remote import serve;serve(c)")
 
 _PR_SET_PDEATHSIG = 1

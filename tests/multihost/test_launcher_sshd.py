@@ -1,5 +1,6 @@
 """``spark-hvd-run -H`` through a real OpenSSH server on each of two simulated hosts (key authentication, a
-non-default port, ``-i``), skipped where ``sshd`` is not installed or cannot start."""
+non-default port, ``-i``; a host asking for a password behind a custom ``--ssh-command``), skipped where ``sshd`` is
+not installed or cannot start."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).with_name("rank_worker.py"))
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PORT = 2222
+PASSWORD_PORT = 2223
 
 
 def _sshd_config(tmp: Path) -> Path:
@@ -26,9 +28,13 @@ def _sshd_config(tmp: Path) -> Path:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp / "client")], check=True)
     (tmp / "authorized_keys").write_text((tmp / "client.pub").read_text())
     config = tmp / "sshd_config"
-    config.write_text(f"Port {PORT}\nHostKey {tmp / 'host_ed25519'}\nAuthorizedKeysFile {tmp / 'authorized_keys'}\n"
+    # PASSWORD_PORT: the same server asking for a password (a host the launcher was not given a key for)
+    config.write_text(f"Port {PORT}\nPort {PASSWORD_PORT}\nHostKey {tmp / 'host_ed25519'}\n"
+                      f"AuthorizedKeysFile {tmp / 'authorized_keys'}\n"
                       "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-                      f"UsePAM no\nStrictModes no\nPidFile {tmp / 'sshd.pid'}\nLogLevel ERROR\n")
+                      f"UsePAM no\nStrictModes no\nPidFile {tmp / 'sshd.pid'}\nLogLevel ERROR\n"
+                      f"Match LocalPort {PASSWORD_PORT}\n  PermitRootLogin yes\n  PasswordAuthentication yes\n"
+                      "  KbdInteractiveAuthentication yes\n  PubkeyAuthentication no\n")
     return config
 
 
@@ -115,4 +121,31 @@ def test_ctrl_c_through_sshd_leaves_no_rank_behind(sshd_hosts):
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _ranks_on(sim):
         time.sleep(0.2)
+    assert not _ranks_on(sim)
+
+
+def test_host_asking_for_a_password_behind_a_custom_command_fails_fast_naming_it(sshd_hosts, tmp_path):
+    """A wrapper around ssh gets no ``-o BatchMode``; the host asks for a password, and a graphical askpass program
+    that would wait for ever is configured (``DISPLAY``, ``SSH_ASKPASS``): the launcher's remote shell has no
+    terminal and ``SSH_ASKPASS_REQUIRE=never``, so ssh gives up at once and the host is named, well before the
+    connect timeout (60 s here, so only an immediate failure passes)."""
+    sim, tmp = sshd_hosts
+    h1 = sim.hosts[1]
+    wrapper = tmp_path / "my-rsh"
+    wrapper.write_text(f"#!/bin/sh\nexec ssh -o UserKnownHostsFile={tmp / 'known_hosts'} "
+                       "-o StrictHostKeyChecking=accept-new -o LogLevel=ERROR \"$@\"\n")
+    askpass = tmp_path / "askpass"
+    askpass.write_text("#!/bin/sh\nsleep 300\n")
+    for f in (wrapper, askpass):
+        f.chmod(0o700)
+    argv = [sys.executable, "-m", "spark_hvd.runner", "-H", f"{h1.address}:1", "-p", str(PASSWORD_PORT),
+            "--ssh-command", str(wrapper), "--ssh-connect-timeout", "60", "--start-timeout", "120", "--grace", "1",
+            sys.executable, WORKER, "check"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DISPLAY": ":99", "SSH_ASKPASS": str(askpass)}
+    env.pop("SSH_ASKPASS_REQUIRE", None)
+    start = time.monotonic()
+    done = sim.hosts[0].run(argv, timeout=120, env=env)
+    assert done.returncode == 255, done.stderr
+    assert f"could not be started on host {h1.address} ({wrapper} exited with code 255)" in done.stderr, done.stderr
+    assert time.monotonic() - start < 30
     assert not _ranks_on(sim)
