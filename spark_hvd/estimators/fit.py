@@ -51,6 +51,8 @@ class BaseEstimator(Estimator, PersistableStage):
     _model_class: type[BaseModel] = BaseModel
     _spec_class: type = TrainSpec
     _trainer_class: type[RankTrainer] = RankTrainer
+    #: the function every rank runs: ``fn(trainer_class, spec)``
+    _rank_fn = staticmethod(train_on_rank)
     #: "torch" or "keras": which fix the pre-flight suggests for a class passed as an instance
     _framework = "torch"
 
@@ -335,7 +337,7 @@ class BaseEstimator(Estimator, PersistableStage):
             phase_line(self._start_summary(plan), verbose)
         tracking = self._start_mlflow(store, run_id)
         try:
-            results = plan["backend"].run(train_on_rank, args=(self._trainer_class, spec),
+            results = plan["backend"].run(self._rank_fn, args=(self._trainer_class, spec),
                                           on_event=tracking.on_event if tracking else None)
             trained = self._load_trained_model(store, run_id)
         except BaseException as exc:

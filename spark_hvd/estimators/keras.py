@@ -1,5 +1,6 @@
 """``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``fit.py``, ``model.py``,
-``params.py``; the rank half is ``keras_rank.py``). Works on Keras's TensorFlow and torch backends.
+``params.py``; the rank half is ``keras_rank.py``). Works on Keras's TensorFlow, torch and JAX backends (the
+``backend`` param; ``keras_backend.py``).
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -18,8 +19,9 @@ import numpy as np
 from spark_hvd import pickling
 from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
-from spark_hvd.estimators.keras_inference import place_for_inference, predict
-from spark_hvd.estimators.keras_rank import KerasTrainer, set_threads
+from spark_hvd.estimators.keras_backend import FreshKerasModel, load_for_inference, resolve_backend
+from spark_hvd.estimators.keras_inference import predict
+from spark_hvd.estimators.keras_rank import KerasTrainer, train_keras_rank
 from spark_hvd.estimators.keras_serde import (
     MODEL_FILE,
     build_optimizer,
@@ -28,7 +30,7 @@ from spark_hvd.estimators.keras_serde import (
     optimizer_spec,
     serialize_keras_model,
 )
-from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
+from spark_hvd.estimators.model import BaseModel
 from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
 from spark_hvd.estimators.spec import BestPolicy, KerasSpec
 from spark_hvd.store.run_dir import RunDir
@@ -50,8 +52,8 @@ class _KerasModelBytes:
     def _custom_objects(self) -> dict:
         return dict(self._opt(self.custom_objects) or {})
 
-    def _serialize_model(self, model: Any) -> bytes:  # uses the stage's custom_objects
-        return serialize_keras_model(model, self._custom_objects())
+    def _serialize_model(self, model: Any) -> bytes:  # uses the stage's custom_objects and backend
+        return serialize_keras_model(model, self._custom_objects(), self.getOrDefault(self.backend))
 
     def _deserialize_model(self, data: bytes) -> Any:
         return deserialize_keras_model(data, compile=False)
@@ -66,7 +68,7 @@ class _KerasModelBytes:
             digest = hashlib.sha256(json.dumps(model.get_config(), sort_keys=True, default=str).encode())
         except Exception:  # noqa: BLE001 - a subclassed model without get_config: hash the archive instead
             return None
-        digest.update(repr(sorted(self._custom_objects())).encode())
+        digest.update(repr((sorted(self._custom_objects()), self.getOrDefault(self.backend))).encode())
         for w in model.get_weights():
             digest.update(str((w.shape, w.dtype)).encode())
             digest.update(np.ascontiguousarray(w).tobytes())
@@ -80,27 +82,18 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
     column (Vector and array columns as ``(rows, size)`` float32, or ``(rows, *shape)`` as recorded at fit time;
     scalar columns as ``(rows,)``), and adds one column per label: ``<label>__output`` by default
     (``setOutputCols``), a double where the model gives one value per row and an ``array<float>`` otherwise.
-    The model is loaded once per Python worker.
+    The model is loaded once per Python worker, on Keras's ``backend`` (fit sets the estimator's; in a Python
+    worker whose Keras runs on another backend, it is loaded and run in a helper process).
     """
-
 
     @classmethod
     def _load_for_inference(cls, data: bytes, use_gpu: bool = False) -> Any:
-        import keras
-
-        threads = task_threads()
-        if threads is not None:
-            set_threads(threads, inter_op=1)
-        model = deserialize_keras_model(data, compile=False)
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            index = task_gpu_index(use_gpu, len(tf.config.list_physical_devices("GPU")))
-            place_for_inference(model, "/CPU:0" if index is None else f"/GPU:{index}")
-        return model
+        return load_for_inference(data, use_gpu)
 
     @classmethod
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        if isinstance(model, FreshKerasModel):
+            return model.predict(inputs)
         return predict(model, inputs)
 
 
@@ -162,7 +155,7 @@ def _model_output_count(model: Any) -> int | None:
 
 
 class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstimatorParams):
-    """Data-parallel training of a Keras 3 model (TensorFlow or torch backend) on a DataFrame -> ``KerasModel``.
+    """Data-parallel training of a Keras 3 model (TensorFlow, torch or JAX backend) on a DataFrame -> ``KerasModel``.
 
     Example::
 
@@ -208,6 +201,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         return keras_kind(self._opt(self.loss))
     _spec_class = KerasSpec
     _trainer_class = KerasTrainer
+    _rank_fn = staticmethod(train_keras_rank)
 
     # ---- persistence: the optimizer as its spec (the model: _KerasModelBytes)
     def _dump_object(self, name: str, value: Any) -> bytes:
@@ -226,6 +220,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
 
     # ---- framework hooks of BaseEstimator
     def _check_model(self, model: Any) -> bytes:
+        self._keras_backend = resolve_backend(self.getOrDefault(self.backend))
         data = serialize_keras_model(model, self._custom_objects())
         self._optimizer_spec = optimizer_spec(self._opt(self.optimizer))
         n_labels = len(self.getOrDefault(self.label_cols))
@@ -247,6 +242,12 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         from spark_hvd.estimators.preflight import keras_forward_check
 
         keras_forward_check(type(self).__name__, spec, label_max)
+
+    def _backend(self, spark: Any) -> Any:
+        """The runner, with ``KERAS_BACKEND`` set on the ranks (before their Python imports Keras)."""
+        runner = super()._backend(spark)
+        runner.env = {**(runner.env or {}), "KERAS_BACKEND": self._keras_backend}
+        return runner
 
     def _check_loss(self, n_labels: int) -> None:
         check_losses(self._opt(self.loss), n_labels)
@@ -272,6 +273,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             "loss_weights": self.getOrDefault(self.loss_weights),
             "metrics": tuple(self._metrics()),
             "best": self._checkpoint_policy(),
+            "backend": self._keras_backend,
         }
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:
@@ -279,7 +281,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         return load_keras_bytes(data, self._custom_objects(), compile=True)
 
     def _model_params(self) -> dict:
-        return {"custom_objects": self._custom_objects()}
+        return {"custom_objects": self._custom_objects(), "backend": self._keras_backend}
 
     def _log_mlflow_model(self, model: Any, **kwargs: Any) -> None:
         import keras

@@ -1,8 +1,10 @@
-"""The rank half of ``KerasEstimator``: ``KerasTrainer``, a ``RankTrainer`` around ``model.fit``.
+"""The rank half of ``KerasEstimator``: ``train_keras_rank`` and ``KerasTrainer``, a ``RankTrainer`` around
+``model.fit``.
 
-Works on Keras's TensorFlow and torch backends (``KERAS_BACKEND``): TensorFlow is imported only when it is the
-backend. ``model.fit`` runs every epoch in one call (so Keras callbacks such as ``EarlyStopping`` or LR schedules
-keep their state); a callback of ours hands each epoch's averaged logs to ``RankRun.end_epoch``.
+Works on Keras's TensorFlow, torch and JAX backends (the estimator's ``backend``, see ``keras_backend.py``):
+TensorFlow is imported only when it is the backend. ``model.fit`` runs every epoch in one call (so Keras callbacks
+such as ``EarlyStopping`` or LR schedules keep their state); a callback of ours hands each epoch's averaged logs to
+``RankRun.end_epoch``.
 """
 
 from __future__ import annotations
@@ -16,36 +18,16 @@ import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
 from spark_hvd.estimators.errors import param_error
+from spark_hvd.estimators.keras_backend import set_threads
 from spark_hvd.estimators.keras_inference import predict
 from spark_hvd.estimators.keras_serde import MODEL_FILE, build_optimizer, deserialize_keras_model
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer
+from spark_hvd.estimators.rank_run import RankRun, RankTrainer, train_on_rank
 
-__all__ = ["KerasTrainer"]
+__all__ = ["KerasTrainer", "train_keras_rank"]
 
 log = logging.getLogger(__name__)
 
 _OPTIMIZER_FILE = "optimizer.npz"
-
-
-def set_threads(intra_op: int, inter_op: int) -> None:
-    """This process's threads under Keras's backend: TensorFlow's intra-/inter-op pools (before its runtime
-    starts; a runtime already started in this reused Python worker keeps its setting), or torch's."""
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        import torch
-
-        torch.set_num_threads(intra_op)
-        return
-    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", str(intra_op))
-    os.environ.setdefault("TF_NUM_INTEROP_THREADS", str(inter_op))
-    import tensorflow as tf
-
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
-        tf.config.threading.set_inter_op_parallelism_threads(inter_op)
-    except RuntimeError:
-        pass
 
 
 def _select_devices(use_gpu: bool | None, job: JobEnv | None) -> None:
@@ -54,7 +36,9 @@ def _select_devices(use_gpu: bool | None, job: JobEnv | None) -> None:
     visible GPU; torch backend: torch's current device (Keras's torch backend uses ``cuda``, the current one)."""
     import keras
 
-    if keras.backend.backend() != "tensorflow":
+    if keras.backend.backend() == "jax":  # the CPU jax of the ``jax`` extra: no device to pick
+        return
+    if keras.backend.backend() == "torch":
         import torch
 
         if use_gpu is not False and torch.cuda.is_available():
@@ -101,6 +85,24 @@ def scale_learning_rate(optimizer: Any, factor: float) -> None:
         raise param_error("KerasEstimator", "scale_lr_by_num_proc needs a constant learning rate, the optimizer has a "
                           "schedule; scale the schedule's rates by num_proc yourself")
     optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
+
+
+def train_keras_rank(trainer_class: type[RankTrainer], spec: Any) -> dict | None:
+    """Every rank of a ``KerasEstimator`` fit: ``train_on_rank`` on Keras's ``spec.backend``, here, or, when the
+    Python worker of any rank already runs Keras on another backend, in a fresh Python process on every rank
+    (``spark_hvd.runner.fresh.run_rank_fresh``; the ranks decide together)."""
+    import spark_hvd.core as core
+    from spark_hvd.estimators.keras_backend import loaded_backend, runs_here
+
+    here = runs_here(spec.backend)
+    if all(core.allgather_object(here, name="spark_hvd.keras.backend_here")):
+        return train_on_rank(trainer_class, spec)
+    from spark_hvd.runner.fresh import run_rank_fresh
+
+    if not here:
+        log.info("rank %d: this Python worker runs Keras on %r; training on %r in a fresh Python process",
+                 core.rank(), loaded_backend(), spec.backend)
+    return run_rank_fresh(train_on_rank, (trainer_class, spec), env={"KERAS_BACKEND": spec.backend})
 
 
 class KerasTrainer(RankTrainer):

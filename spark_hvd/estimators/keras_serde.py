@@ -15,8 +15,8 @@ import cloudpickle
 from spark_hvd import pickling
 from spark_hvd.estimators.errors import param_error, param_type_error
 
-__all__ = ["MODEL_FILE", "serialize_keras_model", "deserialize_keras_model", "load_keras_bytes", "optimizer_spec",
-           "build_optimizer"]
+__all__ = ["MODEL_FILE", "serialize_keras_model", "deserialize_keras_model", "load_keras_bytes", "model_backend",
+           "optimizer_spec", "build_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,9 @@ MODEL_FILE = "model.keras"
 # ------------------------------------------------------------------------------------------------ model bytes
 
 
-def serialize_keras_model(model: Any, custom_objects: dict | None = None) -> bytes:
-    """A built Keras 3 model -> bytes: its ``.keras`` file plus ``custom_objects`` (cloudpickle envelope)."""
+def serialize_keras_model(model: Any, custom_objects: dict | None = None, backend: str | None = None) -> bytes:
+    """A built Keras 3 model -> bytes: its ``.keras`` file plus ``custom_objects`` (cloudpickle envelope), and the
+    Keras backend it is to run on where given (``model_backend``)."""
     import keras
 
     if not isinstance(model, keras.Model):
@@ -52,7 +53,7 @@ def serialize_keras_model(model: Any, custom_objects: dict | None = None) -> byt
         objects = pickling.dumps(dict(custom_objects or {}))
     except Exception as exc:  # noqa: BLE001
         raise TypeError(f"custom_objects cannot be pickled: {exc}") from exc
-    return cloudpickle.dumps({"format": "keras", "keras": data, "custom_objects": objects})
+    return cloudpickle.dumps({"format": "keras", "keras": data, "custom_objects": objects, "backend": backend})
 
 
 def _unpack(data: bytes) -> tuple[bytes, dict]:
@@ -60,6 +61,12 @@ def _unpack(data: bytes) -> tuple[bytes, dict]:
     if not isinstance(env, dict) or env.get("format") != "keras":
         raise ValueError("these bytes are not a model serialised by spark_hvd.estimators.keras")
     return env["keras"], cloudpickle.loads(env["custom_objects"])
+
+
+def model_backend(data: bytes) -> str | None:
+    """The Keras backend recorded with the model bytes of :func:`serialize_keras_model` (None: not recorded)."""
+    env = cloudpickle.loads(data)
+    return env.get("backend") if isinstance(env, dict) else None
 
 
 def load_keras_bytes(keras_bytes: bytes, custom_objects: dict, compile: bool = False) -> Any:  # noqa: A002

@@ -164,6 +164,15 @@ def _p(name: str, doc: str, conv=_identity) -> Param:
     return Param(Params._dummy(), name, doc, typeConverter=conv)
 
 
+def _to_keras_backend(value: Any) -> str | None:
+    """None or one of Keras's backends that spark_hvd trains on (the error names the param)."""
+    if value is None:
+        return None
+    if value not in ("tensorflow", "torch", "jax"):
+        raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
+    return str(value)
+
+
 def _to_choice(*choices: str):
     def convert(value: Any) -> str:
         value = TypeConverters.toString(value)
@@ -392,6 +401,13 @@ class KerasEstimatorParams(EstimatorParams):
     custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
     checkpoint_callback = _p("checkpoint_callback", "a keras ModelCheckpoint deciding which epochs are checkpointed "
                              "(e.g. best only); default: every epoch")
+    backend = _p("backend", "Keras's backend on the ranks: 'tensorflow', 'torch' or 'jax'; default None: the "
+                 "driver's own Keras backend. A rank whose Python worker already runs Keras on another backend runs "
+                 "in a fresh Python process", _to_keras_backend)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(backend=None)
 
 
 @_add_accessors
@@ -483,6 +499,12 @@ class TorchModelParams(ModelParams):
 
 @_add_accessors
 class KerasModelParams(ModelParams):
-    """``ModelParams`` plus the Keras custom objects."""
+    """``ModelParams`` plus the Keras custom objects and backend."""
 
     custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
+    backend = _p("backend", "Keras's backend transform runs the model on ('tensorflow', 'torch', 'jax'; fit sets "
+                 "the estimator's); None: the Python worker's Keras as it is", _to_keras_backend)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(backend=None)

@@ -104,6 +104,7 @@ class KerasSpec(TrainSpec):
     loss: Any
     loss_weights: tuple[float, ...] | None = None
     metrics: tuple = ()
+    backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)
 
 
 @dataclass(frozen=True, kw_only=True)
