@@ -56,6 +56,19 @@ class BaseEstimator(Estimator, PersistableStage):
     #: "torch" or "keras": which fix the pre-flight suggests for a class passed as an instance
     _framework = "torch"
 
+    def fit(self, dataset: Any, params: Any = None) -> Any:
+        """``pyspark.ml.Estimator.fit``. A Ctrl-C while the ranks train stops them and ends in a
+        ``KeyboardInterrupt`` whose message names the run, its last checkpoint and how to resume it, raised from
+        here so that the console shows that line under a short traceback (not the runner's frames)."""
+        try:
+            return super().fit(dataset, params)
+        except KeyboardInterrupt as exc:
+            if getattr(exc, "run_id", None) is None:
+                raise
+            again = KeyboardInterrupt(*exc.args)
+            again.run_id = exc.run_id  # type: ignore[attr-defined]
+            raise again from None
+
     def _metrics(self) -> list:
         """The ``metrics`` param as a list (empty when unset)."""
         return list(self._opt(self.metrics) or [])
@@ -343,8 +356,8 @@ class BaseEstimator(Estimator, PersistableStage):
         except BaseException as exc:
             if tracking:
                 tracking.fail()
-            if isinstance(exc, KeyboardInterrupt):
-                _say_interrupted(type(self).__name__, store, run_id)
+            if isinstance(exc, KeyboardInterrupt):  # the runner has stopped the ranks already
+                raise _interrupted(type(self).__name__, store, run_id) from None
             raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
         metadata = model_metadata(data, output_shapes)
@@ -434,13 +447,16 @@ def interrupted_message(name: str, run_id: str, epochs: list[int]) -> str:
             f"setRunId({run_id!r}) (or run_id={run_id!r}) and fit again")
 
 
-def _say_interrupted(name: str, store: Any, run_id: str) -> None:
-    """Log :func:`interrupted_message` as a warning (the runner has stopped the ranks already)."""
+def _interrupted(name: str, store: Any, run_id: str) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` a Ctrl-C during training ends in: :func:`interrupted_message` as its message and
+    ``run_id`` as an attribute (``BaseEstimator.fit`` raises it again, with a traceback of two frames)."""
     try:
         epochs = RunDir(store, run_id).list_checkpoints()
     except Exception:  # noqa: BLE001 - a store that cannot list now: say what is known
         epochs = []
-    log.warning("%s", interrupted_message(name, run_id, epochs))
+    exc = KeyboardInterrupt(interrupted_message(name, run_id, epochs))
+    exc.run_id = run_id  # type: ignore[attr-defined]
+    return exc
 
 
 def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:

@@ -29,6 +29,7 @@ from spark_hvd.runner import cluster
 from spark_hvd.runner.barrier_task import RESULT_SCHEMA, TaskSetup, make_mapper
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError, StageNotStartedError, StartTimeoutError
+from spark_hvd.runner.interrupt import QuietInterrupt
 from spark_hvd.runner.service import DriverService
 from spark_hvd.runner.slots import wait_tasks_gone
 
@@ -138,6 +139,7 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
     # threads carry nothing but the tag, which collect() sets
     thread_class = threading.Thread if stage.connect else InheritableThread
     thread = thread_class(target=submit, name=f"spark_hvd-run-{job_id}", daemon=True)
+    quiet = QuietInterrupt(spark).start()  # a Ctrl-C without Spark's warnings for every killed task
     try:
         thread.start()
         began = time.monotonic()
@@ -148,6 +150,8 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
                 service.changed.wait(0.5)
             except KeyboardInterrupt:  # the caller gave up: stop the ranks rather than leave them running
                 cancel()
+                thread.join(CANCEL_WAIT_S)  # bounded: the job's end, then its tasks leaving their slots
+                stage.wait_gone(TASKS_GONE_WAIT_S)
                 raise
             service.changed.clear()
             if service.failures and not cancelled.is_set():
@@ -181,6 +185,7 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
             raise RankFailedError(root, service.sorted_failures(), detail) from None
         raise RunnerError(f"spark_hvd run {job_id} failed before any rank reported an error: {detail}")
     finally:
+        quiet.stop()
         service.stop()
 
 

@@ -142,10 +142,11 @@ def test_horovod_habits_and_keyword_signature():
     assert inspect.signature(TorchEstimator) is sig  # built once
 
 
-def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, monkeypatch, caplog, capsys):
-    """Ctrl-C while the ranks train (the runner stops them and re-raises): one line names the run, its last
-    checkpoint and how to resume; the KeyboardInterrupt goes on to the caller."""
-    import logging
+def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the ranks train (the runner stops them and re-raises): the KeyboardInterrupt that goes on to
+    the caller says in one line the run, its last checkpoint and how to resume, raised from fit() itself (a
+    traceback of the caller's frame and fit's, not the runner's)."""
+    import traceback
 
     from spark_hvd.runner.backend import SparkBackend
     from spark_hvd.store.run_dir import RunDir
@@ -160,10 +161,13 @@ def test_interrupted_fit_names_the_run_and_its_checkpoint(spark, df, tmp_path, m
 
     monkeypatch.setattr(SparkBackend, "run", interrupted)
     est = TorchEstimator(**_kwargs(store, run_id="run-ctrl-c", verbose=1))
-    with caplog.at_level(logging.WARNING, logger="spark_hvd.estimators.fit"), pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt) as info:
         est.fit(df)
-    assert ("TorchEstimator: interrupted; run 'run-ctrl-c' has a checkpoint after epoch 2; resume it with "
-            "setRunId('run-ctrl-c') (or run_id='run-ctrl-c') and fit again") in caplog.text
+    assert str(info.value) == ("TorchEstimator: interrupted; run 'run-ctrl-c' has a checkpoint after epoch 2; resume "
+                               "it with setRunId('run-ctrl-c') (or run_id='run-ctrl-c') and fit again")
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert [f.name for f in frames] == ["test_interrupted_fit_names_the_run_and_its_checkpoint", "fit"], frames
+    assert info.value.__cause__ is None and info.value.__suppress_context__
     # the phase lines and the start summary (verbose=1); fitting again resumes
     with pytest.raises(KeyboardInterrupt):
         est.fit(df)

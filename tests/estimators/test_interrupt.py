@@ -1,5 +1,6 @@
-"""SIGINT (Ctrl-C) during a real fit in a fresh driver process: the one-line resume hint on stderr, and no process
-of the job (ranks, Python workers, the JVM) left behind."""
+"""SIGINT (Ctrl-C) during a real fit in a fresh driver process: the one-line resume hint on stderr, under a short
+traceback and without Spark's warnings for the killed tasks, and no process of the job (ranks, Python workers, the
+JVM) left behind."""
 
 from __future__ import annotations
 
@@ -62,8 +63,15 @@ def test_sigint_during_fit_prints_the_resume_hint_and_leaves_nothing(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert ("TorchEstimator: interrupted; run 'run-sigint' has a checkpoint after epoch 1; resume it with "
-            "setRunId('run-sigint')") in err, err[-3000:]
+    # one line to act on, under a traceback of the script's frame and fit's; no Spark warning about the killed
+    # tasks, no runner frame
+    tail = err[err.index("Traceback (most recent call last):"):].splitlines()
+    assert tail[-1] == ("KeyboardInterrupt: TorchEstimator: interrupted; run 'run-sigint' has a checkpoint after "
+                        "epoch 1; resume it with setRunId('run-sigint') (or run_id='run-sigint') and fit again"), tail
+    assert len(tail) <= 8 and "stage.py" not in err, tail
+    for noise in ("TaskSetManager", "Lost task", "Attempting to kill Python Worker", "Failed to cancel job group"):
+        assert noise not in err, err[-3000:]
+    assert err.count("KeyboardInterrupt") == 1, err[-3000:]
     deadline = time.monotonic() + 60
     while _alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(1)
