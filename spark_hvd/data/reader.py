@@ -59,6 +59,8 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
+#: The most bytes of rows the shuffle buffer mixes unless ``shuffle_buffer_rows`` says otherwise.
+DEFAULT_SHUFFLE_BYTES = 256 << 20
 #: (chunks, start row of each chunk, row ids in emission order) - see BatchReader._shuffled_blocks
 Block = tuple[list[Batch | None], np.ndarray, np.ndarray]
 
@@ -123,7 +125,9 @@ class BatchReader:
         batch_size: rows per batch.
         shuffle: shuffle piece order and rows (within ``shuffle_buffer_rows``) each epoch.
         seed: seed of the shuffles (epoch ``e`` of rank ``r`` uses ``(seed, e, r)``).
-        shuffle_buffer_rows: rows mixed together (default 65536 or the shard). Memory: the shuffle holds at most
+        shuffle_buffer_rows: rows mixed together (default: the shard, at most 65536 rows and at most
+            ``DEFAULT_SHUFFLE_BYTES``, 256 MiB, of rows as the epoch's first chunk measures them: after
+            ``transformation_fn``, so decoded images count at their decoded size). Memory: the shuffle holds at most
             about 2 x this many rows (rows of row groups partly still in the buffer; where the row groups alive hold
             more than twice the buffer's rows, its rows are copied out and the row groups freed); a rank's reader
             then holds about ``2 * shuffle_buffer_rows * row_bytes + read_ahead_pieces * row_group_bytes +
@@ -267,6 +271,7 @@ class BatchReader:
             self.steps_per_epoch = math.ceil(self.rows_per_epoch / self.batch_size)
         default_buf = max(self.batch_size, min(65536, self.shard_rows))
         self.shuffle_buffer_rows = int(shuffle_buffer_rows) if shuffle_buffer_rows else default_buf
+        self._buffer_by_bytes = not shuffle_buffer_rows
         self._next_epoch = 0
 
     # ------------------------------------------------------------------ construction from the store
@@ -448,6 +453,8 @@ class BatchReader:
                 chunks, bases, pool, next_base = [], [], np.empty(0, dtype=np.int64), 0
                 continue
             n = _num_rows(chunk)
+            if n and not chunks and self._buffer_by_bytes:  # the first chunk of a pass says what a row weighs
+                cap = max(self.batch_size, min(self.shuffle_buffer_rows, DEFAULT_SHUFFLE_BYTES * n // _nbytes(chunk)))
             chunks.append(chunk)
             bases.append(next_base)
             pool = np.concatenate([pool, np.arange(next_base, next_base + n, dtype=np.int64)])
@@ -581,6 +588,18 @@ def _split_until(pieces: list[Piece], count: int) -> list[Piece]:
             heapq.heappush(heap, (-q.num_rows, serial, q))
             serial += 1
     return [p for _, _, p in heap]
+
+
+def _nbytes(batch: Batch) -> int:
+    """Bytes held by a chunk's columns (bytes / str objects by their lengths; sparse matrices by their arrays)."""
+    total = 1
+    for v in batch.values():
+        if isinstance(v, np.ndarray):
+            total += v.nbytes + (sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in v.ravel())
+                                 if v.dtype == object else 0)
+        else:  # a scipy sparse matrix
+            total += v.data.nbytes + v.indices.nbytes + v.indptr.nbytes
+    return total
 
 
 def _num_rows(batch: Batch) -> int:

@@ -183,3 +183,27 @@ def test_memory_pools(tmp_path, pool):
     for b in BatchReader(path, batch_size=30, memory_pool=pool).epoch(0):
         counts.update(b["id"].tolist())
     assert sorted(counts) == list(range(100))
+
+
+def test_default_shuffle_buffer_is_bounded_by_the_bytes_of_decoded_rows(tmp_path, monkeypatch):
+    """Without shuffle_buffer_rows the buffer holds at most DEFAULT_SHUFFLE_BYTES of rows as transformation_fn
+    returns them (decoded images are far bigger than their bytes): a batch draws on a few row groups, not the
+    shard; with the bound lifted it draws on many. Every epoch still yields each row once."""
+    from spark_hvd.data import reader as reader_mod
+
+    path = str(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"id": np.arange(400)}), path, row_group_size=10)
+
+    def widen(df):  # 4 KiB per row after the "decode"
+        return df.assign(pixels=[np.zeros(1024, np.float32)] * len(df))
+
+    def groups_in_first_batch() -> int:
+        reader = BatchReader(path, batch_size=8, transformation_fn=widen, seed=3)
+        ids = [b["id"] for b in reader.epoch(0)]
+        assert sorted(np.concatenate(ids).tolist()) == list(range(400))
+        return len(set((ids[0] // 10).tolist()))
+
+    monkeypatch.setattr(reader_mod, "DEFAULT_SHUFFLE_BYTES", 16 * 4096)  # 16 rows
+    assert groups_in_first_batch() <= 3
+    monkeypatch.setattr(reader_mod, "DEFAULT_SHUFFLE_BYTES", 1 << 30)  # the whole shard
+    assert groups_in_first_batch() >= 5
