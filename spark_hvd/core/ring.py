@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import recursive_doubling, shm_cma, shm_slices
+from spark_hvd.core import halving_doubling, recursive_doubling, shm_cma, shm_slices
 from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
     HOST_ID_ENV,
     IFACE_ENV,
@@ -453,6 +453,10 @@ class RingBackend(Backend):
         if n > 2 and flat.nbytes <= self.settings.log_depth_bytes:
             recursive_doubling.allreduce(flat, op, bfloat16, members or range(self.size), p,
                                          _MeshPeers(self, operation), self._scratch_bytes(flat.nbytes))
+            return
+        if n > 2 and 0 < self.settings.halving_doubling_bytes <= flat.nbytes:
+            halving_doubling.allreduce(flat, op, bfloat16, members or range(self.size), p, _MeshPeers(self, operation),
+                                       self._scratch_bytes(halving_doubling.scratch_bytes(flat.size, flat.itemsize, n)))
             return
         self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
                    op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)

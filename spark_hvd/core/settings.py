@@ -82,6 +82,10 @@ class Settings:
         "SPARK_HVD_LOG_DEPTH_BYTES", None, 64 * 1024, int,
         "TCP allreduces among three or more ranks (or host leaders) up to this many bytes use recursive doubling "
         "(log2 N exchanges of the whole array) instead of the ring's 2(N-1) steps; 0 turns it off")
+    halving_doubling_bytes: int = _setting(
+        "SPARK_HVD_HALVING_DOUBLING_BYTES", None, 0, int,
+        "TCP allreduces among three or more ranks (or host leaders) from this many bytes use recursive halving and "
+        "doubling (Rabenseifner: the ring's bytes in 2 log2 N steps instead of 2(N-1)); 0 turns it off")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -1,10 +1,12 @@
-"""Recursive doubling (``spark_hvd.core.recursive_doubling``) over the TCP mesh at N = 3, 4, 5, 8: every op and
-dtype against numpy, bit-identical on every rank, and a killed rank named by every other one."""
+"""Recursive doubling (``spark_hvd.core.recursive_doubling``) over the TCP mesh at N = 3, 4, 5, 8 and recursive
+halving and doubling (``spark_hvd.core.halving_doubling``) in threads at N = 2..11 and over the TCP mesh at N = 3,
+5, 8: every op and dtype against numpy, bit-identical on every rank, and a killed rank named by every other one."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import signal
 import threading
 import time
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks
 
-from spark_hvd.core import recursive_doubling
+from spark_hvd.core import halving_doubling, recursive_doubling
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
@@ -21,6 +23,7 @@ from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 COUNTS = [1, 7, 1001, 4099]  # every one under the threshold below; 4099 float64: several frames
 LOG_DEPTH = {"SPARK_HVD_SHM": "0", "SPARK_HVD_LOG_DEPTH_BYTES": str(64 * 1024), "SPARK_HVD_TIMEOUT": "60"}
+HALVING = {**LOG_DEPTH, "SPARK_HVD_LOG_DEPTH_BYTES": "0", "SPARK_HVD_HALVING_DOUBLING_BYTES": "1"}  # every size
 
 
 @pytest.mark.parametrize("n", range(2, 17))
@@ -136,3 +139,75 @@ def test_recursive_doubling_between_the_leaders_of_three_hosts():
                         env=lambda r: {**LOG_DEPTH, "SPARK_HVD_SHM": "1", "SPARK_HVD_HOST_ID": hosts[r]})
     assert {res["transport"] for res in results} == {"hier"}
     assert len({res["digest"] for res in results}) == 1
+
+
+class _QueuePeers:
+    """``recursive_doubling.Peers`` between threads of this process (a queue per direction)."""
+
+    def __init__(self, me: int, queues: dict[tuple[int, int], queue.Queue]) -> None:
+        self.me, self.queues = me, queues
+
+    def send(self, dst: int, data: np.ndarray) -> None:
+        self.queues[(self.me, dst)].put(data.copy())
+
+    def recv(self, src: int, into: np.ndarray) -> None:
+        data = self.queues[(src, self.me)].get(timeout=60)
+        assert data.nbytes == into.nbytes, (data.nbytes, into.nbytes)
+        into[...] = data
+
+    def exchange(self, peer: int, data: np.ndarray, into: np.ndarray) -> None:
+        self.send(peer, data)
+        self.recv(peer, into)
+
+
+def _halving_doubling_in_threads(datas: list[np.ndarray], op: ReduceOp) -> list[np.ndarray]:
+    """Every member's result of ``halving_doubling.allreduce`` of ``datas``, run in one thread each."""
+    n = len(datas)
+    bufs = [d.copy() for d in datas]
+    queues = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
+    errors: list[BaseException] = []
+
+    def member(r: int) -> None:
+        try:
+            scratch = np.empty(halving_doubling.scratch_bytes(bufs[r].size, bufs[r].itemsize, n), np.uint8)
+            halving_doubling.allreduce(bufs[r], op, False, list(range(n)), r, _QueuePeers(r, queues), scratch)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return bufs
+
+
+@pytest.mark.parametrize("n", range(2, 12))
+def test_halving_doubling_in_threads_matches_numpy_for_every_op(n):
+    for count in (1, 5, 64, 1001):  # fewer items than members, uneven blocks (padded), even ones
+        for op in ReduceOp:
+            datas = [_data(n, r, count, "float64") for r in range(n)]
+            bufs = _halving_doubling_in_threads(datas, op)
+            want = _expected(datas, op, "float64")
+            for buf in bufs:
+                np.testing.assert_allclose(buf, want, rtol=1e-12, err_msg=f"n={n} {op} {count}")
+                assert buf.tobytes() == bufs[0].tobytes()  # bit-identical on every member
+
+
+@pytest.mark.parametrize("n", [3, 5, 8])
+def test_halving_doubling_over_tcp_matches_numpy_and_is_bit_identical_on_every_rank(n):
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    results = run_ranks(_every_op_and_dtype, n, env=HALVING, timeout=300, args=(seed,))
+    assert {res["transport"] for res in results} == {"tcp"}
+    assert len({res["digest"] for res in results}) == 1
+
+
+def test_a_rank_killed_in_halving_doubling_is_named_by_every_other_rank():
+    n, victim = 5, 1  # a folded odd member again
+    results = run_ranks(_die_in_small_allreduces, n, args=(victim,), allow_death={victim}, timeout=120,
+                        env={**HALVING, "SPARK_HVD_TIMEOUT": "20"})
+    assert isinstance(results[victim], RankDied)
+    for r in (k for k in range(n) if k != victim):
+        assert results[r]["error"] is not None, f"rank {r} did not notice"
+        assert results[r]["rank"] == victim, f"rank {r}: {results[r]['message']}"
