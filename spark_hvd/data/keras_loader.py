@@ -22,6 +22,9 @@ class KerasBatchDataset(keras.utils.PyDataset):
     order), the next batch of the stream is returned. An epoch of the reader ends after ``len()`` batches, and the
     next one starts (so shuffles differ from epoch to epoch); an ``on_epoch_end`` in the middle of an epoch (Keras
     peeks at the first batches before training) restarts that epoch. Read-ahead happens on the reader's thread.
+
+    ``skip``: the first epoch (``first_epoch``) starts after its first ``skip`` batches (read and dropped: a resume
+    from a checkpoint inside that epoch) and ends ``skip`` batches early; ask ``fit`` for ``len() - skip`` steps.
     """
 
     def __init__(
@@ -31,6 +34,7 @@ class KerasBatchDataset(keras.utils.PyDataset):
         label_cols: Sequence[str] | None = None,
         sample_weight_col: str | None = None,
         first_epoch: int = 0,
+        skip: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -39,6 +43,7 @@ class KerasBatchDataset(keras.utils.PyDataset):
         self.label_cols = list(label_cols or [])
         self.sample_weight_col = sample_weight_col
         self.epoch = int(first_epoch)
+        self._skip = (int(first_epoch), int(skip))
         self._it: Iterator[dict[str, np.ndarray]] | None = None
         self._count = 0
         self._lock = threading.Lock()
@@ -56,6 +61,10 @@ class KerasBatchDataset(keras.utils.PyDataset):
         with self._lock:
             if self._it is None:
                 self._it = iter(self.reader.epoch(self.epoch))
+                if self.epoch == self._skip[0]:
+                    for _ in range(self._skip[1]):
+                        next(self._it)
+                    self._count = self._skip[1]
             batch = next(self._it)
             self._count += 1
             if self._count == len(self):

@@ -152,6 +152,10 @@ class BaseEstimator(Estimator, PersistableStage):
                 raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
         if get(self.max_retries) < 0:
             raise param_error(name, f"max_retries must be >= 0, got {get(self.max_retries)}")
+        for param in ("checkpoint_every_steps", "checkpoint_every_seconds"):
+            value = get(getattr(self, param)) if self.hasParam(param) else None
+            if value is not None and value <= 0:
+                raise param_error(name, f"{param} must be positive (or None for epoch checkpoints only), got {value}")
         self._check_elastic()
         features, labels = get(self.feature_cols), get(self.label_cols)
         if not features:

@@ -274,6 +274,8 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             "metrics": tuple(self._metrics()),
             "best": self._checkpoint_policy(),
             "backend": self._keras_backend,
+            "checkpoint_every_steps": self.getOrDefault(self.checkpoint_every_steps),
+            "checkpoint_every_seconds": self.getOrDefault(self.checkpoint_every_seconds),
         }
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:

@@ -4,7 +4,10 @@
 Works on Keras's TensorFlow, torch and JAX backends (the estimator's ``backend``, see ``keras_backend.py``):
 TensorFlow is imported only when it is the backend. ``model.fit`` runs every epoch in one call (so Keras callbacks
 such as ``EarlyStopping`` or LR schedules keep their state); a callback of ours hands each epoch's averaged logs to
-``RankRun.end_epoch``.
+``RankRun.end_epoch`` and, after every batch, calls ``RankRun.step_end`` (step checkpoints; the epoch's running sums
+are the values of the model's metric variables on the rank). A resume inside an epoch runs that epoch's remaining
+batches in a ``model.fit`` of their own (the dataset drops the batches already trained, the metric variables are put
+back at its start), then the following epochs in a second ``model.fit``.
 """
 
 from __future__ import annotations
@@ -183,8 +186,11 @@ class KerasTrainer(RankTrainer):
         spec, hvd = self.spec, self.hvd
         readers = run.readers
         cols = (list(spec.feature_cols), list(spec.label_cols), spec.sample_weight_col)
-        train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start)
+        skip = run.start_step  # batches of epoch run.start already trained (a resume from a step checkpoint)
+        train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start, skip=skip)
         steps = min(readers.steps("train"), len(train))
+        saved_metrics = run.resume_progress.get("metrics") if skip else None
+        keep_sums = run.checkpoints_inside_epochs
         val, val_steps = None, None
         if readers.has_validation:
             val = KerasBatchDataset(readers.readers["val"], *cols)
@@ -193,21 +199,43 @@ class KerasTrainer(RankTrainer):
         class _RunCallback(keras.callbacks.Callback):
             """Each epoch's averaged logs to ``run.end_epoch``; a non-finite loss stops with an error."""
 
-            epoch = 0
+            epoch, offset, stopped = 0, 0, False
 
             def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
                 self.epoch = epoch
+                self.offset = skip if epoch == run.start else 0
+                if self.offset and saved_metrics is not None:  # Keras reset them just before: the resumed sums
+                    variables = self.model.metrics_variables
+                    if len(variables) == len(saved_metrics):
+                        for var, value in zip(variables, saved_metrics, strict=True):
+                            var.assign(value)
+                    else:
+                        log.warning("rank %d: the step checkpoint has %d metric variables, the model %d: the "
+                                    "epoch's metrics count only its remaining batches", run.rank,
+                                    len(saved_metrics), len(variables))
 
             def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-                run.batch_done(self.epoch, batch, (logs or {}).get("loss"))
+                step = batch + self.offset
+                run.batch_done(self.epoch, step, (logs or {}).get("loss"))
+                if keep_sums:
+                    run.step_end(self.epoch, step,
+                                 {"metrics": [np.array(v) for v in self.model.metrics_variables]})
 
             def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
                 logs = {k: float(np.asarray(v)) for k, v in (logs or {}).items()
                         if isinstance(v, int | float | np.number | np.ndarray) or hasattr(v, "numpy")}
                 self.model.stop_training = run.end_epoch(epoch, logs, stop=bool(self.model.stop_training))
+                self.stopped = self.stopped or self.model.stop_training
 
+        ours = _RunCallback()
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                     *spec.callbacks, _RunCallback()]
-        self.model.fit(train, epochs=spec.epochs, initial_epoch=run.start, steps_per_epoch=steps,
-                       validation_data=val, validation_steps=val_steps, callbacks=callbacks,
-                       verbose=2 if (spec.verbose >= 2 and run.rank == 0) else 0)
+                     *spec.callbacks, ours]
+        start = run.start
+        fit = {"validation_data": val, "validation_steps": val_steps, "callbacks": callbacks,
+               "verbose": 2 if (spec.verbose >= 2 and run.rank == 0) else 0}
+        if skip:  # the rest of the epoch a step checkpoint interrupted, then the following epochs
+            self.model.fit(train, epochs=start + 1, initial_epoch=start, steps_per_epoch=steps - skip, **fit)
+            start += 1
+            if ours.stopped or start >= spec.epochs:
+                return
+        self.model.fit(train, epochs=spec.epochs, initial_epoch=start, steps_per_epoch=steps, **fit)

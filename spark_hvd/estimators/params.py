@@ -404,10 +404,12 @@ class KerasEstimatorParams(EstimatorParams):
     backend = _p("backend", "Keras's backend on the ranks: 'tensorflow', 'torch' or 'jax'; default None: the "
                  "driver's own Keras backend. A rank whose Python worker already runs Keras on another backend runs "
                  "in a fresh Python process", _to_keras_backend)
+    checkpoint_every_steps = TorchEstimatorParams.checkpoint_every_steps
+    checkpoint_every_seconds = TorchEstimatorParams.checkpoint_every_seconds
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(backend=None)
+        self._setDefault(backend=None, checkpoint_every_steps=None, checkpoint_every_seconds=None)
 
 
 @_add_accessors

@@ -269,6 +269,12 @@ class RankRun:
         if self._progress is not None:
             self._progress(epoch, step + 1, loss=loss)
 
+    @property
+    def checkpoints_inside_epochs(self) -> bool:
+        """Whether step checkpoints are on (``checkpoint_every_steps`` / ``_seconds``): ``step_end`` then wants the
+        loop's running sums after every batch."""
+        return self._trigger.enabled
+
     def step_end(self, epoch: int, step: int, progress: dict) -> None:
         """After batch ``step`` (0-based) of ``epoch``, once everything of the batch is done (optimizer, scheduler,
         callbacks): take a step checkpoint when one is due (``checkpoint_every_steps`` / ``_seconds``); every rank

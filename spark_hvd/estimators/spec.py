@@ -105,6 +105,8 @@ class KerasSpec(TrainSpec):
     loss_weights: tuple[float, ...] | None = None
     metrics: tuple = ()
     backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)
+    checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
+    checkpoint_every_seconds: float | None = None  #: ... or every N seconds
 
 
 @dataclass(frozen=True, kw_only=True)

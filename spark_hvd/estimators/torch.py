@@ -199,11 +199,6 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
             raise param_error("TorchEstimator", "mixed_precision='fp16' scales the loss in the estimator's own step, "
                               "which train_minibatch_fn replaces; use mixed_precision='bf16' (no loss scaling), or "
                               "drop train_minibatch_fn")
-        for param in ("checkpoint_every_steps", "checkpoint_every_seconds"):
-            value = self.getOrDefault(getattr(self, param))
-            if value is not None and value <= 0:
-                raise param_error("TorchEstimator", f"{param} must be positive (or None for epoch checkpoints only), "
-                                  f"got {value}")
 
     _is_class_index_loss = staticmethod(is_class_index_loss)
 
