@@ -310,9 +310,28 @@ class Engine:
         The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the last two
         rounds agreed on it alone: same name, dtype, shape, op and scales) and nothing else is queued on this rank,
         the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
-        runs it at once in the calling thread with no request, handle or metadata to build. Otherwise, or when
-        the speculation misses (another rank submitted something else), it goes through ``enqueue`` and ``wait``.
+        runs it at once in the calling thread with no request, handle or metadata to build. The same for a new
+        name when a round of one new tensor of this layout is expected (``spark_hvd.core.fresh``). Otherwise, or
+        when the speculation misses (another rank submitted something else), it goes through ``enqueue`` and
+        ``wait``.
         """
+        fresh = self._fresh
+        if fresh is not None and len(fresh.layout) == 1 and not bfloat16 and buf.__class__ is np.ndarray:
+            meta = fresh.layout[0]
+            if (_OP_VALUES.get(op) == meta.op and buf.shape == meta.shape and buf.dtype == fresh.dtype
+                    and prescale == meta.prescale and postscale == meta.postscale and _in_place_ok(buf.flags)):
+                if name is None:
+                    with self._lock:
+                        name = f"allreduce.noname.{self._counters['allreduce']}"
+                        self._counters["allreduce"] += 1
+                if (name not in self._local and self._cache.lookup(name, meta) is None
+                        and self._sole_ready(fresh)):
+                    try:
+                        hit = self._guarded_round(True, lambda: self._fresh_sole_round(fresh, buf, name, meta))
+                    finally:
+                        self._round_lock.release()
+                    if hit:
+                        return buf
         spec = self._spec
         if spec is not None and spec.sole is not None and spec.sole[0] == name and not bfloat16:
             meta = spec.sole[1]
@@ -329,14 +348,15 @@ class Engine:
         return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
                             bfloat16=bfloat16, start_engine=False).wait()
 
-    def _sole_ready(self, spec: Spec) -> bool:
-        """Take the round lock for ``_sole_round`` if ``spec`` is still armed and nothing else is queued here
-        (a join, a shutdown, another request); False (lock not held) otherwise."""
+    def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
+        """Take the round lock for ``_sole_round`` (``_fresh_sole_round``) if ``spec`` is still armed and nothing
+        else is queued here (a join, a shutdown, another request); False (lock not held) otherwise."""
         if self._outbox or self._join_handle is not None or self._shutdown_requested:
             return False
         if not self._round_lock.acquire(blocking=False):
             return False  # the engine thread is in a round
-        if self._spec is spec and not self._finished and self._error is None and not self._outbox:
+        armed = self._spec is spec or self._fresh is spec
+        if armed and not self._finished and self._error is None and not self._outbox:
             return True
         self._round_lock.release()
         return False
@@ -693,15 +713,8 @@ class Engine:
         names = None if mine is None else [request.name for request in mine]
         pack(spec, self.rank, names, None if mine is None else [request.buf for request in mine])
         t0 = time.perf_counter()
-        try:
-            self.backend.allreduce(spec.staging, spec.op)
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
-                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        self._fresh_collective(spec)
         t1 = time.perf_counter()
-        self.stats["fresh_rounds"] += 1
         if mine is None or not agreed(spec):
             self.stats["fresh_misses"] += 1
             self._fresh = None
@@ -726,6 +739,44 @@ class Engine:
         self._idle_rounds = 0
         self._progress_at = t1
         return True
+
+    def _fresh_sole_round(self, spec: FreshSpec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
+        """``allreduce``'s round of one new name: the round of ``spec`` with ``buf`` alone, with no request or
+        handle. On a miss the other ranks go on to a fast round, which is what this rank's next round is too (the
+        speculation is disarmed), and ``allreduce`` submits ``buf`` to it. Returns (hit, False)."""
+        start = self._last_start = time.perf_counter()
+        pack(spec, self.rank, [name], [buf])
+        t0 = time.perf_counter()
+        self._fresh_collective(spec)
+        t1 = time.perf_counter()
+        if not agreed(spec):
+            self.stats["fresh_misses"] += 1
+            self._fresh = None
+            return False, False
+        unpack(spec, [buf])
+        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        self.stats["full_requests"] += 1
+        self._cache.put(name, meta)
+        self._spec = None  # the cache changed: learn the rounds afresh
+        self._predictor.reset()
+        self.stats["allreduce_collectives"] += 1
+        self.stats["allreduce_tensors"] += 1
+        if self.timeline is not None:
+            self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
+        self._idle_rounds = 0
+        self._progress_at = t1
+        return True, False
+
+    def _fresh_collective(self, spec: FreshSpec) -> None:
+        try:
+            self.backend.allreduce(spec.staging, spec.op)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        self.stats["fresh_rounds"] += 1
 
     def _sole_round(self, spec: Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
         """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle.

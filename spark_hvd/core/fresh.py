@@ -96,11 +96,12 @@ def pack(spec: FreshSpec, rank: int, names: Sequence[str] | None, bufs: Sequence
     """Fill ``spec.staging`` with this rank's part: flag, digest and tensors, or zeros (``names`` None: this rank
     submitted something else)."""
     staging = spec.staging
-    staging.fill(0)
     if names is None or bufs is None:
+        staging.fill(0)
         return
-    staging[0] = 1
     at = 1 + _SLOTS * rank
+    staging[:1 + _SLOTS * spec.size] = 0  # the tensors' part is overwritten whole below
+    staging[0] = 1
     staging[at:at + _SLOTS] = name_digest(names)
     for view, buf in zip(spec.views, bufs, strict=True):
         view[...] = buf
@@ -114,7 +115,7 @@ def agreed(spec: FreshSpec) -> bool:
     flags = float(staging[0]) * scale
     if not flags > size - 0.5:
         return False
-    digests = np.rint(staging[1:1 + _SLOTS * size].astype(np.float64) * scale).astype(np.int64).tolist()
+    digests = [round(d * scale) for d in staging[1:1 + _SLOTS * size].tolist()]  # small: plain Python is faster
     mine = digests[:_SLOTS]
     return mine[0] > 0 and all(digests[r * _SLOTS:(r + 1) * _SLOTS] == mine for r in range(1, size))
 
