@@ -21,7 +21,7 @@ from spark_hvd.estimators.params import OBJECT_PARAMS
 from spark_hvd.estimators.persistence import PersistableStage
 from spark_hvd.estimators.preflight import check_not_classes
 from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
-from spark_hvd.estimators.spec import TrainSpec, model_metadata
+from spark_hvd.estimators.spec import BestPolicy, TrainSpec, model_metadata
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["BaseEstimator"]
@@ -146,7 +146,7 @@ class BaseEstimator(Estimator, PersistableStage):
             if value is None or value <= 0:
                 raise param_error(name, f"{param} must be a positive integer, got {value!r}")
         for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc",
-                      "keep_checkpoints"):
+                      "keep_checkpoints", "keep_best_checkpoints"):
             value = get(getattr(self, param))
             if value is not None and value <= 0:
                 raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
@@ -157,6 +157,7 @@ class BaseEstimator(Estimator, PersistableStage):
             if value is not None and value <= 0:
                 raise param_error(name, f"{param} must be positive (or None for epoch checkpoints only), got {value}")
         self._check_elastic()
+        self._check_retention()
         features, labels = get(self.feature_cols), get(self.label_cols)
         if not features:
             raise param_error(name, "feature_cols is empty: name the column(s) the model takes as input")
@@ -206,6 +207,29 @@ class BaseEstimator(Estimator, PersistableStage):
         get = self.getOrDefault
         low, high = get(self.min_num_proc), get(self.max_num_proc)
         return (1 if low is None else low), (high if high is not None else get(self.num_proc))
+
+    def _check_retention(self) -> None:
+        """``keep_best_checkpoints`` and ``final_model='best'`` need ``monitor``; a ``val_`` monitor needs
+        validation rows; neither goes with a best-epoch policy of the estimator's own (``best_metric``, a Keras
+        ``checkpoint_callback`` with ``save_best_only``), which already keeps only improving epochs."""
+        name, get = type(self).__name__, self.getOrDefault
+        monitor, keep_best, final = get(self.monitor), get(self.keep_best_checkpoints), get(self.final_model)
+        wants = [p for p, on in (("keep_best_checkpoints", keep_best is not None), ("final_model='best'",
+                                                                                   final == "best")) if on]
+        if wants and not monitor:
+            raise param_error(name, f"{' and '.join(wants)} rank the checkpoints by monitor: set monitor to a history "
+                              "key, e.g. monitor='val_loss'")
+        if monitor and monitor.startswith("val_") and get(self.validation) in (None, 0.0):
+            raise param_error(name, f"monitor={monitor!r} is a validation metric but validation is not set (no "
+                              "validation rows); set validation (e.g. 0.1) or monitor a training key such as 'loss'")
+        if wants and self._checkpoint_policy() is not None:
+            own = "best_metric" if self.hasParam("best_metric") else "checkpoint_callback (save_best_only)"
+            raise param_error(name, f"{' and '.join(wants)} does not go with {own}, which already keeps only "
+                              "improving epochs and returns the best; use one of them")
+
+    def _checkpoint_policy(self) -> Any:
+        """The estimator's own best-epoch policy (a ``BestPolicy``), if any (default none)."""
+        return None
 
     def _check_elastic(self) -> None:
         """The elastic params, on the driver: ranges, and the options that do not go with ``elastic=True``."""
@@ -333,6 +357,8 @@ class BaseEstimator(Estimator, PersistableStage):
             verbose=get(self.verbose), terminate_on_nan=get(self.terminate_on_nan),
             scale_lr_by_num_proc=get(self.scale_lr_by_num_proc), checkpoint_upload=get(self.checkpoint_upload),
             checkpoint_when_busy=get(self.checkpoint_when_busy), keep_checkpoints=get(self.keep_checkpoints),
+            keep_best_checkpoints=get(self.keep_best_checkpoints), final_model=get(self.final_model),
+            monitor=BestPolicy.create(get(self.monitor), get(self.monitor_mode)) if get(self.monitor) else None,
             **self._train_spec(),
         )
 
@@ -365,6 +391,8 @@ class BaseEstimator(Estimator, PersistableStage):
             raise
         history, output_shapes = results[0]["history"], results[0]["output_shapes"]
         metadata = model_metadata(data, output_shapes)
+        if results[0].get("final_epoch") is not None:  # final_model="best": the epoch the model is from
+            metadata["final_epoch"] = results[0]["final_epoch"]
         kind = self._classifier_kind() if len(get(self.label_cols)) == 1 else None
         if kind:
             metadata["classifier"] = kind

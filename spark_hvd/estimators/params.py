@@ -330,6 +330,15 @@ class EstimatorParams(Params):
     keep_checkpoints = _p("keep_checkpoints", "keep only the newest this many epoch checkpoints of the run (older "
                           "ones are deleted once a newer one is committed); default None: keep all",
                           _to_optional(_to_strict_int))
+    keep_best_checkpoints = _p("keep_best_checkpoints", "also keep the best this many epoch checkpoints by monitor "
+                               "(beside the newest keep_checkpoints, default then 1); default None",
+                               _to_optional(_to_strict_int))
+    monitor = _p("monitor", "the history key (e.g. val_loss) that ranks the checkpoints for keep_best_checkpoints "
+                 "and final_model='best'", _to_optional(TypeConverters.toString))
+    monitor_mode = _p("monitor_mode", "'min', 'max' or 'auto' (max for accuracy-like names) for monitor",
+                      _to_choice("auto", "min", "max"))
+    final_model = _p("final_model", "the model fit returns: 'last' (default: the weights after the last epoch) or "
+                     "'best' (the kept epoch checkpoint best by monitor)", _to_choice("last", "best"))
     checkpoint_when_busy = _p("checkpoint_when_busy", "when a checkpoint is due while the previous one is still "
                               "uploading: 'wait' for it (default) or 'skip' this one", _to_choice("wait", "skip"))
     overwrite_prepared_data = _p("overwrite_prepared_data", "prepare the DataFrame's Parquet again even when the "
@@ -345,7 +354,8 @@ class EstimatorParams(Params):
             validation_steps_per_epoch=None, shuffle=True, random_seed=None, run_id=None, backward_passes_per_step=1,
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
-            checkpoint_when_busy="wait", keep_checkpoints=None, reader_pool_type="thread",
+            checkpoint_when_busy="wait", keep_checkpoints=None, keep_best_checkpoints=None, monitor=None,
+            monitor_mode="auto", final_model="last", reader_pool_type="thread",
             train_reader_num_workers=None, sparse_vectors="dense", ragged="pad",
         )
 

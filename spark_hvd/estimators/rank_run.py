@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from spark_hvd.estimators.rank_data import ShardReaders, append_history
+from spark_hvd.estimators.retention import best_epochs, kept_epochs
 from spark_hvd.estimators.spec import TrainSpec
 from spark_hvd.estimators.step_checkpoint import (
     StepState,
@@ -165,6 +166,8 @@ class RankRun:
         self.resume_progress: dict = {}
         #: a resumed step checkpoint's batches per epoch (None: as saved by a spark_hvd that did not record them)
         self._saved_steps: int | None = None
+        #: the epoch whose checkpoint became the final model (``final_model="best"``); None: the last state
+        self.final_epoch: int | None = None
         self.step_checkpoints = 0
         self._trigger = StepTrigger(getattr(spec, "checkpoint_every_steps", None),
                                     getattr(spec, "checkpoint_every_seconds", None),
@@ -364,12 +367,17 @@ class RankRun:
 
     def _commit(self, epoch: int, snapshot: str, history: dict) -> None:
         """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), delete the
-        epochs beyond ``keep_checkpoints``, then write the metrics log."""
+        epochs neither among the newest ``keep_checkpoints`` nor the best ``keep_best_checkpoints``
+        (``retention.kept_epochs``), then write the metrics log."""
         self.run_dir.write_checkpoint(epoch, snapshot, {"history": history, "num_proc": self.size})
         keep = getattr(self.spec, "keep_checkpoints", None)
-        if keep:  # retention: the newest ``keep`` epochs stay, older ones go once this one is committed
-            for old in self.run_dir.list_checkpoints()[:-keep]:
-                self.spec.store.delete(self.run_dir.checkpoint_path(old))
+        keep_best = getattr(self.spec, "keep_best_checkpoints", None)
+        if keep or keep_best:  # retention: only once this one is committed
+            epochs = self.run_dir.list_checkpoints()
+            kept = kept_epochs(epochs, history, keep, keep_best, getattr(self.spec, "monitor", None))
+            for old in epochs:
+                if old not in kept:
+                    self.spec.store.delete(self.run_dir.checkpoint_path(old))
         self._write_metrics(history)
 
     def _write_metrics(self, history: dict) -> None:
@@ -381,6 +389,22 @@ class RankRun:
 
             self._events = EventFileWriter(self.spec.store, self.run_dir.logs_path)
         self._events.write_history(history)
+
+    def _load_best(self) -> None:
+        """Rank 0, ``final_model="best"``: load the kept epoch checkpoint best by ``monitor`` (the next best when one
+        does not verify); without any value of ``monitor`` in the history, the last state stays, with a warning."""
+        policy = self.spec.monitor
+        ranked = best_epochs(self.run_dir.list_checkpoints(), self.history, policy)
+        for epoch in ranked:
+            with tempfile.TemporaryDirectory() as tmp:
+                if self.run_dir.latest_checkpoint(tmp, only={epoch}) is not None:
+                    self.trainer.load_checkpoint(tmp)
+                    self.final_epoch = epoch
+                    log.info("run %s: the final model is epoch %d's, best by %s", self.spec.run_id, epoch,
+                             policy.monitor)
+                    return
+        log.warning("run %s: final_model='best' but no kept checkpoint has a %r value (history keys %s): the "
+                    "final model is the last state", self.spec.run_id, policy.monitor, sorted(self.history))
 
     def first_batch(self) -> dict:
         """One batch of this rank's training data (for shapes)."""
@@ -400,11 +424,13 @@ class RankRun:
             with tempfile.TemporaryDirectory() as tmp:  # the best epoch's state
                 if self.run_dir.latest_checkpoint(tmp) is not None:
                     self.trainer.load_checkpoint(tmp)
+        elif getattr(self.spec, "final_model", "last") == "best":
+            self._load_best()
         output_shapes = self.trainer.output_shapes(self.first_batch())
         with tempfile.TemporaryDirectory() as tmp:
             self.trainer.save_model(tmp)
             self.run_dir.write_model(tmp)
-        return {"history": self.history, "output_shapes": output_shapes}
+        return {"history": self.history, "output_shapes": output_shapes, "final_epoch": self.final_epoch}
 
 
 def merged_progress(progress: list[dict]) -> dict:

@@ -76,6 +76,9 @@ class TrainSpec:
     checkpoint_upload: str = "async"  #: "async" (background upload of a local snapshot) or "sync"
     checkpoint_when_busy: str = "wait"  #: "wait" for the upload in flight, or "skip" the checkpoint
     keep_checkpoints: int | None = None  #: the newest N epoch checkpoints are kept (None: all)
+    keep_best_checkpoints: int | None = None  #: ... and the best K by ``monitor``
+    monitor: BestPolicy | None = None  #: what ranks the checkpoints (``keep_best_checkpoints``, ``final_model``)
+    final_model: str = "last"  #: "last", or "best": the kept checkpoint best by ``monitor``
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -218,6 +218,10 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
         torch_forward_check(type(self).__name__, spec, label_max)
 
+    def _checkpoint_policy(self) -> BestPolicy | None:
+        best = self.getOrDefault(self.best_metric)
+        return BestPolicy.create(best, self.getOrDefault(self.best_mode)) if best else None
+
     def _train_spec(self) -> dict:
         get = self.getOrDefault
         best = get(self.best_metric)

@@ -25,6 +25,7 @@ import posixpath
 import re
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -113,9 +114,9 @@ class RunDir:
                 epochs.append(int(m.group(1)))
         return sorted(epochs)
 
-    def latest_checkpoint(self, local_dir: str) -> Checkpoint | None:
+    def latest_checkpoint(self, local_dir: str, only: Collection[int] | None = None) -> Checkpoint | None:
         """Download the newest checkpoint that verifies into ``local_dir`` (emptied first) and return it; None when
-        there is none.
+        there is none. ``only``: consider only the checkpoints of these epochs.
 
         Each candidate is downloaded once and its local copy checked against its manifest; one that fails is
         skipped with a warning saying why (and left in place: it is replaced when that epoch is written again).
@@ -127,7 +128,7 @@ class RunDir:
         epochs = []
         for name in self.store.listdir(root):
             m = _NAME_RE.match(name)
-            if m:
+            if m and (only is None or int(m.group(1)) in only):
                 epochs.append((int(m.group(1)), posixpath.join(root, name)))
         for epoch, path in sorted(epochs, reverse=True):
             try:
