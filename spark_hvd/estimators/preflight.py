@@ -169,8 +169,9 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
 
 
 def _check_keras_inputs(name: str, model: Any, cols: list[str], arrays: list[Any]) -> None:
-    """Each feature column's row shape against the Keras input it feeds (skipped where the model has no
-    ``inputs``: a subclassed model shows its mistakes in the forward pass)."""
+    """Each feature column's row shape against the Keras input it feeds, after the rank adjustment a Keras
+    functional model makes itself (a trailing 1 added or dropped), skipped where the model has no ``inputs`` (a
+    subclassed model shows its mistakes in the forward pass)."""
     try:
         inputs = list(model.inputs or [])
     except (AttributeError, ValueError):
@@ -182,8 +183,12 @@ def _check_keras_inputs(name: str, model: Any, cols: list[str], arrays: list[Any
                          "one feature column per model input, in the model's input order")
     for i, (col, arr, inp) in enumerate(zip(cols, arrays, inputs, strict=True)):
         want = tuple(inp.shape[1:])
-        got = tuple(arr.shape[1:])
-        if len(want) == len(got) and all(w is None or w == g for w, g in zip(want, got, strict=True)):
+        got = fed = tuple(arr.shape[1:])
+        if len(fed) == len(want) + 1 and fed[-1] == 1:  # Keras drops a trailing 1 ...
+            fed = fed[:-1]
+        elif len(fed) == len(want) - 1 and want[-1] == 1:  # ... and adds one where the input ends in 1
+            fed = (*fed, 1)
+        if len(want) == len(fed) and all(w is None or w == g for w, g in zip(want, fed, strict=True)):
             continue
         label = f"input {i} ({getattr(inp, 'name', '?')!r})" if len(cols) > 1 else "input"
         fix = ("give a column of that shape (an array column, or a Vector of that many values)")

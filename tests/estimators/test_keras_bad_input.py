@@ -104,9 +104,9 @@ PREFLIGHT = [
     ("input width", dict(model=(3,), out=1, loss="mse"),
      r"KerasEstimator: feature column 'features' has rows of shape \(2,\) but the model's input expects rows of "
      r"shape \(3,\); give a column of that shape"),
-    ("input rank", dict(model=(2, 1), out=1, loss="mse"),
-     r"feature column 'features' has rows of shape \(2,\) but the model's input expects rows of shape \(2, 1\); "
-     r"add keras.layers.Reshape\(\(2, 1\)\) after the model's Input\(\(2,\)\)"),
+    ("input rank", dict(model=(1, 2), out=1, loss="mse"),
+     r"feature column 'features' has rows of shape \(2,\) but the model's input expects rows of shape \(1, 2\); "
+     r"add keras.layers.Reshape\(\(1, 2\)\) after the model's Input\(\(2,\)\)"),
 ]
 
 
@@ -124,3 +124,23 @@ def test_forward_pass_preflight_fails_before_any_rank(spark, df, tmp_path, monke
     est = KerasEstimator(**_kwargs(Store.create(str(tmp_path / "store")), model=model, **kw))
     with pytest.raises(ValueError, match=match):
         est.fit(df)
+
+
+def test_input_check_takes_the_shapes_keras_adjusts():
+    """A scalar column feeds Input(shape=(1,)) and a (n, 1) column feeds Input(shape=()), as Keras itself takes
+    them (it adds or drops the trailing 1); anything else is named."""
+    import numpy as np
+
+    from spark_hvd.estimators.preflight import _check_keras_inputs
+
+    for shape, rows in (((1,), np.zeros((4,), "float32")), ((), np.zeros((4, 1), "float32")),
+                        ((3,), np.zeros((4, 3), "float32"))):
+        inp = keras.Input(shape=shape)
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Reshape((-1,))(inp)))
+        _check_keras_inputs("KerasEstimator", model, ["x"], [rows])
+        assert model(rows).shape == (4, 1)  # Keras takes it too
+    inp = keras.Input(shape=(1,))
+    model = keras.Model(inp, keras.layers.Dense(1)(inp))
+    with pytest.raises(ValueError, match=r"feature column 'x' has rows of shape \(2,\) but the model's input expects "
+                                         r"rows of shape \(1,\)"):
+        _check_keras_inputs("KerasEstimator", model, ["x"], [np.zeros((4, 2), "float32")])
