@@ -1,6 +1,6 @@
 """The background engine: one thread per process that negotiates, fuses and runs every collective.
 
-Why this file is over 600 lines (~830): it is one idea, the loop and its rounds (pacing, fast, speculative and
+Why this file is over 600 lines (~880): it is one idea, the loop and its rounds (pacing, fast, speculative and
 full negotiation), a state machine whose state must stay identical on every rank.
 
 The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
