@@ -281,19 +281,43 @@ class RankRun:
     def step_end(self, epoch: int, step: int, progress: dict) -> None:
         """After batch ``step`` (0-based) of ``epoch``, once everything of the batch is done (optimizer, scheduler,
         callbacks): take a step checkpoint when one is due (``checkpoint_every_steps`` / ``_seconds``); every rank
-        calls it (the ranks' random states are gathered). ``progress``: the loop's running sums of the epoch."""
+        calls it (the ranks' random states are gathered). ``progress``: the loop's running sums of the epoch.
+        Elastic (``spec.elastic``): after a checkpoint, when the driver says task slots are free below
+        ``max_num_proc``, every rank raises ``HostsUpdatedInterrupt`` once it is committed: the driver relaunches
+        the fit bigger, from this checkpoint."""
         if not self._trigger.enabled:
             return
         if not self._trigger.due(epoch * self.readers.steps("train") + step + 1, self.trainer.hvd):
             return
         gathered = self.trainer.hvd.allgather_object((rng_state(), copy.deepcopy(progress)))
-        if self.rank != 0:
+        submitted = self.rank == 0 and self._step_checkpoint(epoch, step, gathered)
+        if getattr(self.spec, "elastic", False):
+            self._grow_if_slots_freed(submitted)
+
+    def _grow_if_slots_freed(self, submitted: bool) -> None:
+        """Every rank, under ``run_elastic``: rank 0 asks the driver whether the job can grow (only when it just
+        submitted a checkpoint, which it then waits to be committed); all raise ``HostsUpdatedInterrupt`` if so."""
+        from spark_hvd.core.elastic import HostsUpdatedInterrupt, get_link
+
+        link = get_link()
+        if link is None:
             return
+        grow = False
+        if self.rank == 0 and submitted and link.hosts_updated():
+            self.writer.wait()  # the relaunch resumes from this checkpoint
+            grow = True
+        if self.trainer.hvd.broadcast_object(grow, root_rank=0):
+            log.info("run %s: task slots are free; stopping at this checkpoint to relaunch on more ranks",
+                     self.spec.run_id)
+            raise HostsUpdatedInterrupt(False)
+
+    def _step_checkpoint(self, epoch: int, step: int, gathered: list) -> bool:
+        """Rank 0: snapshot the step checkpoint and hand it to the writer; False when skipped."""
         if self.writer.when_busy == "skip" and self.writer.busy():
             self.writer.skipped += 1
             log.info("run %s: step checkpoint at batch %d of epoch %d skipped: the previous one is still uploading",
                      self.spec.run_id, step + 1, epoch)
-            return
+            return False
         state = StepState(epoch, step + 1, copy.deepcopy(self.history), [g[1] for g in gathered],
                           [g[0] for g in gathered], steps=self.readers.steps("train"))
         snapshot = tempfile.mkdtemp(prefix="spark_hvd_step_")
@@ -307,8 +331,9 @@ class RankRun:
                               what=f"run {run_id}: the checkpoint after batch {step + 1} of epoch {epoch}",
                               checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True)):
             self.step_checkpoints += 1
-        else:
-            shutil.rmtree(snapshot, ignore_errors=True)
+            return True
+        shutil.rmtree(snapshot, ignore_errors=True)
+        return False
 
     def end_epoch(self, epoch: int, logs: dict[str, float], stop: bool = False) -> bool:
         """After ``epoch``: history, rank 0's checkpoint (only improving epochs under a ``BestPolicy``) or metrics

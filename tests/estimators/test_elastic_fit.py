@@ -152,6 +152,91 @@ def test_a_rank_lost_for_good_mid_epoch_the_fit_goes_on_with_fewer_ranks(spark, 
     assert history["loss"][1] < history["loss"][0]
 
 
+class _GrowLog:
+    """Rank 0 logs ``epoch step size`` of every batch; while the job has one rank, it frees the held slot (the
+    ``release`` file) and trains slowly (0.3 s a batch), so that a later step checkpoint sees the slot free."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_batch_end(self, epoch: int, step: int, loss: float) -> None:
+        import spark_hvd.torch as hvd
+
+        if hvd.rank() == 0:
+            with open(os.path.join(self.directory, "batches.log"), "a") as f:
+                f.write(f"{epoch} {step} {hvd.size()}\n")
+        if hvd.size() == 1:
+            open(os.path.join(self.directory, "release"), "w").close()
+            time.sleep(0.3)
+
+
+def _hold_a_slot(spark, directory: str) -> threading.Thread:
+    """A one-task job holding a slot until ``<directory>/release`` exists; returns once Spark counts it running."""
+    sc = spark.sparkContext
+
+    def job() -> None:
+        sc.setJobGroup("spark_hvd-test-slot-holder-grow", "holds a task slot")
+        sc.parallelize([0], 1).foreach(_hold(os.path.join(directory, "release"), os.path.join(directory, "holding")))
+
+    thread = threading.Thread(target=job, daemon=True)
+    thread.start()
+    tracker, deadline = sc.statusTracker(), time.monotonic() + 120
+    while time.monotonic() < deadline:
+        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup("spark_hvd-test-slot-holder-grow")]
+        if any(s is not None and s.numActiveTasks == 1 for j in jobs if j for s in map(tracker.getStageInfo,
+                                                                                          j.stageIds)):
+            return thread
+        time.sleep(0.1)
+    raise AssertionError("the slot holder did not start within 120 s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_fit_grows_at_a_step_checkpoint_when_a_slot_frees_up(spark, df, tmp_path):
+    """The fit starts on the one free slot; once the other frees up, the ranks stop at the next step checkpoint and
+    the fit goes on with 2 ranks from it. Losses and weights equal a replay of the batches rank 0 logged."""
+    store = Store.create(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1)
+    initial = copy.deepcopy(net)
+    blocker = _hold_a_slot(spark, str(tmp_path))
+    est = TorchEstimator(num_proc=2, elastic=True, min_num_proc=1, max_num_proc=2, reset_limit=2, store=store,
+                         model=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss="mse",
+                         feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2, random_seed=1,
+                         partitions_per_process=1, verbose=0, checkpoint_every_steps=EVERY, checkpoint_upload="sync",
+                         callbacks=[_GrowLog(str(tmp_path))])
+    try:
+        fitted = est.fit(df)
+    finally:
+        (tmp_path / "release").touch()
+        blocker.join(60)
+    logged = [tuple(map(int, line.split())) for line in (tmp_path / "batches.log").read_text().splitlines()]
+    sizes = [size for _, _, size in logged]
+    grew = sizes.index(2)
+    assert sizes[0] == 1 and set(sizes[grew:]) == {2}, "the fit did not start on 1 rank and grow to 2"
+    epoch, step, _ = logged[grew - 1]
+    assert ((epoch * 16 + step + 1) % EVERY) == 0, "the growth was not at a step checkpoint"
+    assert fitted.getHistory()["num_proc"][-1] == 2.0
+
+    two, one = rank_shards(store, fitted, seed=1, batch_size=BATCH), rank_shards(store, fitted, seed=1,
+                                                                                  batch_size=BATCH, num_proc=1)
+    batches = {(n, e): list(zip(*(s.epoch("train", e) for s in shards), strict=True))
+               for n, shards in ((1, one), (2, two)) for e in range(2)}
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sums, rows = [0.0, 0.0], [0, 0]
+    for e, s, size in logged:
+        step_batches = list(batches[(size, e)][s])
+        sums[e] += _mse_step(model, step_batches, opt)
+        rows[e] += sum(len(b["features"]) for b in step_batches)
+    np.testing.assert_allclose(fitted.getHistory()["loss"], [sums[e] / rows[e] for e in range(2)], rtol=1e-5,
+                               atol=1e-6)
+    for got, want in zip(fitted.getModel().state_dict().values(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    resumed = logged[grew][1]
+    assert resumed == min(8, round((step + 1) * 8 / 16)) or (step + 1 == 16 and logged[grew][:2] == (epoch + 1, 0))
+
+
 def _kwargs(store, **kw):
     torch.manual_seed(0)
     net = torch.nn.Linear(2, 1)
