@@ -45,9 +45,12 @@ __all__ = ["LightningTrainer", "CHECKPOINT_FILE"]
 #: the file of a run's checkpoint directory that holds Lightning's checkpoint
 CHECKPOINT_FILE = "lightning.ckpt"
 
-#: Lightning's advice that does not apply here (the reader has its own worker pool; the shards are equal)
+#: Lightning's advice that does not apply here (the reader has its own worker pool; the shards are equal), and
+#: lightning 2.6's deprecation notice about torch's pytree API (once per rank; nothing a user can change)
 _QUIET = (".*does not have many workers.*", ".*IterableDataset.*__len__.*", ".*Total length of.*",
-          ".*sync_dist=True.*", ".*is smaller than the logging interval.*")
+          ".*sync_dist=True.*", ".*is smaller than the logging interval.*", ".*LeafSpec.*is deprecated.*")
+#: Lightning's loggers whose INFO lines ("GPU available", "Initializing distributed" ...) every rank would repeat
+_CHATTY = ("lightning.pytorch", "lightning.fabric")
 
 
 def _scalar(value: Any) -> float | None:
@@ -205,10 +208,11 @@ class LightningTrainer(TorchTrainer):
         import torch
 
         root = tempfile.mkdtemp(prefix="spark_hvd_lightning_")
-        quiet = logging.getLogger("lightning.pytorch")
-        level = quiet.level
+        loggers = [logging.getLogger(name) for name in _CHATTY]
+        levels = [lg.level for lg in loggers]
         if self.spec.verbose < 2:
-            quiet.setLevel(logging.WARNING)  # "GPU available", "Initializing distributed", ... once per rank
+            for lg in loggers:
+                lg.setLevel(logging.WARNING)
         try:
             with warnings.catch_warnings():
                 for message in _QUIET:
@@ -223,7 +227,8 @@ class LightningTrainer(TorchTrainer):
                 self.trainer.fit(self.model, train_dataloaders=self._loader(run, "train"), val_dataloaders=val,
                                  ckpt_path=ckpt)
         finally:
-            quiet.setLevel(level)
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
             shutil.rmtree(root, ignore_errors=True)
 
 
