@@ -18,7 +18,7 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-NAMES = ["horovod_api.ipynb", "torch_estimator.ipynb", "keras_estimator.ipynb"]
+NAMES = ["horovod_api.ipynb", "torch_estimator.ipynb", "keras_estimator.ipynb", "image_classifier.ipynb"]
 #: seconds one cell may run before the notebook fails (fits take seconds to a minute on 2 cores)
 CELL_TIMEOUT_S = 600
 
