@@ -124,8 +124,9 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     ``model.fit`` on a rank gets them; raise ``ValueError`` naming the column and both shapes or numbers.
 
     First each feature column's row shape against the model input it feeds (``model.inputs``, where the model has
-    them), then one call of the model, then each output against its label and loss (``label_max`` as for
-    :func:`torch_forward_check`), then the loss on those rows as ``model.fit`` computes it (``compute_loss``).
+    them); then, only where the driver runs Keras on the ranks' ``backend``, one call of the model, each output
+    against its label and loss (``label_max`` as for :func:`torch_forward_check`), and the loss on those rows as
+    ``model.fit`` computes it (``compute_loss``).
     """
     import keras
 
@@ -140,6 +141,16 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     finally:
         batches.on_epoch_end()
     xs, ys = (list(v) if isinstance(v, tuple) else [v] for v in (x, y))
+    ranks_backend = getattr(spec, "backend", None)
+    if ranks_backend and ranks_backend != keras.backend.backend():
+        # the ranks run another Keras backend than this driver: a custom layer may work only there, so the shapes
+        # are checked from the model's inputs and nothing is run
+        try:
+            model = deserialize_keras_model(spec.model_bytes, compile=False)
+        except Exception:  # noqa: BLE001 - it loads on the ranks' backend; nothing to check here
+            return
+        _check_keras_inputs(name, model, list(spec.feature_cols), xs)
+        return
     model = deserialize_keras_model(spec.model_bytes, compile=False)
     _check_keras_inputs(name, model, list(spec.feature_cols), xs)
     shapes = ", ".join(f"{c} {tuple(a.shape)}" for c, a in zip(spec.feature_cols, xs, strict=True))
