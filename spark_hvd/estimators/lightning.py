@@ -6,14 +6,16 @@ the rank half is ``lightning_rank.py``.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.lightning_checks import check_trainer_settings
-from spark_hvd.estimators.lightning_rank import LightningTrainer
+from spark_hvd.estimators.lightning_rank import CHECKPOINT_FILE, LightningTrainer
 from spark_hvd.estimators.params import KeywordParams, LightningEstimatorParams
 from spark_hvd.estimators.spec import LightningSpec
 from spark_hvd.estimators.torch import TorchModel, TorchModuleEstimator
+from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["LightningEstimator", "LightningModel"]
 
@@ -85,6 +87,24 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   ", training_step, self.log); leave the {param} param unset")
         check_trainer_settings(self, model)
         return super()._check_model(model)
+
+    def _check(self, df: Any) -> dict:
+        """First (before any Spark job): a run to resume must hold Lightning checkpoints (a run of the earlier
+        own-loop LightningEstimator, or of another estimator, cannot be resumed here); then the shared checks."""
+        run_id, store = self.getOrDefault(self.run_id), self._opt(self.store)
+        if run_id and store is not None:
+            if isinstance(store, str):
+                from spark_hvd.store import Store
+
+                store = Store.create(store)
+            store.run_path(run_id)  # checks the name (the shared checks' error)
+            run_dir = RunDir(store, run_id)
+            epochs = run_dir.list_checkpoints()
+            if epochs and not store.exists(posixpath.join(run_dir.checkpoint_path(epochs[-1]), CHECKPOINT_FILE)):
+                raise param_error(self, f"run_id {run_id!r} has a checkpoint of epoch {epochs[-1]} without "
+                                  f"{CHECKPOINT_FILE} (not written by LightningEstimator's Trainer); give a new "
+                                  "run_id")
+        return super()._check(df)
 
     def _check_loss(self, n_labels: int) -> None:
         """Nothing to check: the loss is the module's ``training_step``."""

@@ -237,3 +237,18 @@ def test_bad_trainer_settings_fail_on_the_driver(spark, df, tmp_path, what, para
                 batch_size=16, verbose=0)
     args.update(params)
     assert_fit_fails_before_anything_runs(spark, LightningEstimator(**args), df, root, what, EstimatorError, match)
+
+
+def test_a_run_without_lightning_checkpoints_is_not_resumed(spark, df, tmp_path):
+    from spark_hvd.store import RunDir
+
+    store = Store.create(str(tmp_path / "store"))
+    old = tmp_path / "old"
+    old.mkdir()
+    torch.save(Reg().state_dict(), old / "model.pt")  # what the own-loop estimator (and TorchEstimator) wrote
+    RunDir(store, "older-run").write_checkpoint(0, str(old), {"history": {}})
+    est = LightningEstimator(num_proc=2, store=store, model=Reg(), feature_cols=["features"], label_cols=["y"],
+                             batch_size=16, verbose=0, run_id="older-run")
+    with pytest.raises(EstimatorError, match=r"run_id 'older-run' has a checkpoint of epoch 0 without "
+                                             r"lightning.ckpt"):
+        est.fit(df)
