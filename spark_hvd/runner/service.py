@@ -206,7 +206,8 @@ class DriverService:
             if rank is not None and not finished and not self._stopping.is_set():
                 self._add_failure(RankFailure(
                     rank, "lost", "ProcessLost",
-                    f"rank {rank}'s process died or closed its connection to the driver before finishing",
+                    f"rank {rank}'s process on host {address.rsplit(':', 1)[0]} died or closed its connection to "
+                    "the driver before finishing",
                     time=time.time(), consequence=self._cancelled))
         except Exception:  # a malformed frame from an authenticated peer: log it, never crash the service
             logger.exception("driver service: error while serving %s", conn.peer)

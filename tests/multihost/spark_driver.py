@@ -2,7 +2,9 @@
 STEP...``. Each step prints one JSON line ``{"step": ..., ...}`` (or ``{"step": ..., "error": ...}``) for the test
 to check: ``run`` (ranks' hosts, topology, transport, allreduce vs numpy), ``torch`` (TorchEstimator fit ->
 transform -> save/load, transform equal to the model called directly), ``keras`` (KerasEstimator fit -> transform),
-``kill`` (a fit while the test kills a worker host's processes: it must fail or retry, naming what happened).
+``kill`` (a run while the test kills a worker host's processes: it must fail or retry, naming what happened),
+``linkdown`` (a run while the test takes a host's link down) and ``fitkill`` (a TorchEstimator fit while the test
+kills one rank's process): both must fail naming the lost rank's host.
 """
 
 from __future__ import annotations
@@ -148,6 +150,91 @@ def step_kill(spark, store_dir: str) -> dict:
         return {"outcome": "finished", "seconds": time.monotonic() - start}
     except Exception as exc:  # noqa: BLE001 - the test reads the error
         return {"outcome": "failed", "type": type(exc).__name__, "error": str(exc)[:3000],
+                "seconds": time.monotonic() - start}
+
+
+def _rank_until_failure(seconds: float, marks: str) -> int:
+    """Loop allreduces; on failure leave ``failed-<host>`` (the error) for the test, then re-raise."""
+    import socket
+
+    import spark_hvd.core as hvd
+
+    hvd.allreduce(np.ones(8))
+    with open(os.path.join(marks, f"rank-{hvd.rank()}-running"), "w"):
+        pass
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            hvd.allreduce(np.ones(1 << 16))
+    except Exception as exc:
+        with open(os.path.join(marks, f"failed-{socket.gethostname()}"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    return hvd.rank()
+
+
+def step_linkdown(spark, store_dir: str) -> dict:
+    """A run whose host link the test takes down: the rank left behind fails within SPARK_HVD_TIMEOUT naming the
+    other rank's host; the test brings the link back once it has (``failed-<host>``)."""
+    from spark_hvd.runner import run
+
+    marks = os.path.join(store_dir, "linkdown-marks")
+    os.makedirs(marks, exist_ok=True)
+    print(json.dumps({"step": "linkdown", "marks": marks}), flush=True)
+    start = time.monotonic()
+    try:
+        run(_rank_until_failure, args=(300.0, marks), num_proc=2, spark=spark, verbose=0, start_timeout=120,
+            env={"SPARK_HVD_TIMEOUT": "8"})
+        return {"outcome": "finished", "seconds": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        return {"outcome": "failed", "type": type(exc).__name__, "error": str(exc)[:6000],
+                "seconds": time.monotonic() - start}
+
+
+class _MarkingLoss:
+    """MSE that leaves ``fitting-<host>`` (holding this process's pid) on its first call: the test kills that
+    process once every rank is in its training loop."""
+
+    def __init__(self, marks: str) -> None:
+        self.marks = marks
+        self.marked = False
+
+    def __call__(self, pred, target):
+        import socket
+
+        import torch
+
+        if not self.marked and "SPARK_HVD_RANK" in os.environ:  # a rank (the driver's checks call it too)
+            self.marked = True
+            path = os.path.join(self.marks, f"fitting-{socket.gethostname()}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(path + ".tmp", path)
+        return torch.nn.functional.mse_loss(pred, target)
+
+
+def step_fitkill(spark, store_dir: str) -> dict:
+    """A TorchEstimator fit one of whose rank processes the test kills: it must fail naming the lost rank's host."""
+    import torch
+
+    from spark_hvd.estimators import TorchEstimator
+    from spark_hvd.store import Store
+
+    marks = os.path.join(store_dir, "fitkill-marks")
+    os.makedirs(marks, exist_ok=True)
+    print(json.dumps({"step": "fitkill", "marks": marks}), flush=True)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 1))
+    est = TorchEstimator(num_proc=2, store=Store.create(store_dir), model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.01), loss=_MarkingLoss(marks),
+                         feature_cols=["features"], label_cols=["y"], batch_size=8, epochs=500, random_seed=1,
+                         verbose=0)
+    start = time.monotonic()
+    try:
+        est.fit(_reg_df(spark))
+        return {"outcome": "finished", "seconds": time.monotonic() - start}
+    except Exception as exc:  # noqa: BLE001 - the test reads the error
+        return {"outcome": "failed", "type": type(exc).__name__, "error": str(exc)[:6000],
                 "seconds": time.monotonic() - start}
 
 

@@ -2,14 +2,19 @@
 one worker (``--cores 1``) on each of hosts 1 and 2, every host's name mapped to 127.0.1.1 in its ``/etc/hosts``
 (the Debian trap that once made ranks publish a loopback address). One cluster and one driver process for the
 module; ``run()``, ``TorchEstimator`` fit -> transform -> save/load and ``KerasEstimator`` fit -> transform are
-checked against numpy / the model called directly, then a worker host's processes are killed mid-run."""
+checked against numpy / the model called directly; then host 2's link is taken down mid-run and a rank process is
+killed mid-fit (each must fail fast naming the host), and last a worker host's processes are all killed mid-run."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -131,6 +136,110 @@ def test_keras_estimator_fit_transform(results):
     row = _ok(results["keras"])
     assert row["loss"][-1] < row["loss"][0], row["loss"]
     assert row["transform_matches_model"]
+
+
+def _rows(proc: subprocess.Popen) -> queue.SimpleQueue:
+    """The driver's JSON lines, read on a thread (so a wait for one is bounded)."""
+    rows: queue.SimpleQueue = queue.SimpleQueue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            if line.startswith("{"):
+                rows.put(json.loads(line))
+        rows.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return rows
+
+
+def _next_row(rows: queue.SimpleQueue, log: Path, within_s: float) -> dict:
+    try:
+        row = rows.get(timeout=within_s)
+    except queue.Empty:
+        row = None
+    assert row is not None, f"the driver printed no row within {within_s:.0f}s:\n{log.read_text()[-4000:]}"
+    return row
+
+
+def _wait_marks(marks: Path, pattern: str, count: int, proc: subprocess.Popen, log: Path,
+                within_s: float) -> list[Path]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = sorted(marks.glob(pattern))
+        if len(found) >= count:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{marks}/{pattern}: fewer than {count} within {within_s:.0f}s (driver exit "
+                         f"{proc.poll()}):\n{log.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def faults(cluster):
+    """One driver runs two faults in turn: host 2's link taken down mid-``run()`` (brought back once the rank on
+    host 1 has failed), then a rank process on host 2 killed mid-``TorchEstimator.fit``. The Spark daemons stay
+    up, so the module's other tests do not depend on the order."""
+    sim, url, logs = cluster
+    h0, survivor, victim = sim.hosts
+    log = logs / "faults-driver.log"
+    env = {**_daemon_env(h0.address), "SIM_DRIVER_ADDRESS": h0.address}
+    with open(log, "w") as err:
+        proc = h0.popen([sys.executable, DRIVER, url, str(logs / "store"), "linkdown", "fitkill"], env=env,
+                        stdout=subprocess.PIPE, stderr=err, text=True)
+    rows = _rows(proc)
+    out: dict = {}
+    try:
+        marks = Path(_next_row(rows, log, 300)["marks"])
+        _wait_marks(marks, "rank-*-running", 2, proc, log, 240)
+        time.sleep(1.0)
+        victim.link(False)
+        down_at = time.monotonic()
+        try:
+            failed = _wait_marks(marks, f"failed-{survivor.name}", 1, proc, log, 120)
+            out["linkdown_detect_s"] = time.monotonic() - down_at
+        finally:
+            victim.link(True)
+        out["linkdown_survivor_error"] = failed[0].read_text()
+        out["linkdown"] = _next_row(rows, log, 300)
+        marks = Path(_next_row(rows, log, 300)["marks"])
+        fitting = _wait_marks(marks, "fitting-*", 2, proc, log, 300)
+        time.sleep(1.0)
+        pid = int(next(p for p in fitting if p.name == f"fitting-{victim.name}").read_text())
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out["fitkill"] = _next_row(rows, log, 300)
+        out["fitkill_s"] = time.monotonic() - killed_at
+        proc.wait(timeout=120)
+    finally:
+        victim.link(True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    print(json.dumps(out, indent=1))  # shown with a failing test
+    return out
+
+
+def test_link_down_mid_run_fails_fast_naming_the_host(cluster, faults):
+    """Under Spark, a host whose link goes down mid-allreduce: the rank left behind fails within SPARK_HVD_TIMEOUT
+    (8 s) naming the lost rank and its host, and ``run()`` raises with it."""
+    victim = cluster[0].hosts[2]
+    where = f"on host {victim.name} ({victim.address})"
+    assert re.search(rf"rank [01] {re.escape(where)} sent nothing for 8s", faults["linkdown_survivor_error"]), \
+        faults["linkdown_survivor_error"]
+    assert faults["linkdown_detect_s"] < 8 + 40, faults["linkdown_detect_s"]  # the timeout, plus a loaded machine
+    row = faults["linkdown"]
+    assert row["outcome"] == "failed", row
+    assert where in row["error"], row["error"]
+
+
+def test_rank_killed_mid_fit_fails_fast_naming_its_host(cluster, faults):
+    """A rank's process killed mid-``TorchEstimator.fit``: the fit fails naming the lost rank's host (the lost
+    process by its address, the surviving rank's error by host name and address), with nothing hanging."""
+    victim = cluster[0].hosts[2]
+    row = faults["fitkill"]
+    assert row["outcome"] == "failed", row
+    assert f"process on host {victim.address} died" in row["error"], row["error"]
+    assert f"on host {victim.name} ({victim.address})" in row["error"], row["error"]
+    assert faults["fitkill_s"] < 120, faults["fitkill_s"]
 
 
 def test_worker_host_killed_mid_run_fails_naming_it(cluster):
