@@ -62,7 +62,9 @@ INLINE_SEND_BYTES = 32 * 1024
 #: two simulated hosts at 2 Gbit/s, 64 MiB: ~70 -> ~48 ms per allreduce per rank; 64-256 KiB measured alike within
 #: the noise of a loaded machine, 1 MiB cost throughput; issue 23). Setting it above the receive buffer would make
 #: the kernel clamp the TCP window to it and stall the sender.
+#: Reads shorter than ``RECV_LOWAT_MIN_BYTES`` keep the default low-water mark (1 byte).
 RECV_LOWAT_BYTES = 128 * 1024
+RECV_LOWAT_MIN_BYTES = 16 * 1024
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
@@ -443,11 +445,14 @@ class RingExchange:
                         waiting = recv if index < len(receives) else out
                         raise waiting._fail(TimeoutError("no progress"), op)
                     if index < len(receives):
-                        if not lowat_cap:  # a quarter of the receive buffer (autotuned: read at each exchange)
-                            rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                            lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
                         want = len(head) - got_head if target is None else target.nbytes - target_got
-                        want = max(1, min(want, lowat_cap))
+                        if want < RECV_LOWAT_MIN_BYTES:  # no system call on a small collective's path
+                            want = 1
+                        else:
+                            if not lowat_cap:  # a quarter of the receive buffer (autotuned: read once per run)
+                                rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                                lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
+                            want = min(want, lowat_cap)
                         if want != lowat:
                             recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                             lowat = want
