@@ -18,9 +18,11 @@ Devices: eagerly, a tensor on a GPU goes to the device group by DLPack, without 
 host memory.
 
 Errors: a tensor whose shape, dtype or root differs between ranks raises ``tf.errors.FailedPreconditionError``
-(Horovod's) eagerly, bad arguments found by the engine (alltoall splits) ``tf.errors.InvalidArgumentError``.
-Inside a graph TensorFlow turns any exception of a ``numpy_function`` into ``UnknownError`` (``ValueError`` and
-``TypeError`` into ``InvalidArgumentError``); the message, which names the tensor and the ranks, is kept.
+(Horovod's), bad arguments found by the engine (alltoall splits) ``tf.errors.InvalidArgumentError``, eagerly and
+inside a graph; the message names the tensor and the ranks. (Inside a graph TensorFlow turns any exception of a
+``numpy_function`` into ``UnknownError``, ``ValueError`` into ``InvalidArgumentError``; so there a mismatch comes
+out of the ``numpy_function`` as a message, and a graph op that fails with ``FailedPreconditionError`` carrying it
+runs before the outputs are used: ``_raise_in_graph``.)
 """
 
 from __future__ import annotations
@@ -123,15 +125,39 @@ def run_numpy(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Sequenc
         return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, tout, strict=True)]
     _check_not_xla()
     graph = tf.compat.v1.get_default_graph()
+    tout = list(tout)
+
+    def guarded(*arrays: np.ndarray) -> list[np.ndarray]:
+        try:
+            outs = fn(*arrays)
+        except TensorMismatchError as e:  # placeholders, never used: the error op below fails first
+            return [np.zeros(0, t.as_numpy_dtype) for t in tout] + [np.bytes_(str(e).encode())]
+        return [*(outs if isinstance(outs, (list, tuple)) else [outs]), np.bytes_(b"")]
+
     if getattr(graph, "building_function", False):  # tf.function: its automatic control dependencies order
-        outs = tf.numpy_function(fn, list(inputs), list(tout), stateful=True, name=f"spark_hvd_{kind}")
+        outs = tf.numpy_function(guarded, list(inputs), [*tout, tf.string], stateful=True, name=f"spark_hvd_{kind}")
     else:  # a TF1 graph: run the collectives in the order they were built (see the module docstring)
         last = _LAST_OP.get(graph)
         with tf.control_dependencies([last] if last is not None else []):
-            outs = tf.numpy_function(fn, list(inputs), list(tout), stateful=True, name=f"spark_hvd_{kind}")
-        first = outs[0] if isinstance(outs, (list, tuple)) else outs
-        _LAST_OP[graph] = first.op
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            outs = tf.numpy_function(guarded, list(inputs), [*tout, tf.string], stateful=True,
+                                     name=f"spark_hvd_{kind}")
+    outs = list(outs)
+    check = _raise_in_graph(outs.pop())
+    with tf.control_dependencies([check]):
+        outs = [tf.identity(o) for o in outs]
+    if not getattr(graph, "building_function", False):
+        _LAST_OP[graph] = outs[0].op if outs else check.op
+    return outs
+
+
+def _raise_in_graph(message: tf.Tensor) -> tf.Tensor:
+    """An op that fails with ``tf.errors.FailedPreconditionError`` carrying ``message`` when it is not empty.
+
+    TensorFlow has no op that raises a chosen error class, and turns a ``numpy_function``'s exceptions into
+    ``UnknownError``; reading a file under ``/dev/null`` fails with ``ENOTDIR``, which TensorFlow reports as
+    ``FailedPreconditionError`` with the path, the message, in its text."""
+    return tf.cond(tf.equal(message, ""), lambda: tf.constant(b""),
+                   lambda: tf.io.read_file(tf.strings.join(["/dev/null/ spark_hvd: ", message, " (error) "])))
 
 
 def _check(process_set: ProcessSet | None, what: str) -> None:

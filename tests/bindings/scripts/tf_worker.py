@@ -316,13 +316,27 @@ def _misc() -> None:
 
 @check("mismatch_raises_failed_precondition")
 def _mismatch() -> None:
-    try:
-        hvd.allreduce(tf.ones([3 + R]))
-    except tf.errors.FailedPreconditionError as e:
-        assert "shape" in str(e).lower(), str(e)
-    else:
-        raise AssertionError("no error for different shapes")
-    close(hvd.allreduce(tf.ones(2), op=hvd.Sum), np.full(2, float(N)))  # and the engine still works
+    """Horovod's class, eagerly, in tf.function and in a TF1 session (where TensorFlow would say UnknownError)."""
+
+    def expect(run, what: str) -> None:
+        try:
+            run()
+        except tf.errors.FailedPreconditionError as e:
+            assert "shape" in str(e).lower() and "allreduce" in str(e).lower(), f"{what}: {e}"
+        else:
+            raise AssertionError(f"{what}: no error for different shapes")
+        close(hvd.allreduce(tf.ones(2), op=hvd.Sum), np.full(2, float(N)))  # and the engine still works
+
+    expect(lambda: hvd.allreduce(tf.ones([3 + R])), "eager")
+    expect(lambda: tf.function(lambda x: hvd.allreduce(x, name="mm_fn") * 2.0)(tf.ones([3 + R])), "tf.function")
+
+    def tf1() -> None:
+        with tf.Graph().as_default():
+            out = hvd.allreduce(tf.ones([3 + R]), name="mm_tf1") + 1.0
+            with tf.compat.v1.Session() as session:
+                session.run(out)
+
+    expect(tf1, "TF1 session")
 
 
 @check("elastic_tensorflow_state")
