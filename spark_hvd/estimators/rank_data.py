@@ -86,6 +86,11 @@ class ShardReaders:
                     close()
             lap += 1
 
+    def close(self) -> None:
+        """Stop the readers' kept worker processes (``reader_pool_type="process"``); safe to call twice."""
+        for reader in self.readers.values():
+            reader.close()
+
     def _cast(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for col, dt in self._dtypes.items():
             arr = batch.get(col)

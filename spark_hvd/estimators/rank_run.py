@@ -190,12 +190,15 @@ class RankRun:
 
             self._progress = StepReporter(self.readers.steps("train"), spec.epochs)
         try:
-            if self.start < spec.epochs:
-                trainer.train(self)
-        except BaseException:
-            self._drain_uploads()
-            raise
-        return self._finish()
+            try:
+                if self.start < spec.epochs:
+                    trainer.train(self)
+            except BaseException:
+                self._drain_uploads()
+                raise
+            return self._finish()
+        finally:
+            self.readers.close()  # the process pool's workers, kept across epochs, end with the fit
 
     def _drain_uploads(self) -> None:
         """Training failed (often a lost peer): give the checkpoint being uploaded a bounded time to commit, so the

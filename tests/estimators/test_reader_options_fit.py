@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 
 import cloudpickle
 import numpy as np
@@ -63,6 +64,15 @@ def test_sparse_vectors_reach_collate_fn_as_csr_in_fit_and_transform(spark, tmp_
     np.testing.assert_allclose([r.y__output for r in out], direct, rtol=1e-5, atol=1e-6)
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 class _DecodeInWorker:
     """float32 bytes -> arrays; leaves a mark (its process's name and pid) in ``marks`` wherever it runs outside
     a main process (a worker of the process pool)."""
@@ -104,6 +114,12 @@ def test_process_pool_decodes_in_worker_processes_during_fit(spark, tmp_path):
     assert hist["loss"][-1] * 20 <= hist["loss"][0], hist
     workers = os.listdir(marks)
     assert workers and all(not name.startswith("MainProcess") for name in workers), workers
+    # the pool's workers end with the fit, also where Spark keeps the rank's Python worker for the next task
+    pids = {int(name.rsplit("-", 1)[1]) for name in workers}
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if _alive(pid)]
     out = model.transform(df.limit(30)).collect()
     decoded = np.stack([np.frombuffer(bytes(r.x), dtype=np.float32) for r in out])
     with torch.no_grad():
