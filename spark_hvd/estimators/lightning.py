@@ -106,6 +106,11 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   "run_id")
         return super()._check(df)
 
+    def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
+        from spark_hvd.estimators.preflight import lightning_forward_check
+
+        lightning_forward_check(type(self).__name__, spec)
+
     def _check_loss(self, n_labels: int) -> None:
         """Nothing to check: the loss is the module's ``training_step``."""
 

@@ -252,3 +252,32 @@ def test_a_run_without_lightning_checkpoints_is_not_resumed(spark, df, tmp_path)
     with pytest.raises(EstimatorError, match=r"run_id 'older-run' has a checkpoint of epoch 0 without "
                                              r"lightning.ckpt"):
         est.fit(df)
+
+
+class WrongWidth(Reg):
+    """Its first layer takes 4 values where the feature column has 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+
+def test_a_module_that_fails_on_the_prepared_rows_fails_on_the_driver(spark, df, tmp_path, monkeypatch):
+    """Lightning's fast_dev_run of a copy of the module on a few prepared rows, on the driver, before any rank starts:
+    the error names the batch's shapes and the layer's; the module given to fit is untouched."""
+    from spark_hvd.runner.backend import SparkBackend
+
+    def no_rank(*a, **k):
+        raise AssertionError("a training rank started")
+
+    monkeypatch.setattr(SparkBackend, "run", no_rank)
+    module = WrongWidth()
+    before = copy.deepcopy(module.state_dict())
+    est = LightningEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=module,
+                             feature_cols=["features"], label_cols=["y"], batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match=r"LightningEstimator: the LightningModule failed Lightning's fast_dev_run on "
+                                         r"4 prepared rows on the driver \(batch: features \(4, 3\), y \(4,\)\): "
+                                         r"RuntimeError: .*4x3 and 4x1"):
+        est.fit(df)
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, before[name]), name
