@@ -40,9 +40,9 @@ from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
 from spark_hvd.runner.script import as_callable
-from spark_hvd.runner.slots import free_slots
+from spark_hvd.runner.slots import free_slots, free_slots_beside
 from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, pickled, start_timeout_s
-from spark_hvd.runner.stage import Attempt, run_attempt
+from spark_hvd.runner.stage import Attempt, run_attempt, stage_tag
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class _Driver:
         self.spark = spark
         self.max_num_proc = max_num_proc
         self.size = 0
+        #: the job group of the running attempt's stage
+        self.group = ""
         self.commits = 0
         self._dir = tempfile.mkdtemp(prefix="spark_hvd_elastic_")
         self._pending_id: str | None = None
@@ -192,7 +194,12 @@ class _Driver:
         with self._lock:
             if now - self._grow_at < GROW_CHECK_S:
                 return self._grow
-        grow = self.size < self.max_num_proc and (free_slots(self.spark, self.max_num_proc) or 0) > 0
+        try:  # the running attempt's own tasks are ``size``, whether or not the status tracker counts them yet
+            free = free_slots_beside(self.spark.sparkContext, self.group, self.size)
+        except Exception:  # the status tracker is best effort: no growth this time
+            logger.debug("spark_hvd: free slot query failed", exc_info=True)
+            free = 0
+        grow = self.size < self.max_num_proc and free > 0
         with self._lock:
             self._grow, self._grow_at = grow, now
         return grow
@@ -285,7 +292,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
     try:
         size = _wait_slots(spark, low, first, elastic_s, "could not start")
         for attempt in range(1 << 30):
-            driver.size = size
+            driver.size, driver.group = size, stage_tag(f"{run_id}a{attempt}")
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
             try:
                 stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose)

@@ -100,18 +100,38 @@ def free_slots(spark: Any, unknown: int) -> int:
     return unknown if total is None else total
 
 
+def group_tasks(sc: Any, group: str) -> int:
+    """Running tasks of the job group, as the status tracker counts them."""
+    tracker = sc.statusTracker()
+    active = 0
+    for job_id in tracker.getJobIdsForGroup(group):
+        job = tracker.getJobInfo(job_id)
+        for stage_id in (job.stageIds if job else []):
+            stage = tracker.getStageInfo(stage_id)
+            active += stage.numActiveTasks if stage else 0
+    return active
+
+
+def free_slots_beside(sc: Any, group: str, ours: int) -> int:
+    """Free task slots while the job group runs ``ours`` tasks (classic sessions).
+
+    The status tracker learns of tasks from Spark's listener bus, behind the scheduler: a stage that has just
+    started may not be counted yet, and its slots would look free. So the group's tasks, counted or not, are
+    taken as ``ours``, and only the other jobs' tasks as the tracker counts them.
+    """
+    jsc = sc._jsc.sc()
+    total = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+    running = sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos())
+    others = max(0, running - group_tasks(sc, group))
+    return max(0, total - others - ours)
+
+
 def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
     """Wait (bounded) until no task of the job group is running, so a following run finds its slots free."""
-    tracker = sc.statusTracker()
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            active = 0
-            for job_id in tracker.getJobIdsForGroup(group):
-                job = tracker.getJobInfo(job_id)
-                for stage_id in (job.stageIds if job else []):
-                    stage = tracker.getStageInfo(stage_id)
-                    active += stage.numActiveTasks if stage else 0
+            active = group_tasks(sc, group)
         except Exception:  # the status tracker is best effort
             logger.debug("spark_hvd: status tracker query failed", exc_info=True)
             return False

@@ -64,6 +64,11 @@ class Attempt:
     verbose: int = 1
 
 
+def stage_tag(job_id: str) -> str:
+    """The job tag (and, on classic, the job group) of the barrier stage of job ``job_id``."""
+    return f"spark_hvd-{job_id}"
+
+
 class Stage:
     """The barrier stage of one attempt: submitted from its own thread under a job tag (and, on classic, a job
     group, whose running tasks the status tracker can count), cancelled from the watching thread."""
@@ -71,7 +76,7 @@ class Stage:
     def __init__(self, spark: Any, job_id: str) -> None:
         self.spark = spark
         self.connect = cluster.is_connect(spark)
-        self.tag = f"spark_hvd-{job_id}"
+        self.tag = stage_tag(job_id)
 
     def collect(self, mapper: Callable, num_proc: int) -> list[tuple[int, bytes]]:
         """Run the stage (in the calling thread); its rows as ``(rank, result bytes)``."""
