@@ -267,8 +267,13 @@ class BaseEstimator(Estimator, PersistableStage):
 
         get = self.getOrDefault
         elastic = self._elastic_range()
+        # the ranks apply the frameworks' quiet log settings (unless their environment has them) before anything
+        # is unpickled there: a Keras model imports TensorFlow (runner/start_lines.py)
+        from spark_hvd.runner.start_lines import QUIET_ENV
+
+        quiet = {QUIET_ENV: "1"}
         return SparkBackend(spark, get(self.num_proc), use_gpu=get(self.use_gpu), max_retries=get(self.max_retries),
-                            verbose=get(self.verbose), elastic=elastic,
+                            verbose=get(self.verbose), elastic=elastic, env=quiet,
                             reset_limit=get(self.reset_limit) if elastic else None)
 
     # ---- fit

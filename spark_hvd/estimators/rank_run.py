@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -39,6 +40,7 @@ from spark_hvd.estimators.step_checkpoint import (
     set_rng_state,
     write_step_checkpoint,
 )
+from spark_hvd.runner.start_lines import QUIET_FRAMEWORK_LOGS, quiet_imports
 from spark_hvd.store.background import BackgroundWriter
 from spark_hvd.store.run_dir import RunDir
 
@@ -176,7 +178,8 @@ class RankRun:
     def execute(self) -> dict | None:
         """Run everything; rank 0 returns ``{"history": ..., "output_shapes": ...}``, the others None."""
         spec, trainer = self.spec, self.trainer
-        trainer.init(spec)
+        with quiet_imports():  # TensorFlow's lines written before it reads TF_CPP_MIN_LOG_LEVEL (start_lines.py)
+            trainer.init(spec)  # where the framework is imported, unless the payload's unpickling did
         hvd = trainer.hvd
         self.rank, self.size = hvd.rank(), hvd.size()
         if spec.random_seed is not None:
@@ -482,17 +485,10 @@ def check_finite(loss: float, epoch: int, step: int, rank: int) -> None:
             "learning rate, check the data for NaN/inf, or set terminate_on_nan=False to continue anyway")
 
 
-#: framework log settings a rank gets unless its environment sets them: TensorFlow's C++ INFO/WARNING lines
-#: (oneDNN, CUDA probing, XLA) and gRPC's would repeat on every rank
-QUIET_FRAMEWORK_LOGS = {"TF_CPP_MIN_LOG_LEVEL": "2", "GRPC_VERBOSITY": "ERROR"}
-
-
 def train_on_rank(trainer_class: type[RankTrainer], spec: TrainSpec) -> dict | None:
     """The training function of every rank (run by ``spark_hvd.runner``): a ``RankRun`` with a new
     ``trainer_class``; rank 0 returns the history and output shapes. Frameworks log quietly
     (``QUIET_FRAMEWORK_LOGS``, before they are imported) unless the rank's environment says otherwise."""
-    import os
-
     for name, value in QUIET_FRAMEWORK_LOGS.items():
         os.environ.setdefault(name, value)
     return RankRun(spec, trainer_class()).execute()

@@ -31,6 +31,7 @@ from spark_hvd.core.wire import sign
 from spark_hvd.runner import client as _client
 from spark_hvd.runner.client import OutputForwarder, ServiceClient
 from spark_hvd.runner.errors import RunnerError
+from spark_hvd.runner.start_lines import quiet_imports
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,8 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
             saved_env[key] = os.environ.get(key)
             os.environ[key] = value
         _client.set_client(client)
-        fn, args, kwargs = cloudpickle.loads(setup.payload)
+        with quiet_imports():  # the payload imports the frameworks its objects need (start_lines.py)
+            fn, args, kwargs = cloudpickle.loads(setup.payload)
         import spark_hvd.core as core
 
         core.init(rendezvous=rendezvous, rank=rank, size=size, secret=setup.secret, job_id=setup.job_id)

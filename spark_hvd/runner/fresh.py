@@ -30,6 +30,7 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd.runner.errors import RunnerError
+from spark_hvd.runner.start_lines import quiet_imports
 
 __all__ = ["FreshProcess", "run_rank_fresh", "ask"]
 
@@ -234,7 +235,8 @@ def _serve(recv: Connection, send: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            _kind, fn, args, kwargs = cloudpickle.loads(data)
+            with quiet_imports():  # the frameworks the call's objects need are imported here (start_lines.py)
+                _kind, fn, args, kwargs = cloudpickle.loads(data)
             reply: tuple = ("ok", fn(*args, **kwargs))
             out = cloudpickle.dumps(reply)
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
