@@ -1,6 +1,6 @@
 """The background engine: one thread per process that negotiates, fuses and runs every collective.
 
-Why this file is over 600 lines (~880): it is one idea, the loop and its rounds (pacing, fast, speculative and
+Why this file is over 600 lines (~940): it is one idea, the loop and its rounds (pacing, fast, speculative and
 full negotiation), a state machine whose state must stay identical on every rank.
 
 The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
@@ -74,6 +74,11 @@ its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
+Autotune (``settings.autotune``): rank 0's ``Tuner`` (``spark_hvd.core.autotune``) scores trial settings of the
+fusion threshold and cycle time from what the rounds reduce; its next choice rides in the two tuning slots of a fast
+round's vector, and every rank switches at that round, before running its collectives. While a choice waits, rank 0
+lets an armed speculation miss (one small collective per switch), so that a fast round comes.
+
 What lives beside it: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py`` and
 ``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
 (metadata, the table's entries, the response cache).
@@ -86,10 +91,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from spark_hvd.core.autotune import Point, Tuner
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
@@ -112,6 +119,7 @@ from spark_hvd.core.table import (
     message_lengths,
     place_message,
     same_messages,
+    tune_slots,
 )
 from spark_hvd.core.timeline import Timeline, timeline_path
 
@@ -133,7 +141,8 @@ class Engine:
         scope: a process set's engine: the set and its members' global ranks (its device group is the members'
             own, and its errors name global ranks); None for the whole job.
 
-    ``stats`` counts rounds, collectives and cache use (what tests check fusion with).
+    ``stats`` counts rounds, collectives and cache use (what tests check fusion with). ``autotune_history``: the
+    settings autotune switched to, as ``(fast round, fusion threshold, cycle time ms)``, the same on every rank.
     """
 
     def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None) -> None:
@@ -183,6 +192,12 @@ class Engine:
             if path:
                 self.timeline = Timeline(path, self.rank)
         self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
+        self.autotune_history: list[tuple[int, int, float]] = []
+        self._tuner: Tuner | None = None  # rank 0 of the job's own engine, with autotune on
+        if settings.autotune and self.rank == 0 and not self.scope.process_set:
+            self._tuner = Tuner(Point(settings.fusion_threshold, settings.cycle_time_ms),
+                                settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
+                                settings.autotune_log)
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -351,7 +366,7 @@ class Engine:
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
         """Take the round lock for ``_sole_round`` (``_fresh_sole_round``) if ``spec`` is still armed and nothing
         else is queued here (a join, a shutdown, another request); False (lock not held) otherwise."""
-        if self._outbox or self._join_handle is not None or self._shutdown_requested:
+        if self._outbox or self._join_handle is not None or self._shutdown_requested or self._steering():
             return False
         if not self._round_lock.acquire(blocking=False):
             return False  # the engine thread is in a round
@@ -411,6 +426,42 @@ class Engine:
             self._fail_all(ShutdownError(f"spark_hvd on rank {self.rank} was shut down"))
         if self.timeline is not None:
             self.timeline.close()
+        if self._tuner is not None:
+            self._tuner.close()
+
+    # ------------------------------------------------------------------ autotune (spark_hvd.core.autotune)
+
+    def _steering(self) -> bool:
+        """Rank 0 has a setting to send: the next round must be a fast round (an armed speculation misses)."""
+        tuner = self._tuner
+        return tuner is not None and tuner.pending is not None
+
+    def _switch(self, point: Point) -> None:
+        """Every rank, in the same fast round: run with ``point``'s fusion threshold and cycle time from now on."""
+        self.settings = replace(self.settings, fusion_threshold=point.fusion_threshold,
+                                cycle_time_ms=point.cycle_time_ms)
+        self._executor.settings = self.settings
+        self._cycle = max(point.cycle_time_ms, 0.0) / 1000.0
+        self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
+        self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms))
+        self.stats["autotune_switches"] += 1
+        if self._tuner is not None:
+            self._tuner.applied(point, time.perf_counter())
+
+    def _observe(self, names: list[str], nbytes: int) -> None:
+        """Tell rank 0's tuner what a round allreduced."""
+        assert self._tuner is not None
+        self._tuner.observe(names, nbytes, time.perf_counter())
+
+    def _observe_ready(self, ready: Ready) -> None:
+        names, nbytes = [], 0
+        for entry, error in ready:
+            meta = entry.meta
+            if error is None and meta.kind == "allreduce":
+                names.append(entry.name)
+                nbytes += int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize
+        if names:
+            self._observe(names, nbytes)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -539,14 +590,16 @@ class Engine:
         # branch here; the fast round then tells every rank whether another needs the full one.
         if not (first_round or not self._table.idle):
             irregular = bool(full) or join_flag or shutdown_flag
+            choice = self._tuner.pending if self._tuner is not None else None
+            steer = choice is not None  # rank 0's autotune choice must ride on a fast round: speculations miss
             if self._spec is not None:
-                exact = not irregular and sorted(ids) == list(self._spec.ids)
+                exact = not (irregular or steer) and sorted(ids) == list(self._spec.ids)
                 if self._speculative_round(self._spec, by_id if exact else None, start):
                     return True, False
                 self._spec = None
             if self._fresh is not None:
                 layout = self._fresh.layout
-                same = not (ids or join_flag or shutdown_flag) and len(fresh) == len(layout) and all(
+                same = not (ids or join_flag or shutdown_flag or steer) and len(fresh) == len(layout) and all(
                     request.meta == meta for request, meta in zip(fresh, layout, strict=False))
                 if self._fresh_round(self._fresh, fresh if same else None, start):
                     return True, False
@@ -554,9 +607,13 @@ class Engine:
             # length rides on the fast round, so a full round that follows moves every message in one allreduce
             message = encode_message([int(join_flag), int(shutdown_flag), ids, full, []])
             vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size,
-                              message_digest(message) if irregular else (0, 0))
+                              message_digest(message) if irregular else (0, 0),
+                              choice.encode() if choice is not None else (0, 0))
             self.backend.allreduce(vec, ReduceOp.SUM)
             self.stats["fast_rounds"] += 1
+            switch = Point.decode(tune_slots(vec, self.size))
+            if switch is not None:  # rank 0's autotune choice: every rank switches here, before this round's work
+                self._switch(switch)
             fast = fast_answer(vec, self.size)
             common: list[int] = []
             if fast is not None:
@@ -688,6 +745,8 @@ class Engine:
             requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
+        if self._tuner is not None and not spec.barrier:
+            self._observe([request.name for request in requests], sum(request.buf.nbytes for request in requests))
         activity = "BARRIER" if spec.barrier else "ALLREDUCE"
         for request in requests:
             self._cache.put(request.name, request.meta)
@@ -727,6 +786,8 @@ class Engine:
             self._cache.put(request.name, request.meta)
         self._spec = None  # the cache changed: learn the rounds afresh
         self._predictor.reset()
+        if self._tuner is not None:
+            self._observe([request.name for request in mine], sum(request.buf.nbytes for request in mine))
         self.stats["allreduce_collectives"] += 1
         self.stats["allreduce_tensors"] += len(mine)
         if len(mine) > 1:
@@ -759,6 +820,8 @@ class Engine:
         self._cache.put(name, meta)
         self._spec = None  # the cache changed: learn the rounds afresh
         self._predictor.reset()
+        if self._tuner is not None:
+            self._observe([name], buf.nbytes)
         self.stats["allreduce_collectives"] += 1
         self.stats["allreduce_tensors"] += 1
         if self.timeline is not None:
@@ -794,6 +857,8 @@ class Engine:
         self._cache.put(name, meta)
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
+        if self._tuner is not None:
+            self._observe([name], buf.nbytes)
         if self.timeline is not None:
             self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
@@ -807,6 +872,8 @@ class Engine:
                 requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
                             for e, _ in ready]
             self._executor.execute(ready, requests, time.perf_counter())
+            if self._tuner is not None:
+                self._observe_ready(ready)
         for warning in self._table.stall_warnings(self.rank):
             logger.warning("%s", warning)
         if progress:

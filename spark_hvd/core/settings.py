@@ -34,6 +34,16 @@ def _choice(*allowed: str) -> Callable[[str], str | None]:
     return parse
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        number = int(value)
+        if number < low:
+            raise ValueError(f"expected an integer >= {low}")
+        return number
+
+    return parse
+
+
 def _bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -86,6 +96,20 @@ class Settings:
         "SPARK_HVD_HALVING_DOUBLING_BYTES", None, 0, int,
         "TCP allreduces among three or more ranks (or host leaders) from this many bytes use recursive halving and "
         "doubling (Rabenseifner: the ring's bytes in 2 log2 N steps instead of 2(N-1)); 0 turns it off")
+
+    autotune: bool = _setting(
+        "SPARK_HVD_AUTOTUNE", "HOROVOD_AUTOTUNE", False, _bool,
+        "tune the fusion threshold and cycle time online during the first steps (rank 0 measures, every rank "
+        "switches at the same round; off by default)")
+    autotune_log: str | None = _setting(
+        "SPARK_HVD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", None, _optional_str,
+        "path of the autotune log: a CSV line per scored sample (settings and score), written by rank 0")
+    autotune_warmup_samples: int = _setting(
+        "SPARK_HVD_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, _at_least(0),
+        "samples autotune discards before it scores any")
+    autotune_steps_per_sample: int = _setting(
+        "SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, _at_least(1),
+        "training steps (a step ends where a tensor name comes back) in one autotune sample")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -20,8 +20,8 @@ __all__ = ["HOROVOD_FLAGS", "add_horovod_flags", "horovod_flag_hint"]
 _ELASTIC = ("elastic training runs on Spark: spark_hvd.runner.run_elastic(fn, num_proc=..., min_num_proc=..., "
             "max_num_proc=..., elastic_timeout=..., reset_limit=...) (docs/elastic.md); spark-hvd-run has a fixed "
             "number of ranks")
-_AUTOTUNE = ("spark_hvd has no autotuner: set the fusion threshold and cycle time yourself, e.g. --env "
-             "SPARK_HVD_FUSION_THRESHOLD=<bytes> --env SPARK_HVD_CYCLE_TIME=<ms> (docs/settings.md)")
+_AUTOTUNE_SEARCH = ("no equivalent: spark_hvd's autotune searches a small grid of cycle times and fusion thresholds, "
+                    "not by Bayesian optimisation (docs/settings.md, Autotune); drop the flag")
 _HIERARCHICAL = ("nothing to set: ranks on one host always reduce through shared memory first, then across hosts "
                  "(--env SPARK_HVD_SHM=0 turns shared memory off)")
 _MPI = ("to run on MPI, start the script with mpirun itself (mpirun -np 2 python train.py: the MPI backend is "
@@ -71,13 +71,13 @@ HOROVOD_FLAGS: dict[str, tuple[int, str | Callable[[str | None], str]]] = {
     "--stall-check-warning-time-seconds": (1, _setting("SPARK_HVD_STALL_CHECK_TIME", "seconds")),
     "--stall-check-shutdown-time-seconds": (1, _setting("SPARK_HVD_STALL_SHUTDOWN_TIME", "seconds")),
     "--gloo-timeout-seconds": (1, _setting("SPARK_HVD_TIMEOUT", "seconds")),
-    "--autotune": (0, _AUTOTUNE),
-    "--no-autotune": (0, "nothing to set: spark_hvd does not autotune"),
-    "--autotune-log-file": (1, _AUTOTUNE),
-    "--autotune-warmup-samples": (1, _AUTOTUNE),
-    "--autotune-steps-per-sample": (1, _AUTOTUNE),
-    "--autotune-bayes-opt-max-samples": (1, _AUTOTUNE),
-    "--autotune-gaussian-process-noise": (1, _AUTOTUNE),
+    "--autotune": (0, "--env SPARK_HVD_AUTOTUNE=1; HOROVOD_AUTOTUNE is read too (docs/settings.md)"),
+    "--no-autotune": (0, "nothing to set: autotune is off by default"),
+    "--autotune-log-file": (1, _setting("SPARK_HVD_AUTOTUNE_LOG", "a path")),
+    "--autotune-warmup-samples": (1, _setting("SPARK_HVD_AUTOTUNE_WARMUP_SAMPLES")),
+    "--autotune-steps-per-sample": (1, _setting("SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE")),
+    "--autotune-bayes-opt-max-samples": (1, _AUTOTUNE_SEARCH),
+    "--autotune-gaussian-process-noise": (1, _AUTOTUNE_SEARCH),
     "--hierarchical-allreduce": (0, _HIERARCHICAL),
     "--no-hierarchical-allreduce": (0, _HIERARCHICAL),
     "--hierarchical-allgather": (0, _HIERARCHICAL),

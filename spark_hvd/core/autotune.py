@@ -1,0 +1,248 @@
+"""Autotune (Horovod's ``HOROVOD_AUTOTUNE``): the fusion threshold and the cycle time, tuned online by rank 0.
+
+Thread-free and backend-free: the engine of rank 0 feeds its ``Tuner`` what every round reduced (the names and the
+bytes) and the time; the tuner scores each trial setting by throughput and says which setting to try next
+(``pending``). The engine sends that choice to every rank in the two tuning slots of the next fast round's vector
+(``spark_hvd.core.table.fast_vector``), and every rank, rank 0 included, switches at that round, before it runs the
+round's collectives: the ranks' fusion plans can never differ.
+
+What a trial measures. A *step* ends where a tensor name comes back (a training step's gradients, then the next
+step's), or after ``MAX_STEP_NAMES`` names that never come back (unnamed allreduces); a *sample* is
+``steps_per_sample`` whole steps, begun at the first step boundary after the switch (so no sample mixes two
+settings). Its score is the bytes allreduced per microsecond (Horovod's unit, = MB/s) from the end of the round
+before the sample to the end of its last round: wall time, the training's own compute included, which is what a
+setting should shorten. The first ``warmup_samples`` samples are not scored (caches, first rounds, the JIT of a
+framework).
+
+The search, a coordinate descent over two small log grids (each including the starting value): every cycle time
+with the starting fusion threshold, then every fusion threshold with the best cycle time; then the best setting
+and the starting one are measured again, alternately (``CONFIRM_SAMPLES`` each), and the best one is kept only if
+the median of its samples beats the median of the starting setting's: noise under load cannot make the tuned job
+slower than the untuned one by more than the scores could tell apart. Horovod searches the same two knobs with
+Bayesian optimisation over ~20 samples; a grid of 10 points at most, measured in the order above, needs no model
+and lands on a value a user can read and set by hand.
+
+The log (``SPARK_HVD_AUTOTUNE_LOG``), written by rank 0 only, one CSV line per scored sample, like Horovod's
+autotune log: ``cycle_time_ms,tensor_fusion_threshold,score,trial`` (the threshold in MiB, as Horovod logs it in
+MB; ``trial``: ``cycle``, ``fusion`` or ``confirm``) and a last line with the setting kept (``best``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Iterable
+from typing import NamedTuple, TextIO
+
+logger = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+#: The cycle times tried (milliseconds), the starting one added.
+CYCLE_GRID_MS = (0.5, 1.0, 2.0, 5.0, 10.0)
+#: The fusion thresholds tried (bytes), the starting one added.
+FUSION_GRID = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB)
+#: Samples of the best and of the starting setting measured again before the best is kept.
+CONFIRM_SAMPLES = 2
+#: A step of names that never come back (unnamed allreduces) ends after this many.
+MAX_STEP_NAMES = 64
+#: The largest values the fast round's int32 slots carry (bytes + 1, microseconds + 1).
+_SLOT_MAX = 2**31 - 2
+
+
+class Point(NamedTuple):
+    """One setting of the tuned knobs."""
+
+    fusion_threshold: int  # bytes
+    cycle_time_ms: float
+
+    def encode(self) -> tuple[int, int]:
+        """The two fast-round slots that carry it to every rank (0 in both: no change)."""
+        return (min(int(self.fusion_threshold), _SLOT_MAX) + 1,
+                min(int(round(self.cycle_time_ms * 1000.0)), _SLOT_MAX) + 1)
+
+    @staticmethod
+    def decode(slots: tuple[int, int]) -> Point | None:
+        """The setting the summed fast-round slots carry (only rank 0 writes them), or None."""
+        fusion, cycle = int(slots[0]), int(slots[1])
+        if not fusion or not cycle:
+            return None
+        return Point(fusion - 1, (cycle - 1) / 1000.0)
+
+
+class Tuner:
+    """Rank 0's search for the fusion threshold and cycle time (see the module's docstring).
+
+    Args:
+        start: the settings the job started with.
+        warmup_samples: samples not scored at first.
+        steps_per_sample: whole steps per scored sample.
+        log_path: the CSV log's path, or None.
+        cycle_grid, fusion_grid: the values tried (the starting ones are added).
+    """
+
+    def __init__(self, start: Point, warmup_samples: int = 3, steps_per_sample: int = 10,
+                 log_path: str | None = None, cycle_grid: Iterable[float] = CYCLE_GRID_MS,
+                 fusion_grid: Iterable[int] = FUSION_GRID) -> None:
+        if steps_per_sample < 1:
+            raise ValueError(f"autotune needs at least one step per sample, got {steps_per_sample}")
+        start = _norm(start)  # as the slots carry it, so the tuner compares like with like
+        self.start = start
+        self.current = start
+        self.pending: Point | None = None  # a setting to send to every rank at the next fast round
+        self.done = False
+        self.best: Point | None = None
+        self._warmup = max(int(warmup_samples), 0)
+        self._steps_per_sample = int(steps_per_sample)
+        self._cycles = sorted({start.cycle_time_ms, *(_norm(Point(0, float(c))).cycle_time_ms for c in cycle_grid)})
+        self._fusions = sorted({start.fusion_threshold, *(_norm(Point(int(f), 0.0)).fusion_threshold
+                                                          for f in fusion_grid)})
+        self._scores: dict[Point, list[float]] = {}
+        self._plan: list[tuple[Point, str]] = [(Point(start.fusion_threshold, c), "cycle") for c in self._cycles]
+        self._phase = "cycle"
+        self._trial = "warmup"
+        self._candidate: Point | None = None  # the best of the search, confirmed against the start
+        # the sample under way
+        self._measuring = True  # False between the end of a sample and the switch to the next setting
+        self._started = False  # a step boundary seen since the switch: the sample runs
+        self._step: set[str] = set()
+        self._steps = 0
+        self._bytes = 0
+        self._t0 = 0.0
+        self._last = 0.0
+        self._log: TextIO | None = None
+        if log_path:
+            self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - open for the tuner's lifetime
+            self._log.write("cycle_time_ms,tensor_fusion_threshold,score,trial\n")
+            self._log.flush()
+        logger.info("autotune: tuning the cycle time over %s ms and the fusion threshold over %s MiB, from %s",
+                    self._cycles, [f / MIB for f in self._fusions], _show(start))
+        if self._warmup == 0:
+            self._next()
+
+    # ------------------------------------------------------------------ what the engine calls
+
+    def observe(self, names: Iterable[str], nbytes: int, now: float) -> None:
+        """A round allreduced ``names`` (``nbytes`` in all), ending at ``now`` (``time.perf_counter()``)."""
+        if self.done or not self._measuring:
+            return
+        boundary = False
+        for name in names:
+            if name in self._step:
+                boundary = True
+                break
+        if not boundary and len(self._step) >= MAX_STEP_NAMES:
+            boundary = True
+        if boundary:
+            self._step.clear()
+            if self._started:
+                self._steps += 1
+                if self._steps >= self._steps_per_sample:
+                    self._sample_done(self._bytes / max((self._last - self._t0) * 1e6, 1e-9))
+                    if not self._measuring or self.done:
+                        return
+            else:
+                self._started = True
+                self._t0 = self._last
+                self._bytes = self._steps = 0
+        self._step.update(names)
+        if self._started:
+            self._bytes += nbytes
+        self._last = now
+
+    def applied(self, point: Point, now: float) -> None:
+        """Every rank switched to ``point`` in the round that ended at ``now``: measure it from the next step."""
+        self.current = point
+        if self.pending == point:
+            self.pending = None
+        self._measuring = not self.done
+        self._started = False
+        self._step.clear()
+        self._steps = self._bytes = 0
+        self._last = now
+
+    def close(self) -> None:
+        """Close the log."""
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    # ------------------------------------------------------------------ the search
+
+    def _sample_done(self, score: float) -> None:
+        """Score the sample just measured and choose what runs next."""
+        self._started = False
+        self._steps = self._bytes = 0
+        if self._trial == "warmup":
+            self._warmup -= 1
+            if self._warmup > 0:
+                self._restart()  # the next sample, under the same setting, from this boundary
+                return
+            self._next()
+            return
+        self._scores.setdefault(self.current, []).append(score)
+        self._write(self.current, score, self._trial)
+        logger.info("autotune: %s scored %.3f (%s)", _show(self.current), score, self._trial)
+        self._next()
+
+    def _restart(self) -> None:
+        self._started = True
+        self._t0 = self._last
+
+    def _next(self) -> None:
+        """Run the next trial of the plan, planning the next phase when this one is over."""
+        while not self._plan:
+            if self._phase == "cycle":
+                cycle = self._best_of(self._scores).cycle_time_ms
+                self._plan = [(Point(f, cycle), "fusion") for f in self._fusions
+                              if Point(f, cycle) not in self._scores]
+                self._phase = "fusion"
+            elif self._phase == "fusion":
+                best = self._best_of(self._scores)
+                self._phase = "confirm"
+                if best != self.start:
+                    self._candidate = best
+                    self._plan = [(p, "confirm") for _ in range(CONFIRM_SAMPLES) for p in (best, self.start)]
+            else:
+                self._finish()
+                return
+        point, trial = self._plan.pop(0)
+        self._trial = trial
+        if point == self.current:
+            self._restart()  # no switch needed: the next sample begins at this boundary
+            return
+        self.pending = point
+        self._measuring = False
+
+    def _best_of(self, scores: dict[Point, list[float]]) -> Point:
+        return max(scores, key=lambda p: (statistics.median(scores[p]), p == self.start))
+
+    def _finish(self) -> None:
+        best, median = self.start, statistics.median
+        candidate = self._candidate
+        if candidate is not None and median(self._scores[candidate]) > median(self._scores.get(self.start, [0.0])):
+            best = candidate
+        self.best = best
+        self.done = True
+        self._measuring = False
+        score = median(self._scores.get(best, [0.0]))
+        self._write(best, score, "best")
+        logger.info("autotune: done; keeping %s (median score %.3f)", _show(best), score)
+        self.close()
+        if best != self.current:
+            self.pending = best
+
+    def _write(self, point: Point, score: float, trial: str) -> None:
+        if self._log is not None:
+            self._log.write(f"{point.cycle_time_ms:g},{point.fusion_threshold / MIB:g},{score:.6g},{trial}\n")
+            self._log.flush()
+
+
+def _norm(point: Point) -> Point:
+    """``point`` as the fast round's slots carry it (whole bytes and microseconds)."""
+    decoded = Point.decode(point.encode())
+    assert decoded is not None
+    return decoded
+
+
+def _show(point: Point) -> str:
+    return f"cycle time {point.cycle_time_ms:g} ms, fusion threshold {point.fusion_threshold / MIB:g} MiB"

@@ -1,0 +1,164 @@
+"""Autotune: the tuner's search on its own (a made-up throughput, a fake clock), then jobs with
+``SPARK_HVD_AUTOTUNE=1`` whose every step is checked against numpy while the settings switch, with every rank
+switching at the same fast round and rank 0 writing the log."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import helpers.engine_scenarios as sc
+import numpy as np
+import pytest
+from helpers.ranks import run_ranks
+
+import spark_hvd.core as core
+from spark_hvd.core.autotune import CONFIRM_SAMPLES, CYCLE_GRID_MS, FUSION_GRID, MIB, Point, Tuner
+from spark_hvd.core.settings import Settings
+
+ReduceOp = core.ReduceOp
+START = Point(64 * MIB, 1.0)
+
+
+def _drive(tuner: Tuner, seconds_per_step, steps: int = 1000) -> int:
+    """Feed ``tuner`` steps of two tensors (1000 bytes each step) taking ``seconds_per_step(point)`` under the
+    setting every rank runs, switching as soon as it asks; returns the steps taken until it is done."""
+    now, current = 0.0, tuner.current
+    for step in range(steps):
+        now += seconds_per_step(current) / 2
+        tuner.observe(["a"], 500, now)
+        now += seconds_per_step(current) / 2
+        tuner.observe(["b"], 500, now)
+        if tuner.pending is not None:
+            current = tuner.pending
+            tuner.applied(current, now)
+        if tuner.done and tuner.pending is None:
+            return step
+    raise AssertionError("the tuner did not finish")
+
+
+def _rows(path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_search_finds_the_fastest_setting_and_logs_every_sample(tmp_path):
+    def seconds(point: Point) -> float:  # fastest at 2 ms and 16 MiB
+        return 1e-3 * (1 + abs(np.log2(point.cycle_time_ms / 2.0)) + abs(np.log2(point.fusion_threshold / 16 / MIB)))
+
+    log = tmp_path / "autotune.csv"
+    tuner = Tuner(START, warmup_samples=2, steps_per_sample=3, log_path=str(log))
+    _drive(tuner, seconds)
+    assert tuner.best == Point(16 * MIB, 2.0) and tuner.current == tuner.best
+    rows = _rows(log)
+    assert list(rows[0]) == ["cycle_time_ms", "tensor_fusion_threshold", "score", "trial"]
+    trials = [row["trial"] for row in rows]
+    cycles, fusions = len(set(CYCLE_GRID_MS) | {1.0}), len(set(FUSION_GRID) | {64 * MIB})
+    assert trials == ["cycle"] * cycles + ["fusion"] * (fusions - 1) + ["confirm"] * 2 * CONFIRM_SAMPLES + ["best"]
+    # every score is the bytes per microsecond of its setting (no sample mixes two settings)
+    for row in rows:
+        point = Point(int(float(row["tensor_fusion_threshold"]) * MIB), float(row["cycle_time_ms"]))
+        assert float(row["score"]) == pytest.approx(1000 / (seconds(point) * 1e6), rel=1e-6), row
+    assert rows[-1]["cycle_time_ms"] == "2" and rows[-1]["tensor_fusion_threshold"] == "16"
+
+
+def test_a_setting_that_was_fast_only_while_searched_does_not_replace_the_starting_one():
+    tuner = Tuner(START, warmup_samples=0, steps_per_sample=3)
+
+    def seconds(point: Point) -> float:  # 10 ms looks fast during the search, then is slower than the start
+        if point.cycle_time_ms == 10.0:
+            return 0.5e-3 if tuner._phase != "confirm" else 2e-3
+        return 1e-3
+
+    _drive(tuner, seconds)
+    assert tuner._candidate is not None and tuner._candidate.cycle_time_ms == 10.0  # it was confirmed, and lost
+    assert tuner.best == START and tuner.current == START
+
+
+def test_names_that_never_come_back_still_make_samples():
+    tuner = Tuner(START, warmup_samples=0, steps_per_sample=1)
+    for i in range(40 * 64):
+        tuner.observe([f"noname.{i}"], 8, i * 1e-3)
+        if tuner.pending is not None:
+            tuner.applied(tuner.pending, i * 1e-3)
+    assert tuner.done
+
+
+def test_the_fast_round_slots_carry_a_setting_exactly():
+    for point in (START, Point(0, 0.0), Point(3 * MIB + 7, 0.25), Point(1 << 40, 2.5)):
+        got = Point.decode(point.encode())
+        assert got == Point(min(point.fusion_threshold, 2**31 - 2), point.cycle_time_ms)
+    assert Point.decode((0, 0)) is None
+
+
+def test_settings_read_horovods_names_and_reject_nonsense():
+    got = Settings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/x.csv",
+                             "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "0", "SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE": "4"})
+    assert (got.autotune, got.autotune_log, got.autotune_warmup_samples, got.autotune_steps_per_sample) == (
+        True, "/tmp/x.csv", 0, 4)
+    assert Settings.from_env({}).autotune is False
+    with pytest.raises(ValueError, match="SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE"):
+        Settings.from_env({"SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE": "0"})
+
+
+# ---------------------------------------------------------------------------------------------- on ranks
+
+def _tuned_job(seed: int, shapes: list[tuple[int, ...]]) -> dict:
+    """Steps of asynchronous allreduces of ``shapes`` and a blocking one of a small 'loss', each checked against
+    numpy, until rank 0's tuner is done (its flag rides in the loss) and four steps more; returns the switches this
+    rank made and its final settings."""
+    core.init()
+    try:
+        n, r = core.size(), core.rank()
+        engine = core.get_engine()
+        after = 4
+        for step in range(400):
+            datas = [[sc._data(seed + 100 * step + k, q, shape, np.float32) for q in range(n)]
+                     for k, shape in enumerate(shapes)]
+            bufs = [d[r].copy() for d in datas]
+            handles = [core.allreduce_async(buf, name=f"grad{k}", op=ReduceOp.AVERAGE) for k, buf in enumerate(bufs)]
+            losses = [sc._data(seed + 100 * step + 99, q, (5,), np.float32) for q in range(n)]
+            loss = losses[r].copy()
+            tuner = engine._tuner
+            loss[4] = float(tuner is not None and tuner.done and tuner.pending is None)
+            core.allreduce(loss, name="loss", op=ReduceOp.SUM)
+            for handle in handles:
+                handle.wait()
+            for k, buf in enumerate(bufs):
+                sc._check(buf, (sum(d.astype(np.float64) for d in datas[k]) / n).astype(np.float32),
+                          f"step {step} grad{k}")
+            sc._check(loss[:4], sum(x[:4].astype(np.float64) for x in losses).astype(np.float32), f"step {step} loss")
+            if loss[4] == 1.0:
+                after -= 1
+                if not after:
+                    break
+        return {"history": engine.autotune_history, "steps": step + 1,
+                "settings": (engine.settings.fusion_threshold, engine.settings.cycle_time_ms),
+                "done": tuner.done if tuner is not None else None, "stats": dict(engine.stats)}
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize(("n", "env", "shapes"), [
+    # over TCP, a round large enough that the thresholds tried change how it is fused (1 MiB: two collectives)
+    (3, {"SPARK_HVD_SHM": "0"}, [(150_000,), (150_000,), (3, 5)]),
+    # small tensors only: every steady round is speculative, and a switch makes rank 0's speculation miss
+    (2, {}, [(64,), (7, 3)]),
+])
+def test_autotune_switches_every_rank_at_the_same_round_and_results_stay_right(tmp_path, n, env, shapes):
+    log = tmp_path / "autotune.csv"
+    env = {**env, "SPARK_HVD_AUTOTUNE": "1", "SPARK_HVD_AUTOTUNE_LOG": str(log),
+           "SPARK_HVD_AUTOTUNE_WARMUP_SAMPLES": "1", "SPARK_HVD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "SPARK_HVD_TIMEOUT": "60"}
+    results = run_ranks(_tuned_job, n, env=env, args=(7 * n, shapes), timeout=240)
+    history = results[0]["history"]
+    assert len(history) >= 5, results[0]["stats"]  # it switched, several times
+    for res in results[1:]:  # every rank switched at the same fast round to the same setting, and stopped together
+        assert res["history"] == history and res["settings"] == results[0]["settings"]
+        assert res["steps"] == results[0]["steps"] < 400
+    assert results[0]["done"] and all(res["done"] is None for res in results[1:])
+    rows = _rows(log)
+    assert rows and rows[-1]["trial"] == "best" and all(float(row["score"]) > 0 for row in rows)
+    best = (int(float(rows[-1]["tensor_fusion_threshold"]) * MIB), float(rows[-1]["cycle_time_ms"]))
+    assert results[0]["settings"] == best
+    assert not [name for name in os.listdir(tmp_path) if name != "autotune.csv"]  # rank 0 alone writes
