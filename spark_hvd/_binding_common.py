@@ -12,7 +12,7 @@ import numpy as np
 
 import spark_hvd.core as _core
 from spark_hvd.core import process_sets
-from spark_hvd.core.backend import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
+from spark_hvd.core.backend import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
 from spark_hvd.core.context import add_process_set, remove_process_set  # noqa: F401 - re-exported (Horovod's API)
 from spark_hvd.core.errors import NotInitializedError, SparkHvdError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set  # noqa: F401 - re-exported
@@ -196,7 +196,7 @@ def resolve_op(op: ReduceOp | None, average: bool | None = None) -> ReduceOp:
             return ReduceOp(op.lower())
         except ValueError:
             pass
-    raise ValueError(f"unsupported reduction op {op!r}; use one of Average, Sum, Min, Max, Product")
+    raise ValueError(f"unsupported reduction op {op!r}; use one of Average, Sum, Min, Max, Product, Adasum")
 
 
 def gradient_scales(op: ReduceOp, gradient_predivide_factor: float) -> tuple[float, float]:

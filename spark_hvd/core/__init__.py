@@ -9,7 +9,7 @@ Process API (Horovod's, on numpy arrays)::
     core.shutdown()
 """
 
-from spark_hvd.core.backend import Average, Backend, Max, Min, Product, ReduceOp, Rendezvous, Sum
+from spark_hvd.core.backend import Adasum, Average, Backend, Max, Min, Product, ReduceOp, Rendezvous, Sum
 from spark_hvd.core.context import (
     add_process_set,
     allgather,
@@ -60,7 +60,7 @@ from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.core.settings import Settings
 
 __all__ = [
-    "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
+    "Adasum", "Average", "AuthenticationError", "Backend", "CollectiveTimeoutError", "Handle", "Max", "Min",
     "NotInitializedError", "PeerFailureError", "ProcessSet", "Product", "ReduceOp", "Rendezvous", "Settings",
     "ShutdownError", "SparkHvdError", "StallError", "Sum", "TensorMismatchError", "add_process_set", "allgather",
     "allgather_async", "allgather_object", "allreduce", "allreduce_async", "alltoall", "alltoall_async",

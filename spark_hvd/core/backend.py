@@ -21,6 +21,8 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    #: adaptive summation of gradients (``spark_hvd.core.adasum``): allreduce of floating-point host arrays only
+    ADASUM = "adasum"
 
 
 # Horovod's names for the reductions (``hvd.Average``, ``hvd.Sum`` ...), defined here once; the core and both
@@ -30,6 +32,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 
 class Backend(ABC):

@@ -96,6 +96,7 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.core import adasum
 from spark_hvd.core.autotune import Point, Tuner
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
@@ -226,6 +227,9 @@ class Engine:
             with self._lock:
                 name = f"{kind}.noname.{self._counters[kind]}"
                 self._counters[kind] += 1
+        if op is ReduceOp.ADASUM:  # what Adasum cannot reduce fails here, on the caller, before any rank waits
+            device = buf.device if isinstance(buf, DeviceBuffer) else ""
+            adasum.check_request(kind, getattr(buf, "dtype", None), bfloat16, device, name)
         if kind == "barrier":
             buf = None
             meta = Meta(kind, "", (), "", 0, 1.0, 1.0, False)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.core import adasum
 from spark_hvd.core.backend import Backend, ReduceOp
 from spark_hvd.core.errors import SparkHvdError
 from spark_hvd.core.negotiation import reduction_identity
@@ -91,6 +92,8 @@ class HostGroup(Group):
     def allreduce(self, bufs: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
                   bfloat16: bool = False) -> Phases:
         backend = self.backend
+        if op is ReduceOp.ADASUM:  # not element-wise: its own algorithm over the backend's collectives
+            return adasum.group_allreduce(backend, bufs, prescale, postscale, bfloat16)
         if len(bufs) == 1 or self.fuses_in_place:
             if prescale != 1.0:
                 for buf in bufs:

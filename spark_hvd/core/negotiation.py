@@ -130,7 +130,7 @@ _BF16_BITS = {"one": 0x3F80, "inf": 0x7F80, "-inf": 0xFF80}
 
 def reduction_identity(shape: tuple[int, ...], dtype: np.dtype, op: str, bfloat16: bool) -> np.ndarray:
     """What a joined rank contributes to a reduction: the identity of ``op``."""
-    if op in ("sum", "average"):
+    if op in ("sum", "average", "adasum"):  # adasum(a, 0) = a
         return np.zeros(shape, dtype)
     if bfloat16:
         value = {"product": "one", "min": "inf", "max": "-inf"}[op]

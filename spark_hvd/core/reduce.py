@@ -25,6 +25,11 @@ _UFUNCS = {
 }
 
 
+#: the element-wise reductions, which every backend runs itself (``ReduceOp.ADASUM`` is not one: the host group runs
+#: it over the backend's collectives, ``spark_hvd.core.adasum``)
+ELEMENTWISE_OPS = tuple(op for op in ReduceOp if op in _UFUNCS)  # in the enum's order
+
+
 def ufunc_for(op: ReduceOp) -> np.ufunc:
     """The numpy ufunc that combines two partial results of ``op`` (AVERAGE sums; divide at the end)."""
     return _UFUNCS[op]

@@ -23,6 +23,7 @@ from typing import Any
 import keras
 
 from spark_hvd._binding_common import (
+    Adasum,
     Average,
     HorovodInternalError,
     Max,
@@ -141,7 +142,7 @@ def nccl_built() -> int:
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "NotInitializedError",
-    "PartialDistributedOptimizer", "ProcessSet", "Product", "Sum", "add_process_set", "global_process_set",
+    "PartialDistributedOptimizer", "ProcessSet", "Adasum", "Product", "Sum", "add_process_set", "global_process_set",
     "remove_process_set",
     "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
     "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",

@@ -24,6 +24,7 @@ Collectives take ``tf.Tensor`` / ``tf.Variable`` (and ``tf.IndexedSlices`` for a
 from __future__ import annotations
 
 from spark_hvd._binding_common import (
+    Adasum,
     Average,
     HorovodInternalError,
     Max,
@@ -110,7 +111,7 @@ def rocm_built() -> bool:
 
 __all__ = [
     "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max",
-    "Min", "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum",
+    "Min", "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Adasum", "Product", "Sum",
     "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
     "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",

@@ -70,8 +70,8 @@ class DistributedGradientTape:
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(gradtape).__name__}")
         rop = common.resolve_op(op)
-        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"DistributedGradientTape supports op=Average or op=Sum, got {rop}")
+        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+            raise ValueError(f"DistributedGradientTape supports op=Average, Sum or Adasum, got {rop}")
         if not isinstance(num_groups, int) or num_groups < 0:
             raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
         if groups is not None and not (isinstance(groups, int) and groups > 0) and \

@@ -178,9 +178,11 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         c = common.core()
-        if len(arrays) > 1 and len({a.dtype for a in arrays}) == 1 and not common.is_bfloat16_dtype(arrays[0].dtype):
+        if (len(arrays) > 1 and len({a.dtype for a in arrays}) == 1 and op is not ReduceOp.ADASUM
+                and not common.is_bfloat16_dtype(arrays[0].dtype)):
             # one dtype: packed into one buffer (the one copy needed anyway: TF's memory is read-only) and reduced
-            # by one blocking call, the engine's fast path in a steady loop; the results are views of it
+            # by one blocking call, the engine's fast path in a steady loop; the results are views of it (not for
+            # Adasum: its coefficients are per tensor, so the engine must see the tensors apart)
             flat = np.concatenate([a.reshape(-1) for a in arrays])
             c.allreduce(flat, name=None if names[0] is None else f"{names[0]}.packed", op=op, prescale=prescale,
                         postscale=postscale, process_set=process_set)

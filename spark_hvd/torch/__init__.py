@@ -31,6 +31,7 @@ from spark_hvd.torch.collectives import (
 from spark_hvd.torch.compression import Compression
 from spark_hvd.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from spark_hvd.torch.mpi_ops import (
+    Adasum,
     Average,
     Handle,
     Max,
@@ -83,7 +84,7 @@ from spark_hvd.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError", "Max", "Min",
-    "NotInitializedError", "ProcessSet", "Product", "Sum", "add_process_set", "global_process_set",
+    "NotInitializedError", "ProcessSet", "Adasum", "Product", "Sum", "add_process_set", "global_process_set",
     "remove_process_set",
     "SyncBatchNorm",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async",

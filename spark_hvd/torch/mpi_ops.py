@@ -47,7 +47,7 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     start_timeline,
     stop_timeline,
 )
-from spark_hvd.core.backend import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
+from spark_hvd.core.backend import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
 from spark_hvd.core.device import DeviceBuffer, device_key
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 

@@ -21,14 +21,14 @@ from helpers.ranks import backend_from_env, on_threads, run_ranks, shm_groups
 from spark_hvd.core import shm_cma
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError, TensorMismatchError
-from spark_hvd.core.reduce import f32_to_bf16, reference_reduce
+from spark_hvd.core.reduce import ELEMENTWISE_OPS, f32_to_bf16, reference_reduce
 from spark_hvd.core.shm import shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available() or shm_cma._READV is None,
                                 reason="no /dev/shm or no process_vm_readv here")
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
-OPS = list(ReduceOp)
+OPS = list(ELEMENTWISE_OPS)
 
 
 def _no_peers(operation: str) -> None:

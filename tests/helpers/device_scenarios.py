@@ -14,7 +14,7 @@ import helpers.engine_scenarios as sc
 import spark_hvd.core as core
 import spark_hvd.torch as hvd
 from spark_hvd.core.backend import rank_rows
-from spark_hvd.core.reduce import reference_reduce
+from spark_hvd.core.reduce import ELEMENTWISE_OPS, reference_reduce
 
 ReduceOp = core.ReduceOp
 
@@ -35,7 +35,7 @@ def collectives(device: str, seed: int = 3) -> dict:
     before = engine.stats["device_collectives"]
     checked = 0
     for di, dtype in enumerate(sc.DTYPES):
-        for oi, op in enumerate(ReduceOp):
+        for oi, op in enumerate(ELEMENTWISE_OPS):
             if dtype not in (np.float32, np.float64) and op is not ReduceOp.SUM:
                 continue
             datas = [sc._data(seed * 100 + di * 10 + oi, q, (5 + di, 3), dtype) for q in range(n)]

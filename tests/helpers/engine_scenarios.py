@@ -11,7 +11,7 @@ import threading
 import numpy as np
 
 import spark_hvd.core as core
-from spark_hvd.core.reduce import reference_reduce
+from spark_hvd.core.reduce import ELEMENTWISE_OPS, reference_reduce
 
 ReduceOp = core.ReduceOp
 DTYPES = (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8)
@@ -42,7 +42,7 @@ def collectives(seed: int = 0, full_matrix: bool = True) -> int:
     n, r = core.size(), core.rank()
     checked = 0
     for di, dtype in enumerate(DTYPES):
-        for oi, op in enumerate(ReduceOp):
+        for oi, op in enumerate(ELEMENTWISE_OPS):
             if op is ReduceOp.PRODUCT and np.dtype(dtype).kind != "f":
                 continue
             if not full_matrix and dtype not in (np.float32, np.float64) and op is not ReduceOp.SUM:

@@ -39,6 +39,17 @@ def close(a: object, b: np.ndarray, tol: float = 1e-5) -> None:
     np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
 
 
+def adasum_tree(vectors: list[np.ndarray]) -> np.ndarray:
+    """Adasum of the ranks' arrays in numpy (N a power of two): neighbours pairwise, then pairs of pairs."""
+    def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        dot = float(np.sum(a * b))
+        return (1 - dot / (2 * np.sum(a * a))) * a + (1 - dot / (2 * np.sum(b * b))) * b
+    while len(vectors) > 1:
+        vectors = [pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]
+
+
 def all_collectives(run: object, seed: int) -> None:
     """Every collective through ``run(fn)`` (eager: fn(); graph: tf.function(fn)()) against numpy."""
     xs = [data(r, (5, 3), seed=seed) for r in range(N)]
@@ -55,6 +66,14 @@ def all_collectives(run: object, seed: int) -> None:
     close(outs[0], stack.sum(0))
     close(outs[1], 2 * stack.sum(0))
     close(outs[2], np.stack(ints).sum(0).astype(np.float64))
+    # Adasum: one tensor, and two fused with each its own coefficients (float64 and fp16-compressed too)
+    ys = [data(r, (9,), seed=seed + 5) for r in range(N)]
+    close(run(lambda: hvd.allreduce(x, op=hvd.Adasum)), adasum_tree(xs))
+    a1, a2 = run(lambda: hvd.grouped_allreduce([x, tf.constant(ys[R])], op=hvd.Adasum))
+    close(a1, adasum_tree(xs))
+    close(a2, adasum_tree(ys))
+    close(run(lambda: hvd.allreduce(tf.cast(x, tf.float64), op=hvd.Adasum)), adasum_tree(xs), 1e-12)
+    close(run(lambda: hvd.allreduce(x, op=hvd.Adasum, compression=hvd.Compression.fp16)), adasum_tree(xs), 5e-3)
     # allgather with a ragged first dimension: rank r sends r + 2 rows
     rag = [data(r, (r + 2, 4), seed=seed + 1) for r in range(N)]
     close(run(lambda: hvd.allgather(tf.constant(rag[R]))), np.concatenate(rag))
@@ -125,7 +144,8 @@ def _sparse() -> None:
         for r in range(N):
             ref[r:r + 2] += vals[r]
         close(dense, ref * scale)
-    for bad in (lambda: hvd.allreduce(sl, op=hvd.Max), lambda: hvd.allreduce(sl, op=hvd.Sum, prescale_factor=2.0)):
+    for bad in (lambda: hvd.allreduce(sl, op=hvd.Max), lambda: hvd.allreduce(sl, op=hvd.Sum, prescale_factor=2.0),
+                lambda: hvd.allreduce(sl, op=hvd.Adasum), lambda: hvd.reducescatter(tf.ones([4]), op=hvd.Adasum)):
         try:
             bad()
         except NotImplementedError:
@@ -168,6 +188,22 @@ def gradient_cases(graph: bool) -> None:
     wrs = [data(r, (6 // N, 2), seed=10) for r in range(N)]
     close(grad_of(lambda t: tf.reduce_sum(hvd.reducescatter(t, op=hvd.Sum) * wrs[R]), x, graph),
           np.concatenate(wrs) * N)
+    # DistributedGradientTape(op=Adasum): each variable's gradient is the Adasum of the ranks' own gradients
+    v1, v2 = tf.Variable(data(R, (4, 3), seed=11)), tf.Variable(data(R, (3,), seed=12))
+    local = [data(r, (4,), seed=13) for r in range(N)]
+
+    def loss_and_grads(distributed: bool) -> list[tf.Tensor]:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.linalg.matvec(v1, v2) * local[R]) + v1[:, 0] ** 2)
+        if distributed:
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
+        return tape.gradient(loss, [v1, v2])
+
+    step = tf.function(loss_and_grads) if graph else loss_and_grads
+    own = [g.numpy() for g in step(False)]
+    everyone = hvd.allgather_object(own)
+    for got, i in zip(step(True), range(2), strict=True):
+        close(got, adasum_tree([everyone[r][i] for r in range(N)]))
 
 
 

@@ -80,6 +80,20 @@ def _collectives(dtype: torch.dtype) -> None:
         got16 = hvd.allreduce(mine, compression=hvd.Compression.fp16, op=hvd.Sum)
         np.testing.assert_allclose(got16.numpy(), want16, rtol=1e-3, atol=1e-3, err_msg="fp16 compressed")
         assert got16.dtype == torch.float32
+        # Adasum: pairs a, b (neighbours, then pairs of pairs) combined as a + b scaled by their dot product over
+        # each one's squared norm; one rank: its own tensor
+        level = list(stack)
+        while len(level) > 1:
+            pairs = [(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+            level = [(1 - (a * b).sum() / (2 * (a * a).sum())) * a + (1 - (a * b).sum() / (2 * (b * b).sum())) * b
+                     for a, b in pairs]
+        _close(hvd.allreduce(mine, op=hvd.Adasum), level[0], dtype, "allreduce adasum")
+        try:
+            hvd.reducescatter(mine, op=hvd.Adasum)
+        except RuntimeError as exc:  # Horovod's class (NotImplementedError is one)
+            assert "Adasum" in str(exc), exc
+        else:
+            raise AssertionError("reducescatter with op=Adasum did not raise")
     # in place, async, poll
     t = mine.clone()
     h = hvd.allreduce_async_(t, op=hvd.Sum, name=f"inplace.{dtype}")
