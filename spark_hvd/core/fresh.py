@@ -88,8 +88,9 @@ def build_fresh(layout: Layout, size: int) -> FreshSpec:
 
 def name_digest(names: Sequence[str]) -> tuple[int, int, int]:
     """60 bits of a digest of ``names`` as three integers in [2**20, 2**21) (never zero, exact in float32)."""
-    h = int.from_bytes(hashlib.blake2b("\0".join(names).encode(), digest_size=8).digest(), "little")
-    return tuple((h >> (20 * i)) & 0xFFFFF | 0x100000 for i in range(_SLOTS))  # type: ignore[return-value]
+    text = names[0] if len(names) == 1 else "\0".join(names)
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return h & 0xFFFFF | 0x100000, (h >> 20) & 0xFFFFF | 0x100000, (h >> 40) & 0xFFFFF | 0x100000
 
 
 def pack(spec: FreshSpec, rank: int, names: Sequence[str] | None, bufs: Sequence[np.ndarray] | None) -> None:
@@ -100,28 +101,45 @@ def pack(spec: FreshSpec, rank: int, names: Sequence[str] | None, bufs: Sequence
         staging.fill(0)
         return
     at = 1 + _SLOTS * rank
-    staging[:1 + _SLOTS * spec.size] = 0  # the tensors' part is overwritten whole below
+    head = 1 + _SLOTS * spec.size
+    staging[:head] = 0  # the tensors' part is overwritten whole below
     staging[0] = 1
     staging[at:at + _SLOTS] = name_digest(names)
-    for view, buf in zip(spec.views, bufs, strict=True):
-        view[...] = buf
-    scale_inplace(spec.data, spec.prescale)
+    views = spec.views
+    if len(views) == 1:
+        views[0][...] = bufs[0]
+    else:
+        for view, buf in zip(views, bufs, strict=True):
+            view[...] = buf
+    if spec.prescale != 1.0:
+        scale_inplace(staging[head:], spec.prescale)
 
 
 def agreed(spec: FreshSpec) -> bool:
     """After the allreduce of ``spec.staging``: did every rank submit this layout under the same names?"""
-    staging, size = spec.staging, spec.size
-    scale = float(size) if spec.op is ReduceOp.AVERAGE else 1.0  # AVERAGE divided every slot by the size
-    flags = float(staging[0]) * scale
-    if not flags > size - 0.5:
+    size = spec.size
+    head = spec.staging[:1 + _SLOTS * size].tolist()  # small: plain Python is faster than numpy here
+    if spec.op is ReduceOp.AVERAGE:  # AVERAGE divided every slot by the size
+        head = [round(x * size) for x in head]
+    if not head[0] > size - 0.5:
         return False
-    digests = [round(d * scale) for d in staging[1:1 + _SLOTS * size].tolist()]  # small: plain Python is faster
-    mine = digests[:_SLOTS]
-    return mine[0] > 0 and all(digests[r * _SLOTS:(r + 1) * _SLOTS] == mine for r in range(1, size))
+    mine = head[1:1 + _SLOTS]
+    if not mine[0] > 0:
+        return False
+    for r in range(1, size):
+        at = 1 + r * _SLOTS
+        if head[at:at + _SLOTS] != mine:
+            return False
+    return True
 
 
 def unpack(spec: FreshSpec, bufs: Sequence[np.ndarray]) -> None:
     """Copy the reduced tensors (postscaled) back into ``bufs``."""
-    scale_inplace(spec.data, spec.postscale)
-    for view, buf in zip(spec.views, bufs, strict=True):
-        buf[...] = view
+    if spec.postscale != 1.0:
+        scale_inplace(spec.data, spec.postscale)
+    views = spec.views
+    if len(views) == 1:
+        bufs[0][...] = views[0]
+    else:
+        for view, buf in zip(views, bufs, strict=True):
+            buf[...] = view
