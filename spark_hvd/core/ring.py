@@ -10,7 +10,8 @@ frame HMAC-authenticated) and then:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
   shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
-  hosts, then one shared-memory allgather; ``shm_slices``);
+  hosts, then one shared-memory allgather; ``shm_slices``; large arrays in pieces, the shared-memory legs
+  overlapping the TCP one: ``hier_pipeline``);
   ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
@@ -40,7 +41,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import halving_doubling, recursive_doubling, shm_cma, shm_slices
+from spark_hvd.core import halving_doubling, hier_pipeline, recursive_doubling, shm_cma
 from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
     HOST_ID_ENV,
     IFACE_ENV,
@@ -164,6 +165,7 @@ class RingBackend(Backend):
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
+        self._local_watcher: PeerWatcher | None = None  # the hierarchical allreduce's helper thread's
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
         self.transport = "none"
@@ -305,6 +307,14 @@ class RingBackend(Backend):
 
     def _check_peers(self, operation: str) -> None:
         self._watcher.check(operation)
+
+    def _check_local_peers(self, operation: str) -> None:
+        """``_check_peers`` for this host's ranks only (the hierarchical allreduce's helper thread: the calling
+        thread meanwhile owns the cross-host connections)."""
+        if self._local_watcher is None:
+            assert self.shm is not None
+            self._local_watcher = PeerWatcher([self.peers[r] for r in self.shm.ranks if r != self.rank])
+        self._local_watcher.check(operation)
 
     def close(self) -> None:
         """Close sockets, shared memory and the sender thread. Safe to call twice."""
@@ -490,14 +500,17 @@ class RingBackend(Backend):
             if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
                 # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results
                 # are gathered in one pass: (L-1)/L of the array copied in and out per rank, not a full
-                # allreduce and L broadcasts; the average is taken once, on the carried slice
-                bounds = even_bounds(flat.size, self.local_size)
-                mine = flat[bounds[self.local_rank]:bounds[self.local_rank + 1]]
-                shm_slices.reduce_scatter(self.shm, flat, bounds, inner, bfloat16, operation, self._check_peers)
-                self._tcp_allreduce(mine, inner, bfloat16, operation, self._cross_rings[self.local_rank])
-                if op is ReduceOp.AVERAGE:
-                    divide_average(mine, self.size, bfloat16)
-                shm_slices.allgather(self.shm, flat, bounds, operation, self._check_peers)
+                # allreduce and L broadcasts; the average is taken once, on the carried slice. Large slices go
+                # in pieces, the shared-memory legs overlapping the TCP one (``hier_pipeline``)
+                ring = self._cross_rings[self.local_rank]
+
+                def cross(part: np.ndarray) -> None:
+                    self._tcp_allreduce(part, inner, bfloat16, operation, ring)
+                    if op is ReduceOp.AVERAGE:
+                        divide_average(part, self.size, bfloat16)
+
+                hier_pipeline.allreduce(self.shm, flat, even_bounds(flat.size, self.local_size), inner, bfloat16,
+                                        operation, cross, self._check_local_peers, self.timeout_s)
                 return
             if self.shm is not None:
                 self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)

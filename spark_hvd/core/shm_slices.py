@@ -23,35 +23,43 @@ from spark_hvd.core.reduce import reduce_into
 from spark_hvd.core.shm import ShmGroup
 
 
-def _windows(flat: np.ndarray, bounds: Sequence[int], w: int) -> tuple[int, Callable[[int, int], np.ndarray]]:
-    """(number of rounds, ``window(j, b)``: the view of slice j's round-b window, possibly empty)."""
-    longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False))
+def _windows(parts: Sequence[np.ndarray], w: int) -> tuple[int, Callable[[int, int], np.ndarray]]:
+    """(number of rounds, ``window(j, b)``: the view of part j's round-b window, possibly empty)."""
     if w <= 0:
-        raise ValueError(f"a shared-memory block of {w} elements per slice cannot carry slices of {flat.dtype}")
+        raise ValueError(f"a shared-memory block of {w} elements per slice cannot carry slices of {parts[0].dtype}")
+    longest = max(p.size for p in parts)
 
     def window(j: int, b: int) -> np.ndarray:
-        lo = bounds[j] + b * w
-        return flat[lo:max(lo, min(bounds[j + 1], lo + w))]
+        lo = b * w
+        return parts[j][lo:max(lo, min(parts[j].size, lo + w))]
 
     return -(-longest // w), window
 
 
-def _check(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int]) -> None:
-    if len(bounds) != group.size + 1 or bounds[0] != 0 or bounds[-1] != flat.size:
-        raise ValueError(f"bounds {list(bounds)[:8]} do not split {flat.size} elements into {group.size} slices")
+def split(flat: np.ndarray, bounds: Sequence[int], members: int) -> list[np.ndarray]:
+    """The views ``flat[bounds[i]:bounds[i+1]]``, one per member, after checking ``bounds``."""
+    if len(bounds) != members + 1 or bounds[0] != 0 or bounds[-1] != flat.size:
+        raise ValueError(f"bounds {list(bounds)[:8]} do not split {flat.size} elements into {members} slices")
+    return [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
 
 def reduce_scatter(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                    operation: str, check_peers: Callable[[str], None]) -> None:
     """Reduce ``flat`` (flat, contiguous) across the members into member i's slice ``bounds[i]:bounds[i+1]``, in
     place (the other slices are left as they were). ``op`` AVERAGE sums: divide afterwards."""
-    _check(group, flat, bounds)
-    size, me, dtype = group.size, group.local, flat.dtype
+    reduce_scatter_parts(group, split(flat, bounds, group.size), op, bfloat16, operation, check_peers)
+
+
+def reduce_scatter_parts(group: ShmGroup, parts: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool,
+                         operation: str, check_peers: Callable[[str], None]) -> None:
+    """``reduce_scatter`` over one flat view per member (``parts[i]``, same dtype, any lengths the members agree
+    on): afterwards ``parts[i]`` of member i holds the reduction of every member's ``parts[i]``."""
+    size, me, dtype = group.size, group.local, parts[0].dtype
     w = group.block_bytes // dtype.itemsize // max(1, size - 1)
-    nblocks, window = _windows(flat, bounds, w)
+    nblocks, window = _windows(parts, w)
 
     def at(j: int, k: int) -> int:
-        """Where member k stages slice j's window in its slot (k skips its own slice)."""
+        """Where member k stages part j's window in its slot (k skips its own part)."""
         return (j - (j > k)) * w
 
     def stage(b: int, slot: np.ndarray) -> None:
@@ -72,9 +80,14 @@ def reduce_scatter(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op:
 def allgather(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], operation: str,
               check_peers: Callable[[str], None]) -> None:
     """Member i holds slice ``bounds[i]:bounds[i+1]`` of ``flat``; afterwards every member holds every slice."""
-    _check(group, flat, bounds)
-    me, dtype = group.local, flat.dtype
-    nblocks, window = _windows(flat, bounds, group.block_bytes // dtype.itemsize)
+    allgather_parts(group, split(flat, bounds, group.size), operation, check_peers)
+
+
+def allgather_parts(group: ShmGroup, parts: Sequence[np.ndarray], operation: str,
+                    check_peers: Callable[[str], None]) -> None:
+    """``allgather`` over one flat view per member: member i's ``parts[i]`` is copied into every member's."""
+    me, dtype = group.local, parts[0].dtype
+    nblocks, window = _windows(parts, group.block_bytes // dtype.itemsize)
 
     def stage(b: int, slot: np.ndarray) -> None:
         part = window(me, b)
@@ -87,4 +100,4 @@ def allgather(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], operatio
     group.rounds(nblocks, stage, consume, operation, check_peers)
 
 
-__all__ = ["reduce_scatter", "allgather"]
+__all__ = ["reduce_scatter", "reduce_scatter_parts", "allgather", "allgather_parts", "split"]

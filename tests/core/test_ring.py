@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 
+from spark_hvd.core import hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16
@@ -178,11 +179,15 @@ def _hier_allreduces(seed: int) -> str:
     call reuses every slot), checked against numpy; returns a digest of the results."""
     be = backend_from_env({"shm_block_bytes": 4096, "shm_slots": 4, "frame_bytes": 64 * 1024})
     digest = hashlib.sha256()
+    default_piece = hier_pipeline.PIECE_MIN_BYTES
     try:
         assert be.transport == "hier"
         for dtype, op in (("float32", ReduceOp.SUM), ("float32", ReduceOp.AVERAGE), ("int32", ReduceOp.AVERAGE),
                           ("float64", ReduceOp.MIN), ("bfloat16", ReduceOp.SUM)):
-            for count in (1001, 70_001):  # 70_001 float32: above HIER_SPLIT_BYTES, split over the local ranks
+            # 70_001 float32: above HIER_SPLIT_BYTES, split over the local ranks; once in one piece, once with
+            # pieces of 16 KiB (uneven, 4-8 per slice: the shared-memory legs in a helper thread, hier_pipeline)
+            for count, piece in ((1001, None), (70_001, None), (70_001, 16 * 1024)):
+                hier_pipeline.PIECE_MIN_BYTES = piece or default_piece
                 buf = _data(seed, be.rank, count, dtype)
                 be.allreduce(buf, op, bfloat16=dtype == "bfloat16")
                 want = _expected([_data(seed, k, count, dtype) for k in range(be.size)], op, dtype)
@@ -193,12 +198,13 @@ def _hier_allreduces(seed: int) -> str:
         be.close()
 
 
-def test_hierarchical_three_ranks_per_host_small_blocks():
-    # 2 faked hosts of 3 ranks: every local rank carries a third of the array across hosts
+@pytest.mark.parametrize("per_host", [2, 3])
+def test_hierarchical_ranks_per_host_small_blocks(per_host):
+    # 2 faked hosts of 2 or 3 ranks: every local rank carries a half or a third of the array across hosts
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
-    job_id = f"hier3x2{seed}"
-    digests = run_ranks(_hier_allreduces, 6, env=lambda r: {"SPARK_HVD_HOST_ID": "ab"[r // 3],
-                                                            "SPARK_HVD_TIMEOUT": "60"},
+    job_id = f"hier{per_host}x2{seed}"
+    digests = run_ranks(_hier_allreduces, 2 * per_host, env=lambda r: {"SPARK_HVD_HOST_ID": "ab"[r // per_host],
+                                                                       "SPARK_HVD_TIMEOUT": "60"},
                         timeout=180, args=(seed,), job_id=job_id)
     assert len(set(digests)) == 1  # every rank holds the same bits
     assert shm_leftovers(job_id) == []
