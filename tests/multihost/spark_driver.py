@@ -3,8 +3,9 @@ STEP...``. Each step prints one JSON line ``{"step": ..., ...}`` (or ``{"step": 
 to check: ``run`` (ranks' hosts, topology, transport, allreduce vs numpy), ``torch`` (TorchEstimator fit ->
 transform -> save/load, transform equal to the model called directly), ``keras`` (KerasEstimator fit -> transform),
 ``kill`` (a run while the test kills a worker host's processes: it must fail or retry, naming what happened),
-``linkdown`` (a run while the test takes a host's link down) and ``fitkill`` (a TorchEstimator fit while the test
-kills one rank's process): both must fail naming the lost rank's host.
+``iface`` (a run told to carry its data on the worker hosts' second interface, eth1: the bytes each host sent on
+eth0 and eth1 during its allreduce), ``linkdown`` (a run while the test takes a host's link down) and ``fitkill``
+(a TorchEstimator fit while the test kills one rank's process): both must fail naming the lost rank's host.
 """
 
 from __future__ import annotations
@@ -51,6 +52,37 @@ def _rank_fn(n: int) -> dict:
 _LAUNCH_VARS = {"SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
                 "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_JOB_ID", "SPARK_HVD_SECRET",
                 "SPARK_HVD_RENDEZVOUS", "SPARK_HVD_DRIVER_SERVICE", "SPARK_HVD_RUN_ATTEMPT", "SPARK_HVD_GPU"}
+
+
+def _tx_bytes(iface: str) -> int:
+    """This host's bytes sent on ``iface`` (the executor runs inside the host's ``ip netns exec``: its ``/sys``)."""
+    with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _rank_on_interface(n: int) -> dict:
+    """An allreduce of ``n`` float64 (checked against numpy) and the bytes this host sent meanwhile, by interface."""
+    import spark_hvd.core as hvd
+
+    rank = hvd.rank()
+    hvd.barrier()
+    before = {i: _tx_bytes(i) for i in ("eth0", "eth1")}
+    total = hvd.allreduce(np.random.default_rng(rank).standard_normal(n), op=hvd.Sum)
+    hvd.barrier()  # every byte this rank sent has arrived (its last frames may still have been queued)
+    sent = {i: _tx_bytes(i) - before[i] for i in ("eth0", "eth1")}
+    expected = sum(np.random.default_rng(r).standard_normal(n) for r in range(hvd.size()))
+    return {"rank": rank, "sent": sent, "allreduce": bool(np.allclose(total, expected, rtol=1e-10, atol=1e-10)),
+            "peers": sorted({p.where for p in getattr(hvd.get_engine().backend, "peers", {}).values()})}
+
+
+def step_iface(spark, store_dir: str) -> dict:
+    """A run told its data interface (``SPARK_HVD_NETWORK_INTERFACE=eth1`` through ``run(env=...)``) on worker
+    hosts with two: the ranks' 8 MiB allreduce must leave by eth1, the one the driver is not reached through."""
+    from spark_hvd.runner import run
+
+    results = run(_rank_on_interface, args=(1 << 20,), num_proc=2, spark=spark, verbose=0,
+                  env={"SPARK_HVD_NETWORK_INTERFACE": "eth1"})
+    return {"ranks": results}
 
 
 def _reg_df(spark):

@@ -2,7 +2,8 @@
 one worker (``--cores 1``) on each of hosts 1 and 2, every host's name mapped to 127.0.1.1 in its ``/etc/hosts``
 (the Debian trap that once made ranks publish a loopback address). One cluster and one driver process for the
 module; ``run()``, ``TorchEstimator`` fit -> transform -> save/load and ``KerasEstimator`` fit -> transform are
-checked against numpy / the model called directly; then host 2's link is taken down mid-run and a rank process is
+checked against numpy / the model called directly, and a ``run()`` told to use the worker hosts' second interface
+(eth1) is shown by byte counters to have used it; then host 2's link is taken down mid-run and a rank process is
 killed mid-fit (each must fail fast naming the host), and last a worker host's processes are all killed mid-run."""
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def cluster(simhosts_ready, tmp_path_factory):
         procs.append(master)
         _wait_for(master_log, "I have been elected leader", master, 120)
         url = f"spark://{h0.address}:7077"
+        for k in (1, 2):  # a second interface on each worker host, for the ``iface`` step (eth0 stays routed)
+            sim.add_interface(k, "eth1")
         for k, h in enumerate(sim.hosts[1:], 1):
             log = logs / f"worker{k}.log"
             with open(log, "w") as out:
@@ -97,7 +100,7 @@ def _drive(cluster, steps: list[str], timeout: float) -> subprocess.Popen:
 @pytest.fixture(scope="module")
 def results(cluster):
     """One driver process runs every step on the cluster; its JSON lines by step."""
-    proc = _drive(cluster, ["run", "torch", "keras"], 600)
+    proc = _drive(cluster, ["run", "torch", "keras", "iface"], 600)
     out, err = proc.communicate(timeout=600)
     rows = {}
     for line in out.splitlines():
@@ -136,6 +139,22 @@ def test_keras_estimator_fit_transform(results):
     row = _ok(results["keras"])
     assert row["loss"][-1] < row["loss"][0], row["loss"]
     assert row["transform_matches_model"]
+
+
+def test_named_data_interface_carries_the_traffic_under_spark(cluster, results):
+    """Worker hosts with two interfaces and ``SPARK_HVD_NETWORK_INTERFACE=eth1`` given to ``run()``: the ranks
+    publish and connect on eth1 (the peer is named by its eth1 address), and the host's byte counters show the
+    8 MiB allreduce left by eth1 while eth0 (the route to the driver) carried almost nothing meanwhile."""
+    sim = cluster[0]
+    ranks = _ok(results["iface"])["ranks"]
+    assert len(ranks) == 2
+    eth1 = {h.name: h.interfaces["eth1"] for h in sim.hosts[1:]}
+    for r in ranks:
+        assert r["allreduce"], r
+        assert len(r["peers"]) == 1 and any(f"({address})" in r["peers"][0] for address in eth1.values()), r
+        sent = r["sent"]
+        assert sent["eth1"] > 0.9 * 8 * 1024 * 1024, r  # each rank of the 2-rank ring sends the array once
+        assert sent["eth0"] < sent["eth1"] / 10, r
 
 
 def _rows(proc: subprocess.Popen) -> queue.SimpleQueue:
