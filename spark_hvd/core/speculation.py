@@ -26,6 +26,11 @@ from spark_hvd.core.negotiation import Meta
 
 #: Rounds of at most this many bytes are run speculatively, packed into one staging array.
 SPEC_BYTES = 64 * 1024
+#: Among three or more ranks on a backend that does not reduce in place (TCP), rounds of up to this many bytes are
+#: packed too: the copy in and out costs less than the fast round it saves (a log-depth exchange among N ranks).
+#: Their staging arrays share one scratch buffer per dtype (``Predictor``), so memory does not grow with the rounds
+#: learned. Larger tensors are reduced on their own by the executor anyway (``group.DIRECT_BYTES``).
+SPEC_LARGE_BYTES = 4 * 1024 * 1024
 _MAX_LEARNED = 4096  # rounds remembered (a loop with more distinct rounds than this is forgotten and relearned)
 
 Ids = tuple[int, ...]
@@ -60,8 +65,12 @@ class Spec(NamedTuple):
     barrier: bool  # the round is barriers only (no data)
 
 
-def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool) -> Spec | None:
-    """The speculation for a round of ``ids`` (``lookup``: the response cache), or None when it cannot be one."""
+def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
+               scratch: Callable[[np.dtype, int], np.ndarray] | None = None) -> Spec | None:
+    """The speculation for a round of ``ids`` (``lookup``: the response cache), or None when it cannot be one.
+
+    ``scratch(dtype, n)``: a zeroed-or-not array of ``n`` items, shared between speculations (rounds run one at a
+    time), for the staging of rounds above ``SPEC_BYTES``; None: every speculation gets its own."""
     entries = [lookup(cache_id) for cache_id in ids]
     metas = [meta for _, meta in entries]
     if all(m.kind == "barrier" for m in metas):
@@ -75,13 +84,18 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
             or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
         return None
     count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
-    packed = count * dtype.itemsize <= SPEC_BYTES
+    nbytes = count * dtype.itemsize
+    large = SPEC_BYTES < nbytes <= SPEC_LARGE_BYTES and size >= 3 and not fuses_in_place
+    packed = nbytes <= SPEC_BYTES or large
     in_place = (not packed and size == 2 and fuses_in_place and len(ids) == 1
                 and first.op == "sum" and first.prescale == 1.0)
     if not (packed or in_place):
         return None
     sole = entries[0] if len(ids) == 1 else None
-    staging = np.zeros(1 if in_place else 1 + count, dtype)
+    if large and scratch is not None:
+        staging = scratch(dtype, 1 + count)
+    else:
+        staging = np.zeros(1 if in_place else 1 + count, dtype)
     views, offset = [], 1
     for m in metas if packed else ():
         n = int(np.prod(m.shape, dtype=np.int64))
@@ -107,6 +121,7 @@ class Predictor:
         self._last: Ids | None = None  # the last clean round with something in it
         self._follows: dict[Ids, tuple[Ids, bool]] = {}  # round -> (the round after it last time, confirmed)
         self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
+        self._scratch: dict[str, np.ndarray] = {}  # the shared staging of large speculations, by dtype
 
     def advance(self, common: list[int] | Ids) -> Spec | None:
         """A clean round agreed on ``common`` (in id order): learn, and return the speculation for the next round.
@@ -138,11 +153,20 @@ class Predictor:
         if ids not in self._specs:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
-            self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses)
+            self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses, self._staging)
         return self._specs[ids]
+
+    def _staging(self, dtype: np.dtype, n: int) -> np.ndarray:
+        """``n`` items of the shared scratch of ``dtype`` (replaced by a larger one when too small: speculations
+        built before keep the old one alive until ``reset``)."""
+        buf = self._scratch.get(dtype.str)
+        if buf is None or buf.size < n:
+            buf = self._scratch[dtype.str] = np.zeros(max(n, 2 * buf.size if buf is not None else 0), dtype)
+        return buf[:n]
 
     def reset(self) -> None:
         """Forget every round (the cache may have changed: a full round)."""
         self._last = None
         self._follows.clear()
         self._specs.clear()
+        self._scratch.clear()

@@ -12,7 +12,7 @@ from helpers.ranks import run_ranks
 import spark_hvd.core as core
 from spark_hvd.core.negotiation import Meta, ResponseCache
 from spark_hvd.core.reduce import reference_reduce
-from spark_hvd.core.speculation import SPEC_BYTES, Predictor, build_spec
+from spark_hvd.core.speculation import SPEC_BYTES, SPEC_LARGE_BYTES, Predictor, build_spec
 
 ReduceOp = core.ReduceOp
 
@@ -81,6 +81,24 @@ def test_what_cannot_be_speculated_on():
     assert build_spec((2,), cache.get, 2, False) is None  # no backend that reduces where the arrays lie
     packed = build_spec((4,), cache.get, 3, False)
     assert packed is not None and packed.staging.size == 9
+    # above SPEC_BYTES, three or more ranks over TCP: packed too, the staging shared through the predictor's scratch
+    large = build_spec((2,), cache.get, 3, False)
+    assert large is not None and not large.in_place and large.staging.size == big + 1
+    huge = _cache(("h", _allreduce((SPEC_LARGE_BYTES // 4 + 1,))))
+    assert build_spec((0,), huge.get, 3, False) is None  # the executor reduces such tensors on their own
+
+
+def test_large_speculations_share_one_staging_buffer():
+    big = SPEC_BYTES // 4 + 100
+    cache = _cache(("a", _allreduce((big,))), ("b", _allreduce((big + 50,))))
+    predictor = Predictor(cache.get, 4, False)
+    for ids in ([0], [1], [0], [1], [0]):
+        spec = predictor.advance(ids)
+    assert spec is not None and spec.ids == (1,)
+    other = predictor.advance([1])
+    assert other is not None and other.ids == (0,)
+    assert np.shares_memory(spec.staging, other.staging)  # rounds run one at a time: one buffer serves them
+    assert spec.staging.size == big + 51 and other.staging.size == big + 1
 
 
 def _patterns_job(seed: int) -> dict:
@@ -131,3 +149,47 @@ def test_barrier_between_allreduces_and_alternating_tensors_speculate_and_stay_r
         alternating = stats["speculative_rounds"] - osu["speculative_rounds"]
         assert alternating >= 12, stats
         assert stats["speculation_misses"] >= 1, stats  # the broken pattern was seen, and survived
+
+
+def _large_job(seed: int) -> dict:
+    """A steady loop of one tensor above SPEC_BYTES over TCP, a rank breaking it once, then the loop again."""
+    core.init()
+    try:
+        n, r = core.size(), core.rank()
+        engine = core.get_engine()
+        shape = (SPEC_BYTES // 4 + 3000,)
+
+        def blocking(name: str, i: int, op: ReduceOp = ReduceOp.AVERAGE) -> None:
+            datas = [sc._data(seed + i, q, shape, np.float32) for q in range(n)]
+            buf = datas[r].copy()
+            core.allreduce(buf, name=name, op=op)
+            sc._check(buf, reference_reduce(datas, op).astype(np.float32), f"{name} {i}")
+
+        for i in range(8):
+            blocking("big", i)
+        steady = dict(engine.stats)
+        other = [sc._data(seed + 50, q, shape, np.float32) for q in range(n)]
+        mine = other[r].copy()
+        if r == 1:  # another tensor first here: the speculation on 'big' misses, and both still meet
+            handle = core.allreduce_async(mine, name="other", op=ReduceOp.SUM)
+            blocking("big", 51)
+            handle.wait()
+        else:
+            blocking("big", 51)
+            core.allreduce(mine, name="other", op=ReduceOp.SUM)
+        sc._check(mine, reference_reduce(other, ReduceOp.SUM), "other")
+        for i in range(6):
+            blocking("big", 60 + i)
+        return {"steady": steady, "stats": dict(engine.stats)}
+    finally:
+        core.shutdown()
+
+
+def test_a_steady_loop_above_64_kib_among_three_ranks_over_tcp_is_one_collective_and_stays_right():
+    results = run_ranks(_large_job, 3, env={"SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_SHM": "0"}, args=(5,), timeout=150)
+    for res in results:
+        steady, stats = res["steady"], res["stats"]
+        # 8 calls: after two negotiated rounds the rest are single collectives (a heartbeat may come between)
+        assert steady["speculative_rounds"] - steady.get("speculation_misses", 0) >= 3, steady
+        assert stats["speculation_misses"] >= 1, stats  # rank 1's break was seen, and survived
+        assert stats["speculative_rounds"] - stats["speculation_misses"] > steady["speculative_rounds"], stats
