@@ -276,6 +276,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             "backend": self._keras_backend,
             "checkpoint_every_steps": self.getOrDefault(self.checkpoint_every_steps),
             "checkpoint_every_seconds": self.getOrDefault(self.checkpoint_every_seconds),
+            "elastic": self.getOrDefault(self.elastic),
         }
 
     def _load_trained_model(self, store: Any, run_id: str) -> Any:

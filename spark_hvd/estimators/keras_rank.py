@@ -165,6 +165,23 @@ class KerasTrainer(RankTrainer):
     def sync(self) -> None:
         """Nothing here: ``BroadcastGlobalVariablesCallback(0)`` broadcasts at the start of ``model.fit``."""
 
+    def resized_progress(self, progress: list[dict], rank: int, size: int) -> dict:
+        """A step checkpoint of another number of ranks (an elastic relaunch): every rank's metric variables start
+        from the old ranks' summed variables divided by the new number of ranks. ``MetricAverageCallback``
+        averages the ranks' results at the epoch's end, so for Keras's sum-and-count metrics (the loss, ``Mean``,
+        ``MeanMetricWrapper`` metrics such as accuracy or mse) with as many rows on every rank the epoch's value is
+        exactly the mean over every batch trained in it, before and after the relaunch."""
+        saved = [p.get("metrics") for p in progress]
+        if not saved or any(m is None or len(m) != len(saved[0]) for m in saved):
+            return {}
+        return {"metrics": [np.sum([np.asarray(m[i], np.float64) for m in saved], axis=0) / size
+                            for i in range(len(saved[0]))]}
+
+    def rescale_lr(self, factor: float) -> None:
+        """The constant learning rate times ``factor`` (``scale_lr_by_num_proc`` on a resume on another number of
+        ranks; every rank, before ``model.fit`` broadcasts rank 0's optimizer variables)."""
+        scale_learning_rate(self.model.optimizer, factor)
+
     def save_model(self, directory: str) -> None:
         self.model.save(os.path.join(directory, MODEL_FILE))
 
@@ -189,6 +206,11 @@ class KerasTrainer(RankTrainer):
         skip = run.start_step  # batches of epoch run.start already trained (a resume from a step checkpoint)
         train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start, skip=skip)
         steps = min(readers.steps("train"), len(train))
+        if skip >= steps:  # a checkpoint after the epoch's last batch (its end was not committed)
+            log.warning("rank %d: the step checkpoint is after the last batch of epoch %d; Keras cannot run an epoch "
+                        "of no batch, so its last batch is trained again before the epoch ends", run.rank, run.start)
+            skip = steps - 1
+            train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start, skip=skip)
         saved_metrics = run.resume_progress.get("metrics") if skip else None
         keep_sums = run.checkpoints_inside_epochs
         val, val_steps = None, None
@@ -208,7 +230,7 @@ class KerasTrainer(RankTrainer):
                     variables = self.model.metrics_variables
                     if len(variables) == len(saved_metrics):
                         for var, value in zip(variables, saved_metrics, strict=True):
-                            var.assign(value)
+                            var.assign(np.asarray(value).astype(var.dtype))
                     else:
                         log.warning("rank %d: the step checkpoint has %d metric variables, the model %d: the "
                                     "epoch's metrics count only its remaining batches", run.rank,

@@ -416,10 +416,15 @@ class KerasEstimatorParams(EstimatorParams):
                  "in a fresh Python process", _to_keras_backend)
     checkpoint_every_steps = TorchEstimatorParams.checkpoint_every_steps
     checkpoint_every_seconds = TorchEstimatorParams.checkpoint_every_seconds
+    elastic = TorchEstimatorParams.elastic
+    min_num_proc = TorchEstimatorParams.min_num_proc
+    max_num_proc = TorchEstimatorParams.max_num_proc
+    reset_limit = TorchEstimatorParams.reset_limit
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(backend=None, checkpoint_every_steps=None, checkpoint_every_seconds=None)
+        self._setDefault(backend=None, checkpoint_every_steps=None, checkpoint_every_seconds=None, elastic=False,
+                         min_num_proc=None, max_num_proc=None, reset_limit=None)
 
 
 @_add_accessors

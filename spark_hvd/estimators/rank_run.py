@@ -140,6 +140,12 @@ class RankTrainer(ABC):
     def save_model(self, directory: str) -> None:
         """Write the final model into ``directory``."""
 
+    def resized_progress(self, progress: list[dict], rank: int, size: int) -> dict:
+        """A step checkpoint of another number of ranks: this rank's running sums of the epoch, from ``progress``
+        (what ``step_end`` got on each rank of the checkpoint). Default (the torch loop's ``{"acc", "rows"}``, whose
+        epoch metrics are sums over the ranks): rank 0 carries all the ranks' sums, the others start from zero."""
+        return merged_progress(progress) if rank == 0 else {}
+
     def rescale_lr(self, factor: float) -> None:
         """Multiply the learning rate by ``factor`` (a resume on another number of ranks under
         ``scale_lr_by_num_proc``); by default a framework cannot, and says so."""
@@ -243,7 +249,7 @@ class RankRun:
             else:
                 if self.rank < len(step_state.rngs):
                     set_rng_state(step_state.rngs[self.rank])
-                self.resume_progress = merged_progress(step_state.progress) if self.rank == 0 else {}
+                self.resume_progress = self.trainer.resized_progress(step_state.progress, self.rank, self.size)
         best = self.spec.best
         if best is not None:
             for value in self.history.get(best.monitor, []):

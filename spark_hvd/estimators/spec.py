@@ -110,6 +110,7 @@ class KerasSpec(TrainSpec):
     backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)
     checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
     checkpoint_every_seconds: float | None = None  #: ... or every N seconds
+    elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
 
 
 @dataclass(frozen=True, kw_only=True)

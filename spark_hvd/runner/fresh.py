@@ -32,7 +32,7 @@ import cloudpickle
 from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.start_lines import quiet_imports
 
-__all__ = ["FreshProcess", "run_rank_fresh", "ask"]
+__all__ = ["FreshProcess", "FreshProcessDied", "run_rank_fresh", "ask"]
 
 #: seconds between the relay rounds of ``run_rank_fresh`` while the children start
 _ROUND_S = 0.2
@@ -96,8 +96,7 @@ class FreshProcess:
             return cloudpickle.loads(self._recv.recv_bytes())
         except (EOFError, OSError):
             code = self._proc.wait(timeout=30)
-            raise RunnerError(f"the fresh Python process {self._proc.pid} exited with status {code} before "
-                              "answering (see its output above)") from None
+            raise FreshProcessDied(self._proc.pid, code) from None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child (EOF on its pipe; killed if it is still there after ``timeout_s``)."""
@@ -117,6 +116,15 @@ class FreshProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class FreshProcessDied(RunnerError):
+    """The child process exited (or was killed) before it answered a call."""
+
+    def __init__(self, pid: int, status: int | None) -> None:
+        super().__init__(f"the fresh Python process {pid} exited with status {status} before answering (see its "
+                         "output above)")
+        self.pid, self.status = pid, status
 
 
 def _child_exception(payload: bytes | None, kind: str, text: str, tb: str) -> BaseException:
@@ -147,14 +155,61 @@ def ask(name: str, payload: Any = None) -> Any:
 def run_rank_fresh(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
                    env: dict[str, str] | None = None) -> Any:
     """``fn(*args, **kwargs)`` as this rank, in a fresh Python process that joins a new ring of the same job
-    (collective: every rank of the job calls it). ``env`` is added to the child's environment."""
+    (collective: every rank of the job calls it). ``env`` is added to the child's environment.
+
+    Under ``run_elastic`` (this process has a driver link, ``spark_hvd.core.elastic.get_link``) the child gets a
+    link relayed through this process (its growth checks and commits reach the driver), and a child that dies takes
+    this process with it (``os._exit`` with its status): the rank's process is lost, as when it runs here, so the
+    driver relaunches the job instead of failing it on a rank's error."""
     import spark_hvd.core as core
+    from spark_hvd.core.elastic import get_link
 
     if not core.is_initialized():
         raise RunnerError("run_rank_fresh() is collective over an initialised job; call it on a rank of run()")
-    relay = _Relay()
+    relay, link = _Relay(), get_link()
+
+    def on_ask(name: str, payload: Any) -> Any:
+        if name == _LINK_ASK and link is not None:
+            method, method_args = payload
+            if method not in _LINK_METHODS:
+                raise RunnerError(f"the fresh process asked for the driver link's {method!r}")
+            return getattr(link, method)(*method_args)
+        return relay.answer(name, payload)
+
     with FreshProcess(env) as proc:
-        return proc.call(_rank_main, fn, tuple(args), dict(kwargs or {}), on_ask=relay.answer, on_idle=relay.idle)
+        try:
+            return proc.call(_rank_main, fn, tuple(args), dict(kwargs or {}), link is not None, on_ask=on_ask,
+                             on_idle=relay.idle)
+        except FreshProcessDied as exc:
+            if link is None:
+                raise
+            sys.stderr.write(f"spark_hvd: rank {core.rank()}: {exc}; this rank is lost\n")
+            sys.stderr.flush()
+            os._exit(exc.status if exc.status and exc.status > 0 else 1)
+
+
+#: the ``ask`` name of the relayed driver link, and the ``DriverLink`` methods it relays
+_LINK_ASK = "elastic.link"
+_LINK_METHODS = frozenset({"put", "commit", "committed", "get", "hosts_updated"})
+
+
+class _RelayedLink:
+    """In a fresh child under ``run_elastic``: the parent's driver link, each call asked of the parent."""
+
+    def put(self, commit_id: str, seq: int, data: bytes) -> None:
+        ask(_LINK_ASK, ("put", (commit_id, seq, data)))
+
+    def commit(self, commit_id: str, sizes: list[int]) -> bool:
+        return bool(ask(_LINK_ASK, ("commit", (commit_id, list(sizes)))))
+
+    def committed(self) -> list[int] | None:
+        return ask(_LINK_ASK, ("committed", ()))
+
+    def get(self, offset: int, nbytes: int) -> bytes:
+        return ask(_LINK_ASK, ("get", (offset, nbytes)))
+
+    def hosts_updated(self) -> bool:
+        return bool(ask(_LINK_ASK, ("hosts_updated", ())))
 
 
 class _Relay:
@@ -189,11 +244,13 @@ class _Relay:
         return core.allgather_object(mine, name=f"spark_hvd.fresh.{self.round}")
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """In the child: join a new ring of the job described by the environment, run ``fn``, leave."""
+def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict, elastic: bool = False) -> Any:
+    """In the child: join a new ring of the job described by the environment, run ``fn`` (with the parent's
+    driver link relayed when ``elastic``), leave."""
     import spark_hvd.core as core
     from spark_hvd.core import torchrun
     from spark_hvd.core.backend import Rendezvous
+    from spark_hvd.core.elastic import set_link
     from spark_hvd.core.jobenv import JobEnv
 
     class _AskRendezvous(Rendezvous):
@@ -207,8 +264,11 @@ def _rank_main(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     try:
         ask("joined")
         torchrun.install()
+        if elastic:
+            set_link(_RelayedLink())
         return fn(*args, **kwargs)
     finally:
+        set_link(None)
         torchrun.destroy_default_group()
         core.shutdown()
 
