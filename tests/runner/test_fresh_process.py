@@ -67,3 +67,43 @@ def test_a_rank_in_a_fresh_process_joins_a_new_ring(spark):
     expected = results[0]["data"] + results[1]["data"]
     for r in results:
         np.testing.assert_allclose(r["sum"], expected, rtol=1e-12)
+
+
+def _inner_elastic(directory: str) -> dict:
+    """In the fresh child of each rank, under run_elastic: the driver link is there (relayed through the parent);
+    the first attempt's rank 0 commits 3 bytes through it, then rank 1's child dies; the relaunch reads them back."""
+    import spark_hvd.core as core
+    from spark_hvd.core.elastic import get_link
+
+    link = get_link()
+    assert link is not None, "no driver link in the fresh process"
+    marker = os.path.join(directory, "died")
+    if not os.path.exists(marker):  # the first attempt
+        if core.rank() == 0:
+            link.put("c1", 0, b"abc")
+            link.commit("c1", [3])
+        core.barrier()
+        if core.rank() == 1:
+            open(marker, "w").close()
+            os._exit(17)
+        core.barrier()  # fails on rank 0: its peer is gone
+    return {"rank": core.rank(), "size": core.size(), "committed": link.committed(),
+            "bytes": link.get(0, 3), "grow": link.hosts_updated()}
+
+
+def _outer_elastic(directory: str) -> dict:
+    return run_rank_fresh(_inner_elastic, (directory,))
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fresh_rank_under_run_elastic_has_the_driver_link_and_its_death_is_a_lost_rank(spark, tmp_path):
+    from spark_hvd.runner import run_elastic
+
+    results = run_elastic(_outer_elastic, args=(str(tmp_path),), num_proc=2, min_num_proc=1, max_num_proc=2,
+                          reset_limit=2, verbose=0)
+    assert (tmp_path / "died").exists()
+    assert [r["rank"] for r in results] == list(range(len(results))) and results[0]["size"] == len(results)
+    for r in results:  # the relaunch found the first attempt's commit through the relayed link
+        assert r["committed"] == [3] and r["bytes"] == b"abc" and r["grow"] in (False, True)
