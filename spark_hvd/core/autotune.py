@@ -30,6 +30,7 @@ MB; ``trial``: ``cycle``, ``fusion`` or ``confirm``) and a last line with the se
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 from collections.abc import Iterable
 from typing import NamedTuple, TextIO
@@ -111,7 +112,12 @@ class Tuner:
         self._last = 0.0
         self._log: TextIO | None = None
         if log_path:
-            self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - open for the tuner's lifetime
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+                self._log = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - open for the tuner's lifetime
+            except OSError as exc:
+                raise ValueError(f"SPARK_HVD_AUTOTUNE_LOG={log_path!r}: cannot write the autotune log there: "
+                                 f"{exc}") from None
             self._log.write("cycle_time_ms,tensor_fusion_threshold,score,trial\n")
             self._log.flush()
         logger.info("autotune: tuning the cycle time over %s ms and the fusion threshold over %s MiB, from %s",

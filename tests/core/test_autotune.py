@@ -46,7 +46,7 @@ def test_the_search_finds_the_fastest_setting_and_logs_every_sample(tmp_path):
     def seconds(point: Point) -> float:  # fastest at 2 ms and 16 MiB
         return 1e-3 * (1 + abs(np.log2(point.cycle_time_ms / 2.0)) + abs(np.log2(point.fusion_threshold / 16 / MIB)))
 
-    log = tmp_path / "autotune.csv"
+    log = tmp_path / "logs" / "autotune.csv"  # the folder is made
     tuner = Tuner(START, warmup_samples=2, steps_per_sample=3, log_path=str(log))
     _drive(tuner, seconds)
     assert tuner.best == Point(16 * MIB, 2.0) and tuner.current == tuner.best
@@ -73,6 +73,12 @@ def test_a_setting_that_was_fast_only_while_searched_does_not_replace_the_starti
     _drive(tuner, seconds)
     assert tuner._candidate is not None and tuner._candidate.cycle_time_ms == 10.0  # it was confirmed, and lost
     assert tuner.best == START and tuner.current == START
+
+
+def test_a_log_that_cannot_be_written_names_the_setting(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="SPARK_HVD_AUTOTUNE_LOG=.*cannot write the autotune log"):
+        Tuner(START, log_path=str(tmp_path / "file" / "autotune.csv"))
 
 
 def test_names_that_never_come_back_still_make_samples():
