@@ -22,13 +22,32 @@ SLOT_WAIT_S = float(os.environ.get("SPARK_HVD_SLOT_WAIT", "10"))
 BUSY_SLOT_GRACE_S = 3.0
 
 
+def running_tasks(sc: Any) -> tuple[int, bool]:
+    """``(tasks running now, exact)``. Exact: the task scheduler's own count, which a task leaves the moment its
+    slot is free. Else (a scheduler that cannot be asked) the status tracker's, which is not exact: it learns of
+    tasks from the listener bus and writes an executor's or a stage's count to its store at most every 100 ms
+    (``spark.ui.liveUpdate.period``; a skipped write waits for the next event or heartbeat), so a task that
+    started or ended moments ago can be missing or still counted for seconds."""
+    jsc = sc._jsc.sc()
+    try:
+        per_executor = sc._jvm.scala.jdk.javaapi.CollectionConverters.asJava(
+            jsc.taskScheduler().runningTasksByExecutors())
+        return sum(int(n) for n in per_executor.values()), True
+    except Exception:  # not Spark's TaskSchedulerImpl, or its Scala API moved
+        logger.debug("spark_hvd: the task scheduler's running tasks could not be read", exc_info=True)
+        return sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos()), False
+
+
+def total_slots(sc: Any) -> int:
+    """Task slots of the default resource profile (all executors)."""
+    jsc = sc._jsc.sc()
+    return int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
+
+
 def slots(sc: Any) -> tuple[int, int]:
     """``(free, total)`` task slots of the default resource profile, running tasks subtracted."""
-    jsc = sc._jsc.sc()
-    profile = jsc.resourceProfileManager().defaultResourceProfile()
-    total = int(jsc.maxNumConcurrentTasks(profile))
-    running = sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos())
-    return max(0, total - running), total
+    total = total_slots(sc)
+    return max(0, total - running_tasks(sc)[0]), total
 
 
 def is_local_mode(sc: Any) -> bool:
@@ -113,15 +132,17 @@ def group_tasks(sc: Any, group: str) -> int:
 
 
 def free_slots_beside(sc: Any, group: str, ours: int) -> int:
-    """Free task slots while the job group runs ``ours`` tasks (classic sessions).
+    """Free task slots while the job group runs ``ours`` tasks (classic sessions), asked by a running attempt.
 
-    The status tracker learns of tasks from Spark's listener bus, behind the scheduler: a stage that has just
-    started may not be counted yet, and its slots would look free. So the group's tasks, counted or not, are
-    taken as ``ours``, and only the other jobs' tasks as the tracker counts them.
+    With the scheduler's exact count, every running task (``ours`` among them) is subtracted from the total. With
+    the status tracker's, ``ours`` may not be counted yet, so the group's tasks, counted or not, are taken as
+    ``ours``, and only the other jobs' tasks as the tracker counts them (its executor and stage counts can
+    disagree for seconds, which is why the exact count comes first).
     """
-    jsc = sc._jsc.sc()
-    total = int(jsc.maxNumConcurrentTasks(jsc.resourceProfileManager().defaultResourceProfile()))
-    running = sum(int(info.numRunningTasks()) for info in jsc.statusTracker().getExecutorInfos())
+    total = total_slots(sc)
+    running, exact = running_tasks(sc)
+    if exact:
+        return max(0, total - running)
     others = max(0, running - group_tasks(sc, group))
     return max(0, total - others - ours)
 
