@@ -1,10 +1,11 @@
-"""Autotune (Horovod's ``HOROVOD_AUTOTUNE``): the fusion threshold and the cycle time, tuned online by rank 0.
+"""Autotune (Horovod's ``HOROVOD_AUTOTUNE``): the fusion threshold, the cycle time and, among three or more TCP
+ranks (or hosts), the size from which allreduces take recursive halving-doubling, tuned online by rank 0.
 
 Thread-free and backend-free: the engine of rank 0 feeds its ``Tuner`` what every round reduced (the names and the
 bytes) and the time; the tuner scores each trial setting by throughput and says which setting to try next
-(``pending``). The engine sends that choice to every rank in the two tuning slots of the next fast round's vector
+(``pending``). The engine sends that choice to every rank in the three tuning slots of the next fast round's vector
 (``spark_hvd.core.table.fast_vector``), and every rank, rank 0 included, switches at that round, before it runs the
-round's collectives: the ranks' fusion plans can never differ.
+round's collectives: the ranks' fusion plans and algorithms can never differ.
 
 What a trial measures. A *step* ends where a tensor name comes back (a training step's gradients, then the next
 step's), or after ``MAX_STEP_NAMES`` names that never come back (unnamed allreduces); a *sample* is
@@ -14,17 +15,20 @@ before the sample to the end of its last round: wall time, the training's own co
 setting should shorten. The first ``warmup_samples`` samples are not scored (caches, first rounds, the JIT of a
 framework).
 
-The search, a coordinate descent over two small log grids (each including the starting value): every cycle time
-with the starting fusion threshold, then every fusion threshold with the best cycle time; then the best setting
+The search, a coordinate descent over small grids (each including the starting value): every cycle time with the
+starting fusion threshold, then every fusion threshold with the best cycle time, then (where the backend's TCP
+allreduce runs among three or more ranks or hosts, ``tune_algorithm``) the halving-doubling threshold
+(``SPARK_HVD_HALVING_DOUBLING_BYTES``: off, 256 KiB, 1 MiB, 4 MiB) with the best of both; then the best setting
 and the starting one are measured again, alternately (``CONFIRM_SAMPLES`` each), and the best one is kept only if
 the median of its samples beats the median of the starting setting's: noise under load cannot make the tuned job
 slower than the untuned one by more than the scores could tell apart. Horovod searches the same two knobs with
-Bayesian optimisation over ~20 samples; a grid of 10 points at most, measured in the order above, needs no model
-and lands on a value a user can read and set by hand.
+Bayesian optimisation over ~20 samples (and whether to use its hierarchical algorithms); a grid of 14 points at
+most, measured in the order above, needs no model and lands on values a user can read and set by hand.
 
 The log (``SPARK_HVD_AUTOTUNE_LOG``), written by rank 0 only, one CSV line per scored sample, like Horovod's
-autotune log: ``cycle_time_ms,tensor_fusion_threshold,score,trial`` (the threshold in MiB, as Horovod logs it in
-MB; ``trial``: ``cycle``, ``fusion`` or ``confirm``) and a last line with the setting kept (``best``).
+autotune log: ``cycle_time_ms,tensor_fusion_threshold,halving_doubling_threshold,score,trial`` (the thresholds in
+MiB, as Horovod logs the fusion threshold in MB, 0: halving-doubling off; ``trial``: ``cycle``, ``fusion``,
+``algorithm`` or ``confirm``) and a last line with the setting kept (``best``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ MIB = 1024 * 1024
 CYCLE_GRID_MS = (0.5, 1.0, 2.0, 5.0, 10.0)
 #: The fusion thresholds tried (bytes), the starting one added.
 FUSION_GRID = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 128 * MIB)
+#: The halving-doubling thresholds tried (bytes; 0: off), the starting one added.
+HALVING_DOUBLING_GRID = (0, 256 * 1024, 1 * MIB, 4 * MIB)
 #: Samples of the best and of the starting setting measured again before the best is kept.
 CONFIRM_SAMPLES = 2
 #: A step of names that never come back (unnamed allreduces) ends after this many.
@@ -55,19 +61,21 @@ class Point(NamedTuple):
 
     fusion_threshold: int  # bytes
     cycle_time_ms: float
+    halving_doubling_bytes: int = 0  # SPARK_HVD_HALVING_DOUBLING_BYTES (0: off)
 
-    def encode(self) -> tuple[int, int]:
-        """The two fast-round slots that carry it to every rank (0 in both: no change)."""
+    def encode(self) -> tuple[int, int, int]:
+        """The three fast-round slots that carry it to every rank (0 in all: no change)."""
         return (min(int(self.fusion_threshold), _SLOT_MAX) + 1,
-                min(int(round(self.cycle_time_ms * 1000.0)), _SLOT_MAX) + 1)
+                min(int(round(self.cycle_time_ms * 1000.0)), _SLOT_MAX) + 1,
+                min(int(self.halving_doubling_bytes), _SLOT_MAX) + 1)
 
     @staticmethod
-    def decode(slots: tuple[int, int]) -> Point | None:
+    def decode(slots: tuple[int, ...]) -> Point | None:
         """The setting the summed fast-round slots carry (only rank 0 writes them), or None."""
-        fusion, cycle = int(slots[0]), int(slots[1])
-        if not fusion or not cycle:
+        fusion, cycle, halving = (int(x) for x in slots)
+        if not fusion or not cycle or not halving:
             return None
-        return Point(fusion - 1, (cycle - 1) / 1000.0)
+        return Point(fusion - 1, (cycle - 1) / 1000.0, halving - 1)
 
 
 class Tuner:
@@ -78,12 +86,15 @@ class Tuner:
         warmup_samples: samples not scored at first.
         steps_per_sample: whole steps per scored sample.
         log_path: the CSV log's path, or None.
-        cycle_grid, fusion_grid: the values tried (the starting ones are added).
+        tune_algorithm: also search the halving-doubling threshold (the backend's TCP allreduce runs among three
+            or more ranks or hosts, where it applies).
+        cycle_grid, fusion_grid, halving_grid: the values tried (the starting ones are added).
     """
 
     def __init__(self, start: Point, warmup_samples: int = 3, steps_per_sample: int = 10,
-                 log_path: str | None = None, cycle_grid: Iterable[float] = CYCLE_GRID_MS,
-                 fusion_grid: Iterable[int] = FUSION_GRID) -> None:
+                 log_path: str | None = None, tune_algorithm: bool = False,
+                 cycle_grid: Iterable[float] = CYCLE_GRID_MS, fusion_grid: Iterable[int] = FUSION_GRID,
+                 halving_grid: Iterable[int] = HALVING_DOUBLING_GRID) -> None:
         if steps_per_sample < 1:
             raise ValueError(f"autotune needs at least one step per sample, got {steps_per_sample}")
         start = _norm(start)  # as the slots carry it, so the tuner compares like with like
@@ -97,8 +108,10 @@ class Tuner:
         self._cycles = sorted({start.cycle_time_ms, *(_norm(Point(0, float(c))).cycle_time_ms for c in cycle_grid)})
         self._fusions = sorted({start.fusion_threshold, *(_norm(Point(int(f), 0.0)).fusion_threshold
                                                           for f in fusion_grid)})
+        self._halvings = sorted({start.halving_doubling_bytes, *(_norm(Point(0, 0.0, int(h))).halving_doubling_bytes
+                                                                 for h in halving_grid)}) if tune_algorithm else []
         self._scores: dict[Point, list[float]] = {}
-        self._plan: list[tuple[Point, str]] = [(Point(start.fusion_threshold, c), "cycle") for c in self._cycles]
+        self._plan: list[tuple[Point, str]] = [(start._replace(cycle_time_ms=c), "cycle") for c in self._cycles]
         self._phase = "cycle"
         self._trial = "warmup"
         self._candidate: Point | None = None  # the best of the search, confirmed against the start
@@ -118,10 +131,11 @@ class Tuner:
             except OSError as exc:
                 raise ValueError(f"SPARK_HVD_AUTOTUNE_LOG={log_path!r}: cannot write the autotune log there: "
                                  f"{exc}") from None
-            self._log.write("cycle_time_ms,tensor_fusion_threshold,score,trial\n")
+            self._log.write("cycle_time_ms,tensor_fusion_threshold,halving_doubling_threshold,score,trial\n")
             self._log.flush()
-        logger.info("autotune: tuning the cycle time over %s ms and the fusion threshold over %s MiB, from %s",
-                    self._cycles, [f / MIB for f in self._fusions], _show(start))
+        logger.info("autotune: tuning the cycle time over %s ms, the fusion threshold over %s MiB and the "
+                    "halving-doubling threshold over %s MiB, from %s", self._cycles, [f / MIB for f in self._fusions],
+                    [h / MIB for h in self._halvings], _show(start))
         if self._warmup == 0:
             self._next()
 
@@ -198,11 +212,16 @@ class Tuner:
         """Run the next trial of the plan, planning the next phase when this one is over."""
         while not self._plan:
             if self._phase == "cycle":
-                cycle = self._best_of(self._scores).cycle_time_ms
-                self._plan = [(Point(f, cycle), "fusion") for f in self._fusions
-                              if Point(f, cycle) not in self._scores]
+                best = self._best_of(self._scores)
+                self._plan = [(p, "fusion") for p in (best._replace(fusion_threshold=f) for f in self._fusions)
+                              if p not in self._scores]
                 self._phase = "fusion"
             elif self._phase == "fusion":
+                best = self._best_of(self._scores)
+                tries = (best._replace(halving_doubling_bytes=h) for h in self._halvings)
+                self._plan = [(p, "algorithm") for p in tries if p not in self._scores]
+                self._phase = "algorithm"
+            elif self._phase == "algorithm":
                 best = self._best_of(self._scores)
                 self._phase = "confirm"
                 if best != self.start:
@@ -239,7 +258,8 @@ class Tuner:
 
     def _write(self, point: Point, score: float, trial: str) -> None:
         if self._log is not None:
-            self._log.write(f"{point.cycle_time_ms:g},{point.fusion_threshold / MIB:g},{score:.6g},{trial}\n")
+            self._log.write(f"{point.cycle_time_ms:g},{point.fusion_threshold / MIB:g},"
+                            f"{point.halving_doubling_bytes / MIB:g},{score:.6g},{trial}\n")
             self._log.flush()
 
 
@@ -251,4 +271,6 @@ def _norm(point: Point) -> Point:
 
 
 def _show(point: Point) -> str:
-    return f"cycle time {point.cycle_time_ms:g} ms, fusion threshold {point.fusion_threshold / MIB:g} MiB"
+    halving = f"{point.halving_doubling_bytes / MIB:g} MiB" if point.halving_doubling_bytes else "off"
+    return (f"cycle time {point.cycle_time_ms:g} ms, fusion threshold {point.fusion_threshold / MIB:g} MiB, "
+            f"halving-doubling {halving}")

@@ -193,12 +193,14 @@ class Engine:
             if path:
                 self.timeline = Timeline(path, self.rank)
         self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
-        self.autotune_history: list[tuple[int, int, float]] = []
+        self.autotune_history: list[tuple[int, int, float, int]] = []
         self._tuner: Tuner | None = None  # rank 0 of the job's own engine, with autotune on
         if settings.autotune and self.rank == 0 and not self.scope.process_set:
-            self._tuner = Tuner(Point(settings.fusion_threshold, settings.cycle_time_ms),
+            own = getattr(backend, "settings", None)  # the ring's: its TCP allreduce reads the algorithm thresholds
+            halving = own.halving_doubling_bytes if isinstance(own, Settings) else settings.halving_doubling_bytes
+            self._tuner = Tuner(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
                                 settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
-                                settings.autotune_log)
+                                settings.autotune_log, tune_algorithm=_tcp_among_three(backend))
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -441,13 +443,18 @@ class Engine:
         return tuner is not None and tuner.pending is not None
 
     def _switch(self, point: Point) -> None:
-        """Every rank, in the same fast round: run with ``point``'s fusion threshold and cycle time from now on."""
+        """Every rank, in the same fast round: run with ``point``'s fusion threshold, cycle time and halving-doubling
+        threshold from now on (the last is the ring backend's own setting, read by each of its TCP allreduces)."""
         self.settings = replace(self.settings, fusion_threshold=point.fusion_threshold,
-                                cycle_time_ms=point.cycle_time_ms)
+                                cycle_time_ms=point.cycle_time_ms, halving_doubling_bytes=point.halving_doubling_bytes)
         self._executor.settings = self.settings
         self._cycle = max(point.cycle_time_ms, 0.0) / 1000.0
         self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
-        self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms))
+        own = getattr(self.backend, "settings", None)
+        if isinstance(own, Settings):  # no collective of it runs now: the round's collectives come after this
+            self.backend.settings = replace(own, halving_doubling_bytes=point.halving_doubling_bytes)  # type: ignore[attr-defined]
+        self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms,
+                                      point.halving_doubling_bytes))
         self.stats["autotune_switches"] += 1
         if self._tuner is not None:
             self._tuner.applied(point, time.perf_counter())
@@ -941,6 +948,14 @@ class Engine:
             except ValueError as exc:
                 raise ValueError(f"alltoall of '{name}': {exc}") from None
         return None
+
+
+def _tcp_among_three(backend: Backend) -> bool:
+    """Whether ``backend`` (the ring) runs TCP allreduces among three or more ranks or hosts, where its
+    halving-doubling threshold applies (autotune searches it only there)."""
+    transport = getattr(backend, "transport", "")
+    return isinstance(getattr(backend, "settings", None), Settings) and (
+        (transport == "tcp" and backend.size >= 3) or (transport == "hier" and getattr(backend, "cross_size", 0) >= 3))
 
 
 def _in_place_ok(flags: Any) -> bool:

@@ -99,8 +99,9 @@ class Settings:
 
     autotune: bool = _setting(
         "SPARK_HVD_AUTOTUNE", "HOROVOD_AUTOTUNE", False, _bool,
-        "tune the fusion threshold and cycle time online during the first steps (rank 0 measures, every rank "
-        "switches at the same round; off by default)")
+        "tune the fusion threshold and cycle time (and, among three or more TCP ranks, the halving-doubling "
+        "threshold) online during the first steps (rank 0 measures, every rank switches at the same round; off by "
+        "default)")
     autotune_log: str | None = _setting(
         "SPARK_HVD_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG", None, _optional_str,
         "path of the autotune log: a CSV line per scored sample (settings and score), written by rank 0")

@@ -236,25 +236,29 @@ def message_digest(message: np.ndarray) -> tuple[int, int]:
     return (h & 0x3FFFFFFF) | 0x40000000, ((h >> 30) & 0x3FFFFFFF) | 0x40000000
 
 
+#: Slots of the fast round's vector that carry autotune's choice (``spark_hvd.core.autotune.Point.encode``).
+TUNE_SLOTS = 3
+
+
 def fast_vector(ids: Sequence[int], irregular: bool, id_count: int, rank: int = 0, size: int = 1,
-                length: int = 0, digest: tuple[int, int] = (0, 0), tune: tuple[int, int] = (0, 0)) -> np.ndarray:
+                length: int = 0, digest: tuple[int, int] = (0, 0), tune: tuple[int, ...] = (0, 0, 0)) -> np.ndarray:
     """A fast round's contribution, SUM-reduced over the ranks:
-    ``[irregular, lengths..., digests..., tune (2), ids...]``.
+    ``[irregular, lengths..., digests..., tune (3), ids...]``.
 
     A 1 in front when this rank has anything else to say (a new tensor, a join, a shutdown); at ``1 + rank`` the
     length of this rank's full-round message (so that, when a full round follows, every rank knows where every
     message lies and the messages travel in one allreduce, see ``message_lengths``); at ``1 + size + 2 rank`` the
     message's digest (``message_digest``: when every rank's message is the same, none needs to travel, see
-    ``same_messages``); at ``1 + 3 size`` two slots only rank 0 writes, the settings autotune switches every rank
-    to in this round (``tune_slots``, ``spark_hvd.core.autotune``); a 1 at ``3 + 3 size + id`` for each cache id
+    ``same_messages``); at ``1 + 3 size`` three slots only rank 0 writes, the settings autotune switches every rank
+    to in this round (``tune_slots``, ``spark_hvd.core.autotune``); a 1 at ``4 + 3 size + id`` for each cache id
     submitted (none when irregular: the full round carries them). Every slot but the ids' is one rank's alone, so
     the sum is exact."""
-    head = 3 + 3 * size
+    head = 1 + 3 * size + TUNE_SLOTS
     vec = np.zeros(head + id_count, np.int32)
     vec[1 + rank] = length
     vec[1 + size + 2 * rank:3 + size + 2 * rank] = digest
     if tune[0]:
-        vec[head - 2:head] = tune
+        vec[head - TUNE_SLOTS:head] = tune
     if irregular:
         vec[0] = 1
     elif ids:
@@ -267,15 +271,15 @@ def fast_answer(summed: np.ndarray, size: int) -> tuple[list[int], bool] | None:
     submitted (in id order: the order they run in) and whether some ids were submitted by only some ranks."""
     if summed[0]:
         return None
-    counts = summed[3 + 3 * size:]
+    counts = summed[1 + 3 * size + TUNE_SLOTS:]
     common = np.flatnonzero(counts == size).tolist()
     return common, len(common) < np.count_nonzero(counts)
 
 
-def tune_slots(summed: np.ndarray, size: int) -> tuple[int, int]:
+def tune_slots(summed: np.ndarray, size: int) -> tuple[int, ...]:
     """The autotune slots of the summed fast vectors (zeros: no switch this round)."""
     at = 1 + 3 * size
-    return int(summed[at]), int(summed[at + 1])
+    return tuple(summed[at:at + TUNE_SLOTS].tolist())
 
 
 def message_lengths(summed: np.ndarray, size: int) -> list[int]:

@@ -13,7 +13,15 @@ import pytest
 from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
-from spark_hvd.core.autotune import CONFIRM_SAMPLES, CYCLE_GRID_MS, FUSION_GRID, MIB, Point, Tuner
+from spark_hvd.core.autotune import (
+    CONFIRM_SAMPLES,
+    CYCLE_GRID_MS,
+    FUSION_GRID,
+    HALVING_DOUBLING_GRID,
+    MIB,
+    Point,
+    Tuner,
+)
 from spark_hvd.core.settings import Settings
 
 ReduceOp = core.ReduceOp
@@ -42,6 +50,11 @@ def _rows(path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _point(row: dict[str, str]) -> Point:
+    return Point(int(float(row["tensor_fusion_threshold"]) * MIB), float(row["cycle_time_ms"]),
+                 int(float(row["halving_doubling_threshold"]) * MIB))
+
+
 def test_the_search_finds_the_fastest_setting_and_logs_every_sample(tmp_path):
     def seconds(point: Point) -> float:  # fastest at 2 ms and 16 MiB
         return 1e-3 * (1 + abs(np.log2(point.cycle_time_ms / 2.0)) + abs(np.log2(point.fusion_threshold / 16 / MIB)))
@@ -51,15 +64,25 @@ def test_the_search_finds_the_fastest_setting_and_logs_every_sample(tmp_path):
     _drive(tuner, seconds)
     assert tuner.best == Point(16 * MIB, 2.0) and tuner.current == tuner.best
     rows = _rows(log)
-    assert list(rows[0]) == ["cycle_time_ms", "tensor_fusion_threshold", "score", "trial"]
+    assert list(rows[0]) == ["cycle_time_ms", "tensor_fusion_threshold", "halving_doubling_threshold", "score", "trial"]
     trials = [row["trial"] for row in rows]
     cycles, fusions = len(set(CYCLE_GRID_MS) | {1.0}), len(set(FUSION_GRID) | {64 * MIB})
     assert trials == ["cycle"] * cycles + ["fusion"] * (fusions - 1) + ["confirm"] * 2 * CONFIRM_SAMPLES + ["best"]
     # every score is the bytes per microsecond of its setting (no sample mixes two settings)
     for row in rows:
-        point = Point(int(float(row["tensor_fusion_threshold"]) * MIB), float(row["cycle_time_ms"]))
-        assert float(row["score"]) == pytest.approx(1000 / (seconds(point) * 1e6), rel=1e-6), row
-    assert rows[-1]["cycle_time_ms"] == "2" and rows[-1]["tensor_fusion_threshold"] == "16"
+        assert float(row["score"]) == pytest.approx(1000 / (seconds(_point(row)) * 1e6), rel=1e-6), row
+    assert _point(rows[-1]) == Point(16 * MIB, 2.0)
+
+
+def test_among_three_tcp_ranks_the_halving_doubling_threshold_is_searched_too():
+    def seconds(point: Point) -> float:  # fastest with halving-doubling from 1 MiB
+        return 1e-3 * (2 - (point.halving_doubling_bytes == MIB) + point.cycle_time_ms / 100)
+
+    tuner = Tuner(START, warmup_samples=1, steps_per_sample=2, tune_algorithm=True)
+    _drive(tuner, seconds)
+    assert tuner.best == Point(64 * MIB, 0.5, MIB) and tuner.current == tuner.best
+    halvings = {p.halving_doubling_bytes for p in tuner._scores}
+    assert halvings == set(HALVING_DOUBLING_GRID)
 
 
 def test_a_setting_that_was_fast_only_while_searched_does_not_replace_the_starting_one():
@@ -91,10 +114,11 @@ def test_names_that_never_come_back_still_make_samples():
 
 
 def test_the_fast_round_slots_carry_a_setting_exactly():
-    for point in (START, Point(0, 0.0), Point(3 * MIB + 7, 0.25), Point(1 << 40, 2.5)):
+    for point in (START, Point(0, 0.0), Point(3 * MIB + 7, 0.25, 256 * 1024), Point(1 << 40, 2.5, 1 << 40)):
         got = Point.decode(point.encode())
-        assert got == Point(min(point.fusion_threshold, 2**31 - 2), point.cycle_time_ms)
-    assert Point.decode((0, 0)) is None
+        assert got == Point(min(point.fusion_threshold, 2**31 - 2), point.cycle_time_ms,
+                            min(point.halving_doubling_bytes, 2**31 - 2))
+    assert Point.decode((0, 0, 0)) is None
 
 
 def test_settings_read_horovods_names_and_reject_nonsense():
@@ -139,14 +163,16 @@ def _tuned_job(seed: int, shapes: list[tuple[int, ...]]) -> dict:
                 if not after:
                     break
         return {"history": engine.autotune_history, "steps": step + 1,
-                "settings": (engine.settings.fusion_threshold, engine.settings.cycle_time_ms),
+                "settings": Point(engine.settings.fusion_threshold, engine.settings.cycle_time_ms,
+                                  engine.backend.settings.halving_doubling_bytes),
                 "done": tuner.done if tuner is not None else None, "stats": dict(engine.stats)}
     finally:
         core.shutdown()
 
 
 @pytest.mark.parametrize(("n", "env", "shapes"), [
-    # over TCP, a round large enough that the thresholds tried change how it is fused (1 MiB: two collectives)
+    # over TCP, a round large enough that the thresholds tried change how it is fused (1 MiB: two collectives) and
+    # which algorithm reduces it (halving-doubling from 256 KiB or 1 MiB, recursive doubling or the ring otherwise)
     (3, {"SPARK_HVD_SHM": "0"}, [(150_000,), (150_000,), (3, 5)]),
     # small tensors only: every steady round is speculative, and a switch makes rank 0's speculation miss
     (2, {}, [(64,), (7, 3)]),
@@ -165,6 +191,7 @@ def test_autotune_switches_every_rank_at_the_same_round_and_results_stay_right(t
     assert results[0]["done"] and all(res["done"] is None for res in results[1:])
     rows = _rows(log)
     assert rows and rows[-1]["trial"] == "best" and all(float(row["score"]) > 0 for row in rows)
-    best = (int(float(rows[-1]["tensor_fusion_threshold"]) * MIB), float(rows[-1]["cycle_time_ms"]))
-    assert results[0]["settings"] == best
+    assert results[0]["settings"] == _point(rows[-1])
+    searched = {row["trial"] for row in rows}
+    assert ("algorithm" in searched) == (n >= 3), searched  # halving-doubling is tried where it applies
     assert not [name for name in os.listdir(tmp_path) if name != "autotune.csv"]  # rank 0 alone writes

@@ -181,7 +181,7 @@ def test_the_fast_rounds_vector_says_when_every_rank_sent_the_same_message():
     # a random message on one rank, random ids elsewhere in the vector: the ids never disturb the digests
     noise = encode_message([0, 0, [], [meta().to_wire(str(rng.integers(1 << 30)))], []])
     vec = summed([same, same, noise, same])
-    vec[3 + 3 * size:] += rng.integers(0, 3, count, dtype=np.int32)
+    vec[4 + 3 * size:] += rng.integers(0, 3, count, dtype=np.int32)
     assert not same_messages(vec, size)
 
 
@@ -189,11 +189,11 @@ def test_the_tuning_slots_ride_beside_the_ids_and_digests():
     size, count = 3, 4
     message = encode_message([0, 0, [], [meta().to_wire("x")], []])
     vecs = [fast_vector([1, 3], False, count, r, size, message.size, message_digest(message),
-                        (1234, 5678) if r == 0 else (0, 0)) for r in range(size)]
+                        (1234, 5678, 9) if r == 0 else (0, 0, 0)) for r in range(size)]
     summed = sum(vecs)
-    assert tune_slots(summed, size) == (1234, 5678)  # rank 0's choice, as it sent it
+    assert tune_slots(summed, size) == (1234, 5678, 9)  # rank 0's choice, as it sent it
     assert fast_answer(summed, size) == ([1, 3], False) and same_messages(summed, size)
-    assert tune_slots(sum(fast_vector([1], False, count, r, size) for r in range(size)), size) == (0, 0)
+    assert tune_slots(sum(fast_vector([1], False, count, r, size) for r in range(size)), size) == (0, 0, 0)
 
 
 def test_messages_placed_by_their_lengths_add_up_to_every_message():
