@@ -11,9 +11,12 @@
   Also the CPU time of this process per epoch (threads pipeline and loop: the work each does, which a loaded
   machine slows alike; the process pipelines' work is in other processes).
 - **text**: ``--sentences`` strings (Python's standard-library docstrings, offline) tokenised by a BPE tokenizer
-  trained on them in seconds (``tokenizers``), padded per batch of 64: ``spark_hvd``: ``BatchReader`` over a string
-  column in Parquet, tokenising in ``collate_fn``; ``in-memory``: the same ``encode_batch`` + padding over the
-  strings in a Python list.
+  trained on them in seconds (``tokenizers``), padded per batch of 64, whole epochs (best of 3): ``spark_hvd``: one
+  ``BatchReader`` over a string column in Parquet (shuffled, as training reads), tokenising in ``collate_fn`` (which
+  it runs on ``read_ahead_pieces`` threads, batches handed on in order); ``in-memory``: the same ``encode_batch`` +
+  padding over the strings of a Python list in their order; ``in-memory shuffled``: the same in a new random order
+  each epoch, as a training loop reads them (the tokenizer costs ~10% more CPU on shuffled batches than on
+  neighbouring sentences). Also the CPU time per epoch of this process, all its threads (the tokenizer's too).
 - **peak RSS**: one rank (a fresh process) reads an epoch of ``--rss-mib`` MiB of incompressible 64 KiB binary
   rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it by the
   reader's documented memory formula); reported: its peak RSS above the RSS it had after its imports, against
@@ -152,7 +155,7 @@ def corpus(count: int) -> list[str]:
     return texts[:count]
 
 
-def bench_text(work: str, count: int) -> dict:
+def bench_text(work: str, count: int) -> tuple[dict, dict]:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     sentences = corpus(count)
@@ -171,15 +174,26 @@ def bench_text(work: str, count: int) -> dict:
     def collate(batch: dict) -> dict:
         return {"ids": pad(tok.encode_batch(list(batch["text"])))}
 
+    reader = BatchReader(os.path.join(work, "text.parquet"), batch_size=BATCH, shuffle=True, collate_fn=collate)
+    epochs = iter(range(1 << 30))
+    rng = np.random.default_rng(0)
+
     def ours() -> int:
-        reader = BatchReader(os.path.join(work, "text.parquet"), batch_size=BATCH, shuffle=True, collate_fn=collate)
-        return sum(1 for _ in reader.epoch(0)) * BATCH
+        return sum(len(b["ids"]) for b in reader.epoch(next(epochs)))
 
     def memory() -> int:
         return sum(len(pad(tok.encode_batch(sentences[s:s + BATCH]))) for s in range(0, count, BATCH))
 
+    def memory_shuffled() -> int:  # a training loop's order: a new permutation each epoch
+        order = rng.permutation(count)
+        return sum(len(pad(tok.encode_batch([sentences[i] for i in order[s:s + BATCH]])))
+                   for s in range(0, count, BATCH))
+
     batches = -(-count // BATCH)
-    return {name: batches / best_time(fn, count) for name, fn in (("spark_hvd", ours), ("in-memory", memory))}
+    fns = (("spark_hvd", ours), ("in-memory", memory), ("in-memory shuffled", memory_shuffled))
+    rates = {name: batches / best_time(fn, count) for name, fn in fns}
+    cpu = {name: round(best_time(fn, count, clock=time.process_time) * 1000, 1) for name, fn in fns}
+    return rates, {"cpu ms per epoch (all threads)": cpu}
 
 
 _RSS_CHILD = r"""
@@ -250,9 +264,10 @@ def main() -> None:
                 for ours in ("spark_hvd threads", "spark_hvd processes")
                 for peer in ("torch DataLoader", "in-memory loop")}
         if args.only in (None, "text"):
-            text = bench_text(work, args.sentences)
+            text, results["text CPU"] = bench_text(work, args.sentences)
             results["text batches/s"] = text
             results["text ratio vs in-memory"] = text["spark_hvd"] / text["in-memory"]
+            results["text ratio vs in-memory shuffled"] = text["spark_hvd"] / text["in-memory shuffled"]
         if args.only in (None, "rss"):
             results["rss"] = bench_rss(work, args.rss_mib)
     results["load after"] = os.getloadavg()
