@@ -1,6 +1,7 @@
-"""How each column kind becomes part of a batch: Spark's stored sparse Vectors as a CSR matrix, ragged arrays
-padded, a ``transformation_fn``'s DataFrame as arrays, and the worker processes of ``reader_pool_type="process"``.
-All numpy and Arrow, no Python loop per row except where each row is its own object (bytes, str, ragged rows)."""
+"""How each column kind becomes part of a batch: Spark's stored sparse Vectors as a CSR matrix (or, for
+``transformation_fn``, as the DataFrame's own Vector objects), ragged arrays padded, a ``transformation_fn``'s
+DataFrame as arrays, and the worker processes of ``reader_pool_type="process"``. All numpy and Arrow, no Python
+loop per row except where each row is its own object (bytes, str, ragged rows, Vectors)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 
 from spark_hvd.data.errors import ReaderError
 
-__all__ = ["arrow_kind", "frame_to_batch", "is_list", "pad_ragged", "sparse_to_csr", "transform_processes"]
+__all__ = ["arrow_kind", "frame_to_batch", "is_list", "pad_ragged", "sparse_to_csr", "sparse_to_vectors",
+           "table_to_frame", "transform_processes"]
 
 Batch = dict[str, np.ndarray]
 
@@ -58,6 +60,44 @@ def sparse_to_csr(arr: Any, shape: tuple[int, ...]) -> Any:
     if n and not width:
         width = int(lengths.max())
     return scipy.sparse.csr_matrix((data, indices, offsets), shape=(n, width))
+
+
+def sparse_to_vectors(arr: Any) -> np.ndarray:
+    """Spark's stored Vector structs -> an object array of ``pyspark.ml.linalg`` ``SparseVector`` / ``DenseVector``,
+    the objects the DataFrame holds (float64 values, as Spark keeps them)."""
+    from pyspark.ml.linalg import DenseVector, SparseVector
+
+    n = len(arr)
+    kind = arr.field("type").to_numpy(zero_copy_only=False)
+    size = arr.field("size").fill_null(0).to_numpy(zero_copy_only=False)
+
+    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+        child = arr.field(name)
+        offsets = np.asarray(child.offsets).astype(np.int64)
+        return child.flatten().to_numpy(zero_copy_only=False), offsets - offsets[0]  # a slice starts further on
+
+    values, vo = flat("values")
+    indices, io = flat("indices")
+    out = np.empty(n, dtype=object)
+    for r in range(n):
+        v = values[vo[r]:vo[r + 1]].astype(np.float64)
+        out[r] = SparseVector(int(size[r]), indices[io[r]:io[r + 1]], v) if kind[r] == 0 else DenseVector(v)
+    return out
+
+
+def table_to_frame(table: Any) -> Any:
+    """An Arrow table -> the pandas DataFrame ``transformation_fn`` gets: ``table.to_pandas()``, except that a
+    column of Spark's stored Vectors holds the Vectors themselves (``sparse_to_vectors``), in training (where
+    ``sparse_vectors="sparse"`` stored them so) as in ``transform`` (where Spark hands them over so)."""
+    sparse = [c for c in table.column_names if arrow_kind(table.schema.field(c).type) == "sparse"]
+    if not sparse:
+        return table.to_pandas()
+    frame = table.drop_columns(sparse).to_pandas()
+    for c in sparse:
+        column = table.column(c)
+        frame.insert(table.column_names.index(c), c,
+                     sparse_to_vectors(column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)))
+    return frame
 
 
 def pad_ragged(rows: np.ndarray, pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +165,7 @@ def init_transform_worker(fn_bytes: bytes) -> None:
 
 
 def transform_in_worker(table: Any) -> Any:
-    return _WORKER_FN(table.to_pandas())
+    return _WORKER_FN(table_to_frame(table))
 
 
 def transform_processes(fn: Callable, workers: int) -> Any:

@@ -43,6 +43,7 @@ from spark_hvd.data.columns import (
     is_list,
     pad_ragged,
     sparse_to_csr,
+    table_to_frame,
     transform_in_worker,
     transform_processes,
 )
@@ -566,7 +567,7 @@ class BatchReader:
         if self._procs is not None:
             out = self._procs.submit(transform_in_worker, table).result(timeout=self.timeout_s)
         else:
-            out = self.transformation_fn(table.to_pandas())
+            out = self.transformation_fn(table_to_frame(table))
         return frame_to_batch(out, self._where)
 
 

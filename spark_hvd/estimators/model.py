@@ -119,20 +119,24 @@ class BaseModel(Model, PersistableStage):
         return specs
 
     def _prepared_input(self, df: Any) -> tuple[Any, list[int], list[int]]:
-        """``df`` plus temporary ``array<float>`` copies of its Vector feature columns; (df, feature idx, keep idx)."""
+        """``df`` plus temporary ``array<float>`` copies of its Vector feature columns (but those stored sparse in
+        training: Spark hands them over as its Vector struct); (df, feature idx, keep idx)."""
         from pyspark.ml.functions import vector_to_array
         from pyspark.ml.linalg import VectorUDT
 
         names = df.columns
-        cols = [s["name"] for s in self._feature_specs()]
+        specs = self._feature_specs()
+        cols = [s["name"] for s in specs]
         missing = [c for c in cols if c not in names]
         if missing:
             raise ValueError(f"feature column(s) {missing} not in the DataFrame (columns: {names})")
         keep = list(range(len(names)))
         extra = {}
         feature_names = []
+        kinds = [s.get("kind", "scalar") for s in specs]
         for i, col in enumerate(cols):
-            if isinstance(df.schema[col].dataType, VectorUDT):
+            # a Vector stored sparse in training comes as Spark's struct, made CSR / Vectors as training made them
+            if isinstance(df.schema[col].dataType, VectorUDT) and kinds[i] != "sparse":
                 tmp = f"__spark_hvd_feature_{i}"
                 extra[tmp] = vector_to_array(df[col], "float32")
                 feature_names.append(tmp)
@@ -292,19 +296,19 @@ def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformat
     one reshape per column (``feature_to_numpy``); with ``transformation_fn`` / ``collate_fn``, the feature
     columns as a pandas DataFrame (named as in training) through the same functions, numeric columns then cast
     as the training reader casts them; ragged columns padded per Arrow batch (``ragged="pad"``, with
-    ``<name>_length``) or as one array per row (``"list"``), Vectors stored sparse as a float32 CSR matrix, as the
-    training reader handed them over."""
+    ``<name>_length``) or as one array per row (``"list"``), Vectors stored sparse as a float32 CSR matrix (to
+    ``transformation_fn``: as ``pyspark.ml.linalg`` Vectors), as the training reader handed them over."""
     numeric = ("scalar", "vector", "array")
     if transformation_fn is None and collate_fn is None and all(s.get("kind", "scalar") in numeric for s in specs):
         return [feature_to_numpy(rb.column(i), s["name"], s["dtype"], s["shape"])
                 for i, s in zip(feature_idx, specs, strict=True)]
     import pyarrow as pa
 
-    from spark_hvd.data.columns import frame_to_batch, pad_ragged
+    from spark_hvd.data.columns import arrow_kind, frame_to_batch, pad_ragged, sparse_to_csr, table_to_frame
 
     table = pa.table({s["name"]: rb.column(i) for i, s in zip(feature_idx, specs, strict=True)})
     if transformation_fn is not None:
-        batch = frame_to_batch(transformation_fn(table.to_pandas()), "transform")
+        batch = frame_to_batch(transformation_fn(table_to_frame(table)), "transform")
     else:
         batch = {}
         for s in specs:
@@ -312,11 +316,15 @@ def model_inputs(rb: Any, feature_idx: list[int], specs: list[dict], transformat
             if kind in numeric:
                 batch[name] = feature_to_numpy(table.column(name), name, s["dtype"], s["shape"])
                 continue
-            if kind == "sparse":  # arrives dense (vector_to_array); training handed collate_fn a CSR matrix
-                import scipy.sparse
+            if kind == "sparse":  # training handed collate_fn a float32 CSR matrix
+                column = table.column(name)
+                if arrow_kind(column.type) == "sparse":  # Spark's Vector struct, as stored in training
+                    batch[name] = sparse_to_csr(column.combine_chunks(), tuple(s["shape"] or ()))
+                else:  # arrays in the DataFrame at inference
+                    import scipy.sparse
 
-                dense = feature_to_numpy(table.column(name), name, "float32", s["shape"])
-                batch[name] = scipy.sparse.csr_matrix(dense)
+                    dense = feature_to_numpy(column, name, "float32", s["shape"])
+                    batch[name] = scipy.sparse.csr_matrix(dense)
                 continue
             values = table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
             if kind == "ragged" and ragged == "pad":  # as the training reader pads a batch

@@ -298,8 +298,9 @@ class EstimatorParams(Params):
                     "(tokenising, padding; consecutive batches on train_reader_num_workers threads at once, so it "
                     "must be thread-safe); also applied by the fitted model's transform to each feature batch")
     sparse_vectors = _p("sparse_vectors", "'dense' (default): Vector columns stored and handed over as dense float32 "
-                        "arrays; 'sparse': kept sparse, handed to transformation_fn / collate_fn as "
-                        "scipy.sparse.csr_matrix batches", _to_choice("dense", "sparse"))
+                        "arrays; 'sparse': kept sparse, handed to collate_fn as scipy.sparse.csr_matrix "
+                        "batches and to transformation_fn as the DataFrame's own Vectors (in transform too)",
+                        _to_choice("dense", "sparse"))
     ragged = _p("ragged", "'pad' (default): arrays of varying length (token ids) padded per batch to its longest "
                 "row, with a <name>_length column; 'list': one array per row, for collate_fn",
                 _to_choice("pad", "list"))

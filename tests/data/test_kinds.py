@@ -80,6 +80,12 @@ def test_every_kind_round_trips_across_two_ranks(kinds_df, store):
             assert not row["tokens"][length:].any()  # padded with 0
             assert row["grid"].shape == (2, 3) and row["grid"].tolist() == grid
             np.testing.assert_array_equal(row["vec"], vec.toArray().astype(np.float32))
+    # transformation_fn gets the DataFrame's own Vectors (Sparse and Dense as they were; transform gives it the same:
+    # tests/estimators/test_reader_options_fit.py)
+    as_text = _read(store, info, columns=["id", "vec"],
+                    transformation_fn=lambda df: df.assign(vec=[repr(v) for v in df["vec"]]))
+    assert sorted(as_text) == list(range(N))
+    assert {i: row["vec"] for i, row in as_text.items()} == {i: repr(r[5]) for i, r in enumerate(rows)}
 
 
     # binary row groups sized by bytes: ~1.5 MB of images in 4 files, row groups of about the asked size

@@ -1,6 +1,7 @@
 """The reader's options through a whole TorchEstimator fit on two ranks: Vectors kept sparse
-(``sparse_vectors="sparse"``, handed to ``collate_fn`` as a CSR matrix, in training and in ``transform``) and the
-process decode pool (``reader_pool_type="process"``: ``transformation_fn`` runs in worker processes of each rank)."""
+(``sparse_vectors="sparse"``, handed to ``collate_fn`` as a CSR matrix and to ``transformation_fn`` as the
+DataFrame's Vectors, in training and in ``transform`` alike) and the process decode pool
+(``reader_pool_type="process"``: ``transformation_fn`` runs in worker processes of each rank)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,60 @@ def test_sparse_vectors_reach_collate_fn_as_csr_in_fit_and_transform(spark, tmp_
     assert hist["loss"][-1] * 20 <= hist["loss"][0], hist
     np.testing.assert_allclose(model.getModel().weight.detach().numpy().reshape(-1), W, atol=0.15)
     out = model.transform(df.limit(40)).collect()
+    dense = np.array([r.vec.toArray() for r in out], dtype=np.float32)
+    with torch.no_grad():
+        direct = model.getModel()(torch.from_numpy(dense)).numpy().reshape(-1)
+    np.testing.assert_allclose([r.y__output for r in out], direct, rtol=1e-5, atol=1e-6)
+
+
+class _SeenVectors:
+    """Writes what it gets (each row's ``repr``) to a new file in ``seen``; hands the model the dense values."""
+
+    def __init__(self, seen: str) -> None:
+        self.seen = seen
+
+    def __call__(self, df):
+        import uuid
+
+        with open(os.path.join(self.seen, uuid.uuid4().hex), "w") as f:
+            f.write("\n".join(repr(v) for v in df["vec"]))
+        return df.assign(vec=[v.toArray().astype(np.float32) for v in df["vec"]])
+
+    def rows(self) -> set[str]:
+        """The rows seen so far, forgotten by the next call."""
+        seen = set()
+        for name in os.listdir(self.seen):
+            with open(os.path.join(self.seen, name)) as f:
+                seen |= set(f.read().splitlines())
+            os.remove(os.path.join(self.seen, name))
+        return seen
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_transformation_fn_sees_the_same_vectors_in_fit_and_transform(spark, tmp_path):
+    """Vectors stored sparse reach transformation_fn as the DataFrame's own SparseVector / DenseVector objects on
+    the ranks and in transform alike (training once got Spark's struct as dicts, transform dense arrays)."""
+    from pyspark.ml.linalg import Vectors
+
+    from spark_hvd.estimators import TorchEstimator
+    from spark_hvd.store import Store
+
+    rows = [(Vectors.sparse(10, {i % 10: float(i), (i + 5) % 10: -0.5}) if i % 3
+             else Vectors.dense(np.arange(10) * 0.25 + i), float(i % 2)) for i in range(48)]
+    df = spark.createDataFrame(rows, ["vec", "y"])
+    want = {repr(v) for v, _ in rows}
+    (tmp_path / "seen").mkdir()
+    seen = _SeenVectors(str(tmp_path / "seen"))
+    net = torch.nn.Linear(10, 1)
+    est = TorchEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                         optimizer=torch.optim.SGD(net.parameters(), lr=0.01), loss="mse", feature_cols=["vec"],
+                         label_cols=["y"], batch_size=8, epochs=1, random_seed=1, sparse_vectors="sparse",
+                         transformation_fn=seen, verbose=0)
+    model = est.fit(df)
+    assert seen.rows() == want  # every row, on the ranks (and the driver's first rows), as the DataFrame holds it
+    out = model.transform(df).collect()
+    assert seen.rows() == want
     dense = np.array([r.vec.toArray() for r in out], dtype=np.float32)
     with torch.no_grad():
         direct = model.getModel()(torch.from_numpy(dense)).numpy().reshape(-1)
