@@ -165,7 +165,7 @@ def _large_job(seed: int) -> dict:
             core.allreduce(buf, name=name, op=op)
             sc._check(buf, reference_reduce(datas, op).astype(np.float32), f"{name} {i}")
 
-        for i in range(8):
+        for i in range(16):
             blocking("big", i)
         steady = dict(engine.stats)
         other = [sc._data(seed + 50, q, shape, np.float32) for q in range(n)]
@@ -178,7 +178,7 @@ def _large_job(seed: int) -> dict:
             blocking("big", 51)
             core.allreduce(mine, name="other", op=ReduceOp.SUM)
         sc._check(mine, reference_reduce(other, ReduceOp.SUM), "other")
-        for i in range(6):
+        for i in range(10):
             blocking("big", 60 + i)
         return {"steady": steady, "stats": dict(engine.stats)}
     finally:
@@ -189,7 +189,9 @@ def test_a_steady_loop_above_64_kib_among_three_ranks_over_tcp_is_one_collective
     results = run_ranks(_large_job, 3, env={"SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_SHM": "0"}, args=(5,), timeout=150)
     for res in results:
         steady, stats = res["steady"], res["stats"]
-        # 8 calls: after two negotiated rounds the rest are single collectives (a heartbeat may come between)
-        assert steady["speculative_rounds"] - steady.get("speculation_misses", 0) >= 3, steady
+        # 16 calls: after two negotiated rounds the rest are single collectives (a heartbeat round that meets one
+        # makes it miss, and the loop is learnt again: not every one)
+        hits = steady["speculative_rounds"] - steady.get("speculation_misses", 0)
+        assert hits >= 3, steady
         assert stats["speculation_misses"] >= 1, stats  # rank 1's break was seen, and survived
-        assert stats["speculative_rounds"] - stats["speculation_misses"] > steady["speculative_rounds"], stats
+        assert stats["speculative_rounds"] - stats["speculation_misses"] > hits, stats  # and the loop resumed
