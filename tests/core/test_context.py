@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import spark_hvd.core as core
+from spark_hvd.core.reduce import ELEMENTWISE_OPS
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def test_collectives_at_size_one(single):
     for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8):
         data = (rng.random(17) * 10).astype(dtype)
         buf = data.copy()
-        for op in core.ReduceOp:
+        for op in ELEMENTWISE_OPS:  # Adasum takes floats only (its own tests)
             assert core.allreduce(buf, op=op) is buf
             np.testing.assert_array_equal(buf, data)
     data = rng.random(10)
