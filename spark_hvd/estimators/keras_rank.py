@@ -90,19 +90,19 @@ def scale_learning_rate(optimizer: Any, factor: float) -> None:
     optimizer.learning_rate = float(np.asarray(optimizer.learning_rate)) * factor
 
 
-def train_keras_rank(trainer_class: type[RankTrainer], spec: Any) -> dict | None:
+def train_keras_rank(trainer_class: type[RankTrainer], spec: Any, fresh: bool = False) -> dict | None:
     """Every rank of a ``KerasEstimator`` fit: ``train_on_rank`` on Keras's ``spec.backend``, here, or, when the
-    Python worker of any rank already runs Keras on another backend, in a fresh Python process on every rank
-    (``spark_hvd.runner.fresh.run_rank_fresh``; the ranks decide together)."""
+    Python worker of any rank already runs Keras on another backend (or asks for it with ``fresh=True``), in a fresh
+    Python process on every rank (``spark_hvd.runner.fresh.run_rank_fresh``; the ranks decide together)."""
     import spark_hvd.core as core
     from spark_hvd.estimators.keras_backend import loaded_backend, runs_here
 
-    here = runs_here(spec.backend)
+    here = runs_here(spec.backend) and not fresh
     if all(core.allgather_object(here, name="spark_hvd.keras.backend_here")):
         return train_on_rank(trainer_class, spec)
     from spark_hvd.runner.fresh import run_rank_fresh
 
-    if not here:
+    if not here and not fresh:
         log.info("rank %d: this Python worker runs Keras on %r; training on %r in a fresh Python process",
                  core.rank(), loaded_backend(), spec.backend)
     return run_rank_fresh(train_on_rank, (trainer_class, spec), env={"KERAS_BACKEND": spec.backend})

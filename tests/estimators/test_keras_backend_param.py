@@ -9,6 +9,7 @@ ranks really trained on."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import cloudpickle
@@ -89,6 +90,51 @@ def test_fit_on_a_backend_equals_one_process_and_transform_equals_the_model(spar
     x = np.array([r.features for r in rows], np.float32)
     direct = np.asarray(fitted.getModel()(x)).ravel()
     np.testing.assert_allclose([r.y__output for r in rows], direct, rtol=1e-5, atol=1e-5)
+
+
+class _FreshProbe(keras.callbacks.Callback):
+    """Adds ``in_fresh_child`` = 1.0 to the epoch's logs when training runs in a child of the rank's Spark Python
+    worker (whose pid ``_rank_forcing_fresh`` left in the environment the child inherits)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["in_fresh_child"] = float(os.getppid() == int(os.environ["SPARK_HVD_TEST_WORKER_PID"]))
+            logs[f"on_{keras.config.backend()}"] = 1.0
+
+
+def _rank_forcing_fresh(trainer_class, spec):
+    """The estimator's rank function with rank 1 alone asking for a fresh process: the ranks decide together, so
+    rank 0 (whose history the fit returns) must train in a fresh process too."""
+    import spark_hvd.core as core
+    from spark_hvd.estimators.keras_rank import train_keras_rank
+
+    os.environ["SPARK_HVD_TEST_WORKER_PID"] = str(os.getpid())
+    return train_keras_rank(trainer_class, spec, fresh=core.rank() == 1)
+
+
+class _FreshKerasEstimator(KerasEstimator):
+    _rank_fn = staticmethod(_rank_forcing_fresh)
+
+
+@pytest.mark.slow
+def test_fit_in_a_fresh_process_whatever_the_workers_loaded(spark, df, tmp_path):
+    # which path the test above takes depends on what the reused Spark workers loaded before; this one forces the
+    # fresh-process path (on the driver's own backend, so no worker could have refused it) and checks it ran there
+    backend = keras.config.backend()
+    store = Store.create(str(tmp_path / "store"))
+    model = _model()
+    initial = [np.array(w) for w in model.get_weights()]
+    est = _FreshKerasEstimator(num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(learning_rate=LR),
+                               loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=BATCH,
+                               epochs=EPOCHS, random_seed=1, partitions_per_process=1, verbose=0, backend=backend,
+                               callbacks=[_FreshProbe()])
+    fitted = est.fit(df)
+    history = fitted.getHistory()
+    assert history["in_fresh_child"] == [1.0] * EPOCHS, history
+    assert history[f"on_{backend}"] == [1.0] * EPOCHS, history
+    want = _replay(store, fitted, initial)
+    for got, expected in zip(fitted.getModel().get_weights(), want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_backend_is_refused_on_the_driver(spark, df, tmp_path, monkeypatch):
