@@ -1,6 +1,6 @@
 """spark_hvd.tensorflow against its peers on this machine, interleaved (issue 27)::
 
-    .venv/bin/python benchmarks/tensorflow_binding.py [--rounds 3] [--steps 60] [--calls 200]
+    .venv/bin/python benchmarks/tensorflow_binding.py [--rounds 3] [--steps 60] [--calls 200] [--only loop|allreduce]
 
 Two measurements, each alternating the contenders round by round and printing the median of the rounds:
 
@@ -171,6 +171,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--only", choices=["loop", "allreduce"], help="run one of the two measurements")
     p.add_argument("--worker", choices=["hvd", "mwms", "allreduce"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker in ("hvd", "mwms"):
@@ -188,23 +189,35 @@ def main() -> None:
         allreduce_worker(args.calls)
         return
     print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    if args.only != "allreduce":
+        loop(args.rounds, args.steps)
+    if args.only != "loop":
+        allreduce(args.calls)
+    print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def loop(rounds: int, steps: int) -> None:
+    """The TF2 loop, spark_hvd.tensorflow and MultiWorkerMirroredStrategy alternating round by round."""
     rates: dict[str, list[float]] = {"hvd": [], "mwms": []}
-    for r in range(args.rounds):
+    for r in range(rounds):
         for kind in ("hvd", "mwms") if r % 2 == 0 else ("mwms", "hvd"):
-            rates[kind].append(loop_round(kind, args.steps))
+            rates[kind].append(loop_round(kind, steps))
             print(f"round {r} {kind} {rates[kind][-1]:.2f} steps/s", flush=True)
     hvd, mwms = statistics.median(rates["hvd"]), statistics.median(rates["mwms"])
     print(f"TF2 loop at 2 ranks: spark_hvd.tensorflow {hvd:.2f} steps/s, MultiWorkerMirroredStrategy {mwms:.2f} "
-          f"steps/s (median of {args.rounds}); ratio {hvd / mwms:.2f}x", flush=True)
+          f"steps/s (median of {rounds}); ratio {hvd / mwms:.2f}x", flush=True)
+
+
+def allreduce(calls: int) -> None:
+    """The allreduce of one tensor at 4 KiB and 16 MiB, TF vs torch, in one 2-rank job."""
     out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", sys.executable,
-                          str(Path(__file__).resolve()), "--worker", "allreduce", "--calls", str(args.calls)],
+                          str(Path(__file__).resolve()), "--worker", "allreduce", "--calls", str(calls)],
                          env=ENV, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if "ALLREDUCE" in line:
             print(line.split("ALLREDUCE", 1)[1].strip(), flush=True)
     if out.returncode != 0:
         print(out.stderr[-3000:], file=sys.stderr)
-    print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
 
 
 if __name__ == "__main__":

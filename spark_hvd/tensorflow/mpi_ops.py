@@ -39,7 +39,7 @@ from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import TensorMismatchError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
-from spark_hvd.tensorflow import device
+from spark_hvd.tensorflow import device, host_memory
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,27 @@ def set_size(process_set: ProcessSet | None) -> int:
 
 
 def _host_copy(a: Any) -> np.ndarray:
-    """A writable C-contiguous copy (TF owns the memory of an input)."""
-    return np.array(a, copy=True, order="C")
+    """A writable C-contiguous copy (TF owns the memory of an input), aligned so that the result can go back to
+    TensorFlow without a copy (``host_memory``)."""
+    return host_memory.writable_copy(np.asarray(a))
+
+
+def _packed(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``arrays`` (one dtype) copied into one flat buffer, each at an aligned offset (zeros between them), and the
+    views of their places in it, shaped as they are."""
+    item = arrays[0].dtype.itemsize
+    step = max(host_memory.ALIGN // item, 1)
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.size // step) * step
+    flat = host_memory.aligned_empty((end,), arrays[0].dtype)
+    views = []
+    for a, at, stop in zip(arrays, offsets, [*offsets[1:], end], strict=True):
+        flat[at:at + a.size] = a.reshape(-1)
+        flat[at + a.size:stop] = 0
+        views.append(flat[at:at + a.size].reshape(a.shape))
+    return flat, views
 
 
 def op_name(kind: str, name: str | None, tensors: Sequence[Any]) -> str | None:
@@ -112,17 +131,21 @@ def _check_not_xla() -> None:
 
 
 def run_numpy(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Sequence[tf.DType],
-              kind: str) -> list[tf.Tensor]:
-    """``fn`` on the numpy values of ``inputs``, eagerly or as a stateful ``tf.numpy_function`` in a graph."""
+              kind: str, owned: bool = False) -> list[tf.Tensor]:
+    """``fn`` on the numpy values of ``inputs``, eagerly or as a stateful ``tf.numpy_function`` in a graph.
+
+    Eagerly ``fn`` gets views of the tensors' memory (it must not write to them), and with ``owned`` (``fn``
+    returns new buffers that nothing else holds) its results become tensors over the same memory where TensorFlow
+    can take them (``host_memory``)."""
     if tf.executing_eagerly():
         try:
-            outs = fn(*[t.numpy() for t in inputs])
+            outs = fn(*[host_memory.view(t) for t in inputs])
         except TensorMismatchError as e:
             raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
         except ValueError as e:  # bad arguments found by the engine (splits, root rank): as inside a graph
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, tout, strict=True)]
+        return [host_memory.to_tensor(o, d, owned) for o, d in zip(outs, tout, strict=True)]
     _check_not_xla()
     graph = tf.compat.v1.get_default_graph()
     tout = list(tout)
@@ -183,14 +206,10 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
             # one dtype: packed into one buffer (the one copy needed anyway: TF's memory is read-only) and reduced
             # by one blocking call, the engine's fast path in a steady loop; the results are views of it (not for
             # Adasum: its coefficients are per tensor, so the engine must see the tensors apart)
-            flat = np.concatenate([a.reshape(-1) for a in arrays])
+            flat, views = _packed(arrays)
             c.allreduce(flat, name=None if names[0] is None else f"{names[0]}.packed", op=op, prescale=prescale,
                         postscale=postscale, process_set=process_set)
-            out, offset = [], 0
-            for a in arrays:
-                out.append(flat[offset:offset + a.size].reshape(a.shape))
-                offset += a.size
-            return out
+            return views
         bufs = [_host_copy(a) for a in arrays]
         views = [common.to_core_buffer(b) for b in bufs]
         if len(views) == 1:  # the blocking call: the round runs in this thread (the engine's fast path)
@@ -205,7 +224,7 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
             h.wait()
         return bufs
 
-    outs = run_numpy(fn, tensors, [t.dtype for t in tensors], "allreduce")
+    outs = run_numpy(fn, tensors, [t.dtype for t in tensors], "allreduce", owned=True)
     if not tf.executing_eagerly():
         outs = [tf.ensure_shape(o, t.shape) for o, t in zip(outs, tensors, strict=True)]
     return outs
@@ -248,7 +267,7 @@ def broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None,
         common.core().synchronize(common.core().broadcast_async(view, root_rank, name=name, process_set=process_set))
         return buf
 
-    out = run_numpy(fn, [tensor], [tensor.dtype], "broadcast")[0]
+    out = run_numpy(fn, [tensor], [tensor.dtype], "broadcast", owned=True)[0]
     if not tf.executing_eagerly():
         out.set_shape(tensor.shape)
     return out

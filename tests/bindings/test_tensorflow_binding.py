@@ -13,6 +13,7 @@ pytest.importorskip("tensorflow")
 
 CHECKS = [
     "collectives_eager",
+    "host_memory_without_copies",
     "collectives_tf_function",
     "collectives_tf1_graph_session",
     "indexed_slices_allreduce",

@@ -192,7 +192,11 @@ def _one_collective() -> None:
         fit(model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), shard(x, B, N, R), shard(y, B, N, R), B // N)
     finally:
         core.allreduce = real
-    n_values = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    from spark_hvd.tensorflow.host_memory import ALIGN
+
+    # each gradient at an ALIGN-byte offset of the buffer (so each result is a tensor over its part of it)
+    step = ALIGN // np.dtype(model.trainable_variables[0].dtype).itemsize
+    n_values = sum(-(-int(np.prod(v.shape)) // step) * step for v in model.trainable_variables)
     want = [n_values] * STEPS if N > 1 else []
     assert calls == want, f"allreduces (sizes) per fit of {STEPS} steps: {calls}, expected {want}"
 

@@ -106,6 +106,34 @@ def _eager() -> None:
     all_collectives(lambda fn: fn(), seed=1)
 
 
+@check("host_memory_without_copies")
+def _host_memory() -> None:
+    from spark_hvd.tensorflow import host_memory
+
+    x = tf.constant(data(R, (1000,), seed=14))
+    assert np.shares_memory(host_memory.view(x), host_memory.view(x))  # the tensor's own memory, not a copy
+    # a buffer handed over becomes the tensor's memory when aligned; an unaligned one is copied (TF's kernels
+    # would abort the process on it)
+    mine = host_memory.writable_copy(np.arange(256, dtype=np.float32))
+    shared = host_memory.to_tensor(mine, tf.float32, owned=True)
+    assert np.shares_memory(host_memory.view(shared), mine)
+    odd = host_memory.aligned_empty((257,), np.float32)[1:]
+    odd[:] = 1.0
+    copied = host_memory.to_tensor(odd, tf.float32, owned=True)
+    assert not np.shares_memory(host_memory.view(copied), odd) and float(tf.reduce_sum(copied[3:])) == 253.0
+    # the collectives leave their inputs alone; packed results at aligned offsets, usable by TF's kernels
+    before = x.numpy()
+    xs = [data(r, (1000,), seed=14) for r in range(N)]
+    ys = [data(r, (3, 7), seed=15) for r in range(N)]
+    y = tf.constant(ys[R])
+    close(hvd.allreduce(x, op=hvd.Sum), np.stack(xs).sum(0))
+    a, b = hvd.grouped_allreduce([y, x, y[1:]], op=hvd.Sum)[:2]
+    close(tf.reduce_sum(a, axis=1), np.stack(ys).sum(0).sum(1), 1e-4)
+    close(b * 2.0, 2 * np.stack(xs).sum(0))
+    close(hvd.broadcast(x, root_rank=0), xs[0])
+    np.testing.assert_array_equal(x.numpy(), before)
+
+
 @check("collectives_tf_function")
 def _graph() -> None:
     all_collectives(lambda fn: tf.function(fn)(), seed=2)
