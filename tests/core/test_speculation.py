@@ -85,7 +85,7 @@ def test_what_cannot_be_speculated_on():
     large = build_spec((2,), cache.get, 3, False)
     assert large is not None and not large.in_place and large.staging.size == big + 1
     huge = _cache(("h", _allreduce((SPEC_LARGE_BYTES // 4 + 1,))))
-    assert build_spec((0,), huge.get, 3, False) is None  # the executor reduces such tensors on their own
+    assert build_spec((0,), huge.get, 3, False) is None  # larger: the copies would cost more than the fast round
 
 
 def test_large_speculations_share_one_staging_buffer():
