@@ -372,8 +372,10 @@ class Engine:
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
         """Take the round lock for ``_sole_round`` (``_fresh_sole_round``) if ``spec`` is still armed and nothing
         else is queued here (a join, a shutdown, another request); False (lock not held) otherwise."""
-        if self._outbox or self._join_handle is not None or self._shutdown_requested or self._steering():
+        if self._outbox or self._join_handle is not None or self._shutdown_requested:
             return False
+        if self._tuner is not None and self._tuner.pending is not None:
+            return False  # rank 0's autotune choice must ride on a fast round: this round must not be speculative
         if not self._round_lock.acquire(blocking=False):
             return False  # the engine thread is in a round
         armed = self._spec is spec or self._fresh is spec
@@ -436,11 +438,6 @@ class Engine:
             self._tuner.close()
 
     # ------------------------------------------------------------------ autotune (spark_hvd.core.autotune)
-
-    def _steering(self) -> bool:
-        """Rank 0 has a setting to send: the next round must be a fast round (an armed speculation misses)."""
-        tuner = self._tuner
-        return tuner is not None and tuner.pending is not None
 
     def _switch(self, point: Point) -> None:
         """Every rank, in the same fast round: run with ``point``'s fusion threshold, cycle time and halving-doubling
