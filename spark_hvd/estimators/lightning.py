@@ -118,4 +118,5 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
         get = self.getOrDefault
         return {"input_shapes": get(self.input_shapes), "trainer_args": dict(self._opt(self.trainer_args) or {}),
                 "logger": self._opt(self.logger), "log_every_n_steps": get(self.log_every_n_steps),
-                "precision": get(self.precision), "gradient_clip_val": get(self.gradient_clip_val)}
+                "precision": get(self.precision), "gradient_clip_val": get(self.gradient_clip_val),
+                "elastic": get(self.elastic)}

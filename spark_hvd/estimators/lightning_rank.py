@@ -101,6 +101,8 @@ class LightningTrainer(TorchTrainer):
         self.model = deserialize_module(spec.model_bytes).to(self.device)
         self.recorder = _Recorder()
         self.resume: dict | None = None  #: the Lightning checkpoint a resumed run starts from
+        #: the learning rates' factor once the resumed state is restored (a resume on another number of ranks)
+        self.lr_factor = 1.0
         self.trainer: Any = None
         module, owner = self.model, self
         lightning_log = type(module).log
@@ -135,6 +137,11 @@ class LightningTrainer(TorchTrainer):
     def sync(self) -> None:
         self.resume = self.hvd.broadcast_object(self.resume, root_rank=0)
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    def rescale_lr(self, factor: float) -> None:
+        """Lightning restores the optimizers' and schedulers' state (their rates scaled for the checkpoint's number
+        of ranks) after ``on_fit_start``: the bridge multiplies them by ``factor`` in ``on_train_start``."""
+        self.lr_factor *= factor
 
     def save_model(self, directory: str) -> None:
         self.model.__dict__.pop("log", None)  # our recording wrapper is not part of the module
@@ -224,12 +231,50 @@ class LightningTrainer(TorchTrainer):
                     torch.save(self.resume, ckpt)
                     self.resume = None
                 val = self._loader(run, "val") if run.readers.has_validation else None
-                self.trainer.fit(self.model, train_dataloaders=self._loader(run, "train"), val_dataloaders=val,
-                                 ckpt_path=ckpt)
+                try:
+                    self.trainer.fit(self.model, train_dataloaders=self._loader(run, "train"), val_dataloaders=val,
+                                     ckpt_path=ckpt)
+                except RuntimeError as exc:
+                    lost = peer_failure(exc, run.rank)
+                    if lost is None:
+                        raise
+                    raise lost from exc
         finally:
             for lg, level in zip(loggers, levels, strict=True):
                 lg.setLevel(level)
             shutil.rmtree(root, ignore_errors=True)
+
+
+#: what torch.distributed's errors say when a peer's connection went away (gloo's TCP transport)
+_PEER_GONE = ("gloo/transport/tcp",)
+
+
+def peer_failure(exc: BaseException, rank: int) -> BaseException | None:
+    """DDP's error for a lost peer (torch.distributed's network error, or gloo's TCP transport failing: connection
+    reset or closed) as the core's ``PeerFailureError``, which the driver counts as a consequence of the peer's loss,
+    not a cause of its own (so the root failure named is the peer's, and an elastic fit relaunches instead of
+    failing whichever error reaches the driver first); None for any other error."""
+    import torch.distributed as dist
+
+    from spark_hvd.core.errors import PeerFailureError
+
+    network = getattr(dist, "DistNetworkError", ())
+    if not (isinstance(exc, network) or any(mark in str(exc) for mark in _PEER_GONE)):
+        return None
+    return PeerFailureError(f"rank {rank}: torch.distributed lost a peer during the Lightning fit: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", operation="ddp")
+
+
+def _scale_rates(trainer: Any, factor: float) -> None:
+    """Every optimizer's learning rates (and initial rates) and every scheduler's base rates times ``factor``."""
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+    for config in trainer.lr_scheduler_configs:
+        if hasattr(config.scheduler, "base_lrs"):
+            config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
 
 
 @functools.cache
@@ -258,15 +303,13 @@ class _BridgeHooks:
     def on_fit_start(self, trainer: Any, module: Any) -> None:
         # after configure_optimizers, before a resumed run's optimizer state (already scaled) is restored
         if self.owner.spec.scale_lr_by_num_proc:
-            size = self.run.size
-            for optimizer in trainer.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] *= size
-                    if "initial_lr" in group:
-                        group["initial_lr"] *= size
-            for config in trainer.lr_scheduler_configs:
-                if hasattr(config.scheduler, "base_lrs"):
-                    config.scheduler.base_lrs = [lr * size for lr in config.scheduler.base_lrs]
+            _scale_rates(trainer, self.run.size)
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        # after a resumed run's optimizer and scheduler state was restored: rescaled for a new number of ranks
+        if self.owner.lr_factor != 1.0:
+            _scale_rates(trainer, self.owner.lr_factor)
+            self.owner.lr_factor = 1.0
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         self.owner.recorder = rec = _Recorder()

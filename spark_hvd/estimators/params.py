@@ -449,10 +449,15 @@ class LightningEstimatorParams(EstimatorParams):
     gradient_clip_val = _p("gradient_clip_val", "clip gradients at this value (norm by default; "
                            "trainer_args={'gradient_clip_algorithm': 'value'} for values); default none",
                            _to_optional(TypeConverters.toFloat))
+    elastic = TorchEstimatorParams.elastic
+    min_num_proc = TorchEstimatorParams.min_num_proc
+    max_num_proc = TorchEstimatorParams.max_num_proc
+    reset_limit = TorchEstimatorParams.reset_limit
 
     def __init__(self) -> None:
         super().__init__()
-        self._setDefault(input_shapes=None, log_every_n_steps=50, precision=None, gradient_clip_val=None)
+        self._setDefault(input_shapes=None, log_every_n_steps=50, precision=None, gradient_clip_val=None,
+                         elastic=False, min_num_proc=None, max_num_proc=None, reset_limit=None)
 
 
 # --------------------------------------------------------------------------------------------------- models

@@ -124,6 +124,7 @@ class LightningSpec(TrainSpec):
     log_every_n_steps: int = 50
     precision: Any = None  #: Lightning's ``precision`` ("bf16-mixed", "16-mixed", 32 ...); None: its default
     gradient_clip_val: float | None = None
+    elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
 
 
 def model_metadata(info: Any, output_shapes: list[list[int]]) -> dict:
