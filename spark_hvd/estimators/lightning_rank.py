@@ -24,7 +24,10 @@ What spark_hvd adds, through ``_Bridge`` (a Lightning ``Checkpoint`` callback, s
 - per epoch: ``RankRun.end_epoch`` (rank 0's checkpoint, the metrics log, progress, MLflow); the checkpoint is
   Lightning's own full state (``lightning.ckpt``: model, optimizers, schedulers, loops, callbacks' state,
   precision scaler), and a resumed run hands it to ``Trainer.fit(ckpt_path=...)`` on every rank;
-- ``terminate_on_nan`` and ``scale_lr_by_num_proc`` (applied to the optimizers ``configure_optimizers`` built).
+- ``terminate_on_nan`` and ``scale_lr_by_num_proc`` (applied to the optimizers ``configure_optimizers`` built;
+  rescaled after Lightning restored a checkpoint of another number of ranks);
+- ``elastic=True`` at epoch boundaries: a relaunch resumes from the last epoch checkpoint; DDP's error for a lost
+  peer is raised as the core's ``PeerFailureError`` (``peer_failure``), a consequence the driver relaunches on.
 """
 
 from __future__ import annotations
