@@ -86,6 +86,16 @@ class ImageDecoder:
         output_col: the column to write (default: replace ``column``).
 
     Other columns pass through unchanged; at inference the DataFrame holds the feature columns only.
+
+    ``prefers_processes`` (true for outputs of at most 128 x 128 pixels): the estimators' default pool
+    (``reader_pool_type="auto"``) then runs it in worker processes. For small images about half of the time per
+    image is Pillow's Python code (open, header parsing, ``load``), which holds the GIL; only the decode and the
+    resize release it. So threads overlap little of the work and, on a busy machine, lose time to GIL hand-offs:
+    on 2 cores with 32 x 32 outputs, 0.79-1.31x a one-thread loop over the same bytes, against 1.10-1.13x with
+    processes (benchmarks/RESULTS.md). For large outputs the decode and resize dominate, and the decoded float32
+    rows, which processes pickle back to the rank, are big (588 KiB at 224 x 224): there threads did better than
+    processes (one loaded run: 147-159 against 88-122 images/s). The 128 x 128 line between them is a judgement
+    from those two sizes, not a measured crossover.
     """
 
     def __init__(self, column: str, size: tuple[int, int] = (224, 224), mode: str = "RGB", mean: Any = None,
@@ -99,6 +109,11 @@ class ImageDecoder:
         self.std = None if std is None else [float(s) for s in np.ravel(std)]
         self.channels_last = bool(channels_last)
         self.output_col = output_col or column
+
+    @property
+    def prefers_processes(self) -> bool:
+        """Whether the default pool runs this decoder in worker processes (small outputs; see the class doc)."""
+        return self.size[0] * self.size[1] <= 128 * 128
 
     @property
     def shape(self) -> tuple[int, int, int]:

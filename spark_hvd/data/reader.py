@@ -155,7 +155,12 @@ class BatchReader:
             turning sparse rows into what the model takes. Consecutive batches are collated on up to
             ``read_ahead_pieces`` threads at once (so ``collate_fn`` must be safe to call from several threads, as a
             pure function of its batch is) and handed on in order; ragged columns are padded there too.
-        pool_type: ``"thread"`` (default) or ``"process"``: where ``transformation_fn`` runs. The
+        pool_type: ``"thread"`` (default), ``"process"`` or ``"auto"``: where ``transformation_fn`` runs;
+            ``"auto"`` (the estimators' default) is ``"process"`` for a ``transformation_fn`` whose
+            ``prefers_processes`` attribute is true (:class:`~spark_hvd.data.decode.ImageDecoder` with small outputs:
+            half of its time per image is Python holding the GIL, so threads overlap little of it; see docs/data.md),
+            else ``"thread"``. (Not the default here: a process pool started by a script needs the script's
+            ``if __name__ == "__main__":`` guard, as any ``multiprocessing`` use does.) The
             ``read_ahead_pieces`` row groups under way are read on threads either way (Arrow releases the GIL);
             with ``"process"`` each one's ``transformation_fn`` runs in one of ``read_ahead_pieces`` worker
             processes (for decoders that hold the GIL), the function travelling by cloudpickle; the processes are
@@ -235,8 +240,10 @@ class BatchReader:
         if ragged not in ("pad", "list"):
             raise InvalidParamError(f"ragged must be 'pad' or 'list', got {ragged!r}")
         self.ragged, self.pad_value = ragged, pad_value
-        if pool_type not in ("thread", "process"):
-            raise InvalidParamError(f"reader_pool_type must be 'thread' or 'process', got {pool_type!r}")
+        if pool_type not in ("auto", "thread", "process"):
+            raise InvalidParamError(f"reader_pool_type must be 'auto', 'thread' or 'process', got {pool_type!r}")
+        if pool_type == "auto":
+            pool_type = "process" if getattr(transformation_fn, "prefers_processes", False) else "thread"
         self.collate_fn, self.pool_type = collate_fn, pool_type
         self._procs: Any = None
         self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
@@ -667,20 +674,28 @@ def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Ite
 
 
 def _compact(chunks: list[Batch | None], bases: np.ndarray, ids: np.ndarray) -> Batch:
-    """The rows ``ids`` (in that order) of the concatenated chunks, copied into one new chunk."""
-    order = np.argsort(ids, kind="stable")
-    sel = ids[order]
+    """The rows ``ids`` of the concatenated chunks, copied once into one new chunk, in the order of their ids (the
+    caller relabels them ``0..n-1`` and shuffles its pool before it emits from it again, so any order will do; one
+    ``np.take`` per chunk and column straight into the new chunk: decoded images are copied once, not three times)."""
+    sel = np.sort(ids)
     owner = np.searchsorted(bases, sel, side="right") - 1
     cuts = np.flatnonzero(np.diff(owner)) + 1
-    parts: dict[str, list] = {}
+    out: Batch | None = None
+    others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
     for s, e in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(sel)]]), strict=True):
         chunk = chunks[owner[s]]
         local = sel[s:e] - bases[owner[s]]
+        if out is None:
+            out = {k: np.empty((len(sel), *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
+                   if isinstance(v, np.ndarray)}
         for k, v in chunk.items():
-            parts.setdefault(k, []).append(v[local])
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
-    return {k: _concat(p)[inverse] for k, p in parts.items()}
+            if isinstance(v, np.ndarray):
+                np.take(v, local, axis=0, out=out[k][s:e], mode="clip")  # "clip": no buffered copy; ids are ours
+            else:
+                others.setdefault(k, []).append(v[local])
+    for k, parts in others.items():
+        out[k] = _concat(parts)
+    return out
 
 
 def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:

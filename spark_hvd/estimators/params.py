@@ -304,8 +304,10 @@ class EstimatorParams(Params):
     ragged = _p("ragged", "'pad' (default): arrays of varying length (token ids) padded per batch to its longest "
                 "row, with a <name>_length column; 'list': one array per row, for collate_fn",
                 _to_choice("pad", "list"))
-    reader_pool_type = _p("reader_pool_type", "'thread' or 'process': the pool that reads and transforms row "
-                          "groups on each rank (transformation_fn runs there)", _to_choice("thread", "process"))
+    reader_pool_type = _p("reader_pool_type", "'auto' (default), 'thread' or 'process': the pool that reads and "
+                          "transforms row groups on each rank (transformation_fn runs there); 'auto': processes for "
+                          "a transformation_fn with prefers_processes true (ImageDecoder up to 128x128), else threads",
+                          _to_choice("auto", "thread", "process"))
     train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one row "
                                   "group at a time; default min(4, CPUs)", _to_optional(_to_strict_int))
     backward_passes_per_step = _p("backward_passes_per_step", "local gradient accumulation steps per allreduce",
@@ -357,7 +359,7 @@ class EstimatorParams(Params):
             use_gpu=None, partitions_per_process=10, verbose=1, mlflow=None, max_retries=0, terminate_on_nan=True,
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
             checkpoint_when_busy="wait", keep_checkpoints=None, keep_best_checkpoints=None, monitor=None,
-            monitor_mode="auto", final_model="last", reader_pool_type="thread",
+            monitor_mode="auto", final_model="last", reader_pool_type="auto",
             train_reader_num_workers=None, sparse_vectors="dense", ragged="pad",
         )
 

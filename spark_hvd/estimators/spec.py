@@ -63,7 +63,7 @@ class TrainSpec:
     callbacks: tuple = ()
     transformation_fn: Any = None
     collate_fn: Any = None
-    reader_pool_type: str = "thread"
+    reader_pool_type: str = "auto"
     reader_num_workers: int | None = None
     ragged: str = "pad"
     backward_passes_per_step: int = 1

@@ -259,3 +259,14 @@ def test_process_pool_is_kept_across_epochs_until_close(tmp_path):
     assert reader._procs is None
     assert {int(p) for b in reader.epoch(2) for p in b["pid"]}.isdisjoint(workers)  # new workers after close
     reader.close()
+
+
+def test_the_auto_pool_is_processes_for_small_images_else_threads(tmp_path):
+    from spark_hvd.data.decode import ImageDecoder
+
+    path, _ = _png_parquet(tmp_path, n=6)
+    small, big = ImageDecoder("content", size=(32, 32)), ImageDecoder("content", size=(224, 224))
+    assert BatchReader(path, transformation_fn=small, pool_type="auto").pool_type == "process"
+    assert BatchReader(path, transformation_fn=big, pool_type="auto").pool_type == "thread"
+    assert BatchReader(path, transformation_fn=lambda df: df, pool_type="auto").pool_type == "thread"
+    assert BatchReader(path, transformation_fn=small).pool_type == "thread"  # the reader's own default
