@@ -8,7 +8,8 @@ Two measurements, each alternating the contenders round by round and printing th
   ``tf.function``) at 2 ranks: steps/s with ``spark_hvd.tensorflow.DistributedGradientTape`` (``spark-hvd-run
   -np 2``) vs ``tf.distribute.MultiWorkerMirroredStrategy`` (two workers on localhost, TF_CONFIG, its collective
   ring over gRPC; the gradients summed by ``ReplicaContext.all_reduce``, the same update);
-- allreduce (Sum, eager) of one float32 tensor at 4 KiB and 16 MiB at 2 ranks through the public API:
+- allreduce (Sum, eager) of one float32 tensor at 4 KiB and 16 MiB at 2 ranks through the public API (wall time per
+  call, median, and rank 0's process CPU time per call, mean: all its threads, the engine's included):
   ``spark_hvd.tensorflow.allreduce`` on a ``tf.Tensor`` (a new tensor, as Horovod's TF API has no in-place form)
   vs ``spark_hvd.torch.allreduce`` (a new tensor too) and ``spark_hvd.torch.allreduce_`` (in place), rotating call by
   call inside one job; median per call.
@@ -127,6 +128,10 @@ def loop_round(kind: str, steps: int) -> float:
     return min(rates)  # the slower rank sets the job's pace
 
 
+def _mean_ms(seconds: list[float]) -> float:
+    return 1e3 * sum(seconds) / len(seconds)
+
+
 def allreduce_worker(calls: int) -> None:
     import numpy as np
     import tensorflow as tf
@@ -144,9 +149,10 @@ def allreduce_worker(calls: int) -> None:
         reps = calls if nbytes <= 4096 else max(calls // 20, 5)
         kinds = ("tf", "torch", "torch_")
         times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}  # this rank's process CPU time (all its threads)
         for i in range(reps + 3):
             for kind in kinds[i % 3:] + kinds[:i % 3]:  # rotated: each goes first a third of the time
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if kind == "tf":
                     htf.allreduce(t_tf, op=htf.Sum, name="bench.tf").numpy()
                 elif kind == "torch":
@@ -155,6 +161,7 @@ def allreduce_worker(calls: int) -> None:
                     hth.allreduce_(t_torch, op=hth.Sum, name="bench.torch_")
                 if i >= 3:
                     times[kind].append(time.perf_counter() - start)
+                    cpu[kind].append(time.process_time() - start_cpu)
                 if kind == "torch_":
                     t_torch.fill_(1.0)
         if htf.rank() == 0:
@@ -162,7 +169,10 @@ def allreduce_worker(calls: int) -> None:
             tf_ms, torch_ms, inplace_ms = (med[k] * 1e3 for k in kinds)
             print(f"ALLREDUCE {nbytes} B: spark_hvd.tensorflow.allreduce {tf_ms:.3f} ms, spark_hvd.torch.allreduce "
                   f"{torch_ms:.3f} ms (tf/torch time {tf_ms / torch_ms:.2f}), spark_hvd.torch.allreduce_ "
-                  f"{inplace_ms:.3f} ms (tf/torch_ {tf_ms / inplace_ms:.2f})", flush=True)
+                  f"{inplace_ms:.3f} ms (tf/torch_ {tf_ms / inplace_ms:.2f}); CPU per call (mean) tf "
+                  f"{_mean_ms(cpu['tf']):.3f} ms, torch {_mean_ms(cpu['torch']):.3f} ms (tf/torch CPU "
+                  f"{_mean_ms(cpu['tf']) / _mean_ms(cpu['torch']):.2f}), torch_ {_mean_ms(cpu['torch_']):.3f} ms",
+                  flush=True)
     htf.shutdown()
 
 

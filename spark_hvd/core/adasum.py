@@ -103,11 +103,24 @@ class _Layout:
         return out
 
 
+_CHUNK = 32768  # float32 items widened at a time for the dot products (two float64 chunks stay in the L2 cache)
+
+
 def _dots(mine: np.ndarray, theirs: np.ndarray) -> tuple[float, float, float]:
-    """mine.theirs, |mine|^2, |theirs|^2 in float64."""
-    if mine.dtype != np.float64:
-        mine, theirs = mine.astype(np.float64), theirs.astype(np.float64)
-    return float(np.dot(mine, theirs)), float(np.dot(mine, mine)), float(np.dot(theirs, theirs))
+    """mine.theirs, |mine|^2, |theirs|^2, accumulated in float64 (float32 input widened chunk by chunk)."""
+    if mine.dtype == np.float64:
+        return float(np.dot(mine, theirs)), float(np.dot(mine, mine)), float(np.dot(theirs, theirs))
+    wide_a, wide_b = np.empty(min(mine.size, _CHUNK)), np.empty(min(mine.size, _CHUNK))
+    dot = mine_sq = their_sq = 0.0
+    for lo in range(0, mine.size, _CHUNK):
+        n = min(_CHUNK, mine.size - lo)
+        a, b = wide_a[:n], wide_b[:n]
+        np.copyto(a, mine[lo:lo + n])
+        np.copyto(b, theirs[lo:lo + n])
+        dot += float(np.dot(a, b))
+        mine_sq += float(np.dot(a, a))
+        their_sq += float(np.dot(b, b))
+    return dot, mine_sq, their_sq
 
 
 def _combine(work: np.ndarray, lo: int, theirs: np.ndarray, layout: _Layout, mine_left: bool,
@@ -125,7 +138,8 @@ def _combine(work: np.ndarray, lo: int, theirs: np.ndarray, layout: _Layout, min
         cl, cr = coefficients(sums[t, 0], sums[t, 1], sums[t, 2])
         c_mine, c_theirs = (cl, cr) if mine_left else (cr, cl)
         np.multiply(mine_part, mine_part.dtype.type(c_mine), out=mine_part)
-        mine_part += their_part * their_part.dtype.type(c_theirs)
+        np.multiply(their_part, their_part.dtype.type(c_theirs), out=their_part)  # ours: received, used once
+        mine_part += their_part
     return partial
 
 
@@ -138,7 +152,7 @@ def _send_to(backend: Backend, data: np.ndarray, dst: int | None) -> np.ndarray:
     else:
         data = data[:0]
     out, _ = backend.alltoall(np.ascontiguousarray(data), splits)
-    return out
+    return out if out.flags.writeable else out.copy()  # scaled in place by ``_combine``
 
 
 def _allreduce_flat(work: np.ndarray, layout: _Layout, backend: Backend) -> None:
@@ -208,6 +222,9 @@ def allreduce(backend: Backend, bufs: Sequence[np.ndarray], bfloat16: bool = Fal
     if not wide and dtype not in ADASUM_DTYPES:
         raise TypeError(f"Adasum needs floating-point arrays, got {dtype}")
     sizes = [b.size for b in bufs]
+    if len(bufs) == 1 and not wide and bufs[0].flags.c_contiguous:  # one tensor: combined where it lies
+        _allreduce_flat(bufs[0].reshape(-1), _Layout(sizes), backend)
+        return
     work = np.empty(sum(sizes), work_dtype)
     at = 0
     for b in bufs:
