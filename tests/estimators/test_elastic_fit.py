@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import threading
 import time
 
 import cloudpickle
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.estimators import assert_fit_fails_before_anything_runs
+from helpers.slot_holder import hold_a_slot, take_a_slot_at_the_reset
 from helpers.torch_replay import rank_shards
 
 from spark_hvd.estimators import TorchEstimator
@@ -52,48 +52,6 @@ def df(spark):
     return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
 
 
-def _hold(release: str, started: str):
-    def hold(_) -> None:
-        open(started, "w").close()
-        deadline = time.monotonic() + 600
-        while not os.path.exists(release) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    return hold
-
-
-def _take_a_slot_at_the_reset(spark, monkeypatch, directory: str) -> list:
-    """Before ``run_elastic`` counts the free slots for its relaunch, a one-task Spark job takes one of the two
-    (held until ``<directory>/release`` exists): the lost rank's slot does not come back. Returns the threads."""
-    import spark_hvd.runner.elastic as elastic
-
-    real, threads = elastic._wait_slots, []
-
-    def wait_slots(spark_, low, high, timeout_s, why):
-        if why.startswith("reset") and not threads:
-            sc = spark.sparkContext
-
-            def job() -> None:
-                sc.setJobGroup("spark_hvd-test-slot-holder", "holds a task slot")
-                sc.parallelize([0], 1).foreach(_hold(os.path.join(directory, "release"),
-                                                     os.path.join(directory, "holding")))
-
-            threads.append(threading.Thread(target=job, daemon=True))
-            threads[0].start()
-            tracker, deadline = sc.statusTracker(), time.monotonic() + 120
-            while time.monotonic() < deadline:  # until Spark itself counts the holder's task as running
-                jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup("spark_hvd-test-slot-holder")]
-                stages = [tracker.getStageInfo(s) for j in jobs if j for s in j.stageIds]
-                if any(s is not None and s.numActiveTasks == 1 for s in stages):
-                    break
-                time.sleep(0.1)
-            else:
-                raise AssertionError("the slot holder did not start within 120 s")
-        return real(spark_, low, high, timeout_s, why)
-
-    monkeypatch.setattr(elastic, "_wait_slots", wait_slots)
-    return threads
-
-
 def _mse_step(model, batches, opt) -> float:
     """One data-parallel step over ``batches`` (one per rank): mean gradient, SGD; returns the rows' loss sum."""
     opt.zero_grad()
@@ -119,7 +77,7 @@ def test_a_rank_lost_for_good_mid_epoch_the_fit_goes_on_with_fewer_ranks(spark, 
                          feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2, random_seed=1,
                          partitions_per_process=1, verbose=0, checkpoint_every_steps=EVERY, checkpoint_upload="sync",
                          callbacks=[_DieOnce(str(tmp_path))])
-    threads = _take_a_slot_at_the_reset(spark, monkeypatch, str(tmp_path))
+    threads = take_a_slot_at_the_reset(spark, monkeypatch, str(tmp_path), "spark_hvd-test-slot-holder")
     try:
         fitted = est.fit(df)
     finally:
@@ -170,26 +128,6 @@ class _GrowLog:
             time.sleep(0.3)
 
 
-def _hold_a_slot(spark, directory: str) -> threading.Thread:
-    """A one-task job holding a slot until ``<directory>/release`` exists; returns once Spark counts it running."""
-    sc = spark.sparkContext
-
-    def job() -> None:
-        sc.setJobGroup("spark_hvd-test-slot-holder-grow", "holds a task slot")
-        sc.parallelize([0], 1).foreach(_hold(os.path.join(directory, "release"), os.path.join(directory, "holding")))
-
-    thread = threading.Thread(target=job, daemon=True)
-    thread.start()
-    tracker, deadline = sc.statusTracker(), time.monotonic() + 120
-    while time.monotonic() < deadline:
-        jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup("spark_hvd-test-slot-holder-grow")]
-        if any(s is not None and s.numActiveTasks == 1 for j in jobs if j for s in map(tracker.getStageInfo,
-                                                                                          j.stageIds)):
-            return thread
-        time.sleep(0.1)
-    raise AssertionError("the slot holder did not start within 120 s")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_fit_grows_at_a_step_checkpoint_when_a_slot_frees_up(spark, df, tmp_path):
@@ -199,7 +137,7 @@ def test_the_fit_grows_at_a_step_checkpoint_when_a_slot_frees_up(spark, df, tmp_
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 1)
     initial = copy.deepcopy(net)
-    blocker = _hold_a_slot(spark, str(tmp_path))
+    blocker = hold_a_slot(spark, str(tmp_path), "spark_hvd-test-slot-holder-grow")
     est = TorchEstimator(num_proc=2, elastic=True, min_num_proc=1, max_num_proc=2, reset_limit=2, store=store,
                          model=net, optimizer=torch.optim.SGD(net.parameters(), lr=LR), loss="mse",
                          feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2, random_seed=1,
