@@ -8,9 +8,14 @@ the modes interleaved ``--repeats`` times so the machine's load hits them alike.
 upload after the loop (what the end of a fit pays once) is reported apart as ``end_wait_s``; choose ``--steps``
 not a multiple of ``--every`` so that no checkpoint falls on the last step.
 
+``--store local`` (the default) commits into a temporary directory; ``--store s3`` into a bucket of a moto S3 server
+(``moto_server`` beside this Python, started on a free local port for the run and stopped after it) through the
+``s3://`` fsspec store, i.e. every checkpoint is uploaded over HTTP to a real S3 API (loopback, no network latency).
+
 Usage::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/checkpoint_steps.py --steps 120 --batch 8 --repeats 2
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/checkpoint_steps.py --store s3 --steps 120 --batch 8
 
 Prints one JSON line per run and a summary line with each mode's median steps/s and its ratio to ``none``.
 """
@@ -18,11 +23,59 @@ Prints one JSON line per run and a summary line with each mode's median steps/s 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
+
+
+@contextlib.contextmanager
+def moto_s3_store(log_dir: str) -> Iterator[Any]:
+    """A store in a bucket of a moto S3 server started on a free local port, stopped on exit."""
+    from spark_hvd.store import Store
+
+    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    if not os.path.exists(moto):
+        raise SystemExit(f"--store s3 needs moto_server beside {sys.executable}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(os.path.join(log_dir, "moto.log"), "wb") as log:
+        proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"moto_server exited with {proc.returncode}; see {log.name}")
+                try:
+                    urllib.request.urlopen(url, timeout=2).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"moto_server did not answer on {url} within 60 s") from None
+                    time.sleep(0.2)
+            options = {"key": "testing", "secret": "testing", "endpoint_url": url}
+            import s3fs
+
+            s3fs.S3FileSystem(**options).mkdir("bench-checkpoints")
+            yield Store.create("s3://bench-checkpoints/store", **options)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15)
 
 
 def main() -> None:
@@ -32,6 +85,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=5000, help="the Linear is width x width float32")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--store", choices=("local", "s3"), default="local",
+                        help="a local directory, or a bucket on a moto S3 server started for the run")
     args = parser.parse_args()
 
     import torch
@@ -71,8 +126,8 @@ def main() -> None:
         return args.steps / loop_s, time.perf_counter() - t0 - loop_s
 
     rates: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store.create(tmp)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        store = Store.create(tmp) if args.store == "local" else stack.enter_context(moto_s3_store(tmp))
         one("none", store)  # warm-up
         for repeat in range(args.repeats):
             for mode in ("none", "sync", "async"):
@@ -80,7 +135,8 @@ def main() -> None:
                 rates[mode].append(rate)
                 print(json.dumps({"repeat": repeat, "mode": mode, "steps_per_s": round(rate, 3),
                                   "end_wait_s": round(end_wait, 3),
-                                  "state_mb": round(state_mb, 1), "every": args.every}), flush=True)
+                                  "state_mb": round(state_mb, 1), "every": args.every,
+                                  "store": args.store}), flush=True)
     none = statistics.median(rates["none"])
     print(json.dumps({mode: {"steps_per_s": round(statistics.median(r), 3),
                              "vs_none": round(statistics.median(r) / none, 3)} for mode, r in rates.items()}))
