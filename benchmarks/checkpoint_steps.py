@@ -26,56 +26,30 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 
 @contextlib.contextmanager
 def moto_s3_store(log_dir: str) -> Iterator[Any]:
-    """A store in a bucket of a moto S3 server started on a free local port, stopped on exit."""
+    """A store in a bucket of a moto S3 server started on a free local port (the tests' helper), stopped on exit."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import s3fs
+    from helpers.moto_s3 import MOTO, moto_s3_endpoint, s3_options
+
     from spark_hvd.store import Store
 
-    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    if not os.path.exists(moto):
+    if not os.path.exists(MOTO):
         raise SystemExit(f"--store s3 needs moto_server beside {sys.executable}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with open(os.path.join(log_dir, "moto.log"), "wb") as log:
-        proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"moto_server exited with {proc.returncode}; see {log.name}")
-                try:
-                    urllib.request.urlopen(url, timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"moto_server did not answer on {url} within 60 s") from None
-                    time.sleep(0.2)
-            options = {"key": "testing", "secret": "testing", "endpoint_url": url}
-            import s3fs
-
-            s3fs.S3FileSystem(**options).mkdir("bench-checkpoints")
-            yield Store.create("s3://bench-checkpoints/store", **options)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
+    with moto_s3_endpoint(os.path.join(log_dir, "moto.log")) as url:
+        s3fs.S3FileSystem(**s3_options(url)).mkdir("bench-checkpoints")
+        yield Store.create("s3://bench-checkpoints/store", **s3_options(url))
 
 
 def main() -> None:

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 import sys
-import time
-import urllib.request
 import uuid
 
 import pytest
-from helpers.net import free_port
-
-MOTO = os.path.join(os.path.dirname(sys.executable), "moto_server")
+from helpers.moto_s3 import MOTO, moto_s3_endpoint, s3_options
 
 
 @pytest.fixture(scope="session")
@@ -21,36 +16,8 @@ def s3_endpoint(tmp_path_factory):
     """``http://127.0.0.1:<port>`` of a moto S3 server started for this session and stopped afterwards."""
     if not os.path.exists(MOTO):
         pytest.skip(f"moto_server not installed beside {sys.executable}")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([MOTO, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {proc.returncode}; see {log.name}")
-            try:
-                urllib.request.urlopen(url, timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not answer on {url} within 60 s") from None
-                time.sleep(0.2)
+    with moto_s3_endpoint(str(tmp_path_factory.mktemp("moto") / "moto.log")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
-
-
-def s3_options(endpoint: str) -> dict:
-    """The s3fs storage options that reach the moto server."""
-    return {"key": "testing", "secret": "testing", "endpoint_url": endpoint}
 
 
 @pytest.fixture(scope="session")
