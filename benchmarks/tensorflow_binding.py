@@ -1,6 +1,7 @@
 """spark_hvd.tensorflow against its peers on this machine, interleaved (issue 27)::
 
-    .venv/bin/python benchmarks/tensorflow_binding.py [--rounds 3] [--steps 60] [--calls 200] [--only loop|allreduce]
+    .venv/bin/python benchmarks/tensorflow_binding.py [--rounds 3] [--steps 60] [--calls 200]
+        [--only loop|allreduce|overhead]
 
 Two measurements, each alternating the contenders round by round and printing the median of the rounds:
 
@@ -13,6 +14,10 @@ Two measurements, each alternating the contenders round by round and printing th
   ``spark_hvd.tensorflow.allreduce`` on a ``tf.Tensor`` (a new tensor, as Horovod's TF API has no in-place form)
   vs ``spark_hvd.torch.allreduce`` (a new tensor too) and ``spark_hvd.torch.allreduce_`` (in place), rotating call by
   call inside one job; median per call.
+
+``--only overhead``: the bindings' own cost per call, in one process of a job of one rank (the engine reduces
+nothing): ``spark_hvd.tensorflow.allreduce`` and ``grouped_allreduce`` of three tensors vs ``spark_hvd.torch``'s,
+at 4 KiB and 16 MiB, rotating call by call; median per call.
 """
 
 from __future__ import annotations
@@ -176,12 +181,48 @@ def allreduce_worker(calls: int) -> None:
     htf.shutdown()
 
 
+def overhead(calls: int) -> None:
+    """The bindings' cost per call at size 1 (see the module docstring)."""
+    import numpy as np
+    import tensorflow as tf
+    import torch
+
+    import spark_hvd.tensorflow as htf
+    import spark_hvd.torch as hth
+
+    torch.set_num_threads(1)
+    htf.init()
+    for nbytes in (4096, 16 << 20):
+        n = nbytes // 4
+        t_tf, t_torch = tf.constant(np.ones(n, np.float32)), torch.ones(n)
+        runs = {
+            "tf": lambda a=t_tf: htf.allreduce(a, op=htf.Sum, name="o.tf"),
+            "torch": lambda a=t_torch: hth.allreduce(a, op=hth.Sum, name="o.torch"),
+            "tf x3": lambda a=t_tf: htf.grouped_allreduce([a, a, a], op=htf.Sum, name="o.tf3"),
+            "torch x3": lambda a=t_torch: hth.grouped_allreduce([a, a, a], op=hth.Sum, name="o.torch3"),
+        }
+        kinds = list(runs)
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        reps = calls if nbytes <= 4096 else max(calls // 10, 10)
+        for i in range(reps + 3):
+            for kind in kinds[i % 4:] + kinds[:i % 4]:
+                start = time.perf_counter()
+                runs[kind]()
+                if i >= 3:
+                    times[kind].append(time.perf_counter() - start)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"OVERHEAD {nbytes} B, one rank, ms per call: tf {med['tf']:.3f}, torch {med['torch']:.3f} "
+              f"(tf/torch {med['tf'] / med['torch']:.2f}); grouped x3: tf {med['tf x3']:.3f}, torch "
+              f"{med['torch x3']:.3f} ({med['tf x3'] / med['torch x3']:.2f})", flush=True)
+    htf.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--only", choices=["loop", "allreduce"], help="run one of the two measurements")
+    p.add_argument("--only", choices=["loop", "allreduce", "overhead"], help="run one of the measurements")
     p.add_argument("--worker", choices=["hvd", "mwms", "allreduce"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker in ("hvd", "mwms"):
@@ -201,8 +242,10 @@ def main() -> None:
     print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     if args.only != "allreduce":
         loop(args.rounds, args.steps)
-    if args.only != "loop":
+    if args.only in (None, "allreduce"):
         allreduce(args.calls)
+    if args.only == "overhead":
+        overhead(args.calls)
     print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
 
 
