@@ -386,7 +386,8 @@ class RingExchange:
                 recv.sock.settimeout(0.0)
                 while index < len(receives) or pending or queue_out:
                     progressed = False
-                    # -- send as much as the socket takes
+                    # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
+                    send_full = recv_dry = False
                     while pending or queue_out:
                         if not pending:
                             payload = queue_out.popleft()
@@ -394,6 +395,7 @@ class RingExchange:
                         try:
                             sent = out.sock.sendmsg(pending)
                         except (BlockingIOError, InterruptedError):
+                            send_full = True
                             break
                         except OSError as exc:
                             out.send_broken = True
@@ -405,12 +407,16 @@ class RingExchange:
                             pending[0] = pending[0][take:]
                             if not pending[0].nbytes:
                                 pending.pop(0)
+                        if pending:
+                            send_full = True
+                            break
                     # -- receive what has arrived
                     while index < len(receives):
                         view = head_view[got_head:] if target is None else target[target_got:]
                         try:
                             n = recv.sock.recv_into(view)
                         except (BlockingIOError, InterruptedError):
+                            recv_dry = True
                             break
                         except OSError as exc:
                             recv.recv_broken = True
@@ -419,9 +425,13 @@ class RingExchange:
                             recv.recv_broken = True
                             raise recv._fail(ConnectionError("connection closed by peer"), op)
                         progressed = True
+                        if n < view.nbytes:  # a short read took all there was: wait for POLLIN
+                            recv_dry = True
                         if target is None:
                             got_head += n
                             if got_head < len(head):
+                                if recv_dry:
+                                    break
                                 continue
                             target, target_got = self._start_frame(bytes(head), receives[index]), 0
                             if target.nbytes:
@@ -429,6 +439,8 @@ class RingExchange:
                         else:
                             target_got += n
                             if target_got < target.nbytes:
+                                if recv_dry:
+                                    break
                                 continue
                         recv._verify(self._tag, self._length, DATA, target, fast=True)
                         forward = on_received(index)
@@ -440,8 +452,13 @@ class RingExchange:
                     now = time.monotonic()
                     if progressed:
                         last = now
-                        continue
-                    if now - last > self.timeout_s:
+                        # straight to poll when both sides are known to have to wait (saves an iteration whose
+                        # two calls would only raise BlockingIOError: ~half the loop's iterations on a link-bound
+                        # ring); otherwise (a frame completed, a forward was queued) go round again at once
+                        if not ((send_full or not (pending or queue_out))
+                                and (recv_dry or index == len(receives))):
+                            continue
+                    elif now - last > self.timeout_s:
                         waiting = recv if index < len(receives) else out
                         raise waiting._fail(TimeoutError("no progress"), op)
                     if index < len(receives):
