@@ -23,7 +23,7 @@ A failure (a peer's connection closing, a timeout, a frame failing its HMAC) mar
 peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
 fails within the timeout naming the same culprit.
 
-Why this module is long (~680 lines): the job's setup and every collective's plan over TCP and shared memory share
+Why this module is long (~700 lines): the job's setup and every collective's plan over TCP and shared memory share
 one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``tcp.py``, the
 shared-memory protocol in ``shm.py``.
 """
