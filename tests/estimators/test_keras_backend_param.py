@@ -4,7 +4,8 @@ the driver before any Spark job runs.
 
 The shared Spark session's Python workers may already run Keras on TensorFlow (earlier tests): the ranks and
 transform then run in fresh Python processes (``spark_hvd.runner.fresh``); a callback records the backend the
-ranks really trained on."""
+ranks really trained on. The JAX fit forces the fresh-process path (rank 1 asks for it), whatever the workers
+loaded, and a callback shows the training ran in a child of the rank's Spark worker."""
 
 from __future__ import annotations
 
@@ -68,30 +69,6 @@ def _replay(store, fitted, initial: list[np.ndarray]) -> list[np.ndarray]:
     return model.get_weights()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_fit_on_a_backend_equals_one_process_and_transform_equals_the_model(spark, df, tmp_path, backend):
-    store = Store.create(str(tmp_path / "store"))
-    model = _model()
-    initial = [np.array(w) for w in model.get_weights()]
-    est = KerasEstimator(num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(learning_rate=LR),
-                         loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=EPOCHS,
-                         random_seed=1, partitions_per_process=1, verbose=0, backend=backend,
-                         callbacks=[_BackendProbe()])
-    fitted = est.fit(df)
-    assert fitted.getHistory()[f"on_{backend}"] == [1.0] * EPOCHS, fitted.getHistory()
-    assert fitted.getBackend() == backend
-    want = _replay(store, fitted, initial)
-    for got, expected in zip(fitted.getModel().get_weights(), want, strict=True):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-    assert np.abs(want[0] - initial[0]).max() > 1e-2  # it did train
-
-    rows = fitted.transform(df.limit(40)).collect()
-    x = np.array([r.features for r in rows], np.float32)
-    direct = np.asarray(fitted.getModel()(x)).ravel()
-    np.testing.assert_allclose([r.y__output for r in rows], direct, rtol=1e-5, atol=1e-5)
-
-
 class _FreshProbe(keras.callbacks.Callback):
     """Adds ``in_fresh_child`` = 1.0 to the epoch's logs when training runs in a child of the rank's Spark Python
     worker (whose pid ``_rank_forcing_fresh`` left in the environment the child inherits)."""
@@ -117,24 +94,31 @@ class _FreshKerasEstimator(KerasEstimator):
 
 
 @pytest.mark.slow
-def test_fit_in_a_fresh_process_whatever_the_workers_loaded(spark, df, tmp_path):
-    # which path the test above takes depends on what the reused Spark workers loaded before; this one forces the
-    # fresh-process path (on the driver's own backend, so no worker could have refused it) and checks it ran there
-    backend = keras.config.backend()
+@pytest.mark.parametrize("backend,fresh", [("torch", False), ("jax", True)])
+def test_fit_on_a_backend_equals_one_process_and_transform_equals_the_model(spark, df, tmp_path, backend, fresh):
+    # on torch the ranks take whichever path the reused Spark workers allow (what they loaded before decides); on
+    # JAX rank 1 asks for a fresh process, so the fresh-process path is taken whatever the workers loaded
     store = Store.create(str(tmp_path / "store"))
     model = _model()
     initial = [np.array(w) for w in model.get_weights()]
-    est = _FreshKerasEstimator(num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(learning_rate=LR),
-                               loss="mse", feature_cols=["features"], label_cols=["y"], batch_size=BATCH,
-                               epochs=EPOCHS, random_seed=1, partitions_per_process=1, verbose=0, backend=backend,
-                               callbacks=[_FreshProbe()])
+    est = (_FreshKerasEstimator if fresh else KerasEstimator)(
+        num_proc=2, store=store, model=model, optimizer=keras.optimizers.SGD(learning_rate=LR), loss="mse",
+        feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=EPOCHS, random_seed=1,
+        partitions_per_process=1, verbose=0, backend=backend, callbacks=[_FreshProbe() if fresh else _BackendProbe()])
     fitted = est.fit(df)
-    history = fitted.getHistory()
-    assert history["in_fresh_child"] == [1.0] * EPOCHS, history
-    assert history[f"on_{backend}"] == [1.0] * EPOCHS, history
+    assert fitted.getHistory()[f"on_{backend}"] == [1.0] * EPOCHS, fitted.getHistory()
+    if fresh:
+        assert fitted.getHistory()["in_fresh_child"] == [1.0] * EPOCHS, fitted.getHistory()
+    assert fitted.getBackend() == backend
     want = _replay(store, fitted, initial)
     for got, expected in zip(fitted.getModel().get_weights(), want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert np.abs(want[0] - initial[0]).max() > 1e-2  # it did train
+
+    rows = fitted.transform(df.limit(40)).collect()
+    x = np.array([r.features for r in rows], np.float32)
+    direct = np.asarray(fitted.getModel()(x)).ravel()
+    np.testing.assert_allclose([r.y__output for r in rows], direct, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_backend_is_refused_on_the_driver(spark, df, tmp_path, monkeypatch):
