@@ -23,12 +23,16 @@ call can ride on the one before it; ``--alternate`` times back-to-back calls tha
 ``ring`` is the built-in backend as a user gets it (shared memory between the ranks of one host); ``ring-tcp``
 forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and second half of the ranks look like
 two hosts (``SPARK_HVD_HOST_ID``), so it runs the hierarchical path: shared memory within a "host", the TCP ring
-between the two leaders (needs N >= 4 to differ from the TCP ring). ``api`` and ``api-tcp`` are what a user calls:
+between the two leaders (needs N >= 4 to differ from the TCP ring); ``ring-sync`` is ``ring`` with a 16-byte
+allreduce before each call, the collectives a steady ``api`` call makes when no speculation carries it (the
+engine's fast round, then the data) without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
 ``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
 torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, ``api-hier`` on ``ring-hier``'s two
 "hosts"), one fixed tensor name per size as a training loop has.
 
 The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
+``BENCH_PROFILE=DIR`` in the environment writes a cProfile of every rank's timed loop to
+``DIR/IMPL.RANK.NBYTES.NS.prof`` (read with ``pstats``; the profiler slows the Python parts, so time without it).
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
           "alt": "--alternate: two tensors alternating, time per call",
           "new": "--new-names: every call a new name, time per call"}
-IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier")
+IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier", "ring-sync")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -160,7 +164,11 @@ def _worker(impl: str) -> None:
                             settings.timeout_s)
         backend = RingBackend(rank, size, rdzv, secret, settings, os.environ["SPARK_HVD_JOB_ID"])
 
+        sync = np.zeros(4, np.float32)
+
         def allreduce(buf: np.ndarray) -> None:
+            if impl == "ring-sync":  # the public API's collective pattern without the engine: a small one first
+                backend.allreduce(sync, ReduceOp.SUM)
             backend.allreduce(buf, ReduceOp.SUM)
 
         barrier = backend.barrier
@@ -186,14 +194,29 @@ def _worker(impl: str) -> None:
             for _ in range(warmup):
                 allreduce(buf)
             barrier()
+            profile = _profiler()
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 allreduce(buf)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if profile is not None:
+                profile.disable()
+                profile.dump_stats(f"{os.environ['BENCH_PROFILE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.prof")
         control.send_object(("result", elapsed / iters, cpu / iters))
     barrier()
     close()
     control.close()
+
+
+def _profiler() -> Any:
+    """A started cProfile.Profile when BENCH_PROFILE names a folder for each rank's timed loops, else None."""
+    if not os.environ.get("BENCH_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    return profile
 
 
 _NEW_NAMES = [0]  # --new-names: a name no call used before
