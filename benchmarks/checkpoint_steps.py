@@ -6,7 +6,9 @@ torch loop (forward, backward, SGD step) on a model of ~100 MB of state (a 5000 
 95 MiB of weights; SGD without momentum adds no state). What is timed is the loop: steps/s over ``--steps`` steps,
 the modes interleaved ``--repeats`` times so the machine's load hits them alike. The wait for ``async``'s last
 upload after the loop (what the end of a fit pays once) is reported apart as ``end_wait_s``; choose ``--steps``
-not a multiple of ``--every`` so that no checkpoint falls on the last step.
+not a multiple of ``--every`` so that no checkpoint falls on the last step. Each run also says where its loop time
+went: the median step, the checkpointing steps' own times, and the other steps' time above the median (``async``'s
+upload competing with training shows there).
 
 ``--store local`` (the default) commits into a temporary directory; ``--store s3`` into a bucket of a moto S3 server
 (``moto_server`` beside this Python, started on a free local port for the run and stopped after it) through the
@@ -89,15 +91,22 @@ def main() -> None:
                                checkpoint_every_seconds=None)
         run = RankRun(spec, Trainer())
         run.readers = SimpleNamespace(steps=lambda split: args.steps)
-        t0 = time.perf_counter()
+        ends = [time.perf_counter()]
         for step in range(args.steps):
             optimizer.zero_grad()
             model(x).square().mean().backward()
             optimizer.step()
             run.step_end(0, step, {"rows": step})
-        loop_s = time.perf_counter() - t0
+            ends.append(time.perf_counter())
+        loop_s = ends[-1] - ends[0]
         run.writer.wait()
-        return args.steps / loop_s, time.perf_counter() - t0 - loop_s
+        durations = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        median = statistics.median(durations)
+        at = [i for i in range(args.steps) if mode != "none" and (i + 1) % args.every == 0]
+        split = {"median_step_ms": round(median * 1e3, 1),
+                 "checkpoint_steps_ms": [round(durations[i] * 1e3) for i in at],
+                 "other_steps_excess_s": round(sum(d - median for i, d in enumerate(durations) if i not in at), 2)}
+        return args.steps / loop_s, time.perf_counter() - ends[-1], split
 
     rates: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -105,10 +114,10 @@ def main() -> None:
         one("none", store)  # warm-up
         for repeat in range(args.repeats):
             for mode in ("none", "sync", "async"):
-                rate, end_wait = one(mode, store)
+                rate, end_wait, split = one(mode, store)
                 rates[mode].append(rate)
                 print(json.dumps({"repeat": repeat, "mode": mode, "steps_per_s": round(rate, 3),
-                                  "end_wait_s": round(end_wait, 3),
+                                  "end_wait_s": round(end_wait, 3), **split,
                                   "state_mb": round(state_mb, 1), "every": args.every,
                                   "store": args.store}), flush=True)
     none = statistics.median(rates["none"])
