@@ -15,8 +15,8 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from helpers.estimators import assert_fit_fails_before_anything_runs
-from helpers.slot_holder import hold_a_slot, take_a_slot_at_the_reset
+from helpers.estimators import assert_fit_fails_before_anything_runs, die_once, linear_df, tiny_df
+from helpers.slot_holder import fit_losing_a_slot, hold_a_slot
 from helpers.torch_replay import rank_shards
 
 from spark_hvd.estimators import TorchEstimator
@@ -38,18 +38,12 @@ class _DieOnce:
     def on_batch_end(self, epoch: int, step: int, loss: float) -> None:
         import spark_hvd.torch as hvd
 
-        marker = os.path.join(self.directory, "killed")
-        if (epoch, step) == KILL and hvd.rank() == 1 and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(17)
+        die_once(self.directory, (epoch, step) == KILL and hvd.rank() == 1)
 
 
 @pytest.fixture(scope="module")
 def df(spark):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 3)).astype(np.float32)
-    y = x @ np.array([1.5, -2.0, 0.5], np.float32) + 0.3
-    return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+    return linear_df(spark)
 
 
 def _mse_step(model, batches, opt) -> float:
@@ -77,14 +71,7 @@ def test_a_rank_lost_for_good_mid_epoch_the_fit_goes_on_with_fewer_ranks(spark, 
                          feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2, random_seed=1,
                          partitions_per_process=1, verbose=0, checkpoint_every_steps=EVERY, checkpoint_upload="sync",
                          callbacks=[_DieOnce(str(tmp_path))])
-    threads = take_a_slot_at_the_reset(spark, monkeypatch, str(tmp_path), "spark_hvd-test-slot-holder")
-    try:
-        fitted = est.fit(df)
-    finally:
-        (tmp_path / "release").touch()
-        for t in threads:
-            t.join(60)
-    assert (tmp_path / "killed").exists() and threads, "rank 1 did not die, or no relaunch happened"
+    fitted = fit_losing_a_slot(spark, monkeypatch, est, df, str(tmp_path), "spark_hvd-test-slot-holder")
     history = fitted.getHistory()
     assert history["num_proc"] == [2.0, 1.0], history  # epoch 1 ended on the one rank left
 
@@ -201,8 +188,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def small_df(spark):
-    return spark.createDataFrame([([float(i), 1.0], float(i)) for i in range(8)],
-                                 "features array<double>, label double")
+    return tiny_df(spark)
 
 
 @pytest.mark.parametrize("what,kwargs,match", CASES, ids=[c[0] for c in CASES])

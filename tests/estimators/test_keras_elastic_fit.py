@@ -14,8 +14,8 @@ import cloudpickle
 import keras
 import numpy as np
 import pytest
-from helpers.estimators import assert_fit_fails_before_anything_runs
-from helpers.slot_holder import take_a_slot_at_the_reset
+from helpers.estimators import assert_fit_fails_before_anything_runs, die_once, linear_df, tiny_df
+from helpers.slot_holder import fit_losing_a_slot
 from helpers.torch_replay import rank_shards
 
 from spark_hvd.estimators import KerasEstimator
@@ -45,18 +45,12 @@ class _LogAndDieOnce(keras.callbacks.Callback):
         if hvd.rank() == 0:
             with open(os.path.join(self.directory, "batches.log"), "a") as f:
                 f.write(f"{self.epoch} {hvd.size()}\n")
-        marker = os.path.join(self.directory, "killed")
-        if (self.epoch, batch) == KILL and hvd.rank() == 1 and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(17)
+        die_once(self.directory, (self.epoch, batch) == KILL and hvd.rank() == 1)
 
 
 @pytest.fixture(scope="module")
 def df(spark):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 3)).astype(np.float32)
-    y = x @ np.array([1.5, -2.0, 0.5], np.float32) + 0.3
-    return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+    return linear_df(spark)
 
 
 def _sgd_step(batches: list, w: np.ndarray, b: np.ndarray, losses: list) -> tuple[np.ndarray, np.ndarray]:
@@ -84,14 +78,7 @@ def test_a_keras_rank_lost_for_good_mid_epoch_the_fit_goes_on_with_fewer_ranks(s
                          feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2, random_seed=1,
                          partitions_per_process=1, verbose=0, checkpoint_every_steps=EVERY, checkpoint_upload="sync",
                          callbacks=[_LogAndDieOnce(str(tmp_path))])
-    threads = take_a_slot_at_the_reset(spark, monkeypatch, str(tmp_path), "spark_hvd-test-keras-slot-holder")
-    try:
-        fitted = est.fit(df)
-    finally:
-        (tmp_path / "release").touch()
-        for t in threads:
-            t.join(60)
-    assert (tmp_path / "killed").exists() and threads, "rank 1 did not die, or no relaunch happened"
+    fitted = fit_losing_a_slot(spark, monkeypatch, est, df, str(tmp_path), "spark_hvd-test-keras-slot-holder")
     history = fitted.getHistory()
     assert history["num_proc"] == [2.0, 1.0], history  # epoch 1 ended on the one rank left
 
@@ -148,8 +135,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def small_df(spark):
-    return spark.createDataFrame([([float(i), 1.0], float(i)) for i in range(8)],
-                                 "features array<double>, label double")
+    return tiny_df(spark)
 
 
 @pytest.mark.parametrize("what,kwargs,match", CASES, ids=[c[0] for c in CASES])

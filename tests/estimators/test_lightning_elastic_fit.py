@@ -15,7 +15,8 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
-from helpers.slot_holder import take_a_slot_at_the_reset
+from helpers.estimators import die_once, linear_df
+from helpers.slot_holder import fit_losing_a_slot
 from helpers.torch_replay import rank_shards, replay
 
 pytest.importorskip("lightning")
@@ -60,18 +61,12 @@ class _DieOnce(pl.Callback):
         if trainer.global_rank == 0:
             with open(os.path.join(self.directory, "batches.log"), "a") as f:
                 f.write(f"{trainer.current_epoch} {trainer.world_size}\n")
-        marker = os.path.join(self.directory, "killed")
-        if (trainer.current_epoch, batch_idx) == KILL and trainer.global_rank == 1 and not os.path.exists(marker):
-            open(marker, "w").close()
-            os._exit(17)
+        die_once(self.directory, (trainer.current_epoch, batch_idx) == KILL and trainer.global_rank == 1)
 
 
 @pytest.fixture(scope="module")
 def df(spark):
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((256, 3)).astype(np.float32)
-    y = x @ np.array([1.5, -2.0, 0.5], np.float32) + 0.3
-    return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+    return linear_df(spark)
 
 
 @pytest.mark.timeout(900)
@@ -85,14 +80,7 @@ def test_a_lightning_rank_lost_for_good_the_fit_goes_on_with_fewer_ranks_from_th
                              model=net, feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2,
                              random_seed=1, partitions_per_process=1, verbose=0, scale_lr_by_num_proc=True,
                              callbacks=[_DieOnce(str(tmp_path))])
-    threads = take_a_slot_at_the_reset(spark, monkeypatch, str(tmp_path), "spark_hvd-test-lightning-slot-holder")
-    try:
-        fitted = est.fit(df)
-    finally:
-        (tmp_path / "release").touch()
-        for t in threads:
-            t.join(60)
-    assert (tmp_path / "killed").exists() and threads, "rank 1 did not die, or no relaunch happened"
+    fitted = fit_losing_a_slot(spark, monkeypatch, est, df, str(tmp_path), "spark_hvd-test-lightning-slot-holder")
     history = fitted.getHistory()
     assert history["num_proc"] == [2.0, 1.0], history
 

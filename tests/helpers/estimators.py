@@ -1,4 +1,5 @@
-"""Helpers shared by the estimator tests: epoch logs and a rank killed mid-epoch, TensorBoard files read back.
+"""Helpers shared by the estimator tests: epoch logs and a rank killed mid-epoch, TensorBoard files read back, the
+small linear-regression DataFrames of the elastic fit tests.
 
 The training ranks cannot import the test modules, so this module travels by value (cloudpickle) with the
 callbacks built on it.
@@ -39,6 +40,29 @@ class EpochRecorder:
         if epoch == self.kill_at_epoch and step == self.kill_at_step and rank == 1 and not os.path.exists(marker):
             open(marker, "w").close()
             os._exit(17)  # the process dies in the middle of the epoch
+
+
+def die_once(directory: str, now: bool) -> None:
+    """When ``now``, the calling rank dies (``os._exit(17)``) unless ``<directory>/killed`` exists; it writes that
+    marker first, so that the relaunched rank does not die again."""
+    marker = os.path.join(directory, KILLED_MARKER)
+    if now and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(17)
+
+
+def linear_df(spark: Any) -> Any:
+    """256 rows of ``features array<float>`` (3 standard normals) and ``y double`` = features . (1.5, -2, 0.5) + 0.3."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 3)).astype(np.float32)
+    y = x @ np.array([1.5, -2.0, 0.5], np.float32) + 0.3
+    return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+
+
+def tiny_df(spark: Any) -> Any:
+    """8 rows of ``features array<double>`` and ``label double``, for fits that must fail before they run."""
+    rows = [([float(i), 1.0], float(i)) for i in range(8)]
+    return spark.createDataFrame(rows, "features array<double>, label double")
 
 
 def epochs_begun(directory: Any, rank: int = 0) -> list[int]:

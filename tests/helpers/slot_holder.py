@@ -3,6 +3,7 @@
 ``take_a_slot_at_the_reset(spark, monkeypatch, directory)`` patches ``run_elastic``'s slot wait so that, before the
 driver counts the free slots for its first relaunch, a one-task job takes one slot and holds it until
 ``<directory>/release`` exists; it returns once Spark itself counts that task as running (no timing assumption).
+``fit_losing_a_slot`` runs a fit under it.
 The job's task runs on an executor, so this module travels by value (cloudpickle).
 """
 
@@ -65,3 +66,18 @@ def take_a_slot_at_the_reset(spark: Any, monkeypatch: Any, directory: str, group
 
     monkeypatch.setattr(elastic, "_wait_slots", wait_slots)
     return threads
+
+
+def fit_losing_a_slot(spark: Any, monkeypatch: Any, estimator: Any, df: Any, directory: str, group: str) -> Any:
+    """``estimator.fit(df)`` while ``take_a_slot_at_the_reset`` takes the lost rank's slot; afterwards the holder is
+    released and joined, and a rank must have died (``<directory>/killed``, see ``helpers.estimators.die_once``) and
+    been relaunched. Returns the fitted model."""
+    threads = take_a_slot_at_the_reset(spark, monkeypatch, directory, group)
+    try:
+        fitted = estimator.fit(df)
+    finally:
+        open(os.path.join(directory, "release"), "w").close()
+        for t in threads:
+            t.join(60)
+    assert os.path.exists(os.path.join(directory, "killed")) and threads, "rank 1 did not die, or no relaunch happened"
+    return fitted
