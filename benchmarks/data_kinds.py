@@ -12,11 +12,11 @@
   machine slows alike; the process pipelines' work is in other processes).
 - **text**: ``--sentences`` strings (Python's standard-library docstrings, offline) tokenised by a BPE tokenizer
   trained on them in seconds (``tokenizers``), padded per batch of 64, whole epochs (best of 3): ``spark_hvd``: one
-  ``BatchReader`` over a string column in Parquet (shuffled, as training reads), tokenising in ``collate_fn`` (which
-  it runs on ``read_ahead_pieces`` threads, batches handed on in order); ``in-memory``: the same ``encode_batch`` +
-  padding over the strings of a Python list in their order; ``in-memory shuffled``: the same in a new random order
-  each epoch, as a training loop reads them (the tokenizer costs ~10% more CPU on shuffled batches than on
-  neighbouring sentences). Also the CPU time per epoch of this process, all its threads (the tokenizer's too).
+  ``BatchReader`` over a string column in Parquet (shuffled, as training reads), tokenising in ``collate_fn``;
+  ``in-memory``: the same ``encode_batch`` + padding over the strings of a Python list in their order;
+  ``in-memory shuffled``: the same in a new random order each epoch, as a training loop reads them (the tokenizer
+  cost 12-15% more CPU on shuffled batches than on neighbouring sentences, benchmarks/RESULTS.md). Also the CPU
+  time per epoch of this process, all its threads (the tokenizer's too).
 - **peak RSS**: one rank (a fresh process) reads an epoch of ``--rss-mib`` MiB of incompressible 64 KiB binary
   rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it by the
   reader's documented memory formula); reported: its peak RSS above the RSS it had after its imports, against

@@ -132,9 +132,7 @@ class BatchReader:
             about 2 x this many rows (rows of row groups partly still in the buffer; where the row groups alive hold
             more than twice the buffer's rows, its rows are copied out and the row groups freed); a rank's reader
             then holds about ``2 * shuffle_buffer_rows * row_bytes + read_ahead_pieces * row_group_bytes +
-            (prefetch + read_ahead_pieces) * batch_bytes`` (the second term's batches: those being collated, where
-            there is a ``collate_fn`` or a padded ragged column; benchmarks/data_kinds.py measures it against a
-            budget).
+            prefetch * batch_bytes`` (benchmarks/data_kinds.py measures it against a budget).
         drop_last: only full batches (``floor(min_r R_r / batch_size)`` per epoch).
         transformation_fn: ``fn(pandas.DataFrame) -> pandas.DataFrame`` run on each piece as it is read (list
             columns hold one numpy array per row); its output columns make the batch (arrays of one length per
@@ -151,10 +149,10 @@ class BatchReader:
             column ``<name>_length`` of the rows' lengths (int64); ``"list"``: an object array of one 1-D array
             per row, for the caller's own collation.
         pad_value: the padding of ``ragged="pad"``.
-        collate_fn: ``fn(batch) -> batch`` run on every batch (a dict of arrays by column): tokenising, padding,
-            turning sparse rows into what the model takes. Consecutive batches are collated on up to
-            ``read_ahead_pieces`` threads at once (so ``collate_fn`` must be safe to call from several threads, as a
-            pure function of its batch is) and handed on in order; ragged columns are padded there too.
+        collate_fn: ``fn(batch) -> batch`` run on every batch (a dict of arrays by column) on the read-ahead
+            thread: tokenising, padding, turning sparse rows into what the model takes. (Collating several batches
+            on threads at once was tried and dropped: two tokenizers at once cost ~15% more CPU and were no faster
+            here; benchmarks/RESULTS.md.)
         pool_type: ``"thread"`` (default), ``"process"`` or ``"auto"``: where ``transformation_fn`` runs;
             ``"auto"`` (the estimators' default) is ``"process"`` for a ``transformation_fn`` whose
             ``prefers_processes`` attribute is true (:class:`~spark_hvd.data.decode.ImageDecoder` with small outputs:
@@ -399,24 +397,8 @@ class BatchReader:
         if not ragged and self.collate_fn is None:
             yield from batches
             return
-        workers = self.read_ahead_pieces
-        if workers <= 1:
-            for batch in batches:
-                yield self._finish(batch, ragged)
-            return
-        # consecutive batches padded / collated on `workers` threads at once, handed on in order: a tokenizer
-        # releases the GIL, and one batch at a time left the other cores idle between its parallel sections
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-collate-r{self.rank}")
-        pending: collections.deque = collections.deque()
-        try:
-            for batch in batches:
-                pending.append(pool.submit(self._finish, batch, ragged))
-                if len(pending) >= workers:
-                    yield pending.popleft().result(timeout=self.timeout_s)
-            while pending:
-                yield pending.popleft().result(timeout=self.timeout_s)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the batches under way
+        for batch in batches:
+            yield self._finish(batch, ragged)
 
     def _finish(self, batch: Batch, ragged: list[str]) -> Batch:
         """A batch with its ragged columns padded and ``collate_fn`` applied."""

@@ -294,9 +294,8 @@ class EstimatorParams(Params):
     transformation_fn = _p("transformation_fn", "fn(pandas.DataFrame) -> pandas.DataFrame run on the ranks on every "
                            "row group as it is read (decoding: binary columns arrive as bytes, strings as str; e.g. "
                            "spark_hvd.data.decode.ImageDecoder); also applied by the fitted model's transform")
-    collate_fn = _p("collate_fn", "fn(batch: dict of numpy arrays) -> dict, run on each batch on the reader's threads "
-                    "(tokenising, padding; consecutive batches on train_reader_num_workers threads at once, so it "
-                    "must be thread-safe); also applied by the fitted model's transform to each feature batch")
+    collate_fn = _p("collate_fn", "fn(batch: dict of numpy arrays) -> dict, run on each batch on the reader's thread "
+                    "(tokenising, padding); also applied by the fitted model's transform to each feature batch")
     sparse_vectors = _p("sparse_vectors", "'dense' (default): Vector columns stored and handed over as dense float32 "
                         "arrays; 'sparse': kept sparse, handed to collate_fn as scipy.sparse.csr_matrix "
                         "batches and to transformation_fn as the DataFrame's own Vectors (in transform too)",

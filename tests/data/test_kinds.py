@@ -192,41 +192,6 @@ def test_collate_fn_runs_per_batch_and_must_return_a_dict(tmp_path):
         next(iter(BatchReader(path, batch_size=6, collate_fn=lambda b: [b]).epoch(0)))
 
 
-def test_collate_fn_runs_on_several_threads_and_batches_stay_in_order(tmp_path):
-    import threading
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path = str(tmp_path / "text.parquet")
-    pq.write_table(pa.table({"id": np.arange(60), "text": [f"{'w ' * (i % 7)}x" for i in range(60)]}), path,
-                   row_group_size=7)
-    both = threading.Barrier(2, timeout=120)  # passes only if two batches are collated at the same time
-    calls = []
-    lock = threading.Lock()
-
-    def tokenise(batch):
-        with lock:
-            calls.append(threading.get_ident())
-            first_two = len(calls) <= 2
-        if first_two:
-            both.wait()
-        return {"id": batch["id"], "n": np.array([len(t.split()) for t in batch["text"]])}
-
-    def plain(batch):
-        return {"id": batch["id"], "n": np.array([len(t.split()) for t in batch["text"]])}
-
-    def epoch(workers, fn):
-        return list(BatchReader(path, batch_size=8, shuffle=True, seed=3, collate_fn=fn,
-                                read_ahead_pieces=workers).epoch(1))
-
-    got, want = epoch(2, tokenise), epoch(1, plain)
-    assert len(set(calls[:2])) == 2 and not both.broken
-    assert [b["id"].tolist() for b in got] == [b["id"].tolist() for b in want]
-    for g in got:
-        assert g["n"].tolist() == [1 + i % 7 for i in g["id"]]
-
-
 def test_transformed_rows_of_one_array_are_taken_whole_else_stacked():
     import pandas as pd
 
