@@ -26,6 +26,7 @@ process: the ranks of a job call ``init_process_group`` in the same order, as to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.abc
 import importlib.machinery
 import logging
@@ -55,6 +56,8 @@ _generations: dict[tuple[str, int], int] = {}
 #: ("Not implemented"), and torch keeps only its C++ side: they are kept here until ``destroy_default_group``.
 _stores: list[Any] = []
 _original: Any = None
+#: every torch.distributed process group made in this Python worker, kept until it exits (``_keep_groups``)
+_kept: list[Any] = []
 #: The CUDA_VISIBLE_DEVICES spark_hvd last set in this process (``pin_visible_devices``).
 _cuda_visible: list[str] | None = None
 
@@ -146,11 +149,39 @@ def env_rendezvous(url: str, timeout: timedelta | None = None, **kwargs: Any) ->
         return
     from torch.distributed.constants import default_pg_timeout
 
+    _keep_groups()  # torch.distributed is loaded whole by now: the group this rendezvous is for is kept too
+
     query = dict(p.split("=", 1) for p in urlparse(url).query.split("&") if "=" in p)
     rank = int(query.get("rank") or os.environ.get("RANK") or job.rank)
     world_size = int(query.get("world_size") or os.environ.get("WORLD_SIZE") or job.size)
     yield job_store(job, timeout or default_pg_timeout), rank, world_size
     raise RuntimeError("Unable to perform re-rendezvous using env:// method")
+
+
+def _keep_groups() -> None:
+    """Keep every process group torch.distributed makes in this process alive until the process ends.
+
+    A ``ProcessGroupGloo`` whose last reference Python's garbage collector drops (the DDP module of a job that has
+    ended, say) runs its C++ destructor holding the GIL, and the destructor joins the group's work threads, which
+    need the GIL to exit (they drop Python objects of their thread-local state): the process deadlocks. torchrun's
+    processes exit instead; Spark reuses Python workers, and a 2-rank FSDP script hung in workers that had run a
+    DDP script before (the DDP module collected in the next job). A kept group costs its idle threads and sockets
+    until the worker exits."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None or getattr(helper, "spark_hvd_keeps", False):
+        return
+    world = getattr(c10d, "_world", None)
+    _kept.extend(getattr(world, "pg_map", None) or ())  # groups made before this (a user-built TCPStore, say)
+
+    @functools.wraps(helper)
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        made = helper(*args, **kwargs)
+        _kept.append(made[0] if isinstance(made, tuple) else made)
+        return made
+
+    keeping.spark_hvd_keeps = True  # type: ignore[attr-defined]
+    c10d._new_process_group_helper = keeping  # type: ignore[union-attr]
 
 
 def _patch(module: Any) -> None:
@@ -215,6 +246,7 @@ def destroy_default_group() -> None:
     """At the end of a rank: destroy torch.distributed's default group if the user's code left one (Spark reuses
     Python workers, and the next job's ``init_process_group`` would find it), and close the ``env://`` stores."""
     dist = sys.modules.get("torch.distributed")
+    _keep_groups()
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
