@@ -3,11 +3,17 @@
 On a machine shared with other work, wall times swing with the load while the CPU time a rank spends per
 allreduce stays comparable; so this script times the bare backend (float32 SUM, N ranks on this host) once per
 source tree given, alternating the trees every round, and prints each tree's CPU (mean per rank) and wall
-(slowest rank) per allreduce, median over rounds. A tree is a checkout of this repository (for example
-``git worktree add /tmp/base main``); each is imported from its own directory::
+(slowest rank) per allreduce, median over rounds, and the CPU of the thread that calls the collective (the rest
+is the sender thread's and the MAC pool's: what would run on another core if one were idle). A tree is a
+checkout of this repository (for example ``git worktree add /tmp/base main``); each is imported from its own
+directory::
 
     .venv/bin/python benchmarks/ring_cpu.py --trees /tmp/base,. --np 2 --sizes 4K,1M,16M,64M --rounds 3
     .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
+    .venv/bin/python benchmarks/ring_cpu.py --np 2 --envs "SPARK_HVD_MAC_THREADS=0;SPARK_HVD_MAC_THREADS=1"
+
+``--envs`` compares settings instead of (or as well as) trees: each ``;``-separated list of ``VAR=VALUE,...``
+is one variant, run in every tree, alternated with the others every round.
 
 ``--hier`` runs the hierarchical path (``SPARK_HVD_HOST_ID``: ranks 0..N/2-1 on one "host", the rest on
 another); ``--shm`` shared memory among all N ranks (at N=2 from ``SPARK_HVD_SHM_CMA`` bytes: cross-memory attach);
@@ -47,7 +53,7 @@ def _rank(sizes: list[int], profile: int) -> dict:
 
     backend = backend_from_env()
     out: dict = {}
-    profiler = cProfile.Profile(time.process_time) if profile else None
+    profiler = cProfile.Profile(time.thread_time) if profile else None  # the calling thread's CPU only
     try:
         for nbytes in sizes:
             buf = np.zeros(nbytes // 4, np.float32)
@@ -57,10 +63,11 @@ def _rank(sizes: list[int], profile: int) -> dict:
             backend.barrier()
             if profiler is not None:
                 profiler.enable()
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(iters):
                 backend.allreduce(buf, ReduceOp.SUM)
-            out[nbytes] = ((time.perf_counter() - wall) / iters, (time.process_time() - cpu) / iters)
+            out[nbytes] = ((time.perf_counter() - wall) / iters, (time.process_time() - cpu) / iters,
+                           (time.thread_time() - main) / iters)
             if profiler is not None:
                 profiler.disable()
         backend.barrier()
@@ -75,7 +82,7 @@ def _rank(sizes: list[int], profile: int) -> dict:
 
 def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> None:
     """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
-    {size: [wall of the slowest rank, mean cpu]} as JSON."""
+    {size: [wall of the slowest rank, mean cpu, mean cpu of the calling thread]} as JSON."""
     sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests"), os.path.join(os.getcwd(), "tests", "core")]
     try:
         from helpers.ranks import run_ranks
@@ -86,7 +93,8 @@ def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> No
     results = run_ranks(_rank, n, env=env, args=(sizes, profile), timeout=900)
     if profile:
         print(results[0]["profile"])
-    print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n] for s in sizes}))
+    print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n,
+                          sum(r[s][2] for r in results) / n] for s in sizes}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm", action="store_true", help="shared memory among the N ranks of this host")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="cProfile every rank (CPU clock); print rank 0's top K functions per tree")
+    parser.add_argument("--envs", default="", help="';'-separated variants of 'VAR=VALUE,...' to alternate")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
     args = parser.parse_args(argv)
     if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
@@ -108,34 +117,39 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.allreduce import human, parse_size
 
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
-    runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    variants = [dict(kv.split("=", 1) for kv in v.split(",") if kv) for v in args.envs.split(";")] or [{}]
+    trees = [(str(Path(t).resolve()), env) for t in args.trees.split(",") for env in variants]
+    def name(tree: tuple[str, dict[str, str]]) -> str:
+        return tree[0] + "".join(f" {k}={v}" for k, v in tree[1].items())
+
+    runs: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     profiles: dict[str, str] = {}
     for rnd in range(args.rounds):
-        for tree in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
+        for tree, extra in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
                    str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else []) + \
                 (["--shm"] if args.shm else [])
-            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", **extra)
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
                 raise RuntimeError(f"{tree}: {done.stderr[-3000:]}")
             *profile, last = done.stdout.strip().splitlines()
-            profiles[tree] = "\n".join(profile)
-            for size, (wall, cpu) in json.loads(last).items():
-                runs.setdefault((tree, int(size)), []).append((wall, cpu))
+            profiles[name((tree, extra))] = "\n".join(profile)
+            for size, (wall, cpu, main) in json.loads(last).items():
+                runs.setdefault((name((tree, extra)), int(size)), []).append((wall, cpu, main))
     for tree, text in profiles.items():
         if text.strip():
             print(f"# rank 0 of {tree}, cProfile (CPU clock), sizes {args.sizes} together, last round\n{text}")
     path = "hierarchical" if args.hier else "shared memory" if args.shm else "TCP ring"
     print(f"# bare RingBackend, N={args.np}, {path}, median of "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
-    print("| size | tree | wall per allreduce | cpu per allreduce per rank |\n|---|---|---|---|")
+    print("| size | tree | wall per allreduce | cpu per allreduce per rank | of it, the calling thread's |\n"
+          "|---|---|---|---|---|")
     for size in sizes:
-        for tree in trees:
-            walls, cpus = zip(*runs[(tree, size)], strict=True)
+        for tree in map(name, trees):
+            walls, cpus, mains = zip(*runs[(tree, size)], strict=True)
             print(f"| {human(size)} | {tree} | {statistics.median(walls) * 1e3:.3f} ms | "
-                  f"{statistics.median(cpus) * 1e3:.3f} ms |")
+                  f"{statistics.median(cpus) * 1e3:.3f} ms | {statistics.median(mains) * 1e3:.3f} ms |")
     return 0
 
 

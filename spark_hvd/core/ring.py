@@ -59,12 +59,14 @@ from spark_hvd.core.errors import (
     TensorMismatchError,
 )
 from spark_hvd.core.jobenv import JobEnv, topology
+from spark_hvd.core.mac_pool import MacPool, threads_for
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
 from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
+    MAC_POOL_MIN_BYTES,
     SUB_CHUNK_MIN_BYTES,
     SUB_CHUNKS,
     PeerAbort,
@@ -148,7 +150,7 @@ class RingBackend(Backend):
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
                  shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
-                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES) -> None:
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -165,12 +167,15 @@ class RingBackend(Backend):
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
+        #: threads that tag and check large TCP frames off the calling thread (``mac_pool``; None: inline)
+        self._mac: MacPool | None = None
         self._local_watcher: PeerWatcher | None = None  # the hierarchical allreduce's helper thread's
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
         self.transport = "none"
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
         self._pair_bytes = pair_exchange_bytes
+        self._mac_min_bytes = mac_min_bytes
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -199,6 +204,9 @@ class RingBackend(Backend):
             self._listener = None
             self._watcher = PeerWatcher(list(self.peers.values()))
             self._worker = SendWorker()
+            threads = threads_for(self.settings.mac_threads, self.local_size)
+            if threads:
+                self._mac = MacPool(threads, name=f"spark-hvd-mac-{rank}")
             self.transport = "tcp"
             # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy.
             # Segments are created only now (after every rank joined) and unlinked as soon as every local rank
@@ -323,6 +331,8 @@ class RingBackend(Backend):
         self._closed = True
         if self._worker is not None:
             self._worker.stop()
+        if self._mac is not None:
+            self._mac.close()
         for peer in self.peers.values():
             if self._broken is None:
                 peer.send_bye()
@@ -339,6 +349,14 @@ class RingBackend(Backend):
             self.shm = None
 
     # -- point-to-point helpers --------------------------------------------------------------------------------
+    def _exchange(self, send_peer: int, recv_peer: int, operation: str) -> RingExchange:
+        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes)
+
+    @property
+    def _window(self) -> int:
+        """Frames a ``RingExchange`` may hold received while their tags are checked on the MAC pool."""
+        return 1 if self._mac is None else self._mac.threads + 1
+
     def _scratch_bytes(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, dtype=np.uint8)
@@ -417,7 +435,8 @@ class RingBackend(Backend):
         item = flat.itemsize
         raw = flat.view(np.uint8)
         sub = self._sub_bytes(bounds, item)
-        scratch = memoryview(self._scratch_bytes(sub)) if reduce_steps else memoryview(b"")
+        window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
+        scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
         shift = 1 if reduce_steps else 0
 
         def pieces(chunk: int) -> list[tuple[int, int]]:
@@ -425,7 +444,8 @@ class RingBackend(Backend):
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
-        receives = [scratch[:hi - lo] if t < reduce_steps else memoryview(raw[lo:hi]) for t, lo, hi in plan]
+        receives = [scratch[i % window * sub:i % window * sub + hi - lo] if t < reduce_steps else memoryview(raw[lo:hi])
+                    for i, (t, lo, hi) in enumerate(plan)]
 
         def received(i: int) -> memoryview | None:
             t, lo, hi = plan[i]
@@ -437,7 +457,7 @@ class RingBackend(Backend):
             return memoryview(raw[lo:hi]) if t + 1 < total else None
 
         first = [memoryview(raw[lo:hi]) for lo, hi in pieces((p - shift) % n)]
-        RingExchange(self.peers[right], self.peers[left], operation).run(first, receives, received)
+        self._exchange(right, left, operation).run(first, receives, received, window)
 
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                              operation: str, members: Sequence[int] | None = None) -> None:
@@ -476,13 +496,13 @@ class RingBackend(Backend):
         """Allreduce between two ranks: each sends its whole array and reduces the other's into it once every
         byte left (one round trip where the ring's two phases take two; ``a op b`` and ``b op a`` are the same
         bits for every ``ReduceOp``, so both ranks hold the same result)."""
-        peer = self.peers[self._neighbours(members)[2]]
+        peer = self._neighbours(members)[2]
         raw = flat.view(np.uint8)
         theirs = self._scratch_bytes(raw.nbytes)
         pieces = range(0, raw.nbytes, self._frame)
-        RingExchange(peer, peer, operation).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
-                                                [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
-                                                lambda i: None)
+        self._exchange(peer, peer, operation).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
+                                                  [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
+                                                  lambda i: None, self._window)
         reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
         if op is ReduceOp.AVERAGE:
             divide_average(flat, 2, bfloat16)
@@ -693,10 +713,9 @@ class _MeshPeers:
     def exchange(self, peer: int, data: np.ndarray, into: np.ndarray) -> None:
         frame = self.backend._frame
         pieces = range(0, data.nbytes, frame)
-        sock = self.backend.peers[peer]
-        RingExchange(sock, sock, self.operation).run([memoryview(data[lo:lo + frame]) for lo in pieces],
-                                                     [memoryview(into[lo:lo + frame]) for lo in pieces],
-                                                     lambda i: None)
+        self.backend._exchange(peer, peer, self.operation).run([memoryview(data[lo:lo + frame]) for lo in pieces],
+                                                               [memoryview(into[lo:lo + frame]) for lo in pieces],
+                                                               lambda i: None, self.backend._window)
 
 
 __all__ = ["RingBackend", "host_identity", "even_bounds"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import itertools
 import logging
 import queue
 import select
@@ -35,7 +36,8 @@ from collections.abc import Callable, Sequence
 
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
 from spark_hvd.core.listener import HANDSHAKE_TIMEOUT_S, Listener
-from spark_hvd.core.wire import _LENGTH, HEADER_SIZE, FramedSocket, recv_exactly
+from spark_hvd.core.mac_pool import MacJob, MacPool
+from spark_hvd.core.wire import _LENGTH, HEADER_SIZE, TAG_SIZE, FramedSocket, recv_exactly
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ INLINE_SEND_BYTES = 32 * 1024
 #: Reads shorter than ``RECV_LOWAT_MIN_BYTES`` keep the default low-water mark (1 byte).
 RECV_LOWAT_BYTES = 128 * 1024
 RECV_LOWAT_MIN_BYTES = 16 * 1024
+#: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
+#: the calling thread: the hand-off would cost more than the tag)
+MAC_POOL_MIN_BYTES = 128 * 1024
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
@@ -122,6 +127,13 @@ class PeerSocket(FramedSocket):
     def _verify(self, tag: bytes, length: int, *parts: memoryview | bytes, fast: bool = False) -> None:
         try:
             self.verify(tag, length, *parts, fast=fast)
+        except AuthenticationError:
+            self.recv_broken = True
+            raise
+
+    def _check(self, expected: bytes, tag: bytes) -> None:
+        try:
+            self.check_tag(expected, tag)
         except AuthenticationError:
             self.recv_broken = True
             raise
@@ -361,37 +373,98 @@ class RingExchange:
     kernel drains the frames already handed to the outgoing socket, and each frame is verified, used and (if the
     ring forwards it) queued for sending as soon as it is complete. ``run`` returns when every expected frame
     arrived and every queued frame left; nothing waits longer than ``timeout_s`` without progress.
+
+    With a ``MacPool`` (``mac``), the tags of frames from ``mac_min_bytes`` are computed on its threads
+    (``cryptography`` hashes without the GIL): a frame to send is tagged as soon as it is queued (its frame
+    counter taken then, so frames still leave in counter order), and a received frame is checked while the next
+    one arrives. A received frame is handed to ``on_received`` only once its tag and every earlier frame's
+    checked out, in order, and ``run`` returns only when every tag did: nothing is reduced, forwarded or
+    returned before its check, and a failed check raises ``AuthenticationError`` naming the peer, as inline.
     """
 
-    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str) -> None:
+    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str,
+                 mac: MacPool | None = None, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
         self.send_peer, self.recv_peer, self.operation = send_peer, recv_peer, operation
         self.timeout_s = max(send_peer.timeout_s, recv_peer.timeout_s)
+        self.mac, self.mac_min_bytes = mac, mac_min_bytes
 
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
-            on_received: Callable[[int], memoryview | None]) -> None:
+            on_received: Callable[[int], memoryview | None], window: int = 1) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
-        view to send next."""
-        out, recv, op = self.send_peer, self.recv_peer, self.operation
-        queue_out: collections.deque[memoryview] = collections.deque(sends)
+        view to send next.
+
+        ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
+        frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
+        with ``window`` scratch frames used in turn, ``window``.
+        """
+        out, recv, op, mac, mac_min = self.send_peer, self.recv_peer, self.operation, self.mac, self.mac_min_bytes
+        queue_out: collections.deque[tuple[memoryview, int, MacJob | None]] = collections.deque()
+        checking: collections.deque[tuple[int, bytes, MacJob | None]] = collections.deque()
         pending: list[memoryview] = []  # the frame being sent: what is left of [header, payload]
         head = bytearray(HEADER_SIZE + 1)
         head_view = memoryview(head)
         index, got_head, target, target_got = 0, 0, None, 0
+        n_recv = len(receives)
+        window = max(1, window)
         same = out.sock.fileno() == recv.sock.fileno()
         last = time.monotonic()
         lowat, lowat_cap = 1, 0
+        poll = select.poll()
+        polled: dict[int, int] = {}  # fd -> events registered with ``poll``
+        mac_fd = mac.fileno() if mac is not None else -1
+
+        def enqueue(payload: memoryview) -> None:
+            """Queue a frame to send, its counter taken now (and its tag started on the pool if large)."""
+            direction = out._sending()
+            counter = direction.reserve()
+            job = None
+            if mac is not None and payload.nbytes >= mac_min:
+                job = mac.submit(direction.gmac, *direction.data_tag_args(counter, payload.nbytes + 1, DATA, payload))
+            queue_out.append((payload, counter, job))
+
+        def want(fd: int, events: int) -> None:
+            if polled.get(fd, 0) != events:
+                if events:
+                    poll.register(fd, events)
+                    polled[fd] = events
+                else:
+                    poll.unregister(fd)
+                    del polled[fd]
+
+        for payload in sends:
+            enqueue(payload)
         with out.send_lock:
             try:
                 out.sock.settimeout(0.0)
                 recv.sock.settimeout(0.0)
-                while index < len(receives) or pending or queue_out:
+                while index < n_recv or checking or pending or queue_out:
                     progressed = False
+                    # -- hand over the received frames whose tags checked out, in order
+                    while checking:
+                        i, tag, job = checking[0]
+                        if job is not None:
+                            if not job.done:
+                                break
+                            recv._check(job.value()[-TAG_SIZE:], tag)
+                        checking.popleft()
+                        progressed = True
+                        forward = on_received(i)
+                        if forward is not None:
+                            enqueue(forward)
                     # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
-                    send_full = recv_dry = False
+                    send_full = recv_dry = tag_wait = False
                     while pending or queue_out:
                         if not pending:
-                            payload = queue_out.popleft()
-                            pending = [memoryview(out.data_header(payload)), payload]
+                            payload, counter, job = queue_out[0]
+                            if job is None:
+                                tag = out._out.data_tag(counter, payload.nbytes + 1, DATA, payload)
+                            elif job.done:
+                                tag = job.value()[-TAG_SIZE:]
+                            else:  # its tag is still being computed on the pool
+                                tag_wait = True
+                                break
+                            queue_out.popleft()
+                            pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag + DATA), payload]
                         try:
                             sent = out.sock.sendmsg(pending)
                         except (BlockingIOError, InterruptedError):
@@ -411,7 +484,7 @@ class RingExchange:
                             send_full = True
                             break
                     # -- receive what has arrived
-                    while index < len(receives):
+                    while index < n_recv and len(checking) < window:
                         view = head_view[got_head:] if target is None else target[target_got:]
                         try:
                             n = recv.sock.recv_into(view)
@@ -442,49 +515,73 @@ class RingExchange:
                                 if recv_dry:
                                     break
                                 continue
-                        recv._verify(self._tag, self._length, DATA, target, fast=True)
-                        forward = on_received(index)
-                        if forward is not None:
-                            queue_out.append(forward)
+                        counter = recv._in.reserve()
+                        if mac is not None and target.nbytes >= mac_min:
+                            args = recv._in.data_tag_args(counter, self._length, DATA, target)
+                            job = mac.submit(recv._in.gmac, *args)
+                            checking.append((index, self._tag, job))
+                        else:
+                            recv._check(recv._in.data_tag(counter, self._length, DATA, target), self._tag)
+                            if checking:  # checked, but handed over after the frames before it
+                                checking.append((index, self._tag, None))
+                            else:
+                                forward = on_received(index)
+                                if forward is not None:
+                                    enqueue(forward)
                         index, got_head, target = index + 1, 0, None
-                    if index == len(receives) and not pending and not queue_out:
+                    if index == n_recv and not checking and not pending and not queue_out:
                         break
                     now = time.monotonic()
+                    reading = index < n_recv and len(checking) < window
                     if progressed:
                         last = now
                         # straight to poll when both sides are known to have to wait (saves an iteration whose
                         # two calls would only raise BlockingIOError: ~half the loop's iterations on a link-bound
                         # ring); otherwise (a frame completed, a forward was queued) go round again at once
-                        if not ((send_full or not (pending or queue_out))
-                                and (recv_dry or index == len(receives))):
+                        if not ((send_full or tag_wait or not (pending or queue_out)) and (recv_dry or not reading)):
                             continue
                     elif now - last > self.timeout_s:
-                        waiting = recv if index < len(receives) else out
+                        waiting = recv if index < n_recv else out
                         raise waiting._fail(TimeoutError("no progress"), op)
-                    if index < len(receives):
-                        want = len(head) - got_head if target is None else target.nbytes - target_got
-                        if want < RECV_LOWAT_MIN_BYTES:  # no system call on a small collective's path
-                            want = 1
+                    if reading:
+                        wanted = len(head) - got_head if target is None else target.nbytes - target_got
+                        if wanted < RECV_LOWAT_MIN_BYTES:  # no system call on a small collective's path
+                            wanted = 1
                         else:
                             if not lowat_cap:  # a quarter of the receive buffer (autotuned: read once per run)
                                 rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
                                 lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
-                            want = min(want, lowat_cap)
-                        if want != lowat:
-                            recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                            lowat = want
-                    mask_in = select.POLLIN if index < len(receives) else 0
-                    mask_out = select.POLLOUT if (pending or queue_out) else 0
-                    poll = select.poll()
+                            wanted = min(wanted, lowat_cap)
+                        if wanted != lowat:
+                            recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
+                            lowat = wanted
+                    mask_in = select.POLLIN if reading else 0
+                    mask_out = select.POLLOUT if (pending or (queue_out and not tag_wait)) else 0
                     if same:
-                        poll.register(out.sock, mask_in | mask_out)
+                        want(out.sock.fileno(), mask_in | mask_out)
                     else:
-                        if mask_in:
-                            poll.register(recv.sock, mask_in)
-                        if mask_out:
-                            poll.register(out.sock, mask_out)
-                    poll.poll(max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000)))
+                        want(recv.sock.fileno(), mask_in)
+                        want(out.sock.fileno(), mask_out)
+                    if mac is not None:
+                        awaited = [queue_out[0][2]] if tag_wait else []  # the jobs this rank waits for
+                        if checking and checking[0][2] is not None:
+                            awaited.append(checking[0][2])
+                        want(mac_fd, select.POLLIN if awaited else 0)
+                        mac.waiting = True  # then look again: a job that finished meanwhile did not wake us
+                        if any(job.done for job in awaited):
+                            mac.waiting = False
+                            continue
+                    events = poll.poll(max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000)))
+                    if mac is not None:
+                        mac.waiting = False
+                        if any(fd == mac_fd for fd, _ in events):
+                            mac.clear()
             finally:
+                for _, _, job in itertools.chain(queue_out, checking):
+                    if job is not None:  # an error ends the run: nothing will read these
+                        job.cancelled = True
+                if queue_out:  # frames never started give their counters back (an ABORT may follow)
+                    out._out.counter = queue_out[0][1]
                 if lowat != 1:
                     try:
                         recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)

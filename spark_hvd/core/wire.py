@@ -121,14 +121,36 @@ class _Direction:
         if fast and (len(parts) > 2 or (len(parts) == 2 and memoryview(parts[0]).nbytes != 1)):
             # the receiver splits a data frame the same way: one payload, after at most one type byte
             raise ValueError("a data frame is one payload, optionally after one type byte")
+        if fast:
+            return self.data_tag(self.reserve(), length, b"".join(parts[:-1]), parts[-1] if parts else b"")
         counter = _COUNTER.pack(self.counter)
         self.counter += 1
-        if fast:
-            if self._data is None:
-                self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
-            head = _LENGTH.pack(length) + b"".join(parts[:-1])
-            return self._data.encrypt(_NONCE_PAD + counter, head, parts[-1] if parts else b"")[-TAG_SIZE:]
         return sign(self.key, counter, _LENGTH.pack(length), *parts)[:TAG_SIZE]
+
+    def reserve(self) -> int:
+        """Take the next frame counter for a data frame whose tag ``data_tag`` computes later (perhaps on
+        another thread: ``data_tag`` only reads this object once ``reserve`` has run)."""
+        if self._data is None:
+            self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
+        counter = self.counter
+        self.counter += 1
+        return counter
+
+    def data_tag(self, counter: int, length: int, kind: bytes, payload: bytes | memoryview) -> bytes:
+        """The GMAC tag of the data frame ``kind | payload`` of ``length`` bytes numbered ``counter`` (from
+        ``reserve``)."""
+        return self._data.encrypt(*self.data_tag_args(counter, length, kind, payload))[-TAG_SIZE:]
+
+    def data_tag_args(self, counter: int, length: int, kind: bytes,
+                      payload: bytes | memoryview) -> tuple[bytes, bytes, bytes | memoryview]:
+        """The arguments of ``gmac`` whose output ends with that tag (its last ``TAG_SIZE`` bytes)."""
+        return _NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + kind, payload
+
+    @property
+    def gmac(self) -> Any:
+        """The AEAD's ``encrypt`` (after ``reserve``): thread-safe, it hashes under a copy of the key's context
+        and without the GIL, so another thread may compute a tag while this one sends or receives."""
+        return self._data.encrypt
 
 
 class FramedSocket:
@@ -260,7 +282,11 @@ class FramedSocket:
     def verify(self, tag: bytes, length: int, *parts: bytes | memoryview, fast: bool = False) -> None:
         """Check a received frame's ``tag``; ``AuthenticationError`` (logged) when it fails."""
         assert self._in is not None
-        if not hmac.compare_digest(self._in.tag(length, parts, fast), tag):
+        self.check_tag(self._in.tag(length, parts, fast), tag)
+
+    def check_tag(self, expected: bytes, tag: bytes) -> None:
+        """``AuthenticationError`` (logged) unless a received ``tag`` equals the one computed here."""
+        if not hmac.compare_digest(expected, tag):
             logger.warning("dropped a frame from %s that failed its authentication check", self.peer)
             raise AuthenticationError(f"a frame from {self.peer} failed the HMAC check; connection dropped")
 

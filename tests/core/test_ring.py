@@ -16,6 +16,7 @@ from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 from spark_hvd.core import hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
+from spark_hvd.core.mac_pool import MacPool
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16
 from spark_hvd.core.rendezvous import KVClient
 from spark_hvd.core.tcp import PeerSocket, PeerWatcher, RingExchange, connect_mesh, open_listener
@@ -60,9 +61,9 @@ def _close(got: np.ndarray, want: np.ndarray, dtype: str, what: str) -> None:
     np.testing.assert_allclose(got, want, rtol=rtol, atol=0, err_msg=what)
 
 
-def _all_collectives(seed: int) -> dict:
+def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
     """Run on every rank: each collective on fresh random data, checked against numpy."""
-    be = backend_from_env(SMALL)
+    be = backend_from_env({**SMALL, **(backend_kwargs or {})})
     r, n = be.rank, be.size
     digest = hashlib.sha256()
     try:
@@ -134,7 +135,8 @@ def _all_collectives(seed: int) -> dict:
                 _close(got.reshape(-1), want[lo:hi].reshape(-1), "float32", f"reducescatter {op} rows={total_rows}")
         be.barrier()
         return {"transport": be.transport, "digest": digest.hexdigest(),
-                "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size)}
+                "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size),
+                "mac_threads": 0 if be._mac is None else be._mac.threads}
     finally:
         be.close()
 
@@ -154,6 +156,19 @@ def test_collectives_match_numpy(n, shm):
     assert len({res["digest"] for res in results}) == 1
     assert [res["topology"] for res in results] == [(k, n, 0, 1) for k in range(n)]
     assert shm_leftovers(job_id) == []
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives_match_numpy_with_the_mac_pool(n):
+    # every TCP frame from 4 KiB is tagged and checked on the pool's threads (SPARK_HVD_MAC_THREADS), with
+    # several frames received ahead of their checks into scratch frames used in turn
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    results = run_ranks(_all_collectives, n, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60",
+                                                  "SPARK_HVD_MAC_THREADS": "2"},
+                        timeout=240, args=(seed, {"mac_min_bytes": 4096}))
+    assert [res["transport"] for res in results] == ["tcp"] * n
+    assert [res["mac_threads"] for res in results] == [2] * n
+    assert len({res["digest"] for res in results}) == 1
 
 
 @pytest.mark.parametrize("hosts", ["abb", "aabb"])
@@ -326,22 +341,36 @@ def test_ring_socket_rejects_a_tampered_data_frame():
         sock.close()
 
 
-def test_ring_exchange_rejects_a_tampered_data_frame():
-    # the ring's own receive loop (non-blocking, straight into the destination) checks the tag before any use
+@pytest.mark.parametrize("mac_threads", [0, 2], ids=["inline", "mac-pool"])
+def test_ring_exchange_rejects_a_tampered_data_frame(mac_threads):
+    # the ring's own receive loop (non-blocking, straight into the destination) checks every tag before the
+    # frame is used: the frames before the tampered one are handed over, the tampered one never is, with the
+    # checks inline or on the MAC pool's threads (frames received ahead of their checks)
     secret = make_secret()
     sender, receiver = _peer_pair(secret, secret)
-    payload = np.arange(4096, dtype=np.float32)
-    sender.send_data([payload.view(np.uint8)], "test")
-    raw, need = bytearray(), HEADER_SIZE + 1 + payload.nbytes
+    payloads = [np.random.default_rng(k).random(2048).astype(np.float32) for k in range(3)]
+    for payload in payloads:
+        sender.send_data([payload.view(np.uint8)], "test")
+    frame = HEADER_SIZE + 1 + payloads[0].nbytes
+    raw, need = bytearray(), frame * len(payloads)
     while len(raw) < need:
         raw += receiver.sock.recv(need - len(raw))
-    raw[HEADER_SIZE + 1 + 1000] ^= 0x01  # one bit of the payload
+    raw[frame + HEADER_SIZE + 1 + 1000] ^= 0x01  # one bit of the second frame's payload
     writer, reader = socket.socketpair()
     receiver.sock = reader
     writer.sendall(bytes(raw))
-    got = np.zeros_like(payload)
-    with pytest.raises(AuthenticationError):
-        RingExchange(receiver, receiver, "test").run([], [memoryview(got).cast("B")], lambda i: None)
+    got = [np.zeros_like(p) for p in payloads]
+    used: list[int] = []
+    pool = MacPool(mac_threads) if mac_threads else None
+    try:
+        with pytest.raises(AuthenticationError, match="rank 0"):
+            RingExchange(receiver, receiver, "test", pool, mac_min_bytes=0).run(
+                [], [memoryview(g).cast("B") for g in got], lambda i: used.append(i), window=3)
+    finally:
+        if pool is not None:
+            pool.close()
+    assert used == [0]
+    np.testing.assert_array_equal(got[0], payloads[0])
     assert receiver.recv_broken
     for sock in (sender.sock, writer, reader):
         sock.close()
