@@ -102,7 +102,7 @@ from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
 from spark_hvd.core.executor import Executor, Request
-from spark_hvd.core.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, unpack
+from spark_hvd.core.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
 from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
@@ -337,9 +337,9 @@ class Engine:
         ``wait``.
         """
         fresh = self._fresh
-        if fresh is not None and len(fresh.layout) == 1 and not bfloat16 and buf.__class__ is np.ndarray:
+        if fresh is not None and buf.__class__ is np.ndarray and len(fresh.layout) == 1 and not bfloat16:
             meta = fresh.layout[0]
-            if (_OP_VALUES.get(op) == meta.op and buf.shape == meta.shape and buf.dtype == fresh.dtype
+            if (op is fresh.op and buf.shape == meta.shape and (buf.dtype is fresh.dtype or buf.dtype == fresh.dtype)
                     and prescale == meta.prescale and postscale == meta.postscale and _in_place_ok(buf.flags)):
                 if name is None:
                     with self._lock:
@@ -348,7 +348,7 @@ class Engine:
                 if (name not in self._local and self._cache.lookup(name, meta) is None
                         and self._sole_ready(fresh)):
                     try:
-                        hit = self._guarded_round(True, lambda: self._fresh_sole_round(fresh, buf, name, meta))
+                        hit = self._guarded_round(True, self._fresh_sole_round, fresh, buf, name, meta)
                     finally:
                         self._round_lock.release()
                     if hit:
@@ -490,11 +490,12 @@ class Engine:
             if self.timeline is not None:
                 self.timeline.flush()
 
-    def _guarded_round(self, in_caller: bool, body: Callable[[], tuple[bool, bool]] | None = None) -> bool:
-        """``_round`` (or ``body``, a round of its own) under the round lock, turning its failure into the engine's
-        error. True on progress."""
+    def _guarded_round(self, in_caller: bool, body: Callable[..., tuple[bool, bool]] | None = None,
+                       *args: Any) -> bool:
+        """``_round`` (or ``body(*args)``, a round of its own) under the round lock, turning its failure into the
+        engine's error. True on progress."""
         try:
-            progress, stop = self._round() if body is None else body()
+            progress, stop = self._round() if body is None else body(*args)
         except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ, a stall
             logger.error("rank %d: %s", self.rank, exc)
             self._fail_all(exc)
@@ -814,27 +815,32 @@ class Engine:
         handle. On a miss the other ranks go on to a fast round, which is what this rank's next round is too (the
         speculation is disarmed), and ``allreduce`` submits ``buf`` to it. Returns (hit, False)."""
         start = self._last_start = time.perf_counter()
-        pack(spec, self.rank, [name], [buf])
-        t0 = time.perf_counter()
+        pack_one(spec, self.rank, name, buf)
+        timeline = self._timeline
+        t0 = time.perf_counter() if timeline is not None else start
         self._fresh_collective(spec)
-        t1 = time.perf_counter()
         if not agreed(spec):
             self.stats["fresh_misses"] += 1
             self._fresh = None
             return False, False
-        unpack(spec, [buf])
-        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        self.stats["full_requests"] += 1
+        t1 = time.perf_counter() if timeline is not None else start
+        views = spec.views
+        if spec.postscale != 1.0:
+            scale_inplace(spec.data, spec.postscale)
+        buf[...] = views[0]
+        stats = self.stats
+        stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        stats["full_requests"] += 1
+        stats["allreduce_collectives"] += 1
+        stats["allreduce_tensors"] += 1
         self._cache.put(name, meta)
         self._spec = None  # the cache changed: learn the rounds afresh
         self._predictor.reset()
         if self._tuner is not None:
             self._observe([name], buf.nbytes)
-        self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += 1
-        if self.timeline is not None:
-            self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
+        if timeline is not None:
+            timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
+            timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
         self._idle_rounds = 0
         self._progress_at = t1
         return True, False

@@ -20,6 +20,7 @@ every rank arms the same ``FreshSpec`` from the same agreed rounds.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -45,6 +46,8 @@ class FreshSpec(NamedTuple):
     size: int
     staging: np.ndarray
     views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape
+    head: memoryview  # ``[flag, digests]`` of ``staging``: single items are written and read faster than numpy's
+    blank: memoryview  # zeros of the head's length
 
     @property
     def data(self) -> np.ndarray:
@@ -83,63 +86,71 @@ def build_fresh(layout: Layout, size: int) -> FreshSpec:
         views.append(staging[offset:offset + n].reshape(m.shape))
         offset += n
     return FreshSpec(layout, dtype, ReduceOp(first.op), first.prescale, first.postscale, size, staging,
-                     tuple(views))
+                     tuple(views), memoryview(staging)[:head], memoryview(np.zeros(head, dtype)))
 
 
 def name_digest(names: Sequence[str]) -> tuple[int, int, int]:
     """60 bits of a digest of ``names`` as three integers in [2**20, 2**21) (never zero, exact in float32)."""
-    text = names[0] if len(names) == 1 else "\0".join(names)
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-    return h & 0xFFFFF | 0x100000, (h >> 20) & 0xFFFFF | 0x100000, (h >> 40) & 0xFFFFF | 0x100000
+    return _digest(names[0] if len(names) == 1 else "\0".join(names))
+
+
+def _digest(text: str) -> tuple[int, int, int]:
+    # 20 bits from each of the first three 32-bit words of BLAKE2b (its default size: no keyword to parse)
+    a, b, c = _three_words(_blake2b(text.encode()).digest())
+    return a & 0xFFFFF | 0x100000, b & 0xFFFFF | 0x100000, c & 0xFFFFF | 0x100000
+
+
+_blake2b = hashlib.blake2b
+_three_words = struct.Struct("<3I").unpack_from
 
 
 def pack(spec: FreshSpec, rank: int, names: Sequence[str] | None, bufs: Sequence[np.ndarray] | None) -> None:
     """Fill ``spec.staging`` with this rank's part: flag, digest and tensors, or zeros (``names`` None: this rank
     submitted something else)."""
-    staging = spec.staging
     if names is None or bufs is None:
-        staging.fill(0)
+        spec.staging.fill(0)
         return
-    at = 1 + _SLOTS * rank
-    head = 1 + _SLOTS * spec.size
-    staging[:head] = 0  # the tensors' part is overwritten whole below
-    staging[0] = 1
-    staging[at:at + _SLOTS] = name_digest(names)
-    views = spec.views
-    if len(views) == 1:
-        views[0][...] = bufs[0]
-    else:
-        for view, buf in zip(views, bufs, strict=True):
-            view[...] = buf
+    if len(names) == 1 and len(bufs) == 1:
+        pack_one(spec, rank, names[0], bufs[0])
+        return
+    _pack_head(spec, rank, "\0".join(names))
+    for view, buf in zip(spec.views, bufs, strict=True):
+        view[...] = buf
     if spec.prescale != 1.0:
-        scale_inplace(staging[head:], spec.prescale)
+        scale_inplace(spec.data, spec.prescale)
+
+
+def pack_one(spec: FreshSpec, rank: int, name: str, buf: np.ndarray) -> None:
+    """``pack`` of one tensor (the blocking ``allreduce``'s round): the same staging, fewer steps."""
+    _pack_head(spec, rank, name)
+    spec.views[0][...] = buf
+    if spec.prescale != 1.0:
+        scale_inplace(spec.data, spec.prescale)
+
+
+def _pack_head(spec: FreshSpec, rank: int, text: str) -> None:
+    head = spec.head
+    head[:] = spec.blank  # the tensors' part is overwritten whole by the caller
+    head[0] = 1.0
+    at = 1 + _SLOTS * rank
+    head[at], head[at + 1], head[at + 2] = _digest(text)
 
 
 def agreed(spec: FreshSpec) -> bool:
     """After the allreduce of ``spec.staging``: did every rank submit this layout under the same names?"""
     size = spec.size
-    head = spec.staging[:1 + _SLOTS * size].tolist()  # small: plain Python is faster than numpy here
+    head = spec.head.tolist()  # small: plain Python is faster than numpy here
     if spec.op is ReduceOp.AVERAGE:  # AVERAGE divided every slot by the size
         head = [round(x * size) for x in head]
     if not head[0] > size - 0.5:
         return False
     mine = head[1:1 + _SLOTS]
-    if not mine[0] > 0:
-        return False
-    for r in range(1, size):
-        at = 1 + r * _SLOTS
-        if head[at:at + _SLOTS] != mine:
-            return False
-    return True
+    return mine[0] > 0 and head[1:] == mine * size  # every rank's slots hold this rank's digest
 
 
 def unpack(spec: FreshSpec, bufs: Sequence[np.ndarray]) -> None:
     """Copy the reduced tensors (postscaled) back into ``bufs``."""
     if spec.postscale != 1.0:
         scale_inplace(spec.data, spec.postscale)
-    views = spec.views
-    if len(views) == 1:
-        bufs[0][...] = views[0]
-    else:
-        for view, buf in zip(views, bufs, strict=True):
-            buf[...] = view
+    for view, buf in zip(spec.views, bufs, strict=True):
+        buf[...] = view
