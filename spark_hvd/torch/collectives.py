@@ -80,10 +80,10 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     compressed, cctx = compression.compress(tensor)
     if _wants_grad(compressed):
         out = _Allreduce.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
-    else:
-        out = mpi_ops.synchronize(mpi_ops.allreduce_async(compressed, name=name, op=rop,
-                                                          prescale_factor=prescale_factor,
-                                                          postscale_factor=postscale_factor, process_set=process_set))
+    else:  # a blocking call: in place on a copy, which runs the round in this thread (``Engine.allreduce``)
+        out = mpi_ops.allreduce_(compressed.detach().clone(memory_format=torch.contiguous_format), name=name, op=rop,
+                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                 process_set=process_set)
     return compression.decompress(out, cctx)
 
 

@@ -111,6 +111,19 @@ def _device_key(tensor: torch.Tensor) -> str | None:
 
 
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {}
+_STRIDED = torch.strided
+# dtypes whose ``tensor.numpy()`` is the core's array as it is (bfloat16 and bool need a view: ``_np_view``)
+_NUMPY_SHARED = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+                           torch.int32, torch.int64})
+_device_setting: list[Any] = [None, None]  # (the settings object, whether CPU tensors take the device path)
+
+
+def _cpu_on_device() -> bool:
+    """Whether CPU tensors take the device path (``SPARK_HVD_DEVICE_BACKEND=gloo``), for the job's settings."""
+    settings = common.core().settings()
+    if _device_setting[0] is not settings:
+        _device_setting[:] = [settings, device_key("cpu", settings.device_backend) is not None]
+    return bool(_device_setting[1])
 
 
 def _ready_event(tensor: torch.Tensor) -> Any:
@@ -274,7 +287,14 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it."""
     common.require_init("allreduce_()")
-    staged = _Staged(tensor)  # the blocking call runs the round in this thread
+    # the blocking call runs the round in this thread; a contiguous CPU tensor of a dtype numpy shares is handed
+    # over as its own numpy view (what ``_Staged`` makes of it, with fewer checks on the path of every call)
+    if (tensor.is_cpu and tensor.layout is _STRIDED and tensor.dtype in _NUMPY_SHARED and not tensor.requires_grad
+            and tensor.is_contiguous() and not _cpu_on_device()):
+        common.core().allreduce(tensor.numpy(), name=name, op=common.resolve_op(op, average),
+                                prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+        return tensor
+    staged = _Staged(tensor)
     common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
                             postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
     return staged.write_back()
