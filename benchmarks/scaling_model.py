@@ -23,7 +23,18 @@ collective and one data collective, so ``2 rounds`` latency terms). Two cases br
 
 Scaling efficiency is ``compute / step`` (throughput per host relative to one host, which needs no communication).
 
-    .venv/bin/python benchmarks/scaling_model.py                      # the tables of docs/scaling.md
+The re-fit (docs/scaling.md) measures every algorithm the engine chooses through the public API at N = 2, 4, 8 and
+fits alpha and beta per algorithm (``--measure``, benchmarks/scaling_measure.py, writes
+benchmarks/scaling_measured.json), then predicts ResNet-101 on 2..128 hosts of 4 GPUs with the engine's fusion,
+overlap with backward and algorithm choice simulated (``--predict``, benchmarks/scaling_predict.py)::
+
+    .venv/bin/python benchmarks/scaling_model.py --measure --predict  # both (~10 min here, simulated hosts as root)
+    .venv/bin/python benchmarks/scaling_model.py --predict            # from the committed measurement
+    .venv/bin/python benchmarks/scaling_model.py --predict --wire-us 50
+
+Without either flag it prints session 4's model (one N=2 fit, a fixed number of rounds per step)::
+
+    .venv/bin/python benchmarks/scaling_model.py                      # session 4's tables
     .venv/bin/python benchmarks/scaling_model.py --points 4096:0.30e-3,16777216:40.9e-3 --wire-latency-us 50
     .venv/bin/python benchmarks/scaling_model.py --beta-ns 0.5        # what a faster host path would give
 """
@@ -34,6 +45,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: ``--measure`` writes, ``--predict`` reads: the committed measurement behind docs/scaling.md.
+MEASURED = ROOT / "benchmarks" / "scaling_measured.json"
 
 #: Quiet ``api-tcp`` N=2 figures (bytes, seconds per allreduce: ``spark_hvd.torch.allreduce_`` over the TCP ring, what
 #: a user pays) of benchmarks/RESULTS.md, session 4.
@@ -158,7 +174,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wire-latency-us", type=float, default=25.0,
                         help="the network's one-way latency per message (default 25 us, TCP in one data centre)")
     parser.add_argument("--rounds", type=int, default=8, help="negotiation rounds per training step (default 8)")
+    parser.add_argument("--measure", action="store_true",
+                        help="time each allreduce algorithm through spark_hvd.torch.allreduce_ at N=2, 4, 8 and write "
+                             "the records and the alpha-beta fits to --json (benchmarks/scaling_measure.py)")
+    parser.add_argument("--predict", action="store_true",
+                        help="the re-fitted model from --json: ResNet-101 on 2..128 hosts of 4 GPUs "
+                             "(benchmarks/scaling_predict.py)")
+    parser.add_argument("--json", type=Path, default=MEASURED, help=f"default {MEASURED.relative_to(ROOT)}")
+    parser.add_argument("--quick", action="store_true", help="--measure: N=2, 4 only, 4 sizes, 2 rounds")
+    parser.add_argument("--hosts", choices=("auto", "sim", "loopback"), default="auto",
+                        help="--measure: simulated hosts where they can be made (auto), or required, or loopback TCP")
+    parser.add_argument("--link", default="25gbit", help="--measure on simulated hosts: each link's tbf rate")
+    parser.add_argument("--wire-us", type=float, default=None,
+                        help="--predict: wire latency added to every message step (default 20 us)")
     args = parser.parse_args(argv)
+    if args.measure or args.predict:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        if args.measure:
+            import scaling_measure
+
+            rc, elsewhere = scaling_measure.run(args.json, args.quick, args.hosts, args.link,
+                                                list(argv if argv is not None else sys.argv[1:]))
+            if rc or elsewhere or not args.predict:
+                return rc  # run inside a simulated driver host, which printed any prediction itself
+        import scaling_predict
+
+        return scaling_predict.main(args.json, args.wire_us)
     alpha, beta = fit_alpha_beta(args.points)
     if args.alpha_us is not None:
         alpha = args.alpha_us * 1e-6
