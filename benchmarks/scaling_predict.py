@@ -112,6 +112,7 @@ class Cluster:
     fusion: int = FUSION
     cycle_s: float = CYCLE_S
     best: bool = False  # each group by the algorithm this model finds cheapest, not by the engine's thresholds
+    spec_misses: bool = False  # every speculation misses (the fusion groups differ from step to step)
 
 
 def log2c(n: int) -> int:
@@ -152,8 +153,10 @@ def group_terms(nbytes: float, cl: Cluster, costs: Costs) -> dict[str, float]:
     streams = lg if split else 1
     terms["gpu-host copies"] = 2 * carried / PCIE_BPS
     if h > 1:
-        if nbytes > SPEC_LARGE_BYTES:
+        if nbytes > SPEC_LARGE_BYTES or cl.spec_misses:
             terms["negotiation"] = log2c(h) * (costs.fast_step + cl.wire_s)
+        if cl.spec_misses:  # the missed speculation's own small collective, then the fast round above
+            terms["negotiation"] += log2c(h) * (costs.alpha["rd"] + cl.wire_s)
         wire = streams / cl.link_bps
 
         def cross_s(alg: str) -> float:
@@ -336,7 +339,8 @@ def main(path: Path, wire_us: float | None = None) -> int:
               f"{efficiency(replace(c, hd_bytes=1), costs_by['cpu']):.1%}")
     for label, kw, step in (("V100 step (64/210 s)", {}, 64 / 210), ("fusion 16 MiB", {"fusion": 16 << 20}, STEP_S),
                             ("fusion 128 MiB", {"fusion": 128 << 20}, STEP_S),
-                            ("cycle 5 ms", {"cycle_s": 5e-3}, STEP_S)):
+                            ("cycle 5 ms", {"cycle_s": 5e-3}, STEP_S),
+                            ("every speculation misses", {"spec_misses": True}, STEP_S)):
         c = Cluster(128, wire_s=wire, **kw)
         print(f"- {label}: {efficiency(c, costs_by['cpu'], step_s=step):.1%} / "
               f"{efficiency(replace(c, hd_bytes=1), costs_by['cpu'], step_s=step):.1%}")
