@@ -402,7 +402,7 @@ def reducescatter(buf: np.ndarray, op: ReduceOp = ReduceOp.AVERAGE, name: str | 
 
 def barrier(process_set: _PS = None) -> None:
     """Return once every rank (of ``process_set``) has called ``barrier()``."""
-    _engine("barrier()", process_set)[0].enqueue("barrier", start_engine=False).wait()
+    _engine("barrier()", process_set)[0].barrier()
 
 
 def join() -> int:

@@ -131,6 +131,7 @@ _MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
 _LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
 _LONG_WAIT_S = 1.0
 _BURST_CYCLES = 5
+_BARRIER_META = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)  # what every barrier agrees on
 
 
 class Engine:
@@ -234,7 +235,7 @@ class Engine:
             adasum.check_request(kind, getattr(buf, "dtype", None), bfloat16, device, name)
         if kind == "barrier":
             buf = None
-            meta = Meta(kind, "", (), "", 0, 1.0, 1.0, False)
+            meta = _BARRIER_META
         elif isinstance(buf, DeviceBuffer):
             splits = self._check_device_buffer(kind, buf, name, root, splits)
             meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
@@ -368,6 +369,26 @@ class Engine:
                     return buf
         return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
                             bfloat16=bfloat16, start_engine=False).wait()
+
+    def barrier(self) -> None:
+        """A blocking barrier (``enqueue("barrier").wait()``).
+
+        When the engine is armed to speculate on a round of this rank's barrier alone (an allreduce between
+        barriers, as osu_allreduce loops), that round is the flag's one collective, and this runs it at once in the
+        calling thread with no request or handle, as ``allreduce`` does for its tensor; otherwise, or on a miss, it
+        goes through ``enqueue`` and ``wait``.
+        """
+        spec = self._spec
+        if spec is not None and spec.barrier and len(spec.ids) == 1:
+            cached = self._cache.lookup("barrier", _BARRIER_META)
+            if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
+                try:
+                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier", _BARRIER_META)
+                finally:
+                    self._round_lock.release()
+                if hit:
+                    return
+        self.enqueue("barrier", start_engine=False).wait()
 
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
         """Take the round lock for ``_sole_round`` (``_fresh_sole_round``) if ``spec`` is still armed and nothing
@@ -855,14 +876,15 @@ class Engine:
                                 "can no longer be kept in step, so spark_hvd stopped") from exc
         self.stats["fresh_rounds"] += 1
 
-    def _sole_round(self, spec: Spec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
-        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle.
+    def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str, meta: Meta) -> tuple[bool, bool]:
+        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``
+        None: ``barrier``'s round of this rank's barrier alone).
 
         On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
         this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
         ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
         start = self._last_start = time.perf_counter()
-        hit, t0, t1 = self._speculate(spec, [buf])
+        hit, t0, t1 = self._speculate(spec, [] if buf is None else [buf])
         if not hit:
             self._spec = None
             return False, False
@@ -871,10 +893,11 @@ class Engine:
         self._cache.put(name, meta)
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
-        if self._tuner is not None:
+        if self._tuner is not None and buf is not None:
             self._observe([name], buf.nbytes)
         if self.timeline is not None:
-            self.timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
+            self.timeline.event(name, "ALLREDUCE" if buf is not None else "BARRIER", t0, t1, fused=1,
+                                speculative=True)
             self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
         return True, False
 

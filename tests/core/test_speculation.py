@@ -119,6 +119,20 @@ def _patterns_job(seed: int) -> dict:
             blocking("osu", i)
             core.barrier()
         osu = dict(engine.stats)
+        # armed on a barrier (``Engine.barrier`` runs it inline), rank 1 submits another tensor first: the barrier's
+        # round misses on every rank, the barrier and the tensor still complete, right
+        extra = [sc._data(seed + 50, q, shape, np.float32) for q in range(n)]
+        mine = extra[r].copy()
+        blocking("osu", 12)
+        if r == 1:
+            handle = core.allreduce_async(mine, name="extra", op=ReduceOp.SUM)
+            core.barrier()
+            handle.wait()
+        else:
+            core.barrier()
+            core.allreduce(mine, name="extra", op=ReduceOp.SUM)
+        sc._check(mine, reference_reduce(extra, ReduceOp.SUM), "extra")
+        missed_barrier = engine.stats["speculation_misses"] > osu.get("speculation_misses", 0)
         # two tensors alternating, then a rank breaks the pattern (a third tensor first), then it resumes
         for i in range(12):
             blocking("even" if i % 2 == 0 else "odd", 100 + i)
@@ -134,7 +148,7 @@ def _patterns_job(seed: int) -> dict:
         sc._check(mine, reference_reduce(third, ReduceOp.SUM), "third")
         for i in range(8):
             blocking("odd" if i % 2 == 0 else "even", 300 + i)
-        return {"osu": osu, "stats": dict(engine.stats)}
+        return {"osu": osu, "missed_barrier": missed_barrier, "stats": dict(engine.stats)}
     finally:
         core.shutdown()
 
@@ -146,6 +160,7 @@ def test_barrier_between_allreduces_and_alternating_tensors_speculate_and_stay_r
         osu, stats = res["osu"], res["stats"]
         # 12 allreduces and 12 barriers: after the first few rounds every one is a single speculative collective
         assert osu["speculative_rounds"] - osu.get("speculation_misses", 0) >= 16, osu
+        assert res["missed_barrier"], stats
         alternating = stats["speculative_rounds"] - osu["speculative_rounds"]
         assert alternating >= 12, stats
         assert stats["speculation_misses"] >= 1, stats  # the broken pattern was seen, and survived
