@@ -812,10 +812,8 @@ class Engine:
         with self._lock:
             for request in mine:
                 self._local.pop(request.name)
-        for request in mine:  # in the same order on every rank (the names agreed), as the executor would
-            self._cache.put(request.name, request.meta)
-        self._spec = None  # the cache changed: learn the rounds afresh
-        self._predictor.reset()
+        # the names stay out of the response cache (on every rank, whichever of this and ``_fresh_sole_round`` ran
+        # the round): names made up per call would only evict the loop's, and change the ids the predictor learnt
         if self._tuner is not None:
             self._observe([request.name for request in mine], sum(request.buf.nbytes for request in mine))
         self.stats["allreduce_collectives"] += 1
@@ -854,9 +852,7 @@ class Engine:
         stats["full_requests"] += 1
         stats["allreduce_collectives"] += 1
         stats["allreduce_tensors"] += 1
-        self._cache.put(name, meta)
-        self._spec = None  # the cache changed: learn the rounds afresh
-        self._predictor.reset()
+        # the name stays out of the response cache, as in ``_fresh_round``
         if self._tuner is not None:
             self._observe([name], buf.nbytes)
         if timeline is not None:

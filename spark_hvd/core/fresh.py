@@ -13,8 +13,10 @@ float slots of 20 bits, each slot one rank's alone, so the sum is exact) and its
 When every flag is set and every rank's names digest alike, every rank submitted the same names with the same
 metadata, which is all a negotiation would have established, and the packed part is the answer. Otherwise every
 rank drops it (the tensors were packed copies: nothing of theirs changed), disarms and negotiates as usual, having
-spent one small collective. Like the table and ``spark_hvd.core.speculation``, this is thread-free and rank-free:
-every rank arms the same ``FreshSpec`` from the same agreed rounds.
+spent one small collective. Names agreed this way stay out of the response cache (a name made up per call would
+only evict the names a loop reuses; one that comes back is negotiated then). Like the table and
+``spark_hvd.core.speculation``, this is thread-free and rank-free: every rank arms the same ``FreshSpec`` from the
+same agreed rounds.
 """
 
 from __future__ import annotations
