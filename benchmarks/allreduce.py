@@ -32,7 +32,8 @@ torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, 
 
 The driver's control connections use the same authenticated framing as the library (``FramedSocket``).
 ``BENCH_PROFILE=DIR`` in the environment writes a cProfile of every rank's timed loop to
-``DIR/IMPL.RANK.NBYTES.NS.prof`` (read with ``pstats``; the profiler slows the Python parts, so time without it).
+``DIR/IMPL.RANK.NBYTES.NS.prof`` (read with ``pstats``; the profiler slows the Python parts, so time without it);
+with ``BENCH_PROFILE_CLOCK=cpu`` its clock is the calling thread's CPU time instead of the wall clock.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def _profiler() -> Any:
         return None
     import cProfile
 
-    profile = cProfile.Profile()
+    clock = time.thread_time if os.environ.get("BENCH_PROFILE_CLOCK") == "cpu" else time.perf_counter
+    profile = cProfile.Profile(clock)
     profile.enable()
     return profile
 

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
                    str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else []) + \
                 (["--shm"] if args.shm else [])
-            env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", **extra)
+            env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", **extra}
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
                 raise RuntimeError(f"{tree}: {done.stderr[-3000:]}")

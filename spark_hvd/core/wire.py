@@ -139,7 +139,8 @@ class _Direction:
     def data_tag(self, counter: int, length: int, kind: bytes, payload: bytes | memoryview) -> bytes:
         """The GMAC tag of the data frame ``kind | payload`` of ``length`` bytes numbered ``counter`` (from
         ``reserve``)."""
-        return self._data.encrypt(*self.data_tag_args(counter, length, kind, payload))[-TAG_SIZE:]
+        return self._data.encrypt(_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + kind,
+                                  payload)[-TAG_SIZE:]
 
     def data_tag_args(self, counter: int, length: int, kind: bytes,
                       payload: bytes | memoryview) -> tuple[bytes, bytes, bytes | memoryview]:
