@@ -51,6 +51,9 @@ class Backend(ABC):
     #: staging slots, or nothing to move at all): the engine then hands it a whole round's tensors at once, since
     #: the fusion threshold only bounds a fusion buffer. Otherwise the engine packs its own reusable buffer.
     fuses_in_place: bool = False
+    #: True when ``allreduce_agreed`` carries the ranks' agreement inside the data collective (two ranks over
+    #: TCP, ``spark_hvd.core.agreed``): a speculative round of one large tensor then needs no separate exchange.
+    agrees_in_band: bool = False
     rank: int
     size: int
     local_rank: int
@@ -77,6 +80,12 @@ class Backend(ABC):
             n = b.size
             b.reshape(-1)[...] = flat[offset:offset + n]
             offset += n
+
+    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        """Allreduce ``buf`` in place if every rank ``agree``s, and say whether they all did; on False no rank's
+        ``buf`` changed. With ``agree`` False, ``buf`` is only a template (size and dtype), never read or written.
+        Only where ``agrees_in_band``."""
+        raise NotImplementedError(f"the {self.name} backend carries no agreement in band")
 
     @abstractmethod
     def allgather(self, buf: np.ndarray) -> np.ndarray:

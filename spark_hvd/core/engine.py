@@ -184,7 +184,7 @@ class Engine:
         self._last_enqueue = 0.0
         self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
         self._spec: Spec | None = None  # identical on every rank
-        self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses)
+        self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band)
         self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.fresh``)
         self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
         self._fresh_specs: dict[Layout, FreshSpec] = {}
@@ -715,6 +715,8 @@ class Engine:
         ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
         reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
         staging = spec.staging
+        if spec.in_band:  # the flag is the first frame of the tensor's own collective (``spark_hvd.core.agreed``)
+            return self._speculate_in_band(spec, bufs)
         if spec.in_place:
             staging[0] = 0 if bufs is None else 1
             assert spec.sole is not None
@@ -752,6 +754,31 @@ class Engine:
                 scale_inplace(staging[1:], spec.postscale)
             for view, buf in zip(spec.views, bufs, strict=True):
                 buf[...] = view
+        return self._speculated(spec, bufs, t1), t0, t1
+
+    def _speculate_in_band(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
+        """``_speculate`` for ``spec.in_band``: the tensor's own allreduce, this rank's agreement its first frame
+        (a rank that submitted something else passes a read-only stand-in of the tensor's size: never read)."""
+        data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
+        t0 = time.perf_counter()
+        try:
+            hit = self.backend.allreduce_agreed(data, spec.op, bufs is not None)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        t1 = time.perf_counter()
+        self.stats["speculative_rounds"] += 1
+        if not hit:  # some rank submitted something else: no rank's tensor changed
+            self.stats["speculation_misses"] += 1
+            return False, t0, t1
+        assert bufs is not None
+        scale_inplace(bufs[0], spec.postscale)
+        return self._speculated(spec, bufs, t1), t0, t1
+
+    def _speculated(self, spec: Spec, bufs: list[np.ndarray], t1: float) -> bool:
+        """Count a speculative round that hit (its tensors reduced); True."""
         if spec.barrier:
             self.stats["barrier_collectives"] += 1
         else:
@@ -761,7 +788,7 @@ class Engine:
                 self.stats["fused_collectives"] += 1
         self._idle_rounds = 0
         self._progress_at = t1
-        return True, t0, t1
+        return True
 
     def _speculative_round(self, spec: Spec, mine: dict[int, Request] | None, start: float) -> bool:
         """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import halving_doubling, hier_pipeline, recursive_doubling, shm_cma
+from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling, shm_cma
 from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
     HOST_ID_ENV,
     IFACE_ENV,
@@ -549,6 +549,11 @@ class RingBackend(Backend):
         results straight back, with no fusion buffer (over TCP it would have to pack one)."""
         return self.transport == "shm" or self.size == 1
 
+    @property
+    def agrees_in_band(self) -> bool:
+        """Two ranks over TCP: ``allreduce_agreed`` sends the agreement as the data's first frame."""
+        return self.transport == "tcp" and self.size == 2
+
     # -- Backend API -------------------------------------------------------------------------------------------
     @_collective("allreduce")
     def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
@@ -584,6 +589,21 @@ class RingBackend(Backend):
         self._allreduce_flat(packed, op, bfloat16, "allreduce")
         if len(flats) > 1:
             _unpack(packed, flats)
+
+    @_collective("allreduce")
+    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        """See ``Backend.allreduce_agreed`` (two ranks over TCP: ``spark_hvd.core.agreed``)."""
+        if not self.agrees_in_band:
+            raise NotImplementedError(f"allreduce_agreed needs two ranks over TCP, not {self.size} over "
+                                      f"{self.transport}")
+        flat = buf.reshape(-1)
+        if agree:
+            flat = _flat(buf, "allreduce")
+            check_dtype(flat, False)
+        pair = flat.nbytes <= self._pair_bytes  # as ``_tcp_allreduce`` chooses: one round trip, else the ring
+        sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize)
+        return agreed.allreduce(self.peers[1 - self.rank], self.rank, flat, agree, op, False, "allreduce",
+                                self._scratch_bytes, sub, pair)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:

@@ -8,10 +8,12 @@ The predictor learns which round follows which: after a clean round of ids ``C``
 after ``C`` last time and, when that successor was not contradicted since, arms a speculation on it. A steady loop
 of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an allreduce between barriers
 (osu_allreduce's loop), a training step's gradients then its metric: each becomes a cycle of predicted rounds of
-one collective each, negotiation and data together. A prediction that fails costs one small collective, and the
-successor it predicted must then be seen twice in a row before it is armed again, so an irregular pattern does
-not pay that on every round. A full round (new names, a join, a partial fast round) may change the cache, so the
-engine forgets everything learned (``reset``).
+one collective each, negotiation and data together (between two ranks over TCP, one larger tensor carries the
+flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A prediction that fails costs one
+collective (a small one, or the one larger tensor's transfer), and the successor it predicted must then be seen
+twice in a row before it is armed again, so an irregular pattern does not pay that on every round. A full round
+(new names, a join, a partial fast round) may change the cache, so the engine forgets everything learned
+(``reset``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ SPEC_BYTES = 64 * 1024
 #: round trips they save). Their staging arrays share one scratch buffer per dtype (``Predictor``), so memory does
 #: not grow with the rounds learned.
 SPEC_LARGE_BYTES = 1024 * 1024
+#: The element-wise reductions an in-band speculation may carry (``Spec.in_band``: the flag is not reduced).
+_IN_BAND_OPS = ("sum", "average", "min", "max", "product")
 _MAX_LEARNED = 4096  # rounds remembered (a loop with more distinct rounds than this is forgotten and relearned)
 
 Ids = tuple[int, ...]
@@ -51,6 +55,11 @@ class Spec(NamedTuple):
     saves, so the collective is ``allreduce_fused([flag], tensor)`` on the tensor itself; a rank that did not submit
     exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
     that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
+
+    ``in_band``: two ranks on a backend that carries the flag as a header of the data collective itself
+    (``Backend.allreduce_agreed``: TCP), one tensor larger than ``SPEC_BYTES`` without prescale (any dtype, any
+    element-wise op): the collective runs on the tensor where it lies, the flag travels ahead of the data, and on
+    a miss no rank's tensor changes. ``staging`` is then empty.
     """
 
     ids: Ids
@@ -64,14 +73,16 @@ class Spec(NamedTuple):
     views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
     in_place: bool
     barrier: bool  # the round is barriers only (no data)
+    in_band: bool = False  # the flag is the first frame of the tensor's own collective (two ranks, TCP)
 
 
 def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
-               scratch: Callable[[np.dtype, int], np.ndarray] | None = None) -> Spec | None:
+               scratch: Callable[[np.dtype, int], np.ndarray] | None = None, in_band: bool = False) -> Spec | None:
     """The speculation for a round of ``ids`` (``lookup``: the response cache), or None when it cannot be one.
 
     ``scratch(dtype, n)``: a zeroed-or-not array of ``n`` items, shared between speculations (rounds run one at a
-    time), for the staging of rounds above ``SPEC_BYTES``; None: every speculation gets its own."""
+    time), for the staging of rounds above ``SPEC_BYTES``; None: every speculation gets its own. ``in_band``: the
+    backend's ``agrees_in_band``."""
     entries = [lookup(cache_id) for cache_id in ids]
     metas = [meta for _, meta in entries]
     if all(m.kind == "barrier" for m in metas):
@@ -79,6 +90,12 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
                     True)
     first = metas[0]
     dtype = np.dtype(first.dtype)
+    if (in_band and size == 2 and len(ids) == 1 and first.kind == "allreduce" and not first.device
+            and not first.bfloat16 and first.prescale == 1.0 and first.op in _IN_BAND_OPS):
+        count = int(np.prod(first.shape, dtype=np.int64))
+        if count * dtype.itemsize > SPEC_BYTES:
+            return Spec(ids, dtype, ReduceOp(first.op), 1.0, first.postscale, count, entries[0],
+                        np.zeros(0, dtype), (), False, False, True)
     key = (first.dtype, first.op, first.prescale, first.postscale, False)
     if dtype.kind != "f" or first.op not in ("sum", "average") or any(
             m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
@@ -113,12 +130,15 @@ class Predictor:
         lookup: the response cache's ``get`` (cache id -> name, metadata).
         size: the number of ranks.
         fuses_in_place: the backend reduces several arrays where they lie (an in-place speculation is possible).
+        in_band: the backend carries the flag inside the data collective (``Backend.agrees_in_band``).
     """
 
-    def __init__(self, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool) -> None:
+    def __init__(self, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
+                 in_band: bool = False) -> None:
         self._lookup = lookup
         self._size = size
         self._fuses = fuses_in_place
+        self._in_band = in_band
         self._last: Ids | None = None  # the last clean round with something in it
         self._follows: dict[Ids, tuple[Ids, bool]] = {}  # round -> (the round after it last time, confirmed)
         self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
@@ -154,7 +174,8 @@ class Predictor:
         if ids not in self._specs:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
-            self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses, self._staging)
+            self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses, self._staging,
+                                          self._in_band)
         return self._specs[ids]
 
     def _staging(self, dtype: np.dtype, n: int) -> np.ndarray:

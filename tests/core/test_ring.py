@@ -249,7 +249,47 @@ def test_pair_exchange_in_several_frames():
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
-def _die_mid_collective(victim: int, shm: bool) -> dict:
+def _agreed_allreduces(seed: int) -> str:
+    """``allreduce_agreed`` (two ranks over TCP, the flag as the data's first frame) with each rank agreeing or
+    not, exchanged whole (3001 elements) and on the ring (200_003, odd: unequal halves, several frames each)."""
+    be = backend_from_env(SMALL)
+    digest = hashlib.sha256()
+    try:
+        assert be.agrees_in_band
+        for count in (3001, 200_003):
+            for dtype, op in (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX)):
+                for agreements in ((1, 1), (1, 0), (0, 1), (0, 0), (1, 1)):
+                    mine = _data(seed, be.rank, count, dtype)
+                    buf = mine.copy()
+                    what = f"{count} {dtype} {op} {agreements}"
+                    if agreements[be.rank]:
+                        hit = be.allreduce_agreed(buf, op, True)
+                    else:  # a read-only stand-in: never read or written
+                        hit = be.allreduce_agreed(np.broadcast_to(np.zeros(1, dtype), (count,)), op, False)
+                    assert hit == all(agreements), what
+                    if hit:
+                        want = _expected([_data(seed, k, count, dtype) for k in range(2)], op, dtype)
+                        _close(buf, want, dtype, what)
+                        digest.update(buf.tobytes())
+                    else:  # a miss leaves the array as it was, bit for bit
+                        assert buf.tobytes() == mine.tobytes(), what
+        buf = _data(seed, be.rank, 1001, "float32")  # and the backend is still in step
+        be.allreduce(buf, ReduceOp.SUM)
+        _close(buf, _expected([_data(seed, k, 1001, "float32") for k in range(2)], ReduceOp.SUM, "float32"), "float32",
+               "after")
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+def test_agreed_allreduce_reduces_only_when_both_ranks_agree():
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    digests = run_ranks(_agreed_allreduces, 2, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"},
+                        timeout=120, args=(seed,))
+    assert digests[0] == digests[1]  # both ranks hold the same bits
+
+
+def _die_mid_collective(victim: int, shm: bool, agreed: bool = False) -> dict:
     be = backend_from_env()
     if be.rank == victim:
         threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
@@ -257,7 +297,10 @@ def _die_mid_collective(victim: int, shm: bool) -> dict:
     start = time.monotonic()
     try:
         for _ in range(100_000):
-            be.allreduce(buf, ReduceOp.AVERAGE)
+            if agreed:  # the flag as the data's first frame (speculation between two ranks over TCP)
+                be.allreduce_agreed(buf, ReduceOp.AVERAGE, True)
+            else:
+                be.allreduce(buf, ReduceOp.AVERAGE)
         return {"error": None}
     except PeerFailureError as exc:
         return {"error": type(exc).__name__, "rank": exc.rank, "operation": exc.operation, "message": str(exc),
@@ -266,18 +309,20 @@ def _die_mid_collective(victim: int, shm: bool) -> dict:
         be.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "hier", "cma"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "hier", "cma", "agreed"])
 def test_sigkilled_rank_is_named_by_every_other_rank(transport):
     # hier: 2 faked hosts of 2 ranks; rank 1 dies while carrying its slice (its host peer waits in shared memory);
-    # cma: two ranks, whose 16 MiB allreduces read each other's buffers (shm_cma)
+    # cma: two ranks, whose 16 MiB allreduces read each other's buffers (shm_cma); agreed: two ranks over TCP,
+    # ``allreduce_agreed``
     job_id = f"kill{transport}{os.getpid()}"
-    shm, n = transport != "tcp", {"hier": 4, "cma": 2}.get(transport, 3)
+    shm, n = transport not in ("tcp", "agreed"), {"hier": 4, "cma": 2, "agreed": 2}.get(transport, 3)
 
     def env(rank: int) -> dict[str, str]:
         host = {"SPARK_HVD_HOST_ID": "ab"[rank // 2]} if transport == "hier" else {}
         return {"SPARK_HVD_SHM": "1" if shm else "0", "SPARK_HVD_TIMEOUT": "20", **host}
 
-    results = run_ranks(_die_mid_collective, n, args=(1, shm), allow_death={1}, timeout=120, job_id=job_id, env=env)
+    results = run_ranks(_die_mid_collective, n, args=(1, shm, transport == "agreed"), allow_death={1}, timeout=120,
+                        job_id=job_id, env=env)
     assert isinstance(results[1], RankDied) and results[1].exitcode == -signal.SIGKILL
     for r in [k for k in range(n) if k != 1]:
         res = results[r]
