@@ -8,12 +8,13 @@ the data starts flowing at once and the early rank's link is not left idle while
 separate small exchange first would make it wait out the other rank's lag before the first data byte).
 
 Both ranks read the other's header before the first data frame, and the other rank is the only one, so each knows
-the outcome before it touches its array: on a hit the ring (or the pair exchange) runs as usual; on a miss both
-still move every byte (the frame counts are fixed when the transfer starts, and the early data is already on its
-way) but nothing is reduced and everything received goes to scratch, so the rank that did submit the tensor keeps
-it bit for bit, and the rank that did not never reads or writes the array it passed (a read-only stand-in of the
-right size and dtype is enough). The cost of a miss is one transfer of the array's size; the predictor arms a
-round only once it has seen it twice, so misses are rare (a new pattern, a rank's idle heartbeat).
+the outcome before it touches its array. A rank that agrees sends its first frames (up to ``EAGER_BYTES``) without
+waiting, the rest once both headers said yes, one frame for each frame received (the window stays in flight); a
+rank that does not agree sends its header alone. On a hit the ring (or the pair exchange) runs as usual; on a miss
+the only data to move is the early frames of a rank that agreed, which land in scratch: nothing is reduced, the
+rank that did submit the tensor keeps it bit for bit, and the rank that did not never reads or writes the array it
+passed (a read-only stand-in of the right size and dtype is enough). A miss costs a round trip and at most
+``EAGER_BYTES`` (a whole array up to ``PAIR_EXCHANGE_BYTES``) on the link.
 
 Between more than two ranks this does not work as it stands: a rank learns the flags of ranks further round the
 ring only after it has reduced data from its neighbour.
@@ -31,6 +32,9 @@ from spark_hvd.core.tcp import PeerSocket, ProtocolError, RingExchange
 
 #: The header frame: [agree (0/1), the array's size in bytes], little-endian int64.
 _HEADER = np.dtype("<i8")
+#: A rank that agrees sends this much of its data before it has the other's header (its early frames): enough
+#: to keep its link busy while the other rank catches up (at 2 Gbit/s, 16 ms), and all a miss costs.
+EAGER_BYTES = 4 * 1024 * 1024
 
 
 def _header(agree: bool, nbytes: int) -> np.ndarray:
@@ -49,74 +53,83 @@ def allreduce(peer: PeerSocket, rank: int, flat: np.ndarray, agree: bool, op: Re
     rank disagrees) nothing of ``flat`` changes on either rank and False is returned. ``rank``: 0 or 1 (which
     half the ring reduces here); ``scratch(n)``: a reusable uint8 array of ``n`` bytes; ``sub``: the bytes per
     frame (identical on both ranks); ``pair``: exchange whole arrays (one round trip), else the two-step ring.
+
+    What travels: each rank's header, then (only from a rank that agrees) its first frames, up to ``EAGER_BYTES``
+    (whole arrays: all of it), sent before the other's header is here; every further frame is sent once the
+    headers said both agree, one for each frame received (the ring's order, the same window kept in flight).
     """
     nbytes = flat.nbytes
     mine = _header(agree, nbytes)
     theirs = np.zeros(2, _HEADER)
     raw = flat.view(np.uint8) if agree else None
-    zeros = None if agree else np.zeros(min(sub, nbytes), np.uint8)
     item = flat.itemsize
     if pair:  # the whole array each way, reduced once all of it is here
-        spans = _pieces(0, nbytes, sub)
+        out_spans = in_spans = _pieces(0, nbytes, sub)
+        reduce_spans: list[tuple[int, int]] = []
         got = scratch(nbytes)
-        sends = [memoryview(raw[lo:hi] if raw is not None else zeros[:hi - lo]) for lo, hi in spans]
-        receives = [memoryview(theirs.view(np.uint8))] + [memoryview(got[lo:hi]) for lo, hi in spans]
-        outcome = [False]
+        eager_out = eager_in = len(out_spans)
+    else:
+        # the ring: chunk ``rank`` is reduced here (from the other's copy) and sent back; chunk ``1 - rank`` is
+        # sent as it is and comes back reduced
+        half = (flat.size + 1) // 2 * item  # even_bounds(size, 2): the larger part first
+        chunks = [(0, half), (half, nbytes)]
+        out_spans = _pieces(*chunks[1 - rank], sub)
+        reduce_spans = _pieces(*chunks[rank], sub)
+        in_spans = reduce_spans + out_spans  # the other's copy of chunk ``rank``, then chunk ``1 - rank`` reduced
+        got = scratch(sub)
+        window = -(-EAGER_BYTES // sub)
+        # at most all but one of the first chunk's frames: the reduced frames that follow them are then always
+        # ready when their turn comes (the reduced frame j is sent at the earliest on the frame received after j)
+        eager_out, eager_in = min(len(out_spans) - 1, window), min(len(reduce_spans) - 1, window)
 
-        def on_pair(i: int) -> None:
-            if i == 0:
-                outcome[0] = _agreed(theirs, agree, nbytes, peer, operation)
+    def target(lo: int, hi: int, k: int) -> memoryview:
+        """Where received frame k (1-based, after the header) lands: scratch, unless it is a result kept here (on
+        the ring, the frames after the other's copy of chunk ``rank``)."""
+        if pair:
+            return memoryview(got[lo:hi])
+        return memoryview(raw[lo:hi] if raw is not None and k > len(reduce_spans) else got[:hi - lo])
 
-        RingExchange(peer, peer, operation).run([memoryview(mine.view(np.uint8)), *sends], receives, on_pair)
-        if not outcome[0]:
-            return False
+    receives = [memoryview(theirs.view(np.uint8))]
+    receives += [target(lo, hi, k) for k, (lo, hi) in enumerate(in_spans, 1)]
+    # the frames sent after the headers, in order: the rest of the first chunk, then the reduced one
+    later = out_spans[eager_out:] + reduce_spans
+    hit = [False]
+
+    def on_received(i: int) -> memoryview | None:
+        if i == 0:
+            peer_agrees = _agreed(theirs, nbytes, peer, operation)
+            hit[0] = agree and peer_agrees
+            if not hit[0]:  # a miss: only the frames the other sent before it knew are still to come (its early
+                # frames, which land in scratch: fewer than the other's copy of chunk ``rank``), nothing else
+                del receives[1 + (eager_in if peer_agrees else 0):]
+        elif hit[0] and i <= len(reduce_spans):  # the other's copy of a frame of chunk ``rank``: reduce it
+            lo, hi = reduce_spans[i - 1]
+            part = flat[lo // item:hi // item]
+            reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
+            if op is ReduceOp.AVERAGE:
+                divide_average(part, 2, bfloat16)
+        if not hit[0] or i >= len(later):
+            return None
+        lo, hi = later[i]
+        return memoryview(raw[lo:hi])  # type: ignore[index]
+
+    sends = [memoryview(mine.view(np.uint8))]
+    if agree:
+        sends += [memoryview(raw[lo:hi]) for lo, hi in out_spans[:eager_out]]  # type: ignore[index]
+    # ``RingExchange`` reads ``receives[i]`` (and the list's length) only when frame i starts, after
+    # ``on_received(i - 1)`` returned: the headers' answer may still shorten or redirect what follows them
+    RingExchange(peer, peer, operation).run(sends, receives, on_received)
+    if hit[0] and pair:
         reduce_into(flat, got.view(flat.dtype), op, bfloat16)
         if op is ReduceOp.AVERAGE:
             divide_average(flat, 2, bfloat16)
-        return True
-    # the ring: chunk ``rank`` is reduced here (from the other's copy) and sent back; chunk ``1 - rank`` is sent
-    # as it is and comes back reduced
-    half = (flat.size + 1) // 2 * item  # even_bounds(size, 2): the larger part first
-    chunks = [(0, half), (half, nbytes)]
-    out_lo, out_hi = chunks[1 - rank]
-    in_lo, in_hi = chunks[rank]
-    buf = scratch(sub)
-    reduce_spans = _pieces(in_lo, in_hi, sub)
-    gather_spans = _pieces(out_lo, out_hi, sub)
-    sends = [memoryview(raw[lo:hi] if raw is not None else zeros[:hi - lo]) for lo, hi in gather_spans]
-    receives = [memoryview(theirs.view(np.uint8))]
-    receives += [memoryview(buf[:hi - lo]) for lo, hi in reduce_spans]
-    receives += [memoryview(raw[lo:hi] if raw is not None else buf[:hi - lo]) for lo, hi in gather_spans]
-    n_reduce = len(reduce_spans)
-    hit = [False]
-
-    def on_ring(i: int) -> memoryview | None:
-        if i == 0:
-            hit[0] = _agreed(theirs, agree, nbytes, peer, operation)
-            if not hit[0] and raw is not None:  # a miss: what comes back must not land in the array
-                for k, (lo, hi) in enumerate(gather_spans):
-                    receives[1 + n_reduce + k] = memoryview(buf[:hi - lo])
-            return None
-        if i > n_reduce:
-            return None
-        lo, hi = reduce_spans[i - 1]
-        if not hit[0]:
-            return memoryview(raw[lo:hi] if raw is not None else zeros[:hi - lo])
-        part = flat[lo // item:hi // item]
-        reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
-        if op is ReduceOp.AVERAGE:
-            divide_average(part, 2, bfloat16)
-        return memoryview(raw[lo:hi])
-
-    # ``RingExchange`` reads ``receives[i]`` only when frame i starts, after ``on_ring(i - 1)`` returned: the
-    # header's answer may still redirect the frames that follow it
-    RingExchange(peer, peer, operation).run([memoryview(mine.view(np.uint8)), *sends], receives, on_ring)
     return hit[0]
 
 
-def _agreed(theirs: np.ndarray, agree: bool, nbytes: int, peer: PeerSocket, operation: str) -> bool:
+def _agreed(theirs: np.ndarray, nbytes: int, peer: PeerSocket, operation: str) -> bool:
+    """Whether the other rank agrees (its header ``theirs``); a header for another size is a protocol error."""
     if int(theirs[1]) != nbytes:
         peer.recv_broken = True
         raise ProtocolError(f"{operation}: rank {peer.rank} speculated on a round of {int(theirs[1])} bytes where "
                             f"this rank expected {nbytes}; the ranks' engines are out of step")
-    return agree and int(theirs[0]) == 1
+    return int(theirs[0]) == 1

@@ -4,14 +4,16 @@ Thread-free and rank-free, like the table (``spark_hvd.core.table``): every rank
 clean rounds (the response-cache ids every rank submitted, from a fast round or a speculative hit) and so arms the
 same ``Spec`` at the same moment.
 
-The predictor learns which round follows which: after a clean round of ids ``C`` it looks up the round that came
-after ``C`` last time and, when that successor was not contradicted since, arms a speculation on it. A steady loop
+The predictor learns which round follows which: after a clean round of ids ``C`` it looks up the round that follows
+``C`` (the first one seen, or one seen twice in a row after ``C``) and arms a speculation on it. A steady loop
 of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an allreduce between barriers
 (osu_allreduce's loop), a training step's gradients then its metric: each becomes a cycle of predicted rounds of
 one collective each, negotiation and data together (between two ranks over TCP, one larger tensor carries the
 flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A prediction that fails costs one
-collective (a small one, or the one larger tensor's transfer), and the successor it predicted must then be seen
-twice in a row before it is armed again, so an irregular pattern does not pay that on every round. A full round
+collective (a small one, or a round trip and the early frames of the larger tensor's). One other round after
+``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
+misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so
+an irregular pattern does not pay a miss on every round. A full round
 (new names, a join, a partial fast round) may change the cache, so the engine forgets everything learned
 (``reset``).
 """
@@ -140,7 +142,12 @@ class Predictor:
         self._fuses = fuses_in_place
         self._in_band = in_band
         self._last: Ids | None = None  # the last clean round with something in it
-        self._follows: dict[Ids, tuple[Ids, bool]] = {}  # round -> (the round after it last time, confirmed)
+        self._before: Ids | None = None  # the one before it
+        # round -> (the successor armed or None, the round after it last time, that one contradicted the armed one)
+        self._follows: dict[Ids, tuple[Ids | None, Ids, bool]] = {}
+        # the same for the last two rounds (``_before``, ``_last``): asked first, so a round whose successor depends
+        # on the one before it (a barrier after each of two loops, a metric every few steps) is predicted as well
+        self._follows2: dict[tuple[Ids, Ids], tuple[Ids | None, Ids, bool]] = {}
         self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
         self._scratch: dict[str, np.ndarray] = {}  # the shared staging of large speculations, by dtype
 
@@ -151,26 +158,25 @@ class Predictor:
         """
         if common:
             now = tuple(common)
-            last = self._last
-            if last is not None:
-                seen = self._follows.get(last)
-                if seen is None or seen[0] == now:
-                    if seen is None and len(self._follows) >= _MAX_LEARNED:
-                        self.reset()
-                    self._follows[last] = (now, True)
-                else:  # the successor changed: arm it only once it is seen again
-                    self._follows[last] = (now, False)
-            self._last = now
+            if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
+                self.reset()
+            if self._last is not None:
+                _learn(self._follows, self._last, now)
+                if self._before is not None:
+                    _learn(self._follows2, (self._before, self._last), now)
+            self._before, self._last = self._last, now
         return self.predict()
 
     def predict(self) -> Spec | None:
         """The speculation for the round after the last clean one, if one is expected."""
         if self._last is None:
             return None
-        seen = self._follows.get(self._last)
-        if seen is None or not seen[1]:
+        seen = None if self._before is None else self._follows2.get((self._before, self._last))
+        if seen is None:
+            seen = self._follows.get(self._last)
+        ids = None if seen is None else seen[0]
+        if ids is None:
             return None
-        ids = seen[0]
         if ids not in self._specs:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
@@ -188,7 +194,24 @@ class Predictor:
 
     def reset(self) -> None:
         """Forget every round (the cache may have changed: a full round)."""
-        self._last = None
+        self._last = self._before = None
         self._follows.clear()
+        self._follows2.clear()
         self._specs.clear()
         self._scratch.clear()
+
+
+def _learn(follows: dict, key: object, now: Ids) -> None:
+    """Record that ``now`` followed ``key`` (a round, or the last two): the first successor seen is armed; one other
+    round now and then keeps it armed; a second in a row disarms it until one successor is seen twice in a row."""
+    seen = follows.get(key)
+    if seen is None:
+        follows[key] = (now, now, False)
+        return
+    armed, previous, struck = seen
+    if now == armed or now == previous:
+        follows[key] = (now, now, False)
+    elif armed is not None and not struck:
+        follows[key] = (armed, now, True)
+    else:
+        follows[key] = (None, now, False)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 
-from spark_hvd.core import hier_pipeline
+from spark_hvd.core import agreed, hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.mac_pool import MacPool
@@ -256,12 +256,16 @@ def _agreed_allreduces(seed: int) -> str:
     digest = hashlib.sha256()
     try:
         assert be.agrees_in_band
-        for count in (3001, 200_003):
-            for dtype, op in (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX)):
+        # early frames (sent before the other's header): on the ring (7 frames per half) all but one, one, none
+        ops = (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX))
+        for count, eager, cases in ((3001, agreed.EAGER_BYTES, ops), (200_003, agreed.EAGER_BYTES, ops),
+                                    (200_003, 64 * 1024, ops[1:2]), (200_003, 0, ops[1:2])):
+            agreed.EAGER_BYTES = eager
+            for dtype, op in cases:
                 for agreements in ((1, 1), (1, 0), (0, 1), (0, 0), (1, 1)):
                     mine = _data(seed, be.rank, count, dtype)
                     buf = mine.copy()
-                    what = f"{count} {dtype} {op} {agreements}"
+                    what = f"{count} {eager} {dtype} {op} {agreements}"
                     if agreements[be.rank]:
                         hit = be.allreduce_agreed(buf, op, True)
                     else:  # a read-only stand-in: never read or written

@@ -62,11 +62,40 @@ def test_a_changed_successor_is_armed_only_once_seen_again():
     for ids in ([0], [1], [0]):
         predictor.advance(ids)
     assert predictor.advance([2]) is None  # 0 was followed by 1 before: 2 is not trusted yet
-    predictor.advance([0])
-    assert predictor.predict() is None  # after 0 came 2 once, contradicting 1
+    spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (1,)  # after 0 came 2 once: 1 stays armed (a loop's odd round)
     predictor.advance([2])
     spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (2,)  # 2 twice in a row after 0: armed
+
+
+def test_a_steady_loop_stays_armed_through_an_odd_round_and_is_disarmed_by_two_in_a_row():
+    cache = _cache(("a", _allreduce()), ("b", _allreduce()), ("c", _allreduce()), ("barrier", BARRIER))
+    predictor = Predictor(cache.get, 2, False)
+    for ids in ([0], [0], [0], [3]):  # a steady loop, then a barrier
+        predictor.advance(ids)
+    spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (0,)  # the loop again: still armed (only the barrier's round missed)
+    predictor = Predictor(cache.get, 2, False)
+    for ids in ([0], [0], [0], [1], [0], [2]):  # after 0: 1, then 2: something else twice in a row
+        predictor.advance(ids)
+    assert predictor.advance([0]) is None  # disarmed
+    predictor.advance([2])  # 2 twice in a row after 0: armed
+    spec = predictor.advance([0])
     assert spec is not None and spec.ids == (2,)
+
+
+def test_the_round_after_a_barrier_is_predicted_from_the_two_rounds_before_it():
+    # two loops in turn, a barrier after the first step of each (the benchmark's pattern): what follows the barrier
+    # depends on the round before it
+    cache = _cache(("a", _allreduce()), ("b", _allreduce((4,))), ("barrier", BARRIER))
+    predictor = Predictor(cache.get, 2, False)
+    pattern = [[0], [2], [0], [0], [1], [2], [1], [1]]
+    for ids in pattern * 2:
+        predictor.advance(ids)
+    for ids, following in zip(pattern, pattern[1:] + pattern[:1], strict=True):
+        spec = predictor.advance(ids)
+        assert spec is not None and list(spec.ids) == following, (ids, following)
 
 
 def test_what_cannot_be_speculated_on():
