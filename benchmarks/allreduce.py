@@ -25,7 +25,9 @@ forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and sec
 two hosts (``SPARK_HVD_HOST_ID``), so it runs the hierarchical path: shared memory within a "host", the TCP ring
 between the two leaders (needs N >= 4 to differ from the TCP ring); ``ring-sync`` is ``ring`` with a 16-byte
 allreduce before each call, the collectives a steady ``api`` call makes when no speculation carries it (the
-engine's fast round, then the data) without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
+engine's fast round, then the data) without the engine's Python; ``ring-agreed`` (two ranks over TCP only) is the
+collective a steady ``api`` call makes when speculation carries it (the agreement as the data's first frame,
+``spark_hvd.core.agreed``), without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
 ``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
 torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, ``api-hier`` on ``ring-hier``'s two
 "hosts"), one fixed tensor name per size as a training loop has.
@@ -62,7 +64,7 @@ logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
           "alt": "--alternate: two tensors alternating, time per call",
           "new": "--new-names: every call a new name, time per call"}
-IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier", "ring-sync")
+IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier", "ring-sync", "ring-agreed")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -170,7 +172,10 @@ def _worker(impl: str) -> None:
         def allreduce(buf: np.ndarray) -> None:
             if impl == "ring-sync":  # the public API's collective pattern without the engine: a small one first
                 backend.allreduce(sync, ReduceOp.SUM)
-            backend.allreduce(buf, ReduceOp.SUM)
+            if impl == "ring-agreed":  # a speculative round's collective between two ranks over TCP
+                backend.allreduce_agreed(buf, ReduceOp.SUM, True)
+            else:
+                backend.allreduce(buf, ReduceOp.SUM)
 
         barrier = backend.barrier
         close = backend.close
