@@ -45,20 +45,23 @@ def _pieces(lo: int, hi: int, sub: int) -> list[tuple[int, int]]:
     return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
 
-def allreduce(peer: PeerSocket, rank: int, flat: np.ndarray, agree: bool, op: ReduceOp, bfloat16: bool,
-              operation: str, scratch: Callable[[int], np.ndarray], sub: int, pair: bool) -> bool:
+def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, agree: bool, op: ReduceOp,
+              bfloat16: bool, scratch: Callable[[int], np.ndarray], sub: int, pair: bool) -> bool:
     """Allreduce ``flat`` with the other of two ranks if both ``agree``; True then (``flat`` holds the result).
 
     ``agree`` False: ``flat`` is only a template (its size and dtype), never read or written. On a miss (either
-    rank disagrees) nothing of ``flat`` changes on either rank and False is returned. ``rank``: 0 or 1 (which
-    half the ring reduces here); ``scratch(n)``: a reusable uint8 array of ``n`` bytes; ``sub``: the bytes per
-    frame (identical on both ranks); ``pair``: exchange whole arrays (one round trip), else the two-step ring.
+    rank disagrees) nothing of ``flat`` changes on either rank and False is returned. ``exchange``: to and from
+    the other rank (its ``run`` with ``window``: frames checked on a MAC pool at once, so scratch frames are used
+    in turn); ``rank``: 0 or 1 (which half the ring reduces here); ``scratch(n)``: a reusable uint8 array of
+    ``n`` bytes; ``sub``: the bytes per frame (identical on both ranks); ``pair``: exchange whole arrays (one
+    round trip), else the two-step ring.
 
     What travels: each rank's header, then (only from a rank that agrees) its first frames, up to ``EAGER_BYTES``
     (whole arrays: all of it), sent before the other's header is here; every further frame is sent once the
     headers said both agree, one for each frame received (the ring's order, the same window kept in flight).
     """
     nbytes = flat.nbytes
+    peer, operation = exchange.recv_peer, exchange.operation
     mine = _header(agree, nbytes)
     theirs = np.zeros(2, _HEADER)
     raw = flat.view(np.uint8) if agree else None
@@ -76,18 +79,21 @@ def allreduce(peer: PeerSocket, rank: int, flat: np.ndarray, agree: bool, op: Re
         out_spans = _pieces(*chunks[1 - rank], sub)
         reduce_spans = _pieces(*chunks[rank], sub)
         in_spans = reduce_spans + out_spans  # the other's copy of chunk ``rank``, then chunk ``1 - rank`` reduced
-        got = scratch(sub)
-        window = -(-EAGER_BYTES // sub)
+        got = scratch(sub * window)
+        early = -(-EAGER_BYTES // sub)
         # at most all but one of the first chunk's frames: the reduced frames that follow them are then always
         # ready when their turn comes (the reduced frame j is sent at the earliest on the frame received after j)
-        eager_out, eager_in = min(len(out_spans) - 1, window), min(len(reduce_spans) - 1, window)
+        eager_out, eager_in = min(len(out_spans) - 1, early), min(len(reduce_spans) - 1, early)
 
     def target(lo: int, hi: int, k: int) -> memoryview:
         """Where received frame k (1-based, after the header) lands: scratch, unless it is a result kept here (on
         the ring, the frames after the other's copy of chunk ``rank``)."""
         if pair:
             return memoryview(got[lo:hi])
-        return memoryview(raw[lo:hi] if raw is not None and k > len(reduce_spans) else got[:hi - lo])
+        if raw is not None and k > len(reduce_spans):
+            return memoryview(raw[lo:hi])
+        at = k % window * sub
+        return memoryview(got[at:at + hi - lo])
 
     receives = [memoryview(theirs.view(np.uint8))]
     receives += [target(lo, hi, k) for k, (lo, hi) in enumerate(in_spans, 1)]
@@ -118,7 +124,7 @@ def allreduce(peer: PeerSocket, rank: int, flat: np.ndarray, agree: bool, op: Re
         sends += [memoryview(raw[lo:hi]) for lo, hi in out_spans[:eager_out]]  # type: ignore[index]
     # ``RingExchange`` reads ``receives[i]`` (and the list's length) only when frame i starts, after
     # ``on_received(i - 1)`` returned: the headers' answer may still shorten or redirect what follows them
-    RingExchange(peer, peer, operation).run(sends, receives, on_received)
+    exchange.run(sends, receives, on_received, window)
     if hit[0] and pair:
         reduce_into(flat, got.view(flat.dtype), op, bfloat16)
         if op is ReduceOp.AVERAGE:

@@ -602,8 +602,9 @@ class RingBackend(Backend):
             check_dtype(flat, False)
         pair = flat.nbytes <= self._pair_bytes  # as ``_tcp_allreduce`` chooses: one round trip, else the ring
         sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize)
-        return agreed.allreduce(self.peers[1 - self.rank], self.rank, flat, agree, op, False, "allreduce",
-                                self._scratch_bytes, sub, pair)
+        other = 1 - self.rank
+        return agreed.allreduce(self._exchange(other, other, "allreduce"), self._window, self.rank, flat, agree, op,
+                                False, self._scratch_bytes, sub, pair)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:

@@ -391,7 +391,8 @@ class RingExchange:
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
             on_received: Callable[[int], memoryview | None], window: int = 1) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
-        view to send next.
+        view to send next. ``receives[i]`` is read when frame i starts, and ``on_received`` may shorten
+        ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: the answer of a first frame).
 
         ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
         frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
@@ -449,6 +450,7 @@ class RingExchange:
                         checking.popleft()
                         progressed = True
                         forward = on_received(i)
+                        n_recv = len(receives)
                         if forward is not None:
                             enqueue(forward)
                     # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
@@ -527,6 +529,7 @@ class RingExchange:
                                 checking.append((index, self._tag, None))
                             else:
                                 forward = on_received(index)
+                                n_recv = len(receives)
                                 if forward is not None:
                                     enqueue(forward)
                         index, got_head, target = index + 1, 0, None

@@ -249,13 +249,14 @@ def test_pair_exchange_in_several_frames():
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
-def _agreed_allreduces(seed: int) -> str:
+def _agreed_allreduces(seed: int, mac: bool) -> str:
     """``allreduce_agreed`` (two ranks over TCP, the flag as the data's first frame) with each rank agreeing or
-    not, exchanged whole (3001 elements) and on the ring (200_003, odd: unequal halves, several frames each)."""
-    be = backend_from_env(SMALL)
+    not, exchanged whole (3001 elements) and on the ring (200_003, odd: unequal halves, several frames each);
+    ``mac``: frames from 4 KiB checked on the MAC pool, several received ahead of their checks."""
+    be = backend_from_env({**SMALL, "mac_min_bytes": 4096} if mac else SMALL)
     digest = hashlib.sha256()
     try:
-        assert be.agrees_in_band
+        assert be.agrees_in_band and (be._mac is not None) == mac
         # early frames (sent before the other's header): on the ring (7 frames per half) all but one, one, none
         ops = (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX))
         for count, eager, cases in ((3001, agreed.EAGER_BYTES, ops), (200_003, agreed.EAGER_BYTES, ops),
@@ -286,10 +287,11 @@ def _agreed_allreduces(seed: int) -> str:
         be.close()
 
 
-def test_agreed_allreduce_reduces_only_when_both_ranks_agree():
+@pytest.mark.parametrize("mac", [False, True], ids=["inline", "mac-pool"])
+def test_agreed_allreduce_reduces_only_when_both_ranks_agree(mac):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
-    digests = run_ranks(_agreed_allreduces, 2, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"},
-                        timeout=120, args=(seed,))
+    env = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_MAC_THREADS": "2" if mac else "0"}
+    digests = run_ranks(_agreed_allreduces, 2, env=env, timeout=120, args=(seed, mac))
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
