@@ -1,6 +1,6 @@
 """Ready decoders for ``transformation_fn``: encoded images (PNG, JPEG, ... in a ``binary`` column) to float tensors.
 
-``ImageDecoder("content", size=(64, 64))`` is a ``transformation_fn``: it takes the pandas DataFrame of a row group
+``ImageDecoder("content", size=(64, 64))`` is a ``transformation_fn``: it takes the pandas DataFrame of a batch
 (the binary column holds Python ``bytes``) and returns it with that column replaced by float32 arrays of shape
 ``(channels, height, width)`` (``channels_last=True``: ``(height, width, channels)`` for Keras), decoded with
 Pillow, resized and normalised: ``(pixel / 255 - mean) / std``. The same object is applied by the fitted model's

@@ -44,10 +44,9 @@ from spark_hvd.data.columns import (
     pad_ragged,
     sparse_to_csr,
     table_to_frame,
-    transform_in_worker,
-    transform_processes,
 )
 from spark_hvd.data.errors import InvalidParamError, ReaderError, ReaderTimeoutError, TooFewRowsError
+from spark_hvd.data.process_pool import TransformPool, discard, from_shared
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -127,16 +126,21 @@ class BatchReader:
         shuffle: shuffle piece order and rows (within ``shuffle_buffer_rows``) each epoch.
         seed: seed of the shuffles (epoch ``e`` of rank ``r`` uses ``(seed, e, r)``).
         shuffle_buffer_rows: rows mixed together (default: the shard, at most 65536 rows and at most
-            ``DEFAULT_SHUFFLE_BYTES``, 256 MiB, of rows as the epoch's first chunk measures them: after
-            ``transformation_fn``, so decoded images count at their decoded size). Memory: the shuffle holds at most
+            ``DEFAULT_SHUFFLE_BYTES``, 256 MiB, of rows as stored, as the epoch's first row group measures them:
+            ``transformation_fn`` runs after the shuffle, so an encoded image counts at its encoded size). Memory:
+            the shuffle holds at most
             about 2 x this many rows (rows of row groups partly still in the buffer; where the row groups alive hold
             more than twice the buffer's rows, its rows are copied out and the row groups freed); a rank's reader
-            then holds about ``2 * shuffle_buffer_rows * row_bytes + read_ahead_pieces * row_group_bytes +
-            prefetch * batch_bytes`` (benchmarks/data_kinds.py measures it against a budget).
+            then holds about ``2 * shuffle_buffer_rows * row_bytes + read_ahead_pieces * (row_group_bytes +
+            batch_bytes) + prefetch * batch_bytes`` (``batch_bytes`` as ``transformation_fn`` returns a batch;
+            benchmarks/data_kinds.py measures it against a budget).
         drop_last: only full batches (``floor(min_r R_r / batch_size)`` per epoch).
-        transformation_fn: ``fn(pandas.DataFrame) -> pandas.DataFrame`` run on each piece as it is read (list
-            columns hold one numpy array per row); its output columns make the batch (arrays of one length per
-            column are stacked to 2-D).
+        transformation_fn: ``fn(pandas.DataFrame) -> pandas.DataFrame`` run on the rows of each batch, after the
+            shuffle (list columns hold one numpy array per row; a batch's rows can come from several row groups);
+            its output columns make the batch (arrays of one length per column are stacked to 2-D). Up to
+            ``read_ahead_pieces`` batches are transformed at once on the pool of ``pool_type``. (Before: on each
+            row group, before the shuffle; decoded images were then shuffled and gathered again: 224 x 224 images
+            went through the pools at 0.35-0.55x a one-thread loop, benchmarks/RESULTS.md.)
         prefetch: batches read ahead on a thread (0: read on the caller's thread).
         read_ahead_pieces: row groups decoded at once on a thread pool (default ``min(4, cpu_count)``; 1: none).
         timeout_s: how long the caller waits for the read-ahead thread's next batch before raising.
@@ -160,11 +164,12 @@ class BatchReader:
             else ``"thread"``. (Not the default here: a process pool started by a script needs the script's
             ``if __name__ == "__main__":`` guard, as any ``multiprocessing`` use does.) The
             ``read_ahead_pieces`` row groups under way are read on threads either way (Arrow releases the GIL);
-            with ``"process"`` each one's ``transformation_fn`` runs in one of ``read_ahead_pieces`` worker
-            processes (for decoders that hold the GIL), the function travelling by cloudpickle; the processes are
-            started by the first epoch and kept for the next ones until :meth:`close` (or garbage collection).
-            Memory stays bounded: at most ``read_ahead_pieces`` row groups are in the pool, ``prefetch`` batches
-            are queued.
+            with ``"process"`` each batch's ``transformation_fn`` runs in one of ``read_ahead_pieces`` worker
+            processes (for decoders that hold the GIL), the function travelling by cloudpickle, the transformed
+            batch coming back through shared memory (``/dev/shm``; pickled where there is none or no room:
+            :mod:`spark_hvd.data.process_pool`); the processes are started by the first epoch and kept for the
+            next ones until :meth:`close` (or garbage collection). Memory stays bounded: at most
+            ``read_ahead_pieces`` batches are in the pool, ``prefetch`` batches are queued.
 
     Column kinds in a batch: numbers as ``(rows, *shape)`` arrays (nested fixed-shape arrays included);
     ``"binary"`` and ``"string"`` columns as object arrays of Python ``bytes`` / ``str``; ``"ragged"`` as set
@@ -391,6 +396,8 @@ class BatchReader:
             batches = _shuffled_batches(self._shuffled_blocks(rng), sizes)
         else:
             batches = _sequential_batches(self._passes(None), sizes)
+        if self.transformation_fn is not None:
+            batches = self._transformed(batches)
         ragged = [c for c, k in self.kinds.items() if k == "ragged"] if self.transformation_fn is None else []
         if self.ragged == "list":
             ragged = []
@@ -427,11 +434,7 @@ class BatchReader:
                 for i in order:
                     yield self._read(self.pieces[i])
                 yield None
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-decode-r{self.rank}")
-        if self.pool_type == "process" and self.transformation_fn is not None and self._procs is None:
-            # started once per reader, kept across epochs (a start costs each worker its imports: seconds)
-            self._procs = transform_processes(self.transformation_fn, workers)
-            weakref.finalize(self, self._procs.shutdown, wait=False, cancel_futures=True)
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-read-r{self.rank}")
         try:
             while True:
                 order = list(rng.permutation(len(self.pieces)) if rng is not None else range(len(self.pieces)))
@@ -506,8 +509,8 @@ class BatchReader:
             raise ReaderError(f"{self._where}: reading row group {piece.row_group} of {frag.path}: {e}") from e
         if not piece.whole:
             table = table.slice(piece.start, piece.num_rows)
-        if self.transformation_fn is not None:
-            return self._transform(table)
+        if self.transformation_fn is not None:  # shuffled and batched as stored; transformed per batch
+            return {_ROWS: ArrowRows(table)}
         return {c: self._column(c, table.column(c)) for c in self.columns}
 
     def _column(self, name: str, chunked: Any) -> Any:
@@ -552,12 +555,44 @@ class BatchReader:
                               f"expected shape {list(shape)}")
         return flat.reshape((n, *shape))
 
-    def _transform(self, table: Any) -> Batch:
+    def _transformed(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        """``transformation_fn`` on each batch of stored rows, ``read_ahead_pieces`` batches at once on the pool
+        (threads, or the worker processes of ``pool_type="process"``), handed on in order.
+
+        Per batch, not per row group: the shuffle buffer holds rows as stored (an encoded image, not its decoded
+        float32 tensor), nothing decoded is copied again to be shuffled or gathered, and a worker process sends
+        back each batch as one contiguous array per column."""
+        workers = self.read_ahead_pieces
+        if self.pool_type == "process" and self._procs is None:
+            # started once per reader, kept across epochs (a start costs each worker its imports: seconds)
+            self._procs = TransformPool(self.transformation_fn, workers)
+            weakref.finalize(self, self._procs.shutdown, wait=False, cancel_futures=True)
         if self._procs is not None:
-            out = self._procs.submit(transform_in_worker, table).result(timeout=self.timeout_s)
+            pool, submit = None, lambda rows: self._procs.submit(rows.table, self._where)
+        elif workers > 1:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-transform-r{self.rank}")
+            submit = lambda rows: pool.submit(self._transform, rows.table)  # noqa: E731
         else:
-            out = self.transformation_fn(table_to_frame(table))
-        return frame_to_batch(out, self._where)
+            for batch in batches:
+                yield self._transform(batch[_ROWS].table)
+            return
+        pending: collections.deque = collections.deque()
+        try:
+            for batch in batches:
+                pending.append(submit(batch[_ROWS]))
+                if len(pending) >= workers:
+                    yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
+            while pending:
+                yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
+        finally:
+            for future in pending:  # an epoch stopped early: what is done is dropped, the rest cancelled
+                if not future.cancel() and future.done() and future.exception() is None:
+                    discard(future.result())
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the batches under way
+
+    def _transform(self, table: Any) -> Batch:
+        return frame_to_batch(self.transformation_fn(table_to_frame(table)), self._where)
 
 
 
@@ -604,6 +639,33 @@ def _split_until(pieces: list[Piece], count: int) -> list[Piece]:
     return [p for _, _, p in heap]
 
 
+#: the key of a chunk of stored rows (an :class:`ArrowRows`) waiting for ``transformation_fn``
+_ROWS = "__spark_hvd_rows__"
+
+
+class ArrowRows:
+    """Rows of an Arrow table as the shuffle and the batching handle a column: ``len``/``shape``, a slice or an
+    index array of rows (``take``), concatenation (:func:`_concat`)."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.table.num_rows,)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, rows: Any) -> ArrowRows:
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(self.table.num_rows)
+            return ArrowRows(self.table.slice(start, max(0, stop - start)))
+        return ArrowRows(self.table.take(rows))
+
+
 def _nbytes(batch: Batch) -> int:
     """Bytes held by a chunk's columns (bytes / str objects by their lengths; sparse matrices by their arrays)."""
     total = 1
@@ -611,6 +673,8 @@ def _nbytes(batch: Batch) -> int:
         if isinstance(v, np.ndarray):
             total += v.nbytes + (sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in v.ravel())
                                  if v.dtype == object else 0)
+        elif isinstance(v, ArrowRows):
+            total += v.table.nbytes
         else:  # a scipy sparse matrix
             total += v.data.nbytes + v.indices.nbytes + v.indptr.nbytes
     return total
@@ -627,6 +691,10 @@ def _rows(v: Any) -> int:
 def _concat(parts: list[Any]) -> Any:
     if isinstance(parts[0], np.ndarray):
         return np.concatenate(parts)
+    if isinstance(parts[0], ArrowRows):
+        import pyarrow as pa
+
+        return ArrowRows(pa.concat_tables([p.table for p in parts]))
     import scipy.sparse
 
     return scipy.sparse.vstack(parts, format="csr")

@@ -291,9 +291,10 @@ class EstimatorParams(Params):
     run_id = _p("run_id", "name of this run under runs/ in the store; an earlier run's id resumes it",
                 _to_optional(TypeConverters.toString))
     callbacks = _p("callbacks", "list of callbacks run on every rank during training")
-    transformation_fn = _p("transformation_fn", "fn(pandas.DataFrame) -> pandas.DataFrame run on the ranks on every "
-                           "row group as it is read (decoding: binary columns arrive as bytes, strings as str; e.g. "
-                           "spark_hvd.data.decode.ImageDecoder); also applied by the fitted model's transform")
+    transformation_fn = _p("transformation_fn", "fn(pandas.DataFrame) -> pandas.DataFrame run on the ranks on the "
+                           "rows of every batch, after the shuffle (decoding: binary columns arrive as bytes, "
+                           "strings as str; e.g. spark_hvd.data.decode.ImageDecoder); also applied by the fitted "
+                           "model's transform")
     collate_fn = _p("collate_fn", "fn(batch: dict of numpy arrays) -> dict, run on each batch on the reader's thread "
                     "(tokenising, padding); also applied by the fitted model's transform to each feature batch")
     sparse_vectors = _p("sparse_vectors", "'dense' (default): Vector columns stored and handed over as dense float32 "
@@ -303,12 +304,12 @@ class EstimatorParams(Params):
     ragged = _p("ragged", "'pad' (default): arrays of varying length (token ids) padded per batch to its longest "
                 "row, with a <name>_length column; 'list': one array per row, for collate_fn",
                 _to_choice("pad", "list"))
-    reader_pool_type = _p("reader_pool_type", "'auto' (default), 'thread' or 'process': the pool that reads and "
-                          "transforms row groups on each rank (transformation_fn runs there); 'auto': processes for "
+    reader_pool_type = _p("reader_pool_type", "'auto' (default), 'thread' or 'process': the pool that "
+                          "transforms batches on each rank (transformation_fn runs there); 'auto': processes for "
                           "a transformation_fn with prefers_processes true (ImageDecoder up to 128x128), else threads",
                           _to_choice("auto", "thread", "process"))
-    train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one row "
-                                  "group at a time; default min(4, CPUs)", _to_optional(_to_strict_int))
+    train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one "
+                                  "batch at a time; default min(4, CPUs)", _to_optional(_to_strict_int))
     backward_passes_per_step = _p("backward_passes_per_step", "local gradient accumulation steps per allreduce",
                                   _to_strict_int)
     gradient_compression = _p("gradient_compression",

@@ -207,23 +207,54 @@ def test_transformed_rows_of_one_array_are_taken_whole_else_stacked():
 
 
 def test_process_pool_is_kept_across_epochs_until_close(tmp_path):
+    """One pool of processes serves every epoch until close; big batches come back through shared memory (views of
+    a mapped file, unlinked once mapped; the directory goes with the pool), small ones pickled, equal either way."""
+    import mmap
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = str(tmp_path / "x.parquet")
     pq.write_table(pa.table({"id": np.arange(40)}), path, row_group_size=5)
 
-    def tag(df):
-        return df.assign(pid=os.getpid())
+    def tag(df):  # 8 rows of 40 KiB: 320 KiB per batch, over SHARED_MIN_BYTES
+        return df.assign(pid=os.getpid(), wide=[np.full(10240, i, np.float32) for i in df["id"]])
 
     reader = BatchReader(path, batch_size=8, transformation_fn=tag, pool_type="process", read_ahead_pieces=2)
-    first, second = ({int(p) for b in reader.epoch(e) for p in b["pid"]} for e in range(2))
-    workers = set(reader._procs._processes)  # the same pool ran both epochs
+    batches = [list(reader.epoch(e)) for e in range(2)]
+    first, second = ({int(p) for b in bs for p in b["pid"]} for bs in batches)
+    workers = set(reader._procs.executor._processes)  # the same pool ran both epochs
     assert first and second and first | second <= workers and os.getpid() not in workers, (first, second, workers)
+    shared = reader._procs.shared_dir
+    for b in batches[0] + batches[1]:
+        np.testing.assert_array_equal(b["wide"], np.repeat(b["id"][:, None].astype(np.float32), 10240, axis=1))
+        assert b["wide"].flags.writeable
+    if shared is not None:  # /dev/shm here: the batches were mapped from it, and no file is left behind
+        assert all(isinstance(getattr(b["wide"].base.base, "obj", None), mmap.mmap) for b in batches[0])
+        assert os.listdir(shared) == []
     reader.close()
-    assert reader._procs is None
+    assert reader._procs is None and (shared is None or not os.path.exists(shared))
     assert {int(p) for b in reader.epoch(2) for p in b["pid"]}.isdisjoint(workers)  # new workers after close
     reader.close()
+
+
+def test_a_batch_without_room_in_shared_memory_is_pickled(tmp_path, monkeypatch):
+    from spark_hvd.data import process_pool
+
+    batch = {"x": np.arange(1 << 17, dtype=np.float32).reshape(64, -1), "s": np.array(["a"] * 64, dtype=object)}
+    shared = process_pool.to_shared(batch, str(tmp_path))
+    assert isinstance(shared, process_pool.SharedBatch) and len(os.listdir(tmp_path)) == 1
+    back = process_pool.from_shared(shared, "here")
+    assert list(back) == ["x", "s"] and back["s"] is batch["s"] and os.listdir(tmp_path) == []
+    np.testing.assert_array_equal(back["x"], batch["x"])
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert process_pool.to_shared(batch, str(tmp_path)) is batch and os.listdir(tmp_path) == []
+    small = {"x": np.zeros(8, np.float32)}
+    assert process_pool.to_shared(small, str(tmp_path)) is small
 
 
 def test_the_auto_pool_is_processes_for_small_images_else_threads(tmp_path):

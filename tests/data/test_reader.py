@@ -185,22 +185,28 @@ def test_memory_pools(tmp_path, pool):
     assert sorted(counts) == list(range(100))
 
 
-def test_default_shuffle_buffer_is_bounded_by_the_bytes_of_decoded_rows(tmp_path, monkeypatch):
-    """Without shuffle_buffer_rows the buffer holds at most DEFAULT_SHUFFLE_BYTES of rows as transformation_fn
-    returns them (decoded images are far bigger than their bytes): a batch draws on a few row groups, not the
-    shard; with the bound lifted it draws on many. Every epoch still yields each row once."""
+def test_default_shuffle_buffer_is_bounded_by_the_bytes_of_stored_rows(tmp_path, monkeypatch):
+    """Without shuffle_buffer_rows the buffer holds at most DEFAULT_SHUFFLE_BYTES of rows as stored (transformation_fn
+    runs per batch, after the shuffle: an encoded image counts at its encoded size): a batch draws on a few row
+    groups, not the shard; with the bound lifted it draws on many. Every epoch still yields each row once, and
+    transformation_fn sees each batch's rows once."""
     from spark_hvd.data import reader as reader_mod
 
     path = str(tmp_path / "x.parquet")
-    pq.write_table(pa.table({"id": np.arange(400)}), path, row_group_size=10)
+    pq.write_table(pa.table({"id": np.arange(400), "blob": [bytes(4096)] * 400}), path, row_group_size=10)
+    seen = []
 
-    def widen(df):  # 4 KiB per row after the "decode"
-        return df.assign(pixels=[np.zeros(1024, np.float32)] * len(df))
+    def decode(df):  # what the function sees: batches of rows as stored
+        seen.append(len(df))
+        return df.assign(pixels=[np.frombuffer(b, np.uint8)[:4] for b in df["blob"]]).drop(columns="blob")
 
     def groups_in_first_batch() -> int:
-        reader = BatchReader(path, batch_size=8, transformation_fn=widen, seed=3)
-        ids = [b["id"] for b in reader.epoch(0)]
+        seen.clear()
+        reader = BatchReader(path, batch_size=8, transformation_fn=decode, seed=3)
+        batches = list(reader.epoch(0))
+        ids = [b["id"] for b in batches]
         assert sorted(np.concatenate(ids).tolist()) == list(range(400))
+        assert all(b["pixels"].shape == (8, 4) for b in batches) and seen == [8] * 50
         return len(set((ids[0] // 10).tolist()))
 
     monkeypatch.setattr(reader_mod, "DEFAULT_SHUFFLE_BYTES", 16 * 4096)  # 16 rows
