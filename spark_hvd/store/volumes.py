@@ -1,8 +1,11 @@
 """A store in a Databricks Unity Catalog volume, through its local mount (``/Volumes/<catalog>/<schema>/<volume>``).
 
 Files in a volume are reached by the same path from Python (a FUSE mount on every node) and from Spark. What the
-mount allows matters to a store (Databricks documents the volume mount's limits): files are written whole and in
-order, and neither appended to nor written at random offsets, and nothing in a volume is renamed. So this store
+mount allows matters to a store (docs/stores.md cites where each limit comes from): files are written whole and in
+order, and neither appended to nor written at random offsets, and nothing in a volume is renamed or hard-linked.
+Databricks documents that volumes need Databricks Runtime 13.3 LTS or above, and that on 12.2 LTS and below writes
+to ``/Volumes`` paths may succeed yet land on the cluster's ephemeral disks: so a store on a volume is refused on an
+older runtime (``DATABRICKS_RUNTIME_VERSION``), on the driver, before anything is written. So this store
 
 - writes every file in one sequential pass (``write_bytes`` removes an earlier file first instead of writing a
   temporary file and renaming it over the old one, as the local store does);
@@ -58,6 +61,7 @@ class VolumesStore(LocalStore):
         rel = posixpath.normpath("/Volumes/" + "/".join(m.group(1, 2, 3)) + (m.group(4) or ""))
         if not rel.startswith("/Volumes/" + "/".join(m.group(1, 2, 3))):
             raise StoreURLError(f"volume path {url!r} leaves its volume")
+        _check_runtime(os.environ.get("DATABRICKS_RUNTIME_VERSION", ""), url)
         self.catalog, self.schema, self.volume = m.group(1, 2, 3)
         self.fuse_root = fuse_root
         self.visibility_timeout_s = timeout
@@ -92,3 +96,20 @@ class VolumesStore(LocalStore):
         """Poll the mount until Spark's ``_SUCCESS`` file under ``path`` is visible."""
         timeout = self.visibility_timeout_s if timeout_s is None else timeout_s
         _poll(lambda: self.exists(posixpath.join(path, "_SUCCESS")), timeout, f"Spark output {path!r} in {self!r}")
+
+
+#: the first Databricks Runtime on which files written to /Volumes reach the volume (docs/stores.md)
+MIN_RUNTIME = (13, 3)
+
+
+def _check_runtime(version: str, url: str) -> None:
+    """Refuse a volume on a Databricks Runtime older than 13.3 LTS (``version`` as ``DATABRICKS_RUNTIME_VERSION``
+    gives it, e.g. ``"12.2"`` or ``"14.3.x-scala2.12"``; empty or unparsed: not Databricks, or a newer form)."""
+    m = re.match(r"^(\d+)\.(\d+)", version.strip())
+    if m and (int(m.group(1)), int(m.group(2))) < MIN_RUNTIME:
+        raise StoreURLError(
+            f"{url!r}: Unity Catalog volumes need Databricks Runtime 13.3 LTS or above, and this cluster runs "
+            f"{version}; on 12.2 LTS and below, files written to /Volumes may land on the cluster's ephemeral disks "
+            "instead of the volume (Databricks' documentation, see docs/stores.md). Use a newer runtime, or a dbfs:/ "
+            "or object store URL"
+        )

@@ -51,25 +51,32 @@ def make_store(kind: str, request, tmp_path):
 @pytest.fixture
 def volumes_mount(tmp_path, monkeypatch):
     """A directory standing in for a Unity Catalog volume mount, with the mount's limits: under it, opening a
-    file to append or to write in place (modes with ``a`` or ``+``) and renaming fail as the mount fails them."""
+    file to append or to write in place (modes with ``a`` or ``+``), renaming and hard links fail as users report the
+    mount fails them (append: "Illegal seek"; rename, link: ENOSYS; docs/stores.md)."""
     import builtins
     import shutil
 
     root = str(tmp_path / "uc")
     os.makedirs(os.path.join(root, "Volumes", "main", "ml", "artifacts"))
-    real_open, real_rename, real_replace, real_move = builtins.open, os.rename, os.replace, shutil.move
+    real_open, real_rename, real_replace, real_move, real_link = builtins.open, os.rename, os.replace, shutil.move, \
+        os.link
 
     def under(*paths) -> bool:
         return any(isinstance(p, str | os.PathLike) and os.path.abspath(os.fspath(p)).startswith(root)
                    for p in paths)
 
-    def refused(what: str, path) -> OSError:
-        return OSError(errno.EOPNOTSUPP, f"simulated Unity Catalog volume: {what} is not supported", str(path))
+    def refused(what: str, path, code: int = errno.ENOSYS) -> OSError:
+        return OSError(code, f"simulated Unity Catalog volume: {what} is not supported", str(path))
 
     def vopen(file, mode="r", *args, **kwargs):
         if under(file) and ("a" in mode or "+" in mode):
-            raise refused(f"open(mode={mode!r})", file)
+            raise refused(f"open(mode={mode!r})", file, errno.ESPIPE)
         return real_open(file, mode, *args, **kwargs)
+
+    def vlink(src, dst, *args, **kwargs):
+        if under(src, dst):
+            raise refused("link", src)
+        return real_link(src, dst, *args, **kwargs)
 
     def vrename(src, dst, *args, **kwargs):
         if under(src, dst):
@@ -90,6 +97,7 @@ def volumes_mount(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "rename", vrename)
     monkeypatch.setattr(os, "replace", vreplace)
     monkeypatch.setattr(shutil, "move", vmove)
+    monkeypatch.setattr(os, "link", vlink)
     return root
 
 

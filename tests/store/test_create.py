@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 
 import pytest
 
@@ -182,6 +183,16 @@ def test_volumes_paths_and_the_mounts_limits(volumes_mount):
     for bad in ("/Volumes/main/ml", "/Volumes/main/ml/artifacts/../../x"):
         with pytest.raises(StoreURLError, match="volume"):
             Store.create(bad, fuse_root=volumes_mount)
+    # Databricks Runtime 12.2 LTS and below: refused on the driver (writes might land on ephemeral disks)
+    for version, ok in (("12.2", False), ("11.3.x-scala2.12", False), ("13.3", True), ("15.4.x-scala2.12", True),
+                        ("client.1.13", True)):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("DATABRICKS_RUNTIME_VERSION", version)
+            if ok:
+                assert isinstance(Store.create("/Volumes/main/ml/artifacts/s", fuse_root=volumes_mount), VolumesStore)
+            else:
+                with pytest.raises(StoreURLError, match=f"Runtime 13.3 LTS or above.*runs {re.escape(version)}"):
+                    Store.create("/Volumes/main/ml/artifacts/s", fuse_root=volumes_mount)
     # the simulated mount refuses what the local store does (write a temporary file, rename it over) ...
     local = Store.create(volumes_mount + "/Volumes/main/ml/artifacts/plain")
     with pytest.raises(OSError, match="rename is not supported"):
