@@ -45,23 +45,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from spark_hvd.data.decode import ImageDecoder, decode_images  # noqa: E402
 from spark_hvd.data.reader import BatchReader  # noqa: E402
 
-SIZE = (32, 32)
 BATCH = 64
 
 
-def make_images(directory: str, count: int) -> list[str]:
-    """``count`` PNG files of digits at 64x64 RGB (tinted so that the 3 channels differ)."""
+def make_images(directory: str, count: int, side: int = 64, fmt: str = "png") -> list[str]:
+    """``count`` image files of digits at ``side`` x ``side`` RGB (tinted so that the 3 channels differ; JPEG with
+    a little noise, so that it does not compress to almost nothing)."""
     from PIL import Image
     from sklearn.datasets import load_digits
 
     digits = load_digits()
+    rng = np.random.default_rng(0)
     paths = []
     os.makedirs(directory, exist_ok=True)
     for n in range(count):
         image = digits.images[n % len(digits.images)] * (255 / 16)
         rgb = np.stack([image, image[::-1], image.T], axis=-1).astype(np.uint8)
-        path = os.path.join(directory, f"{n:05d}.png")
-        Image.fromarray(rgb, mode="RGB").resize((64, 64), Image.BILINEAR).save(path)
+        img = Image.fromarray(rgb, mode="RGB").resize((side, side), Image.BILINEAR)
+        path = os.path.join(directory, f"{n:05d}.{fmt}")
+        if fmt == "jpeg":
+            noisy = np.asarray(img, dtype=np.int16) + rng.integers(-12, 13, (side, side, 3), dtype=np.int16)
+            Image.fromarray(noisy.clip(0, 255).astype(np.uint8), mode="RGB").save(path, quality=90)
+        else:
+            img.save(path)
         paths.append(path)
     return paths
 
@@ -69,8 +75,8 @@ def make_images(directory: str, count: int) -> list[str]:
 class FileImages:
     """torch Dataset over image files, decoding each as ``ImageDecoder`` does."""
 
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
+    def __init__(self, paths: list[str], size: tuple[int, int]) -> None:
+        self.paths, self.size = paths, size
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -80,17 +86,20 @@ class FileImages:
 
         with open(self.paths[i], "rb") as f:
             blob = f.read()
-        return torch.from_numpy(decode_images([blob], SIZE, "RGB", [0.5] * 3, [0.5] * 3)[0]), i
+        return torch.from_numpy(decode_images([blob], self.size, "RGB", [0.5] * 3, [0.5] * 3)[0]), i
 
 
-def bench_images(work: str, count: int, workers: int) -> dict:
+def bench_images(work: str, count: int, workers: int, side: int = 32) -> dict:
     import torch
 
-    paths = make_images(os.path.join(work, "png"), count)
+    # small: 64x64 PNGs to 32x32 (the sizes of the first runs); larger: JPEGs of 8/7 the side (256 -> 224)
+    size = (side, side)
+    paths = (make_images(os.path.join(work, "png"), count) if side <= 32 else
+             make_images(os.path.join(work, "jpeg"), count, side * 8 // 7, "jpeg"))
     blobs = [open(p, "rb").read() for p in paths]
     pq.write_table(pa.table({"id": np.arange(count), "content": pa.array(blobs, pa.binary())}),
                    os.path.join(work, "images.parquet"), row_group_size=max(1, (1 << 20) // max(map(len, blobs))))
-    decoder = ImageDecoder("content", size=SIZE, mean=[0.5] * 3, std=[0.5] * 3)
+    decoder = ImageDecoder("content", size=size, mean=[0.5] * 3, std=[0.5] * 3)
     readers = {pool: BatchReader(os.path.join(work, "images.parquet"), batch_size=BATCH, shuffle=True,
                                  transformation_fn=decoder, read_ahead_pieces=workers, pool_type=pool)
                for pool in ("thread", "process")}
@@ -99,7 +108,7 @@ def bench_images(work: str, count: int, workers: int) -> dict:
     def ours(pool: str) -> int:
         return sum(len(b["content"]) for b in readers[pool].epoch(next(epochs[pool])))
 
-    dl = torch.utils.data.DataLoader(FileImages(paths), batch_size=BATCH, shuffle=True, num_workers=workers,
+    dl = torch.utils.data.DataLoader(FileImages(paths, size), batch_size=BATCH, shuffle=True, num_workers=workers,
                                      persistent_workers=workers > 0)
 
     def loader() -> int:
@@ -108,7 +117,7 @@ def bench_images(work: str, count: int, workers: int) -> dict:
     def memory() -> int:
         n = 0
         for start in range(0, count, BATCH):
-            n += len(decode_images(blobs[start:start + BATCH], SIZE, "RGB", [0.5] * 3, [0.5] * 3))
+            n += len(decode_images(blobs[start:start + BATCH], size, "RGB", [0.5] * 3, [0.5] * 3))
         return n
 
     try:
@@ -135,20 +144,25 @@ def best_time(fn, count: int, repeats: int = 3, clock=time.perf_counter) -> floa
 
 
 def corpus(count: int) -> list[str]:
-    """Docstrings of the standard library, split into sentences (offline, real English)."""
-    import pkgutil
-
+    """Docstrings of the standard library, split into sentences (offline, real English). Only the standard
+    library's own modules, in name order (before: every module on ``sys.path``, which imported the scripts of
+    ``benchmarks/`` and of the working directory, so the corpus changed with where it ran)."""
     texts: list[str] = []
-    for mod in pkgutil.iter_modules():
-        if len(texts) >= count or mod.name.startswith("_") or mod.name in ("antigravity", "this", "idlelib"):
+    seen: set[str] = set()
+    for name in sorted(sys.stdlib_module_names):
+        if len(texts) >= count or name.startswith("_") or name in ("antigravity", "this", "idlelib", "tkinter",
+                                                                    "turtle", "turtledemo"):
             continue
         try:
-            module = __import__(mod.name)
+            module = __import__(name)
         except BaseException:  # noqa: BLE001 - anything importable will do
             continue
-        for obj in [module, *vars(module).values()]:
+        objects = [module, *vars(module).values()]
+        objects += [m for o in objects[1:] if isinstance(o, type) for m in vars(o).values()]  # and their methods
+        for obj in objects:
             doc = getattr(obj, "__doc__", None)
-            if isinstance(doc, str):
+            if isinstance(doc, str) and doc not in seen:  # each docstring once (str's, int's... recur everywhere)
+                seen.add(doc)
                 texts += [s.strip() for s in doc.split(". ") if len(s.strip()) > 20]
     while len(texts) < count:
         texts += texts
@@ -249,6 +263,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--image-size", type=int, default=32,
+                        help="output side: 32 (64x64 PNGs, the default) or larger (JPEGs of 8/7 the side)")
     parser.add_argument("--sentences", type=int, default=20000)
     parser.add_argument("--rss-mib", type=int, default=512)
     parser.add_argument("--only", choices=["images", "text", "rss"], help="run one part only")
@@ -257,7 +273,8 @@ def main() -> None:
     results = {"load": os.getloadavg(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as work:
         if args.only in (None, "images"):
-            images, results["images CPU"] = bench_images(work, args.images, args.workers)
+            images, results["images CPU"] = bench_images(work, args.images, args.workers,
+                                                             args.image_size)
             results["images/s"] = images
             results["images ratios"] = {
                 f"{ours} vs {peer}": images[ours] / images[peer]

@@ -92,10 +92,10 @@ class ImageDecoder:
     image is Pillow's Python code (open, header parsing, ``load``), which holds the GIL; only the decode and the
     resize release it. So threads overlap little of the work and, on a busy machine, lose time to GIL hand-offs:
     on 2 cores with 32 x 32 outputs, 0.79-1.31x a one-thread loop over the same bytes, against 1.10-1.13x with
-    processes (benchmarks/RESULTS.md). For large outputs the decode and resize dominate, and the decoded float32
-    rows, which processes pickle back to the rank, are big (588 KiB at 224 x 224): there threads did better than
-    processes (one loaded run: 147-159 against 88-122 images/s). The 128 x 128 line between them is a judgement
-    from those two sizes, not a measured crossover.
+    processes (benchmarks/RESULTS.md). For large outputs the decode and resize dominate and release the GIL, and
+    each decoded batch (37 MiB for 64 images at 224 x 224) costs a process pool a copy into shared memory: there
+    threads did better than processes (loaded runs: about the one-thread loop's speed against two thirds of it).
+    The 128 x 128 line between them is a judgement from those two sizes, not a measured crossover.
     """
 
     def __init__(self, column: str, size: tuple[int, int] = (224, 224), mode: str = "RGB", mean: Any = None,
