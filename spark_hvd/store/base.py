@@ -338,10 +338,14 @@ class Store(ABC):
         for local, rel in _walk_files(local_dir):
             remote = posixpath.join(path, rel)
             self._makedirs(posixpath.dirname(remote))
-            self.fs.put_file(local, remote)
-            with open(local, "rb") as f:
-                self._recorded[posixpath.normpath(remote)] = (os.fstat(f.fileno()).st_size, sha256_of(f))
+            self._recorded[posixpath.normpath(remote)] = self._put_file(local, remote)
         self._invalidate(path)
+
+    def _put_file(self, local: str, remote: str) -> tuple[int, str]:
+        """Copy the local file ``local`` to the store path ``remote``; its size and hex SHA-256 (for the manifest)."""
+        self.fs.put_file(local, remote)
+        with open(local, "rb") as f:
+            return os.fstat(f.fileno()).st_size, sha256_of(f)
 
     def download_dir(self, path: str, local_dir: str) -> str:
         """Copy every file under the store directory ``path`` into ``local_dir``; returns ``local_dir``."""

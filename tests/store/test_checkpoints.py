@@ -214,3 +214,28 @@ def test_local_commit_fsyncs_files_and_directories(tmp_path, monkeypatch):
     assert any(f"/{MANIFEST}.tmp-" in p for p in tmp_names)  # written to a temporary name, fsynced, renamed
     assert RunDir(store, "r").checkpoints_path in synced  # the parent, after the rename
     assert store.verify(path) is None
+
+
+def test_s3_streams_a_file_in_one_put_and_hands_a_larger_one_to_put_file(s3_endpoint, s3_bucket, tmp_path,
+                                                                         monkeypatch):
+    """Up to ``s3_single_put_max`` a file goes up as one PutObject read from the open file (not through s3fs's
+    ``put_file``, which reads it into memory first); above it, ``put_file``. Both commit a manifest that verifies."""
+    from helpers.moto_s3 import s3_options
+
+    store = Store.create(f"s3://{s3_bucket}/{tmp_path.name}", **s3_options(s3_endpoint))
+    local = _local_checkpoint(tmp_path, "ckpt", os.urandom(300_000))
+    put_file = store.fs.put_file
+    through_put_file = []
+    monkeypatch.setattr(store.fs, "put_file", lambda lpath, rpath, **kw: (through_put_file.append(rpath),
+                                                                           put_file(lpath, rpath, **kw)))
+    small, large = store.path("small"), store.path("large")
+    with store.atomic_dir(small) as target:
+        store.upload_dir(local, target)
+    assert through_put_file == [] and store.verify(small) is None
+    monkeypatch.setattr(store, "s3_single_put_max", 1000)  # model.pt (300 kB) is now too large for one put
+    with store.atomic_dir(large) as target:
+        store.upload_dir(local, target)
+    assert [posixpath.basename(p) for p in through_put_file] == ["model.pt"] and store.verify(large) is None
+    with tempfile.TemporaryDirectory() as back:
+        store.download_dir(large, back)
+        assert open(os.path.join(back, "model.pt"), "rb").read() == open(os.path.join(local, "model.pt"), "rb").read()
