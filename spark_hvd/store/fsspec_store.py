@@ -65,9 +65,9 @@ class FsspecStore(Store):
 
     def _put_file(self, local: str, remote: str) -> tuple[int, str]:
         """On S3, a file up to ``s3_single_put_max`` is hashed, then sent as one PutObject streamed from the file:
-        s3fs's ``put_file`` reads such a file into one bytes object first, which cost the training process 20-30%
-        more CPU per upload here (a 100 MB checkpoint: ~0.19 s instead of ~0.24 s over HTTPS, ~0.21 s instead of
-        ~0.30 s over HTTP; benchmarks/RESULTS.md) and as much memory as the file."""
+        s3fs's ``put_file`` reads such a file into one bytes object first (as much memory as the file), and the
+        manifest's hash read it again: a 100 MB file cost the uploading process 0.29-0.32 s of CPU that way, 0.22 s
+        streamed (moto over HTTP and HTTPS; benchmarks/RESULTS.md, issue 29)."""
         if self.protocol not in ("s3", "s3a"):
             return super()._put_file(local, remote)
         with open(local, "rb") as f:
