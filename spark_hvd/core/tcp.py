@@ -476,13 +476,12 @@ class RingExchange:
                             out.send_broken = True
                             raise out._fail(exc, op) from exc
                         progressed = True
-                        for k, part in enumerate(pending):  # drop what went out (at most header + payload)
-                            if sent < part.nbytes:
-                                pending = [part[sent:], *pending[k + 1:]] if sent or k else pending
-                                break
-                            sent -= part.nbytes
-                        else:
-                            pending = []
+                        while sent and pending:
+                            take = min(sent, pending[0].nbytes)
+                            sent -= take
+                            pending[0] = pending[0][take:]
+                            if not pending[0].nbytes:
+                                pending.pop(0)
                         if pending:
                             send_full = True
                             break
