@@ -10,10 +10,11 @@ round's collectives: the ranks' fusion plans and algorithms can never differ.
 What a trial measures. A *step* ends where a tensor name comes back (a training step's gradients, then the next
 step's), or after ``MAX_STEP_NAMES`` names that never come back (unnamed allreduces); a *sample* is
 ``steps_per_sample`` whole steps, begun at the first step boundary after the switch (so no sample mixes two
-settings). Its score is the bytes allreduced per microsecond (Horovod's unit, = MB/s) from the end of the round
-before the sample to the end of its last round: wall time, the training's own compute included, which is what a
-setting should shorten. The first ``warmup_samples`` samples are not scored (caches, first rounds, the JIT of a
-framework).
+settings). Its score is the median over its steps of each step's bytes allreduced per microsecond (Horovod's unit,
+= MB/s), each step timed from the end of the round before it to the end of its last round: wall time, the
+training's own compute included, which is what a setting should shorten. The median, not the sample's mean, so
+that a step stretched by something else (a preempted rank on a loaded host, a checkpoint) does not decide. The
+first ``warmup_samples`` samples are not scored (caches, first rounds, the JIT of a framework).
 
 The search, a coordinate descent over small grids (each including the starting value): every cycle time with the
 starting fusion threshold, then every fusion threshold with the best cycle time, then (where the backend's TCP
@@ -120,8 +121,9 @@ class Tuner:
         self._started = False  # a step boundary seen since the switch: the sample runs
         self._step: set[str] = set()
         self._steps = 0
-        self._bytes = 0
-        self._t0 = 0.0
+        self._bytes = 0  # of the step under way
+        self._t0 = 0.0  # when the step under way began
+        self._rates: list[float] = []  # each whole step's bytes per microsecond in the sample under way
         self._last = 0.0
         self._log: TextIO | None = None
         if log_path:
@@ -156,14 +158,14 @@ class Tuner:
             self._step.clear()
             if self._started:
                 self._steps += 1
+                self._rates.append(self._bytes / max((self._last - self._t0) * 1e6, 1e-9))
+                self._t0, self._bytes = self._last, 0
                 if self._steps >= self._steps_per_sample:
-                    self._sample_done(self._bytes / max((self._last - self._t0) * 1e6, 1e-9))
+                    self._sample_done(statistics.median(self._rates))
                     if not self._measuring or self.done:
                         return
             else:
-                self._started = True
-                self._t0 = self._last
-                self._bytes = self._steps = 0
+                self._restart()
         self._step.update(names)
         if self._started:
             self._bytes += nbytes
@@ -178,6 +180,7 @@ class Tuner:
         self._started = False
         self._step.clear()
         self._steps = self._bytes = 0
+        self._rates.clear()
         self._last = now
 
     def close(self) -> None:
@@ -192,6 +195,7 @@ class Tuner:
         """Score the sample just measured and choose what runs next."""
         self._started = False
         self._steps = self._bytes = 0
+        self._rates.clear()
         if self._trial == "warmup":
             self._warmup -= 1
             if self._warmup > 0:
@@ -205,8 +209,11 @@ class Tuner:
         self._next()
 
     def _restart(self) -> None:
+        """Begin a sample at this step boundary."""
         self._started = True
         self._t0 = self._last
+        self._bytes = self._steps = 0
+        self._rates.clear()
 
     def _next(self) -> None:
         """Run the next trial of the plan, planning the next phase when this one is over."""

@@ -98,6 +98,19 @@ def test_a_setting_that_was_fast_only_while_searched_does_not_replace_the_starti
     assert tuner.best == START and tuner.current == START
 
 
+def test_a_step_stretched_by_something_else_does_not_decide_a_sample():
+    tuner = Tuner(START, warmup_samples=0, steps_per_sample=5)
+    now = 0.0
+    for step in range(100):  # until the first scored sample: 1 ms steps, one of them stretched to 20 ms
+        now += 0.020 if step == 3 else 1e-3
+        tuner.observe(["a"], 1000, now)
+        if tuner.pending is not None:
+            tuner.applied(tuner.pending, now)
+        if tuner._scores:
+            break
+    assert list(tuner._scores.values()) == [[pytest.approx(1.0)]]  # 1000 bytes per ms: the median step's rate
+
+
 def test_a_log_that_cannot_be_written_names_the_setting(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="SPARK_HVD_AUTOTUNE_LOG=.*cannot write the autotune log"):
