@@ -26,8 +26,12 @@ What spark_hvd adds, through ``_Bridge`` (a Lightning ``Checkpoint`` callback, s
   precision scaler), and a resumed run hands it to ``Trainer.fit(ckpt_path=...)`` on every rank;
 - ``terminate_on_nan`` and ``scale_lr_by_num_proc`` (applied to the optimizers ``configure_optimizers`` built;
   rescaled after Lightning restored a checkpoint of another number of ranks);
-- ``elastic=True`` at epoch boundaries: a relaunch resumes from the last epoch checkpoint; DDP's error for a lost
-  peer is raised as the core's ``PeerFailureError`` (``peer_failure``), a consequence the driver relaunches on.
+- step checkpoints (``checkpoint_every_steps`` / ``_seconds``, ``lightning_steps.py``): Lightning's full state
+  taken in ``on_train_batch_end``, with every rank's random generators and the epoch's running sums; a resume
+  continues at the exact batch of the epoch;
+- ``elastic=True``: a relaunch resumes from the last step or epoch checkpoint, and the job grows at a step
+  checkpoint when task slots free up; DDP's error for a lost peer is raised as the core's ``PeerFailureError``
+  (``peer_failure``), a consequence the driver relaunches on.
 """
 
 from __future__ import annotations
@@ -40,10 +44,18 @@ import tempfile
 import warnings
 from typing import Any
 
+from spark_hvd.estimators.lightning_steps import (
+    NOT_RESUMABLE_WARNING,
+    StepCheckpoints,
+    align_batch_progress,
+    resized_progress,
+)
 from spark_hvd.estimators.rank_run import RankRun
 from spark_hvd.estimators.torch_rank import TorchTrainer
 
 __all__ = ["LightningTrainer", "CHECKPOINT_FILE"]
+
+log = logging.getLogger(__name__)
 
 #: the file of a run's checkpoint directory that holds Lightning's checkpoint
 CHECKPOINT_FILE = "lightning.ckpt"
@@ -51,7 +63,8 @@ CHECKPOINT_FILE = "lightning.ckpt"
 #: Lightning's advice that does not apply here (the reader has its own worker pool; the shards are equal), and
 #: lightning 2.6's deprecation notice about torch's pytree API (once per rank; nothing a user can change)
 _QUIET = (".*does not have many workers.*", ".*IterableDataset.*__len__.*", ".*Total length of.*",
-          ".*sync_dist=True.*", ".*is smaller than the logging interval.*", ".*LeafSpec.*is deprecated.*")
+          ".*sync_dist=True.*", ".*is smaller than the logging interval.*", ".*LeafSpec.*is deprecated.*",
+          NOT_RESUMABLE_WARNING)
 #: Lightning's loggers whose INFO lines ("GPU available", "Initializing distributed" ...) every rank would repeat
 _CHATTY = ("lightning.pytorch", "lightning.fabric")
 
@@ -107,6 +120,7 @@ class LightningTrainer(TorchTrainer):
         #: the learning rates' factor once the resumed state is restored (a resume on another number of ranks)
         self.lr_factor = 1.0
         self.trainer: Any = None
+        self.steps: StepCheckpoints | None = None  #: the step checkpoints of the fit under way
         module, owner = self.model, self
         lightning_log = type(module).log
 
@@ -141,6 +155,10 @@ class LightningTrainer(TorchTrainer):
         self.resume = self.hvd.broadcast_object(self.resume, root_rank=0)
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
+    def resized_progress(self, progress: list[dict], rank: int, size: int) -> dict:
+        """The epoch's running sums of a step checkpoint of another number of ranks (``lightning_steps``)."""
+        return resized_progress(progress, rank)
+
     def rescale_lr(self, factor: float) -> None:
         """Lightning restores the optimizers' and schedulers' state (their rates scaled for the checkpoint's number
         of ranks) after ``on_fit_start``: the bridge multiplies them by ``factor`` in ``on_train_start``."""
@@ -172,7 +190,9 @@ class LightningTrainer(TorchTrainer):
 
         class Shard(torch.utils.data.IterableDataset):
             def __iter__(self):
-                for batch in run.readers.epoch(split, owner.trainer.current_epoch):
+                epoch = owner.trainer.current_epoch
+                skip = owner.steps.train_skip(epoch) if split == "train" else 0  # a mid-epoch resume
+                for batch in run.readers.epoch(split, epoch, skip=skip):
                     yield owner._batch(batch)
 
             def __len__(self) -> int:
@@ -191,7 +211,7 @@ class LightningTrainer(TorchTrainer):
             "accelerator": "gpu" if on_gpu else "cpu", "devices": [self.device.index] if on_gpu else 1,
             "num_nodes": run.size, "max_epochs": spec.epochs,
             "strategy": DDPStrategy(cluster_environment=SparkHvdEnvironment(run.rank, run.size)),
-            "callbacks": [*spec.callbacks, _Bridge(self, run)], "logger": spec.logger or False,
+            "callbacks": [*spec.callbacks, _Bridge(self, run, self.steps)], "logger": spec.logger or False,
             "enable_checkpointing": True, "enable_progress_bar": False, "enable_model_summary": False,
             "num_sanity_val_steps": 0, "use_distributed_sampler": False, "default_root_dir": root,
             "accumulate_grad_batches": spec.backward_passes_per_step, "log_every_n_steps": spec.log_every_n_steps,
@@ -217,6 +237,12 @@ class LightningTrainer(TorchTrainer):
         import lightning.pytorch as pl
         import torch
 
+        steps = run.readers.steps("train")
+        if run.start_step >= steps:  # an elastic resize mapped the checkpoint's batch to the new epoch's end
+            log.warning("rank %d: the step checkpoint maps to the end of epoch %d; its last batch is trained again",
+                        run.rank, run.start)
+            run.start_step = steps - 1
+        self.steps = StepCheckpoints(self, run)  # first: it keeps the random state the step checkpoint had
         root = tempfile.mkdtemp(prefix="spark_hvd_lightning_")
         loggers = [logging.getLogger(name) for name in _CHATTY]
         levels = [lg.level for lg in loggers]
@@ -231,6 +257,8 @@ class LightningTrainer(TorchTrainer):
                 ckpt = None
                 if self.resume is not None:
                     ckpt = os.path.join(root, CHECKPOINT_FILE)
+                    if run.start_step:
+                        align_batch_progress(self.resume, run.start_step)
                     torch.save(self.resume, ckpt)
                     self.resume = None
                 val = self._loader(run, "val") if run.readers.has_validation else None
@@ -288,16 +316,16 @@ def _bridge_class() -> type:
     return type("_Bridge", (_BridgeHooks, Checkpoint), {})
 
 
-def _Bridge(owner: LightningTrainer, run: RankRun) -> Any:  # noqa: N802 (a class, built lazily)
-    return _bridge_class()(owner, run)
+def _Bridge(owner: LightningTrainer, run: RankRun, steps: StepCheckpoints) -> Any:  # noqa: N802 (a class, built lazily)
+    return _bridge_class()(owner, run, steps)
 
 
 class _BridgeHooks:
     """spark_hvd's side of the Lightning fit (see the module docstring): history, ``RankRun.end_epoch``,
-    ``terminate_on_nan``, progress, ``scale_lr_by_num_proc``."""
+    ``terminate_on_nan``, progress, ``scale_lr_by_num_proc``, step checkpoints (``lightning_steps``)."""
 
-    def __init__(self, owner: LightningTrainer, run: RankRun) -> None:
-        self.owner, self.run = owner, run
+    def __init__(self, owner: LightningTrainer, run: RankRun, steps: StepCheckpoints) -> None:
+        self.owner, self.run, self.steps = owner, run, steps
 
     @property
     def state_key(self) -> str:
@@ -313,6 +341,7 @@ class _BridgeHooks:
         if self.owner.lr_factor != 1.0:
             _scale_rates(trainer, self.owner.lr_factor)
             self.owner.lr_factor = 1.0
+        self.steps.train_start(_Recorder)  # a mid-epoch resume: the epoch's sums and the random state back
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
         self.owner.recorder = rec = _Recorder()
@@ -334,6 +363,7 @@ class _BridgeHooks:
         rec.train_rows += rec.rows
         rec.rows = 0
         self.run.batch_done(trainer.current_epoch, batch_idx, value)
+        self.steps.batch_end(trainer, batch_idx)
 
     def on_validation_start(self, trainer: Any, module: Any) -> None:
         self.owner.recorder.phase = "val"

@@ -451,6 +451,8 @@ class LightningEstimatorParams(EstimatorParams):
     gradient_clip_val = _p("gradient_clip_val", "clip gradients at this value (norm by default; "
                            "trainer_args={'gradient_clip_algorithm': 'value'} for values); default none",
                            _to_optional(TypeConverters.toFloat))
+    checkpoint_every_steps = TorchEstimatorParams.checkpoint_every_steps
+    checkpoint_every_seconds = TorchEstimatorParams.checkpoint_every_seconds
     elastic = TorchEstimatorParams.elastic
     min_num_proc = TorchEstimatorParams.min_num_proc
     max_num_proc = TorchEstimatorParams.max_num_proc
@@ -459,7 +461,8 @@ class LightningEstimatorParams(EstimatorParams):
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(input_shapes=None, log_every_n_steps=50, precision=None, gradient_clip_val=None,
-                         elastic=False, min_num_proc=None, max_num_proc=None, reset_limit=None)
+                         checkpoint_every_steps=None, checkpoint_every_seconds=None, elastic=False,
+                         min_num_proc=None, max_num_proc=None, reset_limit=None)
 
 
 # --------------------------------------------------------------------------------------------------- models

@@ -124,6 +124,8 @@ class LightningSpec(TrainSpec):
     log_every_n_steps: int = 50
     precision: Any = None  #: Lightning's ``precision`` ("bf16-mixed", "16-mixed", 32 ...); None: its default
     gradient_clip_val: float | None = None
+    checkpoint_every_steps: int | None = None  #: step checkpoints (``lightning_steps``) every N optimizer steps
+    checkpoint_every_seconds: float | None = None  #: ... or every N seconds
     elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
 
 

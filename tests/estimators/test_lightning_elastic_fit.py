@@ -21,6 +21,7 @@ from helpers.torch_replay import rank_shards, replay
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
+from helpers.lightning_modules import LR, Reg, numpy_mse  # noqa: E402
 
 from spark_hvd.estimators import LightningEstimator  # noqa: E402
 from spark_hvd.store import Store  # noqa: E402
@@ -29,26 +30,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
-KILL, BATCH, LR = (1, 4), 16, 0.05  # rank 1 dies after batch 4 of epoch 1
-
-
-def _mse(module, batch):
-    return torch.nn.functional.mse_loss(module(batch["features"]).squeeze(1), batch["y"].float())
-
-
-class Reg(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.lin(x)
-
-    def training_step(self, batch, batch_idx):
-        return _mse(self, batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+KILL, BATCH = (1, 4), 16  # rank 1 dies after batch 4 of epoch 1
 
 
 class _DieOnce(pl.Callback):
@@ -93,7 +75,7 @@ def test_a_lightning_rank_lost_for_good_the_fit_goes_on_with_fewer_ranks_from_th
 
     model = copy.deepcopy(initial)
     opt = torch.optim.SGD(model.parameters(), lr=LR * 2, momentum=0.9)  # scale_lr_by_num_proc on 2 ranks
-    batch_loss = lambda m, b: _mse(m, {k: torch.from_numpy(v) for k, v in b.items()})  # noqa: E731
+    batch_loss = numpy_mse
     losses = replay(two, model, opt, batch_loss, 1)
     for group in opt.param_groups:  # the relaunch on 1 rank rescales the restored rate
         group["lr"] = LR
