@@ -61,8 +61,9 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
     from the rank's shard of the prepared data. ``self.log``/``self.log_dict`` values are averaged over all ranks'
     rows per epoch: ``getHistory()`` has them by the logged name, plus ``loss`` (the mean of ``training_step``'s
     loss), ``val_loss`` (what ``validation_step`` returns, unless it logs ``val_loss`` itself) and ``lr`` under a
-    scheduler. Checkpoints (Lightning's full state, once an epoch), resume by ``run_id``, retries,
-    ``terminate_on_nan``, ``scale_lr_by_num_proc``, MLflow and progress work as for ``TorchEstimator``.
+    scheduler. Checkpoints (Lightning's full state, once an epoch, and inside epochs with
+    ``checkpoint_every_steps`` / ``_seconds``: a resume continues at the exact batch), resume by ``run_id``, retries,
+    ``elastic``, ``terminate_on_nan``, ``scale_lr_by_num_proc``, MLflow and progress work as for ``TorchEstimator``.
     ``optimizer``, ``loss`` and ``metrics`` are not params here (the module defines them), nor
     ``gradient_compression`` (DDP averages). docs/estimators.md lists what the Trainer is given.
     """

@@ -1,15 +1,16 @@
-"""``LightningEstimator(elastic=True, min_num_proc, max_num_proc)``, at epoch boundaries: a 2-rank fit whose rank 1
-dies mid-epoch while its slot does not come back (a Spark job takes it) goes on with 1 rank from the last epoch
-checkpoint (Lightning's own loop owns the state inside an epoch, so there are no step checkpoints). The history
-records the ranks of each epoch; with SGD and momentum under ``scale_lr_by_num_proc`` the per-epoch losses and the
-final weights equal a single-process replay: epoch 0 on both ranks' batches at twice the rate, epoch 1 again from
-its start on the one rank's shard at the rate of one rank, the momentum carried over."""
+"""``LightningEstimator(elastic=True, min_num_proc, max_num_proc, checkpoint_every_steps)``: a 2-rank fit whose rank 1
+dies mid-epoch while its slot does not come back (a Spark job takes it) goes on with 1 rank from the last step
+checkpoint, at the same fraction of the epoch; once the slot frees up, the fit stops at the next step checkpoint and
+goes on with 2 ranks again from there. Rank 0's batch log has exactly those batches; with SGD and momentum under
+``scale_lr_by_num_proc`` the per-epoch losses and the final weights equal a single-process replay of exactly the
+batches committed, each at the rate of its number of ranks, the momentum carried over."""
 
 from __future__ import annotations
 
 import copy
 import os
 import sys
+import time
 
 import cloudpickle
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import torch
 from helpers.estimators import die_once, linear_df
 from helpers.slot_holder import fit_losing_a_slot
-from helpers.torch_replay import rank_shards, replay
+from helpers.torch_replay import rank_shards
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
@@ -30,20 +31,33 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
-KILL, BATCH = (1, 4), 16  # rank 1 dies after batch 4 of epoch 1
+EVERY, KILL, BATCH = 3, (1, 4), 16  # step checkpoints every 3 steps; rank 1 dies after batch 4 of epoch 1
+#: the seconds the one-rank fit waits for the driver to see the freed slot
+SEE_FREE_S = 120.0
 
 
-class _DieOnce(pl.Callback):
-    """Rank 1 dies (``os._exit``) once, after batch ``KILL``; rank 0 logs ``epoch size`` of every batch."""
+class _ElasticLog(pl.Callback):
+    """Rank 0 logs ``epoch batch size`` of every batch; rank 1 dies once after batch ``KILL``; on one rank (the
+    relaunch that lost the slot) the first batch frees the held slot (the ``release`` file) and waits until the
+    driver sees it free, so the next step checkpoint grows the fit back to 2 ranks (no timing assumption)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        from spark_hvd.core.elastic import get_link
+
         if trainer.global_rank == 0:
             with open(os.path.join(self.directory, "batches.log"), "a") as f:
-                f.write(f"{trainer.current_epoch} {trainer.world_size}\n")
+                f.write(f"{trainer.current_epoch} {batch_idx} {trainer.world_size}\n")
         die_once(self.directory, (trainer.current_epoch, batch_idx) == KILL and trainer.global_rank == 1)
+        release = os.path.join(self.directory, "release")
+        if trainer.world_size == 1 and not os.path.exists(release):
+            open(release, "w").close()
+            deadline = time.monotonic() + SEE_FREE_S
+            while not get_link().hosts_updated():
+                assert time.monotonic() < deadline, f"the driver did not see the freed slot in {SEE_FREE_S:g} s"
+                time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -52,42 +66,47 @@ def df(spark):
 
 
 @pytest.mark.timeout(900)
-def test_a_lightning_rank_lost_for_good_the_fit_goes_on_with_fewer_ranks_from_the_epoch(spark, df, tmp_path,
-                                                                                       monkeypatch):
+def test_a_lightning_fit_shrinks_and_grows_at_step_checkpoints(spark, df, tmp_path, monkeypatch):
     store = Store.create(str(tmp_path / "store"))
     torch.manual_seed(0)
     net = Reg()
     initial = copy.deepcopy(net)
-    est = LightningEstimator(num_proc=2, elastic=True, min_num_proc=1, max_num_proc=2, reset_limit=2, store=store,
+    est = LightningEstimator(num_proc=2, elastic=True, min_num_proc=1, max_num_proc=2, reset_limit=3, store=store,
                              model=net, feature_cols=["features"], label_cols=["y"], batch_size=BATCH, epochs=2,
                              random_seed=1, partitions_per_process=1, verbose=0, scale_lr_by_num_proc=True,
-                             callbacks=[_DieOnce(str(tmp_path))])
+                             checkpoint_every_steps=EVERY, callbacks=[_ElasticLog(str(tmp_path))])
     fitted = fit_losing_a_slot(spark, monkeypatch, est, df, str(tmp_path), "spark_hvd-test-lightning-slot-holder")
-    history = fitted.getHistory()
-    assert history["num_proc"] == [2.0, 1.0], history
+    assert fitted.getHistory()["num_proc"] == [2.0, 2.0]
 
-    two = rank_shards(store, fitted, seed=1, batch_size=BATCH)
-    one = rank_shards(store, fitted, seed=1, batch_size=BATCH, num_proc=1)
-    assert (two[0].steps("train"), one[0].steps("train")) == (8, 16)
+    shards = {n: rank_shards(store, fitted, seed=1, batch_size=BATCH, num_proc=n) for n in (1, 2)}
+    assert (shards[2][0].steps("train"), shards[1][0].steps("train")) == (8, 16)
+    # 2 ranks: epoch 0, then epoch 1's batches 0-3 (step checkpoint after global batch 12) and 4 (lost with rank 1);
+    # 1 rank from 4/8 of epoch 1 = batch 8 of 16, up to the step checkpoint after global batch 27 (batch 10), where
+    # the freed slot is seen; 2 ranks again from 11/16 of the epoch = batch round(5.5) = 6 of 8
+    committed = ([(0, s, 2) for s in range(8)] + [(1, s, 2) for s in range(4)] + [(1, s, 1) for s in (8, 9, 10)]
+                 + [(1, s, 2) for s in (6, 7)])
     logged = [tuple(map(int, line.split())) for line in (tmp_path / "batches.log").read_text().splitlines()]
-    # epoch 1 ran from its start on the one rank: the relaunch resumed from the checkpoint of epoch 0
-    assert logged.count((0, 2)) == 8 and logged.count((1, 2)) in (4, 5) and logged.count((1, 1)) == 16, logged
+    assert logged == committed[:12] + [(1, 4, 2)] + committed[12:], logged
 
+    batches = {(n, e): list(zip(*(s.epoch("train", e) for s in shards[n]), strict=True)) for n in (1, 2)
+               for e in range(2)}
     model = copy.deepcopy(initial)
-    opt = torch.optim.SGD(model.parameters(), lr=LR * 2, momentum=0.9)  # scale_lr_by_num_proc on 2 ranks
-    batch_loss = numpy_mse
-    losses = replay(two, model, opt, batch_loss, 1)
-    for group in opt.param_groups:  # the relaunch on 1 rank rescales the restored rate
-        group["lr"] = LR
-    total, rows = 0.0, 0
-    for batch in one[0].epoch("train", 1):
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sums, rows = [0.0, 0.0], [0, 0]
+    for epoch, step, size in committed:  # data-parallel SGD on each step's batches, at the size's rate
         opt.zero_grad()
-        loss = batch_loss(model, batch)
-        loss.backward()
+        for batch in batches[(size, epoch)][step]:
+            loss = numpy_mse(model, batch)
+            loss.backward()
+            sums[epoch] += float(loss.detach()) * len(batch["features"])
+            rows[epoch] += len(batch["features"])
+        for p in model.parameters():
+            p.grad.div_(size)
+        for group in opt.param_groups:
+            group["lr"] = LR * size  # scale_lr_by_num_proc, rescaled at each relaunch
         opt.step()
-        total, rows = total + float(loss.detach()) * len(batch["features"]), rows + len(batch["features"])
-    losses.append(total / rows)
-    np.testing.assert_allclose(history["loss"], losses, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(fitted.getHistory()["loss"], [sums[e] / rows[e] for e in range(2)], rtol=1e-4,
+                               atol=1e-6)
     for got, want in zip(fitted.getModel().state_dict().values(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 

@@ -1,19 +1,22 @@
 """LightningEstimator on Lightning's own Trainer (local[2], num_proc=2): the fit equals single-process training on
-the same combined batches (gradient clipping included, and across a resume), a user's Lightning Callback and
-CSVLogger ran in the ranks, several optimizers under manual optimization with bf16-mixed precision and a scaled
-learning rate stopped by Lightning's EarlyStopping, and bad Trainer settings refused on the driver."""
+the same combined batches (gradient clipping included, and across a resume by run_id whose rank 1 dies mid-epoch
+and whose retry resumes from a step checkpoint at the exact batch), a user's Lightning Callback and CSVLogger ran
+in the ranks, several optimizers under manual optimization with bf16-mixed precision and a scaled learning rate
+stopped by Lightning's EarlyStopping, and bad Trainer settings refused on the driver."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import random
 import sys
 
 import cloudpickle
 import numpy as np
 import pytest
 import torch
-from helpers.estimators import assert_fit_fails_before_anything_runs
+from helpers.estimators import assert_fit_fails_before_anything_runs, die_once
 from helpers.torch_replay import assert_fit_equals_replay, rank_shards, replay
 
 pytest.importorskip("lightning")
@@ -30,6 +33,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 _CLIP = 0.5
+EVERY, KILL = 3, (2, 4)  # the resumed fit's step checkpoints every 3 steps; its rank 1 dies after batch 4 of epoch 2
 
 
 def _mse(module, batch):
@@ -82,6 +86,41 @@ class Hooks(pl.Callback):
 
     def on_train_end(self, trainer, module):
         self._write(trainer, hook="train_end", step=trainer.global_step)
+
+
+class BatchLog(pl.Callback):
+    """Every rank draws from Python's, numpy's and torch's generators before each batch and appends
+    ``[epoch, batch, draws...]`` to ``<directory>/rank<r>.log`` after it; rank 1 dies once after batch ``KILL``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.draws = directory, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.draws = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        with open(os.path.join(self.directory, f"rank{trainer.global_rank}.log"), "a") as f:
+            f.write(json.dumps([trainer.current_epoch, batch_idx, *self.draws]) + "\n")
+        die_once(self.directory, (trainer.current_epoch, batch_idx) == KILL and trainer.global_rank == 1)
+
+
+def assert_resumed_at_the_exact_batch(directory, epochs: range, steps: int) -> None:
+    """The ``BatchLog`` of a fit whose rank 1 died once: on every rank each batch of ``epochs`` was trained, at most
+    ``EVERY`` twice, the retry starting inside the epoch of ``KILL``, and a batch trained twice drew the same random
+    numbers both times (the step checkpoint's random state was restored)."""
+    assert (directory / "killed").exists()
+    every = [(e, s) for e in epochs for s in range(steps)]
+    for rank in (0, 1):
+        lines = [json.loads(line) for line in (directory / f"rank{rank}.log").read_text().splitlines()]
+        logged = [tuple(line[:2]) for line in lines]
+        assert sorted(set(logged)) == every, f"rank {rank}: a batch was never trained"
+        repeated = len(logged) - len(every)
+        assert 0 < repeated <= EVERY, f"rank {rank}: the retry repeated {repeated} batches (every {EVERY} steps)"
+        restart = next(i for i in range(1, len(logged)) if logged[i] <= logged[i - 1])
+        assert logged[restart][0] == KILL[0] and logged[restart][1] > 0, "the retry did not resume mid-epoch"
+        first: dict = {}
+        for line in lines:
+            assert first.setdefault(tuple(line[:2]), line[2:]) == line[2:], f"rank {rank}, batch {line[:2]}"
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +190,14 @@ def test_fit_equals_replay_with_callbacks_logger_resume_and_transform(spark, df,
     with torch.no_grad():
         np.testing.assert_allclose(got, fitted.getModel()(x).squeeze(1).numpy(), rtol=1e-6, atol=1e-6)
 
-    # resume by run_id from Lightning's checkpoint of epoch 1 (weights, momentum, loops): a third epoch equals
-    # three epochs of the replay
-    more = est.copy({est.epochs: 3}).fit(df)
+    # resume by run_id from Lightning's checkpoint of epoch 1 (weights, momentum, loops) with step checkpoints; rank
+    # 1 dies mid-epoch 2 and the retry resumes from the last step checkpoint at the exact batch: the third epoch
+    # still equals three epochs of the replay
+    (tmp_path / "batches").mkdir()
+    more = est.copy({est.epochs: 3, est.checkpoint_every_steps: EVERY, est.max_retries: 1,
+                     est.callbacks: [BatchLog(str(tmp_path / "batches"))]}).fit(df)
+    assert KILL[1] + 1 < steps
+    assert_resumed_at_the_exact_batch(tmp_path / "batches", range(2, 3), steps)
     model3, losses3 = _replayed(store, more, initial, 3, _CLIP)
     assert_fit_equals_replay(more, model3, losses3, atol=1e-5, rtol=1e-4)
     assert more.getHistory()["loss"][:2] == hist["loss"]
