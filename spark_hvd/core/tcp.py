@@ -393,6 +393,8 @@ class RingExchange:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
         view to send next. ``receives[i]`` is read when frame i starts, and ``on_received`` may shorten
         ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: the answer of a first frame).
+        Frame 0 is always checked in the calling thread, so ``on_received(0)`` returns before a byte of frame 1
+        is read, with or without a pool; later frames may be read ahead of their checks.
 
         ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
         frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
@@ -518,7 +520,7 @@ class RingExchange:
                                     break
                                 continue
                         counter = recv._in.reserve()
-                        if mac is not None and target.nbytes >= mac_min:
+                        if mac is not None and index and target.nbytes >= mac_min:  # frame 0: see run()
                             args = recv._in.data_tag_args(counter, self._length, DATA, target)
                             job = mac.submit(recv._in.gmac, *args)
                             checking.append((index, self._tag, job))
