@@ -362,7 +362,7 @@ class Engine:
                     and prescale == meta.prescale and postscale == meta.postscale
                     and _in_place_ok(buf.flags) and self._sole_ready(spec)):
                 try:
-                    hit = self._guarded_round(True, lambda: self._sole_round(spec, buf, name, meta))
+                    hit = self._guarded_round(True, self._sole_round, spec, buf, name, meta)
                 finally:
                     self._round_lock.release()
                 if hit:
