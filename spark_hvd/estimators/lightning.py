@@ -105,7 +105,24 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                 raise param_error(self, f"run_id {run_id!r} has a checkpoint of epoch {epochs[-1]} without "
                                   f"{CHECKPOINT_FILE} (not written by LightningEstimator's Trainer); give a new "
                                   "run_id")
+            if self.getOrDefault(self.checkpoint_every_steps) or self.getOrDefault(self.checkpoint_every_seconds):
+                self._check_step_checkpoint(store, run_id, (epochs[-1] + 1, 0) if epochs else (0, 0))
         return super()._check(df)
+
+    def _check_step_checkpoint(self, store: Any, run_id: str, after: tuple[int, int]) -> None:
+        """The newest committed step checkpoint later than ``after`` (the one a resume would take) must be
+        Lightning's."""
+        from spark_hvd.estimators.step_checkpoint import step_checkpoint_dirs
+
+        for (epoch, step), path in step_checkpoint_dirs(store, run_id):
+            if (epoch, step) <= after:
+                return
+            if store.is_committed(path):
+                if not store.exists(posixpath.join(path, CHECKPOINT_FILE)):
+                    raise param_error(self, f"run_id {run_id!r} has a step checkpoint (batch {step} of epoch "
+                                      f"{epoch}) without {CHECKPOINT_FILE} (not written by LightningEstimator's "
+                                      "Trainer); give a new run_id")
+                return
 
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
         from spark_hvd.estimators.preflight import lightning_forward_check

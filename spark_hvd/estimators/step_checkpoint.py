@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["StepTrigger", "StepState", "rng_state", "set_rng_state", "write_step_checkpoint",
-           "latest_step_checkpoint", "delete_step_checkpoints"]
+           "latest_step_checkpoint", "delete_step_checkpoints", "step_checkpoint_dirs"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,11 @@ def delete_step_checkpoints(store: Any, run_id: str, before: tuple[int, int]) ->
     for (epoch, step), path in _step_dirs(store, run_id):
         if (epoch, step) < before:
             store.delete(path)
+
+
+def step_checkpoint_dirs(store: Any, run_id: str) -> list[tuple[tuple[int, int], str]]:
+    """The run's step checkpoints, committed or not, newest first: ``((epoch, step), path)``."""
+    return _step_dirs(store, run_id)
 
 
 def _step_dirs(store: Any, run_id: str) -> list[tuple[tuple[int, int], str]]:

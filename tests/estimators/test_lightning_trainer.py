@@ -284,6 +284,7 @@ def test_bad_trainer_settings_fail_on_the_driver(spark, df, tmp_path, what, para
 
 
 def test_a_run_without_lightning_checkpoints_is_not_resumed(spark, df, tmp_path):
+    from spark_hvd.estimators.step_checkpoint import StepState, rng_state, write_step_checkpoint
     from spark_hvd.store import RunDir
 
     store = Store.create(str(tmp_path / "store"))
@@ -296,6 +297,11 @@ def test_a_run_without_lightning_checkpoints_is_not_resumed(spark, df, tmp_path)
     with pytest.raises(EstimatorError, match=r"run_id 'older-run' has a checkpoint of epoch 0 without "
                                              r"lightning.ckpt"):
         est.fit(df)
+    # a TorchEstimator's step checkpoint, which a fit with step checkpoints would resume from
+    write_step_checkpoint(store, "older-steps", str(old), StepState(1, 2, {}, [{}], [rng_state()]))
+    with pytest.raises(EstimatorError, match=r"run_id 'older-steps' has a step checkpoint \(batch 2 of epoch 1\) "
+                                             r"without lightning.ckpt"):
+        est.copy({est.checkpoint_every_steps: 2, est.run_id: "older-steps"}).fit(df)
 
 
 class WrongWidth(Reg):
