@@ -338,10 +338,9 @@ class Engine:
         ``wait``.
         """
         fresh = self._fresh
-        if fresh is not None and buf.__class__ is np.ndarray and len(fresh.layout) == 1 and not bfloat16:
+        if fresh is not None and fresh.sole is not None and buf.__class__ is np.ndarray and not bfloat16:
             meta = fresh.layout[0]
-            if (op is fresh.op and buf.shape == meta.shape and (buf.dtype is fresh.dtype or buf.dtype == fresh.dtype)
-                    and prescale == meta.prescale and postscale == meta.postscale and _in_place_ok(buf.flags)):
+            if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and _in_place_ok(buf.flags):
                 if name is None:
                     with self._lock:
                         name = f"allreduce.noname.{self._counters['allreduce']}"

@@ -50,6 +50,7 @@ class FreshSpec(NamedTuple):
     views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape
     head: memoryview  # ``[flag, digests]`` of ``staging``: single items are written and read faster than numpy's
     blank: memoryview  # zeros of the head's length
+    sole: tuple | None  # a layout of one tensor: (op, shape, dtype, prescale, postscale), what a call must match
 
     @property
     def data(self) -> np.ndarray:
@@ -87,8 +88,10 @@ def build_fresh(layout: Layout, size: int) -> FreshSpec:
     for m, n in zip(layout, counts, strict=True):
         views.append(staging[offset:offset + n].reshape(m.shape))
         offset += n
-    return FreshSpec(layout, dtype, ReduceOp(first.op), first.prescale, first.postscale, size, staging,
-                     tuple(views), memoryview(staging)[:head], memoryview(np.zeros(head, dtype)))
+    op = ReduceOp(first.op)
+    sole = (op, first.shape, dtype, first.prescale, first.postscale) if len(layout) == 1 else None
+    return FreshSpec(layout, dtype, op, first.prescale, first.postscale, size, staging, tuple(views),
+                     memoryview(staging)[:head], memoryview(np.zeros(head, dtype)), sole)
 
 
 def name_digest(names: Sequence[str]) -> tuple[int, int, int]:
