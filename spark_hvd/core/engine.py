@@ -97,13 +97,14 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core import adasum
-from spark_hvd.core.autotune import Point, Tuner
+from spark_hvd.core.autotune import Point, Tuner, tuner_for
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
 from spark_hvd.core.executor import Executor, Request
 from spark_hvd.core.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
 from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
+from spark_hvd.core.jobenv import JobEnv
 from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
@@ -199,9 +200,11 @@ class Engine:
         if settings.autotune and self.rank == 0 and not self.scope.process_set:
             own = getattr(backend, "settings", None)  # the ring's: its TCP allreduce reads the algorithm thresholds
             halving = own.halving_doubling_bytes if isinstance(own, Settings) else settings.halving_doubling_bytes
-            self._tuner = Tuner(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
-                                settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
-                                settings.autotune_log, tune_algorithm=_tcp_among_three(backend))
+            job = JobEnv.from_env()  # an elastic reset's new engine goes on with the same job's tuner
+            self._tuner = tuner_for(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
+                                    settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
+                                    settings.autotune_log, tune_algorithm=_tcp_among_three(backend),
+                                    job_id=job.job_id if job else "", attempt=job.attempt if job else 0)
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
