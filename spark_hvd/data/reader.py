@@ -37,6 +37,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spark_hvd.data.batching import (
+    ROWS,
+    ArrowRows,
+    Block,
+    compact,
+    nbytes,
+    num_rows,
+    sequential_batches,
+    shuffled_batches,
+)
 from spark_hvd.data.columns import (
     arrow_kind,
     frame_to_batch,
@@ -61,8 +71,6 @@ logger = logging.getLogger(__name__)
 Batch = dict[str, np.ndarray]
 #: The most bytes of rows the shuffle buffer mixes unless ``shuffle_buffer_rows`` says otherwise.
 DEFAULT_SHUFFLE_BYTES = 256 << 20
-#: (chunks, start row of each chunk, row ids in emission order) - see BatchReader._shuffled_blocks
-Block = tuple[list[Batch | None], np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -393,9 +401,9 @@ class BatchReader:
         if need % self.batch_size:
             sizes.append(need % self.batch_size)
         if self.shuffle:
-            batches = _shuffled_batches(self._shuffled_blocks(rng), sizes)
+            batches = shuffled_batches(self._shuffled_blocks(rng), sizes)
         else:
-            batches = _sequential_batches(self._passes(None), sizes)
+            batches = sequential_batches(self._passes(None), sizes)
         if self.transformation_fn is not None:
             batches = self._transformed(batches)
         ragged = [c for c, k in self.kinds.items() if k == "ragged"] if self.transformation_fn is None else []
@@ -469,9 +477,9 @@ class BatchReader:
                     yield chunks, np.asarray(bases, dtype=np.int64), pool
                 chunks, bases, pool, next_base = [], [], np.empty(0, dtype=np.int64), 0
                 continue
-            n = _num_rows(chunk)
+            n = num_rows(chunk)
             if n and not chunks and self._buffer_by_bytes:  # the first chunk of a pass says what a row weighs
-                cap = max(self.batch_size, min(self.shuffle_buffer_rows, DEFAULT_SHUFFLE_BYTES * n // _nbytes(chunk)))
+                cap = max(self.batch_size, min(self.shuffle_buffer_rows, DEFAULT_SHUFFLE_BYTES * n // nbytes(chunk)))
             chunks.append(chunk)
             bases.append(next_base)
             pool = np.concatenate([pool, np.arange(next_base, next_base + n, dtype=np.int64)])
@@ -488,9 +496,9 @@ class BatchReader:
                     keep[alive] = True
                     for c in np.flatnonzero(~keep):
                         chunks[c] = None
-                    held = sum(_num_rows(chunks[c]) for c in alive)
+                    held = sum(num_rows(chunks[c]) for c in alive)
                     if held > 2 * len(pool):  # a few rows keep many row groups alive: copy them out (bounded RSS)
-                        chunks, pool = [_compact(chunks, np.asarray(bases, dtype=np.int64), pool)], \
+                        chunks, pool = [compact(chunks, np.asarray(bases, dtype=np.int64), pool)], \
                             np.arange(len(pool), dtype=np.int64)
                         bases, next_base = [0], len(pool)
                 else:
@@ -510,7 +518,7 @@ class BatchReader:
         if not piece.whole:
             table = table.slice(piece.start, piece.num_rows)
         if self.transformation_fn is not None:  # shuffled and batched as stored; transformed per batch
-            return {_ROWS: ArrowRows(table)}
+            return {ROWS: ArrowRows(table)}
         return {c: self._column(c, table.column(c)) for c in self.columns}
 
     def _column(self, name: str, chunked: Any) -> Any:
@@ -574,12 +582,12 @@ class BatchReader:
             submit = lambda rows: pool.submit(self._transform, rows.table)  # noqa: E731
         else:
             for batch in batches:
-                yield self._transform(batch[_ROWS].table)
+                yield self._transform(batch[ROWS].table)
             return
         pending: collections.deque = collections.deque()
         try:
             for batch in batches:
-                pending.append(submit(batch[_ROWS]))
+                pending.append(submit(batch[ROWS]))
                 if len(pending) >= workers:
                     yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
             while pending:
@@ -595,24 +603,12 @@ class BatchReader:
         return frame_to_batch(self.transformation_fn(table_to_frame(table)), self._where)
 
 
-
-
-
-
 class _Failure:
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
 
 
 _END = object()
-
-
-
-
-
-
-
-
 
 
 def _row_groups(frag: Any) -> list[tuple[int, int]]:
@@ -637,155 +633,3 @@ def _split_until(pieces: list[Piece], count: int) -> list[Piece]:
             heapq.heappush(heap, (-q.num_rows, serial, q))
             serial += 1
     return [p for _, _, p in heap]
-
-
-#: the key of a chunk of stored rows (an :class:`ArrowRows`) waiting for ``transformation_fn``
-_ROWS = "__spark_hvd_rows__"
-
-
-class ArrowRows:
-    """Rows of an Arrow table as the shuffle and the batching handle a column: ``len``/``shape``, a slice or an
-    index array of rows (``take``), concatenation (:func:`_concat`)."""
-
-    __slots__ = ("table",)
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (self.table.num_rows,)
-
-    def __len__(self) -> int:
-        return self.table.num_rows
-
-    def __getitem__(self, rows: Any) -> ArrowRows:
-        if isinstance(rows, slice):
-            start, stop, _ = rows.indices(self.table.num_rows)
-            return ArrowRows(self.table.slice(start, max(0, stop - start)))
-        return ArrowRows(self.table.take(rows))
-
-
-def _nbytes(batch: Batch) -> int:
-    """Bytes held by a chunk's columns (bytes / str objects by their lengths; sparse matrices by their arrays)."""
-    total = 1
-    for v in batch.values():
-        if isinstance(v, np.ndarray):
-            total += v.nbytes + (sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in v.ravel())
-                                 if v.dtype == object else 0)
-        elif isinstance(v, ArrowRows):
-            total += v.table.nbytes
-        else:  # a scipy sparse matrix
-            total += v.data.nbytes + v.indices.nbytes + v.indptr.nbytes
-    return total
-
-
-def _num_rows(batch: Batch) -> int:
-    return _rows(next(iter(batch.values()))) if batch else 0
-
-
-def _rows(v: Any) -> int:
-    return v.shape[0] if not isinstance(v, np.ndarray) else len(v)  # a scipy sparse matrix has no len()
-
-
-def _concat(parts: list[Any]) -> Any:
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts)
-    if isinstance(parts[0], ArrowRows):
-        import pyarrow as pa
-
-        return ArrowRows(pa.concat_tables([p.table for p in parts]))
-    import scipy.sparse
-
-    return scipy.sparse.vstack(parts, format="csr")
-
-
-def _sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Iterator[Batch]:
-    """Cut a stream of chunks into batches of ``sizes`` (views where a batch lies inside one chunk)."""
-    cur: Batch | None = None
-    pos = 0
-    for size in sizes:
-        parts: list[Batch] = []
-        got = 0
-        while got < size:
-            if cur is None or pos >= _num_rows(cur):
-                cur = next(chunks)
-                while cur is None:  # end of a pass: the next one wraps around the shard
-                    cur = next(chunks)
-                pos = 0
-            take = min(size - got, _num_rows(cur) - pos)
-            parts.append({k: v[pos : pos + take] for k, v in cur.items()})
-            pos += take
-            got += take
-        if len(parts) == 1:
-            yield parts[0]
-        else:
-            yield {k: _concat([p[k] for p in parts]) for k in parts[0]}
-
-
-def _compact(chunks: list[Batch | None], bases: np.ndarray, ids: np.ndarray) -> Batch:
-    """The rows ``ids`` of the concatenated chunks, copied once into one new chunk, in the order of their ids (the
-    caller relabels them ``0..n-1`` and shuffles its pool before it emits from it again, so any order will do; one
-    ``np.take`` per chunk and column straight into the new chunk: decoded images are copied once, not three times)."""
-    sel = np.sort(ids)
-    owner = np.searchsorted(bases, sel, side="right") - 1
-    cuts = np.flatnonzero(np.diff(owner)) + 1
-    out: Batch | None = None
-    others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
-    for s, e in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(sel)]]), strict=True):
-        chunk = chunks[owner[s]]
-        local = sel[s:e] - bases[owner[s]]
-        if out is None:
-            out = {k: np.empty((len(sel), *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
-                   if isinstance(v, np.ndarray)}
-        for k, v in chunk.items():
-            if isinstance(v, np.ndarray):
-                np.take(v, local, axis=0, out=out[k][s:e], mode="clip")  # "clip": no buffered copy; ids are ours
-            else:
-                others.setdefault(k, []).append(v[local])
-    for k, parts in others.items():
-        out[k] = _concat(parts)
-    return out
-
-
-def _shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:
-    """Gather batches of ``sizes`` rows from blocks of shuffled row ids: one ``np.take`` per chunk and column."""
-    pending: list[Block] = []
-    avail = 0
-    for size in sizes:
-        while avail < size:
-            block = next(blocks)
-            pending.append(block)
-            avail += len(block[2])
-        # take `size` ids from the front of the pending blocks
-        out: Batch | None = None
-        others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
-        filled = 0
-        while filled < size:
-            chunks, bases, ids = pending[0]
-            take = min(size - filled, len(ids))
-            sel = np.sort(ids[:take])
-            if take == len(ids):
-                pending.pop(0)
-            else:
-                pending[0] = (chunks, bases, ids[take:])
-            owner = np.searchsorted(bases, sel, side="right") - 1
-            cuts = np.flatnonzero(np.diff(owner)) + 1
-            starts = np.concatenate([[0], cuts])
-            ends = np.concatenate([cuts, [take]])
-            for s, e in zip(starts, ends, strict=True):
-                chunk = chunks[owner[s]]
-                local = sel[s:e] - bases[owner[s]]
-                if out is None:
-                    out = {k: np.empty((size, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
-                           if isinstance(v, np.ndarray)}
-                for k, v in chunk.items():
-                    if isinstance(v, np.ndarray):
-                        np.take(v, local, axis=0, out=out[k][filled + s : filled + e], mode="clip")
-                    else:
-                        others.setdefault(k, []).append(v[local])
-            filled += take
-        avail -= size
-        for k, parts in others.items():
-            out[k] = _concat(parts)
-        yield out

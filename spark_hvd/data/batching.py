@@ -1,0 +1,169 @@
+"""Cutting a rank's stream of chunks (row groups as read, a dict of arrays by column) into batches: in order, or
+from blocks of shuffled row ids over a buffer of chunks, one ``np.take`` per chunk and column; and
+:class:`ArrowRows`, the stored rows of a chunk waiting for ``transformation_fn``, which the same code slices,
+gathers and concatenates as it does a column."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ROWS", "ArrowRows", "Block", "compact", "concat", "nbytes", "num_rows", "rows_of", "sequential_batches",
+           "shuffled_batches"]
+
+Batch = dict[str, Any]
+#: (chunks, start row of each chunk, row ids in emission order) - see BatchReader._shuffled_blocks
+Block = tuple[list[Batch | None], np.ndarray, np.ndarray]
+
+#: the key of a chunk of stored rows (an :class:`ArrowRows`) waiting for ``transformation_fn``
+ROWS = "__spark_hvd_rows__"
+
+
+class ArrowRows:
+    """Rows of an Arrow table as the shuffle and the batching handle a column: ``len``/``shape``, a slice or an
+    index array of rows (``take``), concatenation (:func:`concat`)."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.table.num_rows,)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, rows: Any) -> ArrowRows:
+        if isinstance(rows, slice):
+            start, stop, _ = rows.indices(self.table.num_rows)
+            return ArrowRows(self.table.slice(start, max(0, stop - start)))
+        return ArrowRows(self.table.take(rows))
+
+
+def nbytes(batch: Batch) -> int:
+    """Bytes held by a chunk's columns (bytes / str objects by their lengths; sparse matrices by their arrays)."""
+    total = 1
+    for v in batch.values():
+        if isinstance(v, np.ndarray):
+            total += v.nbytes + (sum(x.nbytes if isinstance(x, np.ndarray) else len(x) for x in v.ravel())
+                                 if v.dtype == object else 0)
+        elif isinstance(v, ArrowRows):
+            total += v.table.nbytes
+        else:  # a scipy sparse matrix
+            total += v.data.nbytes + v.indices.nbytes + v.indptr.nbytes
+    return total
+
+
+def num_rows(batch: Batch) -> int:
+    return rows_of(next(iter(batch.values()))) if batch else 0
+
+
+def rows_of(v: Any) -> int:
+    return v.shape[0] if not isinstance(v, np.ndarray) else len(v)  # a scipy sparse matrix has no len()
+
+
+def concat(parts: list[Any]) -> Any:
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    if isinstance(parts[0], ArrowRows):
+        import pyarrow as pa
+
+        return ArrowRows(pa.concat_tables([p.table for p in parts]))
+    import scipy.sparse
+
+    return scipy.sparse.vstack(parts, format="csr")
+
+
+def sequential_batches(chunks: Iterator[Batch | None], sizes: list[int]) -> Iterator[Batch]:
+    """Cut a stream of chunks into batches of ``sizes`` (views where a batch lies inside one chunk)."""
+    cur: Batch | None = None
+    pos = 0
+    for size in sizes:
+        parts: list[Batch] = []
+        got = 0
+        while got < size:
+            if cur is None or pos >= num_rows(cur):
+                cur = next(chunks)
+                while cur is None:  # end of a pass: the next one wraps around the shard
+                    cur = next(chunks)
+                pos = 0
+            take = min(size - got, num_rows(cur) - pos)
+            parts.append({k: v[pos : pos + take] for k, v in cur.items()})
+            pos += take
+            got += take
+        if len(parts) == 1:
+            yield parts[0]
+        else:
+            yield {k: concat([p[k] for p in parts]) for k in parts[0]}
+
+
+def compact(chunks: list[Batch | None], bases: np.ndarray, ids: np.ndarray) -> Batch:
+    """The rows ``ids`` of the concatenated chunks, copied once into one new chunk, in the order of their ids (the
+    caller relabels them ``0..n-1`` and shuffles its pool before it emits from it again, so any order will do; one
+    ``np.take`` per chunk and column straight into the new chunk: decoded images are copied once, not three times)."""
+    sel = np.sort(ids)
+    owner = np.searchsorted(bases, sel, side="right") - 1
+    cuts = np.flatnonzero(np.diff(owner)) + 1
+    out: Batch | None = None
+    others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
+    for s, e in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(sel)]]), strict=True):
+        chunk = chunks[owner[s]]
+        local = sel[s:e] - bases[owner[s]]
+        if out is None:
+            out = {k: np.empty((len(sel), *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
+                   if isinstance(v, np.ndarray)}
+        for k, v in chunk.items():
+            if isinstance(v, np.ndarray):
+                np.take(v, local, axis=0, out=out[k][s:e], mode="clip")  # "clip": no buffered copy; ids are ours
+            else:
+                others.setdefault(k, []).append(v[local])
+    for k, parts in others.items():
+        out[k] = concat(parts)
+    return out
+
+
+def shuffled_batches(blocks: Iterator[Block], sizes: list[int]) -> Iterator[Batch]:
+    """Gather batches of ``sizes`` rows from blocks of shuffled row ids: one ``np.take`` per chunk and column."""
+    pending: list[Block] = []
+    avail = 0
+    for size in sizes:
+        while avail < size:
+            block = next(blocks)
+            pending.append(block)
+            avail += len(block[2])
+        # take `size` ids from the front of the pending blocks
+        out: Batch | None = None
+        others: dict[str, list] = {}  # columns that are no numpy array (sparse matrices): gathered, then stacked
+        filled = 0
+        while filled < size:
+            chunks, bases, ids = pending[0]
+            take = min(size - filled, len(ids))
+            sel = np.sort(ids[:take])
+            if take == len(ids):
+                pending.pop(0)
+            else:
+                pending[0] = (chunks, bases, ids[take:])
+            owner = np.searchsorted(bases, sel, side="right") - 1
+            cuts = np.flatnonzero(np.diff(owner)) + 1
+            starts = np.concatenate([[0], cuts])
+            ends = np.concatenate([cuts, [take]])
+            for s, e in zip(starts, ends, strict=True):
+                chunk = chunks[owner[s]]
+                local = sel[s:e] - bases[owner[s]]
+                if out is None:
+                    out = {k: np.empty((size, *v.shape[1:]), dtype=v.dtype) for k, v in chunk.items()
+                           if isinstance(v, np.ndarray)}
+                for k, v in chunk.items():
+                    if isinstance(v, np.ndarray):
+                        np.take(v, local, axis=0, out=out[k][filled + s : filled + e], mode="clip")
+                    else:
+                        others.setdefault(k, []).append(v[local])
+            filled += take
+        avail -= size
+        for k, parts in others.items():
+            out[k] = concat(parts)
+        yield out
