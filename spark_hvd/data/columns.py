@@ -94,7 +94,7 @@ def table_to_frame(table: Any) -> Any:
             import pandas as pd
 
             # what to_pandas gives for these columns, at a third of its cost per call (it runs on every batch)
-            return pd.DataFrame({c: table.column(c).to_numpy() for c in table.column_names}, copy=False)
+            return pd.DataFrame({c: _owned(table.column(c).to_numpy()) for c in table.column_names}, copy=False)
         return table.to_pandas()
     frame = table.drop_columns(sparse).to_pandas()
     for c in sparse:
@@ -104,14 +104,33 @@ def table_to_frame(table: Any) -> Any:
     return frame
 
 
-def _plain(column: Any) -> bool:
-    """A column without nulls of numbers, booleans, bytes or str: ``to_numpy`` gives what ``to_pandas`` does."""
+def rows_to_frame(rows: Any) -> Any:
+    """The DataFrame ``transformation_fn`` gets from a batch of stored rows: an Arrow table (:func:`table_to_frame`)
+    or a dict of the numpy columns of :func:`plain_type` columns (as ``to_numpy`` made them from the table)."""
+    if isinstance(rows, dict):
+        import pandas as pd
+
+        return pd.DataFrame({c: _owned(v) for c, v in rows.items()}, copy=False)
+    return table_to_frame(rows)
+
+
+def _owned(values: np.ndarray) -> np.ndarray:
+    """``values`` if the frame may own it (writable, not a view of a chunk), else a copy: ``to_pandas`` hands over
+    writable columns, and a ``transformation_fn`` may change its frame in place."""
+    return values if values.flags.writeable and values.base is None else values.copy()
+
+
+def plain_type(t: Any) -> bool:
+    """Numbers, booleans, bytes or str: a column whose ``to_numpy`` gives what ``to_pandas`` does (nulls too:
+    NaN in a float column for integers, None in an object column otherwise)."""
     import pyarrow as pa
 
-    t = column.type
-    return not column.null_count and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
-                                      or pa.types.is_binary(t) or pa.types.is_large_binary(t)
-                                      or pa.types.is_string(t) or pa.types.is_large_string(t))
+    return (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_binary(t)
+            or pa.types.is_large_binary(t) or pa.types.is_string(t) or pa.types.is_large_string(t))
+
+
+def _plain(column: Any) -> bool:
+    return not column.null_count and plain_type(column.type)
 
 
 def pad_ragged(rows: np.ndarray, pad_value: float = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.data.columns import frame_to_batch, table_to_frame
+from spark_hvd.data.columns import frame_to_batch, rows_to_frame
 from spark_hvd.data.errors import ReaderError
 
 __all__ = ["SHARED_MIN_BYTES", "SharedBatch", "TransformPool"]
@@ -61,10 +61,10 @@ def init_worker(fn_bytes: bytes, shared_dir: str | None) -> None:
     _WORKER_FN, _SHARED_DIR = cloudpickle.loads(fn_bytes), shared_dir
 
 
-def transform_in_worker(table: Any, where: str) -> Batch | SharedBatch:
-    """In a worker process: ``transformation_fn`` on ``table``'s rows, stacked into a batch there, placed in shared
-    memory where it can be."""
-    batch = frame_to_batch(_WORKER_FN(table_to_frame(table)), where)
+def transform_in_worker(rows: Any, where: str) -> Batch | SharedBatch:
+    """In a worker process: ``transformation_fn`` on a batch of stored rows (see ``columns.rows_to_frame``), stacked
+    into a batch there, placed in shared memory where it can be."""
+    batch = frame_to_batch(_WORKER_FN(rows_to_frame(rows)), where)
     return to_shared(batch, _SHARED_DIR) if _SHARED_DIR is not None else batch
 
 
@@ -149,8 +149,8 @@ class TransformPool:
         self.executor = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("forkserver"),
                                             initializer=init_worker, initargs=(cloudpickle.dumps(fn), self.shared_dir))
 
-    def submit(self, table: Any, where: str) -> Future:
-        return self.executor.submit(transform_in_worker, table, where)
+    def submit(self, rows: Any, where: str) -> Future:
+        return self.executor.submit(transform_in_worker, rows, where)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)

@@ -52,8 +52,9 @@ from spark_hvd.data.columns import (
     frame_to_batch,
     is_list,
     pad_ragged,
+    plain_type,
+    rows_to_frame,
     sparse_to_csr,
-    table_to_frame,
 )
 from spark_hvd.data.errors import InvalidParamError, ReaderError, ReaderTimeoutError, TooFewRowsError
 from spark_hvd.data.process_pool import TransformPool, discard, from_shared
@@ -260,6 +261,7 @@ class BatchReader:
         self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
         self.kinds = {c: (kinds or {}).get(c) or arrow_kind(self.schema.field(c).type) for c in self.columns}
         self._list_cols = {c for c in self.columns if self.kinds[c] in ("array", "vector")}
+        self._plain_rows = all(plain_type(self.schema.field(c).type) for c in self.columns)
         for c in self._list_cols:
             if not self.shapes[c]:
                 self.shapes[c] = (-1,)
@@ -518,6 +520,8 @@ class BatchReader:
         if not piece.whole:
             table = table.slice(piece.start, piece.num_rows)
         if self.transformation_fn is not None:  # shuffled and batched as stored; transformed per batch
+            if self._plain_rows:  # numpy columns, as to_pandas would make them: gathered by np.take, no Arrow take
+                return {c: table.column(c).to_numpy() for c in self.columns}
             return {ROWS: ArrowRows(table)}
         return {c: self._column(c, table.column(c)) for c in self.columns}
 
@@ -576,18 +580,18 @@ class BatchReader:
             self._procs = TransformPool(self.transformation_fn, workers)
             weakref.finalize(self, self._procs.shutdown, wait=False, cancel_futures=True)
         if self._procs is not None:
-            pool, submit = None, lambda rows: self._procs.submit(rows.table, self._where)
+            pool, submit = None, lambda rows: self._procs.submit(rows, self._where)
         elif workers > 1:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-transform-r{self.rank}")
-            submit = lambda rows: pool.submit(self._transform, rows.table)  # noqa: E731
+            submit = lambda rows: pool.submit(self._transform, rows)  # noqa: E731
         else:
             for batch in batches:
-                yield self._transform(batch[ROWS].table)
+                yield self._transform(_stored_rows(batch))
             return
         pending: collections.deque = collections.deque()
         try:
             for batch in batches:
-                pending.append(submit(batch[ROWS]))
+                pending.append(submit(_stored_rows(batch)))
                 if len(pending) >= workers:
                     yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
             while pending:
@@ -599,8 +603,8 @@ class BatchReader:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)  # waits for at most the batches under way
 
-    def _transform(self, table: Any) -> Batch:
-        return frame_to_batch(self.transformation_fn(table_to_frame(table)), self._where)
+    def _transform(self, rows: Any) -> Batch:
+        return frame_to_batch(self.transformation_fn(rows_to_frame(rows)), self._where)
 
 
 class _Failure:
@@ -609,6 +613,12 @@ class _Failure:
 
 
 _END = object()
+
+
+def _stored_rows(batch: Batch) -> Any:
+    """What ``transformation_fn``'s frame is made from (``columns.rows_to_frame``): the Arrow table of an
+    :class:`ArrowRows` chunk, or the batch's numpy columns themselves."""
+    return batch[ROWS].table if ROWS in batch else batch
 
 
 def _row_groups(frag: Any) -> list[tuple[int, int]]:

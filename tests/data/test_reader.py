@@ -213,3 +213,21 @@ def test_default_shuffle_buffer_is_bounded_by_the_bytes_of_stored_rows(tmp_path,
     assert groups_in_first_batch() <= 3
     monkeypatch.setattr(reader_mod, "DEFAULT_SHUFFLE_BYTES", 1 << 30)  # the whole shard
     assert groups_in_first_batch() >= 5
+
+
+def test_transformation_fn_may_change_its_frame_in_place(tmp_path):
+    """The frame transformation_fn gets owns its columns (writable), shuffled or not, as to_pandas's does."""
+    path = str(tmp_path / "x.parquet")
+    pq.write_table(pa.table({"id": np.arange(30), "blob": [b"ab"] * 30}), path, row_group_size=8)
+
+    def double(df):
+        df["id"] *= 2
+        df.loc[0, "blob"] = b"changed"
+        return df
+
+    for shuffle in (False, True):
+        batches = list(BatchReader(path, batch_size=7, shuffle=shuffle, transformation_fn=double, prefetch=0,
+                                   read_ahead_pieces=1).epoch(0))
+        ids = np.concatenate([b["id"] for b in batches])
+        assert sorted(ids.tolist()) == list(range(0, 60, 2)), shuffle
+        assert all(b["blob"][0] == b"changed" and set(b["blob"][1:]) <= {b"ab"} for b in batches)
