@@ -21,6 +21,7 @@ from helpers.torch_replay import assert_fit_equals_replay, rank_shards, replay
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
+from helpers import lightning_modules  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from spark_hvd.estimators import LightningEstimator  # noqa: E402
@@ -36,30 +37,17 @@ _CLIP = 0.5
 EVERY, KILL = 3, (2, 4)  # the resumed fit's step checkpoints every 3 steps; its rank 1 dies after batch 4 of epoch 2
 
 
-def _mse(module, batch):
-    return torch.nn.functional.mse_loss(module(batch["features"]).squeeze(1), batch["y"].float())
-
-
-class Reg(pl.LightningModule):
-    """A linear regression trained with SGD and momentum (so a resume must restore the optimizer's state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = torch.nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.lin(x)
+class Reg(lightning_modules.Reg):
+    """The shared linear regression (SGD with momentum, so a resume must restore the optimizer's state), logging
+    its training and validation MSE."""
 
     def training_step(self, batch, batch_idx):
-        loss = _mse(self, batch)
+        loss = lightning_modules.mse(self, batch)
         self.log("train_mse", loss)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_mse", _mse(self, batch), sync_dist=True)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        self.log("val_mse", lightning_modules.mse(self, batch), sync_dist=True)
 
 
 class Hooks(pl.Callback):
@@ -133,7 +121,7 @@ def df(spark):
 
 def _replayed(store, fitted, initial, epochs: int, clip: float | None) -> tuple[torch.nn.Module, list[float]]:
     model = copy.deepcopy(initial)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lightning_modules.LR, momentum=0.9)
 
     def apply(optimizer):
         if clip is not None:  # Lightning's gradient_clip_val: the norm of all gradients, after DDP's average
@@ -141,8 +129,7 @@ def _replayed(store, fitted, initial, epochs: int, clip: float | None) -> tuple[
         optimizer.step()
 
     shards = rank_shards(store, fitted, seed=1, batch_size=16)
-    batch_loss = lambda m, b: _mse(m, {k: torch.from_numpy(v) for k, v in b.items()})  # noqa: E731
-    return model, replay(shards, model, opt, batch_loss, epochs, apply=apply)
+    return model, replay(shards, model, opt, lightning_modules.numpy_mse, epochs, apply=apply)
 
 
 def test_fit_equals_replay_with_callbacks_logger_resume_and_transform(spark, df, tmp_path):
