@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR[=VALUE]",
                         help="hand this environment variable to every rank (repeatable); remote ranks otherwise "
                              "get their login environment")
+    parser.add_argument("--remote-python", default=None, metavar="PYTHON",
+                        help="the interpreter that starts each rank on the other hosts (a path, or a name on their "
+                             "PATH; default SPARK_HVD_REMOTE_PYTHON, else this interpreter's path where a host has "
+                             "it, else python3 there); it must import spark_hvd. The command itself runs as given")
     parser.add_argument("--start-timeout", type=float, default=30.0,
                         help="seconds a host has to start its ranks (default 30)")
     parser.add_argument("--ssh-connect-timeout", type=float, default=10.0, metavar="S",
@@ -164,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="environment variable for every rank (repeatable)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
-    parser.add_argument("--verbose", type=int, default=1, help="0: no progress lines; 1: per epoch; 2: every report")
+    parser.add_argument("--verbose", type=int, default=1,
+                        help="0: no progress lines; 1: per epoch; 2: every report, and each process the other "
+                             "hosts killed when a rank ended")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
     add_horovod_flags(parser)  # horovodrun's other flags: an error naming what to write instead
     return parser
@@ -229,7 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                ssh_port=args.ssh_port, identity_file=args.ssh_identity_file, env=env,
                                forward=args.forward, network_interface=args.network_interface,
                                timeout=args.timeout, start_timeout=args.start_timeout,
-                               connect_timeout=args.ssh_connect_timeout, grace_s=args.grace, verbose=args.verbose)
+                               connect_timeout=args.ssh_connect_timeout, remote_python=args.remote_python,
+                               grace_s=args.grace, verbose=args.verbose)
     except KeyboardInterrupt:
         sys.stderr.write("spark-hvd-run: interrupted; all ranks stopped\n")
         return 130

@@ -53,7 +53,17 @@ from spark_hvd.runner.procs import (
     kill_and_drain,
     wait_ranks,
 )
-from spark_hvd.runner.remote import CONNECTED_MARK, EXIT_MARK, STARTED_MARK, remote_command, request
+from spark_hvd.runner.remote import (
+    CONNECTED_MARK,
+    EXIT_MARK,
+    NO_IMPORT_MARK,
+    NO_PYTHON_MARK,
+    REMOTE_PYTHON_ENV,
+    STARTED_MARK,
+    python_candidates,
+    remote_command,
+    request,
+)
 from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
@@ -99,13 +109,15 @@ def rendezvous_host(placements: Sequence[Placement], remote: Sequence[bool],
 
 class _Marks:
     """Which remote ranks' remote shells answered (``CONNECTED_MARK``), for the connect timeout, which have started
-    (their ``STARTED_MARK`` line arrived), for the start timeout, and when
-    remote ranks exited with which code (``EXIT_MARK``), to name the first that failed."""
+    (their ``STARTED_MARK`` line arrived), for the start timeout, when remote ranks exited with which code
+    (``EXIT_MARK``), to name the first that failed, and which hosts have no usable Python (``NO_PYTHON_MARK``,
+    ``NO_IMPORT_MARK``)."""
 
     def __init__(self) -> None:
         self.connected: set[int] = set()
         self.started: set[int] = set()
         self.exits: dict[int, tuple[float, int]] = {}
+        self.unusable: dict[int, str] = {}  # rank -> why its host cannot run the remote end (no Python, no spark_hvd)
         self.lock = threading.Lock()
 
 
@@ -113,8 +125,9 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
               ssh_port: int | None = None, identity_file: str | None = None,
               env: Mapping[str, str] | None = None, forward: Sequence[str] = (),
               network_interface: str | None = None, timeout: float | None = None, start_timeout: float = 30.0,
-              connect_timeout: float = CONNECT_TIMEOUT_S, capture: bool = False, grace_s: float = 10.0,
-              verbose: int = 1, on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+              connect_timeout: float = CONNECT_TIMEOUT_S, remote_python: str | None = None,
+              capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
+              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
     """Run ``argv`` as one rank per placement (``hosts.place``) and wait for them.
 
     Args:
@@ -132,6 +145,10 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             whatever ``ssh_command`` is; ssh itself also gets ``-o ConnectTimeout``. The remote shell runs with no
             terminal and ``SSH_ASKPASS_REQUIRE=never`` (unless set), so a host that asks for a password fails at
             once instead of waiting for an answer.
+        remote_python: the interpreter that runs the remote end on every host (a path, or a name looked up on the
+            host's PATH); by default ``SPARK_HVD_REMOTE_PYTHON``, else this interpreter's path where the host has
+            it, else ``python3`` on the host's PATH. A host with none of them, or whose interpreter cannot import
+            spark_hvd, is named before any rank starts there. The ranks' own command runs as given.
         capture, grace_s, verbose, on_event: as in ``launch.run_local``.
     """
     if not argv:
@@ -165,6 +182,10 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             with marks.lock:
                 marks.started.add(rank)
             return
+        if stream == "stderr" and line.startswith((NO_PYTHON_MARK, NO_IMPORT_MARK)):
+            with marks.lock:
+                marks.unusable[rank] = _unusable_reason(line, placements[rank].host)
+            return
         if stream == "stderr" and line.startswith(EXIT_MARK):
             code, at = line[len(EXIT_MARK):].split()
             with marks.lock:
@@ -192,6 +213,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
     pythonpath = [p for p in extra.get("PYTHONPATH", "").split(os.pathsep) if p]
     # no terminal (a session of its own) and no askpass program: a remote shell cannot wait for a password
     shell_env = {**os.environ, "SSH_ASKPASS_REQUIRE": os.environ.get("SSH_ASKPASS_REQUIRE", "never")}
+    pythons = python_candidates(remote_python or os.environ.get(REMOTE_PYTHON_ENV), sys.executable)
     try:
         for p, is_remote in zip(placements, remote, strict=True):
             job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
@@ -199,13 +221,13 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                          rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}")
             rank_env = {**extra, **job.to_env(), **torchrun.torchrun_env(job, *master), "PYTHONUNBUFFERED": "1"}
             if is_remote:
-                shell = remote_command(sys.executable, cwd)
+                shell = remote_command(pythons, cwd)
                 proc = subprocess.Popen(
                     ssh_argv(ssh_command, p.host, shell, ssh_port, identity_file, min(connect_timeout, start_timeout)),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                     env=shell_env)
                 assert proc.stdin is not None
-                proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath))
+                proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath, verbose))
                 proc.stdin.flush()  # and kept open: its end stops the rank on its host
             else:
                 child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
@@ -220,6 +242,8 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
         def check() -> LaunchFailure | None:
             for r in ranks:
                 code = r.proc.poll()
+                if code is not None and r.rank in marks.unusable:
+                    return LaunchFailure(r.rank, code, description=marks.unusable[r.rank])
                 if remote[r.rank] and code == SSH_FAILED and r.rank not in marks.started:
                     return _unreachable(r, placements[r.rank].host, f"{ssh_command[0]} exited with code {code}")
             waited = time.monotonic() - started_at
@@ -246,7 +270,12 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
         service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
         service.stop()
         kv.stop()
-    if result.failure is not None and not result.failure.description.startswith("could not be started"):
+    if result.failure is not None and marks.unusable:  # a host that could not run the remote end comes first
+        rank = min(marks.unusable)
+        code = ranks[rank].proc.returncode or 127
+        result.failure = LaunchFailure(rank, code, description=marks.unusable[rank])
+        result.returncode = code
+    elif result.failure is not None and not result.failure.description.startswith("could not be started"):
         # ssh hands exits on in its own order: the first failure by the ranks' own exit times wins
         failed = sorted((at, rank, code) for rank, (at, code) in marks.exits.items() if code != 0)
         if failed and failed[0][1] != result.failure.rank:
@@ -270,6 +299,19 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
 def _unreachable(r: RankProcess, host: str, why: str) -> LaunchFailure:
     return LaunchFailure(r.rank, SSH_FAILED, description=f"could not be started on host {host} ({why}): check "
                          "that the host is reachable and accepts ssh without a password (-p, -i, --ssh-command)")
+
+
+def _unusable_reason(line: str, host: str) -> str:
+    """The failure's description for a host whose remote end could not run (``NO_PYTHON_MARK`` /
+    ``NO_IMPORT_MARK`` line)."""
+    remedy = (f"install spark_hvd there, or name an interpreter that has it with --remote-python PATH "
+              f"(or {REMOTE_PYTHON_ENV})")
+    if line.startswith(NO_PYTHON_MARK):
+        tried = line[len(NO_PYTHON_MARK):].split()
+        return (f"could not be started on host {host} (no Python interpreter there: tried "
+                f"{', '.join(tried) or 'none'}): {remedy}")
+    what = line[len(NO_IMPORT_MARK):].strip()
+    return f"could not be started on host {host} (cannot import spark_hvd with {what}): {remedy}"
 
 
 def _stop_all(ranks: Sequence[RankProcess], grace_s: float) -> None:

@@ -3,7 +3,9 @@
 ``check``: print one JSON line (rank, topology, host name, transport, and whether allreduce / allgather /
 broadcast of random arrays equal numpy's result over every rank's array); ``loop``: allreduce until it fails
 (printing the error to stderr, exit 3); ``fail R``: rank R crashes (exit code 5) after joining, the others wait in
-an allreduce; ``hang``: sleep.
+an allreduce; ``hang``: sleep; ``orphan R``: every rank starts two sleepers that leave its process group (one in a
+session of its own, one double-forked by ``setsid -f``) and prints its ``SPARK_HVD_RANK_MARK`` and their pids as a
+JSON line, then behaves as ``fail R``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def main() -> None:
     if mode == "hang":
         time.sleep(600)
         return
+    if mode == "orphan":
+        import subprocess
+
+        child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        subprocess.run(["setsid", "-f", "sleep", "601"], check=True)
+        print(json.dumps({"mark": os.environ.get("SPARK_HVD_RANK_MARK"), "child": child.pid}), flush=True)
+        mode = "fail"
     import spark_hvd.core as hvd
 
     hvd.init()

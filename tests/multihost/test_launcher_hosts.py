@@ -204,3 +204,103 @@ def test_named_data_interface_carries_the_traffic(simhosts_ready):
         assert all(json.loads(line.partition(" ")[2])["allreduce"] for line in out.splitlines())
         for k in (1, 2):
             assert two.hosts[k].counters("eth1")[0] - before[k] > 8 * 1024 * 1024
+
+
+def _marked(marks: set[str]) -> list[str]:
+    """Live processes anywhere on this machine whose environment carries one of ``marks`` (SPARK_HVD_RANK_MARK)."""
+    needles = [f"\0SPARK_HVD_RANK_MARK={m}\0".encode() for m in marks]
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state != "Z" and any(n in environ for n in needles):
+            found.append(entry)
+    return found
+
+
+def test_processes_that_left_the_ranks_group_are_stopped_with_the_job(sim):
+    """Each rank starts a sleeper in a session of its own and a double-forked one (``setsid -f``); rank 1 fails.
+    Both hosts' remote ends find them (their process tree, which the orphan re-joins as a subreaper's child, and
+    the rank's marker in their environment) and kill them, naming them with ``--verbose 2``."""
+    h1, h2 = sim.hosts[1], sim.hosts[2]
+    proc = _launch(sim, f"{h1.address}:1,{h2.address}:1", ["orphan", "1"], "--verbose", "2")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 5, err
+    assert f"rank 1 on host {h2.address} exited with code 5, the first rank to fail" in err
+    rows = [json.loads(line.partition(" ")[2]) for line in out.splitlines() if line.partition(" ")[2].startswith("{")]
+    marks = {row["mark"] for row in rows}
+    assert len(marks) == 2 and None not in marks, out
+    for rank in (0, 1):  # the rank's own child (a session of its own) among what its host killed
+        child = next(row["child"] for row in rows if row["mark"].split(".")[1] == str(rank))
+        assert re.search(rf"\[{rank}\] spark-hvd-run: rank {rank}: (stopping, SIGTERM|SIGKILL) to \d+ process\(es\): "
+                         rf".*\b{child} \(sleep\)", err), err
+    # two sleepers per rank, the double-forked one too (named setsid if it had not exec'd sleep yet)
+    assert err.count("(sleep)") + err.count("(setsid)") >= 4, err
+    assert not _wait_none_left(sim)
+    assert not _marked(marks)
+
+
+def _hiding_rsh(sim: simhosts.SimHosts, tmp: Path, hidden: Path, remote_path: Path) -> str:
+    """An ``--ssh-command`` for hosts without the launcher's interpreter: ``hidden`` is an empty tmpfs there (a
+    mount namespace of the command's own), the remote shell's PATH is ``remote_path`` alone and PYTHONPATH unset,
+    as a login shell on another machine would have them."""
+    rsh = tmp / f"hiding-rsh-{remote_path.name}"
+    rsh.write_text(f"""#!{sys.executable}
+import os, sys
+args = sys.argv[1:]
+args[-1] = "PATH={remote_path}; export PATH; unset PYTHONPATH; " + args[-1]
+os.execvp("unshare", ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs hidden "$0" && exec "$@"',
+                      "{hidden}", "{sim.ssh_command()}", *args])
+""")
+    rsh.chmod(0o700)
+    return str(rsh)
+
+
+def test_remote_python_found_on_the_hosts_path_or_a_clear_error_naming_the_host(sim, tmp_path):
+    """The launcher runs from an environment the hosts do not have (its interpreter's path is missing there): the
+    remote end starts with ``python3`` from the host's PATH; with no Python there, or one that cannot import
+    spark_hvd (``SPARK_HVD_REMOTE_PYTHON``), the host is named before any rank starts."""
+    h1 = sim.hosts[1]
+    env_dir = tmp_path / "launcher-env"  # the launcher's interpreter: a venv at a path only this host has
+    (env_dir / "bin").mkdir(parents=True)
+    if sys.prefix != sys.base_prefix:
+        (env_dir / "pyvenv.cfg").write_text((Path(sys.prefix) / "pyvenv.cfg").read_text())
+        (env_dir / "lib").symlink_to(Path(sys.prefix) / "lib")
+    launcher_python = env_dir / "bin" / "python"
+    launcher_python.symlink_to(sys.executable)
+    good, empty = tmp_path / "good-bin", tmp_path / "empty-bin"
+    good.mkdir()
+    empty.mkdir()
+    (good / "python3").write_text(f"#!/bin/sh\nVIA=path-python3 exec {sys.executable} \"$@\"\n")
+    (good / "python3").chmod(0o755)
+    (good / "python-nosite").write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    (good / "python-nosite").chmod(0o755)
+    probe = ("import os, sys; print(os.path.exists(sys.argv[1]), os.environ.get('VIA'), "
+             "os.environ.get('SPARK_HVD_RANK'))")
+
+    def launch(rsh: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        argv = [str(launcher_python), "-m", "spark_hvd.runner", "-H", f"{h1.address}:1", "--ssh-command", rsh,
+                "-x", "PYTHONPATH", "--grace", "1", sys.executable, "-c", probe, str(launcher_python)]
+        return sim.hosts[0].run(argv, timeout=120, cwd=str(tmp_path),
+                                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, good))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0] False path-python3 0", (done.stdout, done.stderr)
+
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, empty))
+    assert done.returncode == 127, done.stderr
+    assert (f"could not be started on host {h1.address} (no Python interpreter there: tried {launcher_python}, "
+            "python3): install spark_hvd there, or name an interpreter that has it with --remote-python PATH "
+            "(or SPARK_HVD_REMOTE_PYTHON)") in done.stderr
+    assert "[0]" not in done.stdout + done.stderr
+
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, good), env={"SPARK_HVD_REMOTE_PYTHON": "python-nosite"})
+    assert done.returncode == 127, done.stderr
+    assert f"could not be started on host {h1.address} (cannot import spark_hvd with {sys.executable}: " \
+        "ModuleNotFoundError: No module named " in done.stderr
+    assert "[0]" not in done.stdout
+    assert not _wait_none_left(sim)

@@ -61,6 +61,8 @@ def test_flags_after_the_command_are_the_commands_and_horovod_spellings_are_take
     assert args.command == ["python", "train.py", "--gloo", "--fusion-threshold-mb", "8"]
     args = parser.parse_args(["-hostfile", "hosts.txt", "--network-interfaces", "eth0,eth1", "python", "t.py"])
     assert args.hostfile == "hosts.txt" and args.network_interface == "eth0,eth1"
+    args = parser.parse_args(["-H", "a:1", "--remote-python", "/opt/py/bin/python3", "python", "t.py"])
+    assert args.remote_python == "/opt/py/bin/python3" and args.command == ["python", "t.py"]
 
 
 def test_version_flag(capsys):
