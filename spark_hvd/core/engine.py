@@ -50,7 +50,9 @@ the engine thread is not in a round, and runs the round itself, so a blocking ``
 between threads. Both run the same deterministic round, so every rank still makes the same sequence of
 collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
 thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
-(``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle.
+(``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle; so does
+a blocking allreduce of one new name when a round of new names is expected (``spark_hvd.core.fresh``), and a
+``barrier`` when the round of this barrier alone is expected (``Engine.barrier``).
 
 Joined ranks (``join()``) take part in the allreduces the others agree on, contributing the identity of the
 reduction (zeros for sum/average, so an average still divides by the full size); an allgather, alltoall,
