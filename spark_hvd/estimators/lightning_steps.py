@@ -20,8 +20,10 @@ calls neither ``on_train_epoch_start`` nor the schedulers again). What Lightning
 - the history's running sums of the epoch (``on_train_epoch_start``, which starts them, is not called again).
 
 No step checkpoint is taken after an epoch's last batch (the epoch's own checkpoint follows at its end; Lightning,
-resuming from there, would skip the epoch's end hooks, validation and the history's epoch), nor in the middle of
-a gradient accumulation (``backward_passes_per_step``: a half-accumulated gradient is not in any checkpoint).
+resuming from there, would skip the epoch's end hooks, validation and the history's epoch), nor after a batch that
+a validation run follows (``val_check_interval`` inside the epoch: Lightning, resuming there, skips that
+validation), nor in the middle of a gradient accumulation (``backward_passes_per_step``: a half-accumulated
+gradient is not in any checkpoint).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from spark_hvd.estimators.rank_run import RankRun, merged_progress
 from spark_hvd.estimators.step_checkpoint import rng_state, set_rng_state
 
-__all__ = ["StepCheckpoints", "align_batch_progress", "resized_progress"]
+__all__ = ["StepCheckpoints", "align_batch_progress", "resized_progress", "validation_follows"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,20 @@ class StepCheckpoints:
             return
         if batch_idx + 1 >= run.readers.steps("train") or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        if validation_follows(trainer):
+            return
         rec = self.owner.recorder
         run.step_end(trainer.current_epoch, batch_idx, {"acc": rec.train, "rows": rec.train_rows,
                                                         "outside": rec.outside, "lr": rec.lr})
+
+
+def validation_follows(trainer: Any) -> bool:
+    """Whether Lightning runs a validation right after the batch that just ended (Lightning's own decision, which
+    is not public API: False where this Lightning has no such method)."""
+    loop = trainer.fit_loop
+    decide = getattr(loop.epoch_loop, "_should_check_val_fx", None)
+    fetcher = getattr(loop, "_data_fetcher", None)
+    return bool(decide(fetcher)) if decide is not None and fetcher is not None else False
 
 
 def resized_progress(progress: list[dict], rank: int) -> dict:
