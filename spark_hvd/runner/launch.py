@@ -18,8 +18,10 @@ blamed rather than the peer that exited 1 a moment later because its socket clos
 reported (``killed by SIGKILL`` for a signal; the exit code is 128 + the signal number, as a shell reports it).
 Every rank runs in a session and process group of its own; stopping the job signals each *group* (SIGTERM, then
 SIGKILL after the grace period), whether or not the rank itself is still alive, so processes a rank started (data
-loader workers, a ``subprocess``) do not survive it. Output pipes that an escaped process may still hold are not
-waited on for more than a moment, so the launcher exits promptly.
+loader workers, a ``subprocess``) do not survive it; at the end, any process of this host that still carries the
+job's ``SPARK_HVD_JOB_ID`` in its environment (one that left the group: ``setsid()``, a daemon) is SIGKILLed too.
+Output pipes that an escaped process may still hold are not waited on for more than a moment, so the launcher exits
+promptly.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             ranks.append(RankProcess(rank, proc, sink))
         wait_ranks(ranks, result, timeout, grace_s)
     finally:
-        kill_and_drain(ranks, grace_s)
+        kill_and_drain(ranks, grace_s, job_id)
         result.returncodes = [r.proc.returncode for r in ranks]
         service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
         service.stop()

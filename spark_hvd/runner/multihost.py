@@ -227,8 +227,11 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                     env=shell_env)
                 assert proc.stdin is not None
-                proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath, verbose))
-                proc.stdin.flush()  # and kept open: its end stops the rank on its host
+                try:
+                    proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath, verbose))
+                    proc.stdin.flush()  # and kept open: its end stops the rank on its host
+                except BrokenPipeError:
+                    pass  # the remote shell already exited (unreachable host, no Python): its exit and stderr say why
             else:
                 child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
                 child_env.update(rank_env)
@@ -265,7 +268,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
 
         wait_ranks(ranks, result, timeout, grace_s, check=check)
     finally:
-        _stop_all(ranks, grace_s)
+        _stop_all(ranks, grace_s, job_id)
         result.returncodes = [r.proc.returncode for r in ranks]
         service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
         service.stop()
@@ -314,9 +317,10 @@ def _unusable_reason(line: str, host: str) -> str:
     return f"could not be started on host {host} (cannot import spark_hvd with {what}): {remedy}"
 
 
-def _stop_all(ranks: Sequence[RankProcess], grace_s: float) -> None:
-    """Every rank down: stdin of the ssh processes closed (their remote end stops the rank), then every local
-    process group SIGKILLed after the grace period; output pumps given a moment."""
+def _stop_all(ranks: Sequence[RankProcess], grace_s: float, job_id: str) -> None:
+    """Every rank down: stdin of the ssh processes closed (their remote end stops the rank and whatever it
+    started), then every local process group SIGKILLed after the grace period, with what local ranks started in
+    sessions of their own (``kill_and_drain``); output pumps given a moment."""
     for r in ranks:
         if r.proc.stdin is not None:
             try:
@@ -329,4 +333,4 @@ def _stop_all(ranks: Sequence[RankProcess], grace_s: float) -> None:
             r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    kill_and_drain(ranks, grace_s)
+    kill_and_drain(ranks, grace_s, job_id)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from spark_hvd.runner import rank_tree
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
 
@@ -261,12 +262,22 @@ def stop_ranks(ranks: list[RankProcess], grace_s: float) -> None:
         r.signal(signal.SIGKILL)
 
 
-def kill_and_drain(ranks: Sequence[RankProcess], grace_s: float) -> None:
+def kill_and_drain(ranks: Sequence[RankProcess], grace_s: float, job_id: str | None = None) -> None:
     """SIGKILL every rank's process group (even of ranks that succeeded: a child they left must not outlive the
-    job), reap them, then give the output pumps a moment: a process that left its group (setsid) may still hold
-    a pipe, and is not waited for."""
+    job), and with ``job_id`` every process of this host whose environment carries ``SPARK_HVD_JOB_ID=job_id``
+    (what a rank started, even in a session of its own: ``rank_tree.job_processes``; named in debug logging); reap
+    the ranks, then give the output pumps a moment."""
     for r in ranks:
         r.signal(signal.SIGKILL)
+    if job_id and sys.platform == "linux":
+        deadline = time.monotonic() + 3.0
+        found = rank_tree.job_processes("SPARK_HVD_JOB_ID", job_id)
+        while found and time.monotonic() < deadline:
+            logger.debug("SIGKILL to processes left by the job's local ranks: %s",
+                         ", ".join(f"{pid} ({name})" for pid, name in found.items()))
+            rank_tree.signal_all(found, signal.SIGKILL)
+            time.sleep(0.02)
+            found = rank_tree.job_processes("SPARK_HVD_JOB_ID", job_id)
     for r in ranks:
         try:
             r.proc.wait(timeout=grace_s)

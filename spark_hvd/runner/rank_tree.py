@@ -66,6 +66,23 @@ def _has_marker(pid: int, needle: bytes) -> bool:
         return False
 
 
+def _netns(pid: int | str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def job_processes(var: str, value: str) -> dict[int, str]:
+    """pid -> command name of every live process of this host (this network namespace: the host identity
+    spark_hvd uses) whose environment holds ``var=value``, this process left out: under ``spark-hvd-run`` the local
+    ranks' job id (``SPARK_HVD_JOB_ID``), which the processes they started inherit even after ``setsid()``."""
+    table, me, here = _table(), os.getpid(), _netns("self")
+    needle = f"\0{var}={value}\0".encode()
+    return {pid: name for pid, (_, state, name) in sorted(table.items())
+            if pid != me and state not in ("Z", "X") and _has_marker(pid, needle) and _netns(pid) == here}
+
+
 def rank_processes(root: int, marker: str) -> dict[int, str]:
     """pid -> command name of every live process below ``root`` (descendants) or carrying ``MARK_ENV=marker`` in
     its environment; ``root`` itself and zombies left out."""

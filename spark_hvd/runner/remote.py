@@ -186,10 +186,10 @@ def _stop_rank(proc: subprocess.Popen, grace_s: float, marker: str, rank: str, v
     to them if the rank is still alive after ``grace_s``."""
     me = os.getpid()
     found = rank_tree.rank_processes(me, marker)
-    rank_tree.signal_all(found, signal.SIGTERM)
-    if verbose >= 2 and found:
+    if verbose >= 2 and found:  # first: once the rank is gone, ``serve`` writes its last line and exits
         sys.stderr.write(f"spark-hvd-run: rank {rank}: stopping, SIGTERM to {_named(found)}\n")
         sys.stderr.flush()
+    rank_tree.signal_all(found, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -197,6 +198,30 @@ def test_sigkilled_rank_is_blamed_its_children_die_and_the_launcher_exits_prompt
         while _alive(child) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(child), f"rank 1's child {child} survived the job"
+
+
+@pytest.mark.skipif(sys.platform != "linux" or shutil.which("setsid") is None, reason="needs Linux and setsid")
+def test_processes_that_left_the_ranks_group_do_not_outlive_the_job(tmp_path):
+    """A rank starts a sleeper in a session of its own and a double-forked one (``setsid -f``), then exits 0: the
+    launcher's end-of-job sweep (the job id in their environment) leaves neither alive."""
+    script = _script(tmp_path, """
+        import os, subprocess, sys, time
+        child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        subprocess.run(["setsid", "-f", "sh", "-c", "echo $$ > " + sys.argv[1] + ".tmp; mv " + sys.argv[1]
+                        + ".tmp " + sys.argv[1] + "; exec sleep 601"], check=True)
+        while not os.path.exists(sys.argv[1]):  # the daemon is up before the rank exits
+            time.sleep(0.01)
+        print(child.pid, flush=True)
+    """)
+    pid_file = tmp_path / "daemon.pid"
+    result = run_local([sys.executable, script, str(pid_file)], 1, timeout=120, capture=True, grace_s=2)
+    assert result.returncode == 0, result.stderr
+    child = int(result.stdout[0].split()[-1])
+    daemon = int(pid_file.read_text())
+    deadline = time.monotonic() + 10  # killed before run_local returns; their reaper may take a moment
+    while (_alive(child) or _alive(daemon)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child) and not _alive(daemon), (child, daemon)
 
 
 def test_command_line_names_the_signal(tmp_path):
