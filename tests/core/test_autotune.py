@@ -328,3 +328,16 @@ def test_autotune_switches_every_rank_at_the_same_round_and_results_stay_right(t
     searched = {row["trial"] for row in rows}
     assert ("algorithm" in searched) == (n >= 3), searched  # halving-doubling is tried where it applies
     assert not [name for name in os.listdir(tmp_path) if name != "autotune.csv"]  # rank 0 alone writes
+
+
+def test_a_relaunched_attempt_switches_every_rank_to_the_logged_result_at_once(tmp_path):
+    log = tmp_path / "autotune.csv"  # what rank 0 of the earlier attempt wrote
+    log.write_text(",".join(at.HEADER) + "\n1,64,0,10.5,baseline,\n2.5,4,0,,best,1.2000\n")
+    env = {"SPARK_HVD_AUTOTUNE": "1", "SPARK_HVD_AUTOTUNE_LOG": str(log), "SPARK_HVD_RUN_ATTEMPT": "1",
+           "SPARK_HVD_TIMEOUT": "60"}
+    results = run_ranks(_tuned_job, 2, env=env, args=(5, [(64,), (7, 3)]), timeout=240)
+    kept = Point(4 * MIB, 2.5)
+    for res in results:  # one switch, at the same fast round on every rank, then the steps went on (checked)
+        assert res["settings"] == kept and res["history"] == results[0]["history"]
+        assert [(fusion, cycle) for _, fusion, cycle, _ in res["history"]] == [(4 * MIB, 2.5)]
+    assert [row["trial"] for row in _rows(log)] == ["baseline", "best", "reset"]  # appended, nothing tuned again
