@@ -89,6 +89,7 @@ What lives beside it: ``table.py`` (the negotiation table and the rounds' wire f
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -481,6 +482,10 @@ class Engine:
         if self._tuner is not None:
             self._tuner.applied(point, time.perf_counter())
 
+    def _tuning(self) -> bool:
+        """Rank 0's tuner still measures (once it is done there is nothing to observe: it only sends its result)."""
+        return self._tuner is not None and not self._tuner.done
+
     def _observe(self, names: list[str], nbytes: int) -> None:
         """Tell rank 0's tuner what a round allreduced."""
         assert self._tuner is not None
@@ -492,7 +497,7 @@ class Engine:
             meta = entry.meta
             if error is None and meta.kind == "allreduce":
                 names.append(entry.name)
-                nbytes += int(np.prod(meta.shape, dtype=np.int64)) * np.dtype(meta.dtype).itemsize
+                nbytes += math.prod(meta.shape) * np.dtype(meta.dtype).itemsize
         if names:
             self._observe(names, nbytes)
 
@@ -806,7 +811,7 @@ class Engine:
             requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
-        if self._tuner is not None and not spec.barrier:
+        if self._tuning() and not spec.barrier:
             self._observe([request.name for request in requests], sum(request.buf.nbytes for request in requests))
         activity = "BARRIER" if spec.barrier else "ALLREDUCE"
         for request in requests:
@@ -845,7 +850,7 @@ class Engine:
                 self._local.pop(request.name)
         # the names stay out of the response cache (on every rank, whichever of this and ``_fresh_sole_round`` ran
         # the round): names made up per call would only evict the loop's, and change the ids the predictor learnt
-        if self._tuner is not None:
+        if self._tuning():
             self._observe([request.name for request in mine], sum(request.buf.nbytes for request in mine))
         self.stats["allreduce_collectives"] += 1
         self.stats["allreduce_tensors"] += len(mine)
@@ -884,7 +889,7 @@ class Engine:
         stats["allreduce_collectives"] += 1
         stats["allreduce_tensors"] += 1
         # the name stays out of the response cache, as in ``_fresh_round``
-        if self._tuner is not None:
+        if self._tuning():
             self._observe([name], buf.nbytes)
         if timeline is not None:
             timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
@@ -920,7 +925,7 @@ class Engine:
         self._cache.put(name, meta)
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
-        if self._tuner is not None and buf is not None:
+        if self._tuning() and buf is not None:
             self._observe([name], buf.nbytes)
         if self.timeline is not None:
             self.timeline.event(name, "ALLREDUCE" if buf is not None else "BARRIER", t0, t1, fused=1,
@@ -936,7 +941,7 @@ class Engine:
                 requests = [self._local.pop(e.name) if e.name in self._local and self._local[e.name].sent else None
                             for e, _ in ready]
             self._executor.execute(ready, requests, time.perf_counter())
-            if self._tuner is not None:
+            if self._tuning():
                 self._observe_ready(ready)
         for warning in self._table.stall_warnings(self.rank):
             logger.warning("%s", warning)
