@@ -1,6 +1,6 @@
 """The background engine: one thread per process that negotiates, fuses and runs every collective.
 
-Why this file is over 600 lines (~940): it is one idea, the loop and its rounds (pacing, fast, speculative and
+Why this file is over 600 lines (~1000): it is one idea, the loop and its rounds (pacing, fast, speculative and
 full negotiation), a state machine whose state must stay identical on every rank.
 
 The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
@@ -42,7 +42,8 @@ is the same (the same new tensors in the same order everywhere: the vector carri
 travels: each rank's own is every rank's, and its tensors are ready and agreed. Once the ranks have seen which clean
 round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two tensors alternating, an
 allreduce between barriers), the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
-negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place; a
+negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place,
+over TCP one larger tensor carries the flag as the first frame of its own collective, ``spark_hvd.core.agreed``; a
 round of barriers is the flag's collective alone).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
