@@ -9,8 +9,8 @@ separate small exchange first would make it wait out the other rank's lag before
 
 Both ranks read the other's header before the first data frame, and the other rank is the only one, so each knows
 the outcome before it touches its array. A rank that agrees sends its first frames (up to ``EAGER_BYTES``) without
-waiting, the rest once both headers said yes, one frame for each frame received (the window stays in flight); a
-rank that does not agree sends its header alone. On a hit the ring (or the pair exchange) runs as usual; on a miss
+waiting, the rest once both headers said yes (from then on exactly as the ring: the rest of its first chunk at
+once, each reduced frame as soon as it is reduced); a rank that does not agree sends its header alone. On a miss
 the only data to move is the early frames of a rank that agreed, which land in scratch: nothing is reduced, the
 rank that did submit the tensor keeps it bit for bit, and the rank that did not never reads or writes the array it
 passed (a read-only stand-in of the right size and dtype is enough). A miss costs a round trip and at most
@@ -57,8 +57,8 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
     round trip), else the two-step ring.
 
     What travels: each rank's header, then (only from a rank that agrees) its first frames, up to ``EAGER_BYTES``
-    (whole arrays: all of it), sent before the other's header is here; every further frame is sent once the
-    headers said both agree, one for each frame received (the ring's order, the same window kept in flight).
+    (whole arrays: all of it), sent before the other's header is here; once the headers said both agree, the rest
+    of the first chunk at once and each reduced frame as soon as it is reduced, as the ring sends them.
     """
     nbytes = flat.nbytes
     peer, operation = exchange.recv_peer, exchange.operation
@@ -81,9 +81,7 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         in_spans = reduce_spans + out_spans  # the other's copy of chunk ``rank``, then chunk ``1 - rank`` reduced
         got = scratch(sub * window)
         early = -(-EAGER_BYTES // sub)
-        # at most all but one of the first chunk's frames: the reduced frames that follow them are then always
-        # ready when their turn comes (the reduced frame j is sent at the earliest on the frame received after j)
-        eager_out, eager_in = min(len(out_spans) - 1, early), min(len(reduce_spans) - 1, early)
+        eager_out, eager_in = min(len(out_spans), early), min(len(reduce_spans), early)
 
     def target(lo: int, hi: int, k: int) -> memoryview:
         """Where received frame k (1-based, after the header) lands: scratch, unless it is a result kept here (on
@@ -97,26 +95,25 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
 
     receives = [memoryview(theirs.view(np.uint8))]
     receives += [target(lo, hi, k) for k, (lo, hi) in enumerate(in_spans, 1)]
-    # the frames sent after the headers, in order: the rest of the first chunk, then the reduced one
-    later = out_spans[eager_out:] + reduce_spans
     hit = [False]
 
-    def on_received(i: int) -> memoryview | None:
+    def on_received(i: int) -> memoryview | list[memoryview] | None:
         if i == 0:
             peer_agrees = _agreed(theirs, nbytes, peer, operation)
             hit[0] = agree and peer_agrees
             if not hit[0]:  # a miss: only the frames the other sent before it knew are still to come (its early
-                # frames, which land in scratch: fewer than the other's copy of chunk ``rank``), nothing else
+                # frames, which land in scratch: its copy of chunk ``rank`` at most), nothing else
                 del receives[1 + (eager_in if peer_agrees else 0):]
-        elif hit[0] and i <= len(reduce_spans):  # the other's copy of a frame of chunk ``rank``: reduce it
-            lo, hi = reduce_spans[i - 1]
-            part = flat[lo // item:hi // item]
-            reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
-            if op is ReduceOp.AVERAGE:
-                divide_average(part, 2, bfloat16)
-        if not hit[0] or i >= len(later):
+                return None
+            return [memoryview(raw[lo:hi]) for lo, hi in out_spans[eager_out:]]  # type: ignore[index]
+        if not hit[0] or i > len(reduce_spans):
             return None
-        lo, hi = later[i]
+        # the other's copy of a frame of chunk ``rank``: reduce it here, and send it back
+        lo, hi = reduce_spans[i - 1]
+        part = flat[lo // item:hi // item]
+        reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
+        if op is ReduceOp.AVERAGE:
+            divide_average(part, 2, bfloat16)
         return memoryview(raw[lo:hi])  # type: ignore[index]
 
     sends = [memoryview(mine.view(np.uint8))]

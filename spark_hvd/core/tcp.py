@@ -389,12 +389,13 @@ class RingExchange:
         self.mac, self.mac_min_bytes = mac, mac_min_bytes
 
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
-            on_received: Callable[[int], memoryview | None], window: int = 1) -> None:
+            on_received: Callable[[int], memoryview | list[memoryview] | None], window: int = 1) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
-        view to send next. ``receives[i]`` is read when frame i starts, and ``on_received`` may shorten
-        ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: the answer of a first frame).
-        Frame 0 is always checked in the calling thread, so ``on_received(0)`` returns before a byte of frame 1
-        is read, with or without a pool; later frames may be read ahead of their checks.
+        view (or a list of views) to send next. ``receives[i]`` is read when frame i starts, and ``on_received``
+        may shorten ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: what a first frame
+        answered decides what follows it). Frame 0 is always checked in the calling thread, so ``on_received(0)``
+        returns before a byte of frame 1 is read, with or without a pool; later frames may be read ahead of their
+        checks.
 
         ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
         frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
@@ -453,7 +454,10 @@ class RingExchange:
                         progressed = True
                         forward = on_received(i)
                         n_recv = len(receives)
-                        if forward is not None:
+                        if forward.__class__ is list:
+                            for view in forward:
+                                enqueue(view)
+                        elif forward is not None:
                             enqueue(forward)
                     # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
                     send_full = recv_dry = tag_wait = False
@@ -531,7 +535,10 @@ class RingExchange:
                             else:
                                 forward = on_received(index)
                                 n_recv = len(receives)
-                                if forward is not None:
+                                if forward.__class__ is list:
+                                    for view in forward:
+                                        enqueue(view)
+                                elif forward is not None:
                                     enqueue(forward)
                         index, got_head, target = index + 1, 0, None
                     if index == n_recv and not checking and not pending and not queue_out:

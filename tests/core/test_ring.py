@@ -257,7 +257,7 @@ def _agreed_allreduces(seed: int, mac: bool) -> str:
     digest = hashlib.sha256()
     try:
         assert be.agrees_in_band and (be._mac is not None) == mac
-        # early frames (sent before the other's header): on the ring (7 frames per half) all but one, one, none
+        # early frames (sent before the other's header): on the ring (7 frames per half) all of them, one, none
         ops = (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX))
         for count, eager, cases in ((3001, agreed.EAGER_BYTES, ops), (200_003, agreed.EAGER_BYTES, ops),
                                     (200_003, 64 * 1024, ops[1:2]), (200_003, 0, ops[1:2])):
