@@ -29,7 +29,10 @@ Each run reports the training thread's CPU time and the CPU time of the process'
 client: s3fs/aiobotocore, checksums, the store's bookkeeping), so what the upload costs the training core is
 measured, not inferred.
 
-Prints one JSON line per run and a summary line with each mode's median steps/s and its ratio to ``none``.
+Prints one JSON line per run and a summary line with each mode's median steps/s and its ratio to ``none``, and its
+median CPU seconds (all threads: training, snapshot, upload client) with ``cpu_vs_none`` = none's CPU over the
+mode's: the steps/s ratio where the loop and the upload client have one core to themselves, which the machine's
+load moves far less than the wall-clock ratio.
 """
 
 from __future__ import annotations
@@ -193,6 +196,7 @@ def main() -> None:
         return args.steps / loop_s, time.perf_counter() - ends[-1], {**split, **cpu}
 
     rates: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+    cpus: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         store = Store.create(tmp) if args.store == "local" else stack.enter_context(moto_s3_store(tmp, args))
         one("none", store)  # warm-up
@@ -200,14 +204,20 @@ def main() -> None:
             for mode in ("none", "sync", "async"):
                 rate, end_wait, split = one(mode, store)
                 rates[mode].append(rate)
+                cpus[mode].append(split["train_thread_cpu_s"] + split["other_threads_cpu_s"])
                 print(json.dumps({"repeat": repeat, "mode": mode, "steps_per_s": round(rate, 3),
                                   "end_wait_s": round(end_wait, 3), **split,
                                   "state_mb": round(state_mb, 1), "every": args.every,
                                   "store": args.store, "pin": args.pin, "tls": args.tls,
                                   "load": os.getloadavg()[0]}), flush=True)
-    none = statistics.median(rates["none"])
+    none, none_cpu = statistics.median(rates["none"]), statistics.median(cpus["none"])
+    # cpu_vs_none: none's CPU seconds over this mode's (training thread + every other thread of the process, the
+    # upload client's included), i.e. the steps/s ratio where one core runs the loop and the upload client alone
     print(json.dumps({mode: {"steps_per_s": round(statistics.median(r), 3),
-                             "vs_none": round(statistics.median(r) / none, 3)} for mode, r in rates.items()}))
+                             "vs_none": round(statistics.median(r) / none, 3),
+                             "cpu_s": round(statistics.median(cpus[mode]), 3),
+                             "cpu_vs_none": round(none_cpu / statistics.median(cpus[mode]), 3)}
+                      for mode, r in rates.items()}))
 
 
 if __name__ == "__main__":
