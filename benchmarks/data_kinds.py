@@ -22,6 +22,9 @@
   reader's documented memory formula); reported: its peak RSS above the RSS it had after its imports, against
   the budget.
 
+Timing: the pipelines of a part run in turns (one epoch of each per round, 3 rounds), best wall time and best CPU
+time of each kept, so that a load that drifts weighs on all alike.
+
 Run:  .venv/bin/python benchmarks/data_kinds.py [--images 2000] [--workers 2] [--sentences 20000] [--rss-mib 512]
 Results go to stdout (a table) and, with ``--json``, to a file. The machine's load matters: report it.
 """
@@ -121,26 +124,33 @@ def bench_images(work: str, count: int, workers: int, side: int = 32) -> dict:
         return n
 
     try:
-        rates = {name: count / best_time(fn, count) for name, fn in
-                 (("spark_hvd threads", lambda: ours("thread")), ("spark_hvd processes", lambda: ours("process")),
-                  ("torch DataLoader", loader), ("in-memory loop", memory))}
+        wall, cpu = interleaved({"spark_hvd threads": lambda: ours("thread"),
+                                 "spark_hvd processes": lambda: ours("process"),
+                                 "torch DataLoader": loader, "in-memory loop": memory}, count)
     finally:
         readers["process"].close()
+    rates = {name: count / t for name, t in wall.items()}
     # CPU time of this process (all its threads) per epoch: the work each does, which a loaded machine slows alike
-    cpu = {"spark_hvd threads": best_time(lambda: ours("thread"), count, clock=time.process_time),
-           "in-memory loop": best_time(memory, count, clock=time.process_time)}
+    # (the process pipelines' work is in other processes)
+    cpu = {k: cpu[k] for k in ("spark_hvd threads", "in-memory loop")}
     return rates, {"cpu ms per epoch": {k: round(v * 1000, 1) for k, v in cpu.items()},
                    "in-memory / threads (1.0: no overhead)": cpu["in-memory loop"] / cpu["spark_hvd threads"]}
 
 
-def best_time(fn, count: int, repeats: int = 3, clock=time.perf_counter) -> float:
-    best = float("inf")
+def interleaved(fns: dict, count: int, repeats: int = 3) -> tuple[dict, dict]:
+    """Best wall time and best CPU time of this process per call of each function, taken in turns (one call of
+    each per round, ``repeats`` rounds), so that a load that drifts during the run weighs on every pipeline alike
+    (before: all runs of one pipeline, then all of the next)."""
+    wall = dict.fromkeys(fns, float("inf"))
+    cpu = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
-        t0 = clock()
-        got = fn()
-        best = min(best, clock() - t0)
-        assert got >= count, (got, count)
-    return best
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            got = fn()
+            wall[name] = min(wall[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
+            assert got >= count, (name, got, count)
+    return wall, cpu
 
 
 def corpus(count: int) -> list[str]:
@@ -205,8 +215,9 @@ def bench_text(work: str, count: int) -> tuple[dict, dict]:
 
     batches = -(-count // BATCH)
     fns = (("spark_hvd", ours), ("in-memory", memory), ("in-memory shuffled", memory_shuffled))
-    rates = {name: batches / best_time(fn, count) for name, fn in fns}
-    cpu = {name: round(best_time(fn, count, clock=time.process_time) * 1000, 1) for name, fn in fns}
+    wall, cpu = interleaved(dict(fns), count)
+    rates = {name: batches / t for name, t in wall.items()}
+    cpu = {name: round(t * 1000, 1) for name, t in cpu.items()}
     return rates, {"cpu ms per epoch (all threads)": cpu}
 
 
