@@ -78,9 +78,10 @@ its errors name global ranks.
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
 Autotune (``settings.autotune``): rank 0's ``Tuner`` (``spark_hvd.core.autotune``) scores trial settings of the
-fusion threshold and cycle time from what the rounds reduce; its next choice rides in the two tuning slots of a fast
-round's vector, and every rank switches at that round, before running its collectives. While a choice waits, rank 0
-lets an armed speculation miss (one small collective per switch), so that a fast round comes.
+fusion threshold, cycle time and halving-doubling threshold from what the rounds reduce; its next choice rides in
+the three tuning slots of a fast round's vector, and every rank switches at that round, before running its
+collectives. While a choice waits, rank 0 lets an armed speculation miss (one small collective per switch), so that
+a fast round comes. Once the tuner is done, rank 0 stops observing rounds (``_tuning``).
 
 What lives beside it: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py`` and
 ``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
