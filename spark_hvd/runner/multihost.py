@@ -2,11 +2,13 @@
 
 ``run_hosts`` places the ranks in host order (``spark_hvd.runner.hosts``), starts the job's rendezvous and driver
 services on an address the hosts can reach (the named interface's, else the one routed towards the first remote
-host), and starts each rank: directly when its host is this machine, else as ``CMD [ssh options] HOST 'shell
-command'`` (``CMD`` is ``ssh`` or ``--ssh-command``; options ``-p PORT``, ``-i FILE`` and, for ssh itself,
-``-o BatchMode=yes -o ConnectTimeout=N``). The shell command carries nothing of the job: the rank's environment,
-the job secret among it, goes on the ssh process's stdin (``spark_hvd.runner.remote``), which stays open while the
-rank runs; closing it stops the rank on its host.
+host), and starts each rank's remote end (``spark_hvd.runner.remote``): through ``sh`` when its host is this
+machine, else as ``CMD [ssh options] HOST 'shell command'`` (``CMD`` is ``ssh`` or ``--ssh-command``; options
+``-p PORT``, ``-i FILE`` and, for ssh itself, ``-o BatchMode=yes -o ConnectTimeout=N``). No rank starts before
+every host's remote end is ready (its Python found, spark_hvd imported: ``READY_MARK``); then each gets ``go``.
+The shell command carries nothing of the job: the rank's environment, the job secret among it, goes on the ssh
+process's stdin (``spark_hvd.runner.remote``), which stays open while the rank runs; closing it stops the rank, and
+every process it started, on its host.
 
 Output lines keep the ``[rank]`` prefix. The first rank to fail is named with its host; the launcher then stops
 every rank (local process groups signalled, remote ones through their ssh process and its stdin).
@@ -56,8 +58,10 @@ from spark_hvd.runner.procs import (
 from spark_hvd.runner.remote import (
     CONNECTED_MARK,
     EXIT_MARK,
+    GO,
     NO_IMPORT_MARK,
     NO_PYTHON_MARK,
+    READY_MARK,
     REMOTE_PYTHON_ENV,
     STARTED_MARK,
     python_candidates,
@@ -115,6 +119,7 @@ class _Marks:
 
     def __init__(self) -> None:
         self.connected: set[int] = set()
+        self.ready: set[int] = set()  # imported spark_hvd, waiting for GO
         self.started: set[int] = set()
         self.exits: dict[int, tuple[float, int]] = {}
         self.unusable: dict[int, str] = {}  # rank -> why its host cannot run the remote end (no Python, no spark_hvd)
@@ -178,6 +183,10 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             with marks.lock:
                 marks.connected.add(rank)
             return
+        if stream == "stderr" and line == READY_MARK:
+            with marks.lock:
+                marks.ready.add(rank)
+            return
         if stream == "stderr" and line == STARTED_MARK:
             with marks.lock:
                 marks.started.add(rank)
@@ -221,28 +230,24 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                          rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}")
             rank_env = {**extra, **job.to_env(), **torchrun.torchrun_env(job, *master), "PYTHONUNBUFFERED": "1"}
             if is_remote:
-                shell = remote_command(pythons, cwd)
-                proc = subprocess.Popen(
-                    ssh_argv(ssh_command, p.host, shell, ssh_port, identity_file, min(connect_timeout, start_timeout)),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                    env=shell_env)
-                assert proc.stdin is not None
-                try:
-                    proc.stdin.write(request(argv, rank_env, cwd, grace_s, pythonpath, verbose))
-                    proc.stdin.flush()  # and kept open: its end stops the rank on its host
-                except BrokenPipeError:
-                    pass  # the remote shell already exited (unreachable host, no Python): its exit and stderr say why
-            else:
-                child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
-                child_env.update(rank_env)
-                proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-                with marks.lock:
-                    marks.connected.add(p.rank)
-                    marks.started.add(p.rank)
+                shell_argv = ssh_argv(ssh_command, p.host, remote_command(pythons, cwd), ssh_port, identity_file,
+                                      min(connect_timeout, start_timeout))
+                popen_env = shell_env
+            else:  # this host's ranks run under the same remote end, through sh: gated, and their processes tracked
+                shell_argv = ["sh", "-c", remote_command([sys.executable], cwd)]
+                popen_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+            proc = subprocess.Popen(shell_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, env=popen_env)
+            _send(proc, request(argv, rank_env, cwd, grace_s, pythonpath, verbose, gate=True))
             ranks.append(RankProcess(p.rank, proc, sink))
+        released = False
 
         def check() -> LaunchFailure | None:
+            nonlocal released
+            if not released and len(marks.ready) == np:  # every host can run its rank: start them all
+                released = True
+                for r in ranks:
+                    _send(r.proc, GO)
             for r in ranks:
                 code = r.proc.poll()
                 if code is not None and r.rank in marks.unusable:
@@ -259,8 +264,9 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                                         "(--ssh-connect-timeout)")
             if waited < start_timeout:
                 return None
-            with marks.lock:
-                late = [r for r in ranks if r.rank not in marks.started]
+            with marks.lock:  # a host not ready first (the others wait for it), then one that did not start
+                late = ([r for r in ranks if r.rank not in marks.ready]
+                        or [r for r in ranks if r.rank not in marks.started])
             if late:
                 return _unreachable(late[0], placements[late[0].rank].host,
                                     f"its rank did not start within {start_timeout:g} s")
@@ -302,6 +308,17 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
 def _unreachable(r: RankProcess, host: str, why: str) -> LaunchFailure:
     return LaunchFailure(r.rank, SSH_FAILED, description=f"could not be started on host {host} ({why}): check "
                          "that the host is reachable and accepts ssh without a password (-p, -i, --ssh-command)")
+
+
+def _send(proc: subprocess.Popen, data: bytes) -> None:
+    """``data`` to a remote end's stdin, which stays open (its end stops the rank); a remote shell that already
+    exited (unreachable host, no Python) is left to its exit code and stderr to explain."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(data)
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass
 
 
 def _unusable_reason(line: str, host: str) -> str:

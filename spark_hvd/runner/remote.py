@@ -14,6 +14,9 @@ which it expects within ``--ssh-connect-timeout`` whatever the remote-shell comm
 * starts the rank's command with that environment (stdout and stderr inherited: they travel back through ssh, where
   the launcher prefixes them with ``[rank]``), with ``PR_SET_PDEATHSIG`` so the rank dies with it, a marker every
   descendant inherits (``SPARK_HVD_RANK_MARK``), and this process a child subreaper (``spark_hvd.runner.rank_tree``);
+* with ``gate`` in the request, writes ``READY_MARK`` (spark_hvd imported: this host can run its rank) and waits
+  for a ``go`` line on stdin, which the launcher sends once every host is ready, so no rank starts while a host
+  lacks its Python (end of file instead: exit 0, nothing started);
 * writes ``STARTED_MARK`` to stderr once the rank is started (the launcher's proof that the host was reached);
 * keeps reading stdin: end of file (the launcher stopped the job, or ssh died) and SIGTERM/SIGHUP stop the rank
   (SIGTERM to every process of the rank: its process tree, which orphans re-join, and whatever carries its marker;
@@ -44,6 +47,10 @@ from spark_hvd.runner import rank_tree
 CONNECTED_MARK = "\x1fspark-hvd-run: remote shell answered\x1f"
 #: A line the remote end writes to stderr once the rank process exists (the launcher drops it from the output).
 STARTED_MARK = "\x1fspark-hvd-run: rank started\x1f"
+#: A line the remote end writes once it imported spark_hvd, before it waits for ``go`` (gated requests).
+READY_MARK = "\x1fspark-hvd-run: ready\x1f"
+#: The line the launcher writes to every host's stdin once all are ready (gated requests).
+GO = b"go\n"
 #: Begins the last line the remote end writes to stderr: ``EXIT_MARK <exit code> <time.time() of the exit>``, so the
 #: launcher can tell which rank failed first even though ssh reorders the exits it sees.
 EXIT_MARK = "\x1fspark-hvd-run: rank exited\x1f"
@@ -90,10 +97,11 @@ def remote_command(pythons: str | Sequence[str], cwd: str) -> str:
 
 
 def request(argv: Sequence[str], env: Mapping[str, str], cwd: str, grace_s: float,
-            path: Sequence[str] = (), verbose: int = 1) -> bytes:
-    """The JSON line sent on the ssh process's stdin: the rank's command, environment and directory."""
+            path: Sequence[str] = (), verbose: int = 1, gate: bool = False) -> bytes:
+    """The JSON line sent on the ssh process's stdin: the rank's command, environment and directory; with
+    ``gate``, the rank starts only when a ``GO`` line follows."""
     return (json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd, "grace": grace_s,
-                        "path": list(path), "verbose": verbose}) + "\n").encode()
+                        "path": list(path), "verbose": verbose, "gate": gate}) + "\n").encode()
 
 
 def _die_with_parent() -> None:
@@ -121,6 +129,11 @@ def serve(config: Mapping[str, Any]) -> None:
         pass
     grace = float(config.get("grace", 10.0))
     verbose = int(config.get("verbose", 1))
+    if config.get("gate"):
+        sys.stderr.write(READY_MARK + "\n")
+        sys.stderr.flush()
+        if sys.stdin.readline().strip() != GO.decode().strip():  # the job stopped before every host was ready
+            os._exit(0)
     try:
         proc = subprocess.Popen(list(config["argv"]), env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     except OSError as exc:

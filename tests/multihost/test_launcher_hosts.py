@@ -32,10 +32,10 @@ def _launch(sim: simhosts.SimHosts, hosts: str, mode: list[str], *extra: str, en
                               **popen)
 
 
-def _left_running(sim: simhosts.SimHosts) -> list[str]:
-    """Processes still alive in the rank hosts' namespaces (zombies aside)."""
+def _left_running(sim: simhosts.SimHosts, first: int = 1) -> list[str]:
+    """Processes still alive in the rank hosts' namespaces (zombies aside); ``first=0``: the launcher's host too."""
     found = []
-    for h in sim.hosts[1:]:
+    for h in sim.hosts[first:]:
         for pid in simhosts._ip("netns", "pids", h.name, check=False).stdout.split():
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -47,12 +47,12 @@ def _left_running(sim: simhosts.SimHosts) -> list[str]:
     return found
 
 
-def _wait_none_left(sim: simhosts.SimHosts, within_s: float = 10.0) -> list[str]:
+def _wait_none_left(sim: simhosts.SimHosts, within_s: float = 10.0, first: int = 1) -> list[str]:
     deadline = time.monotonic() + within_s
-    left = _left_running(sim)
+    left = _left_running(sim, first)
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
-        left = _left_running(sim)
+        left = _left_running(sim, first)
     return left
 
 
@@ -223,10 +223,11 @@ def _marked(marks: set[str]) -> list[str]:
 
 def test_processes_that_left_the_ranks_group_are_stopped_with_the_job(sim):
     """Each rank starts a sleeper in a session of its own and a double-forked one (``setsid -f``); rank 1 fails.
-    Both hosts' remote ends find them (their process tree, which the orphan re-joins as a subreaper's child, and
-    the rank's marker in their environment) and kill them, naming them with ``--verbose 2``."""
-    h1, h2 = sim.hosts[1], sim.hosts[2]
-    proc = _launch(sim, f"{h1.address}:1,{h2.address}:1", ["orphan", "1"], "--verbose", "2")
+    Rank 0 runs on the launcher's own host (``localhost``), rank 1 on another: both remote ends find them (their
+    process tree, which the orphan re-joins as a subreaper's child, and the rank's marker in their environment) and
+    kill them, naming them with ``--verbose 2``."""
+    h2 = sim.hosts[2]
+    proc = _launch(sim, f"localhost:1,{h2.address}:1", ["orphan", "1"], "--verbose", "2")
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 5, err
     assert f"rank 1 on host {h2.address} exited with code 5, the first rank to fail" in err
@@ -239,19 +240,20 @@ def test_processes_that_left_the_ranks_group_are_stopped_with_the_job(sim):
                          rf".*\b{child} \(sleep\)", err), err
     # two sleepers per rank, the double-forked one too (named setsid if it had not exec'd sleep yet)
     assert err.count("(sleep)") + err.count("(setsid)") >= 4, err
-    assert not _wait_none_left(sim)
+    assert not _wait_none_left(sim, first=0)  # the launcher's host too (the launcher itself has exited)
     assert not _marked(marks)
 
 
-def _hiding_rsh(sim: simhosts.SimHosts, tmp: Path, hidden: Path, remote_path: Path) -> str:
+def _hiding_rsh(sim: simhosts.SimHosts, tmp: Path, hidden: Path, paths: dict[str, Path]) -> str:
     """An ``--ssh-command`` for hosts without the launcher's interpreter: ``hidden`` is an empty tmpfs there (a
-    mount namespace of the command's own), the remote shell's PATH is ``remote_path`` alone and PYTHONPATH unset,
+    mount namespace of the command's own), the remote shell's PATH is ``paths[host]`` alone and PYTHONPATH unset,
     as a login shell on another machine would have them."""
-    rsh = tmp / f"hiding-rsh-{remote_path.name}"
+    rsh = tmp / f"hiding-rsh-{len(list(tmp.glob('hiding-rsh-*')))}"
+    table = {host: str(path) for host, path in paths.items()}
     rsh.write_text(f"""#!{sys.executable}
 import os, sys
 args = sys.argv[1:]
-args[-1] = "PATH={remote_path}; export PATH; unset PYTHONPATH; " + args[-1]
+args[-1] = "PATH=" + {table!r}[args[-2]] + "; export PATH; unset PYTHONPATH; " + args[-1]
 os.execvp("unshare", ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs hidden "$0" && exec "$@"',
                       "{hidden}", "{sim.ssh_command()}", *args])
 """)
@@ -263,7 +265,7 @@ def test_remote_python_found_on_the_hosts_path_or_a_clear_error_naming_the_host(
     """The launcher runs from an environment the hosts do not have (its interpreter's path is missing there): the
     remote end starts with ``python3`` from the host's PATH; with no Python there, or one that cannot import
     spark_hvd (``SPARK_HVD_REMOTE_PYTHON``), the host is named before any rank starts."""
-    h1 = sim.hosts[1]
+    h1, h2 = sim.hosts[1], sim.hosts[2]
     env_dir = tmp_path / "launcher-env"  # the launcher's interpreter: a venv at a path only this host has
     (env_dir / "bin").mkdir(parents=True)
     if sys.prefix != sys.base_prefix:
@@ -281,24 +283,28 @@ def test_remote_python_found_on_the_hosts_path_or_a_clear_error_naming_the_host(
     probe = ("import os, sys; print(os.path.exists(sys.argv[1]), os.environ.get('VIA'), "
              "os.environ.get('SPARK_HVD_RANK'))")
 
-    def launch(rsh: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        argv = [str(launcher_python), "-m", "spark_hvd.runner", "-H", f"{h1.address}:1", "--ssh-command", rsh,
+    def launch(rsh: str, hosts: str = f"{h1.address}:1", env: dict | None = None) -> subprocess.CompletedProcess:
+        argv = [str(launcher_python), "-m", "spark_hvd.runner", "-H", hosts, "--ssh-command", rsh,
                 "-x", "PYTHONPATH", "--grace", "1", sys.executable, "-c", probe, str(launcher_python)]
         return sim.hosts[0].run(argv, timeout=120, cwd=str(tmp_path),
                                 env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
-    done = launch(_hiding_rsh(sim, tmp_path, env_dir, good))
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, {h1.address: good}))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[0] False path-python3 0", (done.stdout, done.stderr)
 
-    done = launch(_hiding_rsh(sim, tmp_path, env_dir, empty))
+    # rank 0's host has python3, rank 1's has none: rank 1's host is named, and rank 0 never started (it waits
+    # until every host is ready)
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, {h2.address: good, h1.address: empty}),
+                  hosts=f"{h2.address}:1,{h1.address}:1")
     assert done.returncode == 127, done.stderr
     assert (f"could not be started on host {h1.address} (no Python interpreter there: tried {launcher_python}, "
             "python3): install spark_hvd there, or name an interpreter that has it with --remote-python PATH "
             "(or SPARK_HVD_REMOTE_PYTHON)") in done.stderr
     assert "[0]" not in done.stdout + done.stderr
 
-    done = launch(_hiding_rsh(sim, tmp_path, env_dir, good), env={"SPARK_HVD_REMOTE_PYTHON": "python-nosite"})
+    done = launch(_hiding_rsh(sim, tmp_path, env_dir, {h1.address: good}),
+                  env={"SPARK_HVD_REMOTE_PYTHON": "python-nosite"})
     assert done.returncode == 127, done.stderr
     assert f"could not be started on host {h1.address} (cannot import spark_hvd with {sys.executable}: " \
         "ModuleNotFoundError: No module named " in done.stderr

@@ -18,8 +18,10 @@ from spark_hvd.runner.rank_tree import MARK_ENV
 from spark_hvd.runner.remote import (
     CONNECTED_MARK,
     EXIT_MARK,
+    GO,
     NO_IMPORT_MARK,
     NO_PYTHON_MARK,
+    READY_MARK,
     STARTED_MARK,
     python_candidates,
     remote_command,
@@ -135,3 +137,33 @@ def test_processes_a_rank_left_behind_when_it_exits_are_killed(tmp_path):
     assert proc.returncode == 4, err
     assert "spark-hvd-run: rank 3: SIGKILL to 2 process(es): " in err and " it left" in err, err
     assert not _marked(mark)
+
+
+def test_a_gated_rank_starts_only_on_go_and_not_at_all_when_stdin_ends(tmp_path):
+    """With ``gate`` the remote end says it is ready and waits: end of file (the launcher gave up on another host)
+    exits 0 with nothing started; ``go`` starts the rank."""
+    flag = tmp_path / "started"
+    argv = [sys.executable, "-c", f"open({str(flag)!r}, 'w').close()"]
+    for go in (False, True):
+        proc = subprocess.Popen(["sh", "-c", remote_command([sys.executable], str(tmp_path))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert proc.stdin is not None and proc.stderr is not None
+        proc.stdin.write(request(argv, {"SPARK_HVD_RANK": "0"}, str(tmp_path), 2.0, [str(REPO)], gate=True))
+        proc.stdin.flush()
+        assert proc.stderr.readline().rstrip(b"\n").decode() == CONNECTED_MARK
+        assert proc.stderr.readline().rstrip(b"\n").decode() == READY_MARK
+        assert not flag.exists()
+        if go:
+            proc.stdin.write(GO)
+            proc.stdin.flush()
+            assert proc.wait(timeout=60) == 0
+            assert flag.exists()
+        else:
+            proc.stdin.close()
+            assert proc.wait(timeout=60) == 0
+            assert not flag.exists()
+        proc.stdin.close()
+        proc.stderr.close()
+        assert proc.stdout is not None
+        proc.stdout.close()
