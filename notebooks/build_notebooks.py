@@ -481,7 +481,7 @@ def images_notebook() -> nbformat.NotebookNode:
         new_code_cell(IMAGES_WRITE),
         new_markdown_cell("## Fit: the bytes are decoded on the ranks\nNothing is decoded on the driver: the "
                           "prepared Parquet holds the PNG bytes (row groups sized by bytes), and each rank's reader "
-                          "runs the decoder on its row groups while it trains."),
+                          "runs the decoder on each batch of them while it trains."),
         new_code_cell(IMAGES_ESTIMATOR),
         new_markdown_cell("## Predictions on held-out raw images"),
         new_code_cell(IMAGES_PREDICT),
