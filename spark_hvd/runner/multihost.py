@@ -43,6 +43,7 @@ from spark_hvd.core.addresses import (
 )
 from spark_hvd.core.jobenv import JobEnv, env_names
 from spark_hvd.core.wire import make_secret
+from spark_hvd.runner import rank_tree
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
 from spark_hvd.runner.hosts import Placement, is_local_host
@@ -272,7 +273,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
                                     f"its rank did not start within {start_timeout:g} s")
             return None
 
-        wait_ranks(ranks, result, timeout, grace_s, check=check)
+        wait_ranks(ranks, result, timeout, _remote_stop_s(grace_s), check=check)
     finally:
         _stop_all(ranks, grace_s, job_id)
         result.returncodes = [r.proc.returncode for r in ranks]
@@ -310,6 +311,12 @@ def _unreachable(r: RankProcess, host: str, why: str) -> LaunchFailure:
                          "that the host is reachable and accepts ssh without a password (-p, -i, --ssh-command)")
 
 
+def _remote_stop_s(grace_s: float) -> float:
+    """How long the launcher lets a remote end stop its rank before it SIGKILLs the ssh (or sh) process: the rank's
+    grace period, then up to ``KILL_WITHIN_S`` to kill what it left; killing it sooner would only cut the channel."""
+    return grace_s + rank_tree.KILL_WITHIN_S + 1.0
+
+
 def _send(proc: subprocess.Popen, data: bytes) -> None:
     """``data`` to a remote end's stdin, which stays open (its end stops the rank); a remote shell that already
     exited (unreachable host, no Python) is left to its exit code and stderr to explain."""
@@ -344,7 +351,7 @@ def _stop_all(ranks: Sequence[RankProcess], grace_s: float, job_id: str) -> None
                 r.proc.stdin.close()
             except OSError:
                 pass
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + _remote_stop_s(grace_s)
     for r in ranks:
         try:
             r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))

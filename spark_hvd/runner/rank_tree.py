@@ -27,6 +27,9 @@ from collections.abc import Iterable
 #: The environment variable that marks every process of one remote rank.
 MARK_ENV = "SPARK_HVD_RANK_MARK"
 
+#: Seconds :func:`kill_until_gone` keeps killing (a process may fork while it is being killed).
+KILL_WITHIN_S = 3.0
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -122,7 +125,8 @@ def reap_children(keep: int) -> None:
                 pass
 
 
-def kill_until_gone(root: int, marker: str, keep: int, within_s: float = 3.0) -> tuple[dict[int, str], list[int]]:
+def kill_until_gone(root: int, marker: str, keep: int,
+                    within_s: float = KILL_WITHIN_S) -> tuple[dict[int, str], list[int]]:
     """SIGKILL every process of :func:`rank_processes` until none is left or ``within_s`` passed (a process may
     fork while it is being killed). Returns (pid -> name of every process killed, pids still alive at the end)."""
     killed: dict[int, str] = {}

@@ -207,4 +207,8 @@ def _stop_rank(proc: subprocess.Popen, grace_s: float, marker: str, rank: str, v
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     if proc.poll() is None:  # once it exits, ``serve`` kills whatever it left (``_kill_left``)
-        rank_tree.signal_all(rank_tree.rank_processes(me, marker), signal.SIGKILL)
+        found = rank_tree.rank_processes(me, marker)
+        if verbose >= 2 and found:
+            sys.stderr.write(f"spark-hvd-run: rank {rank}: grace period over, SIGKILL to {_named(found)}\n")
+            sys.stderr.flush()
+        rank_tree.signal_all(found, signal.SIGKILL)
