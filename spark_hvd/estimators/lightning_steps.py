@@ -17,7 +17,9 @@ calls neither ``on_train_epoch_start`` nor the schedulers again). What Lightning
 - the random generators (Python, numpy, torch): ``RankRun`` restores them before the fit, but Lightning draws from
   torch's generator when it makes the dataloader's iterator (torch's DataLoader seeds its workers), so they are
   put back again in ``on_train_start``, after that draw and before the first batch;
-- the history's running sums of the epoch (``on_train_epoch_start``, which starts them, is not called again).
+- the history's running sums of the epoch, training and validation (a validation inside the epoch,
+  ``val_check_interval``, counts in the epoch's values; ``on_train_epoch_start``, which starts them, is not called
+  again).
 
 No step checkpoint is taken after an epoch's last batch (the epoch's own checkpoint follows at its end; Lightning,
 resuming from there, would skip the epoch's end hooks, validation and the history's epoch), nor after a batch that
@@ -69,6 +71,9 @@ class StepCheckpoints:
         rec.train_rows = int(progress.get("rows", 0))
         rec.outside = dict(progress.get("outside") or {})
         rec.lr = progress.get("lr")
+        rec.val = dict(progress.get("val") or {})
+        rec.val_rows = int(progress.get("val_rows", 0))
+        rec.val_returned = progress.get("val_returned")
         self.owner.recorder = rec
         set_rng_state(self.rngs)
         self.rngs = None
@@ -83,8 +88,9 @@ class StepCheckpoints:
         if validation_follows(trainer):
             return
         rec = self.owner.recorder
-        run.step_end(trainer.current_epoch, batch_idx, {"acc": rec.train, "rows": rec.train_rows,
-                                                        "outside": rec.outside, "lr": rec.lr})
+        run.step_end(trainer.current_epoch, batch_idx, {
+            "acc": rec.train, "rows": rec.train_rows, "outside": rec.outside, "lr": rec.lr,
+            "val": rec.val, "val_rows": rec.val_rows, "val_returned": rec.val_returned})
 
 
 def validation_follows(trainer: Any) -> bool:
@@ -97,12 +103,20 @@ def validation_follows(trainer: Any) -> bool:
 
 
 def resized_progress(progress: list[dict], rank: int) -> dict:
-    """A step checkpoint of another number of ranks (an elastic relaunch): rank 0 carries every old rank's sums
-    (the epoch's metrics sum over the ranks), the others start from zero; the values logged outside a batch and the
-    epoch's rate are old rank 0's on every rank."""
+    """A step checkpoint of another number of ranks (an elastic relaunch): rank 0 carries every old rank's sums,
+    training and validation (the epoch's metrics sum over the ranks), the others start from zero; the values logged
+    outside a batch and the epoch's rate are old rank 0's on every rank."""
     first = progress[0] if progress else {}
-    sums = merged_progress(progress) if rank == 0 else {"acc": {}, "rows": 0}
-    return {**sums, "outside": dict(first.get("outside") or {}), "lr": first.get("lr")}
+    if rank:
+        return {"acc": {}, "rows": 0, "outside": dict(first.get("outside") or {}), "lr": first.get("lr")}
+    val: dict[str, float] = {}
+    for p in progress:
+        for key, value in (p.get("val") or {}).items():
+            val[key] = val.get(key, 0.0) + float(value)
+    returned = [p["val_returned"] for p in progress if p.get("val_returned") is not None]
+    return {**merged_progress(progress), "outside": dict(first.get("outside") or {}), "lr": first.get("lr"),
+            "val": val, "val_rows": sum(int(p.get("val_rows", 0)) for p in progress),
+            "val_returned": sum(returned) if returned else None}
 
 
 def align_batch_progress(state: dict, step: int) -> None:
