@@ -43,8 +43,12 @@ def become_subreaper() -> bool:
 
 def _table() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, state, command name) of every process ``/proc`` shows."""
-    table = {}
-    for entry in os.listdir("/proc"):
+    table: dict[int, tuple[int, str, str]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux): nothing found; the remote end still signals the rank itself
+        return table
+    for entry in entries:
         if not entry.isdigit():
             continue
         try:

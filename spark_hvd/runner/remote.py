@@ -194,11 +194,17 @@ def _named(found: Mapping[int, str]) -> str:
     return f"{len(found)} process(es): " + ", ".join(f"{pid} ({name})" for pid, name in found.items())
 
 
+def _rank_and_its(proc: subprocess.Popen, me: int, marker: str) -> dict[int, str]:
+    """The rank while it runs (even where ``/proc`` cannot be read) and every process of it ``/proc`` shows."""
+    alive = {proc.pid: "rank"} if proc.poll() is None else {}
+    return {**alive, **rank_tree.rank_processes(me, marker)}
+
+
 def _stop_rank(proc: subprocess.Popen, grace_s: float, marker: str, rank: str, verbose: int) -> None:
     """SIGTERM to every process of the rank (``rank_tree.rank_processes``), named with ``--verbose 2``; SIGKILL
     to them if the rank is still alive after ``grace_s``."""
     me = os.getpid()
-    found = rank_tree.rank_processes(me, marker)
+    found = _rank_and_its(proc, me, marker)
     if verbose >= 2 and found:  # first: once the rank is gone, ``serve`` writes its last line and exits
         sys.stderr.write(f"spark-hvd-run: rank {rank}: stopping, SIGTERM to {_named(found)}\n")
         sys.stderr.flush()
@@ -207,7 +213,7 @@ def _stop_rank(proc: subprocess.Popen, grace_s: float, marker: str, rank: str, v
     while time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     if proc.poll() is None:  # once it exits, ``serve`` kills whatever it left (``_kill_left``)
-        found = rank_tree.rank_processes(me, marker)
+        found = _rank_and_its(proc, me, marker)
         if verbose >= 2 and found:
             sys.stderr.write(f"spark-hvd-run: rank {rank}: grace period over, SIGKILL to {_named(found)}\n")
             sys.stderr.flush()
