@@ -11,7 +11,8 @@ process's stdin (``spark_hvd.runner.remote``), which stays open while the rank r
 every process it started, on its host.
 
 Output lines keep the ``[rank]`` prefix. The first rank to fail is named with its host; the launcher then stops
-every rank (local process groups signalled, remote ones through their ssh process and its stdin).
+every rank through its remote end's stdin (the ssh or sh process's; SIGKILL to its process group only after the
+grace period and the remote end's own sweep, ``_remote_stop_s``).
 
 A host is named in a clear error when its ssh exits with 255 (unreachable, refused, authentication failed), when its
 remote shell does not answer within ``connect_timeout`` seconds (``--ssh-connect-timeout``, 10 by default: the
