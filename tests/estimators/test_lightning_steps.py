@@ -41,7 +41,8 @@ class _Checkpoints(pl.Callback):
         run = SimpleNamespace(start_step=0, resume_progress={}, checkpoints_inside_epochs=True,
                               readers=SimpleNamespace(steps=lambda split: STEPS),
                               step_end=lambda epoch, step, progress: self.taken.append(step))
-        owner = SimpleNamespace(recorder=SimpleNamespace(train={}, train_rows=0, outside={}, lr=None))
+        owner = SimpleNamespace(recorder=SimpleNamespace(train={}, train_rows=0, outside={}, lr=None, val={},
+                                                         val_rows=0, val_returned=None))
         self.steps = StepCheckpoints(owner, run)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
