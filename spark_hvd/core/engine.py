@@ -190,7 +190,8 @@ class Engine:
         self._last_enqueue = 0.0
         self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
         self._spec: Spec | None = None  # identical on every rank
-        self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band)
+        self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band,
+                                    lambda: self._cache.version)
         self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.fresh``)
         self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
         self._fresh_specs: dict[Layout, FreshSpec] = {}
@@ -694,9 +695,10 @@ class Engine:
                 done = set(common)
                 for m in messages:
                     m[2] = [cache_id for cache_id in m[2] if cache_id not in done]
-        # a full round may change the cache: learn the rounds afresh
+        # a full round: the rounds before it are no context for the one after it (if it changes the cache's ids,
+        # the predictor forgets everything it learnt at its next round)
         self._spec = None
-        self._predictor.reset()
+        self._predictor.forget_last()
         self._fresh = self._fresh_last = None
         table = self._table
         if messages is None:  # the first round, or outstanding tensors: gather the messages

@@ -82,6 +82,8 @@ class ResponseCache:
         self._by_id: dict[int, tuple[str, Meta]] = {}
         self._free: list[int] = []
         self._next = 0
+        #: bumped whenever an id comes to mean another (name, metadata): a new name, a changed one, an eviction
+        self.version = 0
 
     def lookup(self, name: str, meta: Meta) -> int | None:
         hit = self._by_name.get(name)
@@ -116,6 +118,7 @@ class ResponseCache:
             self._next += 1
         self._by_name[name] = (cache_id, meta)
         self._by_id[cache_id] = (name, meta)
+        self.version += 1
 
     def __len__(self) -> int:
         return len(self._by_name)

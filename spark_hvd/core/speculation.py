@@ -13,9 +13,9 @@ flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A pre
 collective (a small one, or a round trip and the early frames of the larger tensor's). One other round after
 ``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
 misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so
-an irregular pattern does not pay a miss on every round. A full round
-(new names, a join, a partial fast round) may change the cache, so the engine forgets everything learned
-(``reset``).
+an irregular pattern does not pay a miss on every round. A full round (new names, a join, a partial fast round)
+breaks the context (``forget_last``); when a round changes what a cache id means (a new name, an eviction: the
+cache's ``version``), everything learned is forgotten (``reset``).
 """
 
 from __future__ import annotations
@@ -133,11 +133,15 @@ class Predictor:
         size: the number of ranks.
         fuses_in_place: the backend reduces several arrays where they lie (an in-place speculation is possible).
         in_band: the backend carries the flag inside the data collective (``Backend.agrees_in_band``).
+        version: the response cache's ``version``: when it moved (an id came to mean another tensor), everything
+            learned is forgotten at the next round.
     """
 
     def __init__(self, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
-                 in_band: bool = False) -> None:
+                 in_band: bool = False, version: Callable[[], int] | None = None) -> None:
         self._lookup = lookup
+        self._version = version
+        self._seen_version = version() if version is not None else 0
         self._size = size
         self._fuses = fuses_in_place
         self._in_band = in_band
@@ -156,6 +160,9 @@ class Predictor:
 
         An empty round (a heartbeat) teaches nothing and keeps the prediction made before it.
         """
+        if self._version is not None and self._version() != self._seen_version:
+            self.reset()
+            self._seen_version = self._version()
         if common:
             now = tuple(common)
             if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
@@ -191,6 +198,11 @@ class Predictor:
         if buf is None or buf.size < n:
             buf = self._scratch[dtype.str] = np.zeros(max(n, 2 * buf.size if buf is not None else 0), dtype)
         return buf[:n]
+
+    def forget_last(self) -> None:
+        """Forget which rounds came last, keep what follows what (rounds went by unseen: a full negotiation that
+        left the cache's ids as they were); the next clean round is predicted from at once."""
+        self._last = self._before = None
 
     def reset(self) -> None:
         """Forget every round (the cache may have changed: a full round)."""

@@ -85,6 +85,21 @@ def test_a_steady_loop_stays_armed_through_an_odd_round_and_is_disarmed_by_two_i
     assert spec is not None and spec.ids == (2,)
 
 
+def test_a_full_round_breaks_the_context_and_a_changed_cache_forgets_everything():
+    cache = _cache(("a", _allreduce()), ("b", _allreduce()))
+    predictor = Predictor(cache.get, 2, False, version=lambda: cache.version)
+    for ids in ([0], [0]):
+        predictor.advance(ids)
+    predictor.forget_last()  # rounds went by unseen (a full negotiation)
+    assert predictor.predict() is None
+    spec = predictor.advance([0])
+    assert spec is not None and spec.ids == (0,)  # predicted at once from what was learnt
+    cache.put("a", _allreduce())  # the same tensor again: ids mean what they meant
+    assert predictor.advance([0]) is spec
+    cache.put("c", _allreduce())  # a new name: an id now means another tensor
+    assert predictor.advance([0]) is None  # everything forgotten
+
+
 def test_the_round_after_a_barrier_is_predicted_from_the_two_rounds_before_it():
     # two loops in turn, a barrier after the first step of each (the benchmark's pattern): what follows the barrier
     # depends on the round before it
