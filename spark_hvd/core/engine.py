@@ -743,16 +743,10 @@ class Engine:
             if spec.prescale != 1.0:
                 scale_inplace(staging[1:], spec.prescale)
         t0 = time.perf_counter()
-        try:
-            if spec.in_place:
-                self.backend.allreduce_fused([staging, data], spec.op)
-            else:
-                self.backend.allreduce(staging, spec.op)
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
-                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        if spec.in_place:
+            self._speculative_collective(self.backend.allreduce_fused, [staging, data], spec.op)
+        else:
+            self._speculative_collective(self.backend.allreduce, staging, spec.op)
         t1 = time.perf_counter()
         self.stats["speculative_rounds"] += 1
         agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
@@ -774,13 +768,7 @@ class Engine:
         (a rank that submitted something else passes a read-only stand-in of the tensor's size: never read)."""
         data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
         t0 = time.perf_counter()
-        try:
-            hit = self.backend.allreduce_agreed(data, spec.op, bufs is not None)
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
-                                "can no longer be kept in step, so spark_hvd stopped") from exc
+        hit = self._speculative_collective(self.backend.allreduce_agreed, data, spec.op, bufs is not None)
         t1 = time.perf_counter()
         self.stats["speculative_rounds"] += 1
         if not hit:  # some rank submitted something else: no rank's tensor changed
@@ -903,14 +891,19 @@ class Engine:
         return True, False
 
     def _fresh_collective(self, spec: FreshSpec) -> None:
+        self._speculative_collective(self.backend.allreduce, spec.staging, spec.op)
+        self.stats["fresh_rounds"] += 1
+
+    def _speculative_collective(self, collective: Callable[..., Any], *args: Any) -> Any:
+        """``collective(*args)``, a speculative round's one collective (``Spec``, ``FreshSpec``): an error of
+        spark_hvd's own passes through, any other stops spark_hvd as one that left the ranks out of step."""
         try:
-            self.backend.allreduce(spec.staging, spec.op)
+            return collective(*args)
         except SparkHvdError:
             raise
         except Exception as exc:
             raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
                                 "can no longer be kept in step, so spark_hvd stopped") from exc
-        self.stats["fresh_rounds"] += 1
 
     def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str, meta: Meta) -> tuple[bool, bool]:
         """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``

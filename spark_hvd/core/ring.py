@@ -67,6 +67,7 @@ from spark_hvd.core.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
     MAC_POOL_MIN_BYTES,
+    SPIN_MAX_BYTES,
     SUB_CHUNK_MIN_BYTES,
     SUB_CHUNKS,
     PeerAbort,
@@ -176,6 +177,7 @@ class RingBackend(Backend):
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
         self._pair_bytes = pair_exchange_bytes
         self._mac_min_bytes = mac_min_bytes
+        self._spin = False  # small two-rank exchanges spin before they sleep (every local rank may have a core)
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -196,6 +198,8 @@ class RingBackend(Backend):
             infos = [json.loads(v) for v in values]
             check_reachable([(i["host"], i.get("machine", "")) for i in infos])
             self._topology(infos)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            self._spin = self.local_size <= cores  # as shared memory spins: more ranks than cores, never
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
                                       secret, job_id, self.timeout_s)
             for j, peer in self.peers.items():
@@ -349,8 +353,12 @@ class RingBackend(Backend):
             self.shm = None
 
     # -- point-to-point helpers --------------------------------------------------------------------------------
-    def _exchange(self, send_peer: int, recv_peer: int, operation: str) -> RingExchange:
-        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes)
+    def _exchange(self, send_peer: int, recv_peer: int, operation: str, nbytes: int = -1) -> RingExchange:
+        """An exchange of frames with these peers; ``nbytes``: a two-rank exchange of this many bytes each way,
+        which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.tcp.SPIN_S``) where every rank of
+        this host may have a core."""
+        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes,
+                            self._spin and 0 <= nbytes <= SPIN_MAX_BYTES)
 
     @property
     def _window(self) -> int:
@@ -500,7 +508,7 @@ class RingBackend(Backend):
         raw = flat.view(np.uint8)
         theirs = self._scratch_bytes(raw.nbytes)
         pieces = range(0, raw.nbytes, self._frame)
-        self._exchange(peer, peer, operation).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
+        self._exchange(peer, peer, operation, raw.nbytes).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
                                                   [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
                                                   lambda i: None, self._window)
         reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
@@ -603,8 +611,9 @@ class RingBackend(Backend):
         pair = flat.nbytes <= self._pair_bytes  # as ``_tcp_allreduce`` chooses: one round trip, else the ring
         sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize)
         other = 1 - self.rank
-        return agreed.allreduce(self._exchange(other, other, "allreduce"), self._window, self.rank, flat, agree, op,
-                                False, self._scratch_bytes, sub, pair)
+        exchange = self._exchange(other, other, "allreduce", flat.nbytes)
+        return agreed.allreduce(exchange, self._window, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
+                                pair)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:

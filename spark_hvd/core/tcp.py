@@ -70,6 +70,16 @@ RECV_LOWAT_MIN_BYTES = 16 * 1024
 #: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
 #: the calling thread: the hand-off would cost more than the tag)
 MAC_POOL_MIN_BYTES = 128 * 1024
+#: The small-message path (``RingExchange(spin=True)``: a two-rank exchange of at most ``SPIN_MAX_BYTES``) polls
+#: again at once for up to ``SPIN_S`` before it sleeps in ``poll``. The other rank's frame usually comes within
+#: microseconds when both ranks have a core; a rank that slept instead paid the wake-up and came back with its
+#: caches cold, late for the next call, so the other rank slept in turn. Measured (np=2, 4 KiB, SCHED_FIFO ranks on
+#: the loaded 2-core machine): the bare allreduce 0.041 -> 0.033 ms, a new name through ``hvd.allreduce_`` 0.067-0.078
+#: -> 0.047-0.051 ms. A spin that ends without the frame (the other rank was not running) makes this socket sleep
+#: at once for the next 1, 3, 7, ... 255 waits (``PeerSocket.spin_deadline``), so a loaded machine loses little.
+SPIN_S = 50e-6
+SPIN_MAX_BYTES = 64 * 1024
+_SPIN_MAX_MISSES = 8
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
@@ -103,7 +113,25 @@ class PeerSocket(FramedSocket):
         #: the peer closed its backend on purpose (a BYE frame arrived): its EOF is no failure
         self.said_bye = False
         self._bye_checked = -1  # the stream length at which _ends_with_bye last found a BYE at its end
+        self._spin_misses = 0  # spins in a row that ended without a frame (``spin_deadline``)
+        self._spin_skip = 0  # waits still to sleep through at once after a spin in vain
         sock.settimeout(timeout_s)
+
+    def spin_deadline(self, now: float) -> float:
+        """How long a wait for this peer's next frame on the small-message path polls without sleeping: until
+        ``now + SPIN_S``, or 0.0 (sleep at once) while the waits after a spin in vain are being skipped."""
+        if self._spin_skip:
+            self._spin_skip -= 1
+            return 0.0
+        return now + SPIN_S
+
+    def spin_ended(self, arrived: bool) -> None:
+        """A spin ended: with the frame (spin again next time), or in vain (skip the next 2**k - 1 waits)."""
+        if arrived:
+            self._spin_misses = 0
+        else:
+            self._spin_misses = min(self._spin_misses + 1, _SPIN_MAX_MISSES)
+            self._spin_skip = (1 << self._spin_misses) - 1
 
     # -- receiving -------------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException, operation: str) -> PeerFailureError:
@@ -383,10 +411,11 @@ class RingExchange:
     """
 
     def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str,
-                 mac: MacPool | None = None, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
+                 mac: MacPool | None = None, mac_min_bytes: int = MAC_POOL_MIN_BYTES, spin: bool = False) -> None:
         self.send_peer, self.recv_peer, self.operation = send_peer, recv_peer, operation
         self.timeout_s = max(send_peer.timeout_s, recv_peer.timeout_s)
         self.mac, self.mac_min_bytes = mac, mac_min_bytes
+        self.spin = spin  # the small-message path: poll again at once for a while before sleeping (``SPIN_S``)
 
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
             on_received: Callable[[int], memoryview | list[memoryview] | None], window: int = 1) -> None:
@@ -413,6 +442,7 @@ class RingExchange:
         same = out.sock.fileno() == recv.sock.fileno()
         last = time.monotonic()
         lowat, lowat_cap = 1, 0
+        spin_until: float | None = None  # this wait's spin: None undecided, 0.0 none, else until when
         poll = select.poll()
         polled: dict[int, int] = {}  # fd -> events registered with ``poll``
         mac_fd = mac.fileno() if mac is not None else -1
@@ -547,6 +577,9 @@ class RingExchange:
                     reading = index < n_recv and len(checking) < window
                     if progressed:
                         last = now
+                        if spin_until:  # a frame came while this rank spun for it
+                            recv.spin_ended(True)
+                        spin_until = None
                         # straight to poll when both sides are known to have to wait (saves an iteration whose
                         # two calls would only raise BlockingIOError: ~half the loop's iterations on a link-bound
                         # ring); otherwise (a frame completed, a forward was queued) go round again at once
@@ -583,11 +616,25 @@ class RingExchange:
                         if any(job.done for job in awaited):
                             mac.waiting = False
                             continue
-                    events = poll.poll(max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000)))
+                    wait_ms = max(1, int(min(1.0, self.timeout_s - (now - last)) * 1000))
+                    if self.spin and reading and not (pending or queue_out or checking):
+                        if spin_until is None:
+                            spin_until = recv.spin_deadline(now)
+                        if spin_until:
+                            if now < spin_until:
+                                wait_ms = 0
+                            else:
+                                recv.spin_ended(False)
+                                spin_until = 0.0
+                    events = poll.poll(wait_ms)
+                    if wait_ms:  # it slept: the next wait decides afresh
+                        spin_until = None
                     if mac is not None:
                         mac.waiting = False
                         if any(fd == mac_fd for fd, _ in events):
                             mac.clear()
+                if spin_until:  # the last frame came while this rank spun for it
+                    recv.spin_ended(True)
             finally:
                 for _, _, job in itertools.chain(queue_out, checking):
                     if job is not None:  # an error ends the run: nothing will read these

@@ -19,7 +19,7 @@ from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, P
 from spark_hvd.core.mac_pool import MacPool
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16
 from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.tcp import PeerSocket, PeerWatcher, RingExchange, connect_mesh, open_listener
+from spark_hvd.core.tcp import SPIN_S, PeerSocket, PeerWatcher, RingExchange, connect_mesh, open_listener
 from spark_hvd.core.wire import HEADER_SIZE, make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
@@ -374,6 +374,38 @@ def _peer_pair(secret_a: bytes, secret_b: bytes) -> tuple[PeerSocket, PeerSocket
         sender.handshake("client", 10)
     server.join(20)
     return sender, receiver
+
+
+def test_small_exchange_spins_then_backs_off_after_spins_in_vain():
+    """The small-message path (``RingExchange(spin=True)``) polls without sleeping for ``SPIN_S`` per wait; each
+    spin that ends without the frame makes the next 1, 3, 7, ... 255 waits sleep at once (no clock involved here:
+    the budget's arithmetic, then a spinning exchange whose frame comes from a thread, checked for its data)."""
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    assert receiver.spin_deadline(10.0) == 10.0 + SPIN_S
+    receiver.spin_ended(False)
+    assert [receiver.spin_deadline(11.0) for _ in range(2)] == [0.0, 11.0 + SPIN_S]
+    receiver.spin_ended(False)
+    assert [receiver.spin_deadline(12.0) for _ in range(4)] == [0.0, 0.0, 0.0, 12.0 + SPIN_S]
+    for _ in range(20):
+        receiver.spin_ended(False)
+    skipped = 0
+    while receiver.spin_deadline(13.0) == 0.0:
+        skipped += 1
+    assert skipped == 255
+    receiver.spin_ended(True)
+    assert receiver.spin_deadline(14.0) == 14.0 + SPIN_S
+    payload = np.random.default_rng(5).random(1024).astype(np.float32)
+    got = np.zeros_like(payload)
+    later = threading.Timer(0.05, lambda: sender.send_data([payload.view(np.uint8)], "test"))
+    later.start()
+    try:
+        RingExchange(receiver, receiver, "test", spin=True).run([], [memoryview(got).cast("B")], lambda i: None)
+    finally:
+        later.join()
+    np.testing.assert_array_equal(got, payload)
+    for peer in (sender, receiver):
+        peer.sock.close()
 
 
 def test_ring_socket_rejects_a_tampered_data_frame():
