@@ -36,6 +36,8 @@ The driver's control connections use the same authenticated framing as the libra
 ``BENCH_PROFILE=DIR`` in the environment writes a cProfile of every rank's timed loop to
 ``DIR/IMPL.RANK.NBYTES.NS.prof`` (read with ``pstats``; the profiler slows the Python parts, so time without it);
 with ``BENCH_PROFILE_CLOCK=cpu`` its clock is the calling thread's CPU time instead of the wall clock.
+``BENCH_STATS=1``: rank 0 of ``api`` prints how many of each measurement's timed calls were one speculative
+collective (the negotiation carried by the data's own collective, or packed with it) to stderr.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +106,7 @@ def _connect_control() -> FramedSocket:
 
 def _worker(impl: str) -> None:
     """One rank of one implementation: connect, then serve ("run", nbytes, iters) until ("stop",)."""
+    carried: Callable[[], int] | None = None  # BENCH_STATS: calls so far whose round was one speculative collective
     if impl == "mpi":
         from mpi4py import MPI
 
@@ -153,6 +157,12 @@ def _worker(impl: str) -> None:
         barrier = hvd.barrier
         close = hvd.shutdown
         transport = f"spark_hvd.torch.allreduce_ over {getattr(core.get_engine().backend, 'transport', '?')}"
+
+        def speculated() -> int:
+            stats = core.get_engine().stats
+            return stats["speculative_rounds"] - stats["speculation_misses"]
+
+        carried = speculated
     else:
         from spark_hvd.core.backend import ReduceOp
         from spark_hvd.core.rendezvous import KVRendezvous
@@ -180,6 +190,7 @@ def _worker(impl: str) -> None:
         barrier = backend.barrier
         close = backend.close
         transport = backend.transport
+    counting = bool(os.environ.get("BENCH_STATS")) and carried is not None
     control = _connect_control()
     control.send_object(("hello", impl, rank, transport))
     buffers: dict[int, np.ndarray] = {}
@@ -201,10 +212,14 @@ def _worker(impl: str) -> None:
                 allreduce(buf)
             barrier()
             profile = _profiler()
+            before = carried() if carried is not None else 0
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 allreduce(buf)
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if counting and carried is not None and rank == 0:
+                print(f"[stats] {impl} {human(nbytes)}: {carried() - before} of {iters} timed calls speculative",
+                      file=sys.stderr, flush=True)
             if profile is not None:
                 profile.disable()
                 profile.dump_stats(f"{os.environ['BENCH_PROFILE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.prof")

@@ -685,6 +685,7 @@ class Engine:
                         self._fresh = self._fresh_spec(layout)
                     self._fresh_last = layout
                     self._finish_round(ready, start, True)
+                    self._sighted(ready)
                     return True, False
                 messages = decode_messages(message, 1) * self.size
             else:
@@ -715,6 +716,7 @@ class Engine:
             return progress, True
         ready += table.ready()
         self._finish_round(ready, start, progress)
+        self._sighted(ready)
         if table.all_joined():
             self._complete_join(max(news.joins) if news.joins else max(table.joined))
         if news.expired:
@@ -722,6 +724,20 @@ class Engine:
             if error is not None:
                 raise error
         return progress or bool(ready), False
+
+    def _sighted(self, ready: Ready) -> None:
+        """A full round that left nothing outstanding is a clean sighting of what it reduced: the predictor may
+        expect those tensors again at the next round (a loop's second call), unless a round of new names is
+        expected (``spark_hvd.core.fresh``). Everything read here is identical on every rank."""
+        if not ready or self._fresh is not None or not self._table.idle:
+            return
+        ids = set()
+        for entry, mismatch in ready:
+            cache_id = self._cache.lookup(entry.name, entry.meta) if entry.meta.kind in CACHEABLE else None
+            if mismatch is not None or cache_id is None:
+                return
+            ids.add(cache_id)
+        self._spec = self._predictor.advance(sorted(ids))
 
     def _speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
         """The one collective of a speculative round (see ``Spec``): allreduce ``[flag, bufs...]`` (zeros when

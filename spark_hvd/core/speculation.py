@@ -5,11 +5,15 @@ clean rounds (the response-cache ids every rank submitted, from a fast round or 
 same ``Spec`` at the same moment.
 
 The predictor learns which round follows which: after a clean round of ids ``C`` it looks up the round that follows
-``C`` (the first one seen, or one seen twice in a row after ``C``) and arms a speculation on it. A steady loop
-of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an allreduce between barriers
-(osu_allreduce's loop), a training step's gradients then its metric: each becomes a cycle of predicted rounds of
-one collective each, negotiation and data together (between two ranks over TCP, one larger tensor carries the
-flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A prediction that fails costs one
+``C`` (the first one seen, ``C`` itself once seen after ``C``, or one seen twice in a row after ``C``) and arms a
+speculation on it. After a round with no successor seen yet it expects the same round again (a training step
+repeats its tensors), where a wrong guess costs no more than the negotiation it stands in for (``_cheap_miss``);
+the engine feeds it full rounds that left nothing outstanding too, so a loop of one tensor is speculative from its
+second call. A steady loop of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an
+allreduce between barriers (osu_allreduce's loop), a training step's gradients then its metric: each becomes a
+cycle of predicted rounds of one collective each, negotiation and data together (between two ranks over TCP, one
+larger tensor carries the flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A prediction
+that fails costs one
 collective (a small one, or a round trip and the early frames of the larger tensor's). One other round after
 ``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
 misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so
@@ -181,9 +185,29 @@ class Predictor:
         seen = None if self._before is None else self._follows2.get((self._before, self._last))
         if seen is None:
             seen = self._follows.get(self._last)
-        ids = None if seen is None else seen[0]
-        if ids is None:
-            return None
+        if seen is None:  # nothing seen after this round yet: expect it again (a loop's next step), where a wrong
+            # guess costs no more than the negotiation it stands in for
+            if not self._guessable(self._last):
+                return None
+            spec = self._spec(self._last)
+            return spec if spec is not None and _cheap_miss(spec) else None
+        ids = seen[0]
+        return None if ids is None else self._spec(ids)
+
+    def _guessable(self, ids: Ids) -> bool:
+        """Whether a round of ``ids`` may be guessed before it was seen to repeat (checked before its speculation
+        is built: the staging of a large packed round is not allocated for a guess never made): barriers, or one
+        allreduce that is small or carries the flag in its own collective (see ``_cheap_miss``)."""
+        metas = [self._lookup(cache_id)[1] for cache_id in ids]
+        if all(m.kind == "barrier" for m in metas):
+            return True
+        if len(metas) != 1 or metas[0].kind != "allreduce":
+            return False
+        nbytes = int(np.prod(metas[0].shape, dtype=np.int64)) * np.dtype(metas[0].dtype).itemsize
+        return nbytes <= SPEC_BYTES or (self._in_band and self._size == 2)
+
+    def _spec(self, ids: Ids) -> Spec | None:
+        """The speculation on a round of ``ids`` (built once)."""
         if ids not in self._specs:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
@@ -213,6 +237,16 @@ class Predictor:
         self._scratch.clear()
 
 
+def _cheap_miss(spec: Spec) -> bool:
+    """Whether ``spec`` may be guessed before its round was seen to repeat: a round of one tensor or of barriers,
+    whose miss costs no more than a round trip (a small packed round: one small collective; the flag in the data's
+    own collective: a round trip, plus the early frames of a rank that guessed right while another did not). Not
+    an in-place round (the whole tensor moves), a large packed one, nor several tensors (a training step's
+    gradients may split into rounds differently each step)."""
+    return spec.barrier or spec.in_band or (
+        spec.sole is not None and not spec.in_place and spec.count * spec.dtype.itemsize <= SPEC_BYTES)
+
+
 def _learn(follows: dict, key: object, now: Ids) -> None:
     """Record that ``now`` followed ``key`` (a round, or the last two): the first successor seen is armed; one other
     round now and then keeps it armed; a second in a row disarms it until one successor is seen twice in a row."""
@@ -221,7 +255,7 @@ def _learn(follows: dict, key: object, now: Ids) -> None:
         follows[key] = (now, now, False)
         return
     armed, previous, struck = seen
-    if now == armed or now == previous:
+    if now == armed or now == previous or now == key:  # a round that repeats itself: a loop, armed at once
         follows[key] = (now, now, False)
     elif armed is not None and not struck:
         follows[key] = (armed, now, True)

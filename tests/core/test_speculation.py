@@ -32,13 +32,21 @@ def _allreduce(shape=(8,), dtype="<f4", op="sum") -> Meta:
 BARRIER = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)
 
 
-def test_a_steady_loop_is_armed_after_two_clean_rounds():
-    cache = _cache(("a", _allreduce()))
+def test_a_round_of_one_tensor_is_expected_again_after_one_sighting_where_a_miss_is_cheap():
+    big = (SPEC_BYTES // 4 + 1,)
+    cache = _cache(("a", _allreduce()), ("big", _allreduce(big)), ("b", _allreduce()))
     predictor = Predictor(cache.get, 2, False)
-    assert predictor.advance([0]) is None
-    spec = predictor.advance([0])
+    spec = predictor.advance([0])  # one sighting: a loop's next step is expected
     assert spec is not None and spec.ids == (0,) and spec.sole == ("a", _allreduce()) and spec.count == 8
     assert predictor.advance([0]) is spec  # built once
+    assert predictor.advance([0, 2]) is None  # several tensors: only once seen to repeat
+    assert predictor.advance([0, 2]).ids == (0, 2)
+    # above SPEC_BYTES: the flag in the tensor's own collective (two ranks over TCP) after one sighting; in place
+    # (shared memory: the whole tensor moves on a miss) only once the round was seen to repeat
+    assert Predictor(cache.get, 2, False, in_band=True).advance([1]).in_band
+    in_place = Predictor(cache.get, 2, True)
+    assert in_place.advance([1]) is None
+    assert in_place.advance([1]).in_place
 
 
 def test_alternating_rounds_and_barriers_are_predicted_and_an_empty_round_changes_nothing():
@@ -61,7 +69,8 @@ def test_a_changed_successor_is_armed_only_once_seen_again():
     predictor = Predictor(cache.get, 2, False)
     for ids in ([0], [1], [0]):
         predictor.advance(ids)
-    assert predictor.advance([2]) is None  # 0 was followed by 1 before: 2 is not trusted yet
+    spec = predictor.advance([2])  # 0 was followed by 1 before: 2 is not trusted yet as 0's successor
+    assert spec is not None and spec.ids == (2,)  # (nothing seen after 2: 2 is expected again)
     spec = predictor.advance([0])
     assert spec is not None and spec.ids == (1,)  # after 0 came 2 once: 1 stays armed (a loop's odd round)
     predictor.advance([2])
@@ -88,16 +97,17 @@ def test_a_steady_loop_stays_armed_through_an_odd_round_and_is_disarmed_by_two_i
 def test_a_full_round_breaks_the_context_and_a_changed_cache_forgets_everything():
     cache = _cache(("a", _allreduce()), ("b", _allreduce()))
     predictor = Predictor(cache.get, 2, False, version=lambda: cache.version)
-    for ids in ([0], [0]):
+    for ids in ([0], [1], [0], [1]):
         predictor.advance(ids)
     predictor.forget_last()  # rounds went by unseen (a full negotiation)
     assert predictor.predict() is None
     spec = predictor.advance([0])
-    assert spec is not None and spec.ids == (0,)  # predicted at once from what was learnt
+    assert spec is not None and spec.ids == (1,)  # predicted at once from what was learnt
     cache.put("a", _allreduce())  # the same tensor again: ids mean what they meant
+    assert predictor.advance([1]).ids == (0,)
     assert predictor.advance([0]) is spec
     cache.put("c", _allreduce())  # a new name: an id now means another tensor
-    assert predictor.advance([0]) is None  # everything forgotten
+    assert predictor.advance([0]).ids == (0,)  # everything forgotten: 0 seen once, expected again
 
 
 def test_the_round_after_a_barrier_is_predicted_from_the_two_rounds_before_it():
