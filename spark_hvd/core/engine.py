@@ -41,7 +41,8 @@ carried every rank's message length, so each rank's message has its place in one
 is the same (the same new tensors in the same order everywhere: the vector carries each message's digest too), none
 travels: each rank's own is every rank's, and its tensors are ready and agreed. Once the ranks have seen which clean
 round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two tensors alternating, an
-allreduce between barriers), the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
+allreduce between barriers), or after one clean round of one tensor (fast, or full with nothing left outstanding)
+where a miss is cheap, the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
 negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place,
 over TCP one larger tensor carries the flag as the first frame of its own collective, ``spark_hvd.core.agreed``; a
 round of barriers is the flag's collective alone).
@@ -338,9 +339,9 @@ class Engine:
                   prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
         """A blocking allreduce of ``buf`` in place (``enqueue(...).wait()``); returns ``buf``.
 
-        The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the last two
-        rounds agreed on it alone: same name, dtype, shape, op and scales) and nothing else is queued on this rank,
-        the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
+        The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the predictor
+        expects a round of it alone next: same name, dtype, shape, op and scales) and nothing else is queued on this
+        rank, the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
         runs it at once in the calling thread with no request, handle or metadata to build. The same for a new
         name when a round of one new tensor of this layout is expected (``spark_hvd.core.fresh``). Otherwise, or
         when the speculation misses (another rank submitted something else), it goes through ``enqueue`` and

@@ -41,6 +41,10 @@ def test_a_round_of_one_tensor_is_expected_again_after_one_sighting_where_a_miss
     assert predictor.advance([0]) is spec  # built once
     assert predictor.advance([0, 2]) is None  # several tensors: only once seen to repeat
     assert predictor.advance([0, 2]).ids == (0, 2)
+    predictor = Predictor(cache.get, 2, False)
+    for ids in ([0], [2], [0]):  # 0 was followed by 2 ...
+        predictor.advance(ids)
+    assert predictor.advance([0]).ids == (0,)  # ... then by itself: a loop, armed at once
     # above SPEC_BYTES: the flag in the tensor's own collective (two ranks over TCP) after one sighting; in place
     # (shared memory: the whole tensor moves on a miss) only once the round was seen to repeat
     assert Predictor(cache.get, 2, False, in_band=True).advance([1]).in_band
@@ -338,9 +342,9 @@ def test_two_ranks_over_tcp_carry_the_flag_in_the_tensors_own_collective_and_sta
         assert res["in_band"], res
         for shape in (str((SPEC_BYTES // 4 + 3000,)), str((600, 701))):
             steady = res[shape]["steady"]
-            # 12 calls: after two negotiated rounds the rest are single collectives (a heartbeat round that meets
-            # one makes it miss, and the loop is learnt again: not every one)
-            assert steady["speculative_rounds"] - steady["speculation_misses"] >= 3, res
+            # 12 calls: after the first (a full round: a new name) the rest are single collectives, 11 when
+            # nothing interferes (a heartbeat round that meets one makes it miss: not always every one)
+            assert steady["speculative_rounds"] - steady["speculation_misses"] >= 6, res
             assert res[shape]["missed"] >= 1, res  # rank 1's switch was seen, and survived
             assert res[shape]["resumed"] >= 1, res
         assert res["error"] == f"big{(600, 701)} [1]", res
