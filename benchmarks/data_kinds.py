@@ -11,12 +11,18 @@
   Also the CPU time of this process per epoch (threads pipeline and loop: the work each does, which a loaded
   machine slows alike; the process pipelines' work is in other processes).
 - **text**: ``--sentences`` strings (Python's standard-library docstrings, offline) tokenised by a BPE tokenizer
-  trained on them in seconds (``tokenizers``), padded per batch of 64, whole epochs (best of 3): ``spark_hvd``: one
-  ``BatchReader`` over a string column in Parquet (shuffled, as training reads), tokenising in ``collate_fn``;
-  ``in-memory``: the same ``encode_batch`` + padding over the strings of a Python list in their order;
-  ``in-memory shuffled``: the same in a new random order each epoch, as a training loop reads them (the tokenizer
-  cost 12-15% more CPU on shuffled batches than on neighbouring sentences, benchmarks/RESULTS.md). Also the CPU
-  time per epoch of this process, all its threads (the tokenizer's too).
+  trained on them in seconds (``tokenizers``), padded per batch of 64, whole epochs (best of 3). Every pipeline
+  makes the same call on the same strings in the same process, so the same tokenizer settings (its own thread
+  pool over all cores unless ``TOKENIZERS_PARALLELISM`` says otherwise; reported):
+  ``tok.encode_batch(list_of_64_str)`` and the same padding loop. ``spark_hvd shuffled``: one ``BatchReader``
+  over a string column in Parquet (shuffled, as training reads), tokenising in ``collate_fn`` (which runs on the
+  reader's read-ahead thread); ``in-memory, the reader's batches``: the same strings in the same batches as the
+  reader yields them in that epoch (listed before the timing), on the caller's thread; ``spark_hvd file order``:
+  the reader with ``shuffle=False``; ``in-memory, file order``: the strings of a Python list, 64 at a time in
+  their order (the tokenizer costs 5-16% more CPU on shuffled batches than on neighbouring sentences,
+  benchmarks/RESULTS.md, so shuffled is compared with shuffled and file order with file order; the third ratio,
+  shuffled against file order, includes shuffling's cost). Also the CPU time per epoch of this process, all its
+  threads (the tokenizer's too).
 - **peak RSS**: one rank (a fresh process) reads an epoch of ``--rss-mib`` MiB of incompressible 64 KiB binary
   rows with a memory budget of a quarter of that (shuffle buffer + read-ahead + prefetch sized to it by the
   reader's documented memory formula); reported: its peak RSS above the RSS it had after its imports, against
@@ -38,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -164,13 +171,17 @@ def corpus(count: int) -> list[str]:
                                                                     "turtle", "turtledemo"):
             continue
         try:
-            module = __import__(name)
+            with warnings.catch_warnings():  # deprecated modules say so on import
+                warnings.simplefilter("ignore")
+                module = __import__(name)
         except BaseException:  # noqa: BLE001 - anything importable will do
             continue
         objects = [module, *vars(module).values()]
         objects += [m for o in objects[1:] if isinstance(o, type) for m in vars(o).values()]  # and their methods
         for obj in objects:
-            doc = getattr(obj, "__doc__", None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                doc = getattr(obj, "__doc__", None)
             if isinstance(doc, str) and doc not in seen:  # each docstring once (str's, int's... recur everywhere)
                 seen.add(doc)
                 texts += [s.strip() for s in doc.split(". ") if len(s.strip()) > 20]
@@ -198,24 +209,29 @@ def bench_text(work: str, count: int) -> tuple[dict, dict]:
     def collate(batch: dict) -> dict:
         return {"ids": pad(tok.encode_batch(list(batch["text"])))}
 
-    reader = BatchReader(os.path.join(work, "text.parquet"), batch_size=BATCH, shuffle=True, collate_fn=collate)
-    epochs = iter(range(1 << 30))
-    rng = np.random.default_rng(0)
+    path = os.path.join(work, "text.parquet")
+    shuffled = BatchReader(path, batch_size=BATCH, shuffle=True, collate_fn=collate)
+    ordered = BatchReader(path, batch_size=BATCH, shuffle=False, collate_fn=collate)
+    # the strings of the very batches the shuffled reader yields in each epoch (same seed, same epochs), listed
+    # before the timing: the in-memory peer tokenises the same strings in the same batches
+    rounds = 3
+    same = {e: [list(b["text"]) for b in BatchReader(path, batch_size=BATCH, shuffle=True, prefetch=0).epoch(e)]
+            for e in range(rounds)}
+    epochs = {name: iter(range(rounds)) for name in ("shuffled", "ordered", "same")}
 
-    def ours() -> int:
-        return sum(len(b["ids"]) for b in reader.epoch(next(epochs)))
+    def ours(reader: BatchReader, name: str) -> int:
+        return sum(len(b["ids"]) for b in reader.epoch(next(epochs[name])))
 
     def memory() -> int:
         return sum(len(pad(tok.encode_batch(sentences[s:s + BATCH]))) for s in range(0, count, BATCH))
 
-    def memory_shuffled() -> int:  # a training loop's order: a new permutation each epoch
-        order = rng.permutation(count)
-        return sum(len(pad(tok.encode_batch([sentences[i] for i in order[s:s + BATCH]])))
-                   for s in range(0, count, BATCH))
+    def memory_same() -> int:
+        return sum(len(pad(tok.encode_batch(texts))) for texts in same[next(epochs["same"])])
 
     batches = -(-count // BATCH)
-    fns = (("spark_hvd", ours), ("in-memory", memory), ("in-memory shuffled", memory_shuffled))
-    wall, cpu = interleaved(dict(fns), count)
+    fns = (("spark_hvd shuffled", lambda: ours(shuffled, "shuffled")), ("in-memory, the reader's batches", memory_same),
+           ("spark_hvd file order", lambda: ours(ordered, "ordered")), ("in-memory, file order", memory))
+    wall, cpu = interleaved(dict(fns), count, rounds)
     rates = {name: batches / t for name, t in wall.items()}
     cpu = {name: round(t * 1000, 1) for name, t in cpu.items()}
     return rates, {"cpu ms per epoch (all threads)": cpu}
@@ -294,8 +310,15 @@ def main() -> None:
         if args.only in (None, "text"):
             text, results["text CPU"] = bench_text(work, args.sentences)
             results["text batches/s"] = text
-            results["text ratio vs in-memory"] = text["spark_hvd"] / text["in-memory"]
-            results["text ratio vs in-memory shuffled"] = text["spark_hvd"] / text["in-memory shuffled"]
+            results["tokenizer threads"] = {v: os.environ.get(v, "unset") for v in ("TOKENIZERS_PARALLELISM",
+                                                                                    "RAYON_NUM_THREADS")}
+            results["text ratios"] = {
+                "shuffled vs in-memory, the same batches": text["spark_hvd shuffled"]
+                / text["in-memory, the reader's batches"],
+                "file order vs in-memory, file order": text["spark_hvd file order"] / text["in-memory, file order"],
+                "shuffled vs in-memory, file order (shuffling's cost included)": text["spark_hvd shuffled"]
+                / text["in-memory, file order"],
+            }
         if args.only in (None, "rss"):
             results["rss"] = bench_rss(work, args.rss_mib)
     results["load after"] = os.getloadavg()

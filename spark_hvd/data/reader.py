@@ -72,6 +72,8 @@ logger = logging.getLogger(__name__)
 Batch = dict[str, np.ndarray]
 #: The most bytes of rows the shuffle buffer mixes unless ``shuffle_buffer_rows`` says otherwise.
 DEFAULT_SHUFFLE_BYTES = 256 << 20
+#: About the most bytes of batches gathered at once from the shuffle buffer (``batching.shuffled_batches``).
+SLAB_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -344,16 +346,17 @@ class BatchReader:
         return self._prefetched(gen, int(epoch))
 
     def _prefetched(self, gen: Iterator[Batch], epoch: int) -> Iterator[Batch]:
-        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        # a C queue (a put wakes a waiting get with no Python-level lock or condition on either side: less of
+        # the GIL taken from a collate_fn's tokenizer at each hand-off) and a semaphore of ``prefetch`` slots
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        slots = threading.Semaphore(self.prefetch)
         stop = threading.Event()
 
         def put(item: Any) -> bool:
             while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.2)
+                if slots.acquire(timeout=0.2):
+                    q.put(item)
                     return True
-                except queue.Full:
-                    continue
             return False
 
         def work() -> None:
@@ -376,6 +379,7 @@ class BatchReader:
                         f"{self._where}: no batch from the read-ahead thread within {self.timeout_s:.0f} s "
                         f"(epoch {epoch}); is the filesystem reachable?"
                     ) from None
+                slots.release()
                 if item is _END:
                     return
                 if isinstance(item, _Failure):
@@ -402,8 +406,9 @@ class BatchReader:
         sizes = [self.batch_size] * (need // self.batch_size)
         if need % self.batch_size:
             sizes.append(need % self.batch_size)
-        if self.shuffle:
-            batches = shuffled_batches(self._shuffled_blocks(rng), sizes)
+        if self.shuffle:  # gathered several at once where no transformation_fn copies them again (_owned)
+            batches = shuffled_batches(self._shuffled_blocks(rng), sizes,
+                                       SLAB_BYTES if self.transformation_fn is None else 0)
         else:
             batches = sequential_batches(self._passes(None), sizes)
         if self.transformation_fn is not None:
@@ -414,8 +419,13 @@ class BatchReader:
         if not ragged and self.collate_fn is None:
             yield from batches
             return
-        for batch in batches:
-            yield self._finish(batch, ragged)
+        # the next batch is gathered before this one is handed on: the consumer, woken by the hand-off, then finds
+        # the GIL free at once (collate_fn's tokenizer releases it) instead of waking a second time for it
+        batch = next(batches, None)
+        while batch is not None:
+            done = self._finish(batch, ragged)
+            batch = next(batches, None)
+            yield done
 
     def _finish(self, batch: Batch, ragged: list[str]) -> Batch:
         """A batch with its ragged columns padded and ``collate_fn`` applied."""

@@ -132,6 +132,33 @@ def test_prefetch_matches_inline_and_stops_when_abandoned(tmp_path):
     assert threading.active_count() == before
 
 
+def test_batches_gathered_together_are_those_of_one_at_a_time_each_its_own(tmp_path, monkeypatch):
+    """Without transformation_fn, shuffled batches are gathered several at once from the buffer and handed on as
+    views: the same batches, rows in the same order, as one at a time, no two sharing memory; a collate_fn on the
+    read-ahead thread (which gathers the next batch before handing one on) gets and gives the same ones."""
+    import spark_hvd.data.reader as reader_module
+
+    path = write_dataset(tmp_path / "d", 1000, row_group_size=64)  # 1000 = 20 x 48 + 40: a short last batch
+
+    def epoch(**kw):
+        return list(BatchReader(path, batch_size=48, seed=3, shuffle_buffer_rows=300, **kw).epoch(2))
+
+    together = epoch(prefetch=0)
+    collated = epoch(prefetch=2, collate_fn=lambda b: {**b, "twice": b["id"] * 2})
+    monkeypatch.setattr(reader_module, "SLAB_BYTES", 0)
+    alone = epoch(prefetch=0)
+    assert len(together) == len(alone) == len(collated) == 21 and len(alone[-1]["id"]) == 40
+    for a, b, c in zip(alone, together, collated, strict=True):
+        assert list(a) == list(b)
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+            np.testing.assert_array_equal(a[k], c[k])
+        np.testing.assert_array_equal(c["twice"], a["id"] * 2)
+    assert any(b["id"].base is not None for b in together)  # some were gathered together
+    for b, b2 in zip(together, together[1:], strict=False):
+        assert not any(np.shares_memory(b[k], b2[k]) for k in b)
+
+
 def test_iter_runs_successive_epochs(tmp_path):
     path = write_dataset(tmp_path / "d", 120)
     rd = BatchReader(path, batch_size=40, seed=5)
