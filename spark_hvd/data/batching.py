@@ -134,10 +134,10 @@ def shuffled_batches(blocks: Iterator[Block], sizes: list[int], slab_bytes: int 
     """Gather batches of ``sizes`` rows from blocks of shuffled row ids: one ``np.take`` per chunk and column.
 
     With ``slab_bytes``, consecutive batches of one size whose rows all lie in the front block are gathered together
-    (at most ``SLAB_BATCHES`` of them and about ``slab_bytes`` of gathered arrays; an object column counts its
-    pointers), one ``take`` per chunk and column for all of them, and handed on as views of the slab. The batches
-    and their row order are the same as one at a time; what it saves is the numpy calls per chunk and batch (a
-    batch of 64 short strings over 5 chunks cost ~30-80 us of the read-ahead thread, ~10% of tokenising it).
+    (at most ``SLAB_BATCHES`` of them and about ``slab_bytes`` of rows, an object column's objects included), one
+    ``take`` per chunk and column for all of them, and handed on as views of the slab. The batches and their row
+    order are the same as one at a time; what it saves is the numpy calls per chunk and batch (a batch of 64 short
+    strings over 5 chunks cost ~30-80 us of the read-ahead thread, 3-7% of tokenising it).
     """
     pending: list[Block] = []
     avail = 0
@@ -213,8 +213,19 @@ def _slab_count(block: Block, sizes: list[int], i: int, slab_bytes: int) -> int:
     first = next((c for c in chunks if c is not None), None)
     if first is None or not all(isinstance(v, np.ndarray) for v in first.values()):
         return 1  # sparse matrices, Arrow rows: one batch at a time
-    row_bytes = sum(v.itemsize * int(np.prod(v.shape[1:])) for v in first.values()) or 1
+    row_bytes = sum(_row_bytes(v) for v in first.values()) or 1
     return max(1, min(k, slab_bytes // (size * row_bytes)))
+
+
+def _row_bytes(v: np.ndarray) -> int:
+    """Bytes of one row of column ``v``: its items, and for an object column the objects they point to (a slab
+    keeps them alive until its last batch goes), estimated from its first 16 rows."""
+    row = v.itemsize * int(np.prod(v.shape[1:]))
+    if v.dtype == object and len(v):
+        sample = v.ravel()[:16]
+        row += int(sum(x.nbytes if isinstance(x, np.ndarray) else len(x) if isinstance(x, (bytes, str)) else 64
+                       for x in sample) * int(np.prod(v.shape[1:])) / len(sample))
+    return row
 
 
 def _gather_unsorted(chunks: list[Batch | None], bases: np.ndarray, sel: np.ndarray) -> Batch:
