@@ -58,14 +58,15 @@ SUB_CHUNK_MIN_BYTES = 256 * 1024
 SUB_CHUNKS = 4
 #: Payloads up to this size are sent from the calling thread (they fit the socket buffers: no deadlock).
 INLINE_SEND_BYTES = 32 * 1024
-#: ``RingExchange`` asks the kernel (SO_RCVLOWAT) to wake it only once this many bytes of the frame it reads have
-#: arrived (or the whole rest of it), capped at a quarter of the socket's receive buffer: on a link-bound ring the
-#: Python loop otherwise woke for every few kilobytes, and its iterations were ~40% of the ring's CPU (np=2 across
-#: two simulated hosts at 2 Gbit/s, 64 MiB: ~70 -> ~48 ms per allreduce per rank; 64-256 KiB measured alike within
-#: the noise of a loaded machine, 1 MiB cost throughput; issue 23). Setting it above the receive buffer would make
-#: the kernel clamp the TCP window to it and stall the sender.
+#: ``RingExchange`` asks the kernel (SO_RCVLOWAT) to wake it only once the rest of the frame it reads has arrived,
+#: up to this many bytes, capped at a quarter of the socket's receive buffer; once a large frame is complete it
+#: waits for poll to say the next one is, rather than read the few bytes of it that are there. On a link-bound ring
+#: the Python loop otherwise woke for every few kilobytes (issue 23: 128 KiB here took the ~900 system calls of a
+#: 64 MiB allreduce at np=2 across two simulated hosts at 2 Gbit/s down to ~600; whole frames, readiness
+#: tracked from poll and the next header read with each frame's tail, to ~220). Setting it above the receive buffer
+#: would make the kernel clamp the TCP window to it and stall the sender.
 #: Reads shorter than ``RECV_LOWAT_MIN_BYTES`` keep the default low-water mark (1 byte).
-RECV_LOWAT_BYTES = 128 * 1024
+RECV_LOWAT_BYTES = 1024 * 1024
 RECV_LOWAT_MIN_BYTES = 16 * 1024
 #: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
 #: the calling thread: the hand-off would cost more than the tag)
@@ -80,6 +81,8 @@ MAC_POOL_MIN_BYTES = 128 * 1024
 SPIN_S = 50e-6
 SPIN_MAX_BYTES = 64 * 1024
 _SPIN_MAX_MISSES = 8
+_POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
+_POLL_OUT = select.POLLOUT | select.POLLHUP | select.POLLERR
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
@@ -420,11 +423,13 @@ class RingExchange:
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
             on_received: Callable[[int], memoryview | list[memoryview] | None], window: int = 1) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
-        view (or a list of views) to send next. ``receives[i]`` is read when frame i starts, and ``on_received``
+        view (or a list of views) to send next. ``receives[i]`` is read when frame i starts, and ``on_received(0)``
         may shorten ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: what a first frame
         answered decides what follows it). Frame 0 is always checked in the calling thread, so ``on_received(0)``
         returns before a byte of frame 1 is read, with or without a pool; later frames may be read ahead of their
-        checks.
+        checks, and the tail of frame i >= 1 is read together with frame i + 1's header (one system call) when
+        frame i + 1 is expected, so only frame 0's answer may change how many frames follow. Nothing past the
+        last expected frame is read.
 
         ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
         frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
@@ -436,10 +441,13 @@ class RingExchange:
         pending: list[memoryview] = []  # the frame being sent: what is left of [header, payload]
         head = bytearray(HEADER_SIZE + 1)
         head_view = memoryview(head)
+        head_size = HEADER_SIZE + 1
         index, got_head, target, target_got = 0, 0, None, 0
         n_recv = len(receives)
         window = max(1, window)
-        same = out.sock.fileno() == recv.sock.fileno()
+        out_fd, recv_fd = out.sock.fileno(), recv.sock.fileno()
+        same = out_fd == recv_fd
+        can_send = can_recv = True  # try each side until it would block, then wait for poll to report it ready
         last = time.monotonic()
         lowat, lowat_cap = 1, 0
         spin_until: float | None = None  # this wait's spin: None undecided, 0.0 none, else until when
@@ -455,6 +463,16 @@ class RingExchange:
             if mac is not None and payload.nbytes >= mac_min:
                 job = mac.submit(direction.gmac, *direction.data_tag_args(counter, payload.nbytes + 1, DATA, payload))
             queue_out.append((payload, counter, job))
+
+        def hand_over(i: int) -> int:
+            """``on_received(i)``, its answer queued to send; returns how many frames are now expected."""
+            forward = on_received(i)
+            if forward.__class__ is list:
+                for view in forward:
+                    enqueue(view)
+            elif forward is not None:
+                enqueue(forward)
+            return len(receives)
 
         def want(fd: int, events: int) -> None:
             if polled.get(fd, 0) != events:
@@ -482,16 +500,10 @@ class RingExchange:
                             recv._check(job.value()[-TAG_SIZE:], tag)
                         checking.popleft()
                         progressed = True
-                        forward = on_received(i)
-                        n_recv = len(receives)
-                        if forward.__class__ is list:
-                            for view in forward:
-                                enqueue(view)
-                        elif forward is not None:
-                            enqueue(forward)
+                        n_recv = hand_over(i)
                     # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
-                    send_full = recv_dry = tag_wait = False
-                    while pending or queue_out:
+                    send_full, recv_dry, tag_wait = not can_send, not can_recv, False
+                    while can_send and (pending or queue_out):
                         if not pending:
                             payload, counter, job = queue_out[0]
                             if job is None:
@@ -507,6 +519,7 @@ class RingExchange:
                             sent = out.sock.sendmsg(pending)
                         except (BlockingIOError, InterruptedError):
                             send_full = True
+                            can_send = False
                             break
                         except OSError as exc:
                             out.send_broken = True
@@ -520,39 +533,55 @@ class RingExchange:
                                 pending.pop(0)
                         if pending:
                             send_full = True
+                            can_send = False
                             break
                     # -- receive what has arrived
                     while index < n_recv and len(checking) < window:
-                        view = head_view[got_head:] if target is None else target[target_got:]
-                        try:
-                            n = recv.sock.recv_into(view)
-                        except (BlockingIOError, InterruptedError):
-                            recv_dry = True
-                            break
-                        except OSError as exc:
-                            recv.recv_broken = True
-                            raise recv._fail(exc, op) from exc
-                        if n == 0:
-                            recv.recv_broken = True
-                            raise recv._fail(ConnectionError("connection closed by peer"), op)
-                        progressed = True
-                        if n < view.nbytes:  # a short read took all there was: wait for POLLIN
-                            recv_dry = True
-                        if target is None:
-                            got_head += n
-                            if got_head < len(head):
-                                if recv_dry:
+                        if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
+                            target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
+                        if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
+                            if not can_recv:
+                                break
+                            try:
+                                if target is None:
+                                    room = head_size - got_head
+                                    n = recv.sock.recv_into(head_view[got_head:])
+                                elif index and index + 1 < n_recv:
+                                    # the rest of this frame and the next one's header in one call (not past
+                                    # frame 0, whose answer may change what follows, nor past the last frame)
+                                    room = target.nbytes - target_got + head_size
+                                    n = recv.sock.recvmsg_into((target[target_got:], head_view))[0]
+                                else:
+                                    room = target.nbytes - target_got
+                                    n = recv.sock.recv_into(target[target_got:])
+                            except (BlockingIOError, InterruptedError):
+                                recv_dry, can_recv = True, False
+                                break
+                            except OSError as exc:
+                                recv.recv_broken = True
+                                raise recv._fail(exc, op) from exc
+                            if n == 0:
+                                recv.recv_broken = True
+                                raise recv._fail(ConnectionError("connection closed by peer"), op)
+                            progressed = True
+                            if n < room:  # a short read took all there was: wait for POLLIN
+                                recv_dry, can_recv = True, False
+                            if target is None:
+                                got_head += n
+                                if recv_dry and got_head < head_size:
                                     break
                                 continue
-                            target, target_got = self._start_frame(bytes(head), receives[index]), 0
-                            if target.nbytes:
-                                continue
-                        else:
                             target_got += n
                             if target_got < target.nbytes:
                                 if recv_dry:
                                     break
                                 continue
+                            if target_got > target.nbytes:  # the next frame's header came too
+                                got_head, target_got = target_got - target.nbytes, target.nbytes
+                            if target.nbytes >= RECV_LOWAT_MIN_BYTES:
+                                # a large frame is complete: let poll say when the next one is (its low-water
+                                # mark) rather than read a few bytes of it now (fewer calls per byte)
+                                recv_dry, can_recv = True, False
                         counter = recv._in.reserve()
                         if mac is not None and index and target.nbytes >= mac_min:  # frame 0: see run()
                             args = recv._in.data_tag_args(counter, self._length, DATA, target)
@@ -563,14 +592,8 @@ class RingExchange:
                             if checking:  # checked, but handed over after the frames before it
                                 checking.append((index, self._tag, None))
                             else:
-                                forward = on_received(index)
-                                n_recv = len(receives)
-                                if forward.__class__ is list:
-                                    for view in forward:
-                                        enqueue(view)
-                                elif forward is not None:
-                                    enqueue(forward)
-                        index, got_head, target = index + 1, 0, None
+                                n_recv = hand_over(index)
+                        index, target = index + 1, None
                     if index == n_recv and not checking and not pending and not queue_out:
                         break
                     now = time.monotonic()
@@ -629,6 +652,11 @@ class RingExchange:
                     events = poll.poll(wait_ms)
                     if wait_ms:  # it slept: the next wait decides afresh
                         spin_until = None
+                    for fd, ev in events:
+                        if fd == out_fd and ev & _POLL_OUT:
+                            can_send = True
+                        if fd == recv_fd and ev & _POLL_IN:
+                            can_recv = True
                     if mac is not None:
                         mac.waiting = False
                         if any(fd == mac_fd for fd, _ in events):

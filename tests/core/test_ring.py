@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import signal
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -457,6 +460,115 @@ def test_ring_exchange_rejects_a_tampered_data_frame(mac_threads):
     assert receiver.recv_broken
     for sock in (sender.sock, writer, reader):
         sock.close()
+
+
+def _stream(sender: PeerSocket, receiver: PeerSocket, frames: list[np.ndarray], abort: bool = False) -> bytes:
+    """The bytes ``sender`` puts on the wire for ``frames`` (DATA), then an ABORT naming rank 3 if ``abort``."""
+    def send() -> None:
+        for frame in frames:
+            sender.send_data([frame.view(np.uint8)], "test")
+        if abort:
+            sender.send_abort(3, "rank 3 ran out of memory")
+        sender.sock.shutdown(socket.SHUT_WR)
+
+    sending = threading.Thread(target=send, daemon=True)
+    sending.start()
+    raw = bytearray()
+    while chunk := receiver.sock.recv(1 << 20):
+        raw += chunk
+    sending.join(30)
+    return bytes(raw)
+
+
+def _trickle(raw: bytes, cuts: list[int]) -> tuple[socket.socket, threading.Thread, socket.socket]:
+    """A socket that receives ``raw`` in pieces cut at ``cuts``, each sent once the one before was read (or
+    after 2 s: only how the bytes arrive is at stake, never what the test checks)."""
+    writer, reader = socket.socketpair()
+
+    def feed() -> None:
+        for lo, hi in zip([0, *cuts], [*cuts, len(raw)], strict=True):
+            writer.sendall(raw[lo:hi])
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline and _unread(writer):
+                time.sleep(0.0005)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    return reader, feeder, writer
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes ``sock`` sent that its peer has not read yet."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def _cuts(sizes: list[int], extra: int = 0) -> list[int]:
+    """Cut points around every frame's header (a byte before, at, a byte after, mid-header, at its payload) and
+    in the middle of each payload."""
+    cuts, at = set(), 0
+    head = HEADER_SIZE + 1
+    for size in sizes:
+        cuts.update({at - 1, at, at + 1, at + 13, at + head, at + head + size // 2})
+        at += head + size
+    return sorted(c for c in cuts if 0 < c < at + extra)
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["data", "abort"])
+def test_ring_exchange_reads_frames_split_anywhere(abort):
+    # the receive loop reads a frame's tail and the next frame's header in one call and waits for whole large
+    # frames (low-water mark): whatever the pieces the bytes arrive in, every frame lands whole and in order, a
+    # header is never read past the last frame expected (the next collective's first frame stays in the socket)
+    # nor past frame 0 (whose answer may change what follows), and an ABORT whose header came with the frame
+    # before it still names the rank it blames
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sizes = [4096, 65536, 20480, 65536, 4096]
+    frames = [np.random.default_rng(k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate(sizes)]
+    expected = 3 if abort else 4  # the exchange's frames; the rest is an ABORT or the next collective's frame
+    raw = _stream(sender, receiver, frames[:expected], abort) if abort else _stream(sender, receiver, frames)
+    reader, feeder, writer = _trickle(raw, _cuts(sizes[:expected], 64))
+    receiver.sock = reader
+    got = [np.zeros(n, np.uint8) for n in sizes]
+    used: list[int] = []
+    exchange = RingExchange(receiver, receiver, "test")
+    try:
+        if abort:
+            with pytest.raises(PeerFailureError, match="rank 3 failed") as failure:
+                exchange.run([], [memoryview(g) for g in got[:4]], used.append)
+            assert failure.value.rank == 3
+        else:
+            exchange.run([], [memoryview(g) for g in got[:4]], used.append)
+            receiver.recv_data_into(memoryview(got[4]), "test")  # the next collective's frame, intact
+        assert used == list(range(expected))
+        for k in range(expected if abort else 5):
+            np.testing.assert_array_equal(got[k], frames[k])
+    finally:
+        feeder.join(30)
+        for sock in (sender.sock, writer, reader):
+            sock.close()
+
+
+def test_ring_exchange_reads_nothing_past_frame_0_when_its_answer_ends_the_exchange():
+    # ``spark_hvd.core.agreed``: on a miss, frame 0's answer shortens the exchange; the frame after it belongs to
+    # whoever reads next and must still be in the socket, header included
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    frames = [np.random.default_rng(k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate([64, 65536])]
+    raw = _stream(sender, receiver, frames)
+    reader, feeder, writer = _trickle(raw, [])  # both frames at once
+    receiver.sock = reader
+    got = [np.zeros(64, np.uint8), np.zeros(65536, np.uint8)]
+    receives = [memoryview(g) for g in got]
+    try:
+        RingExchange(receiver, receiver, "test").run([], receives, lambda i: receives.__delitem__(slice(1, None)))
+        np.testing.assert_array_equal(got[0], frames[0])
+        assert not got[1].any()
+        receiver.recv_data_into(memoryview(got[1]), "test")
+        np.testing.assert_array_equal(got[1], frames[1])
+    finally:
+        feeder.join(30)
+        for sock in (sender.sock, writer, reader):
+            sock.close()
 
 
 def _close_after(sender: PeerSocket, bye: bool) -> None:
