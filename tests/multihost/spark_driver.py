@@ -1,11 +1,13 @@
 """The driver of the Spark-standalone test, run inside the driver's simulated host: ``spark_driver.py MASTER STORE
-STEP...``. Each step prints one JSON line ``{"step": ..., ...}`` (or ``{"step": ..., "error": ...}``) for the test
-to check: ``run`` (ranks' hosts, topology, transport, allreduce vs numpy), ``torch`` (TorchEstimator fit ->
-transform -> save/load, transform equal to the model called directly), ``keras`` (KerasEstimator fit -> transform),
-``kill`` (a run while the test kills a worker host's processes: it must fail or retry, naming what happened),
-``iface`` (a run told to carry its data on the worker hosts' second interface, eth1: the bytes each host sent on
-eth0 and eth1 during its allreduce), ``linkdown`` (a run while the test takes a host's link down) and ``fitkill``
-(a TorchEstimator fit while the test kills one rank's process): both must fail naming the lost rank's host.
+[STEP...]``; with no STEP given, the steps are read from stdin, one a line, until it closes (the test sends each
+when it needs it, so one driver, one SparkContext and one set of executors serve the whole module). Each step
+prints one JSON line ``{"step": ..., ...}`` (or ``{"step": ..., "error": ...}``) for the test to check: ``run``
+(ranks' hosts, topology, transport, allreduce vs numpy), ``torch`` (TorchEstimator fit -> transform -> save/load,
+transform equal to the model called directly), ``keras`` (KerasEstimator fit -> transform), ``kill`` (a run while
+the test kills a worker host's processes: it must fail or retry, naming what happened), ``iface`` (a run told to
+carry its data on the worker hosts' second interface, eth1: the bytes each host sent on eth0 and eth1 during its
+allreduce), ``linkdown`` (a run while the test takes a host's link down) and ``fitkill`` (a TorchEstimator fit
+while the test kills one rank's process): both must fail naming the lost rank's host.
 """
 
 from __future__ import annotations
@@ -274,7 +276,7 @@ def main() -> None:
     master, store_dir, *steps = sys.argv[1:]
     spark = _session(master)
     try:
-        for step in steps:
+        for step in steps or (line.strip() for line in sys.stdin if line.strip()):
             try:
                 row = {"step": step, **globals()[f"step_{step}"](spark, store_dir)}
             except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it

@@ -89,25 +89,56 @@ def cluster(simhosts_ready, tmp_path_factory):
             p.wait(timeout=30)
 
 
-def _drive(cluster, steps: list[str], timeout: float) -> subprocess.Popen:
-    sim, url, logs = cluster
-    h0 = sim.hosts[0]
-    env = {**_daemon_env(h0.address), "SIM_DRIVER_ADDRESS": h0.address}
-    return h0.popen([sys.executable, DRIVER, url, str(logs / "store"), *steps], env=env, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, text=True)
+class _Driver:
+    """The module's one driver process (``spark_driver.py`` reading its steps from stdin) and its JSON lines."""
+
+    def __init__(self, cluster) -> None:
+        sim, url, logs = cluster
+        h0 = sim.hosts[0]
+        self.log = logs / "driver.log"
+        env = {**_daemon_env(h0.address), "SIM_DRIVER_ADDRESS": h0.address}
+        with open(self.log, "w") as err:
+            self.proc = h0.popen([sys.executable, DRIVER, url, str(logs / "store")], env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
+        self.rows = _rows(self.proc)
+
+    def send(self, *steps: str) -> None:
+        self.proc.stdin.write("".join(f"{step}\n" for step in steps))
+        self.proc.stdin.flush()
+
+    def row(self, within_s: float) -> dict:
+        return _next_row(self.rows, self.log, within_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # end of steps: the driver stops its SparkContext and exits
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def results(cluster):
-    """One driver process runs every step on the cluster; its JSON lines by step."""
-    proc = _drive(cluster, ["run", "torch", "keras", "iface"], 600)
-    out, err = proc.communicate(timeout=600)
+def driver(cluster):
+    """One driver process (one SparkContext, one executor per worker host) for every step of the module: starting
+    a driver and its executors again costs more than most steps."""
+    proc = _Driver(cluster)
+    try:
+        yield proc
+    finally:
+        proc.close()
+
+
+@pytest.fixture(scope="module")
+def results(driver):
+    """The driver's rows of the steps that need no interference from the test, by step."""
+    steps = ["run", "torch", "keras", "iface"]
+    driver.send(*steps)
     rows = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            rows[row["step"]] = row
-    assert rows, f"the driver printed nothing (exit {proc.returncode}):\n{err[-5000:]}"
+    for _ in steps:
+        row = driver.row(600)
+        rows[row["step"]] = row
     return rows
 
 
@@ -193,21 +224,17 @@ def _wait_marks(marks: Path, pattern: str, count: int, proc: subprocess.Popen, l
 
 
 @pytest.fixture(scope="module")
-def faults(cluster):
-    """One driver runs two faults in turn: host 2's link taken down mid-``run()`` (brought back once the rank on
-    host 1 has failed), then a rank process on host 2 killed mid-``TorchEstimator.fit``. The Spark daemons stay
-    up, so the module's other tests do not depend on the order."""
-    sim, url, logs = cluster
-    h0, survivor, victim = sim.hosts
-    log = logs / "faults-driver.log"
-    env = {**_daemon_env(h0.address), "SIM_DRIVER_ADDRESS": h0.address}
-    with open(log, "w") as err:
-        proc = h0.popen([sys.executable, DRIVER, url, str(logs / "store"), "linkdown", "fitkill"], env=env,
-                        stdout=subprocess.PIPE, stderr=err, text=True)
-    rows = _rows(proc)
+def faults(cluster, driver):
+    """Two faults in turn on the module's driver: host 2's link taken down mid-``run()`` (brought back once the
+    rank on host 1 has failed), then a rank process on host 2 killed mid-``TorchEstimator.fit``. The Spark daemons
+    stay up, so the module's other tests do not depend on the order."""
+    sim = cluster[0]
+    _, survivor, victim = sim.hosts
+    proc, log = driver.proc, driver.log
+    driver.send("linkdown", "fitkill")
     out: dict = {}
     try:
-        marks = Path(_next_row(rows, log, 300)["marks"])
+        marks = Path(driver.row(300)["marks"])
         _wait_marks(marks, "rank-*-running", 2, proc, log, 240)
         time.sleep(1.0)
         victim.link(False)
@@ -218,21 +245,17 @@ def faults(cluster):
         finally:
             victim.link(True)
         out["linkdown_survivor_error"] = failed[0].read_text()
-        out["linkdown"] = _next_row(rows, log, 300)
-        marks = Path(_next_row(rows, log, 300)["marks"])
+        out["linkdown"] = driver.row(300)
+        marks = Path(driver.row(300)["marks"])
         fitting = _wait_marks(marks, "fitting-*", 2, proc, log, 300)
         time.sleep(1.0)
         pid = int(next(p for p in fitting if p.name == f"fitting-{victim.name}").read_text())
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        out["fitkill"] = _next_row(rows, log, 300)
+        out["fitkill"] = driver.row(300)
         out["fitkill_s"] = time.monotonic() - killed_at
-        proc.wait(timeout=120)
     finally:
         victim.link(True)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
     print(json.dumps(out, indent=1))  # shown with a failing test
     return out
 
@@ -261,22 +284,19 @@ def test_rank_killed_mid_fit_fails_fast_naming_its_host(cluster, faults):
     assert faults["fitkill_s"] < 120, faults["fitkill_s"]
 
 
-def test_worker_host_killed_mid_run_fails_naming_it(cluster):
-    """Runs last (it leaves host 2 without a worker)."""
+def test_worker_host_killed_mid_run_fails_naming_it(cluster, driver, results, faults):
+    """Runs last, on the module's driver (it leaves host 2 without a worker; ``results`` and ``faults`` are asked
+    for so that their steps, which need both hosts, come first also when this test is run alone)."""
     sim = cluster[0]
     victim = sim.hosts[2]
-    proc = _drive(cluster, ["kill"], 300)
-    marks = Path(json.loads(proc.stdout.readline())["marks"])
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and len(list(marks.glob("rank-*-running"))) < 2 and proc.poll() is None:
-        time.sleep(0.5)
-    assert len(list(marks.glob("rank-*-running"))) == 2, proc.stderr.read()[-3000:] if proc.poll() else "timeout"
+    driver.send("kill")
+    marks = Path(driver.row(300)["marks"])
+    _wait_marks(marks, "rank-*-running", 2, driver.proc, driver.log, 240)
     time.sleep(1.0)
     killed_at = time.monotonic()
     simhosts._kill_netns_processes(victim.name)  # the worker, its executor and the rank's Python process
-    out, err = proc.communicate(timeout=300)
+    row = driver.row(300)
     took = time.monotonic() - killed_at
-    row = json.loads(next(line for line in out.splitlines() if '"outcome"' in line))
     assert row["outcome"] == "failed", row
     # the surviving rank names the lost one and its host; Spark's own report may come first
     assert f"on host {victim.name} ({victim.address})" in row["error"] or "lost" in row["error"], row
