@@ -167,7 +167,9 @@ class BatchReader:
         collate_fn: ``fn(batch) -> batch`` run on every batch (a dict of arrays by column) on the read-ahead
             thread: tokenising, padding, turning sparse rows into what the model takes. (Collating several batches
             on threads at once was tried and dropped: two tokenizers at once cost ~15% more CPU and were no faster
-            here; benchmarks/RESULTS.md.)
+            here, sessions 3 and 5 of issue 25 in benchmarks/RESULTS.md.) Without ``transformation_fn``, shuffled
+            batches are gathered up to 16 at once (about ``SLAB_BYTES``, 1 MiB, of rows) and handed on as views of
+            that slab, which lives until its last batch goes.
         pool_type: ``"thread"`` (default), ``"process"`` or ``"auto"``: where ``transformation_fn`` runs;
             ``"auto"`` (the estimators' default) is ``"process"`` for a ``transformation_fn`` whose
             ``prefers_processes`` attribute is true (:class:`~spark_hvd.data.decode.ImageDecoder` with small outputs:
