@@ -591,8 +591,9 @@ class BatchReader:
             # started once per reader, kept across epochs (a start costs each worker its imports: seconds)
             self._procs = TransformPool(self.transformation_fn, workers)
             weakref.finalize(self, self._procs.shutdown, wait=False, cancel_futures=True)
+        recycle = None
         if self._procs is not None:
-            pool, submit = None, lambda rows: self._procs.submit(rows, self._where)
+            pool, submit, recycle = None, lambda rows: self._procs.submit(rows, self._where), self._procs.recycle
         elif workers > 1:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"spark_hvd-transform-r{self.rank}")
             submit = lambda rows: pool.submit(self._transform, rows)  # noqa: E731
@@ -605,9 +606,9 @@ class BatchReader:
             for batch in batches:
                 pending.append(submit(_stored_rows(batch)))
                 if len(pending) >= workers:
-                    yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
+                    yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where, recycle)
             while pending:
-                yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where)
+                yield from_shared(pending.popleft().result(timeout=self.timeout_s), self._where, recycle)
         finally:
             for future in pending:  # an epoch stopped early: what is done is dropped, the rest cancelled
                 if not future.cancel() and future.done() and future.exception() is None:
