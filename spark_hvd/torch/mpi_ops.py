@@ -16,6 +16,7 @@ as in ``horovod/torch/mpi_ops.py``, beside the staging helpers they share; the d
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -116,6 +117,40 @@ _STRIDED = torch.strided
 _NUMPY_SHARED = frozenset({torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
                            torch.int32, torch.int64})
 _device_setting: list[Any] = [None, None]  # (the settings object, whether CPU tensors take the device path)
+
+
+# numpy views of small contiguous CPU tensors that ``allreduce_`` handed over, by ``id(tensor)``:
+# (weak reference to the tensor, view, data_ptr, shape, stride, dtype). ``tensor.numpy()`` costs more than checking
+# that the tensor still has the memory and layout the view was made for; an entry leaves when its tensor dies (the
+# view keeps only the storage alive, as ``numpy()``'s does), the table is emptied when full.
+_VIEWS: dict[int, tuple[Any, np.ndarray, int, torch.Size, tuple[int, ...], torch.dtype]] = {}
+_VIEWS_MAX = 4096
+_VIEW_MAX_BYTES = 1 << 16  # a larger tensor's round costs far more than its ``numpy()``
+
+
+def _host_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """``tensor.numpy()`` when that is the core's array for ``tensor`` as it is (a contiguous strided CPU tensor
+    of a dtype numpy shares, not requiring grad), else None; a small tensor's view is kept and reused while the
+    tensor keeps its memory, dtype, shape and strides (resized or re-strided in place: a new view)."""
+    key = id(tensor)
+    entry = _VIEWS.get(key)
+    if entry is not None:
+        ref, arr, ptr, shape, stride, dtype = entry
+        # same memory, dtype, shape and strides: the view is the one ``numpy()`` would make now (requires_grad
+        # set since: ``_Staged`` would hand over a view of this same memory)
+        if (ref() is tensor and tensor.data_ptr() == ptr and tensor.dtype is dtype and tensor.shape == shape
+                and tensor.stride() == stride):
+            return arr
+    if not (tensor.is_cpu and tensor.layout is _STRIDED and tensor.dtype in _NUMPY_SHARED
+            and not tensor.requires_grad and tensor.is_contiguous()):
+        return None
+    arr = tensor.numpy()
+    if arr.nbytes <= _VIEW_MAX_BYTES:
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        _VIEWS[key] = (weakref.ref(tensor, lambda _, key=key: _VIEWS.pop(key, None)), arr, tensor.data_ptr(),
+                       tensor.shape, tensor.stride(), tensor.dtype)
+    return arr
 
 
 def _cpu_on_device() -> bool:
@@ -289,10 +324,10 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     common.require_init("allreduce_()")
     # the blocking call runs the round in this thread; a contiguous CPU tensor of a dtype numpy shares is handed
     # over as its own numpy view (what ``_Staged`` makes of it, with fewer checks on the path of every call)
-    if (tensor.is_cpu and tensor.layout is _STRIDED and tensor.dtype in _NUMPY_SHARED and not tensor.requires_grad
-            and tensor.is_contiguous() and not _cpu_on_device()):
-        common.core().allreduce(tensor.numpy(), name=name, op=common.resolve_op(op, average),
-                                prescale=prescale_factor, postscale=postscale_factor, process_set=process_set)
+    arr = None if _cpu_on_device() else _host_view(tensor)
+    if arr is not None:
+        common.core().allreduce(arr, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
+                                postscale=postscale_factor, process_set=process_set)
         return tensor
     staged = _Staged(tensor)
     common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,

@@ -14,6 +14,7 @@ CHECKS = [
     "collectives_float16",
     "collectives_bfloat16",
     "collectives_int64",
+    "allreduce_in_place_changed_tensor",
     "allreduce_autograd",
     "objects_barrier",
     "train_matches_single_process",

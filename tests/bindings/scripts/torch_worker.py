@@ -156,6 +156,56 @@ for _dt in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
     check(f"collectives_{str(_dt).split('.')[-1]}")(lambda _dt=_dt: _collectives(_dt))
 
 
+@check("allreduce_in_place_changed_tensor")
+def _changed_tensor() -> None:
+    """``allreduce_`` keeps a small tensor's numpy view between calls: one tensor moved to new memory, then
+    shrunk in place, re-strided to a non-contiguous view, its data swapped for another dtype at
+    the same address, set to require grad; tensors dying between calls (ids reused); each result against numpy."""
+    def vals(r: int, step: int, n: int) -> np.ndarray:
+        return np.random.default_rng(500 + 37 * r + step).uniform(-4, 4, n).astype(np.float32)
+
+    def want(step: int, n: int) -> np.ndarray:
+        return np.sum([vals(r, step, n).astype(np.float64) for r in range(N)], axis=0)
+
+    def reduce(t: torch.Tensor, step: int) -> None:
+        assert hvd.allreduce_(t, name=f"changed.{step}", op=hvd.Sum) is t
+        got = t.to(torch.float64).numpy()
+        np.testing.assert_allclose(got, want(step, got.size), rtol=1e-6, atol=1e-5, err_msg=f"step {step}")
+
+    t = torch.from_numpy(vals(R, 0, 8))
+    reduce(t, 0)
+    t.copy_(torch.from_numpy(vals(R, 1, 8)))
+    reduce(t, 1)  # the kept view
+    assert id(t) in hvd.mpi_ops._VIEWS, "allreduce_ kept no view of a small contiguous tensor"
+    t.set_(torch.from_numpy(vals(R, 2, 4096)).clone())  # new memory (``numpy()`` made the old not resizable)
+    reduce(t, 2)
+    t.resize_(16)  # same memory, fewer elements
+    t.copy_(torch.from_numpy(vals(R, 3, 16)))
+    reduce(t, 3)
+    t.as_strided_((8,), (2,))  # same address, every other element: staged and written back
+    t.copy_(torch.from_numpy(vals(R, 4, 8)))
+    whole = torch.empty(0).set_(t.untyped_storage(), 0, (16,))
+    gaps = whole[1::2].clone()
+    reduce(t, 4)
+    assert torch.equal(whole[1::2], gaps), "elements outside the strided view changed"
+    u = torch.from_numpy(vals(R, 5, 8))
+    reduce(u, 5)
+    u.data = u.data.view(torch.int32)  # same address, another dtype
+    ints = torch.arange(8, dtype=torch.int32) * (R + 1)
+    u.copy_(ints)
+    assert hvd.allreduce_(u, name="changed.ints", op=hvd.Sum) is u
+    np.testing.assert_array_equal(u.numpy(), np.arange(8) * (N * (N + 1) // 2))
+    v = torch.from_numpy(vals(R, 6, 8))
+    reduce(v, 6)
+    v.requires_grad_()
+    with torch.no_grad():
+        v.copy_(torch.from_numpy(vals(R, 7, 8)))
+    assert hvd.allreduce_(v, name="changed.grad", op=hvd.Min) is v
+    np.testing.assert_array_equal(v.detach().numpy(), np.min([vals(r, 7, 8) for r in range(N)], axis=0))
+    for step in range(8, 14):  # each tensor dies before the next: its id (and maybe its memory) is reused
+        reduce(torch.from_numpy(vals(R, step, 8)), step)
+
+
 @check("allreduce_autograd")
 def _autograd() -> None:
     x = torch.full((3,), float(R + 1), requires_grad=True)
