@@ -122,7 +122,8 @@ _device_setting: list[Any] = [None, None]  # (the settings object, whether CPU t
 # numpy views of small contiguous CPU tensors that ``allreduce_`` handed over, by ``id(tensor)``:
 # (weak reference to the tensor, view, data_ptr, shape, stride, dtype). ``tensor.numpy()`` costs more than checking
 # that the tensor still has the memory and layout the view was made for; an entry leaves when its tensor dies (the
-# view keeps only the storage alive, as ``numpy()``'s does), the table is emptied when full.
+# view keeps only the storage alive, as ``numpy()``'s does: a tensor ``set_`` to other memory keeps its old memory
+# alive until its next ``allreduce_`` or its end), the table is emptied when full.
 _VIEWS: dict[int, tuple[Any, np.ndarray, int, torch.Size, tuple[int, ...], torch.dtype]] = {}
 _VIEWS_MAX = 4096
 _VIEW_MAX_BYTES = 1 << 16  # a larger tensor's round costs far more than its ``numpy()``
