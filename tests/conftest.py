@@ -13,6 +13,10 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Spark driver JVM of the suite (the shared session, and the fresh drivers the demo, notebook, spark-submit and
+# interrupt tests start; they inherit this) lives for seconds to minutes on small data: the C1 compiler alone and the
+# serial collector start one with ~10 CPU-s less (23 -> 13 measured here), and 2 cores are the suite's bottleneck.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 @pytest.fixture(scope="session")
