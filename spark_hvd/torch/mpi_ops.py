@@ -119,38 +119,51 @@ _NUMPY_SHARED = frozenset({torch.float16, torch.float32, torch.float64, torch.in
 _device_setting: list[Any] = [None, None]  # (the settings object, whether CPU tensors take the device path)
 
 
-# numpy views of small contiguous CPU tensors that ``allreduce_`` handed over, by ``id(tensor)``:
-# (weak reference to the tensor, view, data_ptr, shape, stride, dtype). ``tensor.numpy()`` costs more than checking
-# that the tensor still has the memory and layout the view was made for; an entry leaves when its tensor dies (the
-# view keeps only the storage alive, as ``numpy()``'s does: a tensor ``set_`` to other memory keeps its old memory
-# alive until its next ``allreduce_`` or its end), the table is emptied when full.
-_VIEWS: dict[int, tuple[Any, np.ndarray, int, torch.Size, tuple[int, ...], torch.dtype]] = {}
-_VIEWS_MAX = 4096
-_VIEW_MAX_BYTES = 1 << 16  # a larger tensor's round costs far more than its ``numpy()``
+# numpy views of small contiguous CPU tensors that ``allreduce_`` handed over, by ``id(tensor)``: (view, data_ptr,
+# shape, stride, dtype). ``tensor.numpy()`` costs more than checking that the tensor still has the address and
+# layout a kept view was made for. No weak reference is needed: a view keeps its memory alive (as ``numpy()``'s
+# does), so no other memory can take that address while it is kept, and a tensor (this one, or another that
+# took its id) with the same address, dtype, shape and strides has exactly the view's elements. The kept memory
+# is bounded: at most ``_VIEWS_MAX`` views of up to ``_VIEW_MAX_BYTES`` each (the table is emptied when full).
+_VIEWS: dict[int, tuple[np.ndarray, int, torch.Size, tuple[int, ...], torch.dtype]] = {}
+_SEEN: dict[int, Any] = {}  # weak references to tensors seen once, by ``id(tensor)``
+_VIEWS_MAX = 512
+_VIEW_MAX_BYTES = 1 << 14  # a larger tensor's round costs far more than its ``numpy()``
 
 
 def _host_view(tensor: torch.Tensor) -> np.ndarray | None:
     """``tensor.numpy()`` when that is the core's array for ``tensor`` as it is (a contiguous strided CPU tensor
     of a dtype numpy shares, not requiring grad), else None; a small tensor's view is kept and reused while the
-    tensor keeps its memory, dtype, shape and strides (resized or re-strided in place: a new view)."""
+    tensor keeps its address, dtype, shape and strides (moved, resized or re-strided in place: a new view), from
+    the tensor's second call on (a tensor made for one call is not kept alive)."""
     key = id(tensor)
     entry = _VIEWS.get(key)
     if entry is not None:
-        ref, arr, ptr, shape, stride, dtype = entry
-        # same memory, dtype, shape and strides: the view is the one ``numpy()`` would make now (requires_grad
-        # set since: ``_Staged`` would hand over a view of this same memory)
-        if (ref() is tensor and tensor.data_ptr() == ptr and tensor.dtype is dtype and tensor.shape == shape
-                and tensor.stride() == stride):
+        arr, ptr, shape, stride, dtype = entry
+        try:  # what took a dead tensor's id may have no data_ptr (sparse, meta, not a tensor): staged as before
+            same = (tensor.data_ptr() == ptr and tensor.dtype is dtype and tensor.shape == shape
+                    and tensor.stride() == stride)
+        except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+            same = False
+        if same:  # requires_grad set since: ``_Staged`` would hand over a view of this same memory
             return arr
     if not (tensor.is_cpu and tensor.layout is _STRIDED and tensor.dtype in _NUMPY_SHARED
             and not tensor.requires_grad and tensor.is_contiguous()):
         return None
     arr = tensor.numpy()
-    if arr.nbytes <= _VIEW_MAX_BYTES:
-        if len(_VIEWS) >= _VIEWS_MAX:
-            _VIEWS.clear()
-        _VIEWS[key] = (weakref.ref(tensor, lambda _, key=key: _VIEWS.pop(key, None)), arr, tensor.data_ptr(),
-                       tensor.shape, tensor.stride(), tensor.dtype)
+    if entry is not None:
+        del _VIEWS[key]  # its memory need not stay kept
+    if 0 < arr.nbytes <= _VIEW_MAX_BYTES:
+        seen = _SEEN.get(key)
+        if seen is not None and seen() is tensor:  # its second call: a tensor used again, worth a kept view
+            del _SEEN[key]
+            if len(_VIEWS) >= _VIEWS_MAX:
+                _VIEWS.clear()
+            _VIEWS[key] = (arr, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
+        else:  # a tensor made for one call keeps nothing alive and costs only a weak reference
+            if len(_SEEN) >= _VIEWS_MAX:
+                _SEEN.clear()
+            _SEEN[key] = weakref.ref(tensor)
     return arr
 
 
