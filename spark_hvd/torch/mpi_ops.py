@@ -121,10 +121,10 @@ _device_setting: list[Any] = [None, None]  # (the settings object, whether CPU t
 
 # numpy views of small contiguous CPU tensors that ``allreduce_`` handed over, by ``id(tensor)``: (view, data_ptr,
 # shape, stride, dtype). ``tensor.numpy()`` costs more than checking that the tensor still has the address and
-# layout a kept view was made for. No weak reference is needed: a view keeps its memory alive (as ``numpy()``'s
-# does), so no other memory can take that address while it is kept, and a tensor (this one, or another that
-# took its id) with the same address, dtype, shape and strides has exactly the view's elements. The kept memory
-# is bounded: at most ``_VIEWS_MAX`` views of up to ``_VIEW_MAX_BYTES`` each (the table is emptied when full).
+# layout a kept view was made for. A kept view needs no weak reference to its tensor: it keeps its memory alive
+# (as ``numpy()``'s does), so no other memory can take that address while it is kept, and a tensor (this one, or
+# another that took its id) with the same address, dtype, shape and strides has exactly the view's elements. The
+# kept memory is bounded: at most ``_VIEWS_MAX`` views of up to ``_VIEW_MAX_BYTES`` each (emptied when full).
 _VIEWS: dict[int, tuple[np.ndarray, int, torch.Size, tuple[int, ...], torch.dtype]] = {}
 _SEEN: dict[int, Any] = {}  # weak references to tensors seen once, by ``id(tensor)``
 _VIEWS_MAX = 512
@@ -152,11 +152,11 @@ def _host_view(tensor: torch.Tensor) -> np.ndarray | None:
         return None
     arr = tensor.numpy()
     if entry is not None:
-        del _VIEWS[key]  # its memory need not stay kept
+        _VIEWS.pop(key, None)  # its memory need not stay kept (pop: another thread may have emptied the table)
     if 0 < arr.nbytes <= _VIEW_MAX_BYTES:
         seen = _SEEN.get(key)
         if seen is not None and seen() is tensor:  # its second call: a tensor used again, worth a kept view
-            del _SEEN[key]
+            _SEEN.pop(key, None)
             if len(_VIEWS) >= _VIEWS_MAX:
                 _VIEWS.clear()
             _VIEWS[key] = (arr, tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype)
