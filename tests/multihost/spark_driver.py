@@ -31,6 +31,7 @@ def _session(master: str):
             .config("spark.driver.memory", "512m").config("spark.executor.cores", "1")
             .config("spark.cores.max", "2").config("spark.sql.shuffle.partitions", "2")
             .config("spark.python.worker.reuse", "true")
+            .config("spark.executor.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")  # less CPU to start
             .config("spark.sql.execution.arrow.pyspark.enabled", "true").getOrCreate())
 
 

@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = str(Path(__file__).with_name("spark_driver.py"))
+#: the master's and workers' JVM flags (the driver's come from SPARK_SUBMIT_OPTS, set by tests/conftest.py, and the
+#: executors' from spark_driver.py): short-lived JVMs on 2 cores start with less CPU on C1 alone, one GC thread
+JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def _spark_home() -> str:
@@ -39,7 +42,8 @@ def _daemon_env(address: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_HVD_", "HOROVOD_", "PYSPARK_GATEWAY"))}
     env.update(SPARK_LOCAL_IP=address, SPARK_LOCAL_HOSTNAME=address, SPARK_HOME=_spark_home(),
                PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable, OMP_NUM_THREADS="1",
-               SPARK_DAEMON_MEMORY="256m", PYTHONPATH=str(REPO))  # PYTHONPATH: this checkout, "installed"
+               SPARK_DAEMON_MEMORY="256m", PYTHONPATH=str(REPO),  # PYTHONPATH: this checkout, "installed"
+               SPARK_DAEMON_JAVA_OPTS=JVM_OPTS)
     return env
 
 

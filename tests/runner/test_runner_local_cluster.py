@@ -44,6 +44,7 @@ SCRIPT = textwrap.dedent("""
     try:
         spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("spark_hvd-local-cluster")
                  .config("spark.ui.enabled", "false").config("spark.executor.memory", "512m")
+                 .config("spark.executor.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
                  .config("spark.worker.resource.gpu.amount", "1")
                  .config("spark.worker.resource.gpu.discoveryScript", %(discovery)r)
                  .config("spark.executor.resource.gpu.amount", "1")
