@@ -4,10 +4,12 @@ The split hierarchical allreduce (``RingBackend``, every host with as many ranks
 reduce-scatter within the host (local rank i ends up holding slice i reduced over the host), an allreduce of each
 slice across hosts by the local rank that holds it (TCP), and a shared-memory allgather within the host. Run one
 after the other, the link sits idle during both shared-memory legs (about a tenth of a 64 MiB allreduce across two
-simulated hosts at 2 Gbit/s, issue 23). Here every slice is cut into ``blocks`` pieces and a helper thread runs the
+simulated hosts at 2 Gbit/s, issue 23). Here every slice is cut into pieces and a helper thread runs the
 shared-memory legs piece by piece (the reduce-scatter of every piece in order, then the allgather of each piece as
 soon as the calling thread has carried it across hosts), so the link is idle only for the first piece's
-reduce-scatter and the last piece's allgather.
+reduce-scatter and the last piece's allgather; those two pieces are small (``piece_sizes``: a ramp of 256 KiB, 1 MiB,
+then pieces of 2-8 MiB, and down again), so that idle time is a fraction of a millisecond, not the 2-4 ms of a
+full piece (benchmarks/RESULTS.md, issue 23, round 3 session 6: 2 hosts x 2 ranks).
 
 Threads: the helper alone uses the ``ShmGroup`` and the local peers' sockets (to check they are alive, through its
 own ``PeerWatcher``); the calling thread alone uses the cross-host connections. Every member of the host cuts the
@@ -31,8 +33,13 @@ from spark_hvd.core.shm_slices import allgather_parts, reduce_scatter_parts, spl
 
 #: Each local rank's slice is cut into pieces of at least this many bytes ...
 PIECE_MIN_BYTES = 2 * 1024 * 1024
-#: ... and at most this many pieces (each piece is one TCP allreduce: a start and an end of its ring).
+#: ... and at most this many pieces (each piece is one TCP allreduce: a start and an end of its ring) ...
 MAX_PIECES = 8
+#: ... plus, when it is cut, a ramp at each end: pieces of PIECE_MIN_BYTES / 8, then RAMP times larger, up to the
+#: others' size. The link waits for the first piece's shared-memory reduce before its first byte and the caller
+#: for the last piece's shared-memory allgather after the link's last one: small end pieces keep both short,
+#: and the shared-memory leg of each next piece (RAMP times larger) still finishes while the link carries this one.
+RAMP = 4
 
 
 class _Abandoned(SparkHvdError):
@@ -40,8 +47,26 @@ class _Abandoned(SparkHvdError):
 
 
 def pieces_for(slice_bytes: int) -> int:
-    """How many pieces a slice of ``slice_bytes`` is cut into (1: no pipeline)."""
+    """How many full-size pieces a slice of ``slice_bytes`` is cut into (1: no pipeline)."""
     return max(1, min(MAX_PIECES, slice_bytes // PIECE_MIN_BYTES))
+
+
+def piece_sizes(slice_bytes: int) -> list[int]:
+    """The bytes of each piece of a slice of ``slice_bytes``, in order (summing to it; one piece: no pipeline):
+    ``pieces_for`` pieces of equal size, but for a ramp at each end (``RAMP``)."""
+    nblocks = pieces_for(slice_bytes)
+    if nblocks == 1:
+        return [slice_bytes]
+    full = -(-slice_bytes // nblocks)
+    ramp: list[int] = []
+    step = max(1, PIECE_MIN_BYTES // 8)
+    while step < full and 2 * (sum(ramp) + step) < slice_bytes:
+        ramp.append(step)
+        step *= RAMP
+    middle = slice_bytes - 2 * sum(ramp)
+    count = max(1, -(-middle // full))
+    body = [middle * (k + 1) // count - middle * k // count for k in range(count)]
+    return ramp + body + ramp[::-1]
 
 
 def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
@@ -52,13 +77,16 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
     are shared within the host again. ``op`` AVERAGE must come as SUM (``cross`` divides). ``check_local`` raises
     if a local peer failed; ``timeout_s`` bounds every wait of the calling thread on the helper."""
     parts = split(flat, bounds, group.size)
-    nblocks = pieces_for(max(p.nbytes for p in parts))
+    widest = max(p.nbytes for p in parts)
+    sizes = piece_sizes(widest)
+    nblocks = len(sizes)
     if nblocks == 1:
         reduce_scatter_parts(group, parts, op, bfloat16, operation, check_local)
         cross(parts[group.local])
         allgather_parts(group, parts, operation, check_local)
         return
-    cuts = [[(len(p) * k) // nblocks for k in range(nblocks + 1)] for p in parts]
+    ends = [sum(sizes[:k]) for k in range(nblocks + 1)]  # where piece k starts in the widest slice, in bytes
+    cuts = [[(len(p) * e) // widest for e in ends] for p in parts]
     pieces = [[p[c[k]:c[k + 1]] for p, c in zip(parts, cuts, strict=True)] for k in range(nblocks)]
     reduced = [threading.Event() for _ in range(nblocks)]
     carried: queue.Queue[int] = queue.Queue()
@@ -112,4 +140,4 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
         raise
 
 
-__all__ = ["allreduce", "pieces_for", "PIECE_MIN_BYTES", "MAX_PIECES"]
+__all__ = ["allreduce", "pieces_for", "piece_sizes", "PIECE_MIN_BYTES", "MAX_PIECES", "RAMP"]

@@ -216,6 +216,20 @@ def _hier_allreduces(seed: int) -> str:
         be.close()
 
 
+def test_hier_pieces_ramp_at_both_ends():
+    # the pipeline's pieces cover the slice exactly; cut slices start and end small (the link's idle time before
+    # the first piece and after the last is their shared-memory leg) and grow by at most RAMP per piece
+    mib = 1 << 20
+    assert hier_pipeline.piece_sizes(3 * mib) == [3 * mib]  # below two full pieces: one piece, no pipeline
+    for slice_bytes in (4 * mib, 8 * mib + 12, 32 * mib, 64 * mib + 4, 1 << 30):
+        sizes = hier_pipeline.piece_sizes(slice_bytes)
+        assert sum(sizes) == slice_bytes and min(sizes) > 0
+        assert sizes[0] == sizes[-1] == hier_pipeline.PIECE_MIN_BYTES // 8
+        assert all(max(a, b) <= hier_pipeline.RAMP * min(a, b) for a, b in zip(sizes, sizes[1:], strict=False))
+        full = -(-slice_bytes // hier_pipeline.pieces_for(slice_bytes))
+        assert max(sizes) <= full
+
+
 @pytest.mark.parametrize("per_host", [2, 3])
 def test_hierarchical_ranks_per_host_small_blocks(per_host):
     # 2 faked hosts of 2 or 3 ranks: every local rank carries a half or a third of the array across hosts
