@@ -6,7 +6,8 @@ slice across hosts by the local rank that holds it (TCP), and a shared-memory al
 after the other, the link sits idle during both shared-memory legs (about a tenth of a 64 MiB allreduce across two
 simulated hosts at 2 Gbit/s, issue 23). Here every slice is cut into pieces and a helper thread runs the
 shared-memory legs piece by piece (the reduce-scatter of every piece in order, then the allgather of each piece as
-soon as the calling thread has carried it across hosts), so the link is idle only for the first piece's
+soon as the calling thread has carried it across hosts; the first piece's reduce-scatter and the last piece's
+allgather run in the calling thread itself), so the link is idle only for the first piece's
 reduce-scatter and the last piece's allgather; those two pieces are small (``piece_sizes``: a ramp of 256 KiB, 1 MiB,
 then pieces of 2-8 MiB, and down again), so that idle time is a fraction of a millisecond, not the 2-4 ms of a
 full piece (benchmarks/RESULTS.md, issue 23, round 3 session 6: 2 hosts x 2 ranks).
@@ -100,10 +101,10 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
 
     def helper() -> None:
         try:
-            for k in range(nblocks):
+            for k in range(1, nblocks):
                 reduce_scatter_parts(group, pieces[k], op, bfloat16, operation, check)
                 reduced[k].set()
-            for k in range(nblocks):
+            for k in range(nblocks - 1):
                 while True:
                     try:
                         got = carried.get(timeout=0.05)
@@ -117,17 +118,21 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
             for event in reduced:
                 event.set()
 
+    # the first piece's reduce and the last piece's allgather run in the calling thread (before the helper starts,
+    # after it ended): the link's first byte and the caller's return wait for no thread's wake-up
+    reduce_scatter_parts(group, pieces[0], op, bfloat16, operation, check_local)
     thread = threading.Thread(target=helper, name="spark-hvd-hier", daemon=True)
     thread.start()
     try:
         for k in range(nblocks):
-            if not reduced[k].wait(timeout_s + 5.0):
+            if k and not reduced[k].wait(timeout_s + 5.0):
                 raise CollectiveTimeoutError(f"{operation}: the shared-memory reduce within this host did not "
                                              f"finish within {timeout_s:.0f}s")
             if failed:
                 raise failed[0]
             cross(pieces[k][group.local])
-            carried.put(k)
+            if k < nblocks - 1:
+                carried.put(k)
         thread.join(timeout_s + 5.0)
         if thread.is_alive():
             raise CollectiveTimeoutError(f"{operation}: the shared-memory allgather within this host did not "
@@ -138,6 +143,7 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
         abandon.set()
         thread.join(timeout_s + 5.0)
         raise
+    allgather_parts(group, pieces[-1], operation, check_local)
 
 
 __all__ = ["allreduce", "pieces_for", "piece_sizes", "PIECE_MIN_BYTES", "MAX_PIECES", "RAMP"]
