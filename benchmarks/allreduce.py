@@ -36,6 +36,10 @@ The driver's control connections use the same authenticated framing as the libra
 ``BENCH_PROFILE=DIR`` in the environment writes a cProfile of every rank's timed loop to
 ``DIR/IMPL.RANK.NBYTES.NS.prof`` (read with ``pstats``; the profiler slows the Python parts, so time without it);
 with ``BENCH_PROFILE_CLOCK=cpu`` its clock is the calling thread's CPU time instead of the wall clock.
+``BENCH_TRACE=DIR``: every rank of the spark_hvd implementations writes each timed loop's per-frame timeline (its
+calls, and each frame ``RingExchange`` sent and received, with the send socket's ``TCP_INFO``) to
+``DIR/IMPL.RANK.NBYTES.NS.json``; ``benchmarks/allreduce_trace.py DIR`` summarises two ranks' timelines against the
+wire's schedule (entry and exit costs, the boundary between calls, each direction's excess over the wire time).
 ``BENCH_STATS=1``: rank 0 of ``api`` prints how many of each measurement's timed calls were one speculative
 collective (the negotiation carried by the data's own collective, or packed with it) to stderr.
 """
@@ -213,10 +217,17 @@ def _worker(impl: str) -> None:
             barrier()
             profile = _profiler()
             before = carried() if carried is not None else 0
+            trace = _trace_start(impl)
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
+                if trace is not None:
+                    trace.append((time.perf_counter_ns(), "call", 0, 0))
                 allreduce(buf)
+                if trace is not None:
+                    trace.append((time.perf_counter_ns(), "ret", 0, 0))
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if trace is not None:
+                _trace_dump(trace, impl, rank, nbytes)
             if counting and carried is not None and rank == 0:
                 print(f"[stats] {impl} {human(nbytes)}: {carried() - before} of {iters} timed calls speculative",
                       file=sys.stderr, flush=True)
@@ -227,6 +238,28 @@ def _worker(impl: str) -> None:
     barrier()
     close()
     control.close()
+
+
+def _trace_start(impl: str) -> list | None:
+    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.tcp.TRACE``), else None."""
+    if not os.environ.get("BENCH_TRACE") or impl in ("gloo", "mpi"):
+        return None
+    from spark_hvd.core import tcp
+
+    tcp.TRACE = []
+    return tcp.TRACE
+
+
+def _trace_dump(trace: list, impl: str, rank: int, nbytes: int) -> None:
+    """Stop recording; write one timed loop's timeline to ``BENCH_TRACE/IMPL.RANK.NBYTES.NS.json``."""
+    import json
+
+    from spark_hvd.core import tcp
+
+    tcp.TRACE = None
+    path = f"{os.environ['BENCH_TRACE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.json"
+    with open(path, "w") as fh:
+        json.dump(trace, fh)
 
 
 def _profiler() -> Any:

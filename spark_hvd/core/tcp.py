@@ -33,6 +33,7 @@ import termios
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
 from spark_hvd.core.listener import HANDSHAKE_TIMEOUT_S, Listener
@@ -88,6 +89,12 @@ MAC_POOL_MIN_BYTES = 128 * 1024
 SPIN_S = 50e-6
 SPIN_MAX_BYTES = 64 * 1024
 _SPIN_MAX_MISSES = 8
+#: ``benchmarks/allreduce.py`` with ``BENCH_TRACE`` sets a list here, and ``RingExchange.run`` appends its per-frame
+#: timeline to it: (``time.perf_counter_ns()``, event, frame, bytes) for "run" (start: frames to send, to receive),
+#: "s0" / "s1" (a frame's first ``sendmsg`` / its last byte handed to the kernel), "r" (frame i's last byte
+#: received), "c" / "a" (its hand-over to the collective starts / ends), "end", and "tcp" (the send socket's
+#: ``tcp_state`` at the start and the end). None (the default): nothing is recorded.
+TRACE: list[tuple[int, str, int, Any]] | None = None
 _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 _POLL_OUT = select.POLLOUT | select.POLLHUP | select.POLLERR
 _POLL_BAD = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
@@ -473,7 +480,11 @@ class RingExchange:
 
         def hand_over(i: int) -> int:
             """``on_received(i)``, its answer queued to send; returns how many frames are now expected."""
+            if trace is not None:
+                trace.append((time.perf_counter_ns(), "c", i, 0))
             forward = on_received(i)
+            if trace is not None:
+                trace.append((time.perf_counter_ns(), "a", i, 0))
             if forward.__class__ is list:
                 for view in forward:
                     enqueue(view)
@@ -490,6 +501,10 @@ class RingExchange:
                     poll.unregister(fd)
                     del polled[fd]
 
+        trace = TRACE
+        if trace is not None:
+            trace += [(time.perf_counter_ns(), "run", len(sends), n_recv), (time.perf_counter_ns(), "tcp", 0,
+                                                                             tcp_state(out.sock))]
         for payload in sends:
             enqueue(payload)
         with out.send_lock:
@@ -521,6 +536,8 @@ class RingExchange:
                                 tag_wait = True
                                 break
                             queue_out.popleft()
+                            if trace is not None:
+                                trace.append((time.perf_counter_ns(), "s0", counter, payload.nbytes))
                             pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag + DATA), payload]
                         try:
                             sent = out.sock.sendmsg(pending)
@@ -538,6 +555,8 @@ class RingExchange:
                             pending[0] = pending[0][take:]
                             if not pending[0].nbytes:
                                 pending.pop(0)
+                        if trace is not None and not pending:
+                            trace.append((time.perf_counter_ns(), "s1", 0, 0))
                         if pending:
                             send_full = True
                             can_send = False
@@ -589,6 +608,8 @@ class RingExchange:
                                 # a large frame is complete: let poll say when the next one is (its low-water
                                 # mark) rather than read a few bytes of it now (fewer calls per byte)
                                 recv_dry, can_recv = True, False
+                        if trace is not None:
+                            trace.append((time.perf_counter_ns(), "r", index, target.nbytes))
                         counter = recv._in.reserve()
                         if mac is not None and index and target.nbytes >= mac_min:  # frame 0: see run()
                             args = recv._in.data_tag_args(counter, self._length, DATA, target)
@@ -670,6 +691,9 @@ class RingExchange:
                             mac.clear()
                 if spin_until:  # the last frame came while this rank spun for it
                     recv.spin_ended(True)
+                if trace is not None:
+                    trace += [(time.perf_counter_ns(), "end", 0, 0), (time.perf_counter_ns(), "tcp", 0,
+                                                                       tcp_state(out.sock))]
             finally:
                 for _, _, job in itertools.chain(queue_out, checking):
                     if job is not None:  # an error ends the run: nothing will read these
@@ -703,6 +727,18 @@ class RingExchange:
                 f"{self.operation}: rank {recv.rank} sent {length - 1} bytes where {into.nbytes} were expected; "
                 "the ranks called collectives in different orders or with different shapes")
         return into
+
+
+def tcp_state(sock: socket.socket) -> dict[str, int]:
+    """A few fields of the socket's ``TCP_INFO`` (Linux): bytes acked, microseconds busy / limited by the receive
+    window / by the send buffer, congestion window (segments), smoothed RTT (us), bytes not yet sent."""
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
+    if len(raw) < 192:
+        return {}
+    busy, rwnd, sndbuf = struct.unpack_from("QQQ", raw, 168)
+    return {"acked": struct.unpack_from("Q", raw, 120)[0], "busy_us": busy, "rwnd_limited_us": rwnd,
+            "sndbuf_limited_us": sndbuf, "cwnd": struct.unpack_from("I", raw, 80)[0],
+            "rtt_us": struct.unpack_from("I", raw, 68)[0], "notsent": struct.unpack_from("I", raw, 144)[0]}
 
 
 class PeerWatcher:
