@@ -47,6 +47,35 @@ class _Abandoned(SparkHvdError):
     """The calling thread failed; the helper stops (never seen outside this module)."""
 
 
+class Helper:
+    """The thread that runs the pipeline's shared-memory legs: one per backend, started at its first use and kept
+    (a thread started per call costs the calling thread a hand-off, ~1 ms on a busy machine, before its first
+    byte goes out), stopped by ``close``. Runs one job at a time, in order."""
+
+    def __init__(self, name: str = "spark-hvd-hier") -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (which handles its own errors) on the thread, after the jobs before it."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread once the jobs before this are done (waits up to ``timeout_s``)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+
 def pieces_for(slice_bytes: int) -> int:
     """How many full-size pieces a slice of ``slice_bytes`` is cut into (1: no pipeline)."""
     return max(1, min(MAX_PIECES, slice_bytes // PIECE_MIN_BYTES))
@@ -72,11 +101,12 @@ def piece_sizes(slice_bytes: int) -> list[int]:
 
 def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
               operation: str, cross: Callable[[np.ndarray], None], check_local: Callable[[str], None],
-              timeout_s: float) -> None:
+              timeout_s: float, helper_thread: Helper) -> None:
     """Allreduce ``flat`` in place: member i of ``group`` reduces slice ``bounds[i]:bounds[i+1]`` over the host,
     ``cross(view)`` allreduces a piece of it across hosts in place (and divides for an average), and the slices
     are shared within the host again. ``op`` AVERAGE must come as SUM (``cross`` divides). ``check_local`` raises
-    if a local peer failed; ``timeout_s`` bounds every wait of the calling thread on the helper."""
+    if a local peer failed; ``timeout_s`` bounds every wait of the calling thread on the helper; ``helper_thread``
+    runs the shared-memory legs of the pieces in between."""
     parts = split(flat, bounds, group.size)
     widest = max(p.nbytes for p in parts)
     sizes = piece_sizes(widest)
@@ -93,6 +123,7 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
     carried: queue.Queue[int] = queue.Queue()
     failed: list[BaseException] = []
     abandon = threading.Event()
+    finished = threading.Event()
 
     def check(what: str) -> None:
         if abandon.is_set():
@@ -117,12 +148,13 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
             failed.append(exc)
             for event in reduced:
                 event.set()
+        finally:
+            finished.set()
 
-    # the first piece's reduce and the last piece's allgather run in the calling thread (before the helper starts,
-    # after it ended): the link's first byte and the caller's return wait for no thread's wake-up
+    # the first piece's reduce and the last piece's allgather run in the calling thread (before the helper's job
+    # starts, after it ended): the link's first byte and the caller's return wait for no thread's wake-up
     reduce_scatter_parts(group, pieces[0], op, bfloat16, operation, check_local)
-    thread = threading.Thread(target=helper, name="spark-hvd-hier", daemon=True)
-    thread.start()
+    helper_thread.submit(helper)
     try:
         for k in range(nblocks):
             if k and not reduced[k].wait(timeout_s + 5.0):
@@ -133,17 +165,16 @@ def allreduce(group: ShmGroup, flat: np.ndarray, bounds: Sequence[int], op: Redu
             cross(pieces[k][group.local])
             if k < nblocks - 1:
                 carried.put(k)
-        thread.join(timeout_s + 5.0)
-        if thread.is_alive():
+        if not finished.wait(timeout_s + 5.0):
             raise CollectiveTimeoutError(f"{operation}: the shared-memory allgather within this host did not "
                                          f"finish within {timeout_s:.0f}s")
         if failed:
             raise failed[0]
     except BaseException:
         abandon.set()
-        thread.join(timeout_s + 5.0)
+        finished.wait(timeout_s + 5.0)
         raise
     allgather_parts(group, pieces[-1], operation, check_local)
 
 
-__all__ = ["allreduce", "pieces_for", "piece_sizes", "PIECE_MIN_BYTES", "MAX_PIECES", "RAMP"]
+__all__ = ["allreduce", "Helper", "pieces_for", "piece_sizes", "PIECE_MIN_BYTES", "MAX_PIECES", "RAMP"]

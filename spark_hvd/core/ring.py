@@ -175,6 +175,7 @@ class RingBackend(Backend):
         #: threads that tag and check large TCP frames off the calling thread (``mac_pool``; None: inline)
         self._mac: MacPool | None = None
         self._local_watcher: PeerWatcher | None = None  # the hierarchical allreduce's helper thread's
+        self._hier_helper = hier_pipeline.Helper(f"spark-hvd-hier-{rank}")  # its thread starts at first use
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
         self.transport = "none"
@@ -338,6 +339,7 @@ class RingBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self._hier_helper.close()
         if self._worker is not None:
             self._worker.stop()
         if self._mac is not None:
@@ -551,7 +553,7 @@ class RingBackend(Backend):
                         divide_average(part, self.size, bfloat16)
 
                 hier_pipeline.allreduce(self.shm, flat, even_bounds(flat.size, self.local_size), inner, bfloat16,
-                                        operation, cross, self._check_local_peers, self.timeout_s)
+                                        operation, cross, self._check_local_peers, self.timeout_s, self._hier_helper)
                 return
             if self.shm is not None:
                 self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
