@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import functools
 import itertools
 import logging
 import queue
@@ -51,11 +52,20 @@ MAX_CONTROL_FRAME = 64 * 1024
 #: A peer that closed with up to this many bytes unread is checked for a final BYE without reading them
 MAX_PEEK_BYTES = 64 * 1024 * 1024
 #: Large payloads go out in frames of at most this many bytes (bounded sendall time, hashing overlaps sending).
-#: 2 MiB since issue 23's CPU per byte: with whole frames read per wake-up a frame's fixed cost (tag call, header,
-#: hand-over, reduce call, poll, two system calls) is most of the Python left per byte; np=2 across two simulated
-#: hosts at 2 Gbit/s, CPU per allreduce per rank, 10 alternated rounds at load ~20: 1 MiB 11.6 / 45.2 ms, 2 MiB
-#: 10.9 / 42.7 ms, 4 MiB 10.7 / 41.2 ms at 16 / 64 MiB (gloo 12.1 / 41.8 ms), wall time level.
-FRAME_BYTES = 2 * 1024 * 1024
+#: With whole frames read per wake-up a frame's fixed cost (tag call, header, hand-over, reduce call, poll, two
+#: system calls) is most of the Python left per byte (issue 23's CPU per byte). A ring chunk still goes in at
+#: least ``SUB_CHUNKS`` frames, so only chunks above 4 * 2 MiB get frames above 2 MiB (at np=2, arrays above
+#: 16 MiB). np=2 across two simulated hosts at 2 Gbit/s, CPU per allreduce per rank at 16 / 64 MiB, 10
+#: alternated rounds at load ~20 (session 5): 1 MiB 11.6 / 45.2 ms, 2 MiB 10.9 / 42.7, 4 MiB 10.7 / 41.2 (gloo
+#: 12.1 / 41.8), wall time level; session 6, interleaved in one invocation at load 7-10: 64 MiB bare ring 45.2 ->
+#: 43.8 ms, api 46.2 -> 41.2 ms (gloo 43.9).
+FRAME_BYTES = 4 * 1024 * 1024
+#: Mesh sockets ask for a send buffer of this size (the kernel doubles it), where ``net.core.wmem_max`` lets it be
+#: more than the send buffer's autotuning reaches (``net.ipv4.tcp_wmem``'s maximum, 4 MiB by default). A
+#: link-bound sender wakes for POLLOUT each time a third of its buffer drained: at 2 Gbit/s with autotuning
+#: (4 MiB) ~39 wake-ups per 64 MiB allreduce at np=2, with 8 MiB ~12 (the loop's iterations 66-72 -> ~52). Where
+#: wmem_max is lower (Linux's default is 208 KiB), setting it would cap the buffer below autotuning's: left alone.
+SEND_BUFFER_BYTES = 4 * 1024 * 1024
 #: The ring splits each step's chunk into ``SUB_CHUNKS`` sub-chunks (frames), each of at least this size (fewer,
 #: larger frames for small chunks: a frame's fixed cost, tag, system calls, Python, is ~20-30 us) and at most the
 #: backend's frame size, so a ring step still pipelines over at least 4 frames.
@@ -823,12 +833,35 @@ def open_listener(host: str) -> socket.socket:
     return listener
 
 
+@functools.cache
+def _send_buffer_bytes() -> int:
+    """``SEND_BUFFER_BYTES`` capped at ``net.core.wmem_max``, if the kernel then grants more than the send buffer's
+    autotuning could reach (twice the request against ``net.ipv4.tcp_wmem``'s maximum), else 0: leave it alone."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            wmem_max = int(f.read())
+        with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+            autotuned_max = int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 0
+    wanted = min(SEND_BUFFER_BYTES, wmem_max)
+    return wanted if 2 * wanted > autotuned_max else 0
+
+
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay. The buffer sizes are left to the kernel's autotuning (net.ipv4.tcp_[rw]mem): setting
-    SO_SNDBUF/SO_RCVBUF turns it off and caps them at net.core.[rw]mem_max (4 MiB here), and with that cap the
-    ranks of a 16-64 MiB allreduce waited on each other's window updates: wall time 2-4x the CPU time, against
-    1.0-1.1x with autotuning (loaded probes, issue 12)."""
+    """No Nagle delay; a larger send buffer where the system allows one (``SEND_BUFFER_BYTES``).
+
+    The receive buffer is left to the kernel's autotuning (net.ipv4.tcp_rmem): setting SO_RCVBUF turns it off and
+    caps it at net.core.rmem_max (4 MiB here), and with that cap (and SO_SNDBUF's) the ranks of a 16-64 MiB
+    allreduce waited on each other's window updates: wall time 2-4x the CPU time, against 1.0-1.1x with
+    autotuning (loaded probes, issue 12)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    size = _send_buffer_bytes()
+    if size:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+        except OSError:
+            pass
 
 
 def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],
