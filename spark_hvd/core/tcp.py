@@ -833,10 +833,17 @@ def open_listener(host: str) -> socket.socket:
     return listener
 
 
+def send_buffer_bytes(wmem_max: int, autotuned_max: int) -> int:
+    """The SO_SNDBUF a mesh socket asks for: ``SEND_BUFFER_BYTES`` capped at ``wmem_max`` (net.core.wmem_max), if
+    the kernel then grants (twice that) more than the send buffer's autotuning could reach (``autotuned_max``,
+    net.ipv4.tcp_wmem's maximum); else 0, for leave the buffer to autotuning (setting it turns autotuning off)."""
+    wanted = min(SEND_BUFFER_BYTES, wmem_max)
+    return wanted if 2 * wanted > autotuned_max else 0
+
+
 @functools.cache
 def _send_buffer_bytes() -> int:
-    """``SEND_BUFFER_BYTES`` capped at ``net.core.wmem_max``, if the kernel then grants more than the send buffer's
-    autotuning could reach (twice the request against ``net.ipv4.tcp_wmem``'s maximum), else 0: leave it alone."""
+    """``send_buffer_bytes`` for this network namespace's settings (0 where they cannot be read)."""
     try:
         with open("/proc/sys/net/core/wmem_max") as f:
             wmem_max = int(f.read())
@@ -844,8 +851,7 @@ def _send_buffer_bytes() -> int:
             autotuned_max = int(f.read().split()[2])
     except (OSError, ValueError, IndexError):
         return 0
-    wanted = min(SEND_BUFFER_BYTES, wmem_max)
-    return wanted if 2 * wanted > autotuned_max else 0
+    return send_buffer_bytes(wmem_max, autotuned_max)
 
 
 def _tune(sock: socket.socket) -> None:

@@ -22,7 +22,18 @@ from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, P
 from spark_hvd.core.mac_pool import MacPool
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16
 from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.tcp import SPIN_S, PeerSocket, PeerWatcher, RingExchange, connect_mesh, open_listener
+from spark_hvd.core.tcp import (
+    SEND_BUFFER_BYTES,
+    SPIN_S,
+    PeerSocket,
+    PeerWatcher,
+    RingExchange,
+    _send_buffer_bytes,
+    _tune,
+    connect_mesh,
+    open_listener,
+    send_buffer_bytes,
+)
 from spark_hvd.core.wire import HEADER_SIZE, make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
@@ -435,6 +446,21 @@ def test_small_exchange_spins_then_backs_off_after_spins_in_vain():
     np.testing.assert_array_equal(got, payload)
     for peer in (sender, receiver):
         peer.sock.close()
+
+
+def test_send_buffer_is_set_only_where_it_beats_autotuning():
+    """Mesh sockets ask for ``SEND_BUFFER_BYTES`` only where net.core.wmem_max lets the kernel grant more than the
+    send buffer's autotuning reaches (setting SO_SNDBUF turns autotuning off); a tuned socket has that buffer."""
+    mib = 1 << 20
+    assert send_buffer_bytes(4 * mib, 4 * mib) == 4 * mib  # granted 8 MiB against autotuning's 4 MiB
+    assert send_buffer_bytes(212992, 4 * mib) == 0  # Linux's default wmem_max would cap it at 416 KiB
+    assert send_buffer_bytes(4 * mib, 16 * mib) == 0
+    assert send_buffer_bytes(1 << 30, 4 * mib) == SEND_BUFFER_BYTES
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as sock:
+        _tune(sock)
+        asked = _send_buffer_bytes()
+        if asked:  # the kernel doubles what it is asked for (its bookkeeping overhead)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * asked
 
 
 def test_ring_socket_rejects_a_tampered_data_frame():
