@@ -12,7 +12,8 @@ processes in every network namespace, so the two ranks' events line up. Then::
 prints, for each traced loop of two ranks: per rank, the medians of the call's entry (call -> exchange starts),
 the first data frame's start (exchange start -> its first ``sendmsg``), the tail (last frame's last byte received
 -> exchange done) and the exit (exchange done -> call returns), and the boundary (the last byte of call k received
--> call k + 1's first data frame handed to ``sendmsg``); per direction and call, the excess of the data's arrival
+-> call k + 1's first data frame handed to ``sendmsg``) and its send socket at each call's end (congestion window,
+smoothed RTT, bytes TCP had not sent yet); per direction and call, the excess of the data's arrival
 over the wire's time for it (MTU 1500 with TCP timestamps: 1448 payload bytes per 1514 on the wire; negative: the
 shaper's bucket refilled during idle time before), counted from when that direction could start (its sender's first
 data frame, or the end of its previous call's data if that came later).
@@ -50,6 +51,8 @@ def _calls(events: list) -> list[dict]:
             calls[-1]["end"] = ms
         elif kind == "ret":
             calls[-1]["ret"] = ms
+        elif kind == "tcp" and nbytes:
+            calls[-1].setdefault("tcp", []).append(nbytes)
     return calls
 
 
@@ -66,6 +69,11 @@ def summarise(paths: tuple[str, str], rate_bytes: float) -> str:
         tail, exit_ = med([c["end"] - c["last_in"] for c in cs]), med([c["ret"] - c["end"] for c in cs])
         lines.append(f"  rank {r}: entry {entry:.3f} ms, first data {first:.3f}, tail {tail:.3f}, exit {exit_:.3f}, "
                      f"boundary {med(nxt):.3f} (medians)")
+        ends = [c["tcp"][-1] for c in cs if c.get("tcp")]
+        if ends:  # the send socket at each call's end: what TCP had (cwnd, smoothed RTT, bytes it had not sent)
+            lines.append("    send socket at call ends: " + "; ".join(
+                f"cwnd {e.get('cwnd')} rtt {e.get('rtt_us', 0) / 1e3:.2f} ms unsent {e.get('notsent', 0) >> 10} KiB"
+                for e in ends))
     for a, b in ((0, 1), (1, 0)):
         excess = []
         for k, got in enumerate(calls[b]):
