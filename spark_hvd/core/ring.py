@@ -31,7 +31,6 @@ shared-memory protocol in ``shm.py``.
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import logging
 import os
@@ -161,9 +160,6 @@ class RingBackend(Backend):
         self.job_id = job_id
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
         self.peers: dict[int, PeerSocket] = {}
-        #: two ranks: a second connection to the other rank, so that a large exchange's two directions of data
-        #: travel as two one-way TCP streams (``_exchange``)
-        self._second: dict[int, PeerSocket] = {}
         self.shm: ShmGroup | None = None
         self._cma: shm_cma.CmaPair | None = None
         self._leaders: list[int] = []
@@ -206,9 +202,8 @@ class RingBackend(Backend):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._spin = self.local_size <= cores  # as shared memory spins: more ranks than cores, never
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
-                                      secret, job_id, self.timeout_s,
-                                      second=self._second if size == 2 else None)
-            for j, peer in itertools.chain(self.peers.items(), self._second.items()):
+                                      secret, job_id, self.timeout_s)
+            for j, peer in self.peers.items():
                 peer.where = f" on host {infos[j].get('machine', '').split('/', 1)[0]} ({infos[j]['host']})"
             self._listener.close()
             self._listener = None
@@ -307,7 +302,7 @@ class RingBackend(Backend):
         """
         if isinstance(exc, PeerAbort) or not isinstance(exc, PeerFailureError):
             return None
-        for peer in itertools.chain(self.peers.values(), self._second.values()):
+        for peer in self.peers.values():
             reported = peer.find_abort(operation)
             if reported is not None and reported.rank is not None:
                 return reported
@@ -319,7 +314,7 @@ class RingBackend(Backend):
             self._broken = exc if isinstance(exc, PeerFailureError) else PeerFailureError(
                 str(exc), rank=culprit, operation=operation)
         reason = f"{operation} on rank {self.rank}: {exc}"
-        for peer in itertools.chain(self.peers.values(), self._second.values()):
+        for peer in self.peers.values():
             if peer.rank != culprit:
                 peer.send_abort(culprit, reason)
 
@@ -344,7 +339,7 @@ class RingBackend(Backend):
             self._worker.stop()
         if self._mac is not None:
             self._mac.close()
-        for peer in itertools.chain(self.peers.values(), self._second.values()):
+        for peer in self.peers.values():
             if self._broken is None:
                 peer.send_bye()
             try:
@@ -363,16 +358,8 @@ class RingBackend(Backend):
     def _exchange(self, send_peer: int, recv_peer: int, operation: str, nbytes: int = -1) -> RingExchange:
         """An exchange of frames with these peers; ``nbytes``: a two-rank exchange of this many bytes each way,
         which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.tcp.SPIN_S``) where every rank of
-        this host may have a core. Between two ranks with two connections, an exchange larger than a pair
-        exchange sends on one and receives on the other (the lower rank sends on the first, the higher on the
-        second), so each carries data one way only."""
-        out, into = self.peers[send_peer], self.peers[recv_peer]
-        if send_peer == recv_peer and send_peer in self._second and (nbytes < 0 or nbytes > self._pair_bytes):
-            if self.rank < send_peer:
-                into = self._second[send_peer]
-            else:
-                out = self._second[send_peer]
-        return RingExchange(out, into, operation, self._mac, self._mac_min_bytes,
+        this host may have a core."""
+        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes,
                             self._spin and 0 <= nbytes <= SPIN_MAX_BYTES)
 
     @property

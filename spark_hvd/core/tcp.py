@@ -871,21 +871,16 @@ def _tune(sock: socket.socket) -> None:
 
 
 def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],
-                 secret: bytes, job_id: str, timeout_s: float,
-                 second: dict[int, PeerSocket] | None = None) -> dict[int, PeerSocket]:
+                 secret: bytes, job_id: str, timeout_s: float) -> dict[int, PeerSocket]:
     """Connect every pair of ranks once (rank i dials every lower rank, accepts every higher one).
 
     Higher ranks are accepted concurrently by a ``Listener`` on ``listener`` (started first, closed on return),
     so dialling lower ranks, waiting for the higher ones and reading the lower ranks' acknowledgements cannot
-    deadlock, and a silent or forged connection only costs its own thread. With ``second`` (a dict to fill), each
-    pair gets a second connection too (its HELLO names channel 1), put in ``second`` by rank: two connections
-    carry a two-rank exchange's two directions of data as two one-way streams (``RingBackend._exchange``).
+    deadlock, and a silent or forged connection only costs its own thread.
     """
     deadline = time.monotonic() + timeout_s
     peers: dict[int, PeerSocket] = {}
-    channels = 1 if second is None else 2
-    meshes = [peers] if second is None else [peers, second]
-    arrived: queue.SimpleQueue[tuple[int, int, PeerSocket]] = queue.SimpleQueue()
+    arrived: queue.SimpleQueue[tuple[int, PeerSocket]] = queue.SimpleQueue()
     done = threading.Lock()
     finished = False
     handshake_s = max(1.0, min(HANDSHAKE_TIMEOUT_S, timeout_s))
@@ -900,12 +895,11 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
         _tune(candidate.sock)
         try:
             their_job, their_rank = candidate.recv_message("setup", HELLO).decode().rsplit("\n", 1)
-            j, _, c = their_rank.partition(".")
-            j, channel = int(j), int(c or 0)
+            j = int(their_rank)
         except (SparkHvdError, ValueError) as exc:
             logger.warning("rank %d dropped a connection from %s during setup: %s", rank, address, exc)
             return False
-        if their_job != job_id or not rank < j < size or not 0 <= channel < channels:
+        if their_job != job_id or not rank < j < size:
             logger.warning("rank %d dropped a connection from %s claiming job %r rank %d", rank, address,
                            their_job, j)
             return False
@@ -913,15 +907,15 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
             if finished:
                 return False
             candidate.rank, candidate.peer = j, f"rank {j}"
-            arrived.put((j, channel, candidate))
+            arrived.put((j, candidate))
             return True
 
     accepting = Listener(listener, secret, serve, name=f"spark-hvd-mesh-{rank}", handshake_timeout_s=handshake_s,
                          wrap=wrap)
     accepting.start()
+    hello = f"{job_id}\n{rank}".encode()
     try:
-        for j, channel in itertools.product(range(rank), range(channels)):
-            hello = f"{job_id}\n{rank}{f'.{channel}' if channel else ''}".encode()
+        for j in range(rank):
             host, port = addresses[j]
             while True:
                 try:
@@ -934,39 +928,36 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
                     time.sleep(0.05)
             _tune(sock)
             peer = PeerSocket(sock, secret, j, timeout_s)
-            meshes[channel][j] = peer
+            peers[j] = peer
             peer.handshake("client", max(0.1, deadline - time.monotonic()))
             peer.sock.settimeout(timeout_s)
             peer.send_data([hello], "setup", HELLO)
-        expected = set(itertools.product(range(rank + 1, size), range(channels)))
+        expected = set(range(rank + 1, size))
         while expected:
             left = deadline - time.monotonic()
             try:
-                j, channel, candidate = arrived.get(timeout=max(0.0, min(left, 0.5)))
+                j, candidate = arrived.get(timeout=max(0.0, min(left, 0.5)))
             except queue.Empty:
                 if left <= 0:
-                    missing = sorted({j for j, _ in expected})
                     raise CollectiveTimeoutError(
-                        f"setup: rank {rank} waited {timeout_s:.0f}s for rank(s) {missing} to connect",
-                        rank=missing[0], operation="setup") from None
+                        f"setup: rank {rank} waited {timeout_s:.0f}s for rank(s) {sorted(expected)} to connect",
+                        rank=min(expected), operation="setup") from None
                 continue
-            if (j, channel) not in expected:
-                logger.warning("rank %d dropped a duplicate connection claiming rank %d", rank, j)
+            if j not in expected:
+                logger.warning("rank %d dropped a second connection claiming rank %d", rank, j)
                 candidate.close()
                 continue
             candidate.timeout_s = timeout_s
             candidate.sock.settimeout(timeout_s)
             candidate.send_data([b"ok"], "setup", HELLO)
-            meshes[channel][j] = candidate
-            expected.discard((j, channel))
-        for j, channel in itertools.product(range(rank), range(channels)):
-            if meshes[channel][j].recv_message("setup", HELLO) != b"ok":
+            peers[j] = candidate
+            expected.discard(j)
+        for j in range(rank):
+            if peers[j].recv_message("setup", HELLO) != b"ok":
                 raise ProtocolError(f"setup: rank {j} did not acknowledge the connection")
     except BaseException:
-        for mesh in meshes:
-            for peer in mesh.values():
-                peer.close()
-            mesh.clear()
+        for peer in peers.values():
+            peer.close()
         raise
     finally:
         with done:
@@ -974,7 +965,7 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
         accepting.stop(close_connections=False)
         while True:
             try:
-                arrived.get_nowait()[2].close()
+                arrived.get_nowait()[1].close()
             except queue.Empty:
                 break
     return peers
