@@ -678,8 +678,10 @@ class Engine:
                     get = self._cache.get
                     ready = [(TableEntry(*get(cache_id)), None) for cache_id in ids]
                     ready += [(TableEntry(request.name, request.meta), None) for request in fresh]
-                    self._spec = None  # the new tensors change the cache: learn the rounds afresh
-                    self._predictor.reset()
+                    # the new tensors break the context; what was learnt stays (their ids are new: no id changed
+                    # its meaning, or the cache's version moved and the predictor forgets all at its next round)
+                    self._spec = None
+                    self._predictor.forget_last()
                     # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.fresh``)
                     layout = None if ids else fresh_layout([request.meta for request in fresh])
                     if layout is not None and layout == self._fresh_last:

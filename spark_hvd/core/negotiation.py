@@ -82,7 +82,8 @@ class ResponseCache:
         self._by_id: dict[int, tuple[str, Meta]] = {}
         self._free: list[int] = []
         self._next = 0
-        #: bumped whenever an id comes to mean another (name, metadata): a new name, a changed one, an eviction
+        #: bumped whenever an id that meant something comes to mean another (name, metadata): a name whose metadata
+        #: changed, an eviction; a new name on an id never handed out before changes no id's meaning
         self.version = 0
 
     def lookup(self, name: str, meta: Meta) -> int | None:
@@ -113,9 +114,12 @@ class ResponseCache:
             del self._by_id[cache_id]
         elif self._free:
             cache_id = self._free.pop()
-        else:
+        else:  # an id never handed out: what every other id means is unchanged
             cache_id = self._next
             self._next += 1
+            self._by_name[name] = (cache_id, meta)
+            self._by_id[cache_id] = (name, meta)
+            return
         self._by_name[name] = (cache_id, meta)
         self._by_id[cache_id] = (name, meta)
         self.version += 1

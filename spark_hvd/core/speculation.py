@@ -18,8 +18,10 @@ collective (a small one, or a round trip and the early frames of the larger tens
 ``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
 misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so
 an irregular pattern does not pay a miss on every round. A full round (new names, a join, a partial fast round)
-breaks the context (``forget_last``); when a round changes what a cache id means (a new name, an eviction: the
-cache's ``version``), everything learned is forgotten (``reset``).
+breaks the context (``forget_last``); when a round changes what a cache id means (a name's metadata changed, an
+eviction: the cache's ``version``), everything learned is forgotten (``reset``). A new name on a fresh id forgets
+nothing: the benchmark's loops of two sizes in turn were otherwise relearnt from scratch when the second size first
+appeared, and the first loop's next two calls missed.
 """
 
 from __future__ import annotations

@@ -110,8 +110,12 @@ def test_a_full_round_breaks_the_context_and_a_changed_cache_forgets_everything(
     cache.put("a", _allreduce())  # the same tensor again: ids mean what they meant
     assert predictor.advance([1]).ids == (0,)
     assert predictor.advance([0]) is spec
-    cache.put("c", _allreduce())  # a new name: an id now means another tensor
-    assert predictor.advance([0]).ids == (0,)  # everything forgotten: 0 seen once, expected again
+    cache.put("c", _allreduce())  # a new name on a fresh id: no id means another tensor, nothing forgotten
+    assert predictor.advance([1]).ids == (0,)
+    assert predictor.advance([0]) is spec
+    cache.put("a", _allreduce((4,)))  # id 0 now means another tensor: everything forgotten
+    changed = predictor.advance([0])
+    assert changed is not None and changed.ids == (0,) and changed.count == 4  # 0 seen once, expected again
 
 
 def test_the_round_after_a_barrier_is_predicted_from_the_two_rounds_before_it():
