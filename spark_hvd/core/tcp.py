@@ -101,9 +101,10 @@ SPIN_MAX_BYTES = 64 * 1024
 _SPIN_MAX_MISSES = 8
 #: ``benchmarks/allreduce.py`` with ``BENCH_TRACE`` sets a list here, and ``RingExchange.run`` appends its per-frame
 #: timeline to it: (``time.perf_counter_ns()``, event, frame, bytes) for "run" (start: frames to send, to receive),
-#: "s0" / "s1" (a frame's first ``sendmsg`` / its last byte handed to the kernel), "r" (frame i's last byte
-#: received), "c" / "a" (its hand-over to the collective starts / ends), "end", and "tcp" (the send socket's
-#: ``tcp_state`` at the start and the end). None (the default): nothing is recorded.
+#: "s0" / "s1" (a frame's first ``sendmsg`` / its last byte handed to the kernel, with the send socket's
+#: ``tcp_state`` then), "r" (frame i's last byte received), "c" / "a" (its hand-over to the collective starts /
+#: ends), "end", and "tcp" (the send socket's ``tcp_state`` at the start and the end). None (the default): nothing
+#: is recorded.
 TRACE: list[tuple[int, str, int, Any]] | None = None
 _POLL_IN = select.POLLIN | select.POLLHUP | select.POLLERR
 _POLL_OUT = select.POLLOUT | select.POLLHUP | select.POLLERR
@@ -566,7 +567,7 @@ class RingExchange:
                             if not pending[0].nbytes:
                                 pending.pop(0)
                         if trace is not None and not pending:
-                            trace.append((time.perf_counter_ns(), "s1", 0, 0))
+                            trace.append((time.perf_counter_ns(), "s1", 0, tcp_state(out.sock)))
                         if pending:
                             send_full = True
                             can_send = False
@@ -741,14 +742,16 @@ class RingExchange:
 
 def tcp_state(sock: socket.socket) -> dict[str, int]:
     """A few fields of the socket's ``TCP_INFO`` (Linux): bytes acked, microseconds busy / limited by the receive
-    window / by the send buffer, congestion window (segments), smoothed RTT (us), bytes not yet sent."""
+    window / by the send buffer, congestion window (segments), smoothed RTT (us), bytes not yet sent, and the
+    pacing and last delivery rates (bytes/s)."""
     raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 192)
     if len(raw) < 192:
         return {}
     busy, rwnd, sndbuf = struct.unpack_from("QQQ", raw, 168)
     return {"acked": struct.unpack_from("Q", raw, 120)[0], "busy_us": busy, "rwnd_limited_us": rwnd,
             "sndbuf_limited_us": sndbuf, "cwnd": struct.unpack_from("I", raw, 80)[0],
-            "rtt_us": struct.unpack_from("I", raw, 68)[0], "notsent": struct.unpack_from("I", raw, 144)[0]}
+            "rtt_us": struct.unpack_from("I", raw, 68)[0], "notsent": struct.unpack_from("I", raw, 144)[0],
+            "pacing_rate": struct.unpack_from("Q", raw, 104)[0], "delivery_rate": struct.unpack_from("Q", raw, 160)[0]}
 
 
 class PeerWatcher:
