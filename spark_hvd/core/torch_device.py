@@ -55,7 +55,8 @@ class TorchDeviceGroup(DeviceGroup):
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
             self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend),
                                                        torch.cuda.device_count(), required=True))
-            _one_gpu_per_rank(backend, scope, self._dev.index)
+            if kind == "nccl":  # gloo has no such rule: ranks sharing a GPU reduce on it through host memory
+                _one_gpu_per_rank(backend, scope, self._dev.index)
         else:
             self._dev = torch.device("cpu")
         self._store: Any = None
