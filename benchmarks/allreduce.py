@@ -42,13 +42,28 @@ calls, and each frame ``RingExchange`` sent and received, with the send socket's
 wire's schedule (entry and exit costs, the boundary between calls, each direction's excess over the wire time).
 ``BENCH_STATS=1``: rank 0 of ``api`` prints how many of each measurement's timed calls were one speculative
 collective (the negotiation carried by the data's own collective, or packed with it) to stderr.
+
+**Variants in one invocation** (A/B comparisons under the same machine conditions): ``IMPL:NAME`` in ``--impls``
+runs ``IMPL`` with the environment variables of ``NAME`` in ``BENCH_VARIANTS`` (JSON) added, as a group of its own;
+``BENCH_ROOT`` among them imports spark_hvd from another checkout (the worker script stays this one)::
+
+    BENCH_VARIANTS='{"main": {"BENCH_ROOT": "/work/main"}, "nomac": {"SPARK_HVD_MAC_THREADS": "0"}}' \
+        .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,ring:main,ring:nomac,gloo --sizes 64M
+
+``BENCH_PERF=DIR``: every rank records its timed loops from 1 MiB with ``perf record -g`` (Linux perf on the PATH;
+root or a permissive ``perf_event_paranoid``) to ``DIR/IMPL.RANK.NBYTES.NS.data``, and
+``benchmarks/allreduce_perf.py DIR`` sums them by implementation (kernel copies, MAC, system calls, Python...).
+Sampling inflates the ranks' CPU (more for implementations that switch threads often): compare shares and
+samples between implementations of one run, and time without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -60,8 +75,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("BENCH_ROOT") or Path(__file__).resolve().parents[1])  # BENCH_ROOT: a variant's tree
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import allreduce_hosts  # noqa: E402 - --hosts: ranks on simulated hosts
 
@@ -108,8 +124,10 @@ def _connect_control() -> FramedSocket:
     return FramedSocket(sock, bytes.fromhex(os.environ["BENCH_SECRET"]), "bench driver")
 
 
-def _worker(impl: str) -> None:
-    """One rank of one implementation: connect, then serve ("run", nbytes, iters) until ("stop",)."""
+def _worker(name: str) -> None:
+    """One rank of one implementation (``name``: IMPL or IMPL:VARIANT): connect, then serve ("run", nbytes, iters)
+    until ("stop",)."""
+    impl = name.split(":", 1)[0]
     carried: Callable[[], int] | None = None  # BENCH_STATS: calls so far whose round was one speculative collective
     if impl == "mpi":
         from mpi4py import MPI
@@ -196,7 +214,7 @@ def _worker(impl: str) -> None:
         transport = backend.transport
     counting = bool(os.environ.get("BENCH_STATS")) and carried is not None
     control = _connect_control()
-    control.send_object(("hello", impl, rank, transport))
+    control.send_object(("hello", name, rank, transport))
     buffers: dict[int, np.ndarray] = {}
     rng = np.random.default_rng(rank)
     while True:
@@ -218,6 +236,7 @@ def _worker(impl: str) -> None:
             profile = _profiler()
             before = carried() if carried is not None else 0
             trace = _trace_start(impl)
+            perf = _perf_start(name, rank, nbytes)
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 if trace is not None:
@@ -226,18 +245,34 @@ def _worker(impl: str) -> None:
                 if trace is not None:
                     trace.append((time.perf_counter_ns(), "ret", 0, 0))
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            if perf is not None:
+                perf.send_signal(signal.SIGINT)
+                perf.wait(60)
             if trace is not None:
-                _trace_dump(trace, impl, rank, nbytes)
+                _trace_dump(trace, name, rank, nbytes)
             if counting and carried is not None and rank == 0:
                 print(f"[stats] {impl} {human(nbytes)}: {carried() - before} of {iters} timed calls speculative",
                       file=sys.stderr, flush=True)
             if profile is not None:
                 profile.disable()
-                profile.dump_stats(f"{os.environ['BENCH_PROFILE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.prof")
+                profile.dump_stats(f"{os.environ['BENCH_PROFILE']}/{name}.{rank}.{nbytes}.{time.time_ns()}.prof")
         control.send_object(("result", elapsed / iters, cpu / iters))
     barrier()
     close()
     control.close()
+
+
+def _perf_start(name: str, rank: int, nbytes: int) -> subprocess.Popen | None:
+    """``BENCH_PERF``: a ``perf record -g`` of this process, started (and given half a second to attach) before a
+    timed loop from 1 MiB; else None."""
+    folder = os.environ.get("BENCH_PERF")
+    if not folder or nbytes < (1 << 20):
+        return None
+    out = f"{folder}/{name}.{rank}.{nbytes}.{time.time_ns()}.data"
+    perf = subprocess.Popen(["perf", "record", "-q", "-g", "-p", str(os.getpid()), "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    return perf
 
 
 def _trace_start(impl: str) -> list | None:
@@ -331,6 +366,19 @@ def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: 
 
 
 # ---------------------------------------------------------------------------------------------- driver side
+def variant_env(name: str) -> dict[str, str]:
+    """The environment variables ``IMPL:VARIANT`` adds (``BENCH_VARIANTS``); none for a plain ``IMPL``."""
+    if ":" not in name:
+        return {}
+    impl, variant = name.split(":", 1)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown implementation {impl!r} in {name!r}")
+    variants = json.loads(os.environ.get("BENCH_VARIANTS") or "{}")
+    if variant not in variants:
+        raise ValueError(f"{name!r}: BENCH_VARIANTS has no variant {variant!r} (it has {sorted(variants)})")
+    return {str(k): str(v) for k, v in variants[variant].items()}
+
+
 class Group:
     """The N processes of one implementation and their control connections (by rank)."""
 
@@ -338,8 +386,11 @@ class Group:
         self.impl, self.n = impl, n
         self.conns: dict[int, FramedSocket] = {}
         self.transports: set[str] = set()
+        name, impl = impl, impl.split(":", 1)[0]
         env = dict(os.environ, BENCH_CONTROL=control_addr, BENCH_SECRET=secret.hex(), OMP_NUM_THREADS="1")
-        script = [sys.executable, str(Path(__file__).resolve()), "--worker", impl]
+        variant = variant_env(name)
+        env.update(variant)
+        script = [sys.executable, str(Path(__file__).resolve()), "--worker", name]
         self.procs: list[subprocess.Popen] = []
         hosts = allreduce_hosts.inside()
         if impl == "mpi":
@@ -348,7 +399,7 @@ class Group:
             where = allreduce_hosts.mpirun_args(n) if hosts else []
             self.procs.append(subprocess.Popen([mpirun, "-np", str(n), "--oversubscribe", *where, *script], env=env))
             return
-        job = f"bench{os.getpid()}{impl}{n}"
+        job = f"bench{os.getpid()}{name.replace(':', '-')}{n}"
         extra = {"SPARK_HVD_SIZE": str(n), "SPARK_HVD_JOB_ID": job, "SPARK_HVD_SECRET": secret.hex()}
         if impl in ("ring-tcp", "api-tcp"):
             extra["SPARK_HVD_SHM"] = "0"
@@ -366,7 +417,7 @@ class Group:
             if impl in ("ring-hier", "api-hier"):
                 own["SPARK_HVD_HOST_ID"] = f"bench-host-{2 * rank // n}"
             place = allreduce_hosts.prefix(rank, n) if hosts else []
-            self.procs.append(subprocess.Popen([*place, *script], env={**env, **extra, **own}))
+            self.procs.append(subprocess.Popen([*place, *script], env={**env, **extra, **own, **variant}))
 
     def run(self, nbytes: int, iters: int, warmup: int, mode: str = "loop") -> tuple[float, float]:
         """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
@@ -483,7 +534,7 @@ def fusion_case(n: int, iters: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="N=2, 4 KiB..64 MiB, 3 rounds")
     parser.add_argument("--np", default=None, help="comma-separated job sizes (default 2,4)")
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
@@ -508,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         return allreduce_hosts.enter(args.hosts, args.link, [str(Path(__file__).resolve()), *(argv or sys.argv[1:])])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     impls = [i for i in args.impls.split(",") if i]
+    for name in impls:
+        if name.split(":", 1)[0] not in IMPLS:
+            parser.error(f"unknown implementation {name!r} (choose from {', '.join(IMPLS)}, each optionally :VARIANT)")
+        try:
+            variant_env(name)
+        except ValueError as exc:
+            parser.error(str(exc))
     nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
     default_sizes = "4K,64K,1M,16M,64M" if args.quick else "4K,64K,1M,4M,16M,64M,256M"
     sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
@@ -516,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
           f"at start; command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}")
     for n in nps:
         # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring
-        run = [i for i in impls if not i.endswith("-hier") or n >= 4]
+        run = [i for i in impls if not i.split(":", 1)[0].endswith("-hier") or n >= 4]
         mode = "osu" if args.osu else "alt" if args.alternate else "new" if args.new_names else "loop"
         if mode != "loop":
             print(f"mode: {_MODES[mode]}")
