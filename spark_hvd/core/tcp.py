@@ -85,6 +85,17 @@ RECV_LOWAT_BYTES = FRAME_BYTES
 #: The last frame of an exchange is read as it comes, in steps of this size (its copy overlaps its arrival: the
 #: exchange's end is not delayed by the copy of a whole frame)
 RECV_LOWAT_TAIL_BYTES = 256 * 1024
+#: Two ranks on one connection: how many bytes a rank may hand the kernel beyond those it has received from its peer
+#: while more are expected (``RingExchange.run``). Each direction's ACKs queue behind the other direction's data on
+#: the links; when one direction's congestion window outgrows the other's (BBR sizes it from ACK aggregation), its
+#: standing queue delays the other's ACKs and that direction runs at about the ratio of the two windows (0.1-0.7 of
+#: a 2 Gbit/s link for tens of ms, issue 23). Sending no further ahead of receiving than this (as gloo's 1 MiB steps
+#: do) lets a slowed direction slow the other too, which drains the queue: both stay at the link's rate. It bounds a
+#: direction's data in flight to about this much (1 MiB: ~10 GB/s at 100 us round trip).
+RUN_AHEAD_BYTES = 1024 * 1024
+#: How long a held-back rank waits for its peer's data before it sends on regardless, until more of the peer's data
+#: arrives (a late peer, or one that answers only after more than ``RUN_AHEAD_BYTES``, never stalls the exchange).
+RUN_AHEAD_WAIT_MS = 20
 RECV_LOWAT_MIN_BYTES = 16 * 1024
 #: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
 #: the calling thread: the hand-off would cost more than the tag)
@@ -475,6 +486,11 @@ class RingExchange:
         can_send = can_recv = True  # try each side until it would block, then wait for poll to report it ready
         last = time.monotonic()
         lowat, lowat_cap = 1, 0
+        # two ranks on one connection: hand the kernel at most ``ahead`` bytes more than have arrived from the
+        # peer while more is expected (``RUN_AHEAD_BYTES``), so neither direction runs ahead of the other
+        ahead = RUN_AHEAD_BYTES if same else 0
+        sent_bytes = received_bytes = 0
+        released = -1  # ``received_bytes`` when a hold last ran out (``RUN_AHEAD_WAIT_MS``): no hold until more come
         spin_until: float | None = None  # this wait's spin: None undecided, 0.0 none, else until when
         poll = select.poll()
         polled: dict[int, int] = {}  # fd -> events registered with ``poll``
@@ -535,7 +551,7 @@ class RingExchange:
                         progressed = True
                         n_recv = hand_over(i)
                     # -- send as much as the socket takes (a short send: its buffer is full, wait for POLLOUT)
-                    send_full, recv_dry, tag_wait = not can_send, not can_recv, False
+                    send_full, recv_dry, tag_wait, held = not can_send, not can_recv, False, False
                     while can_send and (pending or queue_out):
                         if not pending:
                             payload, counter, job = queue_out[0]
@@ -550,8 +566,17 @@ class RingExchange:
                             if trace is not None:
                                 trace.append((time.perf_counter_ns(), "s0", counter, payload.nbytes))
                             pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag + DATA), payload]
+                        offer = pending
+                        if ahead and index < n_recv and received_bytes != released:
+                            allowed = received_bytes + ahead - sent_bytes
+                            if allowed <= 0:  # this rank is ``ahead`` bytes ahead of its peer: wait for its data
+                                held = True
+                                break
+                            if allowed < sum(view.nbytes for view in pending):
+                                offer = [pending[0][:allowed]] if allowed <= pending[0].nbytes else \
+                                    [pending[0], pending[1][:allowed - pending[0].nbytes]]
                         try:
-                            sent = out.sock.sendmsg(pending)
+                            sent = out.sock.sendmsg(offer)
                         except (BlockingIOError, InterruptedError):
                             send_full = True
                             can_send = False
@@ -560,6 +585,7 @@ class RingExchange:
                             out.send_broken = True
                             raise out._fail(exc, op) from exc
                         progressed = True
+                        sent_bytes += sent
                         while sent and pending:
                             take = min(sent, pending[0].nbytes)
                             sent -= take
@@ -569,6 +595,8 @@ class RingExchange:
                         if trace is not None and not pending:
                             trace.append((time.perf_counter_ns(), "s1", 0, tcp_state(out.sock)))
                         if pending:
+                            if offer is not pending and sent == sum(view.nbytes for view in offer):
+                                continue  # all that was offered was taken: the allowance decides next
                             send_full = True
                             can_send = False
                             break
@@ -600,6 +628,7 @@ class RingExchange:
                             if n == 0:
                                 recv.recv_broken = True
                                 raise recv._fail(ConnectionError("connection closed by peer"), op)
+                            received_bytes += n
                             progressed = True
                             if n < room:  # a short read took all there was: wait for POLLIN
                                 recv_dry, can_recv = True, False
@@ -635,6 +664,8 @@ class RingExchange:
                         index, target = index + 1, None
                     if index == n_recv and not checking and not pending and not queue_out:
                         break
+                    if held and (index == n_recv or received_bytes + ahead > sent_bytes):
+                        held = False  # what arrived since allows more: send it before waiting
                     now = time.monotonic()
                     reading = index < n_recv and len(checking) < window
                     if progressed:
@@ -645,7 +676,8 @@ class RingExchange:
                         # straight to poll when both sides are known to have to wait (saves an iteration whose
                         # two calls would only raise BlockingIOError: ~half the loop's iterations on a link-bound
                         # ring); otherwise (a frame completed, a forward was queued) go round again at once
-                        if not ((send_full or tag_wait or not (pending or queue_out)) and (recv_dry or not reading)):
+                        if not ((send_full or tag_wait or held or not (pending or queue_out))
+                                and (recv_dry or not reading)):
                             continue
                     elif now - last > self.timeout_s:
                         waiting = recv if index < n_recv else out
@@ -658,12 +690,14 @@ class RingExchange:
                             if not lowat_cap:  # a quarter of the receive buffer (autotuned: read once per run)
                                 rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
                                 lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
+                                if ahead:  # a held sender must wake before its peer, held too, stops sending
+                                    lowat_cap = min(lowat_cap, ahead // 2)
                             wanted = min(wanted, lowat_cap if index + 1 < n_recv else RECV_LOWAT_TAIL_BYTES)
                         if wanted != lowat:
                             recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
                             lowat = wanted
                     mask_in = select.POLLIN if reading else 0
-                    mask_out = select.POLLOUT if (pending or (queue_out and not tag_wait)) else 0
+                    mask_out = select.POLLOUT if (pending or (queue_out and not tag_wait)) and not held else 0
                     if same:
                         want(out.sock.fileno(), mask_in | mask_out)
                     else:
@@ -688,7 +722,11 @@ class RingExchange:
                             else:
                                 recv.spin_ended(False)
                                 spin_until = 0.0
+                    if held:
+                        wait_ms = min(wait_ms, RUN_AHEAD_WAIT_MS)
                     events = poll.poll(wait_ms)
+                    if held and not events:  # nothing came for a while: send on until the peer's data does
+                        released = received_bytes
                     if wait_ms:  # it slept: the next wait decides afresh
                         spin_until = None
                     for fd, ev in events:

@@ -11,12 +11,13 @@ import struct
 import termios
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 
-from spark_hvd.core import agreed, hier_pipeline
+from spark_hvd.core import agreed, hier_pipeline, tcp
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.mac_pool import MacPool
@@ -434,6 +435,60 @@ def test_small_exchange_spins_then_backs_off_after_spins_in_vain():
     np.testing.assert_array_equal(got, payload)
     for peer in (sender, receiver):
         peer.sock.close()
+
+
+def _both_ways(a: PeerSocket, b: PeerSocket, send_a: list[np.ndarray], send_b: list[np.ndarray],
+               answer_b: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``a`` and ``b`` exchange frames on one connection, each in a thread; with ``answer_b``, ``b`` sends its
+    frames only once the last of ``a``'s has arrived (each frame: ``a``'s same frame plus one)."""
+    got_a, got_b = [np.zeros_like(x) for x in send_b], [np.zeros_like(x) for x in send_a]
+    errors: list[BaseException] = []
+
+    def answer(i: int) -> list[memoryview] | None:
+        if i + 1 < len(got_b):
+            return None
+        for x, y in zip(send_b, got_b, strict=True):
+            np.add(y, 1, out=x)
+        return [memoryview(x) for x in send_b]
+
+    def side(peer: PeerSocket, sends: list[np.ndarray], got: list[np.ndarray], on: Any) -> None:
+        try:
+            RingExchange(peer, peer, "test").run([memoryview(x) for x in sends], [memoryview(g) for g in got], on)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the test)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=side, args=(a, send_a, got_a, lambda i: None)),
+               threading.Thread(target=side, args=(b, [] if answer_b else send_b, got_b,
+                                                   answer if answer_b else (lambda i: None)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return got_a, got_b
+
+
+def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch):
+    # ``RUN_AHEAD_BYTES``: a rank hands the kernel at most that many bytes beyond what came from its peer (here
+    # 64 KiB, so frames go in pieces and both sides wait on each other); an exchange whose peer answers only after
+    # all of it (far more than that) still completes, since a hold runs out after ``RUN_AHEAD_WAIT_MS``
+    monkeypatch.setattr(tcp, "RUN_AHEAD_BYTES", 64 * 1024)
+    secret = make_secret()
+    a, b = _peer_pair(secret, secret)
+    rng = np.random.default_rng(11)
+    send_a = [rng.integers(0, 250, n, dtype=np.uint8) for n in (300_000, 256 * 1024, 5, 200_000)]
+    send_b = [rng.integers(0, 250, n, dtype=np.uint8) for n in (300_000, 256 * 1024, 5, 200_000)]
+    try:
+        got_a, got_b = _both_ways(a, b, send_a, send_b, answer_b=False)
+        for x, y in zip(send_a + send_b, got_b + got_a, strict=True):
+            np.testing.assert_array_equal(x, y)
+        got_a, got_b = _both_ways(a, b, send_a, [np.zeros_like(x) for x in send_a], answer_b=True)
+        for x, y, z in zip(send_a, got_b, got_a, strict=True):
+            np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(x + 1, z)
+    finally:
+        for peer in (a, b):
+            peer.sock.close()
 
 
 def test_send_buffer_is_set_only_where_it_beats_autotuning():
