@@ -690,8 +690,8 @@ class RingExchange:
                             if not lowat_cap:  # a quarter of the receive buffer (autotuned: read once per run)
                                 rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
                                 lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
-                                if ahead:  # two held ranks have 2 x ``ahead`` bytes coming: one of them wakes
-                                    lowat_cap = min(lowat_cap, ahead)
+                                if ahead:  # a held sender must wake before its peer, held too, stops sending
+                                    lowat_cap = min(lowat_cap, ahead // 2)
                             wanted = min(wanted, lowat_cap if index + 1 < n_recv else RECV_LOWAT_TAIL_BYTES)
                         if wanted != lowat:
                             recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
