@@ -41,7 +41,9 @@ calls, and each frame ``RingExchange`` sent and received, with the send socket's
 ``DIR/IMPL.RANK.NBYTES.NS.json``; ``benchmarks/allreduce_trace.py DIR`` summarises two ranks' timelines against the
 wire's schedule (entry and exit costs, the boundary between calls, each direction's excess over the wire time).
 ``BENCH_STATS=1``: rank 0 of ``api`` prints how many of each measurement's timed calls were one speculative
-collective (the negotiation carried by the data's own collective, or packed with it) to stderr.
+collective (the negotiation carried by the data's own collective, or packed with it) to stderr, and every rank of
+every implementation, per timed call, its voluntary context switches (all its threads: how often it slept), its
+CPU time and the ACKs its network namespace took in TCP's slow and fast paths (with ``--hosts``: its own).
 
 **Variants in one invocation** (A/B comparisons under the same machine conditions): ``IMPL:NAME`` in ``--impls``
 runs ``IMPL`` with the environment variables of ``NAME`` in ``BENCH_VARIANTS`` (JSON) added, as a group of its own;
@@ -63,6 +65,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -117,6 +120,26 @@ def iterations(nbytes: int, quick: bool) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- worker side
+def _acks() -> tuple[int, int]:
+    """The TCP ACKs this process's network namespace took in the slow path and in the fast path (header
+    prediction) so far (``TcpExt`` TCPPureAcks, TCPHPAcks); (0, 0) where /proc does not say."""
+    try:
+        with open("/proc/self/net/netstat") as f:
+            lines = f.read().split("\n")
+    except OSError:
+        return 0, 0
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            counters = dict(zip(names.split()[1:], map(int, values.split()[1:]), strict=True))
+            return counters.get("TCPPureAcks", 0), counters.get("TCPHPAcks", 0)
+    return 0, 0
+
+
+def _switches() -> int:
+    """This process's voluntary context switches so far, all its threads (how often it slept waiting)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+
 def _connect_control() -> FramedSocket:
     host, port = os.environ["BENCH_CONTROL"].rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=120)
@@ -237,6 +260,7 @@ def _worker(name: str) -> None:
             before = carried() if carried is not None else 0
             trace = _trace_start(impl)
             perf = _perf_start(name, rank, nbytes)
+            switches, acks = _switches(), _acks()
             start, cpu = time.perf_counter(), time.process_time()
             for _ in range(iters):
                 if trace is not None:
@@ -245,11 +269,16 @@ def _worker(name: str) -> None:
                 if trace is not None:
                     trace.append((time.perf_counter_ns(), "ret", 0, 0))
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+            switches, acks = _switches() - switches, [b - a for a, b in zip(acks, _acks(), strict=True)]
             if perf is not None:
                 perf.send_signal(signal.SIGINT)
                 perf.wait(60)
             if trace is not None:
                 _trace_dump(trace, name, rank, nbytes)
+            if os.environ.get("BENCH_STATS"):
+                print(f"[stats] {name} rank {rank} {human(nbytes)}: per call {switches / iters:.1f} voluntary context "
+                      f"switches, {cpu / iters * 1e3:.3f} ms CPU, {acks[0] / iters:.0f} ACKs in TCP's slow path and "
+                      f"{acks[1] / iters:.0f} in its fast path", file=sys.stderr, flush=True)
             if counting and carried is not None and rank == 0:
                 print(f"[stats] {impl} {human(nbytes)}: {carried() - before} of {iters} timed calls speculative",
                       file=sys.stderr, flush=True)

@@ -394,8 +394,13 @@ def test_absent_rank_times_out_naming_it(shm):
     assert results[0] == {"error": "CollectiveTimeoutError", "rank": 1}
 
 
-def _peer_pair(secret_a: bytes, secret_b: bytes) -> tuple[PeerSocket, PeerSocket]:
-    a, b = socket.socketpair()
+def _peer_pair(secret_a: bytes, secret_b: bytes, tcp: bool = False) -> tuple[PeerSocket, PeerSocket]:
+    if tcp:  # a loopback TCP connection (the options only TCP has: TCP_WINDOW_CLAMP...)
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            a = socket.create_connection(server.getsockname(), timeout=10)
+            b = server.accept()[0]
+    else:
+        a, b = socket.socketpair()
     sender, receiver = PeerSocket(a, secret_a, 1, 30), PeerSocket(b, secret_b, 0, 30)
     server = threading.Thread(target=lambda: receiver.handshake("server", 10) if secret_a == secret_b else None)
     server.start()
@@ -468,13 +473,15 @@ def _both_ways(a: PeerSocket, b: PeerSocket, send_a: list[np.ndarray], send_b: l
     return got_a, got_b
 
 
-def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch):
+@pytest.mark.parametrize("over_tcp", [False, True], ids=["socketpair", "tcp"])
+def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch, over_tcp):
     # ``RUN_AHEAD_BYTES``: a rank hands the kernel at most that many bytes beyond what came from its peer (here
     # 64 KiB, so frames go in pieces and both sides wait on each other); an exchange whose peer answers only after
-    # all of it (far more than that) still completes, since a hold runs out after ``RUN_AHEAD_WAIT_MS``
+    # all of it (far more than that) still completes, since a hold runs out after ``RUN_AHEAD_WAIT_MS``; over TCP
+    # with the receive window clamped too (``RUN_AHEAD_WINDOW``: here 128 KiB)
     monkeypatch.setattr(tcp, "RUN_AHEAD_BYTES", 64 * 1024)
     secret = make_secret()
-    a, b = _peer_pair(secret, secret)
+    a, b = _peer_pair(secret, secret, tcp=over_tcp)
     rng = np.random.default_rng(11)
     send_a = [rng.integers(0, 250, n, dtype=np.uint8) for n in (300_000, 256 * 1024, 5, 200_000)]
     send_b = [rng.integers(0, 250, n, dtype=np.uint8) for n in (300_000, 256 * 1024, 5, 200_000)]
