@@ -110,6 +110,11 @@ RUN_AHEAD_LOWAT = (3, 4)
 #: clamp the advertised window stays at the clamp and nearly every ACK takes the fast path. While coupled a direction
 #: has at most about the allowance in flight, so the clamp (2 MiB: ~16 Gbit/s at 1 ms round trip) does not bound it.
 RUN_AHEAD_WINDOW = 2
+#: Congestion controls under which two ranks on one connection do not hold each other back (nor clamp the window):
+#: loss-based windows grow until the queue holds them, so both directions stay at the link's rate anyway. Under
+#: cubic the rule gained no time and cost 0.7-2.4 ms of CPU per 16-64 MiB allreduce at np=2 (issue 23); reno has
+#: the same loss-based window (not measured). Any other (BBR, unknown ones) keeps the rule.
+LOSS_BASED_CONGESTION = frozenset({"cubic", "reno"})
 RECV_LOWAT_MIN_BYTES = 16 * 1024
 #: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
 #: the calling thread: the hand-off would cost more than the tag)
@@ -168,7 +173,20 @@ class PeerSocket(FramedSocket):
         self._bye_checked = -1  # the stream length at which _ends_with_bye last found a BYE at its end
         self._spin_misses = 0  # spins in a row that ended without a frame (``spin_deadline``)
         self._spin_skip = 0  # waits still to sleep through at once after a spin in vain
+        self._couples: bool | None = None  # ``couples_directions``, read once
         sock.settimeout(timeout_s)
+
+    def couples_directions(self) -> bool:
+        """Whether a two-rank exchange on this connection holds each direction to ``RUN_AHEAD_BYTES`` ahead of the
+        other: unless its congestion control is loss-based (``LOSS_BASED_CONGESTION``); a socket without one (a
+        Unix socket pair) does."""
+        if self._couples is None:
+            try:
+                name = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            except OSError:
+                name = b""
+            self._couples = name.split(b"\0", 1)[0].decode(errors="replace") not in LOSS_BASED_CONGESTION
+        return self._couples
 
     def spin_deadline(self, now: float) -> float:
         """How long a wait for this peer's next frame on the small-message path polls without sleeping: until
@@ -502,7 +520,7 @@ class RingExchange:
         lowat, lowat_cap = 1, 0
         # two ranks on one connection: hand the kernel at most ``ahead`` bytes more than have arrived from the
         # peer while more is expected (``RUN_AHEAD_BYTES``), so neither direction runs ahead of the other
-        ahead = RUN_AHEAD_BYTES if same else 0
+        ahead = RUN_AHEAD_BYTES if same and out.couples_directions() else 0
         sent_bytes = received_bytes = 0
         released = -1  # ``received_bytes`` when a hold last ran out (``RUN_AHEAD_WAIT_MS``): no hold until more come
         spin_until: float | None = None  # this wait's spin: None undecided, 0.0 none, else until when

@@ -480,6 +480,7 @@ def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch, ov
     # all of it (far more than that) still completes, since a hold runs out after ``RUN_AHEAD_WAIT_MS``; over TCP
     # with the receive window clamped too (``RUN_AHEAD_WINDOW``: here 128 KiB)
     monkeypatch.setattr(tcp, "RUN_AHEAD_BYTES", 64 * 1024)
+    monkeypatch.setattr(tcp, "LOSS_BASED_CONGESTION", frozenset())  # hold over TCP whatever the host's default
     secret = make_secret()
     a, b = _peer_pair(secret, secret, tcp=over_tcp)
     rng = np.random.default_rng(11)
@@ -496,6 +497,24 @@ def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch, ov
     finally:
         for peer in (a, b):
             peer.sock.close()
+
+
+def test_two_ranks_couple_unless_the_congestion_control_is_loss_based():
+    # ``LOSS_BASED_CONGESTION``: a connection under reno (or cubic) does not hold its directions to each other; one
+    # under any other congestion control, or a socket pair (none), does
+    secret = make_secret()
+    pairs = [_peer_pair(secret, secret, tcp=True), _peer_pair(secret, secret, tcp=True), _peer_pair(secret, secret)]
+    try:
+        (reno, _), (other, _), (unix, _) = pairs
+        reno.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"reno")
+        assert not reno.couples_directions()
+        assert unix.couples_directions()
+        name = other.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0", 1)[0].decode()
+        assert other.couples_directions() == (name not in tcp.LOSS_BASED_CONGESTION)
+    finally:
+        for pair in pairs:
+            for peer in pair:
+                peer.sock.close()
 
 
 def test_send_buffer_is_set_only_where_it_beats_autotuning():
