@@ -3,6 +3,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The optional compiled ring loop's sources (setup.py): a changed one reinstalls, which recompiles it in place.
+CSOURCES := $(wildcard spark_hvd/core/*.c spark_hvd/core/*.h)
+# pip -q hides a failed optional compile: say which loop this install runs.
+RINGLOOP_REPORT := import importlib.util as u; print("ring loop:", "compiled" if u.find_spec("spark_hvd.core._ringloop") \
+	else "Python (the C one did not build: pip install -v -e . shows why)")
 
 export SPARK_LOCAL_IP ?= 127.0.0.1
 export PYSPARK_PYTHON := $(abspath $(PY))
@@ -14,11 +19,12 @@ export OMP_NUM_THREADS ?= 1
 setup: $(STAMP)
 
 # Installs exactly the lock (constraints.txt, every version pinned; tools/lock.py), then checks the venv against it.
-$(STAMP): setup.py setup.cfg constraints.txt
+$(STAMP): setup.py setup.cfg constraints.txt $(CSOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt pip setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt -e '.[all,test]'
 	$(PY) tools/lock.py check
+	@test ! -f spark_hvd/core/_ringloop.c || $(PY) -c '$(RINGLOOP_REPORT)'
 	touch $(STAMP)
 
 demo: setup
@@ -38,4 +44,4 @@ lint: setup
 	$(VENV)/bin/ruff check spark_hvd tests benchmarks examples tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache spark_hvd/core/*.so

@@ -1,5 +1,45 @@
-"""spark_hvd: distributed deep learning on Spark over a ring-allreduce core (configuration in setup.cfg)."""
+"""spark_hvd: distributed deep learning on Spark over a ring-allreduce core (configuration in setup.cfg).
 
-from setuptools import setup
+The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd.core._ringloop``.
 
-setup()
+- Declared only when its source is in the tree, so a checkout without it installs as pure Python.
+- ``optional=True``: a failed compile or link (no gcc, no Python or libssl headers) prints a warning and the
+  install goes on; ``spark_hvd.core`` then imports no ``_ringloop`` and runs its Python loop.
+- ``pip install -e .`` (PEP 660, what ``make setup`` runs) builds it in place: the ``.so`` lands beside the
+  ``.c`` in spark_hvd/core/, where the editable install imports it from. Each install compiles afresh (pip
+  builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer
+  compiles leaves the Python loop running, never the last good build of older source.
+- ``-O2 -ffp-contract=off`` after Python's own flags (its ``-O3`` overridden): no ``-march=native``, no
+  ``-ffast-math``, no fused multiply-add, so the sums are bitwise IEEE and the ``.so`` runs on every host.
+"""
+
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+RINGLOOP = "spark_hvd/core/_ringloop.c"
+
+
+class FreshInplaceBuildExt(build_ext):
+    """``build_ext`` that removes an in-place ``.so`` before building, so a failed build leaves none behind."""
+
+    def run(self) -> None:
+        if self.inplace:  # pip install -e (editable mode sets it)
+            for ext in self.extensions:
+                (ROOT / self.get_ext_filename(self.get_ext_fullname(ext.name))).unlink(missing_ok=True)
+        super().run()
+
+
+ext_modules = []
+if (ROOT / RINGLOOP).is_file():
+    ext_modules.append(Extension(
+        "spark_hvd.core._ringloop",
+        sources=[RINGLOOP],
+        libraries=["crypto"],  # OpenSSL's libcrypto (headers: Debian's libssl-dev)
+        extra_compile_args=["-O2", "-ffp-contract=off"],
+        optional=True,
+    ))
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": FreshInplaceBuildExt})
