@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling, shm_cma
+from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling, ringloop, shm_cma, tcp
 from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
     HOST_ID_ENV,
     IFACE_ENV,
@@ -179,6 +179,8 @@ class RingBackend(Backend):
         self._pair_bytes = pair_exchange_bytes
         self._mac_min_bytes = mac_min_bytes
         self._spin = False  # small two-rank exchanges spin before they sleep (every local rank may have a core)
+        #: every rank runs rings with the compiled loop (``ringloop``): rings it supports use its smaller frames
+        self._compiled = False
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -194,11 +196,12 @@ class RingBackend(Backend):
             host_id = host_identity()
             use_shm = bool(self.settings.shm) and shm_available()
             info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
-                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce()}
+                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(), "compiled_ring": ringloop.available()}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
             check_reachable([(i["host"], i.get("machine", "")) for i in infos])
             self._topology(infos)
+            self._compiled = all(i.get("compiled_ring") for i in infos)
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._spin = self.local_size <= cores  # as shared memory spins: more ranks than cores, never
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
@@ -419,11 +422,13 @@ class RingBackend(Backend):
         n, r = len(members), members.index(self.rank)
         return r, n, members[(r + 1) % n], members[(r - 1) % n]
 
-    def _sub_bytes(self, bounds: Sequence[int], itemsize: int) -> int:
-        """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements): the same on every rank."""
+    def _sub_bytes(self, bounds: Sequence[int], itemsize: int, frame: int = 0) -> int:
+        """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements), frames of at most
+        ``frame`` bytes (default: the backend's): the same on every rank."""
+        frame = frame or self._frame
         largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
         part = -(-largest // SUB_CHUNKS)
-        return max(min(SUB_CHUNK_MIN_BYTES, self._frame), min(self._frame, part + (-part % 64)))
+        return max(min(SUB_CHUNK_MIN_BYTES, frame), min(frame, part + (-part % 64)))
 
     def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
               *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
@@ -437,6 +442,10 @@ class RingBackend(Backend):
         received (and reduced into place from a preallocated scratch frame) it is queued for the next step, so
         receiving, reducing and sending overlap across steps and phases (``RingExchange``, no thread hand-off).
         ``average`` divides this rank's chunk by the ring size at the end of the reduce-scatter.
+
+        Where every rank has the compiled loop and it supports the dtype and op (``ringloop``), frames are at most
+        ``ringloop.FRAME_BYTES`` and this rank runs the compiled loop, unless it uses a MAC pool or a benchmark
+        traces frames (then the Python loop runs the same frames).
         """
         p, n, right, left = self._neighbours(members)
         total = reduce_steps + gather_steps
@@ -444,9 +453,8 @@ class RingBackend(Backend):
             return
         item = flat.itemsize
         raw = flat.view(np.uint8)
-        sub = self._sub_bytes(bounds, item)
-        window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
-        scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
+        compiled = self._compiled and ringloop.supports(flat.dtype, op, bfloat16, reduce_steps)
+        sub = self._sub_bytes(bounds, item, min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
         shift = 1 if reduce_steps else 0
 
         def pieces(chunk: int) -> list[tuple[int, int]]:
@@ -454,6 +462,13 @@ class RingBackend(Backend):
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+        if compiled and self._mac is None and tcp.TRACE is None:
+            ringloop.run(self.peers[right], self.peers[left], operation, flat,
+                         self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
+                         plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
+            return
+        window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
+        scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
         receives = [scratch[i % window * sub:i % window * sub + hi - lo] if t < reduce_steps else memoryview(raw[lo:hi])
                     for i, (t, lo, hi) in enumerate(plan)]
 
@@ -611,11 +626,20 @@ class RingBackend(Backend):
             flat = _flat(buf, "allreduce")
             check_dtype(flat, False)
         pair = flat.nbytes <= self._pair_bytes  # as ``_tcp_allreduce`` chooses: one round trip, else the ring
-        sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize)
+        compiled = not pair and self._compiled and ringloop.supports(flat.dtype, op, False, 1)
+        sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize,
+                                                       min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
         other = 1 - self.rank
         exchange = self._exchange(other, other, "allreduce", flat.nbytes)
+        ring = None
+        if compiled and self._mac is None and tcp.TRACE is None:
+            peer = self.peers[other]
+
+            def ring(first: list[tuple[int, int]], plan: list[tuple[int, int, int]]) -> None:
+                ringloop.run(peer, peer, "allreduce", flat, self._scratch_bytes(sub), first, plan, 1, 2, op, 2)
+
         return agreed.allreduce(exchange, self._window, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
-                                pair)
+                                pair, ring)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:

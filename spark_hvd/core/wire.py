@@ -149,8 +149,10 @@ class _Direction:
 
     @property
     def gmac(self) -> Any:
-        """The AEAD's ``encrypt`` (after ``reserve``): thread-safe, it hashes under a copy of the key's context
-        and without the GIL, so another thread may compute a tag while this one sends or receives."""
+        """The AEAD's ``encrypt``: thread-safe, it hashes under a copy of the key's context and without the GIL, so
+        another thread may compute a tag while this one sends or receives (or the compiled ring loop call it)."""
+        if self._data is None:
+            self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
         return self._data.encrypt
 
 
