@@ -3,8 +3,9 @@
 The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd.core._ringloop``.
 
 - Declared only when its source is in the tree, so a checkout without it installs as pure Python.
-- ``optional=True``: a failed compile or link (no gcc, no Python or libssl headers) prints a warning and the
-  install goes on; ``spark_hvd.core`` then imports no ``_ringloop`` and runs its Python loop.
+- ``optional=True``: a failed compile or link (no gcc, no Python headers) prints a warning and the install goes
+  on; ``spark_hvd.core`` then imports no ``_ringloop`` and runs its Python loop. It links no library of its own:
+  frames are tagged by the ``cryptography`` package the Python loop uses.
 - ``pip install -e .`` (PEP 660, what ``make setup`` runs) builds it in place: the ``.so`` lands beside the
   ``.c`` in spark_hvd/core/, where the editable install imports it from. Each install compiles afresh (pip
   builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer
@@ -37,7 +38,6 @@ if (ROOT / RINGLOOP).is_file():
     ext_modules.append(Extension(
         "spark_hvd.core._ringloop",
         sources=[RINGLOOP],
-        libraries=["crypto"],  # OpenSSL's libcrypto (headers: Debian's libssl-dev)
         extra_compile_args=["-O2", "-ffp-contract=off"],
         optional=True,
     ))
