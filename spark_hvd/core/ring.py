@@ -196,7 +196,8 @@ class RingBackend(Backend):
             host_id = host_identity()
             use_shm = bool(self.settings.shm) and shm_available()
             info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
-                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(), "compiled_ring": ringloop.available()}
+                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(),
+                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
             check_reachable([(i["host"], i.get("machine", "")) for i in infos])

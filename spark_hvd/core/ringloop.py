@@ -11,8 +11,8 @@ through its tag, its reduction and its send (issue 23's CPU per byte at the link
 
 The compiled loop reduces SUM of float32/float64/int32/int64 (and uint32/uint64, the same bits), AVERAGE of
 float32/float64 (and any allgather step); other dtypes and ops (float16, bfloat16, MIN, MAX, PRODUCT) run the
-Python loop on the same frames. ``SPARK_HVD_COMPILED_RING=0`` turns it off on a rank (then its job uses the Python
-loop's frame size).
+Python loop on the same frames. ``SPARK_HVD_COMPILED_RING=false`` turns it off on a rank (then its whole job uses
+the Python loop's frame size).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ except ImportError:  # not built on this machine: every ring runs the Python loo
 
 logger = logging.getLogger(__name__)
 
-ENV = "SPARK_HVD_COMPILED_RING"
 #: Frames of a ring whose ranks all run the compiled loop are at most this large (the Python loop's are
 #: ``tcp.FRAME_BYTES``): small enough to stay in a core's 2 MiB L2 cache from the kernel's copy to the send.
 FRAME_BYTES = 512 * 1024
@@ -57,9 +56,8 @@ _INTEGERS = {np.dtype(np.int32): 2, np.dtype(np.uint32): 2, np.dtype(np.int64): 
 _BYTES = 4
 
 
-def available() -> bool:
-    """Whether this process runs rings with the compiled loop: built, and not turned off (``ENV``)."""
-    return _ringloop is not None and os.environ.get(ENV, "1").strip() != "0"
+#: whether the compiled loop was built here (``Settings.compiled_ring`` may still turn it off)
+BUILT = _ringloop is not None
 
 
 def supports(dtype: np.dtype, op: ReduceOp, bfloat16: bool, reduce_steps: int) -> bool:

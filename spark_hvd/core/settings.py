@@ -113,6 +113,11 @@ class Settings:
         "reduction); 0: none, every tag in the calling thread; 'auto': one less than the cores the rank may use "
         "(its CPU affinity shared among its host's ranks), at most 3, none below 2 cores per rank (off by "
         "default: on 2 shared cores it cost CPU and gained nothing measurable; see [The MAC pool](#the-mac-pool))")
+    compiled_ring: bool = _setting(
+        "SPARK_HVD_COMPILED_RING", None, True, _bool,
+        "run TCP rings in the compiled loop where it was built (`make setup` / pip with a C compiler and Python's "
+        "headers; see [The compiled ring loop](#the-compiled-ring-loop)); a job splits its rings into the compiled "
+        "loop's smaller frames only when every rank has it; false: the Python loop")
 
     autotune: bool = _setting(
         "SPARK_HVD_AUTOTUNE", "HOROVOD_AUTOTUNE", False, _bool,
