@@ -112,7 +112,11 @@ def test_stopping_a_rank_stops_the_processes_that_left_its_group(tmp_path):
     assert proc.stdout is not None and proc.stdin is not None
     mark, child = proc.stdout.readline().split()
     assert mark.startswith("cafe.3.")
-    assert len(_marked(mark)) >= 3  # the rank and its two sleepers
+    # the rank and its two sleepers (``setsid -f`` returns before its child runs: give it the time it takes)
+    deadline = time.monotonic() + 30
+    while len(_marked(mark)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(_marked(mark)) >= 3
     proc.stdin.close()
     err = _finish(proc)
     assert proc.returncode == 143, err  # SIGTERM
