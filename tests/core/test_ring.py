@@ -1,33 +1,42 @@
-"""RingBackend on N = 1..4 spawned ranks, shared-memory and TCP paths: every collective against numpy."""
+"""RingBackend on N = 1..4 spawned ranks, shared-memory and TCP paths: every collective against numpy; the ring's
+exchange loops (``tcp.RingExchange`` and the compiled ``ringloop``) on their own frames."""
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
+import importlib
 import os
+import shutil
 import signal
 import socket
 import struct
+import sysconfig
 import termios
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
 
-from spark_hvd.core import agreed, hier_pipeline, tcp
+from spark_hvd.core import agreed, hier_pipeline, ringloop, tcp
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.mac_pool import MacPool
-from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16
+from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into
 from spark_hvd.core.rendezvous import KVClient
+from spark_hvd.core.ring import even_bounds
 from spark_hvd.core.tcp import (
     SEND_BUFFER_BYTES,
     SPIN_S,
+    PeerAbort,
     PeerSocket,
     PeerWatcher,
+    ProtocolError,
     RingExchange,
     _send_buffer_bytes,
     _tune,
@@ -690,6 +699,295 @@ def test_ring_exchange_reads_nothing_past_frame_0_when_its_answer_ends_the_excha
         feeder.join(30)
         for sock in (sender.sock, writer, reader):
             sock.close()
+
+
+# -- the compiled ring loop (``ringloop``, ``_ringloop.c``) on its own terms: the Python loop's frames, errors, results
+
+needs_compiled_loop = pytest.mark.skipif(
+    ringloop._ringloop is None, reason="the compiled ring loop spark_hvd.core._ringloop is not built here (`make "
+    "setup` builds it where gcc and Python.h are): every ring runs the Python loop, tested above")
+
+
+def test_the_compiled_ring_loop_is_built_wherever_it_can_be():
+    # CI builds the extension (``make setup``): where a compiler and Python's headers are, a build that is missing or
+    # does not import fails here, so a checkout never runs only the fallback unnoticed
+    header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+    if shutil.which("gcc") is None or not os.path.isfile(header):
+        pytest.skip("no gcc or no Python.h here: the compiled ring loop cannot be built, the Python loop runs")
+    try:
+        importlib.import_module("spark_hvd.core._ringloop")
+    except ImportError as exc:
+        pytest.fail(f"spark_hvd.core._ringloop does not import although gcc and {header} are here ({exc}): "
+                    "`make setup` builds it")
+    assert ringloop._ringloop is not None
+
+
+def _frames_of(sizes: list[int], dtype: str, seed: int) -> list[np.ndarray]:
+    """Random frames of ``sizes`` bytes."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << 40, n // 8).astype(dtype) if dtype == "int64" else
+            rng.random(n // np.dtype(dtype).itemsize).astype(dtype) for n in sizes]
+
+
+def _spans(sizes: list[int]) -> list[tuple[int, int]]:
+    at = np.cumsum([0, *sizes]).tolist()
+    return list(zip(at, at[1:], strict=False))
+
+
+@needs_compiled_loop
+def test_compiled_ring_loop_rejects_a_tampered_data_frame():
+    # ``ringloop.run`` checks each frame's tag before it reduces it: the frames before the tampered one are reduced
+    # into place, the tampered one and those after it never are
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sizes = [8192] * 3
+    payloads = _frames_of(sizes, "float32", 1)
+    raw = bytearray(_stream(sender, receiver, payloads))
+    raw[HEADER_SIZE + 1 + sizes[0] + HEADER_SIZE + 1 + 1000] ^= 0x01  # one bit of the second frame's payload
+    writer, reader = socket.socketpair()
+    reader.settimeout(30)
+    receiver.sock = reader
+    writer.sendall(bytes(raw))
+    flat = np.concatenate(_frames_of(sizes, "float32", 2))
+    before = flat.copy()
+    plan = [(0, lo, hi) for lo, hi in _spans(sizes)]
+    try:
+        with pytest.raises(AuthenticationError, match="rank 0"):
+            ringloop.run(receiver, receiver, "test", flat, np.empty(8192, np.uint8), [], plan, 1, 1, ReduceOp.SUM, 2)
+        np.testing.assert_array_equal(flat[:2048], before[:2048] + payloads[0])
+        np.testing.assert_array_equal(flat[2048:], before[2048:])
+        assert receiver.recv_broken
+    finally:
+        for sock in (sender.sock, writer, reader):
+            sock.close()
+
+
+@needs_compiled_loop
+@pytest.mark.parametrize("abort", [False, True], ids=["data", "abort"])
+def test_compiled_ring_loop_reads_frames_split_anywhere(abort):
+    # as ``test_ring_exchange_reads_frames_split_anywhere``, through ``ringloop.run``: frames 0-1 are reduced from the
+    # scratch frame and forwarded (step 0 of 2), frames 2-3 received in place (step 1); whatever the pieces the bytes
+    # arrive in, every frame lands whole and in order, no header is read past the last frame planned (the next
+    # collective's frame stays in the socket), an ABORT whose header came with the frame before still names the rank
+    # it blames, and the forwarded frames carry the reduced bytes under the direction's next counters
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sizes = [4096, 65536, 20480, 65536, 4096]
+    frames = _frames_of(sizes, "int64", 3)
+    expected = 3 if abort else 4  # the ring's frames; the rest is an ABORT or the next collective's frame
+    raw = _stream(sender, receiver, frames[:expected], abort) if abort else _stream(sender, receiver, frames)
+    reader, feeder, writer = _trickle(raw, _cuts(sizes[:expected], 64))
+    reader.settimeout(30)
+    receiver.sock = reader
+    spans = _spans(sizes)
+    flat = np.concatenate(_frames_of(sizes[:4], "int64", 4))
+    want = flat.copy()
+    for k, (lo, hi) in enumerate(spans[:expected]):
+        part = want[lo // 8:hi // 8]
+        part[...] = part + frames[k] if k < 2 else frames[k]
+    plan = [(0 if k < 2 else 1, lo, hi) for k, (lo, hi) in enumerate(spans[:4])]
+    original = sender.sock
+    try:
+        if abort:
+            with pytest.raises(PeerAbort, match="rank 3 failed") as failure:
+                ringloop.run(receiver, receiver, "test", flat, np.empty(65536, np.uint8), [], plan, 1, 2,
+                             ReduceOp.SUM, 2)
+            assert failure.value.rank == 3
+        else:
+            ringloop.run(receiver, receiver, "test", flat, np.empty(65536, np.uint8), [], plan, 1, 2, ReduceOp.SUM, 2)
+            following = np.zeros_like(frames[4])
+            receiver.recv_data_into(memoryview(following).cast("B"), "test")  # the next collective's frame, intact
+            np.testing.assert_array_equal(following, frames[4])
+            feeder.join(30)
+            writer.settimeout(30)
+            sender.sock = writer  # what the loop forwarded, read and checked as the next rank would
+            for lo, hi in spans[:2]:
+                forwarded = np.zeros((hi - lo) // 8, np.int64)
+                sender.recv_data_into(memoryview(forwarded).cast("B"), "test")
+                np.testing.assert_array_equal(forwarded, want[lo // 8:hi // 8])
+        np.testing.assert_array_equal(flat, want)
+    finally:
+        feeder.join(30)
+        for sock in (original, writer, reader):
+            sock.close()
+
+
+@needs_compiled_loop
+@pytest.mark.parametrize("fault", ["size", "closed"])
+def test_compiled_ring_loop_names_the_peer_of_a_broken_stream(fault):
+    # a frame of another size than planned (the ranks disagree on the collective): ProtocolError naming the rank,
+    # before a byte of its payload is used; a peer that closes mid-frame: PeerFailureError naming it
+    secret = make_secret()
+    sender, receiver = _peer_pair(secret, secret)
+    sizes = [8192, 16384 if fault == "size" else 8192]
+    payloads = _frames_of(sizes, "float64", 5)
+    raw = _stream(sender, receiver, payloads)
+    writer, reader = socket.socketpair()
+    reader.settimeout(30)
+    receiver.sock = reader
+    if fault == "closed":
+        writer.sendall(raw[:len(raw) - 3000])  # frame 1's header and part of its payload, then the end
+        writer.shutdown(socket.SHUT_WR)
+    else:
+        writer.sendall(raw)
+    flat = np.concatenate(_frames_of([8192, 8192], "float64", 6))
+    before = flat.copy()
+    plan = [(0, lo, hi) for lo, hi in _spans([8192, 8192])]
+    error, match = (ProtocolError, "rank 0 sent 16384 bytes where 8192 were expected") if fault == "size" else \
+        (PeerFailureError, "connection to rank 0 failed")
+    try:
+        with pytest.raises(error, match=match) as failure:
+            ringloop.run(receiver, receiver, "test", flat, np.empty(8192, np.uint8), [], plan, 1, 1, ReduceOp.SUM, 2)
+        if fault == "closed":
+            assert failure.value.rank == 0
+        np.testing.assert_array_equal(flat[:1024], before[:1024] + payloads[0])
+        np.testing.assert_array_equal(flat[1024:], before[1024:])
+        assert receiver.recv_broken
+    finally:
+        for sock in (sender.sock, writer, reader):
+            sock.close()
+
+
+def _ring_plan(p: int, n: int, bounds: list[int], sub: int, reduce_steps: int,
+               total: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """Ring position ``p``'s first frames and receive plan (``RingBackend._ring``) for chunks at byte ``bounds``."""
+    shift = 1 if reduce_steps else 0
+
+    def pieces(chunk: int) -> list[tuple[int, int]]:
+        lo, hi = bounds[chunk], bounds[chunk + 1]
+        return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
+
+    return pieces((p - shift) % n), [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+
+
+def _python_ring(peer: PeerSocket, flat: np.ndarray, first: list[tuple[int, int]], plan: list[tuple[int, int, int]],
+                 reduce_steps: int, total: int, op: ReduceOp, n: int) -> None:
+    """What ``ringloop.run`` does, with the Python loop (``RingBackend._ring`` without the compiled loop)."""
+    item, raw = flat.itemsize, flat.view(np.uint8)
+    scratch = memoryview(np.empty(max(hi - lo for _, lo, hi in plan), np.uint8))
+    receives = [scratch[:hi - lo] if t < reduce_steps else memoryview(raw[lo:hi]) for t, lo, hi in plan]
+
+    def received(i: int) -> memoryview | None:
+        t, lo, hi = plan[i]
+        if t < reduce_steps:
+            part = flat[lo // item:hi // item]
+            reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), ReduceOp.SUM)
+            if op is ReduceOp.AVERAGE and t == reduce_steps - 1:
+                divide_average(part, n)
+        return memoryview(raw[lo:hi]) if t + 1 < total else None
+
+    RingExchange(peer, peer, "test").run([memoryview(raw[lo:hi]) for lo, hi in first], receives, received)
+
+
+def _in_threads(*calls: Callable[[], object]) -> None:
+    """Run each of ``calls`` in a thread of its own; raise the first one's error."""
+    errors: list[BaseException] = []
+
+    def call(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(fn,), daemon=True) for fn in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a ring loop did not return within 60 s"
+    if errors:
+        raise errors[0]
+
+
+@needs_compiled_loop
+@pytest.mark.parametrize("compiled_rank", [0, 1])
+def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank):
+    # one rank of a two-rank ring runs ``ringloop.run``, the other the Python loop, on one TCP connection, both
+    # holding to ``RUN_AHEAD_BYTES`` (here 64 KiB) ahead of each other: an allreduce SUM of float32 and AVERAGE of
+    # float64 (odd sizes, several 16 KiB frames per chunk) and an allgather in a row (the frame counters carry over),
+    # bit for bit numpy's (two ranks: one addition per element, the same in either loop)
+    for module in (tcp, ringloop):
+        monkeypatch.setattr(module, "RUN_AHEAD_BYTES", 64 * 1024)
+    monkeypatch.setattr(tcp, "LOSS_BASED_CONGESTION", frozenset())
+    secret = make_secret()
+    to_rank_1, to_rank_0 = _peer_pair(secret, secret, tcp=True)  # rank 0's socket to rank 1, rank 1's to rank 0
+    peers = [to_rank_1, to_rank_0]
+    rng = np.random.default_rng(compiled_rank)
+    try:
+        for dtype, op, count, reduce_steps, gather_steps in (("float32", ReduceOp.SUM, 30_001, 1, 1),
+                                                             ("float64", ReduceOp.AVERAGE, 20_003, 1, 1),
+                                                             ("uint8", ReduceOp.SUM, 50_001, 0, 1)):
+            data = [rng.random(count).astype(dtype) if dtype != "uint8" else
+                    rng.integers(0, 256, count, dtype=np.uint8) for _ in range(2)]
+            bounds = [b * data[0].itemsize for b in even_bounds(count, 2)]
+            flats = [d.copy() for d in data]
+            if not reduce_steps:  # an allgather: each rank holds its own chunk
+                flats[0][bounds[1]:] = 0
+                flats[1][:bounds[1]] = 0
+            total = reduce_steps + gather_steps
+            plans = [_ring_plan(r, 2, bounds, 16 * 1024, reduce_steps, total) for r in range(2)]
+            scratch = np.empty(16 * 1024 if reduce_steps else 0, np.uint8)
+            _in_threads(*[functools.partial(ringloop.run, peers[r], peers[r], "test", flats[r], scratch, *plans[r],
+                                            reduce_steps, total, op, 2) if r == compiled_rank else
+                          functools.partial(_python_ring, peers[r], flats[r], *plans[r], reduce_steps, total, op, 2)
+                          for r in range(2)])
+            if dtype == "uint8":
+                want = np.concatenate([data[0][:bounds[1]], data[1][bounds[1]:]])
+            else:
+                want = data[0] + data[1]
+                if op is ReduceOp.AVERAGE:
+                    want /= 2
+            for r in range(2):
+                np.testing.assert_array_equal(flats[r], want, err_msg=f"{dtype} {op} rank {r}")
+    finally:
+        for peer in peers:
+            peer.sock.close()
+
+
+def _mixed_loop_collectives(seed: int) -> dict:
+    """Allreduces above the recursive-doubling size (so on the ring) and an allgather, checked against numpy;
+    compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that disagreed on the frame
+    layout would fail with ``ProtocolError``."""
+    ringloop.FRAME_BYTES = 16 * 1024
+    be = backend_from_env({**SMALL, "mac_min_bytes": 4096})
+    digest = hashlib.sha256()
+    try:
+        for dtype, op, count in (("float32", ReduceOp.SUM, 60_001), ("float32", ReduceOp.AVERAGE, 60_001),
+                                 ("float64", ReduceOp.SUM, 30_001), ("float64", ReduceOp.AVERAGE, 30_001),
+                                 ("int64", ReduceOp.SUM, 30_001)):
+            buf = _data(seed, be.rank, count, dtype)
+            be.allreduce(buf, op)
+            _close(buf, _expected([_data(seed, k, count, dtype) for k in range(be.size)], op, dtype), dtype,
+                   f"allreduce {dtype} {op} n={count}")
+            digest.update(buf.tobytes())
+
+        def rows(k: int) -> np.ndarray:
+            return _data(seed + 1, k, (k + 1) * 20_001, "float32").reshape(-1, 3)
+
+        got = be.allgather(rows(be.rank))
+        np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(be.size)]))
+        return {"transport": be.transport, "compiled": be._compiled, "mac": be._mac is not None,
+                "digest": digest.hexdigest()}
+    finally:
+        be.close()
+
+
+@needs_compiled_loop
+def test_ranks_with_and_without_the_compiled_loop_share_a_ring():
+    # np=3 over TCP: rank 1 has a MAC pool (so it runs the Python loop, on the compiled loop's frame layout since every
+    # rank has the compiled loop), ranks 0 and 2 the compiled loop; then a job where rank 2 turns the compiled loop
+    # off (SPARK_HVD_COMPILED_RING=false: no rank uses its layout). Same data: the same bits in both jobs (the same
+    # additions in the same order, whichever loop made them)
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    base = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"}
+    mixed = run_ranks(_mixed_loop_collectives, 3, env=lambda r: {**base, "SPARK_HVD_MAC_THREADS": str(int(r == 1))},
+                      timeout=120, args=(seed,))
+    assert [(res["transport"], res["compiled"], res["mac"]) for res in mixed] == [("tcp", True, r == 1)
+                                                                                  for r in range(3)]
+    off = run_ranks(_mixed_loop_collectives, 3, timeout=120, args=(seed,),
+                    env=lambda r: {**base, "SPARK_HVD_COMPILED_RING": "false" if r == 2 else "true"})
+    assert [(res["transport"], res["compiled"]) for res in off] == [("tcp", False)] * 3
+    assert len({res["digest"] for res in mixed + off}) == 1
 
 
 def _close_after(sender: PeerSocket, bye: bool) -> None:
