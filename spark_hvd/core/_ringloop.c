@@ -386,9 +386,9 @@ static void run_ring(Ring *r, PyThreadState **thread) {
         short in_ev = reading ? POLLIN : 0, out_ev = sending ? POLLOUT : 0;
         if (same) {
             fds[nfds].fd = r->out_fd; fds[nfds].events = in_ev | out_ev; fds[nfds].revents = 0; nfds++;
-        } else {
-            fds[nfds].fd = r->in_fd; fds[nfds].events = in_ev; fds[nfds].revents = 0; nfds++;
-            fds[nfds].fd = r->out_fd; fds[nfds].events = out_ev; fds[nfds].revents = 0; nfds++;
+        } else { /* a side with nothing to wait for is left out (fd -1): poll reports a hang-up asked or not */
+            fds[nfds].fd = in_ev ? r->in_fd : -1; fds[nfds].events = in_ev; fds[nfds].revents = 0; nfds++;
+            fds[nfds].fd = out_ev ? r->out_fd : -1; fds[nfds].events = out_ev; fds[nfds].revents = 0; nfds++;
         }
         int64_t wait_ms = r->timeout_ms - (now - last);
         if (wait_ms > 1000) wait_ms = 1000;
