@@ -287,14 +287,15 @@ def test_pair_exchange_in_several_frames():
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
-def _agreed_allreduces(seed: int, mac: bool) -> str:
+def _agreed_allreduces(seed: int, mac_ranks: tuple[int, ...]) -> str:
     """``allreduce_agreed`` (two ranks over TCP, the flag as the data's first frame) with each rank agreeing or
     not, exchanged whole (3001 elements) and on the ring (200_003, odd: unequal halves, several frames each);
-    ``mac``: frames from 4 KiB checked on the MAC pool, several received ahead of their checks."""
-    be = backend_from_env({**SMALL, "mac_min_bytes": 4096} if mac else SMALL)
+    ``mac_ranks``: the ranks whose frames from 4 KiB are checked on the MAC pool, several received ahead of their
+    checks (the Python loop, where a rank without the pool runs the compiled loop if built: the same frames)."""
+    be = backend_from_env({**SMALL, "mac_min_bytes": 4096})
     digest = hashlib.sha256()
     try:
-        assert be.agrees_in_band and (be._mac is not None) == mac
+        assert be.agrees_in_band and (be._mac is not None) == (be.rank in mac_ranks)
         # early frames (sent before the other's header): on the ring (7 frames per half) all of them, one, none
         ops = (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX))
         for count, eager, cases in ((3001, agreed.EAGER_BYTES, ops), (200_003, agreed.EAGER_BYTES, ops),
@@ -325,11 +326,16 @@ def _agreed_allreduces(seed: int, mac: bool) -> str:
         be.close()
 
 
-@pytest.mark.parametrize("mac", [False, True], ids=["inline", "mac-pool"])
-def test_agreed_allreduce_reduces_only_when_both_ranks_agree(mac):
+@pytest.mark.parametrize("mac_ranks", [(), (0, 1), (1,)], ids=["inline", "mac-pool", "mixed"])
+def test_agreed_allreduce_reduces_only_when_both_ranks_agree(mac_ranks):
+    # mixed: rank 0 runs the ring in the compiled loop (where built), rank 1 in the Python loop (its MAC pool)
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
-    env = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_MAC_THREADS": "2" if mac else "0"}
-    digests = run_ranks(_agreed_allreduces, 2, env=env, timeout=120, args=(seed, mac))
+
+    def env(rank: int) -> dict[str, str]:
+        return {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60",
+                "SPARK_HVD_MAC_THREADS": "2" if rank in mac_ranks else "0"}
+
+    digests = run_ranks(_agreed_allreduces, 2, env=env, timeout=120, args=(seed, mac_ranks))
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
