@@ -167,6 +167,7 @@ typedef struct {
     int status;
     long long detail;
     Py_ssize_t index;      /* frames received so far (the failing one on error) */
+    int mid_send;          /* a frame was started (its counter taken) and not wholly handed to the kernel */
     unsigned char head[HEAD_SIZE];
 } Ring;
 
@@ -413,13 +414,14 @@ static void run_ring(Ring *r, PyThreadState **thread) {
 done:
     if (lowat != 1) set_lowat(r, &lowat, 1);
     r->index = index;
+    r->mid_send = n_pending > 0;
     PyMem_RawFree(queue);
 }
 
 PyDoc_STRVAR(ring_doc,
 "ring(out_fd, in_fd, out_mac, out_counter, in_mac, in_counter, buf, scratch, first, plan, reduce_steps,\n"
 "     total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min)\n"
-"-> (status, detail, out_counter, in_counter, frames_received, header)\n\n"
+"-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
 "(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt. Releases the GIL but to tag.");
 
@@ -460,8 +462,9 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     run_ring(&r, &thread);
     PyEval_RestoreThread(thread);
     if (r.status == ST_RAISED) goto out; /* the exception is set */
-    result = Py_BuildValue("iLKKny#", r.status, r.detail, (unsigned long long)r.out_counter,
-                           (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE);
+    result = Py_BuildValue("iLKKny#O", r.status, r.detail, (unsigned long long)r.out_counter,
+                           (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
+                           r.mid_send ? Py_True : Py_False);
 out:
     PyBuffer_Release(&buf);
     PyBuffer_Release(&scratch);

@@ -1,8 +1,8 @@
 """The ring's pipelined exchange loop, compiled: ``_ringloop.c``, where it was built, with ``tcp.RingExchange`` (the
 same frames in Python) as the fallback.
 
-``pip install`` / ``make setup`` build the extension where a C compiler and OpenSSL's headers are found (Debian's
-``build-essential`` and ``libssl-dev``); elsewhere the build is skipped and every ring runs the Python loop. Both
+``pip install`` / ``make setup`` build the extension where a C compiler and Python's headers are found (Debian's
+``build-essential`` and ``python3-dev``); elsewhere the build is skipped and every ring runs the Python loop. Both
 loops speak the same frames, tags and run-ahead rule, so ranks may run either. What differs is the frame size: the
 compiled loop's cost per frame is a few microseconds (no GIL, no Python per frame) where the Python loop's is ~20-30,
 so where every rank of a job has the compiled loop (agreed at setup, ``RingBackend``), rings split their chunks
@@ -97,7 +97,7 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
     timeout_ms = int(max(out.timeout_s, recv.timeout_s) * 1000)
     with out.send_lock:
         try:
-            status, detail, sending.counter, receiving.counter, index, head = _ringloop.ring(
+            status, detail, sending.counter, receiving.counter, index, head, mid_send = _ringloop.ring(
                 out.sock.fileno(), recv.sock.fileno(), sending.gmac, sending.counter, receiving.gmac,
                 receiving.counter, flat.view(np.uint8), scratch, spans, frames, reduce_steps, total_steps, code,
                 1 if op is ReduceOp.AVERAGE else 0, ranks, timeout_ms, ahead, RUN_AHEAD_WAIT_MS, lowat_cap,
@@ -107,6 +107,8 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
             raise
     if status == _OK:
         return
+    if mid_send:  # a frame is half-sent: anything sent after it (an ABORT) would land inside it
+        out.send_broken = True
     if status == _TIMEOUT:
         waiting = recv if detail == 0 else out
         raise waiting._fail(TimeoutError("no progress"), operation)

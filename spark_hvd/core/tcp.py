@@ -780,6 +780,10 @@ class RingExchange:
                 if trace is not None:
                     trace += [(time.perf_counter_ns(), "end", 0, 0), (time.perf_counter_ns(), "tcp", 0,
                                                                        tcp_state(out.sock))]
+            except BaseException:
+                if pending:  # a frame is half-sent: anything sent after it (an ABORT) would land inside it
+                    out.send_broken = True
+                raise
             finally:
                 for _, _, job in itertools.chain(queue_out, checking):
                     if job is not None:  # an error ends the run: nothing will read these

@@ -854,6 +854,32 @@ def test_compiled_ring_loop_names_the_peer_of_a_broken_stream(fault):
             sock.close()
 
 
+@pytest.mark.parametrize("loop", ["python", "compiled"])
+def test_a_frame_left_half_sent_marks_the_send_side_broken(loop):
+    # the receive side fails while a frame is half-sent: anything sent after it (an ABORT naming the culprit) would
+    # land inside that frame and fail the peer's check, so either loop marks the send side broken (send_abort
+    # then skips it)
+    if loop == "compiled" and ringloop._ringloop is None:
+        pytest.skip("the compiled ring loop is not built here")
+    secret = make_secret()
+    out, stalled = _peer_pair(secret, secret)  # nobody reads ``stalled``: a large frame stays half-sent
+    left, inbound = _peer_pair(secret, secret)
+    left.sock.shutdown(socket.SHUT_WR)  # the left neighbour goes away
+    flat = np.zeros(4 << 20, np.float32)
+    try:
+        with pytest.raises(PeerFailureError, match="rank 0"):
+            if loop == "compiled":
+                ringloop.run(out, inbound, "test", flat, np.empty(0, np.uint8), [(0, flat.nbytes)], [(0, 0, 64)], 0,
+                             1, ReduceOp.SUM, 2)
+            else:
+                RingExchange(out, inbound, "test").run([memoryview(flat).cast("B")], [memoryview(bytearray(64))],
+                                                       lambda i: None)
+        assert out.send_broken and inbound.recv_broken
+    finally:
+        for peer in (out, stalled, left, inbound):
+            peer.sock.close()
+
+
 def _ring_plan(p: int, n: int, bounds: list[int], sub: int, reduce_steps: int,
                total: int) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
     """Ring position ``p``'s first frames and receive plan (``RingBackend._ring``) for chunks at byte ``bounds``."""
