@@ -35,6 +35,13 @@ _HEADER = np.dtype("<i8")
 #: A rank that agrees sends this much of its data before it has the other's header (its early frames): enough
 #: to keep its link busy while the other rank catches up (at 2 Gbit/s, 16 ms), and all a miss costs.
 EAGER_BYTES = 4 * 1024 * 1024
+#: In a job whose rings use the compiled loop's frames (``ringloop``) a rank sends no early frames: its header,
+#: then the whole ring in the compiled loop once the answer is in, under the run-ahead rule from its first byte.
+#: Early frames sent before the compiled loop took over went out of that rule's count (the rank ran 4 MiB ahead of
+#: its peer): 16 MiB at np=2 across two simulated hosts at 2 Gbit/s took 71.2 ms against 70.1 with none (the
+#: wire's floor), 64 MiB 281.7 against 280.7 (8 rounds interleaved, load ~1). Every rank of such a job uses this,
+#: whichever loop it runs, so the frames a miss leaves to drain agree.
+COMPILED_EAGER_BYTES = 0
 
 
 def _header(agree: bool, nbytes: int) -> np.ndarray:
@@ -52,7 +59,7 @@ CompiledRing = Callable[[list[tuple[int, int]], list[tuple[int, int, int]]], Non
 
 def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, agree: bool, op: ReduceOp,
               bfloat16: bool, scratch: Callable[[int], np.ndarray], sub: int, pair: bool,
-              compiled: CompiledRing | None = None) -> bool:
+              compiled: CompiledRing | None = None, eager_bytes: int = EAGER_BYTES) -> bool:
     """Allreduce ``flat`` with the other of two ranks if both ``agree``; True then (``flat`` holds the result).
 
     ``agree`` False: ``flat`` is only a template (its size and dtype), never read or written. On a miss (either
@@ -67,7 +74,9 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
     of the first chunk at once and each reduced frame as soon as it is reduced, as the ring sends them.
 
     ``compiled`` (the ring only): the headers and the early frames go as above, in ``exchange``; once both
-    headers said yes, the rest of the ring runs in the compiled loop (the same frames).
+    headers said yes, the rest of the ring runs in the compiled loop (the same frames). ``eager_bytes``: how much
+    an agreeing rank sends before the answer (the same on every rank: ``COMPILED_EAGER_BYTES`` in a job on the
+    compiled loop's frames).
     """
     nbytes = flat.nbytes
     peer, operation = exchange.recv_peer, exchange.operation
@@ -89,7 +98,7 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         reduce_spans = _pieces(*chunks[rank], sub)
         in_spans = reduce_spans + out_spans  # the other's copy of chunk ``rank``, then chunk ``1 - rank`` reduced
         got = scratch(sub * window)
-        early = -(-EAGER_BYTES // sub)
+        early = -(-eager_bytes // sub)
         eager_out, eager_in = min(len(out_spans), early), min(len(reduce_spans), early)
 
     if compiled is not None and not pair:

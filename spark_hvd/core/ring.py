@@ -640,7 +640,7 @@ class RingBackend(Backend):
                 ringloop.run(peer, peer, "allreduce", flat, self._scratch_bytes(sub), first, plan, 1, 2, op, 2)
 
         return agreed.allreduce(exchange, self._window, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
-                                pair, ring)
+                                pair, ring, agreed.COMPILED_EAGER_BYTES if compiled else agreed.EAGER_BYTES)
 
     @_collective("allgather")
     def allgather(self, buf: np.ndarray) -> np.ndarray:
