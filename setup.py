@@ -5,7 +5,8 @@ The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd
 - Declared only when its source is in the tree, so a checkout without it installs as pure Python.
 - ``optional=True``: a failed compile or link (no gcc, no Python headers) prints a warning and the install goes
   on; ``spark_hvd.core`` then imports no ``_ringloop`` and runs its Python loop. It links no library of its own:
-  frames are tagged by the ``cryptography`` package the Python loop uses.
+  frames are tagged by the ``cryptography`` package the Python loop uses, or by the system's libcrypto, loaded at
+  run time where it is found.
 - ``pip install -e .`` (PEP 660, what ``make setup`` runs) builds it in place: the ``.so`` lands beside the
   ``.c`` in spark_hvd/core/, where the editable install imports it from. Each install compiles afresh (pip
   builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer

@@ -4,13 +4,17 @@
  * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
  * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC
  * tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in place (allgather
- * steps), and queues it for the next step. Without the GIL and at a few microseconds a frame, frames can be small
- * enough to stay in the core's cache from the kernel's copy through the tag, the reduction and the send (the Python
- * loop needs large frames to amortise its ~20-30 us a frame).
+ * steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is ~20-30 us) frames
+ * can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to 2 MiB (ringloop.py).
  *
- * Tags: the caller passes each direction's MAC function, ``cryptography``'s ``AESGCM.encrypt`` (its bundled
- * OpenSSL hashes with the widest carry-less multiply the CPU has: ~22 GB/s here, where the system's OpenSSL 3.0
- * ran at ~8.7), called once a frame with the GIL taken for the call (it hashes without the GIL).
+ * Tags, two ways to the same AES-256-GCM tag:
+ * - the caller's MAC function, ``cryptography``'s ``AESGCM.encrypt`` (its bundled OpenSSL hashes with the widest
+ *   carry-less multiply the CPU has: ~22 GB/s here), called once a frame with the GIL taken for the call;
+ * - the system's libcrypto (dlopen'ed, no build dependency: Python's own ssl module links it), without the GIL
+ *   (OpenSSL 3.0's GHASH ran at ~8.7 GB/s here).
+ * The first is the default; a wait of more than GIL_WAIT_NS for the GIL (another thread of the process runs Python:
+ * it would hand the GIL back only after its switch interval, 5 ms, per frame) switches the process to the second
+ * for GIL_FREE_NS, after which the GIL is tried again. Without libcrypto the GIL is always taken.
  *
  * Wire format (spark_hvd.core.wire): length (8 bytes, big-endian, payload + 1) | tag (16) | type byte | payload.
  * A DATA frame's tag is AES-256-GCM's tag under the direction's data key, nonce = 4 zero bytes | the direction's
@@ -23,6 +27,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdint.h>
@@ -46,6 +51,7 @@ enum status {
     ST_EMPTY = 7,     /* a frame announcing no type byte */
     ST_NOMEM = 8,     /* no memory for the send queue */
     ST_RAISED = 9,    /* a signal handler or the MAC function raised (the exception is set) */
+    ST_CRYPTO = 10,   /* libcrypto failed */
 };
 
 enum dtype { DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4 };
@@ -101,14 +107,88 @@ static void divide(int dtype, unsigned char *acc, long n, size_t nbytes) {
 }
 
 /* -- tags ------------------------------------------------------------------------------------------------------ */
-/* The tag of the frame numbered ``counter`` whose plaintext is ``length_kind`` (length | type byte) and whose
- * payload is ``len`` bytes at ``payload``: the last 16 bytes of ``mac(nonce, length_kind, payload)``, called with
- * the GIL (taken and released again around the call). 0 on success, -1 with the exception set. */
-static int tag_frame(PyObject *mac, uint64_t counter, const unsigned char *length_kind, unsigned char *payload,
-                     size_t len, unsigned char *tag, PyThreadState **thread) {
-    unsigned char iv[12] = {0};
+#define GIL_WAIT_NS 100000LL      /* a longer wait for the GIL means another thread holds it: 0.1 ms */
+#define GIL_FREE_NS 1000000000LL  /* then tag without the GIL for 1 s */
+#define EVP_CTRL_GCM_GET_TAG_ 0x10
+
+/* the few libcrypto functions used (a stable ABI since OpenSSL 1.1), resolved at first use */
+typedef struct evp_ctx EVP_CTX;
+static struct {
+    int tried, ok;
+    const void *(*aes_256_gcm)(void);
+    EVP_CTX *(*ctx_new)(void);
+    void (*ctx_free)(EVP_CTX *);
+    int (*init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *);
+    int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
+    int (*final)(EVP_CTX *, unsigned char *, int *);
+    int (*ctrl)(EVP_CTX *, int, int, void *);
+} crypto;
+
+static int64_t gil_free_until; /* process-wide: tag without the GIL until then (CLOCK_MONOTONIC ns) */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* called with the GIL held (module functions), so once */
+static int crypto_load(void) {
+    if (crypto.tried) return crypto.ok;
+    crypto.tried = 1;
+    const char *names[] = {"libcrypto.so.3", "libcrypto.so", "libcrypto.so.1.1"};
+    void *lib = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof *names && !lib; i++) lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 0;
+    *(void **)&crypto.aes_256_gcm = dlsym(lib, "EVP_aes_256_gcm");
+    *(void **)&crypto.ctx_new = dlsym(lib, "EVP_CIPHER_CTX_new");
+    *(void **)&crypto.ctx_free = dlsym(lib, "EVP_CIPHER_CTX_free");
+    *(void **)&crypto.init = dlsym(lib, "EVP_EncryptInit_ex");
+    *(void **)&crypto.update = dlsym(lib, "EVP_EncryptUpdate");
+    *(void **)&crypto.final = dlsym(lib, "EVP_EncryptFinal_ex");
+    *(void **)&crypto.ctrl = dlsym(lib, "EVP_CIPHER_CTX_ctrl");
+    crypto.ok = crypto.aes_256_gcm && crypto.ctx_new && crypto.ctx_free && crypto.init && crypto.update
+                && crypto.final && crypto.ctrl;
+    return crypto.ok;
+}
+
+static EVP_CTX *crypto_ctx(const unsigned char *key) {
+    if (!crypto_load()) return NULL;
+    EVP_CTX *ctx = crypto.ctx_new();
+    if (ctx && crypto.init(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
+        crypto.ctx_free(ctx);
+        ctx = NULL;
+    }
+    return ctx;
+}
+
+static void nonce_of(uint64_t counter, unsigned char iv[12]) {
+    memset(iv, 0, 12);
     for (int i = 0; i < 8; i++) iv[4 + i] = (unsigned char)(counter >> (56 - 8 * i));
-    PyEval_RestoreThread(*thread);
+}
+
+/* the tag by libcrypto, without the GIL; 0 on success */
+static int tag_by_crypto(EVP_CTX *ctx, uint64_t counter, const unsigned char *length_kind,
+                         const unsigned char *payload, size_t len, unsigned char *tag) {
+    unsigned char iv[12], out[32];
+    int outl;
+    nonce_of(counter, iv);
+    if (crypto.init(ctx, NULL, NULL, NULL, iv) != 1) return -1;
+    while (len) {
+        int piece = len > (1u << 30) ? (1 << 30) : (int)len;
+        if (crypto.update(ctx, NULL, &outl, payload, piece) != 1) return -1;
+        payload += piece;
+        len -= (size_t)piece;
+    }
+    if (crypto.update(ctx, out, &outl, length_kind, 9) != 1 || crypto.final(ctx, out, &outl) != 1) return -1;
+    return crypto.ctrl(ctx, EVP_CTRL_GCM_GET_TAG_, TAG_SIZE, tag) == 1 ? 0 : -1;
+}
+
+/* the tag by the caller's MAC function (``mac(nonce, length_kind, payload)``'s last 16 bytes), the GIL held */
+static int tag_by_python(PyObject *mac, uint64_t counter, const unsigned char *length_kind, unsigned char *payload,
+                         size_t len, unsigned char *tag) {
+    unsigned char iv[12];
+    nonce_of(counter, iv);
     int rc = -1;
     PyObject *nonce = PyBytes_FromStringAndSize((const char *)iv, 12);
     PyObject *plain = PyBytes_FromStringAndSize((const char *)length_kind, 9);
@@ -130,6 +210,25 @@ static int tag_frame(PyObject *mac, uint64_t counter, const unsigned char *lengt
     Py_XDECREF(view);
     Py_XDECREF(plain);
     Py_XDECREF(nonce);
+    return rc;
+}
+
+enum mac_mode { MAC_AUTO = 0, MAC_NO_GIL = 1, MAC_GIL = 2 };
+
+/* The tag of the frame numbered ``counter`` whose plaintext is ``length_kind`` (length | type byte) and whose
+ * payload is ``len`` bytes at ``payload`` (see the top of this file for the two ways). 0 on success; -1 with a
+ * Python exception set (the MAC function raised), -2 when libcrypto failed. */
+static int tag_frame(int mode, PyObject *mac, EVP_CTX *ctx, uint64_t counter, const unsigned char *length_kind,
+                     unsigned char *payload, size_t len, unsigned char *tag, PyThreadState **thread) {
+    if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
+                                                                                          __ATOMIC_RELAXED))))
+        return tag_by_crypto(ctx, counter, length_kind, payload, len, tag) == 0 ? 0 : -2;
+    int64_t asked = now_ns();
+    PyEval_RestoreThread(*thread);
+    int64_t got = now_ns();
+    if (ctx && mode == MAC_AUTO && got - asked > GIL_WAIT_NS)
+        __atomic_store_n(&gil_free_until, got + GIL_FREE_NS, __ATOMIC_RELAXED);
+    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
     *thread = PyEval_SaveThread();
     return rc;
 }
@@ -152,8 +251,9 @@ static int64_t now_ms(void) {
 
 /* -- the loop -------------------------------------------------------------------------------------------------- */
 typedef struct {
-    int out_fd, in_fd;
+    int out_fd, in_fd, mac_mode;
     PyObject *out_mac, *in_mac;
+    EVP_CTX *out_ctx, *in_ctx; /* NULL without libcrypto */
     uint64_t out_counter, in_counter;
     unsigned char *buf, *scratch;
     const int64_t *first;  /* (lo, hi) byte ranges of buf sent first */
@@ -215,9 +315,10 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 out_head[HEAD_SIZE - 1] = DATA_KIND;
                 memcpy(out_length_kind, out_head, 8);
                 out_length_kind[8] = DATA_KIND;
-                if (tag_frame(r->out_mac, r->out_counter, out_length_kind, r->buf + lo, (size_t)(hi - lo), out_head + 8,
-                              thread) < 0) {
-                    r->status = ST_RAISED;
+                int tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, r->buf + lo,
+                                       (size_t)(hi - lo), out_head + 8, thread);
+                if (tagged < 0) {
+                    r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
                     goto done;
                 }
                 r->out_counter++;
@@ -337,8 +438,10 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 if (target_len >= (size_t)r->lowat_min) { recv_dry = 1; can_recv = 0; }
             }
             /* frame `index` is complete: check its tag before anything uses it */
-            if (tag_frame(r->in_mac, r->in_counter, in_length_kind, target, target_len, tag, thread) < 0) {
-                r->status = ST_RAISED;
+            int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target, target_len,
+                                   tag, thread);
+            if (tagged < 0) {
+                r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
                 goto done;
             }
             unsigned char diff = 0; /* in constant time */
@@ -419,11 +522,13 @@ done:
 }
 
 PyDoc_STRVAR(ring_doc,
-"ring(out_fd, in_fd, out_mac, out_counter, in_mac, in_counter, buf, scratch, first, plan, reduce_steps,\n"
-"     total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min)\n"
+"ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
+"     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
+"     lowat_min, mac_mode)\n"
 "-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
-"(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt. Releases the GIL but to tag.");
+"(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
+"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function.");
 
 static PyObject *ring(PyObject *self, PyObject *args) {
     (void)self;
@@ -432,12 +537,27 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     long ranks;
     long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
     PyObject *out_mac, *in_mac;
-    Py_buffer buf, scratch, first, plan;
-    if (!PyArg_ParseTuple(args, "iiOKOKw*w*y*y*iiiilLLLLLL", &out_fd, &in_fd, &out_mac, &out_counter, &in_mac,
-                          &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps, &dtype, &op,
-                          &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail, &lowat_min))
+    Py_buffer out_key, in_key, buf, scratch, first, plan;
+    int mac_mode;
+    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLi", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
+                          &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps,
+                          &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail,
+                          &lowat_min, &mac_mode))
         return NULL;
     PyObject *result = NULL;
+    EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
+    if (out_key.len != 32 || in_key.len != 32) {
+        PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
+        goto out;
+    }
+    if (mac_mode != MAC_GIL) {
+        out_ctx = crypto_ctx(out_key.buf);
+        in_ctx = out_ctx ? crypto_ctx(in_key.buf) : NULL;
+        if (!in_ctx && mac_mode == MAC_NO_GIL) {
+            PyErr_SetString(PyExc_RuntimeError, "libcrypto (OpenSSL) could not be loaded or set up");
+            goto out;
+        }
+    }
     Py_ssize_t n_first = first.len / (Py_ssize_t)(2 * sizeof(int64_t)), n_recv = plan.len / (Py_ssize_t)(3 * sizeof(int64_t));
     const int64_t *f = first.buf, *p = plan.buf;
     for (Py_ssize_t i = 0; i < n_first; i++)
@@ -452,7 +572,8 @@ static PyObject *ring(PyObject *self, PyObject *args) {
             goto out;
         }
     Ring r = {0};
-    r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac;
+    r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
+    if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
     r.out_counter = out_counter; r.in_counter = in_counter;
     r.buf = buf.buf; r.scratch = scratch.buf; r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
     r.reduce_steps = reduce_steps; r.total_steps = total_steps; r.dtype = dtype; r.op = op; r.ranks = ranks;
@@ -466,6 +587,10 @@ static PyObject *ring(PyObject *self, PyObject *args) {
                            (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
                            r.mid_send ? Py_True : Py_False);
 out:
+    if (out_ctx) crypto.ctx_free(out_ctx);
+    if (in_ctx) crypto.ctx_free(in_ctx);
+    PyBuffer_Release(&out_key);
+    PyBuffer_Release(&in_key);
     PyBuffer_Release(&buf);
     PyBuffer_Release(&scratch);
     PyBuffer_Release(&first);

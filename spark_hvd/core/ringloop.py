@@ -4,10 +4,11 @@ same frames in Python) as the fallback.
 ``pip install`` / ``make setup`` build the extension where a C compiler and Python's headers are found (Debian's
 ``build-essential`` and ``python3-dev``); elsewhere the build is skipped and every ring runs the Python loop. Both
 loops speak the same frames, tags and run-ahead rule, so ranks may run either. What differs is the frame size: the
-compiled loop's cost per frame is a few microseconds (no GIL, no Python per frame) where the Python loop's is ~20-30,
+compiled loop's cost per frame is a few microseconds (no Python but for the tag) where the Python loop's is ~20-30,
 so where every rank of a job has the compiled loop (agreed at setup, ``RingBackend``), rings split their chunks
-into frames of at most ``FRAME_BYTES``, small enough that a frame stays in the core's cache from the kernel's copy
-through its tag, its reduction and its send (issue 23's CPU per byte at the link-bound rate).
+into frames of at most ``FRAME_BYTES`` (issue 23's CPU per byte at the link-bound rate: np=2 across two simulated
+hosts at 2 Gbit/s, 12 rounds interleaved, CPU per call per rank at 16 / 64 MiB: 7.5 / 27.0 ms against 9.3 / 34.8
+for the Python loop and 9.4 / 33.1 for gloo, on the wire's floor).
 
 The compiled loop reduces SUM of float32/float64/int32/int64 (and uint32/uint64, the same bits), AVERAGE of
 float32/float64 (and any allgather step); other dtypes and ops (float16, bfloat16, MIN, MAX, PRODUCT) run the
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 #: ``tcp.FRAME_BYTES``): small enough to stay in a core's 2 MiB L2 cache from the kernel's copy to the send.
 FRAME_BYTES = 512 * 1024
 
-_OK, _TIMEOUT, _RECV_ERR, _SEND_ERR, _AUTH, _CONTROL, _SIZE, _EMPTY, _NOMEM = range(9)
+_OK, _TIMEOUT, _RECV_ERR, _SEND_ERR, _AUTH, _CONTROL, _SIZE, _EMPTY, _NOMEM, _RAISED, _CRYPTO = range(11)
 _FLOATS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
 _INTEGERS = {np.dtype(np.int32): 2, np.dtype(np.uint32): 2, np.dtype(np.int64): 3, np.dtype(np.uint64): 3}
 _BYTES = 4
@@ -58,6 +59,11 @@ _BYTES = 4
 
 #: whether the compiled loop was built here (``Settings.compiled_ring`` may still turn it off)
 BUILT = _ringloop is not None
+#: How the compiled loop tags frames: 0 (the default) with ``cryptography`` under the GIL (~22 GB/s here), and
+#: without the GIL through the system's libcrypto (OpenSSL 3.0 here: ~8.7 GB/s) for a second after a wait for the
+#: GIL (another thread of the process runs Python and would give it back only after its 5 ms switch interval, for
+#: every frame); 1: always libcrypto; 2: always ``cryptography``. The tags are the same (AES-256-GCM); for tests.
+MAC_MODE = 0
 
 
 def supports(dtype: np.dtype, op: ReduceOp, bfloat16: bool, reduce_steps: int) -> bool:
@@ -98,10 +104,10 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
     with out.send_lock:
         try:
             status, detail, sending.counter, receiving.counter, index, head, mid_send = _ringloop.ring(
-                out.sock.fileno(), recv.sock.fileno(), sending.gmac, sending.counter, receiving.gmac,
-                receiving.counter, flat.view(np.uint8), scratch, spans, frames, reduce_steps, total_steps, code,
-                1 if op is ReduceOp.AVERAGE else 0, ranks, timeout_ms, ahead, RUN_AHEAD_WAIT_MS, lowat_cap,
-                RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES)
+                out.sock.fileno(), recv.sock.fileno(), sending.gmac, sending.data_key(), sending.counter,
+                receiving.gmac, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
+                reduce_steps, total_steps, code, 1 if op is ReduceOp.AVERAGE else 0, ranks, timeout_ms, ahead,
+                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE)
         except BaseException:  # a signal handler's exception (Ctrl-C), or the MAC's: the streams may stop mid-frame
             out.send_broken = recv.recv_broken = True
             raise
@@ -135,4 +141,6 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
         recv._control(length, head[_LENGTH.size:HEADER_SIZE], head[HEADER_SIZE:], operation)  # raises PeerAbort
         recv.recv_broken = True
         raise recv.unexpected(head[HEADER_SIZE:], operation)
-    raise MemoryError(f"{operation}: the compiled ring loop found no memory for its send queue")
+    if status == _NOMEM:
+        raise MemoryError(f"{operation}: the compiled ring loop found no memory for its send queue")
+    raise RuntimeError(f"{operation}: libcrypto failed to tag a frame in the compiled ring loop")

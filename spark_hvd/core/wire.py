@@ -131,7 +131,7 @@ class _Direction:
         """Take the next frame counter for a data frame whose tag ``data_tag`` computes later (perhaps on
         another thread: ``data_tag`` only reads this object once ``reserve`` has run)."""
         if self._data is None:
-            self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
+            self._data = _aead()(self.data_key())
         counter = self.counter
         self.counter += 1
         return counter
@@ -147,12 +147,16 @@ class _Direction:
         """The arguments of ``gmac`` whose output ends with that tag (its last ``TAG_SIZE`` bytes)."""
         return _NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + kind, payload
 
+    def data_key(self) -> bytes:
+        """The AES-256-GCM key of this direction's data frames (the compiled ring loop tags with it too)."""
+        return sign(self.key, b"spark_hvd data frames")
+
     @property
     def gmac(self) -> Any:
         """The AEAD's ``encrypt``: thread-safe, it hashes under a copy of the key's context and without the GIL, so
         another thread may compute a tag while this one sends or receives (or the compiled ring loop call it)."""
         if self._data is None:
-            self._data = _aead()(sign(self.key, b"spark_hvd data frames"))
+            self._data = _aead()(self.data_key())
         return self._data.encrypt
 
 

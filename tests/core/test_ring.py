@@ -741,9 +741,11 @@ def _spans(sizes: list[int]) -> list[tuple[int, int]]:
 
 
 @needs_compiled_loop
-def test_compiled_ring_loop_rejects_a_tampered_data_frame():
+@pytest.mark.parametrize("mac_mode", [1, 2], ids=["libcrypto", "cryptography"])
+def test_compiled_ring_loop_rejects_a_tampered_data_frame(monkeypatch, mac_mode):
     # ``ringloop.run`` checks each frame's tag before it reduces it: the frames before the tampered one are reduced
-    # into place, the tampered one and those after it never are
+    # into place, the tampered one and those after it never are (tags checked by either way, ``ringloop.MAC_MODE``)
+    monkeypatch.setattr(ringloop, "MAC_MODE", mac_mode)
     secret = make_secret()
     sender, receiver = _peer_pair(secret, secret)
     sizes = [8192] * 3
@@ -932,12 +934,15 @@ def _in_threads(*calls: Callable[[], object]) -> None:
 
 
 @needs_compiled_loop
-@pytest.mark.parametrize("compiled_rank", [0, 1])
-def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank):
+@pytest.mark.parametrize("compiled_rank, mac_mode", [(0, 2), (1, 1)], ids=["rank0-cryptography", "rank1-libcrypto"])
+def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank, mac_mode):
     # one rank of a two-rank ring runs ``ringloop.run``, the other the Python loop, on one TCP connection, both
     # holding to ``RUN_AHEAD_BYTES`` (here 64 KiB) ahead of each other: an allreduce SUM of float32 and AVERAGE of
     # float64 (odd sizes, several 16 KiB frames per chunk) and an allgather in a row (the frame counters carry over),
-    # bit for bit numpy's (two ranks: one addition per element, the same in either loop)
+    # bit for bit numpy's (two ranks: one addition per element, the same in either loop); the compiled loop tags
+    # with ``cryptography`` under the GIL or with the system's libcrypto without it (``ringloop.MAC_MODE``): the
+    # same tags
+    monkeypatch.setattr(ringloop, "MAC_MODE", mac_mode)
     for module in (tcp, ringloop):
         monkeypatch.setattr(module, "RUN_AHEAD_BYTES", 64 * 1024)
     monkeypatch.setattr(tcp, "LOSS_BASED_CONGESTION", frozenset())
