@@ -15,6 +15,13 @@ directory::
 ``--envs`` compares settings instead of (or as well as) trees: each ``;``-separated list of ``VAR=VALUE,...``
 is one variant, run in every tree, alternated with the others every round.
 
+``--spin`` starts a thread in every rank that runs Python without pause during the timed allreduces (a training
+loop's Python beside the collectives: the GIL is then handed over only every switch interval, 5 ms); read the wall
+times (the CPU includes the spinning thread's)::
+
+    .venv/bin/python benchmarks/ring_cpu.py --np 2 --sizes 16M --spin \
+        --envs "SPARK_HVD_COMPILED_RING=1;SPARK_HVD_COMPILED_RING=0"
+
 ``--hier`` runs the hierarchical path (``SPARK_HVD_HOST_ID``: ranks 0..N/2-1 on one "host", the rest on
 another); ``--shm`` shared memory among all N ranks (at N=2 from ``SPARK_HVD_SHM_CMA`` bytes: cross-memory attach);
 otherwise the TCP ring (``SPARK_HVD_SHM=0``). ``--profile K`` also runs cProfile with a CPU clock on every
@@ -31,13 +38,21 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 
 
-def _rank(sizes: list[int], profile: int) -> dict:
+def _spin(stop: threading.Event) -> None:
+    """Run Python until ``stop`` is set (``--spin``)."""
+    count = 0
+    while not stop.is_set():
+        count += 1
+
+
+def _rank(sizes: list[int], profile: int, spin: bool = False) -> dict:
     """One rank: time every size (warm-up, barrier, then a fixed byte budget of allreduces)."""
     import cProfile
     import io
@@ -53,6 +68,9 @@ def _rank(sizes: list[int], profile: int) -> dict:
 
     backend = backend_from_env()
     out: dict = {}
+    stop = threading.Event()
+    if spin:
+        threading.Thread(target=_spin, args=(stop,), daemon=True).start()
     profiler = cProfile.Profile(time.thread_time) if profile else None  # the calling thread's CPU only
     try:
         for nbytes in sizes:
@@ -72,6 +90,7 @@ def _rank(sizes: list[int], profile: int) -> dict:
                 profiler.disable()
         backend.barrier()
     finally:
+        stop.set()
         backend.close()
     if profiler is not None:
         text = io.StringIO()
@@ -80,7 +99,7 @@ def _rank(sizes: list[int], profile: int) -> dict:
     return out
 
 
-def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> None:
+def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int, spin: bool) -> None:
     """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
     {size: [wall of the slowest rank, mean cpu, mean cpu of the calling thread]} as JSON."""
     sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests"), os.path.join(os.getcwd(), "tests", "core")]
@@ -90,7 +109,7 @@ def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int) -> No
         from ringutil import run_ranks
 
     env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "1" if shm else "0"}
-    results = run_ranks(_rank, n, env=env, args=(sizes, profile), timeout=900)
+    results = run_ranks(_rank, n, env=env, args=(sizes, profile, spin), timeout=900)
     if profile:
         print(results[0]["profile"])
     print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n,
@@ -107,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shm", action="store_true", help="shared memory among the N ranks of this host")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="cProfile every rank (CPU clock); print rank 0's top K functions per tree")
+    parser.add_argument("--spin", action="store_true", help="a thread running Python in every rank meanwhile")
     parser.add_argument("--envs", default="", help="';'-separated variants of 'VAR=VALUE,...' to alternate")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
     args = parser.parse_args(argv)
     if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
-        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.shm, args.profile)
+        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.shm, args.profile, args.spin)
         return 0
     sys.path.insert(0, str(HERE.parents[1]))
     from benchmarks.allreduce import human, parse_size
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         for tree, extra in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
                    str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else []) + \
-                (["--shm"] if args.shm else [])
+                (["--shm"] if args.shm else []) + (["--spin"] if args.spin else [])
             env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", **extra}
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
@@ -141,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if text.strip():
             print(f"# rank 0 of {tree}, cProfile (CPU clock), sizes {args.sizes} together, last round\n{text}")
     path = "hierarchical" if args.hier else "shared memory" if args.shm else "TCP ring"
-    print(f"# bare RingBackend, N={args.np}, {path}, median of "
+    spinning = ", a thread running Python in every rank (CPU includes it)" if args.spin else ""
+    print(f"# bare RingBackend, N={args.np}, {path}{spinning}, median of "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
     print("| size | tree | wall per allreduce | cpu per allreduce per rank | of it, the calling thread's |\n"
           "|---|---|---|---|---|")
