@@ -16,12 +16,11 @@ import sysconfig
 import termios
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers.ranks import RankDied, backend_from_env, run_ranks, shm_leftovers
+from helpers.ranks import RankDied, backend_from_env, on_threads, run_ranks, shm_leftovers
 
 from spark_hvd.core import agreed, hier_pipeline, ringloop, tcp
 from spark_hvd.core.backend import ReduceOp
@@ -913,26 +912,6 @@ def _python_ring(peer: PeerSocket, flat: np.ndarray, first: list[tuple[int, int]
     RingExchange(peer, peer, "test").run([memoryview(raw[lo:hi]) for lo, hi in first], receives, received)
 
 
-def _in_threads(*calls: Callable[[], object]) -> None:
-    """Run each of ``calls`` in a thread of its own; raise the first one's error."""
-    errors: list[BaseException] = []
-
-    def call(fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 (re-raised below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=call, args=(fn,), daemon=True) for fn in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a ring loop did not return within 60 s"
-    if errors:
-        raise errors[0]
-
-
 @needs_compiled_loop
 @pytest.mark.parametrize("compiled_rank, mac_mode", [(0, 2), (1, 1)], ids=["rank0-cryptography", "rank1-libcrypto"])
 def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank, mac_mode):
@@ -964,10 +943,11 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
             total = reduce_steps + gather_steps
             plans = [_ring_plan(r, 2, bounds, 16 * 1024, reduce_steps, total) for r in range(2)]
             scratch = np.empty(16 * 1024 if reduce_steps else 0, np.uint8)
-            _in_threads(*[functools.partial(ringloop.run, peers[r], peers[r], "test", flats[r], scratch, *plans[r],
-                                            reduce_steps, total, op, 2) if r == compiled_rank else
-                          functools.partial(_python_ring, peers[r], flats[r], *plans[r], reduce_steps, total, op, 2)
-                          for r in range(2)])
+            calls = [functools.partial(ringloop.run, peers[r], peers[r], "test", flats[r], scratch, *plans[r],
+                                       reduce_steps, total, op, 2) if r == compiled_rank else
+                     functools.partial(_python_ring, peers[r], flats[r], *plans[r], reduce_steps, total, op, 2)
+                     for r in range(2)]
+            on_threads(2, lambda k, calls=calls: calls[k]())
             if dtype == "uint8":
                 want = np.concatenate([data[0][:bounds[1]], data[1][bounds[1]:]])
             else:
