@@ -23,6 +23,9 @@
  *
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
+ *
+ * Over 600 lines on purpose: the loop, its two ways to a tag and the module's argument checks share the frame
+ * layout, the statuses and the Ring state.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
