@@ -73,10 +73,10 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
     (whole arrays: all of it), sent before the other's header is here; once the headers said both agree, the rest
     of the first chunk at once and each reduced frame as soon as it is reduced, as the ring sends them.
 
-    ``compiled`` (the ring only): the headers and the early frames go as above, in ``exchange``; once both
-    headers said yes, the rest of the ring runs in the compiled loop (the same frames). ``eager_bytes``: how much
-    an agreeing rank sends before the answer (the same on every rank: ``COMPILED_EAGER_BYTES`` in a job on the
-    compiled loop's frames).
+    ``compiled`` (the ring only, in a job on the compiled loop's frames, which sends no early frames): the headers
+    go in ``exchange``; once both said yes, the whole ring runs in the compiled loop (the same frames).
+    ``eager_bytes``: how much an agreeing rank sends before the answer (the same on every rank:
+    ``COMPILED_EAGER_BYTES`` in a job on the compiled loop's frames, whichever loop a rank runs).
     """
     nbytes = flat.nbytes
     peer, operation = exchange.recv_peer, exchange.operation
@@ -102,10 +102,13 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         eager_out, eager_in = min(len(out_spans), early), min(len(reduce_spans), early)
 
     if compiled is not None and not pair:
-        return _compiled_ring(exchange, window, flat, agree, raw, mine, theirs, out_spans[:eager_out],
-                              got, eager_in, sub, compiled,
-                              (out_spans[eager_out:], [(0, lo, hi) for lo, hi in reduce_spans] +
-                               [(1, lo, hi) for lo, hi in out_spans]))
+        if eager_out or eager_in:
+            raise ValueError("the compiled ring sends no early frames (eager_bytes=COMPILED_EAGER_BYTES)")
+        exchange.run([memoryview(mine.view(np.uint8))], [memoryview(theirs.view(np.uint8))], lambda i: None, window)
+        hit = _agreed(theirs, nbytes, peer, operation) and agree
+        if hit:
+            compiled(out_spans, [(0, lo, hi) for lo, hi in reduce_spans] + [(1, lo, hi) for lo, hi in out_spans])
+        return hit
 
     def target(lo: int, hi: int, k: int) -> memoryview:
         """Where received frame k (1-based, after the header) lands: scratch, unless it is a result kept here (on
@@ -151,30 +154,6 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         if op is ReduceOp.AVERAGE:
             divide_average(flat, 2, bfloat16)
     return hit[0]
-
-
-def _compiled_ring(exchange: RingExchange, window: int, flat: np.ndarray, agree: bool, raw: np.ndarray | None,
-                   mine: np.ndarray, theirs: np.ndarray, early: list[tuple[int, int]], got: np.ndarray, eager_in: int,
-                   sub: int, compiled: CompiledRing,
-                   rest: tuple[list[tuple[int, int]], list[tuple[int, int, int]]]) -> bool:
-    """``allreduce``'s ring with the compiled loop: the headers and this rank's early frames first (the run ends
-    once the other's header is here and every early frame left; the other's early frames wait in the socket), then,
-    on a hit, the whole ring but those early frames in the compiled loop; on a miss, the other's early frames (if
-    it agreed) are read into scratch and dropped."""
-    sends = [memoryview(mine.view(np.uint8))]
-    if agree:
-        sends += [memoryview(raw[lo:hi]) for lo, hi in early]  # type: ignore[index]
-    exchange.run(sends, [memoryview(theirs.view(np.uint8))], lambda i: None, window)
-    peer_agrees = _agreed(theirs, flat.nbytes, exchange.recv_peer, exchange.operation)
-    if agree and peer_agrees:
-        compiled(*rest)
-        return True
-    if peer_agrees:  # its early frames (its copy of the first frames of the chunk reduced here) are dropped
-        frames = rest[1][:eager_in]
-        at = [k % window * sub for k in range(len(frames))]
-        exchange.run([], [memoryview(got[a:a + hi - lo]) for a, (_, lo, hi) in zip(at, frames, strict=True)],
-                     lambda i: None, window)
-    return False
 
 
 def _agreed(theirs: np.ndarray, nbytes: int, peer: PeerSocket, operation: str) -> bool:
