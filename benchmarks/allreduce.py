@@ -84,7 +84,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import allreduce_hosts  # noqa: E402 - --hosts: ranks on simulated hosts
 
-from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
+from spark_hvd.core.transport.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
@@ -210,10 +210,10 @@ def _worker(name: str) -> None:
         carried = speculated
     else:
         from spark_hvd.core.backend import ReduceOp
-        from spark_hvd.core.rendezvous import KVRendezvous
         from spark_hvd.core.ring import RingBackend
         from spark_hvd.core.settings import Settings
-        from spark_hvd.core.wire import secret_from_env
+        from spark_hvd.core.transport.rendezvous import KVRendezvous
+        from spark_hvd.core.transport.wire import secret_from_env
 
         rank, size = int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"])
         secret = secret_from_env()
@@ -305,10 +305,11 @@ def _perf_start(name: str, rank: int, nbytes: int) -> subprocess.Popen | None:
 
 
 def _trace_start(impl: str) -> list | None:
-    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.tcp.TRACE``), else None."""
+    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.transport.tcp.TRACE``), else
+    None."""
     if not os.environ.get("BENCH_TRACE") or impl in ("gloo", "mpi"):
         return None
-    from spark_hvd.core import tcp
+    from spark_hvd.core.transport import tcp
 
     tcp.TRACE = []
     return tcp.TRACE
@@ -318,7 +319,7 @@ def _trace_dump(trace: list, impl: str, rank: int, nbytes: int) -> None:
     """Stop recording; write one timed loop's timeline to ``BENCH_TRACE/IMPL.RANK.NBYTES.NS.json``."""
     import json
 
-    from spark_hvd.core import tcp
+    from spark_hvd.core.transport import tcp
 
     tcp.TRACE = None
     path = f"{os.environ['BENCH_TRACE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.json"
@@ -469,7 +470,7 @@ class Group:
 
 
 def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group]:
-    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
 
     secret = make_secret()
     bind = allreduce_hosts.driver_address() if allreduce_hosts.inside() else "127.0.0.1"

@@ -50,9 +50,9 @@ def _sleeps() -> int:
 def _free_backend(rank: int, size: int):  # noqa: ANN202 - a RingBackend (imported here, after the job's init)
     """A second ring of the same ranks, with no engine: the job's rendezvous under another job id."""
     from spark_hvd.core.jobenv import JobEnv
-    from spark_hvd.core.rendezvous import KVRendezvous
     from spark_hvd.core.ring import RingBackend
     from spark_hvd.core.settings import Settings
+    from spark_hvd.core.transport.rendezvous import KVRendezvous
 
     job = JobEnv.from_env()
     assert job is not None and job.rendezvous and job.secret is not None

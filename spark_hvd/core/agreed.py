@@ -28,7 +28,7 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import divide_average, reduce_into
-from spark_hvd.core.tcp import PeerSocket, ProtocolError, RingExchange
+from spark_hvd.core.transport.tcp import PeerSocket, ProtocolError, RingExchange
 
 #: The header frame: [agree (0/1), the array's size in bytes], little-endian int64.
 _HEADER = np.dtype("<i8")

@@ -108,7 +108,7 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
         if not address:
             raise ValueError("SPARK_HVD_RENDEZVOUS (host:port of the launcher's KV service) is not set and no "
                              f"rendezvous= was given: rank {rank} cannot find the other ranks")
-        from spark_hvd.core.rendezvous import KVRendezvous
+        from spark_hvd.core.transport.rendezvous import KVRendezvous
 
         rendezvous = KVRendezvous(address, secret, job_id, settings.timeout_s)
     if name == "torch":

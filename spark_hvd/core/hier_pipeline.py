@@ -29,8 +29,8 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import CollectiveTimeoutError, SparkHvdError
-from spark_hvd.core.shm import ShmGroup
-from spark_hvd.core.shm_slices import allgather_parts, reduce_scatter_parts, split
+from spark_hvd.core.transport.shm import ShmGroup
+from spark_hvd.core.transport.shm_slices import allgather_parts, reduce_scatter_parts, split
 
 #: Each local rank's slice is cut into pieces of at least this many bytes ...
 PIECE_MIN_BYTES = 2 * 1024 * 1024

@@ -5,7 +5,8 @@ identity and, when shared memory is on, the name of its shared-memory segment), 
 frame HMAC-authenticated) and then:
 
 * allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
-  shared-memory allreduce (``spark_hvd.core.shm``; two ranks and large arrays: a single-copy one by cross-memory
+  shared-memory allreduce (``spark_hvd.core.transport.shm``; two ranks and large arrays: a single-copy one by
+  cross-memory
   attach, ``shm_cma``); ``"hier"`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
@@ -41,16 +42,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling, ringloop, shm_cma, tcp
-from spark_hvd.core.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
-    HOST_ID_ENV,
-    IFACE_ENV,
-    check_reachable,
-    host_identity,
-    listen_address,
-    machine_identity,
-    meeting_host,
-)
+from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -59,11 +51,21 @@ from spark_hvd.core.errors import (
     TensorMismatchError,
 )
 from spark_hvd.core.jobenv import JobEnv, topology
-from spark_hvd.core.mac_pool import MacPool, threads_for
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
 from spark_hvd.core.settings import Settings
-from spark_hvd.core.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
-from spark_hvd.core.tcp import (
+from spark_hvd.core.transport import ringloop, shm_cma, tcp
+from spark_hvd.core.transport.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
+    HOST_ID_ENV,
+    IFACE_ENV,
+    check_reachable,
+    host_identity,
+    listen_address,
+    machine_identity,
+    meeting_host,
+)
+from spark_hvd.core.transport.mac_pool import MacPool, threads_for
+from spark_hvd.core.transport.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
+from spark_hvd.core.transport.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
     MAC_POOL_MIN_BYTES,
@@ -361,8 +363,8 @@ class RingBackend(Backend):
     # -- point-to-point helpers --------------------------------------------------------------------------------
     def _exchange(self, send_peer: int, recv_peer: int, operation: str, nbytes: int = -1) -> RingExchange:
         """An exchange of frames with these peers; ``nbytes``: a two-rank exchange of this many bytes each way,
-        which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.tcp.SPIN_S``) where every rank of
-        this host may have a core."""
+        which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.transport.tcp.SPIN_S``) where every rank
+        of this host may have a core."""
         return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes,
                             self._spin and 0 <= nbytes <= SPIN_MAX_BYTES)
 

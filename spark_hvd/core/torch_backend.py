@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.addresses import apply_device_group_env, host_identity
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args, as_rows, reducescatter_by_allreduce
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, topology
 from spark_hvd.core.reduce import check_dtype, divide_average, reduce_widened
-from spark_hvd.core.rendezvous import KVRendezvous
 from spark_hvd.core.settings import Settings
+from spark_hvd.core.transport.addresses import apply_device_group_env, host_identity
+from spark_hvd.core.transport.rendezvous import KVRendezvous
 
 
 class TorchBackend(Backend):

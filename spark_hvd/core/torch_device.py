@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.addresses import apply_device_group_env
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import PeerFailureError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
 from spark_hvd.core.settings import Settings
+from spark_hvd.core.transport.addresses import apply_device_group_env
 
 _ZERO_OPS = frozenset({"sum", "average"})
 

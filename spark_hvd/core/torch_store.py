@@ -5,13 +5,13 @@ It is the rendezvous of every torch.distributed group spark_hvd opens: the devic
 
 - the launcher's KV service (``JobEnv.rendezvous``, or the address of the ``KVRendezvous`` the ranks met through);
 - else the Spark runner's driver service (``JobEnv.service_address``), which serves the same operations
-  (``spark_hvd.core.rendezvous.KVTable``) to a connection whose hello says ``"kv"``.
+  (``spark_hvd.core.transport.rendezvous.KVTable``) to a connection whose hello says ``"kv"``.
 
 Both are already there for the job: spark_hvd opens no port for torch.distributed's rendezvous, and every
-connection to them proves the job's secret with a fresh challenge (``spark_hvd.core.wire``), so a client without
-the secret can neither read nor write a key. A job of one process uses a ``HashStore``. Only where a job has neither
-service (ranks joined through a custom ``rendezvous=`` without a launcher, or ``mpirun``) does rank 0 start a
-``KVStoreServer`` of its own (on the address a ring rank would listen on, ``spark_hvd.core.addresses``),
+connection to them proves the job's secret with a fresh challenge (``spark_hvd.core.transport.wire``), so a client
+without the secret can neither read nor write a key. A job of one process uses a ``HashStore``. Only where a job has
+neither service (ranks joined through a custom ``rendezvous=`` without a launcher, or ``mpirun``) does rank 0 start a
+``KVStoreServer`` of its own (on the address a ring rank would listen on, ``spark_hvd.core.transport.addresses``),
 authenticated like the others, and publish its address through the job's own rendezvous or backend; under
 ``mpirun`` (no job secret) a fresh secret travels with it over MPI. Never a TCPStore.
 
@@ -34,10 +34,10 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from spark_hvd.core.addresses import listen_address, meeting_host
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVClient, KVStoreServer
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.addresses import listen_address, meeting_host
+from spark_hvd.core.transport.rendezvous import KVClient, KVStoreServer
+from spark_hvd.core.transport.wire import make_secret
 
 
 def _timeout_error(message: str) -> Exception:

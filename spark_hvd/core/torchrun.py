@@ -229,12 +229,12 @@ def install() -> None:
 def master_address(towards: str | None) -> tuple[str, int]:
     """Rank 0's ``(MASTER_ADDR, MASTER_PORT)``: the address a ring rank would publish (``SPARK_HVD_IFACE_ADDR``,
     the interface named by ``SPARK_HVD_NETWORK_INTERFACE``, else the one routed towards ``towards``, the driver
-    service or the rendezvous, ``host:port``: ``spark_hvd.core.addresses``), and a port free there now (only code
-    that opens its own TCPStore binds it)."""
+    service or the rendezvous, ``host:port``: ``spark_hvd.core.transport.addresses``), and a port free there now (only
+    code that opens its own TCPStore binds it)."""
     import socket
 
-    from spark_hvd.core.addresses import listen_address
-    from spark_hvd.core.rendezvous import parse_address
+    from spark_hvd.core.transport.addresses import listen_address
+    from spark_hvd.core.transport.rendezvous import parse_address
 
     host = listen_address(parse_address(towards)[0] if towards else None)[1]
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:

@@ -1,7 +1,7 @@
 """The driver-side service of a run (its client in the training processes is ``spark_hvd.runner.client``).
 
 Every rank keeps one TCP connection to the driver (``DriverService``) for the whole run and sends over it,
-as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked before anything is unpickled):
+as HMAC-authenticated frames (``spark_hvd.core.transport.wire.FramedSocket``, checked before anything is unpickled):
 
 - ``("hello", job_id, rank)`` first;
 - ``("out", stream, text)``: whole lines of its stdout / stderr, which the driver prints prefixed ``[rank]``;
@@ -11,7 +11,7 @@ as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked befo
   request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
 
 A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous (``spark_hvd.core.torch_store``):
-it is served the KV operations of ``spark_hvd.core.rendezvous.KVTable``, so that the job needs no other port.
+it is served the KV operations of ``spark_hvd.core.transport.rendezvous.KVTable``, so that the job needs no other port.
 
 A connection first proves the job's secret (challenge-response with fresh nonces, ``Listener``: bounded in time,
 a cap on unauthenticated connections, accept errors survived), so a replayed hello is refused. A connection that
@@ -30,9 +30,9 @@ from collections.abc import Callable
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
-from spark_hvd.core.listener import Listener
-from spark_hvd.core.rendezvous import KVTable
-from spark_hvd.core.wire import FramedSocket
+from spark_hvd.core.transport.listener import Listener
+from spark_hvd.core.transport.rendezvous import KVTable
+from spark_hvd.core.transport.wire import FramedSocket
 from spark_hvd.runner.client import MAX_FRAME, Event
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 from spark_hvd.runner.progress import ProgressDisplay

@@ -18,8 +18,8 @@ from helpers.ranks import run_ranks
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.rendezvous import KVClient
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner.service import DriverService
 
 pytest.importorskip("torch")
@@ -128,8 +128,8 @@ def _gloo_on_the_store() -> list[float]:
         raise AssertionError("a torch.distributed.TCPStore was created")
 
     dist.TCPStore = no_tcpstore
-    from spark_hvd.core.rendezvous import KVClient
     from spark_hvd.core.torch_store import KVTorchStore, open_store
+    from spark_hvd.core.transport.rendezvous import KVClient
 
     job = JobEnv.from_env()
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError
-from spark_hvd.core.tcp import (
+from spark_hvd.core.transport.tcp import (
     RECV_LOWAT_BYTES,
     RECV_LOWAT_MIN_BYTES,
     RECV_LOWAT_TAIL_BYTES,
@@ -38,10 +38,10 @@ from spark_hvd.core.tcp import (
     PeerSocket,
     ProtocolError,
 )
-from spark_hvd.core.wire import _LENGTH, HEADER_SIZE
+from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE
 
 try:
-    from spark_hvd.core import _ringloop
+    from spark_hvd.core.transport import _ringloop
 except ImportError:  # not built on this machine: every ring runs the Python loop
     _ringloop = None
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import reduce_into
-from spark_hvd.core.shm import ShmGroup
+from spark_hvd.core.transport.shm import ShmGroup
 
 
 def _windows(parts: Sequence[np.ndarray], w: int) -> tuple[int, Callable[[int, int], np.ndarray]]:

@@ -62,7 +62,7 @@ import numpy as np
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import divide_average, reduce_into
-from spark_hvd.core.shm import CTRL_BYTES, PID, ShmGroup
+from spark_hvd.core.transport.shm import CTRL_BYTES, PID, ShmGroup
 
 # control words (int64 index into the control page) after ``shm``'s IN, RED, OUT, PID; one cache line each
 POSTED, HALF, DONE, NSEG = 32, 40, 48, 56

@@ -1,5 +1,5 @@
-/* The ring's pipelined exchange loop, compiled: the same frames, tags and rules as spark_hvd.core.tcp's
- * RingExchange running a ring of spark_hvd.core.ring (see spark_hvd/core/ringloop.py, its only caller).
+/* The ring's pipelined exchange loop, compiled: the same frames, tags and rules as spark_hvd.core.transport.tcp's
+ * RingExchange running a ring of spark_hvd.core.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
  *
  * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
  * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC
@@ -16,7 +16,7 @@
  * it would hand the GIL back only after its switch interval, 5 ms, per frame) switches the process to the second
  * for GIL_FREE_NS, after which the GIL is tried again. Without libcrypto the GIL is always taken.
  *
- * Wire format (spark_hvd.core.wire): length (8 bytes, big-endian, payload + 1) | tag (16) | type byte | payload.
+ * Wire format (spark_hvd.core.transport.wire): length (8 bytes, big-endian, payload + 1) | tag (16) | type byte | payload.
  * A DATA frame's tag is AES-256-GCM's tag under the direction's data key, nonce = 4 zero bytes | the direction's
  * 64-bit frame counter (big-endian), associated data = the payload, plaintext = length | type byte (ciphertext
  * dropped). Nothing received is used (reduced, forwarded, handed back) before its tag checked out.
@@ -608,7 +608,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_ringloop",
-    "The ring's pipelined exchange loop, compiled (see spark_hvd/core/ringloop.py).", -1, methods,
+    "The ring's pipelined exchange loop, compiled (see spark_hvd/core/transport/ringloop.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
-from spark_hvd.core.listener import HANDSHAKE_TIMEOUT_S, Listener
-from spark_hvd.core.mac_pool import MacJob, MacPool
-from spark_hvd.core.wire import _LENGTH, HEADER_SIZE, TAG_SIZE, FramedSocket, recv_exactly
+from spark_hvd.core.transport.listener import HANDSHAKE_TIMEOUT_S, Listener
+from spark_hvd.core.transport.mac_pool import MacJob, MacPool
+from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE, TAG_SIZE, FramedSocket, recv_exactly
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Rendezvous: how the ranks of a job learn each other's addresses.
 
 ``KVStoreServer`` is a small key-value service (one thread per connection, accepted by the surviving
-``spark_hvd.core.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange their
-addresses with ``KVRendezvous``. Its operations live in ``KVTable``, which the Spark runner's driver service serves
-too, so that torch.distributed groups meet through either (``spark_hvd.core.torch_store``). Every connection
+``spark_hvd.core.transport.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange
+their addresses with ``KVRendezvous``. Its operations live in ``KVTable``, which the Spark runner's driver service
+serves too, so that torch.distributed groups meet through either (``spark_hvd.core.torch_store``). Every connection
 proves the job's secret with a fresh challenge-response, and every frame in both directions is an authenticated
 ``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and it is
 never unpickled. A replayed connection fails the handshake.
@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from spark_hvd.core.addresses import non_loopback_address, route_towards
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError, SparkHvdError
-from spark_hvd.core.listener import Listener
-from spark_hvd.core.wire import FramedSocket
+from spark_hvd.core.transport.addresses import non_loopback_address, route_towards
+from spark_hvd.core.transport.listener import Listener
+from spark_hvd.core.transport.wire import FramedSocket
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def parse_address(address: str) -> tuple[str, int]:
 def routable_address(towards: str | None = None) -> str:
     """An address of this host that peers can reach: routed towards ``towards`` (a host name or IP of the driver /
     rendezvous) where given and routable, else a non-loopback address of this host
-    (``spark_hvd.core.addresses``). Loopback stays loopback."""
+    (``spark_hvd.core.transport.addresses``). Loopback stays loopback."""
     found = route_towards(towards) if towards else None
     return found if found is not None else non_loopback_address()
 

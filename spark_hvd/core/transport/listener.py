@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
-from spark_hvd.core.wire import FramedSocket
+from spark_hvd.core.transport.wire import FramedSocket
 
 logger = logging.getLogger(__name__)
 
