@@ -27,7 +27,7 @@ between the two leaders (needs N >= 4 to differ from the TCP ring); ``ring-sync`
 allreduce before each call, the collectives a steady ``api`` call makes when no speculation carries it (the
 engine's fast round, then the data) without the engine's Python; ``ring-agreed`` (two ranks over TCP only) is the
 collective a steady ``api`` call makes when speculation carries it (the agreement as the data's first frame,
-``spark_hvd.core.agreed``), without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
+``spark_hvd.core.algorithms.agreed``), without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
 ``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
 torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, ``api-hier`` on ``ring-hier``'s two
 "hosts"), one fixed tensor name per size as a training loop has.

@@ -7,10 +7,12 @@ at every size:
 
 - ``ring``: the pipelined ring (``SPARK_HVD_LOG_DEPTH_BYTES=0``; at N=2 arrays up to 1 MiB take the pair exchange,
   one exchange of the whole array, as the engine does);
-- ``rd``: recursive doubling (``core/recursive_doubling.py``; ``SPARK_HVD_LOG_DEPTH_BYTES`` above every size), N>=3;
-- ``hd``: recursive halving-doubling, Rabenseifner (``core/halving_doubling.py``; ``SPARK_HVD_HALVING_DOUBLING_BYTES
-  =1``), N>=3;
-- ``hier``: the 2-level path (``core/hier_pipeline.py``): two hosts of N/2 ranks, shared memory within, TCP between;
+- ``rd``: recursive doubling (``core/algorithms/recursive_doubling.py``; ``SPARK_HVD_LOG_DEPTH_BYTES`` above every
+  size), N>=3;
+- ``hd``: recursive halving-doubling, Rabenseifner (``core/algorithms/halving_doubling.py``;
+  ``SPARK_HVD_HALVING_DOUBLING_BYTES =1``), N>=3;
+- ``hier``: the 2-level path (``core/algorithms/hier_pipeline.py``): two hosts of N/2 ranks, shared memory within, TCP
+  between;
 - ``bare``: the ring through ``RingBackend.allreduce`` without the engine (what the API adds is the difference);
 - ``negotiation``: a new name on every call at 4 KiB (a full negotiated round each, no cache, no speculation).
 

@@ -44,8 +44,8 @@ round follows the last one (``spark_hvd.core.speculation``: the same tensor agai
 allreduce between barriers), or after one clean round of one tensor (fast, or full with nothing left outstanding)
 where a miss is cheap, the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
 negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place,
-over TCP one larger tensor carries the flag as the first frame of its own collective, ``spark_hvd.core.agreed``; a
-round of barriers is the flag's collective alone).
+over TCP one larger tensor carries the flag as the first frame of its own collective,
+``spark_hvd.core.algorithms.agreed``; a round of barriers is the flag's collective alone).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
 the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
@@ -102,7 +102,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core import adasum
+from spark_hvd.core.algorithms import adasum
 from spark_hvd.core.autotune import Point, Tuner, tuner_for
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
 from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
@@ -747,7 +747,7 @@ class Engine:
         ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
         reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
         staging = spec.staging
-        if spec.in_band:  # the flag is the first frame of the tensor's own collective (``spark_hvd.core.agreed``)
+        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
             return self._speculate_in_band(spec, bufs)
         if spec.in_place:
             staging[0] = 0 if bufs is None else 1

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core import adasum
+from spark_hvd.core.algorithms import adasum
 from spark_hvd.core.backend import Backend, ReduceOp
 from spark_hvd.core.errors import SparkHvdError
 from spark_hvd.core.negotiation import reduction_identity

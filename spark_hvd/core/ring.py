@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_hvd.core import agreed, halving_doubling, hier_pipeline, recursive_doubling
+from spark_hvd.core.algorithms import agreed, halving_doubling, hier_pipeline, recursive_doubling
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
 from spark_hvd.core.errors import (
     AuthenticationError,
@@ -620,7 +620,7 @@ class RingBackend(Backend):
 
     @_collective("allreduce")
     def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
-        """See ``Backend.allreduce_agreed`` (two ranks over TCP: ``spark_hvd.core.agreed``)."""
+        """See ``Backend.allreduce_agreed`` (two ranks over TCP: ``spark_hvd.core.algorithms.agreed``)."""
         if not self.agrees_in_band:
             raise NotImplementedError(f"allreduce_agreed needs two ranks over TCP, not {self.size} over "
                                       f"{self.transport}")

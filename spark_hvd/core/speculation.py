@@ -12,8 +12,8 @@ the engine feeds it full rounds that left nothing outstanding too, so a loop of 
 second call. A steady loop of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an
 allreduce between barriers (osu_allreduce's loop), a training step's gradients then its metric: each becomes a
 cycle of predicted rounds of one collective each, negotiation and data together (between two ranks over TCP, one
-larger tensor carries the flag as the first frame of its own collective: ``spark_hvd.core.agreed``). A prediction
-that fails costs one
+larger tensor carries the flag as the first frame of its own collective: ``spark_hvd.core.algorithms.agreed``). A
+prediction that fails costs one
 collective (a small one, or a round trip and the early frames of the larger tensor's). One other round after
 ``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
 misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so

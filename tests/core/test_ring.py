@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, on_threads, run_ranks, shm_leftovers
 
-from spark_hvd.core import agreed, hier_pipeline
+from spark_hvd.core.algorithms import agreed, hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into
@@ -685,8 +685,8 @@ def test_ring_exchange_reads_frames_split_anywhere(abort):
 
 
 def test_ring_exchange_reads_nothing_past_frame_0_when_its_answer_ends_the_exchange():
-    # ``spark_hvd.core.agreed``: on a miss, frame 0's answer shortens the exchange; the frame after it belongs to
-    # whoever reads next and must still be in the socket, header included
+    # ``spark_hvd.core.algorithms.agreed``: on a miss, frame 0's answer shortens the exchange; the frame after it
+    # belongs to whoever reads next and must still be in the socket, header included
     secret = make_secret()
     sender, receiver = _peer_pair(secret, secret)
     frames = [np.random.default_rng(k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate([64, 65536])]

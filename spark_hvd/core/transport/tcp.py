@@ -492,8 +492,8 @@ class RingExchange:
             on_received: Callable[[int], memoryview | list[memoryview] | None], window: int = 1) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
         view (or a list of views) to send next. ``receives[i]`` is read when frame i starts, and ``on_received(0)``
-        may shorten ``receives`` (a list) to expect fewer frames (``spark_hvd.core.agreed``: what a first frame
-        answered decides what follows it). Frame 0 is always checked in the calling thread, so ``on_received(0)``
+        may shorten ``receives`` (a list) to expect fewer frames (``spark_hvd.core.algorithms.agreed``: what a first
+        frame answered decides what follows it). Frame 0 is always checked in the calling thread, so ``on_received(0)``
         returns before a byte of frame 1 is read, with or without a pool; later frames may be read ahead of their
         checks, and the tail of frame i >= 1 is read together with frame i + 1's header (one system call) when
         frame i + 1 is expected, so only frame 0's answer may change how many frames follow. Nothing past the

@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spark_hvd.core.algorithms.recursive_doubling import steps
 from spark_hvd.core.backend import Backend, ReduceOp
-from spark_hvd.core.recursive_doubling import steps
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16, scale_inplace
 
 _TINY = math.sqrt(np.finfo(np.float64).tiny)  # below this a squared norm counts as zero (Horovod's sqrt(DBL_MIN))

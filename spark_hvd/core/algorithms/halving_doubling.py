@@ -1,5 +1,5 @@
 """Recursive halving and doubling (Rabenseifner): a log-depth allreduce for large arrays, against the same peer
-interface as ``spark_hvd.core.recursive_doubling``.
+interface as ``spark_hvd.core.algorithms.recursive_doubling``.
 
 The ring moves the bandwidth-optimal ``2 (N-1)/N`` of the array per member but takes 2(N-1) steps; recursive
 doubling takes log2 N steps but moves the whole array at each. Rabenseifner's algorithm (MPICH's and gloo's
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spark_hvd.core.algorithms.recursive_doubling import Peers, steps
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.recursive_doubling import Peers, steps
 from spark_hvd.core.reduce import divide_average, reduce_into
 
 
