@@ -210,7 +210,7 @@ def _worker(name: str) -> None:
         carried = speculated
     else:
         from spark_hvd.core.backend import ReduceOp
-        from spark_hvd.core.ring import RingBackend
+        from spark_hvd.core.backends.ring import RingBackend
         from spark_hvd.core.settings import Settings
         from spark_hvd.core.transport.rendezvous import KVRendezvous
         from spark_hvd.core.transport.wire import secret_from_env

@@ -49,8 +49,8 @@ def _sleeps() -> int:
 
 def _free_backend(rank: int, size: int):  # noqa: ANN202 - a RingBackend (imported here, after the job's init)
     """A second ring of the same ranks, with no engine: the job's rendezvous under another job id."""
+    from spark_hvd.core.backends.ring import RingBackend
     from spark_hvd.core.jobenv import JobEnv
-    from spark_hvd.core.ring import RingBackend
     from spark_hvd.core.settings import Settings
     from spark_hvd.core.transport.rendezvous import KVRendezvous
 

@@ -63,7 +63,7 @@ CONFIGS = (
     ("hier", "api-hier", {}, (4, 8)),
     ("bare", "ring-tcp", {"SPARK_HVD_LOG_DEPTH_BYTES": "0", "SPARK_HVD_HALVING_DOUBLING_BYTES": "0"}, (2, 4, 8)),
 )
-PAIR_BYTES = 1 << 20  # core/ring.py PAIR_EXCHANGE_BYTES: two ranks exchange whole arrays up to this
+PAIR_BYTES = 1 << 20  # core/backends/ring.py PAIR_EXCHANGE_BYTES: two ranks exchange whole arrays up to this
 SPEC_BYTES, SPEC_LARGE_BYTES = 64 << 10, 1 << 20  # core/speculation.py
 FAMILIES = ("ring", "rd", "hd")
 

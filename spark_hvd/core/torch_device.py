@@ -26,7 +26,7 @@ class TorchDeviceGroup(DeviceGroup):
     """The engine's collectives on tensors where they lie: NCCL for CUDA tensors, gloo standing in on CPU.
 
     Set up collectively (see ``spark_hvd.core.device``): the ranks meet through a ``KVTorchStore``
-    (``spark_hvd.core.torch_store``) on the job's own authenticated KV service (the launcher's, or the Spark
+    (``spark_hvd.core.backends.torch_store``) on the job's own authenticated KV service (the launcher's, or the Spark
     driver service), so spark_hvd opens no port for the rendezvous and every store connection proves the job's
     secret. (NCCL's own bootstrap and data sockets, and gloo's, carry no authentication: that part of the device
     path is as trusted as the cluster network, as NCCL always is.) The whole job's group is ``torch.distributed``'s
@@ -302,8 +302,8 @@ def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, t
 
 
 def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
-    """The group's rendezvous store on the job's KV service (collective; ``spark_hvd.core.torch_store``)."""
-    from spark_hvd.core.torch_store import open_store
+    """The group's rendezvous store on the job's KV service (collective; ``spark_hvd.core.backends.torch_store``)."""
+    from spark_hvd.core.backends.torch_store import open_store
 
     def exchange(mine: bytes) -> list[bytes]:  # only rank 0 publishes: the gathered rows are its bytes
         return [backend.allgather(np.frombuffer(mine, dtype=np.uint8)).tobytes()]

@@ -11,7 +11,7 @@ Code written for ``torchrun`` learns everything from the environment (``RANK``, 
   cross rank). ``TORCHELASTIC_RUN_ID`` is the job id and ``TORCHELASTIC_RESTART_COUNT`` the run's attempt.
   ``TORCHELASTIC_USE_AGENT_STORE`` is never set (it would make rank 0 a TCPStore client of an agent there is not).
 - ``install()``: ``env://`` answered by spark_hvd. The handler gives ``init_process_group`` a ``KVTorchStore``
-  (``spark_hvd.core.torch_store``) on the job's authenticated KV service (the launcher's, or the Spark driver
+  (``spark_hvd.core.backends.torch_store``) on the job's authenticated KV service (the launcher's, or the Spark driver
   service): no port is opened for the rendezvous, and a connection without the job's secret is refused before
   any key is read. Outside a spark_hvd job, or with ``SPARK_HVD_TORCH_STORE=tcp``, it hands the call to torch's own
   handler, which builds the plain ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT`` (the launchers still pick a free
@@ -112,7 +112,7 @@ def pin_visible_devices(job: JobEnv, local_gpus: Sequence[str | None]) -> tuple[
 
 def job_store(job: JobEnv, timeout: timedelta) -> Any:
     """A ``KVTorchStore`` for the next ``env://`` group of ``job``, on the job's authenticated KV service."""
-    from spark_hvd.core.torch_store import kv_store_class
+    from spark_hvd.core.backends.torch_store import kv_store_class
 
     if job.rendezvous:
         address, hello = job.rendezvous, None

@@ -10,8 +10,9 @@ as HMAC-authenticated frames (``spark_hvd.core.transport.wire.FramedSocket``, ch
 - ``("req", name, payload)``, answered on the same connection by ``("ok", value)`` or ``("error", message)``: a
   request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
 
-A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous (``spark_hvd.core.torch_store``):
-it is served the KV operations of ``spark_hvd.core.transport.rendezvous.KVTable``, so that the job needs no other port.
+A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous
+(``spark_hvd.core.backends.torch_store``): it is served the KV operations of
+``spark_hvd.core.transport.rendezvous.KVTable``, so that the job needs no other port.
 
 A connection first proves the job's secret (challenge-response with fresh nonces, ``Listener``: bounded in time,
 a cap on unauthenticated connections, accept errors survived), so a replayed hello is refused. A connection that
@@ -163,7 +164,7 @@ class DriverService:
                     or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux", "kv")):
                 logger.warning("driver service: dropped a connection from %s with an unexpected hello", conn.peer)
                 return
-            if hello[3] == "kv":  # torch.distributed's rendezvous of a rank (spark_hvd.core.torch_store)
+            if hello[3] == "kv":  # torch.distributed's rendezvous of a rank (spark_hvd.core.backends.torch_store)
                 conn.peer = f"rank {hello[2]} (torch.distributed store)"
                 self._kv.serve(conn)
                 return

@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
+from spark_hvd.core.backends.ring import RingBackend
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.ring import RingBackend
 from spark_hvd.core.transport import addresses
 from spark_hvd.core.transport.addresses import (
     AddressError,

@@ -24,9 +24,9 @@ from helpers.ranks import RankDied, backend_from_env, on_threads, run_ranks, shm
 
 from spark_hvd.core.algorithms import agreed, hier_pipeline
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.backends.ring import even_bounds
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into
-from spark_hvd.core.ring import even_bounds
 from spark_hvd.core.transport import ringloop, tcp
 from spark_hvd.core.transport.mac_pool import MacPool
 from spark_hvd.core.transport.rendezvous import KVClient

@@ -11,8 +11,8 @@ import pytest
 from helpers.ranks import on_threads, shm_groups
 
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.backends.ring import even_bounds
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16, reference_reduce
-from spark_hvd.core.ring import even_bounds
 from spark_hvd.core.transport import shm_slices
 from spark_hvd.core.transport.shm import ShmGroup, shm_available
 

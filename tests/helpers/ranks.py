@@ -144,7 +144,7 @@ def backend_from_env(backend_kwargs: dict[str, Any] | None = None, **settings: A
     """
     from dataclasses import replace
 
-    from spark_hvd.core.ring import RingBackend
+    from spark_hvd.core.backends.ring import RingBackend
     from spark_hvd.core.settings import Settings
     from spark_hvd.core.transport.rendezvous import KVRendezvous
 

@@ -12,7 +12,7 @@ Every member ends with the same bits: an exchange gives both sides ``a op b`` an
 equal for every ``ReduceOp`` (sum, product, min, max are commutative element-wise), and the members that sit out
 receive the result as it is. AVERAGE is a sum divided once at the end.
 
-The transport is the caller's (``spark_hvd.core.ring``: the authenticated TCP mesh), through ``Peers``.
+The transport is the caller's (``spark_hvd.core.backends.ring``: the authenticated TCP mesh), through ``Peers``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /* The ring's pipelined exchange loop, compiled: the same frames, tags and rules as spark_hvd.core.transport.tcp's
- * RingExchange running a ring of spark_hvd.core.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
+ * RingExchange running a ring of spark_hvd.core.backends.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
  *
  * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
  * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC

@@ -3,10 +3,10 @@
 ``KVStoreServer`` is a small key-value service (one thread per connection, accepted by the surviving
 ``spark_hvd.core.transport.listener.Listener``) that the launcher runs; ranks talk to it with ``KVClient`` and exchange
 their addresses with ``KVRendezvous``. Its operations live in ``KVTable``, which the Spark runner's driver service
-serves too, so that torch.distributed groups meet through either (``spark_hvd.core.torch_store``). Every connection
-proves the job's secret with a fresh challenge-response, and every frame in both directions is an authenticated
-``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and it is
-never unpickled. A replayed connection fails the handshake.
+serves too, so that torch.distributed groups meet through either (``spark_hvd.core.backends.torch_store``). Every
+connection proves the job's secret with a fresh challenge-response, and every frame in both directions is an
+authenticated ``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and
+it is never unpickled. A replayed connection fails the handshake.
 
 Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
 subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
@@ -57,8 +57,8 @@ class KVTable:
     Operations (pickled tuples inside authenticated frames): ``("set", key, value)``, ``("get", keys, timeout_s)``
     (waits until every key exists or the timeout passes, then answers the values present), ``("incr", key)``
     (atomic counter in its own namespace, returns the new value), ``("delete", prefix)``; and those a
-    ``torch.distributed`` store needs (``spark_hvd.core.torch_store``): ``("add", key, amount)`` (the value is a
-    decimal integer, as in torch's stores; returns the new one), ``("cas", key, expected, desired)`` (torch's
+    ``torch.distributed`` store needs (``spark_hvd.core.backends.torch_store``): ``("add", key, amount)`` (the value is
+    a decimal integer, as in torch's stores; returns the new one), ``("cas", key, expected, desired)`` (torch's
     ``compare_set``: returns the value after the call), ``("wait", keys, timeout_s)`` (returns the keys still
     missing), ``("check", keys)``, ``("delete_key", key)`` (True when it existed) and ``("count", prefix)``.
     """

@@ -2,7 +2,7 @@
 
 Chosen with ``SPARK_HVD_BACKEND=torch`` (or ``init(backend="torch")``). The ranks exchange host names through
 the job's own rendezvous and meet, for torch.distributed, through a ``KVTorchStore`` on the job's authenticated KV
-service (``spark_hvd.core.torch_store``: no port of its own, every connection proves the job's secret). Only
+service (``spark_hvd.core.backends.torch_store``: no port of its own, every connection proves the job's secret). Only
 when ``TorchBackend`` is built with no rendezvous at all does torch's own ``env://`` (``MASTER_ADDR`` /
 ``MASTER_PORT``, a TCPStore the user set up) apply.
 
@@ -56,7 +56,7 @@ class TorchBackend(Backend):
         apply_device_group_env()  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from SPARK_HVD_NETWORK_INTERFACE
         self._store: Any = None
         if rendezvous is not None:
-            from spark_hvd.core.torch_store import open_store
+            from spark_hvd.core.backends.torch_store import open_store
 
             hosts = [v.decode() for v in rendezvous.exchange(rank, size, hostname.encode())]
             kv_address = rendezvous.address if isinstance(rendezvous, KVRendezvous) else None
