@@ -373,7 +373,7 @@ def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: 
         elif mode == "new":
             barrier()
             for _ in range(warmup + 2):  # untimed, as the other modes: the barrier disarmed the round of new names
-                _NEW_NAMES[0] += 1     # (``spark_hvd.core.fresh``), which two rounds of new names arm again
+                _NEW_NAMES[0] += 1     # (``spark_hvd.core.engine.fresh``), which two rounds of new names arm again
                 call(buf, f".new{_NEW_NAMES[0]}")
             t, c = time.perf_counter(), time.process_time()
             for _ in range(iters):

@@ -27,7 +27,7 @@ configurations::
 
 ``steps``/``bytes``: ring ``2(N-1)`` / ``2(N-1)/N`` (pair exchange: 1 / 1), rd ``log2 N`` / ``log2 N``, hd ``2 log2 N``
 / ``2(N-1)/N``; ``c`` the engine's per-call cost (shared); ``f`` the fast round's cost per log-depth step, paid by a
-round the speculation does not carry (``fast = ceil(log2 N)`` above ``core/speculation.py``'s limits: 64 KiB at
+round the speculation does not carry (``fast = ceil(log2 N)`` above ``core/engine/speculation.py``'s limits: 64 KiB at
 N=2, 1 MiB at N>=3 over TCP; 0 below). It is fitted twice: on wall time (the slowest rank; here N ranks share two
 cores) and on CPU time per rank (what a rank's host spends; on hosts with a core per rank that is the critical path).
 """
@@ -64,7 +64,7 @@ CONFIGS = (
     ("bare", "ring-tcp", {"SPARK_HVD_LOG_DEPTH_BYTES": "0", "SPARK_HVD_HALVING_DOUBLING_BYTES": "0"}, (2, 4, 8)),
 )
 PAIR_BYTES = 1 << 20  # core/backends/ring.py PAIR_EXCHANGE_BYTES: two ranks exchange whole arrays up to this
-SPEC_BYTES, SPEC_LARGE_BYTES = 64 << 10, 1 << 20  # core/speculation.py
+SPEC_BYTES, SPEC_LARGE_BYTES = 64 << 10, 1 << 20  # core/engine/speculation.py
 FAMILIES = ("ring", "rd", "hd")
 
 

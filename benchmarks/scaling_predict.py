@@ -47,7 +47,7 @@ FUSION = 64 << 20
 CYCLE_S = 1e-3
 LOG_DEPTH_BYTES = 64 << 10  # settings.py: recursive doubling up to this (3 or more hosts)
 HIER_SPLIT_BYTES = 256 << 10  # core/backends/ring.py: every local rank carries a slice from this size
-SPEC_LARGE_BYTES = 1 << 20  # core/speculation.py: larger groups pay the fast round
+SPEC_LARGE_BYTES = 1 << 20  # core/engine/speculation.py: larger groups pay the fast round
 HOSTS = (2, 4, 8, 16, 32, 64, 128)
 
 

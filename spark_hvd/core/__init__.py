@@ -45,7 +45,7 @@ from spark_hvd.core.context import (
     size,
     synchronize,
 )
-from spark_hvd.core.engine import Handle
+from spark_hvd.core.engine.engine import Handle
 from spark_hvd.core.errors import (
     AuthenticationError,
     CollectiveTimeoutError,

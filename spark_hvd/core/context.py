@@ -26,7 +26,7 @@ import numpy as np
 
 from spark_hvd.core import process_sets as _ps
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
-from spark_hvd.core.engine import Engine, GroupHandle, Handle
+from spark_hvd.core.engine.engine import Engine, GroupHandle, Handle
 from spark_hvd.core.errors import AuthenticationError, NotInitializedError
 from spark_hvd.core.jobenv import JobEnv, running_job
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
@@ -261,7 +261,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         backend = engine_ = None
         if me in ps.ranks:
             from spark_hvd.core.backends.ring import RingBackend
-            from spark_hvd.core.device import GroupScope
+            from spark_hvd.core.engine.device import GroupScope
 
             set_settings = dataclasses.replace(settings(), timeline=None)  # the global engine owns the file
             job = job_env()

@@ -1,6 +1,6 @@
 """A two-rank TCP allreduce that carries the ranks' agreement in its first frame: negotiation inside the data.
 
-A speculative round (``spark_hvd.core.speculation``) needs every rank to say whether it submitted exactly the
+A speculative round (``spark_hvd.core.engine.speculation``) needs every rank to say whether it submitted exactly the
 round every rank expected. Packed into the data as one more element (a flag that the reduction adds up), that
 costs a copy of every tensor in and out; on shared memory the flag rides beside the tensor where it lies. Between
 two ranks over TCP the flag goes as a header frame of its own, sent ahead of the data on the same connection, so

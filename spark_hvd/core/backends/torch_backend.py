@@ -9,7 +9,7 @@ when ``TorchBackend`` is built with no rendezvous at all does torch's own ``env:
 Buffers stay numpy arrays: on CPU they are shared with torch tensors (no copy); with NCCL they are copied to this
 rank's GPU (the one GPU policy, ``spark_hvd.core.jobenv.gpu_index``) and back. float16 and bfloat16 (uint16 view)
 are reduced in float32; data that is only moved (broadcast, allgather, alltoall) travels as raw bytes. CUDA
-tensors need none of this: they are reduced where they lie (``spark_hvd.core.torch_device``).
+tensors need none of this: they are reduced where they lie (``spark_hvd.core.engine.torch_device``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``KVTorchStore``: a ``torch.distributed.Store`` over spark_hvd's authenticated KV service.
 
 It is the rendezvous of every torch.distributed group spark_hvd opens: the device group (NCCL, or gloo standing in,
-``spark_hvd.core.torch_device``) and the ``SPARK_HVD_BACKEND=torch`` backend. ``open_store`` picks the service:
+``spark_hvd.core.engine.torch_device``) and the ``SPARK_HVD_BACKEND=torch`` backend. ``open_store`` picks the service:
 
 - the launcher's KV service (``JobEnv.rendezvous``, or the address of the ``KVRendezvous`` the ranks met through);
 - else the Spark runner's driver service (``JobEnv.service_address``), which serves the same operations

@@ -2,7 +2,7 @@
 
 Thread-free and rank-free: every rank of a job keeps one ``NegotiationTable`` and feeds it the same gathered
 messages in the same order, so every rank's table is identical and every rank reaches the same answer without a
-coordinator (see ``spark_hvd.core.engine`` for the rounds that feed it):
+coordinator (see ``spark_hvd.core.engine.engine`` for the rounds that feed it):
 
 - a tensor is *ready* when every rank that has not joined has submitted it; ready tensors come out in one order
   (first appearance: round, then rank, then submission order), so tensors submitted in different orders on
@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from spark_hvd.core.device import GroupScope
+from spark_hvd.core.engine.device import GroupScope
+from spark_hvd.core.engine.negotiation import Meta, ResponseCache, TableEntry
 from spark_hvd.core.errors import SparkHvdError, StallError, TensorMismatchError
-from spark_hvd.core.negotiation import Meta, ResponseCache, TableEntry
 
 _LEN = struct.Struct("!I")
 _NOT_WITH_JOIN = frozenset({"allgather", "alltoall", "reducescatter", "broadcast"})  # fail while a rank has joined
@@ -236,7 +236,7 @@ def message_digest(message: np.ndarray) -> tuple[int, int]:
     return (h & 0x3FFFFFFF) | 0x40000000, ((h >> 30) & 0x3FFFFFFF) | 0x40000000
 
 
-#: Slots of the fast round's vector that carry autotune's choice (``spark_hvd.core.autotune.Point.encode``).
+#: Slots of the fast round's vector that carry autotune's choice (``spark_hvd.core.engine.autotune.Point.encode``).
 TUNE_SLOTS = 3
 
 
@@ -250,7 +250,7 @@ def fast_vector(ids: Sequence[int], irregular: bool, id_count: int, rank: int = 
     message lies and the messages travel in one allreduce, see ``message_lengths``); at ``1 + size + 2 rank`` the
     message's digest (``message_digest``: when every rank's message is the same, none needs to travel, see
     ``same_messages``); at ``1 + 3 size`` three slots only rank 0 writes, the settings autotune switches every rank
-    to in this round (``tune_slots``, ``spark_hvd.core.autotune``); a 1 at ``4 + 3 size + id`` for each cache id
+    to in this round (``tune_slots``, ``spark_hvd.core.engine.autotune``); a 1 at ``4 + 3 size + id`` for each cache id
     submitted (none when irregular: the full round carries them). Every slot but the ids' is one rank's alone, so
     the sum is exact."""
     head = 1 + 3 * size + TUNE_SLOTS

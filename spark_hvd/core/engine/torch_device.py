@@ -1,4 +1,5 @@
-"""``TorchDeviceGroup``: the engine's ``DeviceGroup`` for tensors reduced where they lie (``spark_hvd.core.device``).
+"""``TorchDeviceGroup``: the engine's ``DeviceGroup`` for tensors reduced where they lie
+(``spark_hvd.core.engine.device``).
 
 NCCL for CUDA tensors; gloo stands in on CPU (``SPARK_HVD_DEVICE_BACKEND=gloo``), running exactly this code.
 torch is imported when a group is opened, not with this module.
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
-from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
+from spark_hvd.core.engine.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import PeerFailureError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
 from spark_hvd.core.settings import Settings
@@ -25,7 +26,7 @@ _ZERO_OPS = frozenset({"sum", "average"})
 class TorchDeviceGroup(DeviceGroup):
     """The engine's collectives on tensors where they lie: NCCL for CUDA tensors, gloo standing in on CPU.
 
-    Set up collectively (see ``spark_hvd.core.device``): the ranks meet through a ``KVTorchStore``
+    Set up collectively (see ``spark_hvd.core.engine.device``): the ranks meet through a ``KVTorchStore``
     (``spark_hvd.core.backends.torch_store``) on the job's own authenticated KV service (the launcher's, or the Spark
     driver service), so spark_hvd opens no port for the rendezvous and every store connection proves the job's
     secret. (NCCL's own bootstrap and data sockets, and gloo's, carry no authentication: that part of the device
@@ -33,7 +34,7 @@ class TorchDeviceGroup(DeviceGroup):
     default group when the process has none, else a new group over the same ranks (meeting through the default
     group's store). A process set's group (``scope.process_set``) is an independent gloo / NCCL group of its
     members only, on the set's own namespace of the store, registered nowhere in ``torch.distributed``: setting it
-    up involves no other rank (see ``spark_hvd.core.device``). Each engine thread alone drives its group, so a
+    up involves no other rank (see ``spark_hvd.core.engine.device``). Each engine thread alone drives its group, so a
     group's collectives are issued in one order on all its ranks.
 
     CUDA: the engine waits on each tensor's ``ready`` event (recorded on the producer's stream) before the

@@ -1,6 +1,6 @@
 """What the ranks negotiate: a tensor's metadata, the outstanding-tensor table's entries, the response cache.
 
-Everything here is state that the engine keeps identical on every rank (see ``spark_hvd.core.engine``).
+Everything here is state that the engine keeps identical on every rank (see ``spark_hvd.core.engine.engine``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Meta(NamedTuple):
     prescale: float
     postscale: float
     bfloat16: bool
-    device: str = ""  # "" in host memory; a device kind ("cuda") for a DeviceBuffer (spark_hvd.core.device)
+    device: str = ""  # "" in host memory; a device kind ("cuda") for a DeviceBuffer (spark_hvd.core.engine.device)
 
     def to_wire(self, name: str) -> list:
         return [name, self.kind, self.dtype, list(self.shape), self.op, self.root, self.prescale, self.postscale,

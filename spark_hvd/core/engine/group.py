@@ -1,9 +1,9 @@
 """The one interface a negotiated round's collectives run on, and its host implementation over a ``Backend``.
 
 Horovod's ``OperationManager`` shape: the engine decides *what* runs (the negotiation table), the executor
-(``spark_hvd.core.executor``) runs it on a ``Group`` and never asks which one. Host arrays go to a ``HostGroup``
+(``spark_hvd.core.engine.executor``) runs it on a ``Group`` and never asks which one. Host arrays go to a ``HostGroup``
 (the job's backend: the built-in ring, MPI, torch.distributed); tensors on a device go to a ``DeviceGroup``
-(``spark_hvd.core.device``: NCCL, gloo standing in on CPU). Both reduce several buffers as one collective and
+(``spark_hvd.core.engine.device``: NCCL, gloo standing in on CPU). Both reduce several buffers as one collective and
 scale them around it; what differs (packing into a fusion buffer, or a backend that reduces many arrays where they
 lie) stays inside the group.
 """
@@ -19,8 +19,8 @@ import numpy as np
 
 from spark_hvd.core.algorithms import adasum
 from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.engine.negotiation import reduction_identity
 from spark_hvd.core.errors import SparkHvdError
-from spark_hvd.core.negotiation import reduction_identity
 from spark_hvd.core.reduce import scale_inplace
 
 DIRECT_BYTES = 4 * 1024 * 1024  # a host tensor this large is reduced on its own: packing it costs more than it saves

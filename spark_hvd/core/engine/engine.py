@@ -8,14 +8,14 @@ The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``
 lists (one ``backend.allgather`` of a small message), and every rank runs the same deterministic procedure on the
 same gathered data, so all ranks reach the same answer without a coordinator:
 
-- the negotiation table (``spark_hvd.core.table``, thread-free) keeps the outstanding tensors identical on every
+- the negotiation table (``spark_hvd.core.engine.table``, thread-free) keeps the outstanding tensors identical on every
   rank and says which are ready (every rank that has not joined submitted it), in one order, which mismatch (the
   same name with a different shape, dtype or op: a ``TensorMismatchError`` naming the tensor and the ranks), and
   which stall (logged with the missing ranks after ``stall_check_time_s``; after ``stall_shutdown_time_s`` every
   rank raises a ``StallError`` naming it, in the same round);
-- the executor (``spark_hvd.core.executor``) runs what a round agreed on: ready allreduces fused per place, dtype,
-  op and scale, each collective on its ``Group`` (the host backend, or a device group for CUDA tensors) behind one
-  interface.
+- the executor (``spark_hvd.core.engine.executor``) runs what a round agreed on: ready allreduces fused per place,
+  dtype, op and scale, each collective on its ``Group`` (the host backend, or a device group for CUDA tensors) behind
+  one interface.
 
 Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
 (half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
@@ -40,7 +40,7 @@ some ranks sent, or a flag, lead to the full round's messages in the same round,
 carried every rank's message length, so each rank's message has its place in one buffer). When every rank's message
 is the same (the same new tensors in the same order everywhere: the vector carries each message's digest too), none
 travels: each rank's own is every rank's, and its tensors are ready and agreed. Once the ranks have seen which clean
-round follows the last one (``spark_hvd.core.speculation``: the same tensor again, two tensors alternating, an
+round follows the last one (``spark_hvd.core.engine.speculation``: the same tensor again, two tensors alternating, an
 allreduce between barriers), or after one clean round of one tensor (fast, or full with nothing left outstanding)
 where a miss is cheap, the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
 negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place,
@@ -53,7 +53,7 @@ between threads. Both run the same deterministic round, so every rank still make
 collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
 thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
 (``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle; so does
-a blocking allreduce of one new name when a round of new names is expected (``spark_hvd.core.fresh``), and a
+a blocking allreduce of one new name when a round of new names is expected (``spark_hvd.core.engine.fresh``), and a
 ``barrier`` when the round of this barrier alone is expected (``Engine.barrier``).
 
 Joined ranks (``join()``) take part in the allreduces the others agree on, contributing the identity of the
@@ -71,14 +71,14 @@ a peer waiting in a round from timing out, e.g. while rank 0 runs validation, an
 outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made, and to
 100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
 
-Device tensors (``spark_hvd.core.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
+Device tensors (``spark_hvd.core.engine.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
 host arrays, with their device kind in the metadata; the executor runs them on a ``DeviceGroup`` (NCCL) it opens
 at the first device collective. A process set's engine (``scope``) opens a group of the set's members only, and
 its errors name global ranks.
 
 Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
 
-Autotune (``settings.autotune``): rank 0's ``Tuner`` (``spark_hvd.core.autotune``) scores trial settings of the
+Autotune (``settings.autotune``): rank 0's ``Tuner`` (``spark_hvd.core.engine.autotune``) scores trial settings of the
 fusion threshold, cycle time and halving-doubling threshold from what the rounds reduce; its next choice rides in
 the three tuning slots of a fast round's vector, and every rank switches at that round, before running its
 collectives. While a choice waits, rank 0 lets an armed speculation miss (one small collective per switch), so that
@@ -103,19 +103,15 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.algorithms import adasum
-from spark_hvd.core.autotune import Point, Tuner, tuner_for
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.device import DeviceBuffer, DeviceGroup, GroupScope
-from spark_hvd.core.errors import ShutdownError, SparkHvdError
-from spark_hvd.core.executor import Executor, Request
-from spark_hvd.core.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
-from spark_hvd.core.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
-from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
-from spark_hvd.core.settings import Settings
-from spark_hvd.core.speculation import Predictor, Spec
-from spark_hvd.core.table import (
+from spark_hvd.core.engine.autotune import Point, Tuner, tuner_for
+from spark_hvd.core.engine.device import DeviceBuffer, DeviceGroup, GroupScope
+from spark_hvd.core.engine.executor import Executor, Request
+from spark_hvd.core.engine.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
+from spark_hvd.core.engine.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
+from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.speculation import Predictor, Spec
+from spark_hvd.core.engine.table import (
     NegotiationTable,
     Ready,
     check_same_settings,
@@ -129,7 +125,11 @@ from spark_hvd.core.table import (
     same_messages,
     tune_slots,
 )
-from spark_hvd.core.timeline import Timeline, timeline_path
+from spark_hvd.core.engine.timeline import Timeline, timeline_path
+from spark_hvd.core.errors import ShutdownError, SparkHvdError
+from spark_hvd.core.jobenv import JobEnv
+from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
+from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Engine:
         self._spec: Spec | None = None  # identical on every rank
         self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band,
                                     lambda: self._cache.version)
-        self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.fresh``)
+        self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.engine.fresh``)
         self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
         self._fresh_specs: dict[Layout, FreshSpec] = {}
         self._timeline: Timeline | None = None
@@ -343,7 +343,7 @@ class Engine:
         expects a round of it alone next: same name, dtype, shape, op and scales) and nothing else is queued on this
         rank, the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
         runs it at once in the calling thread with no request, handle or metadata to build. The same for a new
-        name when a round of one new tensor of this layout is expected (``spark_hvd.core.fresh``). Otherwise, or
+        name when a round of one new tensor of this layout is expected (``spark_hvd.core.engine.fresh``). Otherwise, or
         when the speculation misses (another rank submitted something else), it goes through ``enqueue`` and
         ``wait``.
         """
@@ -467,7 +467,7 @@ class Engine:
         if self._tuner is not None:
             self._tuner.close()
 
-    # ------------------------------------------------------------------ autotune (spark_hvd.core.autotune)
+    # ------------------------------------------------------------------ autotune (spark_hvd.core.engine.autotune)
 
     def _switch(self, point: Point) -> None:
         """Every rank, in the same fast round: run with ``point``'s fusion threshold, cycle time and halving-doubling
@@ -682,7 +682,7 @@ class Engine:
                     # its meaning, or the cache's version moved and the predictor forgets all at its next round)
                     self._spec = None
                     self._predictor.forget_last()
-                    # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.fresh``)
+                    # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.engine.fresh``)
                     layout = None if ids else fresh_layout([request.meta for request in fresh])
                     if layout is not None and layout == self._fresh_last:
                         self._fresh = self._fresh_spec(layout)
@@ -731,7 +731,7 @@ class Engine:
     def _sighted(self, ready: Ready) -> None:
         """A full round that left nothing outstanding is a clean sighting of what it reduced: the predictor may
         expect those tensors again at the next round (a loop's second call), unless a round of new names is
-        expected (``spark_hvd.core.fresh``). Everything read here is identical on every rank."""
+        expected (``spark_hvd.core.engine.fresh``). Everything read here is identical on every rank."""
         if not ready or self._fresh is not None or not self._table.idle:
             return
         ids = set()
@@ -843,7 +843,7 @@ class Engine:
         return spec
 
     def _fresh_round(self, spec: FreshSpec, mine: list[Request] | None, start: float) -> bool:
-        """A round of new names as one collective (``spark_hvd.core.fresh``); True when every rank submitted
+        """A round of new names as one collective (``spark_hvd.core.engine.fresh``); True when every rank submitted
         ``spec.layout`` under the same names and the tensors are reduced. ``mine``: this rank's requests when they
         have the layout, else None. On a miss the speculation is disarmed and nothing of the requests changed."""
         names = None if mine is None else [request.name for request in mine]
@@ -1001,7 +1001,7 @@ class Engine:
         if join is not None:
             join._set_error(error)
 
-    # ------------------------------------------------------------------ device tensors (spark_hvd.core.device)
+    # ------------------------------------------------------------------ device tensors (spark_hvd.core.engine.device)
 
     def device_groups(self) -> dict[str, DeviceGroup]:
         """The device groups this engine has opened so far, by device kind (none until its first device

@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
-from spark_hvd.core.device import DeviceGroup, GroupScope, check_device_backend
+from spark_hvd.core.engine.device import DeviceGroup, GroupScope, check_device_backend
+from spark_hvd.core.engine.group import Group, HostGroup
+from spark_hvd.core.engine.handle import Handle, finish_all
+from spark_hvd.core.engine.negotiation import CACHEABLE, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.timeline import Timeline
 from spark_hvd.core.errors import SparkHvdError, TensorMismatchError
-from spark_hvd.core.group import Group, HostGroup
-from spark_hvd.core.handle import Handle, finish_all
-from spark_hvd.core.negotiation import CACHEABLE, Meta, ResponseCache, TableEntry
 from spark_hvd.core.settings import Settings
-from spark_hvd.core.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class Executor:
 def _open_device_group(device: str, backend: Backend, settings: Settings, scope: GroupScope) -> DeviceGroup:
     """Set up the group for ``device`` among ``scope``'s ranks (collective over them: each calls it in the same
     round of their engine). torch is imported here, at the first device collective, never before."""
-    from spark_hvd.core.torch_device import TorchDeviceGroup
+    from spark_hvd.core.engine.torch_device import TorchDeviceGroup
 
     kind = check_device_backend(settings.device_backend)
     if kind in (None, "none"):

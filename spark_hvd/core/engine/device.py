@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.group import Group
+from spark_hvd.core.engine.group import Group
 from spark_hvd.core.jobenv import JobEnv
 
 DEVICE_BACKENDS = ("nccl", "gloo", "none")
@@ -122,7 +122,7 @@ class GroupScope:
 class DeviceGroup(Group):
     """Collectives on ``DeviceBuffer`` tensors of one device kind, where they lie (the engine thread's only).
 
-    The executor runs them through ``spark_hvd.core.group.Group``, the interface host arrays share; ``bfloat16``
+    The executor runs them through ``spark_hvd.core.engine.group.Group``, the interface host arrays share; ``bfloat16``
     arguments are ignored here (a ``DeviceBuffer`` carries its own). ``rank`` / ``size``: this rank's place in the
     group and the group's size (a process set's own numbering); ``scope``: whose group it is; ``closed``: whether
     ``close`` has run.

@@ -4,7 +4,7 @@ adopted only where paired measurements show them faster than the starting settin
 
 Thread-free and backend-free: the engine of rank 0 feeds its ``Tuner`` what every round reduced (the names and the
 bytes) and the time; the tuner says which setting to run next (``pending``). The engine sends that choice to every
-rank in the three tuning slots of the next fast round's vector (``spark_hvd.core.table.fast_vector``), and every
+rank in the three tuning slots of the next fast round's vector (``spark_hvd.core.engine.table.fast_vector``), and every
 rank, rank 0 included, switches at that round, before it runs the round's collectives: the ranks' fusion plans and
 algorithms can never differ.
 

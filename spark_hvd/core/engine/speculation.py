@@ -1,6 +1,6 @@
 """Speculative rounds: which round the ranks expect next, and the one collective that carries it.
 
-Thread-free and rank-free, like the table (``spark_hvd.core.table``): every rank feeds its ``Predictor`` the same
+Thread-free and rank-free, like the table (``spark_hvd.core.engine.table``): every rank feeds its ``Predictor`` the same
 clean rounds (the response-cache ids every rank submitted, from a fast round or a speculative hit) and so arms the
 same ``Spec`` at the same moment.
 
@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.negotiation import Meta
+from spark_hvd.core.engine.negotiation import Meta
 
 #: Rounds of at most this many bytes are run speculatively, packed into one staging array.
 SPEC_BYTES = 64 * 1024

@@ -2,8 +2,8 @@
 
 A round of tensors no rank has negotiated before (a name made up per step, ``allreduce(metric)`` without a name,
 which gets a new ``allreduce.noname.N`` every call) costs a fast round and then the data: two collectives, even when
-every rank submitted the same (``spark_hvd.core.table.same_messages``). When the ranks have agreed twice in a row on
-a round of new small float tensors with the same *layout* (the same metadata in the same order, only the names
+every rank submitted the same (``spark_hvd.core.engine.table.same_messages``). When the ranks have agreed twice in a row
+on a round of new small float tensors with the same *layout* (the same metadata in the same order, only the names
 differ), they expect the next round to be one too, and run it as one allreduce of::
 
     [flag, name digests (3 slots per rank), tensors...]
@@ -15,8 +15,8 @@ metadata, which is all a negotiation would have established, and the packed part
 rank drops it (the tensors were packed copies: nothing of theirs changed), disarms and negotiates as usual, having
 spent one small collective. Names agreed this way stay out of the response cache (a name made up per call would
 only evict the names a loop reuses; one that comes back is negotiated then). Like the table and
-``spark_hvd.core.speculation``, this is thread-free and rank-free: every rank arms the same ``FreshSpec`` from the
-same agreed rounds.
+``spark_hvd.core.engine.speculation``, this is thread-free and rank-free: every rank arms the same ``FreshSpec`` from
+the same agreed rounds.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import NamedTuple
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.negotiation import Meta
+from spark_hvd.core.engine.negotiation import Meta
+from spark_hvd.core.engine.speculation import SPEC_BYTES
 from spark_hvd.core.reduce import scale_inplace
-from spark_hvd.core.speculation import SPEC_BYTES
 
 Layout = tuple[Meta, ...]
 _SLOTS = 3  # digest slots per rank, 20 bits each (float32 holds integers up to 2**24 exactly)

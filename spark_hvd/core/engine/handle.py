@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from spark_hvd.core.engine import Engine
+    from spark_hvd.core.engine.engine import Engine
 
 _FINISH = threading.Lock()  # makes "finish a handle once" atomic between the engine and a shutting-down caller
 
