@@ -1,5 +1,9 @@
 """Keras 3 ``DistributedOptimizer``: gradients averaged over all ranks, one grouped collective per step.
 
+Shared by ``spark_hvd.keras`` and ``spark_hvd.tensorflow`` (whose ``DistributedOptimizer`` takes Keras optimizers
+too); each binding passes ``ops``, the collectives that reduce the gradients (a function returning a module with
+``grouped_allreduce`` and its ``Compression``), so this module imports neither binding.
+
 The wrapper is a subclass of the user's optimizer class that reduces the gradients where Keras is about to
 clip and apply them (``_clip_gradients``): after local gradient accumulation (Keras's own
 ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets) and before clipping and the update.
@@ -27,6 +31,7 @@ reloads anywhere as the plain optimizer; :func:`spark_hvd.keras.load_model` wrap
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -57,6 +62,7 @@ class _DistributedOptimizerMixin:
     """Placed in front of a Keras optimizer class; the settings are class attributes of the subclass."""
 
     _hvd_compression: Any = None  # a Compressor class of the active backend's binding; None: no compression
+    _hvd_ops: Callable[[], tuple[Any, Any]]  # the binding's: () -> (module with grouped_allreduce, its Compression)
     _hvd_op: ReduceOp = ReduceOp.AVERAGE
     _hvd_prescale: float = 1.0
     _hvd_postscale: float = 1.0
@@ -218,22 +224,12 @@ class _DistributedOptimizerMixin:
             return [g * pass_factor if i not in local and g is not None and pass_factor != 1.0 else g
                     for i, g in enumerate(grads)]
         present = [i for i, g in enumerate(grads) if g is not None and i not in local]
+        mpi_ops, Compression = self._hvd_ops()  # noqa: N806 - Horovod's name
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
-            from spark_hvd.keras import mpi_ops
-            from spark_hvd.keras.compression import Compression
-
             dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
-        elif keras.backend.backend() == "jax":  # JAX arrays, traced inside Keras's jitted train step
-            from spark_hvd.keras import jax_ops as mpi_ops  # type: ignore[no-redef]
-            from spark_hvd.keras.jax_ops import Compression  # type: ignore[no-redef]
-
-            dense = [grads[i] for i in present]
-        else:  # torch backend: the gradients are torch tensors
-            from spark_hvd.torch import collectives as mpi_ops  # type: ignore[no-redef]
-            from spark_hvd.torch.compression import Compression  # type: ignore[no-redef]
-
+        else:  # torch tensors, or JAX arrays traced inside Keras's jitted train step
             dense = [grads[i] for i in present]
         reduced = mpi_ops.grouped_allreduce(
             dense, name=f"{self.name}.grads", compression=self._hvd_compression or Compression.none,
@@ -269,8 +265,10 @@ _class_cache: dict[tuple, type] = {}
 
 def wrap_optimizer_class(base: type, compression: Any = None,
                          op: ReduceOp = common.Average, gradient_predivide_factor: float = 1.0,
-                         average_aggregated_gradients: bool = False) -> type:
-    """The distributed subclass of Keras optimizer class ``base`` (cached, so equal settings give one class)."""
+                         average_aggregated_gradients: bool = False, *,
+                         ops: Callable[[], tuple[Any, Any]]) -> type:
+    """The distributed subclass of Keras optimizer class ``base`` (cached, so equal settings give one class), reducing
+    with the binding's collectives ``ops``."""
     if not (isinstance(base, type) and issubclass(base, keras.optimizers.Optimizer)):
         raise TypeError(f"expected a keras.optimizers.Optimizer subclass, got {base!r}")
     if issubclass(base, _DistributedOptimizerMixin):
@@ -279,7 +277,7 @@ def wrap_optimizer_class(base: type, compression: Any = None,
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {rop}")
     prescale, postscale = common.gradient_scales(rop, gradient_predivide_factor)
-    key = (base, compression, rop, prescale, postscale, bool(average_aggregated_gradients))
+    key = (base, compression, rop, prescale, postscale, bool(average_aggregated_gradients), ops)
     cls = _class_cache.get(key)
     if cls is None:
         mixin = (_DistributedLossScaleMixin if issubclass(base, keras.optimizers.LossScaleOptimizer)
@@ -289,6 +287,7 @@ def wrap_optimizer_class(base: type, compression: Any = None,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
             "_hvd_compression": compression,
+            "_hvd_ops": staticmethod(ops),
             "_hvd_op": rop,
             "_hvd_prescale": prescale,
             "_hvd_postscale": postscale,
@@ -311,7 +310,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
                          num_groups: int = 0,
                          groups: Any = None,
                          process_set: Any = None,
-                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+                         scale_local_gradients: bool = True, *,
+                         ops: Callable[[], tuple[Any, Any]]) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that ``model.fit`` applies gradients averaged over all ranks.
 
     The arguments are Horovod's, in Horovod's order:
@@ -338,6 +338,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
             rank outside it applies its own gradients, as in Horovod). ``None``: the whole job.
         scale_local_gradients: divide the gradients of variables registered with ``register_local_var`` (or
             :func:`PartialDistributedOptimizer`'s ``local_layers``) by ``size`` (True, Horovod's default).
+        ops: the binding's collectives (given by ``spark_hvd.keras`` and ``spark_hvd.tensorflow``, not by users).
 
     Mixed precision: under ``mixed_bfloat16`` nothing changes. Under ``mixed_float16`` (the global policy,
     ``keras.mixed_precision.set_global_policy``) a plain optimizer comes back wrapped in a
@@ -377,7 +378,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
                              "scaling (LossScaleOptimizer / mixed_float16): LossScaleOptimizer has no gradient "
                              "accumulation; use 1, or mixed_bfloat16 (no loss scaling)")
     cls = wrap_optimizer_class(type(optimizer), compression, op, gradient_predivide_factor,
-                               average_aggregated_gradients)
+                               average_aggregated_gradients, ops=ops)
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
