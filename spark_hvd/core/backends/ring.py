@@ -25,8 +25,8 @@ peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming th
 fails within the timeout naming the same culprit.
 
 Why this module is long (~700 lines): the job's setup and every collective's plan over TCP and shared memory share
-one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``tcp.py``, the
-shared-memory protocol in ``shm.py``.
+one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``transport/tcp.py``,
+the shared-memory protocol in ``transport/shm.py``.
 """
 
 from __future__ import annotations
