@@ -8,7 +8,7 @@ The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd
   frames are tagged by the ``cryptography`` package the Python loop uses, or by the system's libcrypto, loaded at
   run time where it is found.
 - ``pip install -e .`` (PEP 660, what ``make setup`` runs) builds it in place: the ``.so`` lands beside the
-  ``.c`` in spark_hvd/core/, where the editable install imports it from. Each install compiles afresh (pip
+  ``.c`` in spark_hvd/core/transport/, where the editable install imports it from. Each install compiles afresh (pip
   builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer
   compiles leaves the Python loop running, never the last good build of older source.
 - ``-O2 -ffp-contract=off`` after Python's own flags (its ``-O3`` overridden): no ``-march=native``, no
