@@ -5,6 +5,7 @@ Each function says which versions take which branch (the Spark version itself co
 
 - ``save_metadata`` / ``load_metadata``: Spark ML's ``DefaultParamsWriter.saveMetadata`` /
   ``DefaultParamsReader.loadMetadata`` on a classic session (any Spark) or a Spark Connect one (Spark >= 4.0);
+- ``to_arrow(df)``: a DataFrame's rows as one ``pyarrow.Table`` (``DataFrame.toArrow`` is Spark >= 4.0);
 - ``log_model``: an MLflow flavor's ``log_model`` with the keywords that MLflow version takes (``name=`` and
   ``step=`` from MLflow 3.0, ``artifact_path=`` before; ``serialization_format=`` where the flavor has it).
 """
@@ -47,6 +48,28 @@ def load_metadata(path: str, spark: Any) -> dict[str, Any]:
     from pyspark.ml.util import DefaultParamsReader
 
     return DefaultParamsReader.loadMetadata(path, _ml_context(spark, f"loading the stage at {path}"))
+
+
+def to_arrow(df: Any) -> Any:
+    """``df`` collected to the driver as a ``pyarrow.Table`` (call it on small DataFrames: one row, a few rows).
+
+    Spark >= 4.0: ``df.toArrow()`` (classic and Connect). Spark 3.5 has no ``toArrow``: a classic DataFrame's
+    Arrow batches (``_collect_as_arrow``, what 3.5's ``toPandas`` uses; an empty result takes its schema from
+    ``df.schema``), a Connect one's table from its client (``client.to_table``, what 3.5's ``toPandas`` uses).
+    """
+    if spark_compat.spark_version() >= (4, 0):
+        return df.toArrow()
+    import pyarrow as pa
+
+    if cluster.is_connect(df.sparkSession):
+        table, _ = df._session.client.to_table(df._plan.to_proto(df._session.client))
+        return table
+    batches = df._collect_as_arrow()
+    if batches:
+        return pa.Table.from_batches(batches)
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(df.schema).empty_table()
 
 
 def log_model(flavor_log_model: Callable[..., Any], model: Any, name: str, **kwargs: Any) -> Any:
