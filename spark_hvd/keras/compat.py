@@ -98,3 +98,18 @@ def fit_steps(steps: int | None, dataset: Any) -> int | None:
     if steps is not None and not RESTARTS_EXHAUSTED_DATA and steps == len(dataset):
         return None
     return steps
+
+
+def checkpoint_mode(callback: Any) -> tuple[str, float]:
+    """``(mode, min_delta)`` of a ``keras.callbacks.ModelCheckpoint``: ``mode`` "min", "max" or "auto".
+
+    Keras releases whose ``ModelCheckpoint`` derives from ``MonitorCallback`` (3.15 does; 3.10 does not) keep
+    ``mode`` and ``min_delta``. Older ones (3.3 to at least 3.10) keep neither: the mode is read from the
+    comparison they chose (``monitor_op``: ``np.greater`` for "max", ``np.less`` for "min"), and they have no
+    ``min_delta`` (0).
+    """
+    if hasattr(callback, "mode"):
+        return str(callback.mode), float(getattr(callback, "min_delta", 0.0) or 0.0)
+    op = getattr(callback, "monitor_op", None)
+    name = getattr(op, "__name__", "")
+    return {"greater": "max", "less": "min"}.get(name, "auto"), 0.0
