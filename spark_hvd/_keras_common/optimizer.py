@@ -9,7 +9,8 @@ clip and apply them (``_clip_gradients``): after local gradient accumulation (Ke
 ``gradient_accumulation_steps``, which ``backward_passes_per_step`` sets) and before clipping and the update.
 Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_function`` holding one grouped
 allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
-allreduce.
+allreduce. (Keras 3.3-3.4 clip each pass before accumulating: there the reduction runs once per pass, with the
+same result; ``spark_hvd.keras.compat`` holds what differs between Keras releases.)
 
 Horovod's custom-loop contract, ``_compute_gradients(loss, var_list, grad_loss, tape)`` (TensorFlow backend): the
 tape's gradients come back reduced (on the last of ``backward_passes_per_step`` passes; the others return the local
@@ -38,6 +39,7 @@ import keras
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.keras import compat
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,7 @@ class _AggregationHelper:
     @property
     def counter(self) -> Any:
         """Passes since the last reduction, a scalar tensor (the optimizer's pass count modulo the passes/step)."""
-        return keras.ops.mod(self._optimizer._iterations, self.backward_passes_per_step)
+        return keras.ops.mod(compat.pass_counter(self._optimizer), self.backward_passes_per_step)
 
 
 class _DistributedOptimizerMixin:
@@ -68,13 +70,6 @@ class _DistributedOptimizerMixin:
     _hvd_postscale: float = 1.0
     _hvd_average_aggregated: bool = False  # backward_passes_per_step > 1: average the passes (True) or sum them
     _hvd_scale_local: bool = True  # divide the gradients of local variables by size (Horovod's default)
-
-    @property
-    def iterations(self) -> Any:
-        """Backward passes applied (Horovod's): with ``backward_passes_per_step=k`` it grows by one per pass, not
-        per update (Keras's own ``iterations`` would be ``passes // k``; the learning rate schedule sees passes
-        either way)."""
-        return self._iterations
 
     @property
     def _agg_helper(self) -> _AggregationHelper | None:
@@ -131,7 +126,7 @@ class _DistributedOptimizerMixin:
 
     def _hvd_aggregate_passes(self, grads: list[Any], var_list: list[Any], steps: int) -> list[Any]:
         """Add ``grads`` to the optimizer's gradient accumulators; on the last pass of ``steps`` reduce the sum and
-        zero the accumulators (the pass count is ``_iterations``, which ``apply_gradients`` advances)."""
+        zero the accumulators (the pass count is ``compat.pass_counter``, which ``apply_gradients`` advances)."""
         import tensorflow as tf
 
         if not self.built:
@@ -157,7 +152,7 @@ class _DistributedOptimizerMixin:
             with tf.control_dependencies([acc.assign(s) for acc, s in zip(accs, sums, strict=True)]):
                 return [tf.identity(s) for s in sums]
 
-        last = tf.equal((self._iterations + 1) % steps, 0)
+        last = tf.equal((compat.pass_counter(self) + 1) % steps, 0)
         result = tf.cond(last, reduce_and_clear, keep) if present else []
         out: list[Any] = [None] * len(grads)
         for i, r in zip(present, result, strict=True):
@@ -185,7 +180,8 @@ class _DistributedOptimizerMixin:
             finally:
                 self.gradient_accumulation_steps = steps
 
-        keras.ops.cond((self._iterations + 1) % steps == 0, update, lambda: None)
+        keras.ops.cond((compat.pass_counter(self) + 1) % steps == 0, update,
+                       lambda: compat.advance_skipped_pass(self))
         return None
 
     def _clip_gradients(self, grads: Any) -> Any:
@@ -244,8 +240,6 @@ class _DistributedOptimizerMixin:
 class _DistributedLossScaleMixin(_DistributedOptimizerMixin):
     """Placed in front of ``keras.optimizers.LossScaleOptimizer`` (see the module docstring)."""
 
-    iterations = keras.optimizers.LossScaleOptimizer.iterations  # the inner optimizer's (no accumulation here)
-
     def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
         if trainable_variables is not None:
             self.__dict__["_hvd_apply_vars"] = list(trainable_variables)
@@ -292,6 +286,7 @@ def wrap_optimizer_class(base: type, compression: Any = None,
             "_hvd_prescale": prescale,
             "_hvd_postscale": postscale,
             "_hvd_average_aggregated": bool(average_aggregated_gradients),
+            **compat.iterations_members(base),  # ``iterations`` counts passes, as Horovod's
         })
         _class_cache[key] = cls
     return cls

@@ -265,7 +265,9 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         cb = self._opt(self.checkpoint_callback)
         if cb is None or not cb.save_best_only:
             return None
-        return BestPolicy.create(cb.monitor, cb.mode, float(cb.min_delta or 0.0))
+        from spark_hvd.keras import compat as keras_compat
+
+        return BestPolicy.create(cb.monitor, *keras_compat.checkpoint_mode(cb))
 
     def _train_spec(self) -> dict:
         return {
