@@ -188,6 +188,17 @@ def _zero_copy() -> None:
     finally:
         core.allreduce = real
     close(out, np.full(1024, 2 * sum(range(1, N + 1)), np.float32))
+    # a small array used again gets a kept view (spark_hvd.mxnet.ndarray._VIEWS); new values written by MXNet
+    # between the calls are what the next call reduces
+    from spark_hvd.mxnet import ndarray as nda
+
+    g = mx.nd.zeros((16,))
+    for step in range(4):
+        g[:] = float(R + step)
+        g *= 2.0  # queued by MXNet's engine: the view waits for it
+        hvd.allreduce_(g, op=hvd.Sum, name="kept")
+        close(g, np.full(16, sum(2.0 * (r + step) for r in range(N)), np.float32))
+    assert id(g) in nda._VIEWS, "a small array used four times has no kept view"
     # a view that waits for MXNet's queued writes: the product below is still being computed when allreduce_ runs
     a = mx.nd.random.uniform(shape=(400, 400), ctx=mx.cpu())
     b = mx.nd.dot(a, a)
