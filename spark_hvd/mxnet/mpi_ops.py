@@ -247,16 +247,32 @@ def grouped_allreduce_(tensors: Sequence[Any], average: bool | None = None, name
 
 @_mxnet_errors
 def allreduce_async_inplace(tensors: Sequence[Any], names: Sequence[str | None], op: ReduceOp, prescale: float,
-                            postscale: float, process_set: ProcessSet) -> Any:
+                            postscale: float, process_set: ProcessSet, as_ready: bool = False) -> Any:
     """Queue in-place allreduces of ``tensors`` (host NDArrays) without waiting; returns a function that waits
     for them (and writes staged copies back). For the trainer and the optimizer, which submit every gradient
-    before waiting for any."""
-    staged = nda.stage_all(_ndarrays(tensors, "allreduce_()"))
-    handle = common.core().grouped_allreduce_async([s.buf for s in staged], names=list(names), op=op,
-                                                   prescale=prescale, postscale=postscale, process_set=process_set)
+    before waiting for any.
+
+    By default every queued MXNet operator is waited for first and the tensors go as one group. ``as_ready``:
+    each tensor, in the order given, is submitted as soon as MXNet's queued writes to it are done (its reads are
+    not waited for: for gradients right after ``backward()``, which nothing reads before the update), so the first
+    ones are reduced while MXNet still computes the others (give them in the order backward produces them)."""
+    tensors = _ndarrays(tensors, "allreduce_()")
+    c = common.core()
+    if not as_ready:
+        staged = nda.stage_all(tensors)
+        handles = [c.grouped_allreduce_async([s.buf for s in staged], names=list(names), op=op, prescale=prescale,
+                                             postscale=postscale, process_set=process_set)]
+    else:
+        staged, handles = [], []
+        for t, n in zip(tensors, names, strict=True):
+            nda.wait_to_read(t)
+            staged.append(nda.Staged(t, waited=True))
+            handles.append(c.allreduce_async(staged[-1].buf, name=n, op=op, prescale=prescale, postscale=postscale,
+                                             process_set=process_set))
 
     def wait() -> None:
-        handle.wait()
+        for h in handles:
+            h.wait()
         for s in staged:
             s.finish()
     return wait

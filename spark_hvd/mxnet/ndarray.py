@@ -31,7 +31,7 @@ from mxnet.base import _LIB, check_call
 from spark_hvd import _binding_common as common
 
 __all__ = ["DTYPES", "Staged", "check_dtype", "cpu_context", "host_input", "read_view", "stage_all", "to_ndarray",
-           "wait_all", "write_view"]
+           "wait_all", "wait_to_read", "write_view"]
 
 #: the dtypes the collectives take (Horovod's MXNet set)
 DTYPES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32,
@@ -87,6 +87,11 @@ def check_dtype(nd: Any, what: str) -> np.dtype:
 def wait_all() -> None:
     """Wait for every operator MXNet has queued (reads and writes of every array); cheap when none is pending."""
     check_call(_WAIT_ALL())
+
+
+def wait_to_read(nd: Any) -> None:
+    """Wait for MXNet's queued writes to ``nd`` (not for its queued reads)."""
+    check_call(_WAIT_TO_READ(nd.handle))
 
 
 def _device(nd: Any) -> tuple[int, int]:

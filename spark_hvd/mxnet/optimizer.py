@@ -4,8 +4,9 @@
 Averaging: the core's ``Average`` with ``prescale = 1 / gradient_predivide_factor`` and ``postscale =
 gradient_predivide_factor`` (``_binding_common.gradient_scales``), so the sum happens on gradients divided by the
 factor and the result is the plain average (Horovod's semantics). Every gradient of a step is submitted before
-any is waited for, so the engine fuses them; ``num_groups`` > 0 splits them into that many named groups, as
-Horovod does (``<first>:<last>`` names), which changes names only: the engine fuses by size either way.
+any is waited for, so the engine fuses them; without groups each goes as soon as MXNet has computed it (last
+parameter first), overlapping the reduction of the first with the backward pass of the rest. ``num_groups`` > 0
+splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each submitted whole.
 """
 
 from __future__ import annotations
@@ -38,24 +39,27 @@ def split_groups(items: Sequence[Any], num_groups: int) -> list[list[Any]]:
 
 def _allreduce_grads(grads: list[Any], names: list[str], num_groups: int, predivide: float,
                      process_set: ProcessSet) -> None:
-    """Average ``grads`` (host NDArrays) in place across ``process_set``: one submission per group (per dtype
-    within a group), then one wait for all."""
+    """Average ``grads`` (host NDArrays, in the parameters' order) in place across ``process_set``, then wait.
+
+    Without groups each gradient is submitted as soon as MXNet has computed it, last parameter first (the order
+    backward produces them), so the engine reduces the first ones while MXNet computes the rest. With
+    ``num_groups`` > 0, Horovod's groups: one submission per group (per dtype within a group) after MXNet's queued
+    operators are done."""
     prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, predivide)
-    pairs = list(zip(grads, names, strict=True))
-    groups = split_groups(pairs, num_groups) if num_groups > 0 else [pairs]
+    if num_groups <= 0:
+        mpi_ops.allreduce_async_inplace(grads[::-1], names[::-1], ReduceOp.AVERAGE, prescale, postscale,
+                                        process_set, as_ready=True)()
+        return
     waits = []
-    for group in groups:
+    for group in split_groups(list(zip(grads, names, strict=True)), num_groups):
         by_dtype: dict[Any, list[tuple[Any, str]]] = {}
         for g, n in group:
             by_dtype.setdefault(g.dtype, []).append((g, n))
         for entries in by_dtype.values():
             ts = [g for g, _ in entries]
-            ns = [n for _, n in entries]
-            if num_groups > 0:
-                base = f"{ns[0]}:{ns[-1]}"
-                ns = [f"{base}.{i}" for i in range(len(ns))]
-            waits.append(mpi_ops.allreduce_async_inplace(ts, ns, ReduceOp.AVERAGE, prescale, postscale,
-                                                         process_set))
+            base = f"{entries[0][1]}:{entries[-1][1]}"
+            waits.append(mpi_ops.allreduce_async_inplace(ts, [f"{base}.{i}" for i in range(len(ts))],
+                                                         ReduceOp.AVERAGE, prescale, postscale, process_set))
     for wait in waits:
         wait()
 
