@@ -194,7 +194,7 @@ class Staged:
         self.nd = nd
         view = _host_view(nd)
         self._copied = view is None
-        self.buf = np.array(nd.asnumpy(), order="C") if view is None else view
+        self.buf = nd.asnumpy() if view is None else view  # asnumpy: a new C-contiguous array, the one copy
 
     def finish(self) -> Any:
         """Write a staged copy back into the NDArray; returns the NDArray."""
