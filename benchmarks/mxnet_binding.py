@@ -147,23 +147,32 @@ def loop_worker(kind: str, steps: int) -> None:
     for _ in range(5):
         step()
     mx.nd.waitall()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     mx.nd.waitall()
     rate = steps * BATCH / (time.perf_counter() - start)
-    if rank == 0:
-        print(f"RATE {rate:.1f}", flush=True)
+    cpu = (time.process_time() - start_cpu) / steps * 1e3
+    print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank}", flush=True)
     if kind == "hvd":
         hvd.shutdown()
 
 
-def _rate(out: str) -> float:
-    return float(next(line.split("RATE", 1)[1] for line in out.splitlines() if "RATE" in line))
+def _rate(out: str) -> tuple[float, float]:
+    """(rank 0's samples/s, the workers' CPU ms per step summed) from the workers' ``RATE`` lines."""
+    rate, cpu = 0.0, 0.0
+    for line in out.splitlines():
+        if "RATE" in line:
+            fields = line.split("RATE", 1)[1].split()
+            cpu += float(fields[2])
+            if fields[4] == "0":
+                rate = float(fields[0])
+    return rate, cpu
 
 
-def loop_round(kind: str, steps: int) -> float:
-    """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``)."""
+def loop_round(kind: str, steps: int) -> tuple[float, float]:
+    """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``), and the workers' CPU
+    milliseconds per step, summed (all threads; not the dist_sync server's or scheduler's)."""
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
     if kind == "hvd":
         out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", *me], env=ENV,
@@ -202,11 +211,17 @@ def loop_round(kind: str, steps: int) -> float:
 def loop(rounds: int, steps: int) -> None:
     kinds = ("hvd", "dist", "dist_local", "single")
     rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpus: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(rounds):
         for kind in kinds[r % 4:] + kinds[:r % 4]:
-            rates[kind].append(loop_round(kind, steps))
-            print(f"round {r} {kind} {rates[kind][-1]:.1f} samples/s per process", flush=True)
+            rate, cpu = loop_round(kind, steps)
+            rates[kind].append(rate)
+            cpus[kind].append(cpu)
+            print(f"round {r} {kind} {rate:.1f} samples/s per process, workers' CPU {cpu:.2f} ms per step",
+                  flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
+    print("workers' CPU ms per step (median): " + ", ".join(f"{k} {statistics.median(v):.2f}"
+                                                              for k, v in cpus.items()), flush=True)
     print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
           f"{med['hvd']:.1f}, kvstore dist_sync at 2 {med['dist']:.1f} (update on the server; hvd/dist "
           f"{med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
