@@ -38,6 +38,7 @@ DTYPES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, 
                                          np.float64))
 
 _CPU0 = mx.cpu(0)
+_NP_NDARRAY = mx.np.ndarray  # MXNet's numpy-compatible arrays (an NDArray subclass)
 _HOST_DEVICES = frozenset({1, 3, 5})  # MXNet's device types cpu, cpu_pinned, cpu_shared (2 is gpu)
 _DEFAULT_STORAGE = 0  # dense (1: row_sparse, 2: csr)
 _GET_DATA = _LIB.MXNDArrayGetData
@@ -165,7 +166,13 @@ def write_view(nd: Any, waited: bool = False) -> np.ndarray:
 
 def to_ndarray(a: np.ndarray, like: Any) -> Any:
     """Owned numpy buffer ``a`` as an NDArray on ``like``'s context (``like``: an NDArray or a context), over the
-    same memory where MXNet can take it (a C-contiguous DLPack dtype on ``cpu(0)``), else copied there."""
+    same memory where MXNet can take it (a C-contiguous DLPack dtype on ``cpu(0)``), else copied there; an
+    ``mx.np.ndarray`` when ``like`` is one (a shallow copy: the same memory)."""
+    out = _to_nd(a, like)
+    return out.as_np_ndarray() if isinstance(like, _NP_NDARRAY) else out
+
+
+def _to_nd(a: np.ndarray, like: Any) -> Any:
     if isinstance(like, mx.Context):
         on_cpu0 = like == _CPU0
     else:

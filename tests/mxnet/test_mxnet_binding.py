@@ -23,6 +23,7 @@ CHECKS = [
     "reducescatter_sum_average_uneven",
     "compression_fp16_allreduce",
     "in_place_forms_use_the_ndarray_memory",
+    "mx_np_arrays_come_back_as_mx_np_arrays",
     "objects_barrier_join",
     "argument_errors_name_the_rank",
     "mismatch_raises_runtime_error_naming_ranks",

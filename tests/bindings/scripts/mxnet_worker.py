@@ -210,6 +210,20 @@ def _zero_copy() -> None:
     np.testing.assert_allclose(b2.asnumpy(), mine.asnumpy().max(0), rtol=1e-4)
 
 
+@check("mx_np_arrays_come_back_as_mx_np_arrays")
+def _mx_np() -> None:
+    xs = [data(r, (4, 2), seed=95) for r in range(N)]
+    x = mx.np.array(xs[R])
+    out = hvd.allreduce(x, op=hvd.Sum)
+    assert isinstance(out, mx.np.ndarray), type(out)
+    close(out.as_nd_ndarray(), np.stack(xs).sum(0))
+    gathered = hvd.allgather(x)
+    assert isinstance(gathered, mx.np.ndarray)
+    close(gathered.as_nd_ndarray(), np.concatenate(xs))
+    assert hvd.allreduce_(x, op=hvd.Max) is x
+    close(x.as_nd_ndarray(), np.stack(xs).max(0))
+
+
 @check("objects_barrier_join")
 def _objects() -> None:
     assert hvd.broadcast_object({"r": R}, root_rank=N - 1) == {"r": N - 1}
