@@ -12,7 +12,9 @@ def mxnet_skip_reason() -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            import mxnet  # noqa: F401
+            import mxnet
     except Exception as e:  # noqa: BLE001 - any failure to import is a reason to skip
         return f"mxnet does not import here ({type(e).__name__}: {e}); see docs/mxnet.md for its environment"
+    if getattr(mxnet, "__file__", None) is None:  # a directory named mxnet on sys.path, not the package
+        return f"mxnet is not installed here (import mxnet found {list(mxnet.__path__)}); see docs/mxnet.md"
     return None
