@@ -95,10 +95,20 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         else:
             setattr(self._optimizer, key, value)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The wrapper's own fields (``Trainer.save_states`` pickles the optimizer; the wrapped one pickles itself)."""
+        return {k: self.__dict__[k] for k in DistributedOptimizer._OWN}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
     def create_state(self, index: Any, weight: Any) -> Any:
+        """The wrapped optimizer's state for ``weight``."""
         return self._optimizer.create_state(index, weight)
 
     def create_state_multi_precision(self, index: Any, weight: Any) -> Any:
+        """The wrapped optimizer's state for ``weight`` (with a float32 master copy of a float16 one)."""
         return self._optimizer.create_state_multi_precision(index, weight)
 
     def _reduce(self, index: Any, grad: Any) -> None:
@@ -123,12 +133,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
     def set_learning_rate(self, lr: float) -> None:
+        """Set the wrapped optimizer's learning rate."""
         self._optimizer.set_learning_rate(lr)
 
     def set_lr_mult(self, args_lr_mult: dict[Any, float]) -> None:
+        """Set the wrapped optimizer's per-parameter learning-rate multipliers."""
         self._optimizer.set_lr_mult(args_lr_mult)
 
     def set_wd_mult(self, args_wd_mult: dict[Any, float]) -> None:
+        """Set the wrapped optimizer's per-parameter weight-decay multipliers."""
         self._optimizer.set_wd_mult(args_wd_mult)
 
 

@@ -129,6 +129,23 @@ def test_distributed_optimizer_passes_attributes_to_the_wrapped_one(single):
         hvd.DistributedOptimizer(inner, gradient_predivide_factor=0)
 
 
+def test_trainer_states_save_and_load_with_either_wrapper(single, tmp_path):
+    net = mx.gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    for i, trainer in enumerate([
+            mx.gluon.Trainer(net.collect_params(), hvd.DistributedOptimizer(mx.optimizer.SGD(momentum=0.9)),
+                             kvstore=None),
+            hvd.DistributedTrainer(net.collect_params(), "adam")]):
+        with mx.autograd.record():
+            loss = net(mx.nd.ones((2, 3))).sum()
+        loss.backward()
+        trainer.step(2)
+        trainer.save_states(str(tmp_path / f"states{i}"))
+        trainer.load_states(str(tmp_path / f"states{i}"))
+        assert isinstance(trainer._optimizer, hvd.DistributedOptimizer) == (i == 0)
+        trainer.step(2, ignore_stale_grad=True)
+
+
 def test_trainer_unwraps_a_distributed_optimizer(single):
     net = mx.gluon.nn.Dense(2, in_units=3)
     net.initialize()
