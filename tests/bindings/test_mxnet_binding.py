@@ -16,6 +16,7 @@ if (_reason := mxnet_skip_reason()) is not None:
 
 CHECKS = [
     "allreduce_every_op_and_dtype",
+    "adasum",
     "grouped_allreduce_one_and_mixed_dtypes",
     "allgather_ragged_every_dtype",
     "broadcast_every_dtype",

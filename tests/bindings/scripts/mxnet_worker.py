@@ -14,7 +14,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)  # MXNet 1.9 read
 
 import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from checks import expect_errors, make_check  # noqa: E402 - the scripts' directory is on sys.path
+from checks import adasum_tree, expect_errors, make_check  # noqa: E402 - the scripts' directory is on sys.path
 from mxnet.base import _LIB, MXNetError, check_call  # noqa: E402
 
 import spark_hvd.mxnet as hvd  # noqa: E402
@@ -73,6 +73,16 @@ def _allreduce() -> None:
             close(hvd.allreduce(x, average=True), stack.astype(np.float64).mean(0).astype(dt))
             close(hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
                   (stack.astype(np.float64).sum(0) * 1.5).astype(dt))
+
+
+@check("adasum")
+def _adasum() -> None:
+    xs = [data(r, (5, 3), seed=15) for r in range(N)]
+    ys = [data(r, (9,), np.float64, seed=16) for r in range(N)]
+    close(hvd.allreduce(mx.nd.array(xs[R]), op=hvd.Adasum), adasum_tree(xs).astype(np.float32))
+    a, b = hvd.grouped_allreduce([mx.nd.array(xs[R]), mx.nd.array(ys[R], dtype="float64")], op=hvd.Adasum)
+    close(a, adasum_tree(xs).astype(np.float32))
+    close(b, adasum_tree(ys))
 
 
 @check("grouped_allreduce_one_and_mixed_dtypes")
