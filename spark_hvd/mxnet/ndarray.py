@@ -38,6 +38,7 @@ DTYPES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, 
                                          np.float64))
 
 _CPU0 = mx.cpu(0)
+_CONTEXT = type(_CPU0)  # mx.Context (MXNet 1.x; a function returning mx.device.Device in MXNet 2)
 _NP_NDARRAY = mx.np.ndarray  # MXNet's numpy-compatible arrays (an NDArray subclass)
 _HOST_DEVICES = frozenset({1, 3, 5})  # MXNet's device types cpu, cpu_pinned, cpu_shared (2 is gpu)
 _DEFAULT_STORAGE = 0  # dense (1: row_sparse, 2: csr)
@@ -173,13 +174,13 @@ def to_ndarray(a: np.ndarray, like: Any) -> Any:
 
 
 def _to_nd(a: np.ndarray, like: Any) -> Any:
-    if isinstance(like, mx.Context):
+    if isinstance(like, _CONTEXT):
         on_cpu0 = like == _CPU0
     else:
         on_cpu0 = _device(like) == (1, 0)
     if on_cpu0 and a.flags.c_contiguous and a.dtype in DTYPES and a.size:
         return mx.nd.from_dlpack(a.__dlpack__())
-    ctx = like if isinstance(like, mx.Context) else like.context
+    ctx = like if isinstance(like, _CONTEXT) else like.context
     out = mx.nd.empty(a.shape, ctx=ctx, dtype=a.dtype)
     if a.size:
         if ctx.device_type == "cpu":

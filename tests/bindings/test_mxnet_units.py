@@ -22,6 +22,9 @@ import spark_hvd.mxnet as hvd  # noqa: E402
 from spark_hvd.mxnet import ndarray as nda  # noqa: E402
 from spark_hvd.mxnet.optimizer import split_groups  # noqa: E402
 
+MXNET2 = int(mx.__version__.split(".")[0]) >= 2  # the 2.0 beta: Gluon takes mx.np arrays, update() takes lists
+gluon_ones = (lambda shape: mx.np.ones(shape)) if MXNET2 else (lambda shape: mx.nd.ones(shape))
+
 
 @pytest.fixture
 def single(monkeypatch):
@@ -123,7 +126,10 @@ def test_distributed_optimizer_passes_attributes_to_the_wrapped_one(single):
     opt.rescale_grad = 0.25  # what gluon.Trainer.step does
     assert inner.rescale_grad == 0.25 and opt.learning_rate == 0.5
     w, g = mx.nd.ones((2,)), mx.nd.ones((2,))
-    opt.update(0, w, g, opt.create_state(0, w))
+    if MXNET2:
+        opt.update([0], [w], [g], [opt.create_state(0, w)])
+    else:
+        opt.update(0, w, g, opt.create_state(0, w))
     np.testing.assert_allclose(w.asnumpy(), 1 - 0.5 * 0.25)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(inner, gradient_predivide_factor=0)
@@ -137,7 +143,7 @@ def test_trainer_states_save_and_load_with_either_wrapper(single, tmp_path):
                              kvstore=None),
             hvd.DistributedTrainer(net.collect_params(), "adam")]):
         with mx.autograd.record():
-            loss = net(mx.nd.ones((2, 3))).sum()
+            loss = net(gluon_ones((2, 3))).sum()
         loss.backward()
         trainer.step(2)
         trainer.save_states(str(tmp_path / f"states{i}"))
@@ -156,6 +162,7 @@ def test_trainer_unwraps_a_distributed_optimizer(single):
         hvd.DistributedTrainer(net.collect_params(), "sgd", prefix=3)
 
 
+@pytest.mark.skipif(MXNET2, reason="MXNet 2 has no Module API")
 def test_module_api_with_distributed_optimizer(single):
     """Horovod's MXNet Module recipe: ``Module.fit(kvstore=None, optimizer=hvd.DistributedOptimizer(...))``."""
     rng = np.random.default_rng(0)

@@ -283,6 +283,9 @@ def weights(net: mx.gluon.Block) -> list[np.ndarray]:
 
 
 BATCH, STEPS = 6, 5
+# Gluon's blocks take mx.nd arrays in MXNet 1.x, mx.np arrays in MXNet 2 (the beta: docs/mxnet.md)
+MXNET2 = int(mx.__version__.split(".")[0]) >= 2
+gluon_array = mx.np.array if MXNET2 else mx.nd.array
 LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()
 
 
@@ -296,7 +299,7 @@ def train(net: mx.gluon.Block, trainer: mx.gluon.Trainer, shards: list[int]) -> 
     history = []
     for step in range(STEPS):
         xs, ys = zip(*[batches(r, step) for r in shards], strict=True)
-        x, y = mx.nd.array(np.concatenate(xs)), mx.nd.array(np.concatenate(ys))
+        x, y = gluon_array(np.concatenate(xs)), gluon_array(np.concatenate(ys))
         with mx.autograd.record():
             loss = LOSS(net(x), y)
         loss.backward()
@@ -350,7 +353,10 @@ def _optimizer() -> None:
     w = mx.nd.array(data(0, (3, 4), seed=110))
     g = mx.nd.array(data(R, (3, 4), seed=111))
     opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=1.0))
-    opt.update(0, w, g, opt.create_state(0, w))
+    if MXNET2:  # MXNet 2's Optimizer.update takes lists (Horovod's test does the same)
+        opt.update([0], [w], [g], [opt.create_state(0, w)])
+    else:
+        opt.update(0, w, g, opt.create_state(0, w))
     mean = np.stack([data(r, (3, 4), seed=111) for r in range(N)]).mean(0)
     close(w, (data(0, (3, 4), seed=110) - mean).astype(np.float32))
 
@@ -371,7 +377,7 @@ def _broadcast_parameters() -> None:
     # deferred initialisation: root's values once the first forward pass gives the shapes
     lazy = mlp(30 + R, deferred=True)
     hvd.broadcast_parameters(lazy.collect_params(), root_rank=0, prefix="lazy.")
-    lazy(mx.nd.ones((2, 5)))
+    lazy(gluon_array(np.ones((2, 5), np.float32)))
     for w in weights(lazy):
         gathered = hvd.allgather(mx.nd.array(w[None])).asnumpy()
         np.testing.assert_array_equal(gathered[0], gathered[-1])
