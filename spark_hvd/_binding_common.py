@@ -134,9 +134,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing the engine's Chrome-trace timeline to ``file_path`` (rank 0 only, unless the path holds
     ``{rank}``), replacing any timeline being written. Call it on every rank. ``mark_cycles`` is accepted for
     Horovod compatibility; the engine's ``ROUND`` events mark its cycles always. The activity names are
-    spark_hvd's (see ``spark_hvd.core.timeline``), not Horovod's."""
+    spark_hvd's (see ``spark_hvd.core.engine.timeline``), not Horovod's."""
     require_init("start_timeline()")
-    from spark_hvd.core.timeline import Timeline, timeline_path
+    from spark_hvd.core.engine.timeline import Timeline, timeline_path
 
     if not file_path or file_path == "DYNAMIC":
         raise ValueError(f"start_timeline needs a file path, got {file_path!r}")

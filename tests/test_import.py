@@ -9,8 +9,8 @@ import pytest
 
 import spark_hvd.core
 
-#: every module of the core layer, the torch.distributed ones included (they import torch only when used)
-CORE_MODULES = ", ".join(f"spark_hvd.core.{m.name}" for m in pkgutil.iter_modules(spark_hvd.core.__path__))
+#: every module of the core layer and its rooms, the torch.distributed ones included (they import torch only when used)
+CORE_MODULES = ", ".join(m.name for m in pkgutil.walk_packages(spark_hvd.core.__path__, "spark_hvd.core."))
 
 
 @pytest.mark.parametrize("modules", [

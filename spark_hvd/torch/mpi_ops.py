@@ -2,7 +2,7 @@
 
 A CPU tensor is handed to the core as a numpy view of its own memory (no copy): ``tensor.numpy()``, and for
 bfloat16 an int16 view read as uint16 with ``bfloat16=True``; the ring reduces it. A CUDA tensor is handed over as
-it is (a ``spark_hvd.core.device.DeviceBuffer``) and reduced where it lies by NCCL, with the same negotiation,
+it is (a ``spark_hvd.core.engine.device.DeviceBuffer``) and reduced where it lies by NCCL, with the same negotiation,
 fusion and error naming (``SPARK_HVD_DEVICE_BACKEND=none`` stages it through host memory and the ring instead;
 ``gloo`` also sends CPU tensors down the device path, the CPU stand-in that tests it). A tensor the core cannot see
 directly (a non-contiguous view) is staged through a contiguous copy written back when the handle is synchronized.
@@ -51,7 +51,7 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     stop_timeline,
 )
 from spark_hvd.core.backend import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
-from spark_hvd.core.device import DeviceBuffer, device_key
+from spark_hvd.core.engine.device import DeviceBuffer, device_key
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger(__name__)
@@ -426,7 +426,7 @@ def _member_names(name: str | None, count: int) -> list[str | None]:
 def _grouped(started: list[tuple[Any, Callable[[Any], Any]]], name: str | None,
              then: Callable[[list[Any]], Any] | None = None) -> Handle:
     """One handle over several started collectives; its result is the list of their results (``then`` of it)."""
-    from spark_hvd.core.engine import GroupHandle
+    from spark_hvd.core.engine.engine import GroupHandle
 
     group = GroupHandle(name or "group", [h for h, _ in started])
     finishes = [f for _, f in started]

@@ -150,9 +150,8 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
     assert len(runs) == 1 and runs[0].data.params["optimizer"] == "SGD"
     history = mlflow.tracking.MlflowClient().get_metric_history(runs[0].info.run_id, "loss")
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(h2["loss"])
-    models = mlflow.search_logged_models([exp.experiment_id], output_format="list")
-    with keras.utils.custom_object_scope({"Scale": Scale}):
-        logged = mlflow.keras.load_model(models[0].model_uri)
+    with keras.utils.custom_object_scope({"Scale": Scale}):  # MLflow 2 and 3 resolve the runs:/ URI
+        logged = mlflow.keras.load_model(f"runs:/{runs[0].info.run_id}/model")
     np.testing.assert_allclose(logged.predict(x[:5], verbose=0), second.getModel().predict(x[:5], verbose=0),
                                rtol=1e-6)
 
