@@ -253,9 +253,9 @@ def allreduce_async_inplace(tensors: Sequence[Any], names: Sequence[str | None],
     before waiting for any.
 
     By default every queued MXNet operator is waited for first and the tensors go as one group. ``as_ready``:
-    each tensor, in the order given, is submitted as soon as MXNet's queued writes to it are done (its reads are
-    not waited for: for gradients right after ``backward()``, which nothing reads before the update), so the first
-    ones are reduced while MXNet still computes the others (give them in the order backward produces them)."""
+    each tensor, in the order given, is submitted as soon as MXNet's queued reads and writes of it are done, so the
+    first ones are reduced while MXNet still computes the others (give them in the order backward produces them).
+    """
     tensors = _ndarrays(tensors, "allreduce_()")
     c = common.core()
     if not as_ready:
@@ -265,7 +265,7 @@ def allreduce_async_inplace(tensors: Sequence[Any], names: Sequence[str | None],
     else:
         staged, handles = [], []
         for t, n in zip(tensors, names, strict=True):
-            nda.wait_to_read(t)
+            nda.wait_to_write(t)
             staged.append(nda.Staged(t, waited=True))
             handles.append(c.allreduce_async(staged[-1].buf, name=n, op=op, prescale=prescale, postscale=postscale,
                                              process_set=process_set))

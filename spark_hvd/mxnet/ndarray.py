@@ -31,7 +31,7 @@ from mxnet.base import _LIB, check_call
 from spark_hvd import _binding_common as common
 
 __all__ = ["DTYPES", "Staged", "check_dtype", "cpu_context", "host_input", "read_view", "stage_all", "to_ndarray",
-           "wait_all", "wait_to_read", "write_view"]
+           "wait_all", "wait_to_read", "wait_to_write", "write_view"]
 
 #: the dtypes the collectives take (Horovod's MXNet set)
 DTYPES = frozenset(np.dtype(t) for t in (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32,
@@ -46,6 +46,7 @@ _GET_DATA = _LIB.MXNDArrayGetData
 _GET_CONTEXT = _LIB.MXNDArrayGetContext
 _GET_STORAGE = _LIB.MXNDArrayGetStorageType
 _WAIT_TO_READ = _LIB.MXNDArrayWaitToRead
+_WAIT_TO_WRITE = _LIB.MXNDArrayWaitToWrite
 _WAIT_ALL = _LIB.MXNDArrayWaitAll
 
 # Writable views of small dense host NDArrays, by ``id(nd)``: (view, handle, data pointer). Building a view costs a
@@ -94,6 +95,12 @@ def wait_all() -> None:
 def wait_to_read(nd: Any) -> None:
     """Wait for MXNet's queued writes to ``nd`` (not for its queued reads)."""
     check_call(_WAIT_TO_READ(nd.handle))
+
+
+def wait_to_write(nd: Any) -> None:
+    """Wait for MXNet's queued reads and writes of ``nd`` (MXNet pushes an operator through its engine for it: about
+    24 us even when nothing is queued, where :func:`wait_all` costs 0.3 us then)."""
+    check_call(_WAIT_TO_WRITE(nd.handle))
 
 
 def _device(nd: Any) -> tuple[int, int]:

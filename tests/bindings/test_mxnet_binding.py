@@ -31,6 +31,7 @@ CHECKS = [
     "trainer_matches_single_process_on_combined_batches",
     "trainer_options_groups_predivide_fp16",
     "distributed_optimizer_in_gluon_trainer",
+    "trainer_waits_for_queued_reads_of_a_gradient",
     "broadcast_parameters_makes_ranks_equal",
 ]
 

@@ -361,6 +361,28 @@ def _optimizer() -> None:
     close(w, (data(0, (3, 4), seed=110) - mean).astype(np.float32))
 
 
+@check("trainer_waits_for_queued_reads_of_a_gradient")
+def _queued_reads() -> None:
+    """A read of a gradient queued before ``step`` (behind a slow product) sees this rank's own gradient: the
+    trainer's allreduce waits for it before it writes the average into the gradient's memory."""
+    net = mlp(7)
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reads.")
+    xs, ys = batches(R, 0)
+    with mx.autograd.record():
+        loss = LOSS(net(gluon_array(xs)), gluon_array(ys))
+    loss.backward()
+    grad = net[-1].bias.grad()
+    mine = grad.asnumpy()
+    slow = mx.nd.random.uniform(shape=(700, 700))
+    for _ in range(4):
+        slow = mx.nd.dot(slow, slow) * 1e-3
+    seen = grad.as_nd_ndarray() + mx.nd.sum(slow).as_nd_ndarray() * 0  # queued behind the products
+    trainer.step(BATCH)
+    np.testing.assert_allclose(seen.asnumpy(), mine, rtol=1e-6)
+    others = hvd.allgather(mx.nd.array(mine[None])).asnumpy()
+    np.testing.assert_allclose(grad.asnumpy(), others.mean(0), rtol=1e-5, atol=1e-7)
+
+
 @check("broadcast_parameters_makes_ranks_equal")
 def _broadcast_parameters() -> None:
     net = mlp(20 + R)
