@@ -4,9 +4,10 @@
 Averaging: the core's ``Average`` with ``prescale = 1 / gradient_predivide_factor`` and ``postscale =
 gradient_predivide_factor`` (``_binding_common.gradient_scales``), so the sum happens on gradients divided by the
 factor and the result is the plain average (Horovod's semantics). Every gradient of a step is submitted before
-any is waited for, so the engine fuses them; without groups each goes as soon as MXNet has computed it (last
-parameter first), overlapping the reduction of the first with the backward pass of the rest. ``num_groups`` > 0
-splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each submitted whole.
+any is waited for, so the engine fuses them; without groups each goes as soon as MXNet's queued reads and writes
+of it are done (last parameter first), overlapping the reduction of the first with the backward pass of the rest.
+``num_groups`` > 0 splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each
+submitted whole.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def _allreduce_grads(grads: list[Any], names: list[str], num_groups: int, prediv
                      process_set: ProcessSet) -> None:
     """Average ``grads`` (host NDArrays, in the parameters' order) in place across ``process_set``, then wait.
 
-    Without groups each gradient is submitted as soon as MXNet has computed it, last parameter first (the order
-    backward produces them), so the engine reduces the first ones while MXNet computes the rest. With
+    Without groups each gradient is submitted as soon as MXNet's queued reads and writes of it are done, last
+    parameter first (the order backward produces them), so the engine reduces the first ones while MXNet computes
+    the rest. With
     ``num_groups`` > 0, Horovod's groups: one submission per group (per dtype within a group) after MXNet's queued
     operators are done."""
     prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, predivide)
