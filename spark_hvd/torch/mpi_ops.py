@@ -43,6 +43,8 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     mpi_enabled,
     mpi_threads_supported,
     rank,
+    set_rank,
+    set_size,
     shutdown,
     size,
     start_timeline,
@@ -71,16 +73,6 @@ def init(*args: Any, **kwargs: Any) -> None:
         index = common.gpu_index(torch.cuda.device_count())
         if index is not None:
             torch.cuda.set_device(index)
-
-
-def set_rank(process_set: ProcessSet | None = None) -> int:
-    """This rank's index in ``process_set`` (its global rank for the global set)."""
-    return rank() if _is_global(process_set) else int(process_set.rank())
-
-
-def set_size(process_set: ProcessSet | None = None) -> int:
-    """The number of ranks in ``process_set`` (the job's size for the global set)."""
-    return size() if _is_global(process_set) else int(process_set.size())
 
 
 # --------------------------------------------------------------------------------------------------------------
