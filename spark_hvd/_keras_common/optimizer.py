@@ -10,7 +10,7 @@ clip and apply them (``_clip_gradients``): after local gradient accumulation (Ke
 Inside a compiled ``model.fit`` (TensorFlow backend) this is one ``tf.numpy_function`` holding one grouped
 allreduce; on the Keras torch backend the gradients (torch tensors) go through ``spark_hvd.torch``'s grouped
 allreduce. (Keras 3.3-3.4 clip each pass before accumulating: there the reduction runs once per pass, with the
-same result; ``spark_hvd.keras.compat`` holds what differs between Keras releases.)
+same result; ``spark_hvd._keras_common.compat`` holds what differs between Keras releases.)
 
 Horovod's custom-loop contract, ``_compute_gradients(loss, var_list, grad_loss, tape)`` (TensorFlow backend): the
 tape's gradients come back reduced (on the last of ``backward_passes_per_step`` passes; the others return the local
@@ -38,8 +38,8 @@ from typing import Any
 import keras
 
 from spark_hvd import _binding_common as common
+from spark_hvd._keras_common import compat
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.keras import compat
 
 log = logging.getLogger(__name__)
 

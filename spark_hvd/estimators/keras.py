@@ -265,7 +265,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         cb = self._opt(self.checkpoint_callback)
         if cb is None or not cb.save_best_only:
             return None
-        from spark_hvd.keras import compat as keras_compat
+        from spark_hvd._keras_common import compat as keras_compat
 
         return BestPolicy.create(cb.monitor, *keras_compat.checkpoint_mode(cb))
 

@@ -198,8 +198,8 @@ class KerasTrainer(RankTrainer):
     def train(self, run: RankRun) -> None:
         import keras
 
+        from spark_hvd._keras_common import compat as keras_compat
         from spark_hvd.data.keras_loader import KerasBatchDataset
-        from spark_hvd.keras import compat as keras_compat
 
         spec, hvd = self.spec, self.hvd
         readers = run.readers

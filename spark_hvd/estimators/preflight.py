@@ -193,10 +193,10 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     """
     import keras
 
+    from spark_hvd._keras_common import compat as keras_compat
     from spark_hvd.data.keras_loader import KerasBatchDataset
     from spark_hvd.estimators.keras_serde import deserialize_keras_model
     from spark_hvd.estimators.rank_data import ShardReaders
-    from spark_hvd.keras import compat as keras_compat
 
     small = dataclasses.replace(spec, batch_size=rows, shuffle=False, train_steps_per_epoch=1)
     batches = KerasBatchDataset(ShardReaders(small, 0, 1).readers["train"], spec.feature_cols, spec.label_cols)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from helpers.estimators import EpochRecorder, assert_events_match_history, epochs_begun
 
+from spark_hvd._keras_common import compat as keras_compat
 from spark_hvd.estimators import KerasEstimator, KerasModel
-from spark_hvd.keras import compat as keras_compat
 from spark_hvd.store import RunDir, Store
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
