@@ -1,0 +1,262 @@
+"""``spark_hvd.ray.RayExecutor`` on a local Ray cluster: ranks and the launch contract, collectives against numpy,
+a stateful ``execute`` loop, a 2-worker torch training equal to one process on the combined batches, a killed
+worker named on the driver, and ``shutdown()`` leaving no actor, process or shared-memory segment behind.
+
+One 2-worker executor serves the tests that leave it healthy (its start costs two Ray worker processes); the
+failure and shutdown tests start their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def executor(ray_cluster):
+    from spark_hvd.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=SIZE, cpus_per_worker=1)
+    executor.start()
+    yield executor
+    executor.shutdown()
+
+
+# -- what the workers run (module-level functions, pickled by value) ------------------------------------------------
+def _contract() -> dict:
+    import spark_hvd.torch as hvd
+    from spark_hvd.core.jobenv import JobEnv
+
+    hvd.init()  # already joined by start(): harmless, as in Horovod's examples
+    job = JobEnv.from_env()
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID", "SPARK_HVD_IFACE_ADDR", "SPARK_HVD_HOST_ID")
+    return {"hvd": (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()),
+            "job": (job.rank, job.size, job.local_rank, job.local_size, job.cross_rank, job.cross_size, job.job_id,
+                    job.rendezvous, job.secret is not None),
+            "env": {n: os.environ.get(n) for n in names}}
+
+
+def _data(rank: int) -> dict:
+    rng = np.random.default_rng(1234 + rank)
+    return {"x": rng.standard_normal((5, 7)).astype(np.float32),
+            "ints": rng.integers(-1000, 1000, size=(33,), dtype=np.int64),
+            "rows": rng.standard_normal((3 + 2 * rank, 4)).astype(np.float64),
+            "root": rng.standard_normal((17,)).astype(np.float32)}
+
+
+def _collectives() -> dict:
+    import spark_hvd.core as core
+
+    mine = _data(core.rank())
+    return {"sum": core.allreduce(mine["x"].copy(), op=core.Sum, name="x.sum"),
+            "avg": core.allreduce(mine["x"].copy(), op=core.Average, name="x.avg"),
+            "max": core.allreduce(mine["ints"].copy(), op=core.Max, name="ints.max"),
+            "gather": core.allgather(mine["rows"], name="rows"),
+            "bcast": core.broadcast(mine["root"].copy(), root_rank=1, name="root")}
+
+
+class Counter:
+    """A stateful executable: a count kept across ``execute`` calls, allreduced over the ranks each step."""
+
+    def __init__(self, start: int) -> None:
+        import spark_hvd.core as core
+
+        core.init()
+        self.rank = core.rank()
+        self.count = start
+        self.history: list[float] = []
+
+    def step(self) -> float:
+        import spark_hvd.core as core
+
+        self.count += self.rank + 1
+        total = float(core.allreduce(np.array([self.count], np.float64), op=core.Sum, name="count")[0])
+        self.history.append(total)
+        return total
+
+
+def _make_batches(steps: int, per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((steps, SIZE * per_rank, 6)).astype(np.float32)
+    y = (x @ rng.standard_normal((6, 1)).astype(np.float32) + 0.1).astype(np.float32)
+    return x, y
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _train(steps: int, per_rank: int) -> dict:
+    """Rank r trains on its rows of each step's combined batch, with spark_hvd.torch's DistributedOptimizer."""
+    import torch
+
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    model = _model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                         named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x, y = _make_batches(steps, per_rank)
+    rows = slice(hvd.rank() * per_rank, (hvd.rank() + 1) * per_rank)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(torch.from_numpy(x[step, rows])), torch.from_numpy(y[step, rows]))
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+# -- the tests -------------------------------------------------------------------------------------------------------
+def test_ranks_sizes_and_launch_contract(executor):
+    got = executor.run(_contract)
+    assert [g["hvd"] for g in got] == [(r, SIZE, r, SIZE, 0, 1) for r in range(SIZE)]
+    job_ids = {g["job"][6] for g in got}
+    assert job_ids == {executor.job_id}
+    for rank, g in enumerate(got):
+        assert g["job"][:6] == (rank, SIZE, rank, SIZE, 0, 1)
+        assert g["job"][7].startswith("127.0.0.1:") and g["job"][8]  # the driver's KV rendezvous; secret claimed
+        env = g["env"]
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
+            (str(rank), str(SIZE), str(rank), str(SIZE), "0")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == got[0]["env"]["MASTER_PORT"]
+        assert env["TORCHELASTIC_RUN_ID"] == executor.job_id
+        assert env["SPARK_HVD_IFACE_ADDR"] == "127.0.0.1" and "/ray-node:" in env["SPARK_HVD_HOST_ID"]
+    assert [n.rank for n in executor.nodes] == list(range(SIZE))
+    assert len({n.node_id for n in executor.nodes}) == 1 and len({n.pid for n in executor.nodes}) == SIZE
+
+
+def test_collectives_against_numpy(executor):
+    got = executor.run(_collectives)
+    data = [_data(r) for r in range(SIZE)]
+    for rank in range(SIZE):
+        np.testing.assert_allclose(got[rank]["sum"], sum(d["x"] for d in data), rtol=1e-6)
+        np.testing.assert_allclose(got[rank]["avg"], sum(d["x"] for d in data) / SIZE, rtol=1e-6)
+        np.testing.assert_array_equal(got[rank]["max"], np.maximum(*(d["ints"] for d in data)))
+        np.testing.assert_array_equal(got[rank]["gather"], np.concatenate([d["rows"] for d in data]))
+        np.testing.assert_array_equal(got[rank]["bcast"], data[1]["root"])
+
+
+def test_run_remote_gives_object_refs(executor, ray_cluster):
+    refs = executor.run_remote(lambda a, b=0: a * 10 + b, args=[4], kwargs={"b": 2})
+    assert ray_cluster.get(refs, timeout=60) == [42] * SIZE
+
+
+def test_stateful_execute_loop(ray_cluster):
+    from spark_hvd.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=1, num_workers_per_host=SIZE)
+    try:
+        executor.start(executable_cls=Counter, executable_args=[100])
+        totals = [executor.execute(lambda counter: counter.step()) for _ in range(3)]
+        # step k: rank r holds 100 + k * (r + 1); the sum over ranks 0 and 1 is 200 + 3k
+        assert totals == [[203.0] * SIZE, [206.0] * SIZE, [209.0] * SIZE]
+        assert executor.execute_single(lambda counter: (counter.rank, counter.history)) == (0, [203.0, 206.0, 209.0])
+        assert executor.execute(lambda counter: counter.count) == [103, 106]
+    finally:
+        executor.shutdown()
+
+
+def test_torch_training_equals_one_process_on_the_combined_batches(executor):
+    torch = pytest.importorskip("torch")
+    steps, per_rank = 5, 8
+    got = executor.run(_train, kwargs={"steps": steps, "per_rank": per_rank})
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _make_batches(steps, per_rank)
+    for step in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.from_numpy(x[step])), torch.from_numpy(y[step])).backward()
+        optimizer.step()
+    want = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for rank in range(SIZE):
+        for name, value in want.items():
+            np.testing.assert_allclose(got[rank][name], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
+
+
+def _die_on_rank_1() -> None:
+    import signal
+
+    import spark_hvd.core as core
+
+    core.allreduce(np.ones(4), name="before")
+    if core.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for step in range(1000):  # rank 0 goes on until its peer's death reaches it
+        core.allreduce(np.ones(4), name=f"after.{step}")
+        time.sleep(0.01)
+
+
+def test_a_killed_worker_is_named_on_the_driver(ray_cluster):
+    from spark_hvd.ray import RayExecutor, RayWorkerFailedError
+
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=SIZE)
+    try:
+        executor.start()
+        started = time.monotonic()
+        with pytest.raises(RayWorkerFailedError) as info:
+            executor.run(_die_on_rank_1)
+        assert time.monotonic() - started < 30
+        node = executor.nodes[1]
+        assert info.value.rank == 1 and info.value.node == node
+        text = str(info.value)
+        assert "rank 1 failed" in text and "its actor died" in text and node.node_ip in text
+        assert node.node_id[:12] in text and f"pid {node.pid}" in text
+    finally:
+        executor.shutdown()
+
+
+def _leave_things_behind() -> dict:
+    """A child in a session of its own (outside the actor's process group) and the ring's shared memory."""
+    import spark_hvd.core as core
+
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    core.allreduce(np.ones(1 << 16, np.float32), name="big")
+    return {"child": child.pid, "actor": os.getpid()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_shutdown_leaves_no_actor_process_or_shared_memory(ray_cluster):
+    from spark_hvd.ray import RayExecutor
+
+    ray = ray_cluster
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=SIZE)
+    executor.start()
+    job_id, workers, group = executor.job_id, list(executor.workers), executor.placement_group
+    left = executor.run(_leave_things_behind)
+    pids = [p for got in left for p in (got["child"], got["actor"])]
+    assert all(_alive(p) for p in pids)
+    started = time.monotonic()
+    executor.shutdown()
+    print(f"shutdown took {time.monotonic() - started:.1f} s")
+    executor.shutdown()  # twice is harmless
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []
+    assert [n for n in os.listdir("/dev/shm") if job_id in n] == []
+    for worker in workers:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(worker.__ray_ready__.remote(), timeout=30)
+    from ray.util import placement_group_table
+
+    assert placement_group_table(group)["state"] == "REMOVED"

@@ -1,0 +1,105 @@
+"""The secret's way to a Ray actor (``spark_hvd.ray.secret``), without Ray: a claim gets the secret once, a second
+presentation of the same claim gets nothing and is recorded, an unknown claim or a wrong bootstrap key gets nothing,
+and what travels on the wire does not contain the secret. Also the rank order and GPU policy of
+``spark_hvd.ray.placement``."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+
+import pytest
+
+from spark_hvd.core.errors import AuthenticationError, PeerFailureError
+from spark_hvd.core.wire import make_secret
+from spark_hvd.ray.placement import gpu_assignment, rank_order
+from spark_hvd.ray.secret import SecretClaimError, SecretHandout, fetch_secret
+
+
+@pytest.fixture
+def handout():
+    secret = make_secret()
+    service = SecretHandout(secret, "job1")
+    yield service, secret
+    service.close()
+
+
+def test_a_claim_gets_the_secret_once_and_a_second_presentation_is_recorded(handout):
+    service, secret = handout
+    claim = service.claim("worker 0")
+    assert secret.hex() not in repr(claim) and secret not in claim.bootstrap_key
+    assert fetch_secret(claim, timeout_s=10) == secret
+    assert service.claimed("worker 0")
+    with pytest.raises(SecretClaimError, match="already used"):
+        fetch_secret(claim, timeout_s=10)
+    assert service.reused == ["worker 0"]
+
+
+def test_an_unknown_claim_or_another_job_gets_nothing(handout):
+    service, _ = handout
+    claim = service.claim("worker 0")
+    with pytest.raises(SecretClaimError, match="unknown claim"):
+        fetch_secret(dataclasses.replace(claim, claim_id="0" * 32), timeout_s=10)
+    with pytest.raises(SecretClaimError, match="unknown claim"):
+        fetch_secret(dataclasses.replace(claim, job_id="job2"), timeout_s=10)
+    assert service.unknown == 2 and not service.claimed("worker 0")
+
+
+def test_a_wrong_bootstrap_key_is_refused_before_any_claim(handout):
+    service, _ = handout
+    claim = dataclasses.replace(service.claim("worker 0"), bootstrap_key=b"x" * 32)
+    with pytest.raises((AuthenticationError, PeerFailureError)):
+        fetch_secret(claim, timeout_s=10)
+    assert not service.claimed("worker 0")
+
+
+def test_the_secret_is_not_on_the_wire(handout):
+    """A relay records both directions of a claim: the secret's bytes are in neither (sealed by the X25519 key)."""
+    service, secret = handout
+    listener = socket.create_server(("127.0.0.1", 0))
+    recorded: list[bytes] = []
+
+    def relay() -> None:
+        conn, _ = listener.accept()
+        upstream = socket.create_connection(service.address)
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            while data := src.recv(65536):
+                recorded.append(data)
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+        back = threading.Thread(target=pump, args=(upstream, conn), daemon=True)
+        back.start()
+        pump(conn, upstream)
+        back.join(10)
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    claim = dataclasses.replace(service.claim("worker 0"), address=listener.getsockname()[:2])
+    assert fetch_secret(claim, timeout_s=10) == secret
+    thread.join(10)
+    listener.close()
+    wire = b"".join(recorded)
+    assert len(wire) > 100 and secret not in wire and secret.hex().encode() not in wire
+
+
+def test_closed_handout_serves_no_claim(handout):
+    service, _ = handout
+    claim = service.claim("worker 0")
+    service.close()
+    with pytest.raises((OSError, PeerFailureError, SecretClaimError)):
+        fetch_secret(claim, timeout_s=2)
+
+
+def test_ranks_are_numbered_node_by_node():
+    assert rank_order(["a", "b", "a", "c", "b"]) == [0, 2, 1, 4, 3]
+    assert rank_order(["n", "n"]) == [0, 1]
+
+
+def test_gpus_of_a_node_are_visible_to_its_workers_in_local_rank_order():
+    assert gpu_assignment(["a", "a", "b"], [["3"], ["1"], ["0"]]) == [("3,1", "0"), ("3,1", "1"), ("0", "0")]
+    assert gpu_assignment(["a", "a"], [[], []]) == [(None, None), (None, None)]
+    with pytest.raises(ValueError, match="same GPU"):
+        gpu_assignment(["a", "a"], [["0"], ["0"]])
