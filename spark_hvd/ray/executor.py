@@ -259,6 +259,7 @@ class RayExecutor:
             raise RayExecutorError(f"RayExecutor: the secret claim of {self._handout.reused} was presented twice: "
                                    "someone who can read Ray's GCS claimed it; the job was stopped")
         self._handout.close()  # every worker holds the secret: no claim is served any more
+        self._handout = None
 
     def _get(self, refs: Sequence[Any], timeout_s: float, what: str) -> list[Any]:
         ray = _ray()

@@ -101,6 +101,8 @@ class SecretHandout:
         """A fresh one-time claim for the worker ``label`` (e.g. ``"worker 3"``)."""
         claim_id = secrets.token_hex(16)
         with self._lock:
+            if self._listener.stopped:
+                raise SecretClaimError("the secret handout is closed: no new worker can get this job's secret")
             self._labels[claim_id] = label
         return Claim(self.address, self._key, claim_id, self.job_id)
 

@@ -260,3 +260,34 @@ def test_shutdown_leaves_no_actor_process_or_shared_memory(ray_cluster):
     from ray.util import placement_group_table
 
     assert placement_group_table(group)["state"] == "REMOVED"
+
+
+def _secret_in_env() -> bool:
+    return bool(os.environ.get("SPARK_HVD_SECRET"))
+
+
+def test_the_secret_is_in_no_ray_argument_log_or_file(executor, ray_cluster):
+    """The actors hold the secret (they joined the ring), but it is neither in what the executor handed to Ray
+    (the actors' claims, the JobEnv of ``setup``) nor anywhere under the Ray session's directory (logs, spilled
+    objects), raw or in hex."""
+    import pickle
+
+    from spark_hvd.core.jobenv import JobEnv
+
+    secret = executor._kv.secret  # the driver's copy (private: only the driver's services hold it)
+    assert executor.run(_secret_in_env) == [True] * SIZE
+    executor.run(print, args=["a line in the workers' logs"])
+    assert executor._handout is None  # every claim was used and the handout closed at the end of start()
+    assert JobEnv(rank=0, size=1).secret is None
+    needles = (secret, secret.hex().encode(), secret.hex().upper().encode(), pickle.dumps(secret))
+    found = []
+    for root, _, files in os.walk(ray_cluster.spark_hvd_temp_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:  # sockets, files gone meanwhile
+                continue
+            found += [path for needle in needles if needle in data]
+    assert found == []

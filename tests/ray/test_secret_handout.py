@@ -91,6 +91,8 @@ def test_closed_handout_serves_no_claim(handout):
     service.close()
     with pytest.raises((OSError, PeerFailureError, SecretClaimError)):
         fetch_secret(claim, timeout_s=2)
+    with pytest.raises(SecretClaimError, match="closed"):
+        service.claim("worker 1")
 
 
 def test_ranks_are_numbered_node_by_node():
