@@ -80,6 +80,34 @@ class RaySettings:
     elastic: bool = field(default=False)
 
 
+@dataclass(frozen=True)
+class ElasticParams:
+    """An elastic job's bounds (``RayExecutor(min_workers=..., ...)``, ``spark_hvd.ray.elastic``)."""
+
+    min_workers: int
+    max_workers: int
+    reset_limit: int | None
+    cooldown_s: float
+    elastic_timeout: float
+
+    @classmethod
+    def make(cls, min_workers: int, max_workers: int | None, reset_limit: int | None,
+             cooldown_range: Sequence[float] | None, elastic_timeout: float | None) -> ElasticParams:
+        """Checked bounds: ``max_workers`` None is unbounded (Horovod's default); ``cooldown_range``'s lower end
+        is the pause after a reset; ``elastic_timeout`` None is ``HOROVOD_ELASTIC_TIMEOUT``, else 600 s."""
+        from spark_hvd.ray.elastic import COOLDOWN_S
+        from spark_hvd.runner.elastic import _timeout
+
+        high = (1 << 30) if max_workers is None else max_workers
+        if not isinstance(min_workers, int) or min_workers < 1 or high < min_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got min_workers={min_workers}, "
+                             f"max_workers={max_workers}")
+        if reset_limit is not None and reset_limit < 0:
+            raise ValueError(f"reset_limit must be >= 0 or None, got {reset_limit}")
+        cooldown = float(cooldown_range[0]) if cooldown_range else COOLDOWN_S
+        return cls(min_workers, high, reset_limit, cooldown, _timeout(elastic_timeout))
+
+
 class RayExecutor:
     """Run a spark_hvd job on Ray actors, with Horovod's ``horovod.ray.RayExecutor`` API.
 
@@ -91,6 +119,13 @@ class RayExecutor:
         use_gpu: reserve GPUs for the workers (``gpus_per_worker`` each, 1 by default).
         gpus_per_worker: GPUs per worker with ``use_gpu``.
         use_current_placement_group: place the workers in the placement group this code runs in, if any.
+        min_workers, max_workers: an elastic job (``spark_hvd.ray.elastic``) of that many workers, as many as Ray
+            can place; ``run(fn)`` then resumes ``fn`` from its last ``state.commit()`` after a lost worker, and
+            grows it at a commit when Ray could place more.
+        reset_limit: the most relaunches of an elastic job (None: no limit).
+        cooldown_range: its lower end is the pause, in seconds, after a reset before free workers are counted.
+        elastic_timeout: seconds to wait for ``min_workers`` to fit (default ``HOROVOD_ELASTIC_TIMEOUT``, else 600).
+        override_discovery: Horovod's; accepted and ignored (Ray's free resources are the discovery).
 
     Example::
 
@@ -117,14 +152,23 @@ class RayExecutor:
                  num_hosts: int | None = None, num_workers_per_host: int = 1, cpus_per_worker: float = 1,
                  use_gpu: bool = False, gpus_per_worker: float | None = None,
                  use_current_placement_group: bool = True, min_workers: int | None = None,
-                 max_workers: int | None = None, **elastic: Any) -> None:
-        if min_workers is not None or max_workers is not None or elastic:
-            raise NotImplementedError("elastic training on Ray (min_workers/max_workers) is not implemented yet in "
-                                      "spark_hvd.ray; use num_workers, or spark_hvd.runner.run_elastic on Spark")
+                 max_workers: int | None = None, reset_limit: int | None = None,
+                 cooldown_range: list[int] | None = None, elastic_timeout: float | None = None,
+                 override_discovery: bool = True) -> None:
+        if max_workers is not None and not min_workers:
+            raise ValueError("max_workers given without a positive min_workers: an elastic job needs min_workers")
+        if min_workers is not None and (num_workers is not None or num_hosts is not None):
+            raise ValueError("give num_workers (a fixed job) or min_workers (an elastic one), not both")
         if num_workers is not None and num_hosts is not None:
             raise ValueError("give num_workers or num_hosts (with num_workers_per_host), not both")
-        if num_workers is None and num_hosts is None:
-            raise ValueError("give num_workers, or num_hosts and num_workers_per_host")
+        if num_workers is None and num_hosts is None and min_workers is None:
+            raise ValueError("give num_workers, or num_hosts and num_workers_per_host, or min_workers")
+        #: the elastic parameters, or None for a fixed job
+        self.elastic: ElasticParams | None = None
+        if min_workers is not None:
+            self.elastic = ElasticParams.make(min_workers, max_workers, reset_limit, cooldown_range,
+                                              elastic_timeout)
+            num_workers = self.elastic.min_workers
         count = num_workers if num_workers is not None else num_hosts * num_workers_per_host  # type: ignore[operator]
         if count < 1 or num_workers_per_host < 1:
             raise ValueError(f"a job needs at least one worker (num_workers={num_workers}, num_hosts={num_hosts}, "
@@ -144,7 +188,9 @@ class RayExecutor:
         self.placement_group: Any = None
         self._own_pg = False
         self._kv: Any = None
+        self._service: Any = None
         self._handout: SecretHandout | None = None
+        self._start_args: tuple[Any, ...] = (None, None, None, {})
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
@@ -156,10 +202,20 @@ class RayExecutor:
         workers cannot be placed within ``placement_group_timeout_s`` or do not start within ``timeout_s``."""
         if self.workers:
             raise RayExecutorError("this RayExecutor is already started; shutdown() first")
+        self._start_args = (executable_cls, executable_args, executable_kwargs, dict(extra_env_vars or {}))
+        if self.elastic is not None:  # each attempt of run() starts its own workers
+            _ray()
+            return
+        self._start_workers(self.num_workers, 0)
+
+    def _start_workers(self, size: int, attempt: int,
+                       handlers: dict[str, Callable[[int, Any], Any]] | None = None) -> None:
+        """Start ``size`` workers as attempt ``attempt`` of the job (``handlers``: requests the driver service
+        answers, the elastic driver's); on failure, stop what was started and raise."""
         try:
-            self._start(executable_cls, executable_args, executable_kwargs, dict(extra_env_vars or {}))
+            self._start(size, attempt, handlers, *self._start_args)
         except BaseException:
-            self.shutdown()
+            self._stop_workers()
             raise
 
     def _driver_address(self, ray: Any) -> str:
@@ -204,12 +260,14 @@ class RayExecutor:
                     placement_group=self.placement_group, placement_group_bundle_index=b,
                     placement_group_capture_child_tasks=False)} for b in bundles]
 
-    def _start(self, executable_cls: type | None, executable_args: list[Any] | None,
+    def _start(self, size: int, attempt: int, handlers: dict[str, Callable[[int, Any], Any]] | None,
+               executable_cls: type | None, executable_args: list[Any] | None,
                executable_kwargs: dict[str, Any] | None, extra_env: dict[str, Any]) -> None:
         ray = _ray()
         from spark_hvd.core import torchrun
         from spark_hvd.core.rendezvous import KVStoreServer
         from spark_hvd.ray.worker import RayWorker
+        from spark_hvd.runner.service import DriverService
 
         if not ray.is_initialized():
             ray.init()
@@ -219,9 +277,14 @@ class RayExecutor:
         host = self._driver_address(ray)
         self._kv = KVStoreServer(secret, host=host)
         kv_host, kv_port = self._kv.start()
+        # the runner's driver service: report(...) events, and the elastic driver's requests
+        self._service = DriverService(secret, size, job_id=job_id, verbose=0, attempt=attempt, bind_host=host,
+                                      handlers=handlers)
+        service_port = self._service.start()[1]
         self._handout = SecretHandout(secret, job_id, host=host)
         del secret  # the driver's services hold it; nothing below may hand it to Ray
 
+        self.num_workers = size
         options = self._placement(ray)
         remote = ray.remote(RayWorker)
         gpus = self.gpus_per_worker if self.use_gpu else 0
@@ -241,9 +304,10 @@ class RayExecutor:
         for rank, (actor, d) in enumerate(zip(self.workers, described, strict=True)):
             local_rank, local_size, cross_rank, cross_size = topology(node_ids, rank)
             visible, gpu = assigned[rank]
-            job = JobEnv(rank=rank, size=self.num_workers, local_rank=local_rank, local_size=local_size,
+            job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                          cross_rank=cross_rank, cross_size=cross_size, job_id=job_id,
-                         rendezvous=f"{kv_host}:{kv_port}", gpu=gpu)
+                         rendezvous=f"{kv_host}:{kv_port}", service_address=f"{host}:{service_port}",
+                         attempt=attempt, gpu=gpu)
             env = torchrun.torchrun_env(job, *master)
             if self.settings.nics:
                 env[NETWORK_INTERFACE_ENV] = ",".join(sorted(self.settings.nics))
@@ -272,6 +336,8 @@ class RayExecutor:
 
     # -- running -----------------------------------------------------------------------------------------------
     def _check_started(self) -> None:
+        if self.elastic is not None:
+            raise NotImplementedError("RayExecutor: an elastic job runs its function with run(fn) only")
         if not self.workers:
             raise RayExecutorError("RayExecutor: start() the executor first")
 
@@ -325,8 +391,14 @@ class RayExecutor:
     def run(self, fn: Callable[..., Any], args: list[Any] | None = None, kwargs: dict[str, Any] | None = None,
             callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """``fn(*args, **kwargs)`` on every rank; the results by rank. ``callbacks`` (Horovod's rank-0 log
-        callbacks) are not supported yet and must be None."""
+        callbacks) are not supported yet and must be None. In an elastic job (``min_workers``) ``fn`` uses
+        ``hvd.elastic.run`` and a state: it runs until done, through resets (``spark_hvd.ray.elastic``), and the
+        results are the last attempt's."""
         self._no_callbacks(callbacks)
+        if self.elastic is not None:
+            from spark_hvd.ray.elastic import run_elastic
+
+            return run_elastic(self, fn, tuple(args or ()), dict(kwargs or {}))
         return self._wait_all(self.run_remote(fn, args, kwargs), "run")
 
     def run_remote(self, fn: Callable[..., Any], args: list[Any] | None = None,
@@ -356,6 +428,13 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Stop the job: every process the ranks started, the ring, the actors (waited for until Ray reports
         them dead), the placement group this executor made, the driver's services. Safe to call twice."""
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        """``shutdown`` of the current workers (an elastic job's attempt ends with it too)."""
+        if self._service is not None:  # first: workers that go away now are not failures
+            self._service.stop()
+            self._service = None
         workers, self.workers = self.workers, []
         if workers:
             ray = _ray()

@@ -2,8 +2,9 @@
 
 Its life: ``describe()`` (where Ray placed it: node id and address, GPUs, pid, a free port for torchrun's
 ``MASTER_PORT``), ``setup(...)`` (claim the job's secret from the driver, ``spark_hvd.ray.secret``; write the
-rank's ``JobEnv`` and torchrun's variables into the environment; join the job's ring through the driver's KV
-rendezvous; build the user's ``executable_cls``), then any number of ``run`` / ``execute`` calls, then
+rank's ``JobEnv`` and torchrun's variables into the environment; connect to the driver service, the runner's,
+for ``report(...)`` and elastic commits; join the job's ring through the driver's KV rendezvous; build the user's
+``executable_cls``), then any number of ``run`` / ``execute`` calls, then
 ``cleanup()`` (stop every process the rank started, leave the ring, drop torch.distributed's default group)
 before the driver kills the actor.
 """
@@ -44,6 +45,7 @@ class RayWorker:
         self.executable: Any = None
         self.job: JobEnv | None = None
         self._marker = f"ray:{claim.job_id}:{index}"
+        self._client: Any = None
 
     def describe(self) -> dict[str, Any]:
         """Where this worker runs: ``node_id``, ``node_ip``, ``hostname``, ``pid``, ``gpu_ids`` (Ray's
@@ -79,6 +81,12 @@ class RayWorker:
         os.environ.update(job.to_env())
         os.environ.update({k: str(v) for k, v in env.items()})
         self.job = job
+        if job.service_address:  # report(...) and the elastic driver's requests (spark_hvd.runner.client)
+            from spark_hvd.runner import client as service_client
+
+            self._client = service_client.ServiceClient(job.service_address, secret, job.job_id, job.rank,
+                                                        attempt=job.attempt, timeout_s=timeout_s)
+            service_client.set_client(self._client)
         import spark_hvd.core as core
 
         assert job.rendezvous is not None
@@ -115,4 +123,10 @@ class RayWorker:
         except Exception:  # best effort: the actor is killed next anyway
             logger.warning("RayExecutor worker %d: spark_hvd.core.shutdown() failed", self.index, exc_info=True)
         torchrun.destroy_default_group()
+        if self._client is not None:
+            from spark_hvd.runner import client as service_client
+
+            service_client.set_client(None)
+            self._client.close()
+            self._client = None
         return killed
