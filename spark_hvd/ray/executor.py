@@ -26,6 +26,9 @@ preferred as the cause over ranks that failed because a peer went away. ``shutdo
 ranks started, leaves the ring, kills the actors, waits until Ray reports them dead, removes the placement group
 it made and stops the driver's services.
 
+**Elastic** (``min_workers``/``max_workers``): ``start()`` places nothing; ``run(fn)`` runs attempts of as many
+workers as Ray can place, through lost workers and growth, with Spark's elastic code (``spark_hvd.ray.elastic``).
+
 The ring is joined in ``start()``, so a user's own ``hvd.init()`` in a function is harmless (Horovod's examples
 call it), and ``hvd.shutdown()`` then ``hvd.init()`` joins again.
 """
