@@ -7,9 +7,9 @@ as ``hvd``, or plain torch.distributed code. See docs/ray.md. Importing this pac
 an executor needs it (``pip install 'spark_hvd[ray]'``).
 """
 
-from spark_hvd.ray.errors import RayExecutorError, RayWorkerFailedError, WorkerNode
+from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode
 from spark_hvd.ray.executor import RayExecutor, RaySettings
 from spark_hvd.ray.secret import SecretClaimError
 
-__all__ = ["RayExecutor", "RayExecutorError", "RaySettings", "RayWorkerFailedError", "SecretClaimError",
-           "WorkerNode"]
+__all__ = ["PlacementTimeoutError", "RayExecutor", "RayExecutorError", "RaySettings", "RayWorkerFailedError",
+           "SecretClaimError", "WorkerNode"]

@@ -26,6 +26,10 @@ class RayExecutorError(RunnerError):
     """A ``RayExecutor`` could not place, start or reach its workers."""
 
 
+class PlacementTimeoutError(RayExecutorError, TimeoutError):
+    """Ray could not place the workers within ``placement_group_timeout_s`` (a ``TimeoutError``, as Horovod's)."""
+
+
 class RayWorkerFailedError(RankFailedError):
     """A rank of a ``RayExecutor`` job failed: ``rank``, ``node`` (a ``WorkerNode``: the Ray node it ran on), the
     remote exception type, message and traceback (``RankFailedError``'s attributes), every failure seen."""

@@ -46,7 +46,7 @@ from spark_hvd.core.addresses import IFACE_ENV, NETWORK_INTERFACE_ENV
 from spark_hvd.core.jobenv import JobEnv, topology
 from spark_hvd.core.wire import make_secret
 from spark_hvd.ray import placement
-from spark_hvd.ray.errors import RayExecutorError, RayWorkerFailedError, WorkerNode
+from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode
 from spark_hvd.ray.secret import SecretHandout
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
@@ -152,7 +152,7 @@ class RayExecutor:
                            nics=frozenset(nics) if nics else None)
 
     def __init__(self, settings: RaySettings | None = None, num_workers: int | None = None,
-                 num_hosts: int | None = None, num_workers_per_host: int = 1, cpus_per_worker: float = 1,
+                 num_hosts: int | None = None, num_workers_per_host: int | None = 1, cpus_per_worker: float = 1,
                  use_gpu: bool = False, gpus_per_worker: float | None = None,
                  use_current_placement_group: bool = True, min_workers: int | None = None,
                  max_workers: int | None = None, reset_limit: int | None = None,
@@ -166,6 +166,7 @@ class RayExecutor:
             raise ValueError("give num_workers or num_hosts (with num_workers_per_host), not both")
         if num_workers is None and num_hosts is None and min_workers is None:
             raise ValueError("give num_workers, or num_hosts and num_workers_per_host, or min_workers")
+        num_workers_per_host = 1 if num_workers_per_host is None else num_workers_per_host  # Horovod's tests pass None
         #: the elastic parameters, or None for a fixed job
         self.elastic: ElasticParams | None = None
         if min_workers is not None:
@@ -255,7 +256,7 @@ class RayExecutor:
             self.placement_group, self._own_pg = placement_group(specs, strategy=strategy), True
             ready, _ = ray.wait([self.placement_group.ready()], timeout=self.settings.placement_group_timeout_s)
             if not ready:
-                raise RayExecutorError(
+                raise PlacementTimeoutError(
                     f"RayExecutor: Ray could not place {self.num_workers} workers ({strategy} bundles {specs}) "
                     f"within placement_group_timeout_s={self.settings.placement_group_timeout_s:g}; the cluster "
                     f"has {ray.available_resources()} available. Lower num_workers/cpus_per_worker or add nodes")
