@@ -5,6 +5,7 @@ installed; the test modules are pickled by value, so Ray's workers need not impo
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves 
 # Ray's node address is loopback (it otherwise replaces 127.0.0.1 by the host's routed address), read when ray is
 # first imported; the workers inherit it
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray 2.60 authenticates its own connections with a token it otherwise writes to ~/.ray/auth_token: one per run
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
 @pytest.fixture(scope="module")

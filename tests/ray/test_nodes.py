@@ -39,8 +39,9 @@ def nodes(request):
     os.makedirs(os.path.join(temp_dir, "ray"))
     args = {"num_cpus": 2, "object_store_memory": 80 * 1024**2, "node_ip_address": "127.0.0.1",
             "temp_dir": os.path.join(temp_dir, "ray"), "include_dashboard": False}
-    cluster = Cluster(initialize_head=True, head_node_args=args)
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args=args)
         cluster.add_node(**{k: v for k, v in args.items() if k != "include_dashboard"})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, configure_logging=False)
@@ -48,7 +49,8 @@ def nodes(request):
         yield ray, cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         if saved_tmpdir is None:
             os.environ.pop("RAY_TMPDIR", None)
         else:
