@@ -322,10 +322,14 @@ class RayExecutor:
             env.update({k: str(v) for k, v in extra_env.items()})
             calls.append(actor.setup.remote(job, env, timeout_s, executable_cls, executable_args,
                                              executable_kwargs))
-        self._wait_all(calls, "start", timeout_s=timeout_s + 30.0)
-        if self._handout.reused:
-            raise RayExecutorError(f"RayExecutor: the secret claim of {self._handout.reused} was presented twice: "
-                                   "someone who can read Ray's GCS claimed it; the job was stopped")
+        try:
+            self._wait_all(calls, "start", timeout_s=timeout_s + 30.0)
+        finally:
+            if self._handout.reused:  # the cause, whatever the workers' failure says
+                raise RayExecutorError(
+                    f"RayExecutor: the secret claim of {', '.join(self._handout.reused)} was presented twice: "
+                    "someone who can read Ray's GCS claimed it first; the job was stopped before it ran and its "
+                    "secret is never used again")
         self._handout.close()  # every worker holds the secret: no claim is served any more
         self._handout = None
 

@@ -291,3 +291,26 @@ def test_the_secret_is_in_no_ray_argument_log_or_file(executor, ray_cluster):
                 continue
             found += [path for needle in needles if needle in data]
     assert found == []
+
+
+def test_a_stolen_claim_stops_the_job_at_start(ray_cluster, monkeypatch):
+    """Someone who read worker 1's claim from Ray's GCS presents it before the actor does: the actor gets nothing,
+    and ``start()`` raises naming the stolen claim (and stops everything it started)."""
+    from spark_hvd.ray import RayExecutor, RayExecutorError
+    from spark_hvd.ray.secret import SecretHandout, fetch_secret
+
+    stolen = []
+    claim = SecretHandout.claim
+
+    def claim_and_steal(self, label):
+        made = claim(self, label)
+        if label == "worker 1":
+            stolen.append(fetch_secret(made, timeout_s=10))  # the thief is first
+        return made
+
+    monkeypatch.setattr(SecretHandout, "claim", claim_and_steal)
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=SIZE)
+    with pytest.raises(RayExecutorError, match="secret claim of worker 1 was presented twice"):
+        executor.start()
+    assert len(stolen) == 1 and executor.workers == [] and executor.placement_group is None
+    executor.shutdown()

@@ -105,3 +105,34 @@ def test_gpus_of_a_node_are_visible_to_its_workers_in_local_rank_order():
     assert gpu_assignment(["a", "a"], [[], []]) == [(None, None), (None, None)]
     with pytest.raises(ValueError, match="same GPU"):
         gpu_assignment(["a", "a"], [["0"], ["0"]])
+
+
+def test_importing_spark_hvd_ray_imports_no_ray_or_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, spark_hvd.ray\n"
+            "print(','.join(m for m in ('ray', 'torch', 'tensorflow', 'pyspark') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
+def test_constructor_checks_like_horovods():
+    from spark_hvd.ray import RayExecutor
+
+    settings = RayExecutor.create_settings(timeout_s=5, placement_group_timeout_s=5, nics={"lo"})
+    assert (settings.timeout_s, settings.placement_group_timeout_s, settings.nics) == (5, 5, frozenset({"lo"}))
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(settings, num_workers=2, num_hosts=1)
+    with pytest.raises(ValueError, match="min_workers"):
+        RayExecutor(settings, max_workers=2)
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="min_workers <= max_workers"):
+        RayExecutor(settings, min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="give num_workers"):
+        RayExecutor(settings)
+    assert RayExecutor(settings, num_hosts=2, num_workers_per_host=None).num_workers == 2  # Horovod's tests
+    elastic = RayExecutor(settings, min_workers=1, cooldown_range=[3, 9], elastic_timeout=7).elastic
+    assert (elastic.min_workers, elastic.max_workers, elastic.cooldown_s, elastic.elastic_timeout) == (1, 1 << 30, 3.0,
+                                                                                                        7.0)
