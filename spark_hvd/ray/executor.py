@@ -35,6 +35,7 @@ call it), and ``hvd.shutdown()`` then ``hvd.init()`` joins again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -47,6 +48,7 @@ from spark_hvd.core.jobenv import JobEnv, topology
 from spark_hvd.core.wire import make_secret
 from spark_hvd.ray import placement
 from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode
+from spark_hvd.ray.reports import RankZeroReports, then_mark
 from spark_hvd.ray.secret import SecretHandout
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 
@@ -55,6 +57,8 @@ logger = logging.getLogger(__name__)
 #: Seconds ``run`` keeps collecting other ranks' failures after the first, to name the cause rather than a
 #: consequence (a peer that failed because the dead rank's sockets closed).
 FAILURE_SETTLE_S = 2.0
+#: Seconds a run with callbacks waits, after the ranks finished, for rank 0's last reports.
+LAST_REPORT_WAIT_S = 10.0
 #: Seconds ``shutdown`` gives each worker to clean up, then to be reported dead after ``ray.kill``.
 SHUTDOWN_WAIT_S = 15.0
 
@@ -195,6 +199,9 @@ class RayExecutor:
         self._service: Any = None
         self._handout: SecretHandout | None = None
         self._start_args: tuple[Any, ...] = (None, None, None, {})
+        #: called with every ``report(...)`` event of the ranks (``spark_hvd.runner.Event``), on a service thread
+        self.on_event: Callable[[Any], None] | None = None
+        self._reports = RankZeroReports()
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
@@ -283,7 +290,7 @@ class RayExecutor:
         kv_host, kv_port = self._kv.start()
         # the runner's driver service: report(...) events, and the elastic driver's requests
         self._service = DriverService(secret, size, job_id=job_id, verbose=0, attempt=attempt, bind_host=host,
-                                      handlers=handlers)
+                                      handlers=handlers, on_event=self._on_event)
         service_port = self._service.start()[1]
         self._handout = SecretHandout(secret, job_id, host=host)
         del secret  # the driver's services hold it; nothing below may hand it to Ray
@@ -363,9 +370,11 @@ class RayExecutor:
             return RankFailure(rank, "lost", type(exc).__name__, f"its actor died{where}: {exc}", time=time.time())
         return RankFailure(rank, "exception", type(exc).__name__, f"{exc}{where}", time=time.time())
 
-    def _wait_all(self, refs: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+    def _wait_all(self, refs: list[Any], what: str, timeout_s: float | None = None,
+                  poll: Callable[[], None] | None = None) -> list[Any]:
         """Every rank's result; the first failure raises ``RayWorkerFailedError`` (see the module docstring).
-        ``timeout_s``: how long all may take (None: no limit; failures still surface at once)."""
+        ``timeout_s``: how long all may take (None: no limit; failures still surface at once); ``poll``: called
+        about twice a second while waiting, on this thread."""
         ray = _ray()
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -381,6 +390,8 @@ class RayExecutor:
                 raise RayExecutorError(f"RayExecutor {what}: ranks {missing} did not finish within {timeout_s:g} s "
                                        f"(on Ray nodes {[self.nodes[r].where() for r in missing]})")
             ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            if poll is not None:
+                poll()
             for ref in ready:
                 try:
                     ray.get(ref)
@@ -396,18 +407,47 @@ class RayExecutor:
                                        what=what)
         return ray.get(list(refs))
 
+    def _on_event(self, event: Any) -> None:
+        self._reports.on_event(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _with_callbacks(self, submit: Callable[[bool], list[Any]], what: str,
+                        callbacks: list[Callable[..., Any]] | None) -> list[Any]:
+        """Wait for the refs ``submit(marked)`` gives, handing rank 0's reports to ``callbacks`` meanwhile
+        (``spark_hvd.ray.reports``); ``marked``: wrap the function with ``then_mark``."""
+        if not callbacks:
+            return self._wait_all(submit(False), what)
+        self._reports.begin()
+        try:
+            results = self._wait_all(submit(True), what, poll=lambda: self._reports.deliver(callbacks))
+            deadline = time.monotonic() + LAST_REPORT_WAIT_S
+            while not self._reports.done and time.monotonic() < deadline:
+                time.sleep(0.02)
+                self._reports.deliver(callbacks)
+            if not self._reports.done:
+                logger.warning("RayExecutor.%s: rank 0's last reports did not arrive within %g s", what,
+                               LAST_REPORT_WAIT_S)
+            return results
+        finally:
+            self._reports.end()
+
     def run(self, fn: Callable[..., Any], args: list[Any] | None = None, kwargs: dict[str, Any] | None = None,
             callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the results by rank. ``callbacks`` (Horovod's rank-0 log
-        callbacks) are not supported yet and must be None. In an elastic job (``min_workers``) ``fn`` uses
+        """``fn(*args, **kwargs)`` on every rank; the results by rank. ``callbacks``: Horovod's; each is called
+        with every dict of metrics rank 0 reports (``spark_hvd.runner.report(**metrics)``), on this thread, while
+        the ranks run (``spark_hvd.ray.reports``). In an elastic job (``min_workers``) ``fn`` uses
         ``hvd.elastic.run`` and a state: it runs until done, through resets (``spark_hvd.ray.elastic``), and the
-        results are the last attempt's."""
-        self._no_callbacks(callbacks)
+        results are the last attempt's (``callbacks`` are not supported there yet)."""
         if self.elastic is not None:
+            if callbacks:
+                raise NotImplementedError("RayExecutor: callbacks of an elastic job are not supported yet")
             from spark_hvd.ray.elastic import run_elastic
 
             return run_elastic(self, fn, tuple(args or ()), dict(kwargs or {}))
-        return self._wait_all(self.run_remote(fn, args, kwargs), "run")
+        return self._with_callbacks(
+            lambda marked: self.run_remote(then_mark, [fn, *(args or ())], kwargs) if marked
+            else self.run_remote(fn, args, kwargs), "run", callbacks)
 
     def run_remote(self, fn: Callable[..., Any], args: list[Any] | None = None,
                    kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -417,20 +457,16 @@ class RayExecutor:
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list[Callable[..., Any]] | None = None) -> list[Any]:
         """``fn(executable)`` on every rank (the ``executable_cls`` object ``start`` built, or None); results by
-        rank."""
-        self._no_callbacks(callbacks)
+        rank. ``callbacks``: as for ``run``."""
         self._check_started()
-        return self._wait_all([w.execute.remote(fn) for w in self.workers], "execute")
+        return self._with_callbacks(
+            lambda marked: [w.execute.remote(functools.partial(then_mark, fn) if marked else fn)
+                            for w in self.workers], "execute", callbacks)
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on rank 0 only; its result."""
         self._check_started()
         return self._wait_all([self.workers[0].execute.remote(fn)], "execute_single")[0]
-
-    @staticmethod
-    def _no_callbacks(callbacks: list[Callable[..., Any]] | None) -> None:
-        if callbacks:
-            raise NotImplementedError("RayExecutor: callbacks (Horovod's rank-0 log queue) are not supported yet")
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

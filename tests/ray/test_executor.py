@@ -314,3 +314,61 @@ def test_a_stolen_claim_stops_the_job_at_start(ray_cluster, monkeypatch):
         executor.start()
     assert len(stolen) == 1 and executor.workers == [] and executor.placement_group is None
     executor.shutdown()
+
+
+def _reporting(n: int) -> int:
+    import spark_hvd.core as core
+    from spark_hvd.runner import report
+
+    for i in range(n):
+        report(step=i, value=i * 10 + core.rank())
+    return core.rank()
+
+
+def test_callbacks_get_rank_0_reports_in_order_on_the_callers_thread(executor):
+    import threading
+
+    seen, threads = [], set()
+
+    def callback(metrics: dict) -> None:
+        seen.append(metrics)
+        threads.add(threading.get_ident())
+
+    assert executor.run(_reporting, args=[5], callbacks=[callback]) == [0, 1]
+    assert seen == [{"value": i * 10, "step": i} for i in range(5)]
+    assert threads == {threading.get_ident()}
+    seen.clear()
+    assert executor.execute(lambda _: _reporting(2), callbacks=[callback]) == [0, 1]
+    assert seen == [{"value": 0, "step": 0}, {"value": 10, "step": 1}]
+
+
+def _trial(config: dict) -> dict:
+    import spark_hvd.core as core
+    from spark_hvd.runner import report
+
+    for step in range(3):
+        value = float(core.allreduce(np.array([config["x"] * (step + 1)]), op=core.Sum, name=f"s{step}")[0])
+        report(step=step, loss=value, size=core.size())
+    return {"final": value}
+
+
+def test_tune_trials_are_distributed_jobs_reporting_rank_0s_results(ray_cluster, tmp_path):
+    """Two Tune trials, each a 2-rank job (0.5 CPU a worker: both fit beside the module's executor): Tune sees
+    every report of each trial's rank 0, computed by allreduce over the trial's own two ranks."""
+    tune = pytest.importorskip("ray.tune")
+    from spark_hvd.ray.tune import DistributedTrainableCreator
+
+    trainable = DistributedTrainableCreator(_trial, num_workers=2, cpus_per_worker=0.5, timeout_s=60)
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1.0, 2.0])},
+                       tune_config=tune.TuneConfig(metric="loss", mode="min"),
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="trials", verbose=0))
+    grid = tuner.fit()
+    assert not grid.errors
+    assert len(grid) == 2
+    for result in grid:
+        x = result.config["x"]
+        rows = result.metrics_dataframe
+        reported = rows[rows["loss"].notna()]
+        assert list(reported["loss"]) == [2 * x, 4 * x, 6 * x]  # x * (step + 1) summed over 2 ranks
+        assert list(reported["size"]) == [2, 2, 2] and list(reported["step"]) == [0, 1, 2]
+        assert result.metrics["loss"] == 6 * x
