@@ -3,7 +3,9 @@
 ``RayExecutor(settings, num_workers=2).start()`` places one Ray actor per rank, gives each its rank (a Ray node is
 a host), the job's secret (never through Ray: ``spark_hvd.ray.secret``) and torchrun's environment, and joins them
 in one ring; ``run(fn)`` / ``execute(fn)`` then run functions that use ``spark_hvd.torch`` (or keras, tensorflow)
-as ``hvd``, or plain torch.distributed code. See docs/ray.md. Importing this package does not import Ray; starting
+as ``hvd``, or plain torch.distributed code. ``RayExecutor(settings, min_workers=..., max_workers=...)`` is an
+elastic job (``spark_hvd.ray.elastic``); ``spark_hvd.ray.tune.DistributedTrainableCreator`` makes every Ray Tune
+trial a job. See docs/ray.md. Importing this package does not import Ray; starting
 an executor needs it (``pip install 'spark_hvd[ray]'``).
 """
 
