@@ -23,7 +23,9 @@ sit in the GCS in the clear.
 **Failures.** ``run``/``execute`` wait for every rank; the first failure raises ``RayWorkerFailedError`` naming
 the rank, its Ray node (address and id) and, for an exception, its remote traceback; a rank whose actor died is
 preferred as the cause over ranks that failed because a peer went away. ``shutdown()`` stops every process the
-ranks started, leaves the ring, kills the actors, waits until Ray reports them dead, removes the placement group
+ranks started (the idle ranks themselves; then a task on each of the job's nodes kills whatever carries the
+job's marker, ``spark_hvd.ray.worker.sweep``, so a rank killed mid-function leaves nothing either), leaves the
+ring, kills the actors, waits until Ray reports them dead, removes the placement group
 it made and stops the driver's services.
 
 **Elastic** (``min_workers``/``max_workers``): ``start()`` places nothing; ``run(fn)`` runs attempts of as many
@@ -59,7 +61,9 @@ logger = logging.getLogger(__name__)
 FAILURE_SETTLE_S = 2.0
 #: Seconds a run with callbacks waits, after the ranks finished, for rank 0's last reports.
 LAST_REPORT_WAIT_S = 10.0
-#: Seconds ``shutdown`` gives each worker to clean up, then to be reported dead after ``ray.kill``.
+#: Seconds ``shutdown`` gives an idle worker to clean up before it is killed.
+CLEANUP_WAIT_S = 3.0
+#: Seconds ``shutdown`` gives the sweeps of the nodes, then the workers to be reported dead after ``ray.kill``.
 SHUTDOWN_WAIT_S = 15.0
 
 
@@ -197,6 +201,7 @@ class RayExecutor:
         self._own_pg = False
         self._kv: Any = None
         self._service: Any = None
+        self._job_nodes: set[str] = set()  # the Ray nodes of the current workers
         self._handout: SecretHandout | None = None
         self._start_args: tuple[Any, ...] = (None, None, None, {})
         #: called with every ``report(...)`` event of the ranks (``spark_hvd.runner.Event``), on a service thread
@@ -308,6 +313,7 @@ class RayExecutor:
         described = [described[i] for i in order]
         self.nodes = [WorkerNode(rank, d["node_ip"], d["node_id"], d["hostname"], d["pid"])
                       for rank, d in enumerate(described)]
+        self._job_nodes = {d["node_id"] for d in described}
         node_ids = [d["node_id"] for d in described]
         assigned = placement.gpu_assignment(node_ids, [d["gpu_ids"] for d in described])
         master = (described[0]["node_ip"], described[0]["free_port"])
@@ -474,18 +480,49 @@ class RayExecutor:
         them dead), the placement group this executor made, the driver's services. Safe to call twice."""
         self._stop_workers()
 
+    def _sweep(self, ray: Any, nodes: set[str]) -> None:
+        """Kill what the ranks started on each of ``nodes`` (every live node when unknown): a task placed there
+        (``spark_hvd.ray.worker.sweep``), for ranks whose actor was killed before it could clean up."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from spark_hvd.ray.worker import job_marker, sweep
+
+        if self.job_id is None:
+            return
+        if not nodes:
+            nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        task = ray.remote(num_cpus=0, max_retries=0)(sweep)
+        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                .remote(job_marker(self.job_id)) for node in sorted(nodes)]
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=SHUTDOWN_WAIT_S)
+        for ref in ready:
+            try:
+                killed = ray.get(ref)
+            except Exception:  # a node that went away meanwhile: nothing left to sweep there
+                logger.debug("RayExecutor.shutdown: a sweep failed", exc_info=True)
+                continue
+            if killed:
+                logger.info("RayExecutor.shutdown: killed processes %s the ranks left", killed)
+        if pending:
+            logger.warning("RayExecutor.shutdown: %d node(s) did not sweep the job's processes within %g s",
+                           len(pending), SHUTDOWN_WAIT_S)
+
     def _stop_workers(self) -> None:
         """``shutdown`` of the current workers (an elastic job's attempt ends with it too)."""
         if self._service is not None:  # first: workers that go away now are not failures
             self._service.stop()
             self._service = None
         workers, self.workers = self.workers, []
+        nodes, self._job_nodes = self._job_nodes, set()
         if workers:
             ray = _ray()
+            # an idle worker cleans up (its processes, the ring); one still running a function is killed as it is
             cleaning = [w.cleanup.remote() for w in workers]
-            ray.wait(cleaning, num_returns=len(cleaning), timeout=SHUTDOWN_WAIT_S)
+            cleaned, _ = ray.wait(cleaning, num_returns=len(cleaning), timeout=CLEANUP_WAIT_S)
             for w in workers:
                 ray.kill(w, no_restart=True)
+            if len(cleaned) < len(cleaning):  # (a cleanup kills what any rank of its node left)
+                self._sweep(ray, nodes)
             deadline = time.monotonic() + SHUTDOWN_WAIT_S
             for rank, w in enumerate(workers):  # a killed actor's calls fail once Ray knows its process is gone
                 while True:

@@ -35,6 +35,30 @@ def _ray_node() -> tuple[str, str]:
     return ray.get_runtime_context().get_node_id(), str(ray.util.get_node_ip_address())
 
 
+def job_marker(job_id: str) -> str:
+    """The ``SPARK_HVD_RANK_MARK`` every process a rank of job ``job_id`` starts carries (``sweep``)."""
+    return f"ray:{job_id}"
+
+
+def sweep(marker: str, within_s: float = rank_tree.KILL_WITHIN_S) -> list[int]:
+    """On one node (a Ray task placed there): SIGKILL every process of this host whose environment carries
+    ``SPARK_HVD_RANK_MARK=marker`` until none is left or ``within_s`` passed; the pids killed. The actors themselves
+    do not carry it (it is set in their ``os.environ`` after they started, which ``/proc/PID/environ`` does not
+    show), so this reaches what the ranks started even when an actor was killed before its ``cleanup``."""
+    import signal
+    import time
+
+    killed: set[int] = set()
+    deadline = time.monotonic() + within_s
+    while True:
+        found = rank_tree.job_processes(rank_tree.MARK_ENV, marker)
+        if not found or time.monotonic() > deadline:
+            return sorted(killed)
+        killed.update(found)
+        rank_tree.signal_all(found, signal.SIGKILL)
+        time.sleep(0.02)
+
+
 class RayWorker:
     """One rank's actor (see the module docstring). Its constructor arguments are stored in Ray's GCS: they hold
     a one-time ``Claim``, never the job's secret."""
@@ -44,7 +68,7 @@ class RayWorker:
         self.index = index
         self.executable: Any = None
         self.job: JobEnv | None = None
-        self._marker = f"ray:{claim.job_id}:{index}"
+        self._marker = job_marker(claim.job_id)
         self._client: Any = None
 
     def describe(self) -> dict[str, Any]:
@@ -111,8 +135,9 @@ class RayWorker:
 
     def cleanup(self) -> dict[int, str]:
         """Before the actor is killed: SIGKILL every process the rank started (its descendants, and those that
-        carry its marker after leaving the tree), leave the ring (which unmaps its shared memory) and destroy
-        torch.distributed's default group. Returns pid -> name of the processes killed."""
+        carry the job's marker after leaving the tree: those of the node's other ranks too), leave the ring (which
+        unmaps its shared memory) and destroy torch.distributed's default group. Returns pid -> name of the
+        processes killed."""
         killed, alive = rank_tree.kill_until_gone(os.getpid(), self._marker, keep=-1)
         if alive:
             logger.warning("RayExecutor worker %d: processes %s survived SIGKILL", self.index, alive)

@@ -3,7 +3,8 @@ a stateful ``execute`` loop, a 2-worker torch training equal to one process on t
 worker named on the driver, and ``shutdown()`` leaving no actor, process or shared-memory segment behind.
 
 One 2-worker executor serves the tests that leave it healthy (its start costs two Ray worker processes); the
-failure and shutdown tests start their own."""
+failure, shutdown and elastic tests start their own. Also: ``callbacks``, Ray Tune trials, a stolen secret claim,
+and an elastic job shrunk by a killed worker and grown back."""
 
 from __future__ import annotations
 
@@ -120,6 +121,92 @@ def _train(steps: int, per_rank: int) -> dict:
 
 
 # -- the tests -------------------------------------------------------------------------------------------------------
+
+# (the elastic test first: it needs the cluster's 4 CPUs, before the module's executor takes 2)
+HOG = "spark_hvd_test_hog"
+ELASTIC_STEPS = 20
+SHRINK_AT = 6  # rank 1 of 2 dies after this step's commit
+GROW_AT = 14  # rank 0 of 1 frees the CPUs after this step's commit
+
+
+class Hog:
+    """An actor that holds CPUs, so that Ray can place fewer workers."""
+
+    def ping(self) -> bool:
+        return True
+
+
+def _elastic_train(marks: str) -> dict:
+    import signal
+
+    import ray
+
+    import spark_hvd.core as core
+    from spark_hvd.core.elastic import ObjectState, run_fn
+
+    state = ObjectState(step=0, sizes=[], total=0.0)
+
+    @run_fn
+    def train(state: ObjectState) -> dict:
+        while state.step < ELASTIC_STEPS:
+            state.total += float(core.allreduce(np.ones(1), op=core.Sum, name="ones")[0])
+            state.sizes = state.sizes + [core.size()]
+            state.step += 1
+            state.commit()
+            shrink, grow = os.path.join(marks, "shrink"), os.path.join(marks, "grow")
+            if state.step == SHRINK_AT and core.size() == 2 and core.rank() == 1 and not os.path.exists(shrink):
+                open(shrink, "w").close()
+                # 3 of the cluster's 4 CPUs, placed once this job's workers are gone: the relaunch fits one worker
+                ray.remote(Hog).options(name=HOG, lifetime="detached", num_cpus=3).remote()
+                ray.get_actor(HOG)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == GROW_AT and core.size() == 1 and not os.path.exists(grow):
+                open(grow, "w").close()
+                ray.kill(ray.get_actor(HOG))
+                deadline = time.monotonic() + 30  # until Ray counts its CPUs free: the next commit sees them
+                while ray.available_resources().get("CPU", 0) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            time.sleep(0.05)
+        return {"step": state.step, "sizes": list(state.sizes), "total": state.total, "size": core.size(),
+                "attempt": int(os.environ["SPARK_HVD_RUN_ATTEMPT"])}
+
+    return train(state)
+
+
+def test_elastic_a_lost_worker_shrinks_the_job_and_freed_cpus_grow_it_back(ray_cluster, tmp_path):
+    """Elastic (``min_workers``/``max_workers``) on the 4 CPUs of this module's cluster, first in the module (before
+    the shared executor holds 2 of them): a worker killed mid-training while Ray can place only one worker (another
+    actor takes the freed CPUs) shrinks the job to one rank, which resumes from the last commit; once those CPUs
+    are free again the job grows back to two at the next commit. The state is Horovod's ``ObjectState`` through
+    ``hvd.elastic.run`` (``spark_hvd.core.elastic``), the code Spark's ``run_elastic`` runs."""
+    from spark_hvd.ray import RayExecutor
+
+    ray = ray_cluster
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1, max_workers=2,
+                           cpus_per_worker=1, elastic_timeout=60, cooldown_range=[2, 10], reset_limit=4)
+    try:
+        executor.start()
+        started = time.monotonic()
+        results = executor.run(_elastic_train, args=[str(tmp_path)])
+        took = time.monotonic() - started
+    finally:
+        executor.shutdown()
+        try:
+            ray.kill(ray.get_actor(HOG))
+        except ValueError:  # gone already
+            pass
+    assert (tmp_path / "shrink").exists() and (tmp_path / "grow").exists()
+    # steps 1-6 at two ranks; the death after step 6's commit: resumed there with one rank (steps 7-15: the
+    # growth is noticed at the commit after the CPUs were freed, step 15, which is kept); steps 16-20 at two again
+    sizes = [2] * SHRINK_AT + [1] * (GROW_AT + 1 - SHRINK_AT) + [2] * (ELASTIC_STEPS - GROW_AT - 1)
+    assert len(results) == 2
+    for got in results:
+        assert got["step"] == ELASTIC_STEPS and got["size"] == 2 and got["attempt"] == 2
+        assert got["sizes"] == sizes
+        assert got["total"] == float(sum(sizes))
+    assert took < 120
+
+
 def test_ranks_sizes_and_launch_contract(executor):
     got = executor.run(_contract)
     assert [g["hvd"] for g in got] == [(r, SIZE, r, SIZE, 0, 1) for r in range(SIZE)]
@@ -227,6 +314,16 @@ def _leave_things_behind() -> dict:
     return {"child": child.pid, "actor": os.getpid()}
 
 
+def _busy_with_a_child(directory: str) -> None:
+    """Starts a child in a session of its own, says so, and stays busy: shutdown() finds the rank mid-function."""
+    import spark_hvd.core as core
+
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    with open(os.path.join(directory, f"busy-{core.rank()}"), "w") as f:
+        f.write(f"{child.pid} {os.getpid()}")
+    time.sleep(300)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -235,7 +332,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_shutdown_leaves_no_actor_process_or_shared_memory(ray_cluster):
+def test_shutdown_leaves_no_actor_process_or_shared_memory(ray_cluster, tmp_path):
     from spark_hvd.ray import RayExecutor
 
     ray = ray_cluster
@@ -244,7 +341,13 @@ def test_shutdown_leaves_no_actor_process_or_shared_memory(ray_cluster):
     job_id, workers, group = executor.job_id, list(executor.workers), executor.placement_group
     left = executor.run(_leave_things_behind)
     pids = [p for got in left for p in (got["child"], got["actor"])]
-    assert all(_alive(p) for p in pids)
+    executor.run_remote(_busy_with_a_child, args=[str(tmp_path)])  # then the ranks are not idle at shutdown
+    busy = [tmp_path / f"busy-{r}" for r in range(SIZE)]
+    deadline = time.monotonic() + 30
+    while not all(b.exists() and b.read_text() for b in busy) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids += [int(p) for b in busy for p in b.read_text().split()]
+    assert all(_alive(p) for p in pids) and len(set(pids)) == 3 * SIZE
     started = time.monotonic()
     executor.shutdown()
     print(f"shutdown took {time.monotonic() - started:.1f} s")

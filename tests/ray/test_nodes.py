@@ -152,6 +152,9 @@ def test_elastic_job_loses_a_node_and_grows_back_when_one_is_added(nodes, tmp_pa
         except BaseException as exc:  # noqa: BLE001 - re-raised below, on the test's thread
             outcome["error"] = exc
 
+    deadline = time.monotonic() + 60  # the previous test's placement group given back: both nodes free
+    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
     executor.start()
     thread = threading.Thread(target=job, daemon=True)
     thread.start()
