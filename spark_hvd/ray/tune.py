@@ -21,6 +21,19 @@ from typing import Any
 from spark_hvd.ray.executor import RayExecutor
 
 
+def _tune_report() -> Callable[..., Any]:
+    """Tune's ``report`` for a function trainable: ``ray.tune.report`` (Ray 2.60), else ``ray.train.report``, the
+    function older Ray (2.10) has for it. The one version shim of this package."""
+    from ray import tune
+
+    report = getattr(tune, "report", None)
+    if report is None:
+        from ray import train
+
+        report = train.report
+    return report
+
+
 def DistributedTrainableCreator(func: Callable[[dict[str, Any]], Any], num_workers: int = 2,  # noqa: N802
                                 cpus_per_worker: float = 1, use_gpu: bool = False,
                                 gpus_per_worker: float | None = None, timeout_s: float = 30) -> Any:
@@ -37,7 +50,7 @@ def DistributedTrainableCreator(func: Callable[[dict[str, Any]], Any], num_worke
                                use_current_placement_group=True)
         executor.start()
         try:  # rank 0's reports become Tune's, on this (the trial's) thread, as they come
-            executor.run(func, args=[config], callbacks=[tune.report])
+            executor.run(func, args=[config], callbacks=[_tune_report()])
         finally:
             executor.shutdown()
 
