@@ -80,9 +80,7 @@ def wait_workers(free: Callable[[], int], low: int, high: int, timeout_s: float,
 
 def run_elastic(executor: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The elastic ``RayExecutor.run``: the results of the last attempt by rank (see the module docstring)."""
-    from spark_hvd.ray.executor import _ray
-
-    ray = _ray()
+    import ray  # the executor checked that it is there
     params = executor.elastic
     gpus = executor.gpus_per_worker if executor.use_gpu else 0
 
