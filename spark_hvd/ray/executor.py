@@ -45,8 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_hvd.core.transport.addresses import IFACE_ENV, NETWORK_INTERFACE_ENV
 from spark_hvd.core.jobenv import JobEnv, topology
+from spark_hvd.core.transport.addresses import IFACE_ENV, NETWORK_INTERFACE_ENV
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.ray import placement
 from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode

@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from spark_hvd.core import torchrun
-from spark_hvd.core.transport.addresses import HOST_ID_ENV, machine_identity
 from spark_hvd.core.jobenv import JobEnv, env_names
+from spark_hvd.core.transport.addresses import HOST_ID_ENV, machine_identity
 from spark_hvd.ray.secret import Claim, fetch_secret
 from spark_hvd.runner import rank_tree
 
