@@ -28,6 +28,18 @@ def _vector_df(spark, n: int = 40, n_in: int = 4, seed: int = 1):
     return spark.createDataFrame(rows, ["id", "features"]).repartition(2)
 
 
+def _spark_udf_or_skip():
+    """``mlflow.pyfunc.spark_udf``; skipped where it cannot import (mlflow-skinny 2.x: its scoring server needs
+    flask, which only the full ``mlflow`` package brings)."""
+    try:
+        import mlflow.pyfunc.scoring_server  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"mlflow.pyfunc.spark_udf needs the full mlflow package here ({exc})")
+    import mlflow.pyfunc
+
+    return mlflow.pyfunc.spark_udf
+
+
 def _sorted(df):
     return df.orderBy("id").toPandas()
 
@@ -51,11 +63,11 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
     import mlflow
 
     df = _vector_df(spark)
-    info = classifier_model.log_mlflow(input_example=df)
+    info = classifier_model.log_mlflow(input_example=df, registered_model_name="spark-hvd-classifier")
     expect = _sorted(classifier_model.transform(df))
     assert list(expect.columns[-3:]) == ["label__output", "prediction", "probability"]
 
-    loaded = mlflow.pyfunc.load_model(info.model_uri)
+    loaded = mlflow.pyfunc.load_model("models:/spark-hvd-classifier/1")  # registered, loaded by name
     # the raw rows: a Vector column arrives as arrays of doubles (vector_to_array, a JSON request, spark_udf)
     arrays = pd.DataFrame({"features": [v.toArray().tolist() for v in expect["features"]]})
     got = loaded.predict(arrays)
@@ -76,16 +88,16 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
 
 
 def test_torch_spark_udf_equals_transform(spark, mlflow_tracking, classifier_model):
-    import mlflow
+    spark_udf = _spark_udf_or_skip()
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F  # noqa: N812
 
     df = _vector_df(spark, n=30, seed=2)
     info = classifier_model.log_mlflow(input_example=df)
     expect = _sorted(classifier_model.transform(df))
-    udf = mlflow.pyfunc.spark_udf(spark, info.model_uri, env_manager="local",
-                                  result_type="label__output array<float>, prediction double, "
-                                              "probability array<double>")
+    udf = spark_udf(spark, info.model_uri, env_manager="local",
+                    result_type="label__output array<float>, prediction double, "
+                                "probability array<double>")
     arrays = df.withColumn("features", vector_to_array("features"))
     scored = arrays.withColumn("out", udf(F.struct("features"))).select("id", "out.*")
     _assert_frames_equal(_sorted(scored), expect, ["label__output", "prediction", "probability"])
@@ -130,6 +142,6 @@ def test_keras_pyfunc_and_spark_udf_equal_transform(spark, mlflow_tracking):
     arrays = pd.DataFrame({"features": [v.toArray().tolist() for v in expect["features"]]})
     got = mlflow.pyfunc.load_model(info.model_uri).predict(arrays)
     _assert_frames_equal(got, expect, ["y__output"])
-    udf = mlflow.pyfunc.spark_udf(spark, info.model_uri, env_manager="local", result_type="y__output array<float>")
+    udf = _spark_udf_or_skip()(spark, info.model_uri, env_manager="local", result_type="y__output array<float>")
     scored = df.withColumn("features", vector_to_array("features")).withColumn("out", udf(F.struct("features")))
     _assert_frames_equal(_sorted(scored.select("id", "out.*")), expect, ["y__output"])
