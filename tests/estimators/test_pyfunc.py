@@ -145,3 +145,44 @@ def test_keras_pyfunc_and_spark_udf_equal_transform(spark, mlflow_tracking):
     udf = _spark_udf_or_skip()(spark, info.model_uri, env_manager="local", result_type="y__output array<float>")
     scored = df.withColumn("features", vector_to_array("features")).withColumn("out", udf(F.struct("features")))
     _assert_frames_equal(_sorted(scored.select("id", "out.*")), expect, ["y__output"])
+
+
+def test_image_bytes_lightning_and_export_from_a_spark_frame(spark, mlflow_tracking, tmp_path):
+    """Image bytes decoded by a transformation_fn: a LightningModel's pyfunc equals its transform; export takes
+    its example from a Spark DataFrame of raw rows through the same preprocessing."""
+    import lightning.pytorch as pl
+    import mlflow
+
+    from spark_hvd.estimators import LightningModel
+    from spark_hvd.estimators.export import run_onnx  # noqa: F401 - the module imports without onnx
+
+    def _decode_images(pdf):  # local, so that it travels by value to the Spark workers
+        """Raw 4x4 grayscale bytes -> float arrays in [0, 1] (an image decoder of the simplest kind)."""
+        return pd.DataFrame({"image": [np.frombuffer(b, dtype=np.uint8).reshape(4, 4).astype(np.float32) / 255.0
+                                       for b in pdf["image"]]})
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(5)
+            self.lin = torch.nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.lin(x.flatten(1))
+
+    images = [np.random.default_rng(i).integers(0, 256, 16, dtype=np.uint8).tobytes() for i in range(12)]
+    df = spark.createDataFrame([(i, b) for i, b in enumerate(images)], "id long, image binary").repartition(2)
+    model = LightningModel(model=Classifier().eval(), feature_cols=["image"], label_cols=["label"],
+                           transformation_fn=_decode_images, batch_size=5, metadata={"classifier": "logits"})
+    expect = _sorted(model.transform(df))
+    info = model.log_mlflow(input_example=df)
+    got = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame({"image": images}))
+    _assert_frames_equal(got, expect, ["label__output", "prediction", "probability"])
+
+    manifest = model.export(str(tmp_path / "ts"), format="torchscript", example=df)
+    assert manifest["inputs"][0]["shape"] == [None, 4, 4]
+    assert manifest["preprocessing"] == {"transformation_fn": True, "collate_fn": False}
+    scripted = torch.jit.load(str(tmp_path / "ts" / "model.pt"))
+    decoded = torch.from_numpy(np.stack(_decode_images(pd.DataFrame({"image": images}))["image"].to_list()))
+    np.testing.assert_allclose(scripted(decoded).detach().numpy(), np.stack(expect["label__output"]), rtol=1e-5,
+                               atol=1e-6)
