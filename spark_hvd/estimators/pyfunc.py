@@ -86,11 +86,26 @@ def _example_frame(stage: Any, example: Any, rows: int = EXAMPLE_ROWS) -> Any:
         vectors = {n: vector_to_array(df[n]) for n in names if isinstance(df.schema[n].dataType, VectorUDT)}
         if vectors:
             df = df.withColumns(vectors)
-        return compat.to_arrow(df).to_pandas()
+        return _doubles(compat.to_arrow(df).to_pandas())
     missing = [n for n in names if n not in example.columns]
     if missing:
         raise EstimatorError(f"log_mlflow: the example has no feature column(s) {missing}")
-    return example[names].head(rows).reset_index(drop=True)
+    return _doubles(example[names].head(rows).reset_index(drop=True))
+
+
+def _doubles(frame: Any) -> Any:
+    """``frame`` with float32 columns and float32 array cells as float64: the signature then says ``double``,
+    which float32 inputs convert to safely, and JSON numbers (a serving request, MLflow's check of the serving
+    example) are doubles; the preprocessing casts to the trained dtype as ``transform`` does."""
+    frame = frame.copy()
+    for c in frame.columns:
+        column = frame[c]
+        if column.dtype == np.float32:
+            frame[c] = column.astype(np.float64)
+        elif column.dtype == object and len(column) and isinstance(column.iloc[0], np.ndarray) \
+                and column.iloc[0].dtype == np.float32:
+            frame[c] = [np.asarray(v, dtype=np.float64) for v in column]
+    return frame
 
 
 def save_stage(stage: Any, directory: str | os.PathLike, example: Any = None) -> dict[str, Any]:
