@@ -466,9 +466,11 @@ def export_keras(stage: Any, path: str | os.PathLike, format: str = "saved_model
             kwargs: dict[str, Any] = {"input_signature": [signature[0] if len(signature) == 1 else signature]}
             if format == "onnx" and opset is not None:
                 kwargs["opset_version"] = opset
+            from spark_hvd.estimators import compat
+
             with _quiet():
-                model.export(str(file), format="tf_saved_model" if format == "saved_model" else "onnx",
-                             verbose=False, **kwargs)
+                compat.keras_export(model, str(file), "tf_saved_model" if format == "saved_model" else "onnx",
+                                    verbose=False, **kwargs)
     except ExportError:
         raise
     except Exception as exc:  # noqa: BLE001 - the exporters' errors: all mean "cannot export"
