@@ -8,6 +8,8 @@ Each function says which versions take which branch (the Spark version itself co
 - ``to_arrow(df)``: a DataFrame's rows as one ``pyarrow.Table`` (``DataFrame.toArrow`` is Spark >= 4.0);
 - ``log_model``: an MLflow flavor's ``log_model`` with the keywords that MLflow version takes (``name=`` and
   ``step=`` from MLflow 3.0, ``artifact_path=`` before; ``serialization_format=`` where the flavor has it).
+- ``keras_export``: ``keras.Model.export`` with the keywords that Keras version takes (3.3 has none but the
+  format).
 """
 
 from __future__ import annotations
@@ -86,3 +88,17 @@ def log_model(flavor_log_model: Callable[..., Any], model: Any, name: str, **kwa
     params = inspect.signature(flavor_log_model).parameters
     kwargs["name" if "name" in params else "artifact_path"] = name
     return flavor_log_model(model, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def keras_export(model: Any, filepath: str, format: str, **kwargs: Any) -> None:  # noqa: A002
+    """``model.export(filepath, format=format, **kwargs)`` with the keywords that Keras version takes.
+
+    Keras 3.3 (Databricks 15.4 LTS ML) has ``export(filepath, format="tf_saved_model")`` only: the other keywords
+    are dropped there (its SavedModel leaves the batch dimension open anyway, and it has no ``"onnx"`` format,
+    which it refuses itself); recent Keras 3 takes ``verbose=``, ``input_signature=`` and format-specific
+    keywords (``opset_version=`` for ONNX).
+    """
+    params = inspect.signature(model.export).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    model.export(filepath, format=format, **kwargs)

@@ -97,6 +97,24 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
             return model.predict(inputs)
         return predict(model, inputs)
 
+    def export(self, path: str, format: str = "saved_model", example: Any = None, verify: bool = True,  # noqa: A002
+               **kwargs: Any) -> dict[str, Any]:
+        """Write the model to the directory ``path`` as ``format`` ``"saved_model"``, ``"keras"`` or ``"onnx"``
+        (where tf2onnx can), with its input and output names and shapes in ``spark_hvd_export.json`` beside it
+        (the batch dimension open); ``verify`` loads the artifact back and compares it with the model. See
+        ``estimators/export.py``."""
+        from spark_hvd.estimators.export import export_keras
+
+        return export_keras(self, path, format, example=example, verify=verify, **kwargs)
+
+    def log_mlflow(self, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
+                   **kwargs: Any) -> Any:
+        """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
+        ``mlflow.keras`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
+        from spark_hvd.estimators.pyfunc import log_mlflow
+
+        return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
+
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
 

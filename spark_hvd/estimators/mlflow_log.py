@@ -1,7 +1,8 @@
 """An estimator fit's MLflow run, logged live: params when training starts, each epoch's metrics as rank 0
 reports it (``on_event``, on the driver service's thread: an explicit ``MlflowClient`` call, since MLflow's
 active run is thread-local), and at the end the model with a signature and an input example taken from the
-training DataFrame, registered under ``registered_model_name`` when one is given.
+training DataFrame, registered under ``registered_model_name`` when one is given; beside it, the whole stage as a
+pyfunc that scores raw columns as ``transform`` does (``stage``: ``estimators/pyfunc.py``).
 
 The ``mlflow`` param: None/False (off), True (the active experiment), an experiment name, or a dict
 ``{"experiment": name, "registered_model_name": name}`` (both optional).
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 #: Rows of the training DataFrame kept as the logged model's input example.
 EXAMPLE_ROWS = 5
+#: The name of the stage's pyfunc (``<Model>.log_mlflow``), logged beside the framework's model in a fit's run.
+STAGE_MODEL_NAME = "stage"
 
 
 def mlflow_options(value: Any) -> dict[str, str | None]:
@@ -106,6 +109,9 @@ class MlflowRun:
                                                                                     strict=True)})
         try:
             log_model(model.getModel(), **kwargs)
+            log_stage = getattr(model, "log_mlflow", None)
+            if log_stage is not None:  # the whole stage as a pyfunc that scores raw columns (estimators/pyfunc.py)
+                log_stage(name=STAGE_MODEL_NAME, input_example=df, log_network=False, step=kwargs["step"])
         finally:
             mlflow.end_run()
 

@@ -67,6 +67,23 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
     def _predict(cls, model: Any, inputs: list[np.ndarray]) -> list[np.ndarray]:
         return cls._predict_batches(model, inputs, max(1, len(inputs[0])))
 
+    def export(self, path: str, format: str = "torchscript", example: Any = None, verify: bool = True,  # noqa: A002
+               **kwargs: Any) -> dict[str, Any]:
+        """Write the network to the directory ``path`` as ``format`` ``"torchscript"`` or ``"onnx"``, with its
+        input and output names and shapes in ``spark_hvd_export.json`` beside it (the batch dimension open);
+        ``verify`` loads the artifact back and compares it with the network. See ``estimators/export.py``."""
+        from spark_hvd.estimators.export import export_torch
+
+        return export_torch(self, path, format, example=example, verify=verify, **kwargs)
+
+    def log_mlflow(self, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
+                   **kwargs: Any) -> Any:
+        """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
+        ``mlflow.pytorch`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
+        from spark_hvd.estimators.pyfunc import log_mlflow
+
+        return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
+
     @classmethod
     def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
         """One ``torch.from_numpy`` per input (no copy), the module on ``batch_size`` rows at a time on the

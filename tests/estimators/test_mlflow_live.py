@@ -15,6 +15,7 @@ import time
 
 import cloudpickle
 import numpy as np
+import pandas as pd
 import pytest
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -95,5 +96,15 @@ def test_live_metrics_signature_registry_and_pyfunc_on_connect(connect_mode, mlf
     np.testing.assert_allclose(example, x[:5], rtol=1e-6)  # the first training rows, as transform feeds them
 
     pyfunc = mlflow.pyfunc.load_model(uri)
-    expected = np.array([r.digit__output for r in model.transform(df.limit(50)).collect()])
+    scored = model.transform(df.limit(50)).toPandas()
+    expected = np.stack(scored["digit__output"].to_list())
     np.testing.assert_allclose(np.asarray(pyfunc.predict(x[:50])), expected, rtol=1e-5, atol=1e-5)
+
+    # the whole stage beside it: raw rows in, transform's columns out (prediction, probability too)
+    stage = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/stage")
+    got = stage.predict(pd.DataFrame({"pixels": [row.tolist() for row in x[:50]]}))
+    assert list(got.columns) == ["digit__output", "prediction", "probability"]
+    np.testing.assert_allclose(np.stack(got["digit__output"].to_list()), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["prediction"].to_numpy(), scored["prediction"].to_numpy())
+    np.testing.assert_allclose(np.stack(got["probability"].to_list()),
+                               np.stack([v.toArray() for v in scored["probability"]]), rtol=1e-5, atol=1e-6)
