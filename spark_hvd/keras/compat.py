@@ -113,3 +113,11 @@ def checkpoint_mode(callback: Any) -> tuple[str, float]:
     op = getattr(callback, "monitor_op", None)
     name = getattr(op, "__name__", "")
     return {"greater": "max", "less": "min"}.get(name, "auto"), 0.0
+
+
+def assign(variable: Any, value: Any) -> Any:
+    """``variable.assign(value)``, returning the assigned value (for ``tf.control_dependencies`` and the like):
+    Keras >= 3.5 returns it; Keras 3.3-3.4 return None, so the variable is read back after the assignment (in a
+    ``tf.function`` the read is ordered after the write to the same variable)."""
+    out = variable.assign(value)
+    return variable.value if out is None else out
