@@ -86,18 +86,47 @@ def compute_loss(model: Any, x: Any, y: Any, y_pred: Any) -> Any:
 
 
 #: Keras >= 3.7: ``fit``'s epoch iterator starts the data over once an epoch of ``steps_per_epoch`` batches has
-#: used the whole dataset; Keras 3.3-3.6 keep the exhausted iterator, so the next epoch finds no batch ("Your input
-#: ran out of data") and ``fit`` fails on the empty validation logs.
-RESTARTS_EXHAUSTED_DATA = KERAS_VERSION >= (3, 7)
+#: used the whole dataset, and restarts a ``PyDataset`` (``on_epoch_end``) after peeking at its first batches for
+#: their shapes. Keras 3.3-3.6 do neither: an exhausted iterator stays so (the next epoch finds no batch, "Your
+#: input ran out of data", and ``fit`` fails on the empty validation logs), and training starts after the peeked
+#: batches.
+EPOCH_ITERATOR_RESETS = KERAS_VERSION >= (3, 7)
 
 
 def fit_steps(steps: int | None, dataset: Any) -> int | None:
     """The ``steps_per_epoch`` / ``validation_steps`` to hand ``model.fit`` for ``steps`` batches of ``dataset``
     (a ``keras.utils.PyDataset``) per epoch: ``steps`` itself, except on Keras 3.3-3.6 when it is the whole
-    dataset: then None, so that every epoch iterates the dataset afresh (``RESTARTS_EXHAUSTED_DATA``)."""
-    if steps is not None and not RESTARTS_EXHAUSTED_DATA and steps == len(dataset):
+    dataset: then None, so that every epoch iterates the dataset afresh (``EPOCH_ITERATOR_RESETS``)."""
+    if steps is not None and not EPOCH_ITERATOR_RESETS and steps == len(dataset):
         return None
     return steps
+
+
+class _RestartAfterPeek(keras.callbacks.Callback):
+    """Restarts the training dataset before the first epoch and the validation one before each evaluation."""
+
+    def __init__(self, train: Any, val: Any) -> None:
+        super().__init__()
+        self._train, self._val = train, val
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self._train.on_epoch_end()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        if self._val is not None:
+            self._val.on_epoch_end()
+
+
+def restart_after_peek(train: Any, val: Any = None) -> list[Any]:
+    """Callbacks for ``model.fit`` on ``train`` (and ``validation_data=val``), ``PyDataset`` streams whose
+    ``on_epoch_end`` restarts a partly read epoch (``spark_hvd.data.keras_loader.KerasBatchDataset``).
+
+    Keras 3.3-3.6 read the first batches of each to learn their shapes and start training (or the evaluation)
+    without restarting them, so every epoch would start a few batches late: a callback restarts them before the
+    first training batch (``on_train_begin``) and before each evaluation (``on_test_begin``). Keras >= 3.7 restart
+    them itself (``EPOCH_ITERATOR_RESETS``): no callback.
+    """
+    return [] if EPOCH_ITERATOR_RESETS else [_RestartAfterPeek(train, val)]
 
 
 def checkpoint_mode(callback: Any) -> tuple[str, float]:
@@ -113,3 +142,11 @@ def checkpoint_mode(callback: Any) -> tuple[str, float]:
     op = getattr(callback, "monitor_op", None)
     name = getattr(op, "__name__", "")
     return {"greater": "max", "less": "min"}.get(name, "auto"), 0.0
+
+
+def assign(variable: Any, value: Any) -> Any:
+    """``variable.assign(value)``, returning the assigned value (for ``tf.control_dependencies`` and the like):
+    Keras >= 3.5 returns it; Keras 3.3-3.4 return None, so the variable is read back after the assignment (in a
+    ``tf.function`` the read is ordered after the write to the same variable)."""
+    out = variable.assign(value)
+    return variable.value if out is None else out

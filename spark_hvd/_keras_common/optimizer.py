@@ -144,12 +144,12 @@ class _DistributedOptimizerMixin:
                 full[i] = s
             out = self._hvd_allreduce_gradients(full, var_list, pass_factor=factor)
             with tf.control_dependencies([o for o in out if o is not None]):
-                clear = [acc.assign(tf.zeros_like(acc)) for acc in accs]
+                clear = [compat.assign(acc, tf.zeros_like(acc)) for acc in accs]
             with tf.control_dependencies(clear):
                 return [tf.identity(out[i]) for i in present]
 
         def keep() -> list[Any]:
-            with tf.control_dependencies([acc.assign(s) for acc, s in zip(accs, sums, strict=True)]):
+            with tf.control_dependencies([compat.assign(acc, s) for acc, s in zip(accs, sums, strict=True)]):
                 return [tf.identity(s) for s in sums]
 
         last = tf.equal((compat.pass_counter(self) + 1) % steps, 0)
@@ -165,6 +165,12 @@ class _DistributedOptimizerMixin:
             return super().apply(grads, trainable_variables)  # type: ignore[misc]
         finally:
             self.__dict__["_hvd_prereduced"] = False
+
+    def _filter_empty_gradients(self, grads: Any, variables: Any) -> Any:
+        grads, variables = super()._filter_empty_gradients(grads, variables)  # type: ignore[misc]
+        # the variables of _clip_gradients' grads where apply clips before _backend_apply_gradients (Keras 3.3-3.4)
+        self.__dict__["_hvd_apply_vars"] = list(variables)
+        return grads, variables
 
     def _backend_apply_gradients(self, grads: Any, trainable_variables: Any) -> Any:
         self.__dict__["_hvd_apply_vars"] = list(trainable_variables)  # the variables of _clip_gradients' grads

@@ -2,8 +2,9 @@
 
 ``DataFrame.semanticHash`` is not stable enough: a ``ScalaUDF`` (``VectorAssembler``, ``StandardScalerModel`` ...)
 hashes its function object by identity, so every ``Pipeline.fit`` gave a new key and wrote a new copy of the same
-data. :func:`plan_key` describes the *canonicalised* analyzed plan instead (expression ids normalised by Spark), as
-Spark's own JSON rendering of the tree, and adds what that rendering leaves out (its ``null`` fields):
+data. :func:`plan_key` describes the *canonicalised* analyzed plan instead (expression ids normalised by Spark, no-op
+operators removed: ``compat.analyzed_plan``), as Spark's own JSON rendering of the tree, and adds what that
+rendering leaves out (its ``null`` fields):
 
 - a ``ScalaUDF``'s function and a Python UDF's command, as a digest of their serialized bytes (the captured values,
   e.g. ``VectorAssembler``'s ``handleInvalid``, are in them);
@@ -28,6 +29,8 @@ import json
 import logging
 import re
 from typing import TYPE_CHECKING, Any
+
+from spark_hvd.data import compat
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyspark.sql import DataFrame
@@ -93,13 +96,13 @@ def _session_id(df: DataFrame) -> str:
 
 
 def _classic_key(df: DataFrame, jdf: Any) -> dict[str, Any]:
-    plan = jdf.queryExecution().analyzed().canonicalized()
+    jvm = df.sparkSession.sparkContext._jvm
+    plan = compat.analyzed_plan(jvm, jdf).canonicalized()
     nodes = json.loads(plan.toJSON())
     uncovered = sorted(_null_fields(nodes) - _COVERED)
     _drop_stage_uids(nodes)
     if uncovered:
         raise _Uncovered("plan holds fields Spark cannot render: " + ", ".join(f"{c}.{f}" for c, f in uncovered))
-    jvm = df.sparkSession.sparkContext._jvm
     extras: list[Any] = []
     _walk_plan(plan, jvm, df, extras)
     conf = df.sparkSession.conf

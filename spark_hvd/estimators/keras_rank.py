@@ -251,10 +251,12 @@ class KerasTrainer(RankTrainer):
                 self.stopped = self.stopped or self.model.stop_training
 
         ours = _RunCallback()
-        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                     *spec.callbacks, ours]
+        callbacks = [*keras_compat.restart_after_peek(train, val), hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                     hvd.callbacks.MetricAverageCallback(), *spec.callbacks, ours]
         start = run.start
-        fit = {"validation_data": val, "callbacks": callbacks,
+        # shuffle=False: the reader's stream is shuffled already (Keras's index shuffle would be ignored by it, but
+        # Keras 3.3-3.6 also reorder the yielded batches in a tf.data shuffle buffer, off the checkpointed order)
+        fit = {"validation_data": val, "callbacks": callbacks, "shuffle": False,
                "validation_steps": None if val is None else keras_compat.fit_steps(val_steps, val),
                "verbose": 2 if (spec.verbose >= 2 and run.rank == 0) else 0}
         if skip:  # the rest of the epoch a step checkpoint interrupted, then the following epochs

@@ -87,7 +87,7 @@ def register(check: Callable, rank: int, size: int) -> None:
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(w.numpy(), w0 - 0.5 * want, rtol=1e-5, atol=1e-6)  # applied once, not re-reduced
         assert calls == ([1] if size > 1 else []), f"grouped allreduces for one compute+apply: {calls}"
-        assert opt._agg_helper is None and int(opt.iterations) == 1
+        assert opt._agg_helper is None and int(np.asarray(opt.iterations)) == 1
 
     for average in (False, True):
         @check(f"compute_gradients_backward_passes_3_average_{average}")
@@ -112,7 +112,8 @@ def register(check: Callable, rank: int, size: int) -> None:
                 want_w, local = want_w - lr * reduced, np.zeros_like(w0)
             np.testing.assert_allclose(w.numpy(), want_w, rtol=1e-5, atol=1e-5)
             assert calls == ([1] * updates if size > 1 else []), f"grouped allreduces: {calls}, one per update"
-            assert int(opt.iterations) == k * updates + 1, f"iterations counts passes: {int(opt.iterations)}"
+            passes = int(np.asarray(opt.iterations))
+            assert passes == k * updates + 1, f"iterations counts passes: {passes}"
             assert int(opt._agg_helper.counter) == 1, f"passes since the reduction: {int(opt._agg_helper.counter)}"
 
     @check("elastic_keras_state_sync_snapshots")

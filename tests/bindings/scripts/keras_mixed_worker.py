@@ -116,7 +116,7 @@ def _fp16() -> None:
     assert float(opt.dynamic_scale) == float(ref_opt.dynamic_scale), (float(opt.dynamic_scale),
                                                                        float(ref_opt.dynamic_scale))
     assert int(opt.step_counter) == int(ref_opt.step_counter)
-    assert int(opt.iterations) == int(ref_opt.iterations)
+    assert int(np.asarray(opt.iterations)) == int(np.asarray(ref_opt.iterations))
     # one collective per step (not two: the step's gradients packed into one buffer), then this check's own
     # allreduce of the losses
     assert calls == ([1] * 2 * STEPS if N > 1 else []) + [1], calls
@@ -136,7 +136,7 @@ def _overflow() -> None:
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     model.fit(x, y, batch_size=B // N, epochs=1, shuffle=False, verbose=0)
     assert float(opt.dynamic_scale) == 2.0**9, float(opt.dynamic_scale)  # halved on every rank
-    assert int(opt.iterations) == 0, int(opt.iterations)  # no update anywhere
+    assert int(np.asarray(opt.iterations)) == 0, int(np.asarray(opt.iterations))  # no update anywhere
     for var, old in zip(model.trainable_variables, before, strict=True):
         np.testing.assert_array_equal(np.asarray(var), old, err_msg=var.path)
     assert_equal_on_all_ranks([opt.dynamic_scale, *model.trainable_variables])

@@ -221,7 +221,8 @@ def _bpps() -> None:
     ref2 = make_model(0)
     fit(ref2, keras.optimizers.SGD(0.2, momentum=0.9), x, y, 2 * B)
     assert_same_weights(summed, ref2)
-    assert int(opt.iterations) == 2 * steps, f"iterations counts passes: {int(opt.iterations)} != {2 * steps}"
+    passes = int(np.asarray(opt.iterations))
+    assert passes == 2 * steps, f"iterations counts passes: {passes} != {2 * steps}"
     assert int(opt._agg_helper.counter) == 0, "every pass of the epoch was reduced and applied"
 
 
@@ -371,7 +372,7 @@ def _save_load() -> None:
     loaded = hvd.load_model(path)
     opt = loaded.optimizer
     assert isinstance(opt, keras.optimizers.Adam) and type(opt) is not keras.optimizers.Adam, type(opt).__mro__
-    assert int(opt.iterations) == int(model.optimizer.iterations)
+    assert int(np.asarray(opt.iterations)) == int(np.asarray(model.optimizer.iterations))
     for a, b in zip(opt.variables, model.optimizer.variables, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=a.path)
     # continue training: the reloaded optimizer still averages (weights stay equal on every rank)
