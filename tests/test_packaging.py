@@ -60,9 +60,10 @@ def test_the_wheel_installed_from_a_wheelhouse_runs_a_two_rank_allreduce(wheelho
     venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip()
     # the environment under test (a leg's runtime) below the venv's own site-packages, as a cluster's Python is
+    # (--ignore-installed: the checkout's editable install is visible there, and must not count as installed)
     Path(venv_site, "_environment_under_test.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheelhouse),
-                    "--no-deps", "spark_hvd"], check=True, timeout=300)
+                    "--no-deps", "--ignore-installed", "spark_hvd"], check=True, timeout=300)
 
     script = tmp_path / "allreduce.py"
     script.write_text(textwrap.dedent("""

@@ -17,7 +17,9 @@ where each version comes from. The steps, each failing loudly:
    by tests/test_packaging.py, which installs the built wheel over the leg;
 3. the test tools (pytest, ...) installed with the snapshot as constraints, so they cannot move a runtime package;
    checked again;
-4. ``pytest -m compat``: the tests marked ``compat`` (setup.cfg), with the leg's interpreter for the driver and
+4. the runtime's frameworks import (``import lightning`` ...): the test modules skip themselves when a framework
+   does not import, which on a leg that has the framework would hide a broken runtime as a skip;
+5. ``pytest -m compat``: the tests marked ``compat`` (setup.cfg), with the leg's interpreter for the driver and
    Spark's workers. No test selected (pytest's exit code 5) is a failure: the subset is the leg's whole point.
 """
 
@@ -33,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+import lock
 from lock import normalise
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +44,9 @@ PROJECT = "spark-hvd"
 EXTRAS = "torch,tensorflow,spark,lightning,mlflow"
 # What the compatibility subset needs beside the runtime and spark_hvd (the runtime has scikit-learn and pillow).
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "build"]
+# Distribution -> module: the frameworks the subset exercises, imported on every leg whose file lists them.
+FRAMEWORKS = {"pyspark": "pyspark", "numpy": "numpy", "pandas": "pandas", "pyarrow": "pyarrow", "torch": "torch",
+              "tensorflow": "tensorflow", "keras": "keras", "lightning": "lightning", "mlflow-skinny": "mlflow"}
 STAMP = ".leg-stamp"
 SNAPSHOT = "runtime-packages.json"
 
@@ -104,6 +110,19 @@ def check_unchanged(python: Path, snapshot: dict[str, str], step: str) -> None:
     print(f"leg: {step}: no runtime package changed ({len(snapshot)} checked)")
 
 
+def check_imports(python: Path, runtime: dict[str, str]) -> None:
+    """Exit naming the runtime's frameworks that do not import in the leg's interpreter, with the error."""
+    broken = []
+    for dist, module in FRAMEWORKS.items():
+        if dist in runtime:
+            proc = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True, cwd="/")
+            if proc.returncode:
+                broken.append(f"  import {module}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    if broken:
+        sys.exit("leg: the runtime's frameworks do not import (the tests would skip, not fail):\n" + "\n".join(broken))
+    print(f"leg: {', '.join(FRAMEWORKS[d] for d in FRAMEWORKS if d in runtime)} import")
+
+
 def run_subset(python: Path, pytest_args: list[str]) -> int:
     """``pytest -m compat`` with the leg's interpreter everywhere; exit code 5 (nothing selected) is a failure."""
     env = dict(os.environ, PYSPARK_PYTHON=str(python), PYSPARK_DRIVER_PYTHON=str(python))
@@ -139,6 +158,7 @@ def main(argv: list[str]) -> int:
     pip(python, "-q", "-c", str(constraints), *TEST_TOOLS)
     check_unchanged(python, snapshot, "installing the test tools")
     print(f"leg: spark_hvd and the test tools installed in {time.monotonic() - start:.0f} s", flush=True)
+    check_imports(python, lock.read_lock(leg))
     return run_subset(python, args.pytest_args)
 
 
