@@ -9,6 +9,7 @@ wheel and not from the checkout the rest of the suite imports.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import site
@@ -31,7 +32,9 @@ VERSION = "0.1.0"
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory) -> Path:
     """``SPARK_HVD_PURE=1 python -m build`` of the checkout: an sdist, then a wheel built from that sdist."""
-    pytest.importorskip("build", reason="`python -m build` needs the build package (the runtime legs install it)")
+    # find_spec of build.__main__, not of build: a checkout's build/ folder (setuptools' output) imports as `build`
+    if importlib.util.find_spec("build.__main__") is None:
+        pytest.skip("`python -m build` needs the build package (the runtime legs install it: tools/leg.py)")
     out = tmp_path_factory.mktemp("wheelhouse")
     proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
                           env=dict(os.environ, SPARK_HVD_PURE="1"), capture_output=True, text=True, timeout=600)
