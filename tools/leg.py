@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import lock
-from lock import normalise
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = "spark-hvd"
@@ -60,7 +59,7 @@ def packages(python: Path) -> dict[str, str]:
     """``{normalised name: version}`` of what ``python`` has installed, spark_hvd excluded."""
     listed = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], check=True, capture_output=True,
                             text=True).stdout
-    found = {normalise(p["name"]): p["version"] for p in json.loads(listed)}
+    found = {lock.normalise(p["name"]): p["version"] for p in json.loads(listed)}
     found.pop(PROJECT, None)
     return found
 
@@ -102,12 +101,14 @@ def build_runtime(leg: Path, venv: Path, base_python: str) -> dict[str, str]:
 
 def check_unchanged(python: Path, snapshot: dict[str, str], step: str) -> None:
     """Exit naming every runtime package that ``step`` changed."""
-    diff = changed(snapshot, packages(python))
+    now = packages(python)
+    diff = changed(snapshot, now)
     if diff:
         sys.exit(f"leg: {step} changed the runtime's packages:\n" + "\n".join(diff)
                  + "\nspark_hvd must install into a runtime without replacing its packages (issue 38): widen the "
                    "range in setup.cfg that forced each change.")
-    print(f"leg: {step}: no runtime package changed ({len(snapshot)} checked)")
+    added = sorted(now.keys() - snapshot.keys())
+    print(f"leg: {step}: no runtime package changed ({len(snapshot)} checked); added: {', '.join(added) or 'none'}")
 
 
 def check_imports(python: Path, runtime: dict[str, str]) -> None:
