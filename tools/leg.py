@@ -99,15 +99,15 @@ def build_runtime(leg: Path, venv: Path, base_python: str) -> dict[str, str]:
     return snapshot
 
 
-def check_unchanged(python: Path, snapshot: dict[str, str], step: str) -> None:
-    """Exit naming every runtime package that ``step`` changed."""
+def check_unchanged(python: Path, snapshot: dict[str, str], step: str, before: dict[str, str]) -> None:
+    """Exit naming every runtime package that ``step`` changed; else say what it added to ``before``."""
     now = packages(python)
     diff = changed(snapshot, now)
     if diff:
         sys.exit(f"leg: {step} changed the runtime's packages:\n" + "\n".join(diff)
                  + "\nspark_hvd must install into a runtime without replacing its packages (issue 38): widen the "
                    "range in setup.cfg that forced each change.")
-    added = sorted(now.keys() - snapshot.keys())
+    added = sorted(now.keys() - before.keys())
     print(f"leg: {step}: no runtime package changed ({len(snapshot)} checked); added: {', '.join(added) or 'none'}")
 
 
@@ -152,12 +152,14 @@ def main(argv: list[str]) -> int:
 
     snapshot = build_runtime(leg, venv, args.python)
     start = time.monotonic()
+    before = packages(python)
     pip(python, "-q", "-e", f".[{args.extras}]")
-    check_unchanged(python, snapshot, f"pip install -e '.[{args.extras}]'")
+    check_unchanged(python, snapshot, f"pip install -e '.[{args.extras}]'", before)
     constraints = venv / "runtime-constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in sorted(snapshot.items())))
+    before = packages(python)
     pip(python, "-q", "-c", str(constraints), *TEST_TOOLS)
-    check_unchanged(python, snapshot, "installing the test tools")
+    check_unchanged(python, snapshot, "installing the test tools", before)
     print(f"leg: spark_hvd and the test tools installed in {time.monotonic() - start:.0f} s", flush=True)
     check_imports(python, lock.read_lock(leg))
     return run_subset(python, args.pytest_args)
