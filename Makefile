@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The optional compiled ring loop's sources (setup.py): a changed one reinstalls, which recompiles it in place.
-CSOURCES := $(wildcard spark_hvd/core/*.c spark_hvd/core/*.h)
+CSOURCES := $(wildcard spark_hvd/core/transport/*.c spark_hvd/core/transport/*.h)
 # pip -q hides a failed optional compile: say which loop this install runs.
-RINGLOOP_REPORT := import importlib.util as u; print("ring loop:", "compiled" if u.find_spec("spark_hvd.core._ringloop") \
+RINGLOOP_REPORT := import importlib.util as u; print("ring loop:", "compiled" if u.find_spec("spark_hvd.core.transport._ringloop") \
 	else "Python (the C one did not build: pip install -v -e . shows why)")
 
 export SPARK_LOCAL_IP ?= 127.0.0.1
@@ -24,7 +24,7 @@ $(STAMP): setup.py setup.cfg constraints.txt $(CSOURCES)
 	$(PY) -m pip install -q -c constraints.txt pip setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt -e '.[all,test]'
 	$(PY) tools/lock.py check
-	@test ! -f spark_hvd/core/_ringloop.c || $(PY) -c '$(RINGLOOP_REPORT)'
+	@test ! -f spark_hvd/core/transport/_ringloop.c || $(PY) -c '$(RINGLOOP_REPORT)'
 	touch $(STAMP)
 
 demo: setup
@@ -54,4 +54,4 @@ lint: setup
 	$(VENV)/bin/ruff check spark_hvd tests benchmarks examples tools
 
 clean:
-	rm -rf $(VENV) .venv-dbr-* dist build *.egg-info .pytest_cache spark_hvd/core/*.so
+	rm -rf $(VENV) .venv-dbr-* dist build *.egg-info .pytest_cache spark_hvd/core/transport/*.so

@@ -1,6 +1,6 @@
 """spark_hvd: distributed deep learning on Spark over a ring-allreduce core (configuration in setup.cfg).
 
-The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd.core._ringloop``.
+The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd.core.transport._ringloop``.
 
 - Declared only when its source is in the tree, so a checkout without it installs as pure Python.
 - ``optional=True``: a failed compile or link (no gcc, no Python headers) prints a warning and the install goes
@@ -8,7 +8,7 @@ The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd
   frames are tagged by the ``cryptography`` package the Python loop uses, or by the system's libcrypto, loaded at
   run time where it is found.
 - ``pip install -e .`` (PEP 660, what ``make setup`` runs) builds it in place: the ``.so`` lands beside the
-  ``.c`` in spark_hvd/core/, where the editable install imports it from. Each install compiles afresh (pip
+  ``.c`` in spark_hvd/core/transport/, where the editable install imports it from. Each install compiles afresh (pip
   builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer
   compiles leaves the Python loop running, never the last good build of older source.
 - ``SPARK_HVD_PURE=1`` leaves it out on purpose: ``SPARK_HVD_PURE=1 python -m build`` makes a pure-Python
@@ -26,7 +26,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
-RINGLOOP = "spark_hvd/core/_ringloop.c"
+RINGLOOP = "spark_hvd/core/transport/_ringloop.c"
 
 
 class FreshInplaceBuildExt(build_ext):
@@ -42,7 +42,7 @@ class FreshInplaceBuildExt(build_ext):
 ext_modules = []
 if (ROOT / RINGLOOP).is_file() and os.environ.get("SPARK_HVD_PURE", "") not in ("1", "true", "yes"):
     ext_modules.append(Extension(
-        "spark_hvd.core._ringloop",
+        "spark_hvd.core.transport._ringloop",
         sources=[RINGLOOP],
         extra_compile_args=["-O2", "-ffp-contract=off"],
         optional=True,

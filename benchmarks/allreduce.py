@@ -27,7 +27,7 @@ between the two leaders (needs N >= 4 to differ from the TCP ring); ``ring-sync`
 allreduce before each call, the collectives a steady ``api`` call makes when no speculation carries it (the
 engine's fast round, then the data) without the engine's Python; ``ring-agreed`` (two ranks over TCP only) is the
 collective a steady ``api`` call makes when speculation carries it (the agreement as the data's first frame,
-``spark_hvd.core.agreed``), without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
+``spark_hvd.core.algorithms.agreed``), without the engine's Python. ``api`` and ``api-tcp`` are what a user calls:
 ``spark_hvd.torch.allreduce_`` on a CPU tensor after ``hvd.init()`` (engine, negotiation, response cache and the
 torch binding on top of the same backend; ``api-tcp`` with ``SPARK_HVD_SHM=0``, ``api-hier`` on ``ring-hier``'s two
 "hosts"), one fixed tensor name per size as a training loop has.
@@ -84,7 +84,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import allreduce_hosts  # noqa: E402 - --hosts: ranks on simulated hosts
 
-from spark_hvd.core.wire import FramedSocket, make_secret  # noqa: E402
+from spark_hvd.core.transport.wire import FramedSocket, make_secret  # noqa: E402
 
 logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
@@ -210,10 +210,10 @@ def _worker(name: str) -> None:
         carried = speculated
     else:
         from spark_hvd.core.backend import ReduceOp
-        from spark_hvd.core.rendezvous import KVRendezvous
-        from spark_hvd.core.ring import RingBackend
+        from spark_hvd.core.backends.ring import RingBackend
         from spark_hvd.core.settings import Settings
-        from spark_hvd.core.wire import secret_from_env
+        from spark_hvd.core.transport.rendezvous import KVRendezvous
+        from spark_hvd.core.transport.wire import secret_from_env
 
         rank, size = int(os.environ["SPARK_HVD_RANK"]), int(os.environ["SPARK_HVD_SIZE"])
         secret = secret_from_env()
@@ -305,10 +305,11 @@ def _perf_start(name: str, rank: int, nbytes: int) -> subprocess.Popen | None:
 
 
 def _trace_start(impl: str) -> list | None:
-    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.tcp.TRACE``), else None."""
+    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.transport.tcp.TRACE``), else
+    None."""
     if not os.environ.get("BENCH_TRACE") or impl in ("gloo", "mpi"):
         return None
-    from spark_hvd.core import tcp
+    from spark_hvd.core.transport import tcp
 
     tcp.TRACE = []
     return tcp.TRACE
@@ -318,7 +319,7 @@ def _trace_dump(trace: list, impl: str, rank: int, nbytes: int) -> None:
     """Stop recording; write one timed loop's timeline to ``BENCH_TRACE/IMPL.RANK.NBYTES.NS.json``."""
     import json
 
-    from spark_hvd.core import tcp
+    from spark_hvd.core.transport import tcp
 
     tcp.TRACE = None
     path = f"{os.environ['BENCH_TRACE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.json"
@@ -372,7 +373,7 @@ def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: 
         elif mode == "new":
             barrier()
             for _ in range(warmup + 2):  # untimed, as the other modes: the barrier disarmed the round of new names
-                _NEW_NAMES[0] += 1     # (``spark_hvd.core.fresh``), which two rounds of new names arm again
+                _NEW_NAMES[0] += 1     # (``spark_hvd.core.engine.fresh``), which two rounds of new names arm again
                 call(buf, f".new{_NEW_NAMES[0]}")
             t, c = time.perf_counter(), time.process_time()
             for _ in range(iters):
@@ -469,7 +470,7 @@ class Group:
 
 
 def start_groups(impls: list[str], n: int, timeout_s: float = 180) -> list[Group]:
-    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
 
     secret = make_secret()
     bind = allreduce_hosts.driver_address() if allreduce_hosts.inside() else "127.0.0.1"

@@ -6,9 +6,9 @@ float32 tensor, after warm-up (so the engine is armed and a call is one collecti
 
 With one rank the backend does nothing, so the first two rows are the binding's and the engine's cost per call,
 which an N-rank job pays on top of its collective. The rows after them: a name never used before on every call
-(the engine's round of new names, ``spark_hvd.core.fresh``), out of place (``hvd.allreduce``), and osu_allreduce's
-loop (an allreduce, then a barrier). Best of 3 repeats, microseconds per call; ``--thread-cpu`` times the calling
-thread's CPU instead of the wall clock (steadier on a loaded machine: a preempted call does not count).
+(the engine's round of new names, ``spark_hvd.core.engine.fresh``), out of place (``hvd.allreduce``), and
+osu_allreduce's loop (an allreduce, then a barrier). Best of 3 repeats, microseconds per call; ``--thread-cpu`` times
+the calling thread's CPU instead of the wall clock (steadier on a loaded machine: a preempted call does not count).
 """
 
 from __future__ import annotations

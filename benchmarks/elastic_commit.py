@@ -40,7 +40,7 @@ def main() -> None:
 
     import spark_hvd.core as core
     from spark_hvd.core import elastic
-    from spark_hvd.core.wire import make_secret
+    from spark_hvd.core.transport.wire import make_secret
     from spark_hvd.runner.client import ServiceClient
     from spark_hvd.runner.elastic import _Driver, _ServiceLink
     from spark_hvd.runner.service import DriverService

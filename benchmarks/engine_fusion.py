@@ -82,8 +82,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from spark_hvd.core.rendezvous import KVStoreServer
-    from spark_hvd.core.wire import make_secret
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.wire import make_secret
 
     shapes = resnet50_shapes()
     total = sum(int(np.prod(s)) for s in shapes)

@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.allreduce import human, parse_size  # noqa: E402
-from spark_hvd.core.mac_pool import MacPool  # noqa: E402
-from spark_hvd.core.wire import _Direction  # noqa: E402
+from spark_hvd.core.transport.mac_pool import MacPool  # noqa: E402
+from spark_hvd.core.transport.wire import _Direction  # noqa: E402
 
 
 def _frames(size: int, count: int = 8) -> list[memoryview]:

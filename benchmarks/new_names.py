@@ -11,7 +11,7 @@ Each rank alternates (rotating the order every block) blocks of ``--calls`` call
   and the same minutes, so a difference between ``bare`` and ``free`` is what an engine in the process costs the
   backend's call;
 - ``api``: ``spark_hvd.torch.allreduce_`` of a tensor of the same size under a name never used before (after two
-  such rounds, one collective each: ``spark_hvd.core.fresh``, run in the calling thread),
+  such rounds, one collective each: ``spark_hvd.core.engine.fresh``, run in the calling thread),
 
 with a barrier before each block. Per call: wall time, the process's CPU time (every thread) and the calling
 thread's voluntary context switches (how often it slept waiting for the other rank), medians over the blocks, and
@@ -49,10 +49,10 @@ def _sleeps() -> int:
 
 def _free_backend(rank: int, size: int):  # noqa: ANN202 - a RingBackend (imported here, after the job's init)
     """A second ring of the same ranks, with no engine: the job's rendezvous under another job id."""
+    from spark_hvd.core.backends.ring import RingBackend
     from spark_hvd.core.jobenv import JobEnv
-    from spark_hvd.core.rendezvous import KVRendezvous
-    from spark_hvd.core.ring import RingBackend
     from spark_hvd.core.settings import Settings
+    from spark_hvd.core.transport.rendezvous import KVRendezvous
 
     job = JobEnv.from_env()
     assert job is not None and job.rendezvous and job.secret is not None

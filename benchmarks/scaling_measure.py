@@ -7,10 +7,12 @@ at every size:
 
 - ``ring``: the pipelined ring (``SPARK_HVD_LOG_DEPTH_BYTES=0``; at N=2 arrays up to 1 MiB take the pair exchange,
   one exchange of the whole array, as the engine does);
-- ``rd``: recursive doubling (``core/recursive_doubling.py``; ``SPARK_HVD_LOG_DEPTH_BYTES`` above every size), N>=3;
-- ``hd``: recursive halving-doubling, Rabenseifner (``core/halving_doubling.py``; ``SPARK_HVD_HALVING_DOUBLING_BYTES
-  =1``), N>=3;
-- ``hier``: the 2-level path (``core/hier_pipeline.py``): two hosts of N/2 ranks, shared memory within, TCP between;
+- ``rd``: recursive doubling (``core/algorithms/recursive_doubling.py``; ``SPARK_HVD_LOG_DEPTH_BYTES`` above every
+  size), N>=3;
+- ``hd``: recursive halving-doubling, Rabenseifner (``core/algorithms/halving_doubling.py``;
+  ``SPARK_HVD_HALVING_DOUBLING_BYTES =1``), N>=3;
+- ``hier``: the 2-level path (``core/algorithms/hier_pipeline.py``): two hosts of N/2 ranks, shared memory within, TCP
+  between;
 - ``bare``: the ring through ``RingBackend.allreduce`` without the engine (what the API adds is the difference);
 - ``negotiation``: a new name on every call at 4 KiB (a full negotiated round each, no cache, no speculation).
 
@@ -25,7 +27,7 @@ configurations::
 
 ``steps``/``bytes``: ring ``2(N-1)`` / ``2(N-1)/N`` (pair exchange: 1 / 1), rd ``log2 N`` / ``log2 N``, hd ``2 log2 N``
 / ``2(N-1)/N``; ``c`` the engine's per-call cost (shared); ``f`` the fast round's cost per log-depth step, paid by a
-round the speculation does not carry (``fast = ceil(log2 N)`` above ``core/speculation.py``'s limits: 64 KiB at
+round the speculation does not carry (``fast = ceil(log2 N)`` above ``core/engine/speculation.py``'s limits: 64 KiB at
 N=2, 1 MiB at N>=3 over TCP; 0 below). It is fitted twice: on wall time (the slowest rank; here N ranks share two
 cores) and on CPU time per rank (what a rank's host spends; on hosts with a core per rank that is the critical path).
 """
@@ -61,8 +63,8 @@ CONFIGS = (
     ("hier", "api-hier", {}, (4, 8)),
     ("bare", "ring-tcp", {"SPARK_HVD_LOG_DEPTH_BYTES": "0", "SPARK_HVD_HALVING_DOUBLING_BYTES": "0"}, (2, 4, 8)),
 )
-PAIR_BYTES = 1 << 20  # core/ring.py PAIR_EXCHANGE_BYTES: two ranks exchange whole arrays up to this
-SPEC_BYTES, SPEC_LARGE_BYTES = 64 << 10, 1 << 20  # core/speculation.py
+PAIR_BYTES = 1 << 20  # core/backends/ring.py PAIR_EXCHANGE_BYTES: two ranks exchange whole arrays up to this
+SPEC_BYTES, SPEC_LARGE_BYTES = 64 << 10, 1 << 20  # core/engine/speculation.py
 FAMILIES = ("ring", "rd", "hd")
 
 

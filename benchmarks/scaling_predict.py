@@ -46,8 +46,8 @@ PCIE_BPS = 11e9  # GPU <-> host copies
 FUSION = 64 << 20
 CYCLE_S = 1e-3
 LOG_DEPTH_BYTES = 64 << 10  # settings.py: recursive doubling up to this (3 or more hosts)
-HIER_SPLIT_BYTES = 256 << 10  # core/ring.py: every local rank carries a slice from this size
-SPEC_LARGE_BYTES = 1 << 20  # core/speculation.py: larger groups pay the fast round
+HIER_SPLIT_BYTES = 256 << 10  # core/backends/ring.py: every local rank carries a slice from this size
+SPEC_LARGE_BYTES = 1 << 20  # core/engine/speculation.py: larger groups pay the fast round
 HOSTS = (2, 4, 8, 16, 32, 64, 128)
 
 
@@ -120,7 +120,7 @@ def log2c(n: int) -> int:
 
 
 def pick(nbytes: float, hosts: int, hd_bytes: int) -> str:
-    """The engine's choice among ``hosts`` TCP members (core/ring.py ``_tcp_allreduce``)."""
+    """The engine's choice among ``hosts`` TCP members (core/backends/ring.py ``_tcp_allreduce``)."""
     if hosts > 2 and nbytes <= LOG_DEPTH_BYTES:
         return "rd"
     if hosts > 2 and 0 < hd_bytes <= nbytes:

@@ -1,11 +1,14 @@
-"""Framework-neutral pieces shared by ``spark_hvd.torch`` and ``spark_hvd.keras``.
+"""Framework-neutral pieces shared by the bindings (``spark_hvd.torch``, ``spark_hvd.keras``,
+``spark_hvd.tensorflow``, ``spark_hvd.mxnet``).
 
-Everything here speaks numpy and the core's process API; nothing imports torch or tensorflow.
+Everything here speaks numpy and the core's process API; nothing imports torch, tensorflow or mxnet.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,6 +87,20 @@ def cross_size() -> int:
     return core().cross_size()
 
 
+def set_rank(process_set: ProcessSet | None = None) -> int:
+    """This rank's index in ``process_set`` (its global rank for the global set)."""
+    if process_set is None or process_set.process_set_id == 0:
+        return rank()
+    return int(process_set.rank())
+
+
+def set_size(process_set: ProcessSet | None = None) -> int:
+    """The number of ranks in ``process_set`` (the job's size for the global set)."""
+    if process_set is None or process_set.process_set_id == 0:
+        return size()
+    return int(process_set.size())
+
+
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Return once every rank (of ``process_set``) has called it."""
     require_init("barrier()")
@@ -117,9 +134,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing the engine's Chrome-trace timeline to ``file_path`` (rank 0 only, unless the path holds
     ``{rank}``), replacing any timeline being written. Call it on every rank. ``mark_cycles`` is accepted for
     Horovod compatibility; the engine's ``ROUND`` events mark its cycles always. The activity names are
-    spark_hvd's (see ``spark_hvd.core.timeline``), not Horovod's."""
+    spark_hvd's (see ``spark_hvd.core.engine.timeline``), not Horovod's."""
     require_init("start_timeline()")
-    from spark_hvd.core.timeline import Timeline, timeline_path
+    from spark_hvd.core.engine.timeline import Timeline, timeline_path
 
     if not file_path or file_path == "DYNAMIC":
         raise ValueError(f"start_timeline needs a file path, got {file_path!r}")
@@ -236,3 +253,39 @@ def gpu_index(device_count: int) -> int | None:
     c = core()
     required = (c.settings().device_backend or "").strip().lower() == "nccl"
     return policy(c.job_env(), device_count, required=required)
+
+
+# ---- host buffers a framework can take over without a copy ----
+
+#: the alignment host buffers handed to a framework start on (TensorFlow's Eigen kernels assume 64 bytes,
+#: EIGEN_MAX_ALIGN_BYTES; MXNet's CPU kernels are content with it too)
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary (numpy's own start on a
+    16-byte one, so a whole number of items reaches the next ``ALIGN`` boundary; on the small-tensor path of every
+    collective, hence written for speed)."""
+    count = math.prod(shape)
+    raw = np.empty(count + max(ALIGN // np.dtype(dtype).itemsize, 1), dtype)
+    start = (-raw.ctypes.data) % ALIGN // raw.itemsize
+    out = raw[start:start + count]
+    return out if len(shape) == 1 else out.reshape(shape)
+
+
+def packed(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``arrays`` (one dtype) copied into one flat aligned buffer, each at an aligned offset (zeros between them),
+    and the views of their places in it, shaped as they are: one allreduce of the flat buffer reduces them all."""
+    item = arrays[0].dtype.itemsize
+    step = max(ALIGN // item, 1)
+    offsets, end = [], 0
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.size // step) * step
+    flat = aligned_empty((end,), arrays[0].dtype)
+    views = []
+    for a, at, stop in zip(arrays, offsets, [*offsets[1:], end], strict=True):
+        flat[at:at + a.size] = a.reshape(-1)
+        flat[at + a.size:stop] = 0
+        views.append(flat[at:at + a.size].reshape(a.shape))
+    return flat, views

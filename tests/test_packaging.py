@@ -47,7 +47,7 @@ def test_build_makes_an_sdist_with_the_c_loop_and_a_pure_python_wheel(wheelhouse
         f"spark_hvd-{VERSION}-py3-none-any.whl", f"spark_hvd-{VERSION}.tar.gz"]
     with tarfile.open(wheelhouse / f"spark_hvd-{VERSION}.tar.gz") as sdist:
         names = sdist.getnames()
-    assert f"spark_hvd-{VERSION}/spark_hvd/core/_ringloop.c" in names  # where a compiler exists, it builds there
+    assert f"spark_hvd-{VERSION}/spark_hvd/core/transport/_ringloop.c" in names  # built where a compiler exists
     assert f"spark_hvd-{VERSION}/setup.cfg" in names
     with zipfile.ZipFile(wheelhouse / f"spark_hvd-{VERSION}-py3-none-any.whl") as wheel:
         files = wheel.namelist()

@@ -7,6 +7,11 @@ Process API (Horovod's, on numpy arrays)::
     h = core.allreduce_async(grad, name="w")      # in place, average by default
     core.synchronize(h)
     core.shutdown()
+
+Rooms, each importing only those below it (``tests/test_layering.py``): the process API here (``context``,
+``process_sets``, ``elastic``, ``state_stream``, ``torchrun``) over ``engine/`` over ``backends/`` over
+``algorithms/`` over ``transport/`` over the ground floor here (``errors``, ``settings``, ``jobenv``, ``backend``,
+``reduce``, ``compression``).
 """
 
 from spark_hvd.core.backend import Adasum, Average, Backend, Max, Min, Product, ReduceOp, Rendezvous, Sum
@@ -45,7 +50,7 @@ from spark_hvd.core.context import (
     size,
     synchronize,
 )
-from spark_hvd.core.engine import Handle
+from spark_hvd.core.engine.engine import Handle
 from spark_hvd.core.errors import (
     AuthenticationError,
     CollectiveTimeoutError,

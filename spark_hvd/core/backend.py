@@ -21,7 +21,8 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
-    #: adaptive summation of gradients (``spark_hvd.core.adasum``): allreduce of floating-point host arrays only
+    #: adaptive summation of gradients (``spark_hvd.core.algorithms.adasum``): allreduce of floating-point host arrays
+    #: only
     ADASUM = "adasum"
 
 
@@ -52,7 +53,8 @@ class Backend(ABC):
     #: the fusion threshold only bounds a fusion buffer. Otherwise the engine packs its own reusable buffer.
     fuses_in_place: bool = False
     #: True when ``allreduce_agreed`` carries the ranks' agreement inside the data collective (two ranks over
-    #: TCP, ``spark_hvd.core.agreed``): a speculative round of one large tensor then needs no separate exchange.
+    #: TCP, ``spark_hvd.core.algorithms.agreed``): a speculative round of one large tensor then needs no separate
+    #: exchange.
     agrees_in_band: bool = False
     rank: int
     size: int

@@ -26,7 +26,7 @@ import numpy as np
 
 from spark_hvd.core import process_sets as _ps
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous
-from spark_hvd.core.engine import Engine, GroupHandle, Handle
+from spark_hvd.core.engine.engine import Engine, GroupHandle, Handle
 from spark_hvd.core.errors import AuthenticationError, NotInitializedError
 from spark_hvd.core.jobenv import JobEnv, running_job
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
@@ -80,13 +80,13 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
         size = job.size
     under_mpi = rank is None and any(k in env for k in _MPI_ENV)
     if name == "mpi" or (name is None and under_mpi):
-        from spark_hvd.core.mpi_backend import MpiBackend
+        from spark_hvd.core.backends.mpi_backend import MpiBackend
 
         return MpiBackend(settings)
     if name == "local" or (rank is None and size is None) or (size == 1 and name != "torch"):
         if size not in (None, 1) or rank not in (None, 0):
             raise ValueError(f"a single-process job has rank 0 of size 1, not rank {rank} of size {size}")
-        from spark_hvd.core.local_backend import LocalBackend
+        from spark_hvd.core.backends.local_backend import LocalBackend
 
         return LocalBackend()
     if rank is None or size is None:
@@ -108,14 +108,14 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
         if not address:
             raise ValueError("SPARK_HVD_RENDEZVOUS (host:port of the launcher's KV service) is not set and no "
                              f"rendezvous= was given: rank {rank} cannot find the other ranks")
-        from spark_hvd.core.rendezvous import KVRendezvous
+        from spark_hvd.core.transport.rendezvous import KVRendezvous
 
         rendezvous = KVRendezvous(address, secret, job_id, settings.timeout_s)
     if name == "torch":
-        from spark_hvd.core.torch_backend import TorchBackend
+        from spark_hvd.core.backends.torch_backend import TorchBackend
 
         return TorchBackend(rank, size, rendezvous, settings, job_id=job_id, secret=secret)
-    from spark_hvd.core.ring import RingBackend
+    from spark_hvd.core.backends.ring import RingBackend
 
     return RingBackend(rank, size, rendezvous, secret, settings, job_id)
 
@@ -260,8 +260,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         rendezvous_name = f"process_set.{set_id}.rendezvous"
         backend = engine_ = None
         if me in ps.ranks:
-            from spark_hvd.core.device import GroupScope
-            from spark_hvd.core.ring import RingBackend
+            from spark_hvd.core.backends.ring import RingBackend
+            from spark_hvd.core.engine.device import GroupScope
 
             set_settings = dataclasses.replace(settings(), timeline=None)  # the global engine owns the file
             job = job_env()

@@ -8,7 +8,7 @@ and the ranks. The global set (id 0) is the job itself: its engine is the one ``
 
 Device tensors on a set (CUDA tensors; CPU torch tensors under the gloo stand-in) are reduced where they lie by a
 device group of the set's members only, which the set's engine opens at its first device collective (nothing is
-opened for a set that never reduces one) and closes when the set is removed (``spark_hvd.core.device``).
+opened for a set that never reduces one) and closes when the set is removed (``spark_hvd.core.engine.device``).
 
 Semantics follow Horovod: ranks are global ranks everywhere (a broadcast's ``root_rank`` too); averages divide by
 the set's size; a rank outside a set that calls a collective on it gets ``ValueError``; ``remove_process_set`` is
@@ -94,7 +94,7 @@ class Member:
 
     ranks: list[int]
     backend: Backend | None
-    engine: Any  # spark_hvd.core.engine.Engine on members, None elsewhere
+    engine: Any  # spark_hvd.core.engine.engine.Engine on members, None elsewhere
 
 
 #: held while a set is registered or removed (a registration is collective: it spans the whole exchange)

@@ -26,7 +26,7 @@ _UFUNCS = {
 
 
 #: the element-wise reductions, which every backend runs itself (``ReduceOp.ADASUM`` is not one: the host group runs
-#: it over the backend's collectives, ``spark_hvd.core.adasum``)
+#: it over the backend's collectives, ``spark_hvd.core.algorithms.adasum``)
 ELEMENTWISE_OPS = tuple(op for op in ReduceOp if op in _UFUNCS)  # in the enum's order
 
 

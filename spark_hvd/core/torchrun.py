@@ -11,7 +11,7 @@ Code written for ``torchrun`` learns everything from the environment (``RANK``, 
   cross rank). ``TORCHELASTIC_RUN_ID`` is the job id and ``TORCHELASTIC_RESTART_COUNT`` the run's attempt.
   ``TORCHELASTIC_USE_AGENT_STORE`` is never set (it would make rank 0 a TCPStore client of an agent there is not).
 - ``install()``: ``env://`` answered by spark_hvd. The handler gives ``init_process_group`` a ``KVTorchStore``
-  (``spark_hvd.core.torch_store``) on the job's authenticated KV service (the launcher's, or the Spark driver
+  (``spark_hvd.core.backends.torch_store``) on the job's authenticated KV service (the launcher's, or the Spark driver
   service): no port is opened for the rendezvous, and a connection without the job's secret is refused before
   any key is read. Outside a spark_hvd job, or with ``SPARK_HVD_TORCH_STORE=tcp``, it hands the call to torch's own
   handler, which builds the plain ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT`` (the launchers still pick a free
@@ -112,7 +112,7 @@ def pin_visible_devices(job: JobEnv, local_gpus: Sequence[str | None]) -> tuple[
 
 def job_store(job: JobEnv, timeout: timedelta) -> Any:
     """A ``KVTorchStore`` for the next ``env://`` group of ``job``, on the job's authenticated KV service."""
-    from spark_hvd.core.torch_store import kv_store_class
+    from spark_hvd.core.backends.torch_store import kv_store_class
 
     if job.rendezvous:
         address, hello = job.rendezvous, None
@@ -229,12 +229,12 @@ def install() -> None:
 def master_address(towards: str | None) -> tuple[str, int]:
     """Rank 0's ``(MASTER_ADDR, MASTER_PORT)``: the address a ring rank would publish (``SPARK_HVD_IFACE_ADDR``,
     the interface named by ``SPARK_HVD_NETWORK_INTERFACE``, else the one routed towards ``towards``, the driver
-    service or the rendezvous, ``host:port``: ``spark_hvd.core.addresses``), and a port free there now (only code
-    that opens its own TCPStore binds it)."""
+    service or the rendezvous, ``host:port``: ``spark_hvd.core.transport.addresses``), and a port free there now (only
+    code that opens its own TCPStore binds it)."""
     import socket
 
-    from spark_hvd.core.addresses import listen_address
-    from spark_hvd.core.rendezvous import parse_address
+    from spark_hvd.core.transport.addresses import listen_address
+    from spark_hvd.core.transport.rendezvous import parse_address
 
     host = listen_address(parse_address(towards)[0] if towards else None)[1]
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:

@@ -87,6 +87,8 @@ def add_classifier_columns(df: Any, output_col: str, kind: str, prediction_col: 
         else:
             weights = F.transform(out, lambda x: x.cast("double"))
         total = F.aggregate(weights, F.lit(0.0), lambda acc, x: acc + x)
-        cols[prediction_col] = (F.array_position(out, F.array_max(out)) - 1).cast("double")
+        # call_function: array_position takes a Column as its value only from pyspark 4.0 (3.5 wants a literal)
+        argmax = F.call_function("array_position", out, F.array_max(out)) - 1
+        cols[prediction_col] = argmax.cast("double")
         cols[probability_col] = array_to_vector(F.transform(weights, lambda x: x / total))
     return df.withColumns({name: col for name, col in cols.items() if name})

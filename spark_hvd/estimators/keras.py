@@ -17,6 +17,7 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
+from spark_hvd.estimators import compat
 from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.keras_backend import FreshKerasModel, load_for_inference, resolve_backend
@@ -264,7 +265,9 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         cb = self._opt(self.checkpoint_callback)
         if cb is None or not cb.save_best_only:
             return None
-        return BestPolicy.create(cb.monitor, cb.mode, float(cb.min_delta or 0.0))
+        from spark_hvd._keras_common import compat as keras_compat
+
+        return BestPolicy.create(cb.monitor, *keras_compat.checkpoint_mode(cb))
 
     def _train_spec(self) -> dict:
         return {
@@ -300,4 +303,4 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         # explicit requirements: MLflow's inference of them loads the model in a subprocess (slow). No input
         # example: mlflow.keras.save_model (3.17) writes it before it creates the model's directory and fails.
         kwargs.pop("input_example", None)
-        mlflow.keras.log_model(model, name="model", pip_requirements=reqs, **kwargs)
+        compat.log_model(mlflow.keras.log_model, model, "model", pip_requirements=reqs, **kwargs)

@@ -198,6 +198,7 @@ class KerasTrainer(RankTrainer):
     def train(self, run: RankRun) -> None:
         import keras
 
+        from spark_hvd._keras_common import compat as keras_compat
         from spark_hvd.data.keras_loader import KerasBatchDataset
 
         spec, hvd = self.spec, self.hvd
@@ -253,11 +254,13 @@ class KerasTrainer(RankTrainer):
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
                      *spec.callbacks, ours]
         start = run.start
-        fit = {"validation_data": val, "validation_steps": val_steps, "callbacks": callbacks,
+        fit = {"validation_data": val, "callbacks": callbacks,
+               "validation_steps": None if val is None else keras_compat.fit_steps(val_steps, val),
                "verbose": 2 if (spec.verbose >= 2 and run.rank == 0) else 0}
         if skip:  # the rest of the epoch a step checkpoint interrupted, then the following epochs
             self.model.fit(train, epochs=start + 1, initial_epoch=start, steps_per_epoch=steps - skip, **fit)
             start += 1
             if ours.stopped or start >= spec.epochs:
                 return
-        self.model.fit(train, epochs=spec.epochs, initial_epoch=start, steps_per_epoch=steps, **fit)
+        self.model.fit(train, epochs=spec.epochs, initial_epoch=start,
+                       steps_per_epoch=keras_compat.fit_steps(steps, train), **fit)

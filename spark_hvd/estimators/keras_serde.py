@@ -113,7 +113,7 @@ def optimizer_spec(optimizer: Any) -> dict:
         raise param_type_error("KerasEstimator",
                                f"optimizer must be a keras.optimizers.Optimizer or a Keras optimizer name, "
                                f"got {type(optimizer).__name__}")
-    from spark_hvd.keras.optimizer import _DistributedOptimizerMixin
+    from spark_hvd._keras_common.optimizer import _DistributedOptimizerMixin
 
     cls = type(optimizer)
     if issubclass(cls, _DistributedOptimizerMixin):  # already wrapped: rebuild the user's class

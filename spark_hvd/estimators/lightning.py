@@ -106,15 +106,14 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   f"{CHECKPOINT_FILE} (not written by LightningEstimator's Trainer); give a new "
                                   "run_id")
             if self.getOrDefault(self.checkpoint_every_steps) or self.getOrDefault(self.checkpoint_every_seconds):
-                self._check_step_checkpoint(store, run_id, (epochs[-1] + 1, 0) if epochs else (0, 0))
+                self._check_step_checkpoint(run_dir, (epochs[-1] + 1, 0) if epochs else (0, 0))
         return super()._check(df)
 
-    def _check_step_checkpoint(self, store: Any, run_id: str, after: tuple[int, int]) -> None:
+    def _check_step_checkpoint(self, run_dir: RunDir, after: tuple[int, int]) -> None:
         """The newest committed step checkpoint later than ``after`` (the one a resume would take) must be
         Lightning's."""
-        from spark_hvd.estimators.step_checkpoint import step_checkpoint_dirs
-
-        for (epoch, step), path in step_checkpoint_dirs(store, run_id):
+        store, run_id = run_dir.store, run_dir.run_id
+        for (epoch, step), path in run_dir.step_checkpoints():
             if (epoch, step) <= after:
                 return
             if store.is_committed(path):

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from spark_hvd.estimators import compat
+
 log = logging.getLogger(__name__)
 
 #: Rows of the training DataFrame kept as the logged model's input example.
@@ -126,6 +128,6 @@ def input_example(model: Any, df: Any) -> np.ndarray | None:
     from spark_hvd.estimators.arrow import feature_to_numpy
 
     prepared, feature_idx, _ = model._prepared_input(df.limit(EXAMPLE_ROWS))
-    rows = prepared.toArrow()
+    rows = compat.to_arrow(prepared)
     spec = specs[0]
     return feature_to_numpy(rows.column(feature_idx[0]), spec["name"], spec["dtype"], spec["shape"])

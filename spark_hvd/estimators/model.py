@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from pyspark.ml import Model
 
+from spark_hvd.estimators import compat
 from spark_hvd.estimators.arrow import feature_to_numpy, output_spark_type, output_to_arrow
 from spark_hvd.estimators.errors import param_error
 from spark_hvd.estimators.persistence import PersistableStage
@@ -162,7 +163,7 @@ class BaseModel(Model, PersistableStage):
     def _infer_output_shapes(self, df: Any, data: bytes, feature_idx: list[int],
                              specs: list[dict]) -> list[list[int]]:
         """Runs the model on the first row of ``df`` on the driver; the per-row shape of each output."""
-        rows = df.limit(1).toArrow()
+        rows = compat.to_arrow(df.limit(1))
         if rows.num_rows == 0:
             raise ValueError("cannot infer the output shapes from an empty DataFrame; "
                              "fit the model with the estimator or set metadata={'output_shapes': ...}")

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import cloudpickle
-from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable, MLReader, MLWritable, MLWriter
+from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from spark_hvd import pickling
+from spark_hvd.estimators import compat
 from spark_hvd.estimators.params import OBJECT_PARAMS
 
 __all__ = ["PersistableStage"]
@@ -31,7 +32,7 @@ class _StageWriter(MLWriter):
         inst = self.instance
         json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
         blobs = inst._dump_objects()
-        DefaultParamsWriter.saveMetadata(
+        compat.save_metadata(
             inst, path, self.sparkSession, paramMap=json_params,
             extraMetadata={"spark_hvd": {"objects": sorted(blobs), "format": 1}},
         )
@@ -48,7 +49,7 @@ class _StageReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = compat.load_metadata(path, self.sparkSession)
         module, _, name = metadata["class"].rpartition(".")
         cls = getattr(__import__(module, fromlist=[name]), name)
         if not issubclass(cls, self.cls):

@@ -193,6 +193,7 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     """
     import keras
 
+    from spark_hvd._keras_common import compat as keras_compat
     from spark_hvd.data.keras_loader import KerasBatchDataset
     from spark_hvd.estimators.keras_serde import deserialize_keras_model
     from spark_hvd.estimators.rank_data import ShardReaders
@@ -235,7 +236,7 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
                       label_max.get(col), "loss='sparse_categorical_crossentropy'")
     model.compile(loss=spec.loss, loss_weights=list(spec.loss_weights) if spec.loss_weights else None)
     try:  # what model.fit's train step calls
-        model.compute_loss(x=x, y=y, y_pred=out, training=False)
+        keras_compat.compute_loss(model, x, y, out)
     except Exception as exc:
         got = ", ".join(f"output {tuple(o.shape)} vs label {c!r} {tuple(a.shape)}"
                         for c, o, a in zip(spec.label_cols, outputs, ys, strict=True))

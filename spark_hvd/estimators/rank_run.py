@@ -34,7 +34,6 @@ from spark_hvd.estimators.spec import TrainSpec
 from spark_hvd.estimators.step_checkpoint import (
     StepState,
     StepTrigger,
-    delete_step_checkpoints,
     latest_step_checkpoint,
     rng_state,
     set_rng_state,
@@ -391,7 +390,7 @@ class RankRun:
         def write() -> None:
             self._commit(epoch, snapshot, history)
             if self._trigger.enabled:  # the epoch's end supersedes its step checkpoints
-                delete_step_checkpoints(self.spec.store, self.spec.run_id, before=(epoch + 1, 0))
+                self.run_dir.delete_step_checkpoints(before=(epoch + 1, 0))
 
         submitted = self.writer.submit(write,
                                        what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch}",

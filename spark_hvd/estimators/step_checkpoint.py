@@ -7,18 +7,16 @@ batches are a function of ``(seed, epoch, batch index)`` (``spark_hvd.data.Batch
 generator seeded per epoch), so the reader's position is the batch index: the resumed rank reads its shard's
 epoch again from the start and drops the first ``s`` batches before training on the next one.
 
-Layout: ``runs/<run_id>/checkpoints/step-<e>-<s>/`` beside the per-epoch ``epoch-<e>/`` ones, committed the same
-way (``Store.atomic_dir``: manifest last). Only the newest is kept: a newer step checkpoint, or the checkpoint of
-its epoch's end, replaces it.
+Where it lives is ``RunDir``'s (``runs/<run_id>/checkpoints/step-<e>-<s>/`` beside the per-epoch ``epoch-<e>/``
+ones, committed the same way, read back once and checked against its manifest). Only the newest is kept: a newer
+step checkpoint, or the checkpoint of its epoch's end, replaces it.
 """
 
 from __future__ import annotations
 
-import logging
 import pickle
 import posixpath
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -26,13 +24,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["StepTrigger", "StepState", "rng_state", "set_rng_state", "write_step_checkpoint",
-           "latest_step_checkpoint", "delete_step_checkpoints", "step_checkpoint_dirs"]
+from spark_hvd.store.run_dir import RunDir
 
-log = logging.getLogger(__name__)
+__all__ = ["StepTrigger", "StepState", "rng_state", "set_rng_state", "write_step_checkpoint",
+           "latest_step_checkpoint"]
 
 STEP_STATE = "step_state.pkl"
-_STEP_RE = re.compile(r"^step-(\d+)-(\d+)$")
 
 
 # ------------------------------------------------------------------------------------------------ random state
@@ -102,55 +99,18 @@ class StepState:
     steps: int | None = None  #: batches per epoch on each rank when it was taken (``len(rngs)`` ranks)
 
 
-def _root(store: Any, run_id: str) -> str:
-    from spark_hvd.store.run_dir import RunDir
-
-    return RunDir(store, run_id).checkpoints_path
-
-
 def write_step_checkpoint(store: Any, run_id: str, local_dir: str, state: StepState) -> str:
-    """Commit ``local_dir`` plus ``state`` as ``step-<epoch>-<step>``, then delete the older step checkpoints."""
+    """Commit ``local_dir`` plus ``state`` as the run's step checkpoint ``(state.epoch, state.step)`` (the older ones
+    are deleted: :meth:`RunDir.write_step_checkpoint`); returns its store path."""
     with open(posixpath.join(local_dir, STEP_STATE), "wb") as f:
         pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
-    final = posixpath.join(_root(store, run_id), f"step-{state.epoch}-{state.step}")
-    with store.atomic_dir(final) as target:
-        store.upload_dir(local_dir, target)
-    delete_step_checkpoints(store, run_id, before=(state.epoch, state.step))
-    return final
-
-
-def delete_step_checkpoints(store: Any, run_id: str, before: tuple[int, int]) -> None:
-    """Delete the step checkpoints older than ``(epoch, step)`` (an epoch's end is ``(epoch + 1, 0)``)."""
-    for (epoch, step), path in _step_dirs(store, run_id):
-        if (epoch, step) < before:
-            store.delete(path)
-
-
-def step_checkpoint_dirs(store: Any, run_id: str) -> list[tuple[tuple[int, int], str]]:
-    """The run's step checkpoints, committed or not, newest first: ``((epoch, step), path)``."""
-    return _step_dirs(store, run_id)
-
-
-def _step_dirs(store: Any, run_id: str) -> list[tuple[tuple[int, int], str]]:
-    root = _root(store, run_id)
-    found = []
-    for name in store.listdir(root):
-        m = _STEP_RE.match(name)
-        if m:
-            found.append(((int(m.group(1)), int(m.group(2))), posixpath.join(root, name)))
-    return sorted(found, reverse=True)
+    return RunDir(store, run_id).write_step_checkpoint(state.epoch, state.step, local_dir)
 
 
 def latest_step_checkpoint(store: Any, run_id: str, local_dir: str, after: tuple[int, int]) -> StepState | None:
     """Download the newest step checkpoint later than ``after`` (``(epoch, step)``) that verifies into
     ``local_dir``; its ``StepState``, or None."""
-    for (epoch, step), path in _step_dirs(store, run_id):
-        if (epoch, step) <= after:
-            break
-        problem = store.verify(path)
-        if problem is None:
-            store.download_dir(path, local_dir)
-            with open(posixpath.join(local_dir, STEP_STATE), "rb") as f:
-                return pickle.load(f)
-        log.warning("run %s: skipping the step checkpoint %s: %s", run_id, path, problem)
-    return None
+    if RunDir(store, run_id).latest_step_checkpoint(local_dir, after) is None:
+        return None
+    with open(posixpath.join(local_dir, STEP_STATE), "rb") as f:
+        return pickle.load(f)

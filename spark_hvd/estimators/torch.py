@@ -12,6 +12,7 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
+from spark_hvd.estimators import compat
 from spark_hvd.estimators.errors import param_error, param_type_error
 from spark_hvd.estimators.fit import BaseEstimator
 from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
@@ -129,9 +130,9 @@ class TorchModuleEstimator(BaseEstimator):
         import torch
 
         # explicit requirements: MLflow's inference of them loads the model in a subprocess (tens of seconds)
-        mlflow.pytorch.log_model(model, name="model", serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                                   f"cloudpickle=={cloudpickle.__version__}"], **kwargs)
+        compat.log_model(mlflow.pytorch.log_model, model, "model", serialization_format="pickle",
+                         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                           f"cloudpickle=={cloudpickle.__version__}"], **kwargs)
 
 
 class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):

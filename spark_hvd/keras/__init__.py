@@ -59,8 +59,12 @@ from spark_hvd._binding_common import (
 )
 from spark_hvd.core.errors import NotInitializedError
 from spark_hvd.keras import callbacks, elastic
+from spark_hvd.keras.distributed_optimizer import (
+    DistributedOptimizer,
+    PartialDistributedOptimizer,
+    wrap_optimizer_class,
+)
 from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
-from spark_hvd.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer, wrap_optimizer_class
 
 if keras.backend.backend() == "tensorflow":
     from spark_hvd.keras.compression import Compression

@@ -11,63 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-import numpy as np
 
 from spark_hvd import _binding_common as common
+from spark_hvd._keras_common.state import KerasState
 from spark_hvd.core.elastic import ElasticSampler, HostsUpdatedInterrupt, ObjectState, State, run_fn
-from spark_hvd.keras.functions import broadcast_variables
-
-
-class KerasState(ObjectState):
-    """Elastic state of a Keras training process (Horovod's ``hvd.elastic.KerasState``).
-
-    Args:
-        model: the Keras model; its variables (trainable and not) are the state.
-        optimizer: its optimizer (default ``model.optimizer``); built on the model's trainable variables when it
-            has not been yet, so that its slots are part of every snapshot.
-        objects: plain objects (``epoch=0, batch=0``), exposed as attributes.
-    """
-
-    def __init__(self, model: keras.Model, optimizer: Any = None, **objects: Any) -> None:
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        if self.optimizer is not None and not self.optimizer.built and model.built:
-            self.optimizer.build(model.trainable_variables)
-        self._saved_vars = self._values()
-        super().__init__(**objects)
-
-    def _variables(self) -> list[Any]:
-        return list(self.model.variables) + (list(self.optimizer.variables) if self.optimizer is not None else [])
-
-    def _values(self) -> list[np.ndarray]:
-        return [np.array(keras.ops.convert_to_numpy(v), copy=True) for v in self._variables()]
-
-    def save(self) -> None:
-        self._saved_vars = self._values()
-        super().save()
-
-    def restore(self) -> None:
-        variables = self._variables()
-        if len(variables) != len(self._saved_vars):
-            raise ValueError(f"KerasState.restore: the snapshot has {len(self._saved_vars)} variables, the model and "
-                             f"optimizer now have {len(variables)} (was a layer or an optimizer slot added since?)")
-        for var, value in zip(variables, self._saved_vars, strict=True):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        self.sync_from_driver()
-        if common.core().size() > 1:
-            broadcast_variables(self._variables(), root_rank=0, prefix="elastic.keras")
-        self._saved_vars = self._values()  # Horovod's: the synced values are the snapshot restore() goes back to
-        super().sync()
-
-    def snapshot(self) -> Any:
-        return {**super().snapshot(), "variables": self._saved_vars}
-
-    def load_snapshot(self, value: Any) -> None:
-        super().load_snapshot(value)
-        self._saved_vars = list(value["variables"])
 
 
 class CommitStateCallback(keras.callbacks.Callback):

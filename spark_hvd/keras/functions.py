@@ -2,30 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from spark_hvd._keras_common.state import broadcast_variables
 
-import keras
-import numpy as np
-
-from spark_hvd import _binding_common as common
-
-
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, prefix: str = "bcast.var") -> None:
-    """Assign root's values to ``variables`` (Keras variables, or tf.Variables) on every rank; eager only."""
-    common.require_init("broadcast_variables()")
-    c = common.core()
-    bufs, handles = [], []
-    for i, v in enumerate(variables):
-        value = v.numpy() if hasattr(v, "numpy") and not isinstance(v, keras.Variable) else \
-            keras.ops.convert_to_numpy(v)
-        buf = np.array(value, copy=True, order="C")
-        view, _ = common.to_core_buffer(buf)
-        bufs.append(buf)
-        handles.append(c.broadcast_async(view, root_rank, name=f"{prefix}.{i}"))
-    for v, buf, h in zip(variables, bufs, handles, strict=True):
-        c.synchronize(h)
-        v.assign(buf)
+__all__ = ["broadcast_global_variables", "broadcast_variables"]
 
 
 def broadcast_global_variables(root_rank: int = 0) -> None:

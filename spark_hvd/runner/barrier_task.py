@@ -23,11 +23,11 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd.core import torchrun
-from spark_hvd.core.addresses import host_identity
 from spark_hvd.core.backend import Rendezvous
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
-from spark_hvd.core.wire import sign
+from spark_hvd.core.transport.addresses import host_identity
+from spark_hvd.core.transport.wire import sign
 from spark_hvd.runner import client as _client
 from spark_hvd.runner.client import OutputForwarder, ServiceClient
 from spark_hvd.runner.errors import RunnerError

@@ -2,7 +2,7 @@
 progress messages it sends (``Event``, ``report()``), and the forwarding of the process's stdout/stderr.
 
 The frames and their order are described in ``spark_hvd.runner.service``; both ends check every frame's MAC
-(``spark_hvd.core.wire.FramedSocket``) before anything is unpickled.
+(``spark_hvd.core.transport.wire.FramedSocket``) before anything is unpickled.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.wire import FramedSocket
+from spark_hvd.core.transport.wire import FramedSocket
 from spark_hvd.runner.errors import RunnerError
 
 logger = logging.getLogger(__name__)

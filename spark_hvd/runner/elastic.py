@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spark_hvd.core.elastic import HostsUpdatedInterrupt, set_link, state_max_bytes
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spark_hvd.core.addresses import interfaces, is_loopback
+from spark_hvd.core.transport.addresses import interfaces, is_loopback
 
 _SLOTS = re.compile(r"^slots\s*=\s*(\d+)$")
 

@@ -3,7 +3,7 @@
 With ``-H host:slots,...`` or ``--hostfile`` the ranks run on several hosts, started through ssh
 (``spark_hvd.runner.multihost``).
 
-The launcher starts the job's key-value rendezvous service (``spark_hvd.core.rendezvous.KVStoreServer``) and a
+The launcher starts the job's key-value rendezvous service (``spark_hvd.core.transport.rendezvous.KVStoreServer``) and a
 driver service for ``report(...)`` events, creates a fresh secret and job id, and starts N processes, each with
 its ``JobEnv`` in the environment (``SPARK_HVD_*``: rank, size, local rank/size, cross rank/size, rendezvous,
 secret, job id, driver service; a launching process's own launch variables are not handed on) and torchrun's
@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from spark_hvd import __version__
 from spark_hvd.core import torchrun
 from spark_hvd.core.jobenv import JobEnv, env_names
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import hosts
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.horovod_flags import add_horovod_flags
@@ -78,7 +78,7 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
         raise ValueError(f"np must be >= 1, got {np}")
     if not argv:
         raise ValueError("no command given to run")
-    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
 
     secret = make_secret()
     job_id = secrets.token_hex(4)

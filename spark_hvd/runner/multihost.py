@@ -35,15 +35,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from spark_hvd.core import torchrun
-from spark_hvd.core.addresses import (
+from spark_hvd.core.jobenv import JobEnv, env_names
+from spark_hvd.core.transport.addresses import (
     NETWORK_INTERFACE_ENV,
     AddressError,
     interface_address,
     non_loopback_address,
     route_towards,
 )
-from spark_hvd.core.jobenv import JobEnv, env_names
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import rank_tree
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
@@ -204,7 +204,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             return
         output.line(rank, stream, line)
 
-    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
 
     kv = KVStoreServer(secret, host=bind or "0.0.0.0")
     _, kv_port = kv.start()

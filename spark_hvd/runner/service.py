@@ -1,7 +1,7 @@
 """The driver-side service of a run (its client in the training processes is ``spark_hvd.runner.client``).
 
 Every rank keeps one TCP connection to the driver (``DriverService``) for the whole run and sends over it,
-as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked before anything is unpickled):
+as HMAC-authenticated frames (``spark_hvd.core.transport.wire.FramedSocket``, checked before anything is unpickled):
 
 - ``("hello", job_id, rank)`` first;
 - ``("out", stream, text)``: whole lines of its stdout / stderr, which the driver prints prefixed ``[rank]``;
@@ -10,8 +10,9 @@ as HMAC-authenticated frames (``spark_hvd.core.wire.FramedSocket``, checked befo
 - ``("req", name, payload)``, answered on the same connection by ``("ok", value)`` or ``("error", message)``: a
   request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
 
-A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous (``spark_hvd.core.torch_store``):
-it is served the KV operations of ``spark_hvd.core.rendezvous.KVTable``, so that the job needs no other port.
+A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous
+(``spark_hvd.core.backends.torch_store``): it is served the KV operations of
+``spark_hvd.core.transport.rendezvous.KVTable``, so that the job needs no other port.
 
 A connection first proves the job's secret (challenge-response with fresh nonces, ``Listener``: bounded in time,
 a cap on unauthenticated connections, accept errors survived), so a replayed hello is refused. A connection that
@@ -30,9 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
-from spark_hvd.core.listener import Listener
-from spark_hvd.core.rendezvous import KVTable
-from spark_hvd.core.wire import FramedSocket
+from spark_hvd.core.transport.listener import Listener
+from spark_hvd.core.transport.rendezvous import KVTable
+from spark_hvd.core.transport.wire import FramedSocket
 from spark_hvd.runner.client import MAX_FRAME, Event
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
 from spark_hvd.runner.progress import ProgressDisplay
@@ -163,7 +164,7 @@ class DriverService:
                     or not 0 <= hello[2] < self.num_proc or hello[3] not in ("rank", "aux", "kv")):
                 logger.warning("driver service: dropped a connection from %s with an unexpected hello", conn.peer)
                 return
-            if hello[3] == "kv":  # torch.distributed's rendezvous of a rank (spark_hvd.core.torch_store)
+            if hello[3] == "kv":  # torch.distributed's rendezvous of a rank (spark_hvd.core.backends.torch_store)
                 conn.peer = f"rank {hello[2]} (torch.distributed store)"
                 self._kv.serve(conn)
                 return

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any
 
-from spark_hvd.runner import cluster
+from spark_hvd.runner import cluster, compat
 from spark_hvd.runner.errors import NotEnoughSlotsError, RunnerError
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,7 @@ def running_tasks(sc: Any) -> tuple[int, bool]:
     started or ended moments ago can be missing or still counted for seconds."""
     jsc = sc._jsc.sc()
     try:
-        per_executor = sc._jvm.scala.jdk.javaapi.CollectionConverters.asJava(
-            jsc.taskScheduler().runningTasksByExecutors())
+        per_executor = compat.scala_map_as_java(sc._jvm, jsc.taskScheduler().runningTasksByExecutors())
         return sum(int(n) for n in per_executor.values()), True
     except Exception:  # not Spark's TaskSchedulerImpl, or its Scala API moved
         logger.debug("spark_hvd: the task scheduler's running tasks could not be read", exc_info=True)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spark_hvd import pickling
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import NotEnoughSlotsError, RankFailedError, RunnerError, StartTimeoutError

@@ -25,7 +25,7 @@ from typing import Any
 
 import cloudpickle
 
-from spark_hvd.runner import cluster
+from spark_hvd.runner import cluster, compat
 from spark_hvd.runner.barrier_task import RESULT_SCHEMA, TaskSetup, make_mapper
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError, StageNotStartedError, StartTimeoutError
@@ -71,7 +71,8 @@ def stage_tag(job_id: str) -> str:
 
 class Stage:
     """The barrier stage of one attempt: submitted from its own thread under a job tag (and, on classic, a job
-    group, whose running tasks the status tracker can count), cancelled from the watching thread."""
+    group, whose running tasks the status tracker can count; classic Spark 3.5 has the group only:
+    ``compat.tag_job``), cancelled from the watching thread."""
 
     def __init__(self, spark: Any, job_id: str) -> None:
         self.spark = spark
@@ -80,21 +81,12 @@ class Stage:
 
     def collect(self, mapper: Callable, num_proc: int) -> list[tuple[int, bytes]]:
         """Run the stage (in the calling thread); its rows as ``(rank, result bytes)``."""
-        self.spark.addTag(self.tag)
-        try:
-            if not self.connect:
-                self.spark.sparkContext.setJobGroup(self.tag, f"spark_hvd run ({num_proc} ranks)",
-                                                    interruptOnCancel=True)
+        with compat.tag_job(self.spark, self.tag, f"spark_hvd run ({num_proc} ranks)"):
             frame = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(mapper, RESULT_SCHEMA, barrier=True)
             return [(int(rank), bytes(result)) for rank, result in frame.collect()]
-        finally:
-            self.spark.removeTag(self.tag)
 
     def cancel(self) -> None:
-        if self.connect:
-            self.spark.interruptTag(self.tag)
-        else:
-            self.spark.sparkContext.cancelJobGroup(self.tag)
+        compat.cancel_job(self.spark, self.tag)
 
     def wait_gone(self, timeout_s: float) -> None:
         """Wait (bounded) until no task of the stage runs (classic; Connect's interrupt returns once it is done)."""

@@ -3,6 +3,7 @@
 Layout::
 
     runs/<run_id>/checkpoints/epoch-<e>/   a checkpoint: the framework's files and state.json, committed atomically
+    runs/<run_id>/checkpoints/step-<e>-<s>/  a checkpoint after batch <s> of epoch <e> (only the newest is kept)
     runs/<run_id>/logs/metrics.jsonl       one JSON line per epoch (TensorBoard events beside it)
     runs/<run_id>/model/                   the final model, committed atomically
 
@@ -12,8 +13,10 @@ committed). ``state.json`` inside it holds what resumes the run (``{"epoch": e, 
 
 Reading one back downloads it once and checks the local copy against its manifest (:meth:`RunDir.latest_checkpoint`):
 the newest one that verifies wins; a newer one that does not is skipped with a warning saying why, and left in place
-until that epoch is written again. Checkpoint names are made and parsed in one place (``_NAME`` / ``_NAME_RE``):
-a checkpoint at a step inside an epoch (issue 29) is a new name there and a ``step`` in :class:`Checkpoint`.
+until that epoch is written again. Step checkpoints (:meth:`RunDir.write_step_checkpoint`) are read back the same way
+(:meth:`RunDir.latest_step_checkpoint`). Checkpoint names are made and parsed here alone (``_NAME``, ``_STEP_NAME``
+and their patterns). What a step checkpoint holds beyond the framework's files is the estimators' business
+(``spark_hvd.estimators.step_checkpoint``): to this class it is a directory.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 _NAME = "epoch-{epoch}"
 _NAME_RE = re.compile(r"^epoch-(\d+)$")
+_STEP_NAME = "step-{epoch}-{step}"
+_STEP_RE = re.compile(r"^step-(\d+)-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Checkpoint:
     path: str
     local_dir: str
     state: dict[str, Any] = field(default_factory=dict)
+    step: int | None = None  #: batches of ``epoch`` done, for a step checkpoint; None for an epoch's end
 
 
 class RunDir:
@@ -131,27 +137,76 @@ class RunDir:
             if m and (only is None or int(m.group(1)) in only):
                 epochs.append((int(m.group(1)), posixpath.join(root, name)))
         for epoch, path in sorted(epochs, reverse=True):
-            try:
-                manifest = Manifest.loads(self.store.read_bytes(posixpath.join(path, MANIFEST)))
-            except FileNotFoundError:
-                if not self.store.exists(posixpath.join(path, LEGACY_MARKER)):
-                    logger.info("run %s: deleting the partial checkpoint of epoch %d (never committed)", self.run_id,
-                                epoch)
-                    self.store.delete(path)
-                    continue
-                problem = f"it has only the {LEGACY_MARKER} marker of a spark_hvd without manifests: cannot verify"
-            except ValueError as e:
-                problem = f"its manifest is unreadable: {e}"
-            else:
-                _empty(local_dir)
-                self.store.download_dir(path, local_dir)
-                problem = manifest.problem_in_local_copy(local_dir)
-                if problem is None:
-                    return Checkpoint(epoch, path, local_dir, self._read_state(local_dir))
-            logger.warning("run %s: skipping the checkpoint of epoch %d in %r: %s", self.run_id, epoch, self.store,
-                           problem)
+            if self._fetch(path, local_dir, f"the checkpoint of epoch {epoch}"):
+                return Checkpoint(epoch, path, local_dir, self._read_state(local_dir))
         _empty(local_dir)
         return None
+
+    # ------------------------------------------------------------------ step checkpoints
+    def step_checkpoint_path(self, epoch: int, step: int) -> str:
+        """``runs/<run_id>/checkpoints/step-<epoch>-<step>``: after batch ``step`` (1-based) of ``epoch``."""
+        if int(epoch) < 0 or int(step) < 1:
+            raise ValueError(f"a step checkpoint needs epoch >= 0 and step >= 1, got {epoch}, {step}")
+        return posixpath.join(self.checkpoints_path, _STEP_NAME.format(epoch=int(epoch), step=int(step)))
+
+    def step_checkpoints(self) -> list[tuple[tuple[int, int], str]]:
+        """The run's step checkpoints, committed or not, newest first: ``((epoch, step), path)``."""
+        found = []
+        for name in self.store.listdir(self.checkpoints_path):
+            m = _STEP_RE.match(name)
+            if m:
+                found.append(((int(m.group(1)), int(m.group(2))), posixpath.join(self.checkpoints_path, name)))
+        return sorted(found, reverse=True)
+
+    def write_step_checkpoint(self, epoch: int, step: int, local_dir: str) -> str:
+        """Commit ``local_dir`` as the checkpoint after batch ``step`` of ``epoch``, then delete the older step
+        checkpoints (only the newest is kept); returns its store path."""
+        final = self.step_checkpoint_path(epoch, step)
+        with self.store.atomic_dir(final) as target:
+            self.store.upload_dir(local_dir, target)
+        self.delete_step_checkpoints(before=(epoch, step))
+        return final
+
+    def delete_step_checkpoints(self, before: tuple[int, int]) -> None:
+        """Delete the step checkpoints older than ``(epoch, step)``; the end of epoch ``e`` is ``(e + 1, 0)``."""
+        for position, path in self.step_checkpoints():
+            if position < before:
+                self.store.delete(path)
+
+    def latest_step_checkpoint(self, local_dir: str, after: tuple[int, int]) -> Checkpoint | None:
+        """Download the newest step checkpoint later than ``after`` (``(epoch, step)``) that verifies into
+        ``local_dir`` (emptied first), as :meth:`latest_checkpoint` does; None when there is none."""
+        atomic.recover(self.store, self.checkpoints_path)
+        for (epoch, step), path in self.step_checkpoints():
+            if (epoch, step) <= after:
+                break
+            if self._fetch(path, local_dir, f"the checkpoint after batch {step} of epoch {epoch}"):
+                return Checkpoint(epoch, path, local_dir, step=step)
+        _empty(local_dir)
+        return None
+
+    def _fetch(self, path: str, local_dir: str, what: str) -> bool:
+        """Download the committed directory ``path`` once into ``local_dir`` (emptied first) and check the local copy
+        against its manifest: True when it verifies. A directory never committed (no manifest, no marker) is
+        deleted; one that fails is left in place and logged with the reason."""
+        try:
+            manifest = Manifest.loads(self.store.read_bytes(posixpath.join(path, MANIFEST)))
+        except FileNotFoundError:
+            if not self.store.exists(posixpath.join(path, LEGACY_MARKER)):
+                logger.info("run %s: deleting %s, never committed (%s)", self.run_id, what, path)
+                self.store.delete(path)
+                return False
+            problem = f"it has only the {LEGACY_MARKER} marker of a spark_hvd without manifests: cannot verify"
+        except ValueError as e:
+            problem = f"its manifest is unreadable: {e}"
+        else:
+            _empty(local_dir)
+            self.store.download_dir(path, local_dir)
+            problem = manifest.problem_in_local_copy(local_dir)
+            if problem is None:
+                return True
+        logger.warning("run %s: skipping %s in %r: %s", self.run_id, what, self.store, problem)
+        return False
 
     def _read_state(self, local_dir: str) -> dict[str, Any]:
         try:

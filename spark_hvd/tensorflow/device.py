@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.device import device_key
+from spark_hvd.core.engine.device import device_key
 from spark_hvd.core.process_sets import ProcessSet
 
 _TORCH = importlib.util.find_spec("torch") is not None

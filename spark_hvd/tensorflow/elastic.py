@@ -1,6 +1,6 @@
 """Horovod's TensorFlow elastic API: ``hvd.elastic.run``, ``TensorFlowKerasState``, ``TensorFlowState``.
 
-``TensorFlowKerasState(model, optimizer, **objects)`` is ``spark_hvd.keras``'s ``KerasState`` (the model's and the
+``TensorFlowKerasState(model, optimizer, **objects)`` is the ``KerasState`` of ``spark_hvd.keras`` (the model's and the
 optimizer's variables); ``TensorFlowState(variables, **objects)`` keeps a list of ``tf.Variable``. Both snapshot
 numpy copies on ``commit()``, assign them back on ``restore()``, and broadcast from rank 0 on ``sync()`` (the
 synced values become the snapshot). Under ``spark_hvd.runner.run_elastic`` a relaunched job starts from the last
@@ -16,8 +16,8 @@ import numpy as np
 import tensorflow as tf
 
 from spark_hvd import _binding_common as common
+from spark_hvd._keras_common.state import KerasState
 from spark_hvd.core.elastic import ElasticSampler, HostsUpdatedInterrupt, ObjectState, State, run_fn
-from spark_hvd.keras.elastic import KerasState
 from spark_hvd.tensorflow.functions import broadcast_variables
 
 

@@ -16,16 +16,14 @@ tensor. At 16 MiB those two copies cost more than the allreduce between two loca
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["ALIGN", "aligned_empty", "to_tensor", "view", "writable_copy"]
+from spark_hvd._binding_common import ALIGN, aligned_empty  # shared with the MXNet binding
 
-#: the alignment TensorFlow's CPU kernels assume (EIGEN_MAX_ALIGN_BYTES)
-ALIGN = 64
+__all__ = ["ALIGN", "aligned_empty", "to_tensor", "view", "writable_copy"]
 
 #: dtypes whose arrays go to TensorFlow by DLPack (numpy's ``__dlpack__`` and TensorFlow's ``from_dlpack`` agree)
 _DLPACK_DTYPES = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
@@ -49,17 +47,6 @@ def view(t: Any) -> np.ndarray:
         if isinstance(out, np.ndarray):
             return out
     return t.numpy()
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary (numpy's own start on a
-    16-byte one, so a whole number of items reaches the next ``ALIGN`` boundary; on the small-tensor path of every
-    collective, hence written for speed)."""
-    count = math.prod(shape)
-    raw = np.empty(count + max(ALIGN // np.dtype(dtype).itemsize, 1), dtype)
-    start = (-raw.ctypes.data) % ALIGN // raw.itemsize
-    out = raw[start:start + count]
-    return out if len(shape) == 1 else out.reshape(shape)
 
 
 def writable_copy(a: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from spark_hvd import _binding_common as common
+from spark_hvd._binding_common import set_rank, set_size  # noqa: F401 - used as mpi_ops.set_rank / set_size
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import TensorMismatchError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
@@ -67,42 +68,10 @@ def init(*args: Any, **kwargs: Any) -> None:
         log.warning("could not pin this rank's GPU in TensorFlow (%s); pin it before any TF op runs", e)
 
 
-def set_rank(process_set: ProcessSet | None) -> int:
-    """This rank's index in ``process_set`` (its global rank for the global set)."""
-    if process_set is None or process_set.process_set_id == 0:
-        return common.rank()
-    return int(process_set.rank())
-
-
-def set_size(process_set: ProcessSet | None) -> int:
-    """The number of ranks in ``process_set`` (the job's size for the global set)."""
-    if process_set is None or process_set.process_set_id == 0:
-        return common.size()
-    return int(process_set.size())
-
-
 def _host_copy(a: Any) -> np.ndarray:
     """A writable C-contiguous copy (TF owns the memory of an input), aligned so that the result can go back to
     TensorFlow without a copy (``host_memory``)."""
     return host_memory.writable_copy(np.asarray(a))
-
-
-def _packed(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """``arrays`` (one dtype) copied into one flat buffer, each at an aligned offset (zeros between them), and the
-    views of their places in it, shaped as they are."""
-    item = arrays[0].dtype.itemsize
-    step = max(host_memory.ALIGN // item, 1)
-    offsets, end = [], 0
-    for a in arrays:
-        offsets.append(end)
-        end += -(-a.size // step) * step
-    flat = host_memory.aligned_empty((end,), arrays[0].dtype)
-    views = []
-    for a, at, stop in zip(arrays, offsets, [*offsets[1:], end], strict=True):
-        flat[at:at + a.size] = a.reshape(-1)
-        flat[at + a.size:stop] = 0
-        views.append(flat[at:at + a.size].reshape(a.shape))
-    return flat, views
 
 
 def op_name(kind: str, name: str | None, tensors: Sequence[Any]) -> str | None:
@@ -206,7 +175,7 @@ def allreduce_raw(tensors: Sequence[tf.Tensor], names: Sequence[str | None], op:
             # one dtype: packed into one buffer (the one copy needed anyway: TF's memory is read-only) and reduced
             # by one blocking call, the engine's fast path in a steady loop; the results are views of it (not for
             # Adasum: its coefficients are per tensor, so the engine must see the tensors apart)
-            flat, views = _packed(arrays)
+            flat, views = common.packed(arrays)
             c.allreduce(flat, name=None if names[0] is None else f"{names[0]}.packed", op=op, prescale=prescale,
                         postscale=postscale, process_set=process_set)
             return views

@@ -1,9 +1,10 @@
 """``DistributedOptimizer`` for TensorFlow loops: Keras 3 optimizers, and TF1's ``tf.compat.v1.train`` ones.
 
-A Keras optimizer (what ``tf.keras.optimizers`` is on TensorFlow >= 2.16) becomes ``spark_hvd.keras``'s distributed
-subclass: ``opt.apply_gradients(zip(grads, vars))`` in a custom loop averages the gradients over the ranks first (one
-grouped allreduce), and Horovod's ``opt.compute_gradients(loss, var_list, tape)`` /
-``_compute_gradients`` contract is there too. A ``tf.compat.v1.train.Optimizer`` is wrapped so that
+A Keras optimizer (what ``tf.keras.optimizers`` is on TensorFlow >= 2.16) becomes the distributed subclass that
+``spark_hvd.keras`` makes too (``spark_hvd._keras_common.optimizer``), reducing with this binding's collectives:
+``opt.apply_gradients(zip(grads, vars))`` in a custom loop averages the gradients over the ranks first (one grouped
+allreduce), and Horovod's ``opt.compute_gradients(loss, var_list, tape)`` / ``_compute_gradients`` contract is there
+too. A ``tf.compat.v1.train.Optimizer`` is wrapped so that
 ``compute_gradients`` returns reduced gradients (Horovod's TF1 behaviour); ``minimize`` goes through it.
 """
 
@@ -16,6 +17,7 @@ import tensorflow as tf
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
+from spark_hvd.tensorflow import collectives
 from spark_hvd.tensorflow.compression import Compression, Compressor
 from spark_hvd.tensorflow.gradient_tape import reduce_gradients
 
@@ -64,8 +66,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          scale_local_gradients: bool = True) -> Any:
     """Horovod's ``hvd.DistributedOptimizer`` of ``horovod.tensorflow`` (same arguments, same order).
 
-    ``optimizer``: a Keras 3 optimizer (``tf.keras.optimizers.Adam(...)``), wrapped by
-    :func:`spark_hvd.keras.DistributedOptimizer` (see there for ``backward_passes_per_step``,
+    ``optimizer``: a Keras 3 optimizer (``tf.keras.optimizers.Adam(...)``; Keras on TensorFlow), wrapped as
+    :func:`spark_hvd.keras.DistributedOptimizer` wraps it (see there for ``backward_passes_per_step``,
     ``average_aggregated_gradients``, ``num_groups``, ``groups``), or a ``tf.compat.v1.train.Optimizer``
     (``backward_passes_per_step`` must then be 1). ``op`` is ``Average`` or ``Sum``;
     ``gradient_predivide_factor`` splits the average before and after the sum; ``process_set`` reduces over its
@@ -89,7 +91,11 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer takes a Keras optimizer or a tf.compat.v1.train.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    from spark_hvd.keras.optimizer import DistributedOptimizer as keras_distributed
+    if keras.backend.backend() != "tensorflow":
+        raise ValueError(f"spark_hvd.tensorflow.DistributedOptimizer wraps Keras optimizers of Keras's TensorFlow "
+                         f"backend; this process runs Keras on {keras.backend.backend()!r}: use "
+                         f"spark_hvd.keras.DistributedOptimizer")
+    from spark_hvd._keras_common.optimizer import DistributedOptimizer as keras_distributed
 
     return keras_distributed(optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
                              compression=compression, sparse_as_dense=sparse_as_dense,
@@ -98,4 +104,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                              average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
                              groups=groups,
                              process_set=None if process_set.process_set_id == 0 else process_set,
-                             scale_local_gradients=scale_local_gradients)
+                             scale_local_gradients=scale_local_gradients, ops=_collectives)
+
+
+def _collectives() -> tuple[Any, Any]:
+    """The collectives a wrapped Keras optimizer reduces with: this binding's, and its ``Compression``."""
+    return collectives, Compression

@@ -2,7 +2,7 @@
 
 A CPU tensor is handed to the core as a numpy view of its own memory (no copy): ``tensor.numpy()``, and for
 bfloat16 an int16 view read as uint16 with ``bfloat16=True``; the ring reduces it. A CUDA tensor is handed over as
-it is (a ``spark_hvd.core.device.DeviceBuffer``) and reduced where it lies by NCCL, with the same negotiation,
+it is (a ``spark_hvd.core.engine.device.DeviceBuffer``) and reduced where it lies by NCCL, with the same negotiation,
 fusion and error naming (``SPARK_HVD_DEVICE_BACKEND=none`` stages it through host memory and the ring instead;
 ``gloo`` also sends CPU tensors down the device path, the CPU stand-in that tests it). A tensor the core cannot see
 directly (a non-contiguous view) is staged through a contiguous copy written back when the handle is synchronized.
@@ -43,13 +43,15 @@ from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
     mpi_enabled,
     mpi_threads_supported,
     rank,
+    set_rank,
+    set_size,
     shutdown,
     size,
     start_timeline,
     stop_timeline,
 )
 from spark_hvd.core.backend import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401 - Horovod's names
-from spark_hvd.core.device import DeviceBuffer, device_key
+from spark_hvd.core.engine.device import DeviceBuffer, device_key
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 
 log = logging.getLogger(__name__)
@@ -71,16 +73,6 @@ def init(*args: Any, **kwargs: Any) -> None:
         index = common.gpu_index(torch.cuda.device_count())
         if index is not None:
             torch.cuda.set_device(index)
-
-
-def set_rank(process_set: ProcessSet | None = None) -> int:
-    """This rank's index in ``process_set`` (its global rank for the global set)."""
-    return rank() if _is_global(process_set) else int(process_set.rank())
-
-
-def set_size(process_set: ProcessSet | None = None) -> int:
-    """The number of ranks in ``process_set`` (the job's size for the global set)."""
-    return size() if _is_global(process_set) else int(process_set.size())
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -434,7 +426,7 @@ def _member_names(name: str | None, count: int) -> list[str | None]:
 def _grouped(started: list[tuple[Any, Callable[[Any], Any]]], name: str | None,
              then: Callable[[list[Any]], Any] | None = None) -> Handle:
     """One handle over several started collectives; its result is the list of their results (``then`` of it)."""
-    from spark_hvd.core.engine import GroupHandle
+    from spark_hvd.core.engine.engine import GroupHandle
 
     group = GroupHandle(name or "group", [h for h, _ in started])
     finishes = [f for _, f in started]

@@ -6,6 +6,9 @@ test here."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from helpers.launch import assert_check, launch_worker
 
@@ -41,3 +44,10 @@ def two_ranks(tmp_path_factory):
 def test_tensorflow_np2(two_ranks, name):
     assert_check(two_ranks, name)
 
+
+def test_import_loads_no_keras_binding():
+    """``import spark_hvd.tensorflow`` loads no ``spark_hvd.keras`` (its backend switch could import torch or raise
+    ImportError): what the two bindings share is in ``spark_hvd._keras_common``."""
+    code = "import sys, spark_hvd.tensorflow; print(sorted(m for m in sys.modules if m.startswith('spark_hvd.keras')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

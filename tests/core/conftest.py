@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from spark_hvd.core.rendezvous import KVStoreServer
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.rendezvous import KVStoreServer
+from spark_hvd.core.transport.wire import make_secret
 
 
 @pytest.fixture

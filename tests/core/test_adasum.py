@@ -1,6 +1,6 @@
-"""Adasum (``spark_hvd.core.adasum``) against a numpy reference of the pairwise tree on random data: the algorithm on
-the ring backend at N = 2, 3, 4, 5 (shared memory and TCP), every float dtype, several fused tensors of sizes
-smaller and larger than N; through the engine (``op=Adasum``, grouped, prescale, a joined rank); the errors."""
+"""Adasum (``spark_hvd.core.algorithms.adasum``) against a numpy reference of the pairwise tree on random data: the
+algorithm on the ring backend at N = 2, 3, 4, 5 (shared memory and TCP), every float dtype, several fused tensors of
+sizes smaller and larger than N; through the engine (``op=Adasum``, grouped, prescale, a joined rank); the errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from helpers.ranks import backend_from_env, run_ranks
 
 import spark_hvd.core as core
-from spark_hvd.core import adasum
+from spark_hvd.core.algorithms import adasum
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
 
 SIZES = [1, 3, 64, 1001]  # fewer elements than ranks, odd splits, a few thousand

@@ -1,4 +1,5 @@
-"""Which address a rank publishes (``spark_hvd.core.addresses``) and the loopback check of a multi-host job."""
+"""Which address a rank publishes (``spark_hvd.core.transport.addresses``) and the loopback check of a multi-host
+job."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import socket
 
 import pytest
 
-from spark_hvd.core import addresses
-from spark_hvd.core.addresses import AddressError, check_reachable, device_group_env, listen_address, meeting_host
+from spark_hvd.core.backends.ring import RingBackend
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVRendezvous, StaticRendezvous
-from spark_hvd.core.ring import RingBackend
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport import addresses
+from spark_hvd.core.transport.addresses import (
+    AddressError,
+    check_reachable,
+    device_group_env,
+    listen_address,
+    meeting_host,
+)
+from spark_hvd.core.transport.rendezvous import KVRendezvous, StaticRendezvous
+from spark_hvd.core.transport.wire import make_secret
 
 
 def _non_loopback() -> str | None:

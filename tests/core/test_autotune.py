@@ -15,8 +15,16 @@ import pytest
 from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
-import spark_hvd.core.autotune as at
-from spark_hvd.core.autotune import CONFIRM_PAIRS, CYCLE_GRID_MS, FUSION_GRID, HALVING_DOUBLING_GRID, MIB, Point, Tuner
+import spark_hvd.core.engine.autotune as at
+from spark_hvd.core.engine.autotune import (
+    CONFIRM_PAIRS,
+    CYCLE_GRID_MS,
+    FUSION_GRID,
+    HALVING_DOUBLING_GRID,
+    MIB,
+    Point,
+    Tuner,
+)
 from spark_hvd.core.settings import Settings
 
 ReduceOp = core.ReduceOp

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spark_hvd.core.backend import ReduceOp, alltoall_args, as_rows, rank_rows, reducescatter_by_allreduce
-from spark_hvd.core.local_backend import LocalBackend
+from spark_hvd.core.backends.local_backend import LocalBackend
 from spark_hvd.core.reduce import reference_reduce
 
 

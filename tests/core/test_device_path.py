@@ -66,9 +66,9 @@ def test_device_path_with_gloo_standing_in(n, host_backend):
 
 def test_two_ranks_of_a_group_on_one_gpu_are_named():
     # each group rank's (host index, GPU); the names are global ranks (here a set of global ranks 1, 3, 4, 6)
-    from spark_hvd.core.device import GroupScope
+    from spark_hvd.core.engine.device import GroupScope
+    from spark_hvd.core.engine.torch_device import _one_gpu_per_rank, shared_gpus
     from spark_hvd.core.errors import SparkHvdError
-    from spark_hvd.core.torch_device import _one_gpu_per_rank, shared_gpus
 
     assert shared_gpus([(0, 0), (0, 1), (1, 0), (1, 1)], [1, 3, 4, 6]) == []
     assert shared_gpus([(0, 0), (0, 1), (0, 0), (1, 0)], [1, 3, 4, 6]) == [(0, [1, 4])]
@@ -85,7 +85,7 @@ def test_two_ranks_of_a_group_on_one_gpu_are_named():
 
 
 def test_which_tensors_take_the_device_path():
-    from spark_hvd.core.device import device_key
+    from spark_hvd.core.engine.device import device_key
     from spark_hvd.core.settings import Settings
 
     assert [device_key("cuda", b) for b in (None, "nccl", "gloo", "none")] == ["cuda", "cuda", "cuda", None]

@@ -1,4 +1,4 @@
-"""The torch.distributed rendezvous over spark_hvd's authenticated KV (``spark_hvd.core.torch_store``).
+"""The torch.distributed rendezvous over spark_hvd's authenticated KV (``spark_hvd.core.backends.torch_store``).
 
 Store semantics with threads as ranks, the secret check on both services that carry it (the launcher's
 ``KVStoreServer`` and the Spark driver service), and a gloo process group initialised on it by two spawned ranks
@@ -18,8 +18,8 @@ from helpers.ranks import run_ranks
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.rendezvous import KVClient
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner.service import DriverService
 
 pytest.importorskip("torch")
@@ -27,7 +27,7 @@ pytest.importorskip("torch")
 
 def _open_pair(name: str = "g", timeout_s: float = 10.0, **where):
     """Rank 0's and rank 1's store of one group, opened in turn: rank 1's exchange hands it what rank 0 published."""
-    from spark_hvd.core.torch_store import open_store
+    from spark_hvd.core.backends.torch_store import open_store
 
     published: list[bytes] = []
 
@@ -128,8 +128,8 @@ def _gloo_on_the_store() -> list[float]:
         raise AssertionError("a torch.distributed.TCPStore was created")
 
     dist.TCPStore = no_tcpstore
-    from spark_hvd.core.rendezvous import KVClient
-    from spark_hvd.core.torch_store import KVTorchStore, open_store
+    from spark_hvd.core.backends.torch_store import KVTorchStore, open_store
+    from spark_hvd.core.transport.rendezvous import KVClient
 
     job = JobEnv.from_env()
 

@@ -12,8 +12,8 @@ import pytest
 from helpers.ranks import RankDied, run_ranks
 
 import spark_hvd.core as core
-from spark_hvd.core.engine import Engine
-from spark_hvd.core.local_backend import LocalBackend
+from spark_hvd.core.backends.local_backend import LocalBackend
+from spark_hvd.core.engine.engine import Engine
 from spark_hvd.core.settings import Settings
 
 FAST = {"SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_CYCLE_TIME": "5"}

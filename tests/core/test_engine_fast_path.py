@@ -13,8 +13,8 @@ import pytest
 from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
-from spark_hvd.core.engine import Engine
-from spark_hvd.core.local_backend import LocalBackend
+from spark_hvd.core.backends.local_backend import LocalBackend
+from spark_hvd.core.engine.engine import Engine
 from spark_hvd.core.reduce import reference_reduce
 from spark_hvd.core.settings import Settings
 

@@ -14,8 +14,8 @@ import pytest
 from helpers.net import closed_by_server
 
 from spark_hvd.core.errors import PeerFailureError
-from spark_hvd.core.rendezvous import KVClient, KVStoreServer
-from spark_hvd.core.wire import MAGIC, make_secret
+from spark_hvd.core.transport.rendezvous import KVClient, KVStoreServer
+from spark_hvd.core.transport.wire import MAGIC, make_secret
 
 
 def _conn_threads(before: frozenset[threading.Thread] = frozenset()) -> list[threading.Thread]:
@@ -24,7 +24,7 @@ def _conn_threads(before: frozenset[threading.Thread] = frozenset()) -> list[thr
 
 _SERVER = textwrap.dedent("""
     import os, resource, sys
-    from spark_hvd.core.rendezvous import KVStoreServer
+    from spark_hvd.core.transport.rendezvous import KVStoreServer
     srv = KVStoreServer(bytes.fromhex(sys.argv[1]), handshake_timeout_s=1.0)
     host, port = srv.start()
     limit = len(os.listdir("/proc/self/fd")) + 12   # room for a few connections only

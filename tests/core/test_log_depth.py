@@ -1,6 +1,7 @@
-"""Recursive doubling (``spark_hvd.core.recursive_doubling``) over the TCP mesh at N = 3, 4, 5, 8 and recursive
-halving and doubling (``spark_hvd.core.halving_doubling``) in threads at N = 2..11 and over the TCP mesh at N = 3,
-5, 8: every op and dtype against numpy, bit-identical on every rank, and a killed rank named by every other one."""
+"""Recursive doubling (``spark_hvd.core.algorithms.recursive_doubling``) over the TCP mesh at N = 3, 4, 5, 8 and
+recursive halving and doubling (``spark_hvd.core.algorithms.halving_doubling``) in threads at N = 2..11 and over the TCP
+mesh at N = 3, 5, 8: every op and dtype against numpy, bit-identical on every rank, and a killed rank named by every
+other one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, run_ranks
 
-from spark_hvd.core import halving_doubling, recursive_doubling
+from spark_hvd.core.algorithms import halving_doubling, recursive_doubling
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, f32_to_bf16

@@ -42,8 +42,8 @@ def _late_rank_main() -> None:
     import numpy as np
 
     from spark_hvd.core.backend import ReduceOp
+    from spark_hvd.core.backends.mpi_backend import MpiBackend
     from spark_hvd.core.errors import CollectiveTimeoutError
-    from spark_hvd.core.mpi_backend import MpiBackend
     from spark_hvd.core.settings import Settings
 
     backend = MpiBackend(Settings(timeout_s=2.0))

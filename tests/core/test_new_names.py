@@ -1,6 +1,6 @@
 """Rounds of tensors the ranks have not negotiated before (new names, unnamed calls): when every rank submits the
 same, no rank's message travels (the fast round's digests agree); after two such rounds of one layout the next is
-one collective (``spark_hvd.core.fresh``); every result still matches numpy, and ranks that submit in different
+one collective (``spark_hvd.core.engine.fresh``); every result still matches numpy, and ranks that submit in different
 orders, other names or differently still meet or fail as before, naming the tensor and the rank."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
+from spark_hvd.core.engine.fresh import FreshSpec, agreed, build_fresh, fresh_layout, pack, unpack
+from spark_hvd.core.engine.negotiation import Meta
 from spark_hvd.core.errors import TensorMismatchError
-from spark_hvd.core.fresh import FreshSpec, agreed, build_fresh, fresh_layout, pack, unpack
-from spark_hvd.core.negotiation import Meta
 from spark_hvd.core.reduce import reference_reduce
 
 ReduceOp = core.ReduceOp

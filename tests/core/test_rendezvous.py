@@ -14,8 +14,8 @@ from helpers.net import RecordingRelay, closed_by_server, free_port, wait_until
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into, scale_inplace
-from spark_hvd.core.rendezvous import KVClient, KVRendezvous, KVTable, parse_address
-from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.core.transport.rendezvous import KVClient, KVRendezvous, KVTable, parse_address
+from spark_hvd.core.transport.wire import FramedSocket, make_secret
 
 
 def test_set_get_and_wait(kv_server):

@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 from helpers.ranks import RankDied, backend_from_env, on_threads, run_ranks, shm_leftovers
 
-from spark_hvd.core import agreed, hier_pipeline, ringloop, tcp
+from spark_hvd.core.algorithms import agreed, hier_pipeline
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.backends.ring import even_bounds
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
-from spark_hvd.core.mac_pool import MacPool
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into
-from spark_hvd.core.rendezvous import KVClient
-from spark_hvd.core.ring import even_bounds
-from spark_hvd.core.tcp import (
+from spark_hvd.core.transport import ringloop, tcp
+from spark_hvd.core.transport.mac_pool import MacPool
+from spark_hvd.core.transport.rendezvous import KVClient
+from spark_hvd.core.transport.tcp import (
     SEND_BUFFER_BYTES,
     SPIN_S,
     PeerAbort,
@@ -43,7 +44,7 @@ from spark_hvd.core.tcp import (
     open_listener,
     send_buffer_bytes,
 )
-from spark_hvd.core.wire import HEADER_SIZE, make_secret
+from spark_hvd.core.transport.wire import HEADER_SIZE, make_secret
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "uint8", "bfloat16"]
 # element counts: empty, tiny, odd, and (with the small blocks and frames below) many shared-memory blocks,
@@ -684,8 +685,8 @@ def test_ring_exchange_reads_frames_split_anywhere(abort):
 
 
 def test_ring_exchange_reads_nothing_past_frame_0_when_its_answer_ends_the_exchange():
-    # ``spark_hvd.core.agreed``: on a miss, frame 0's answer shortens the exchange; the frame after it belongs to
-    # whoever reads next and must still be in the socket, header included
+    # ``spark_hvd.core.algorithms.agreed``: on a miss, frame 0's answer shortens the exchange; the frame after it
+    # belongs to whoever reads next and must still be in the socket, header included
     secret = make_secret()
     sender, receiver = _peer_pair(secret, secret)
     frames = [np.random.default_rng(k).integers(0, 255, n, dtype=np.uint8) for k, n in enumerate([64, 65536])]
@@ -709,8 +710,8 @@ def test_ring_exchange_reads_nothing_past_frame_0_when_its_answer_ends_the_excha
 # -- the compiled ring loop (``ringloop``, ``_ringloop.c``) on its own terms: the Python loop's frames, errors, results
 
 needs_compiled_loop = pytest.mark.skipif(
-    ringloop._ringloop is None, reason="the compiled ring loop spark_hvd.core._ringloop is not built here (`make "
-    "setup` builds it where gcc and Python.h are): every ring runs the Python loop, tested above")
+    ringloop._ringloop is None, reason="the compiled ring loop spark_hvd.core.transport._ringloop is not built here "
+    "(`make setup` builds it where gcc and Python.h are): every ring runs the Python loop, tested above")
 
 
 def test_the_compiled_ring_loop_is_built_wherever_it_can_be():
@@ -720,9 +721,9 @@ def test_the_compiled_ring_loop_is_built_wherever_it_can_be():
     if shutil.which("gcc") is None or not os.path.isfile(header):
         pytest.skip("no gcc or no Python.h here: the compiled ring loop cannot be built, the Python loop runs")
     try:
-        importlib.import_module("spark_hvd.core._ringloop")
+        importlib.import_module("spark_hvd.core.transport._ringloop")
     except ImportError as exc:
-        pytest.fail(f"spark_hvd.core._ringloop does not import although gcc and {header} are here ({exc}): "
+        pytest.fail(f"spark_hvd.core.transport._ringloop does not import although gcc and {header} are here ({exc}): "
                     "`make setup` builds it")
     assert ringloop._ringloop is not None
 

@@ -28,7 +28,7 @@ def test_mac_threads_setting_and_auto(monkeypatch):
 
     import pytest
 
-    from spark_hvd.core.mac_pool import MAX_AUTO_THREADS, threads_for
+    from spark_hvd.core.transport.mac_pool import MAX_AUTO_THREADS, threads_for
 
     assert Settings.from_env({}).mac_threads == 0  # off by default: tags in the calling thread
     assert Settings.from_env({"SPARK_HVD_MAC_THREADS": "2"}).mac_threads == 2

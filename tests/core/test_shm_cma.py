@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from helpers.ranks import backend_from_env, on_threads, run_ranks, shm_groups
 
-from spark_hvd.core import shm_cma
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, f32_to_bf16, reference_reduce
-from spark_hvd.core.shm import shm_available
+from spark_hvd.core.transport import shm_cma
+from spark_hvd.core.transport.shm import shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available() or shm_cma._READV is None,
                                 reason="no /dev/shm or no process_vm_readv here")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from helpers.ranks import on_threads, shm_groups
 
-from spark_hvd.core import shm_slices
 from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.backends.ring import even_bounds
 from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16, reference_reduce
-from spark_hvd.core.ring import even_bounds
-from spark_hvd.core.shm import ShmGroup, shm_available
+from spark_hvd.core.transport import shm_slices
+from spark_hvd.core.transport.shm import ShmGroup, shm_available
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="no usable /dev/shm on this machine")
 

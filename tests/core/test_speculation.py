@@ -10,10 +10,10 @@ import pytest
 from helpers.ranks import run_ranks
 
 import spark_hvd.core as core
+from spark_hvd.core.engine.negotiation import Meta, ResponseCache
+from spark_hvd.core.engine.speculation import SPEC_BYTES, SPEC_LARGE_BYTES, Predictor, build_spec
 from spark_hvd.core.errors import TensorMismatchError
-from spark_hvd.core.negotiation import Meta, ResponseCache
 from spark_hvd.core.reduce import reference_reduce
-from spark_hvd.core.speculation import SPEC_BYTES, SPEC_LARGE_BYTES, Predictor, build_spec
 
 ReduceOp = core.ReduceOp
 

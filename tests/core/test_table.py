@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spark_hvd.core.device import GroupScope
-from spark_hvd.core.errors import SparkHvdError, StallError, TensorMismatchError
-from spark_hvd.core.negotiation import Meta, ResponseCache
-from spark_hvd.core.table import (
+from spark_hvd.core.engine.device import GroupScope
+from spark_hvd.core.engine.negotiation import Meta, ResponseCache
+from spark_hvd.core.engine.table import (
     NegotiationTable,
     check_same_settings,
     decode_messages,
@@ -25,6 +24,7 @@ from spark_hvd.core.table import (
     same_messages,
     tune_slots,
 )
+from spark_hvd.core.errors import SparkHvdError, StallError, TensorMismatchError
 
 
 def meta(shape=(4,), dtype="<f4", op="sum", kind="allreduce", device="") -> Meta:

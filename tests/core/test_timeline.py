@@ -9,9 +9,9 @@ import numpy as np
 
 import spark_hvd.core as core
 from spark_hvd.core.backend import Backend, ReduceOp
-from spark_hvd.core.engine import Engine
+from spark_hvd.core.engine.engine import Engine
+from spark_hvd.core.engine.timeline import Timeline, timeline_path
 from spark_hvd.core.settings import Settings
-from spark_hvd.core.timeline import Timeline, timeline_path
 
 
 class PackingBackend(Backend):

@@ -16,7 +16,7 @@ from helpers.net import wait_until
 from spark_hvd.core import torchrun
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 
 
 def test_torchrun_variables_follow_the_job():

@@ -10,7 +10,7 @@ import pytest
 from helpers.net import RecordingRelay
 
 from spark_hvd.core.errors import AuthenticationError, PeerFailureError
-from spark_hvd.core.wire import HEADER_SIZE, MAGIC, NONCE_SIZE, PROOF_SIZE, FramedSocket, make_secret
+from spark_hvd.core.transport.wire import HEADER_SIZE, MAGIC, NONCE_SIZE, PROOF_SIZE, FramedSocket, make_secret
 
 
 def _handshaken(secret_a: bytes, secret_b: bytes) -> tuple[FramedSocket, FramedSocket, list[BaseException]]:

@@ -20,7 +20,6 @@ from helpers.torch_replay import rank_shards, replay
 from spark_hvd.estimators.step_checkpoint import (
     StepState,
     StepTrigger,
-    delete_step_checkpoints,
     latest_step_checkpoint,
     rng_state,
     set_rng_state,
@@ -68,7 +67,7 @@ def test_the_newest_step_checkpoint_after_a_point_is_found_and_older_ones_delete
     assert (found.epoch, found.step, found.progress) == (1, 5, [{"rows": 5}])
     assert (tmp_path / "back" / "model.bin").read_bytes() == bytes([1, 5])
     assert latest_step_checkpoint(store, "r", str(tmp_path / "none"), after=(2, 0)) is None  # an epoch end is later
-    delete_step_checkpoints(store, "r", before=(2, 0))
+    RunDir(store, "r").delete_step_checkpoints(before=(2, 0))
     assert store.listdir(root) == []
 
 

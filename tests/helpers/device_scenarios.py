@@ -1,4 +1,4 @@
-"""Rank-side scenarios of the device path (``spark_hvd.core.device``), written once for every device.
+"""Rank-side scenarios of the device path (``spark_hvd.core.engine.device``), written once for every device.
 
 ``device`` is ``"cpu"`` with ``SPARK_HVD_DEVICE_BACKEND=gloo`` (the CPU stand-in for NCCL, on every CI run) and
 ``"cuda"`` on a GPU host (NCCL). Torch tensors on ``device`` go down the device path; every result is checked

@@ -221,7 +221,7 @@ def stall() -> str:
     """Rank 0 submits 'lonely' alone: after the stall time a warning names it and the missing ranks."""
     n, r = core.size(), core.rank()
     catcher = _Catch("'lonely'")
-    logging.getLogger("spark_hvd.core.engine").addHandler(catcher)
+    logging.getLogger("spark_hvd.core.engine.engine").addHandler(catcher)
     try:
         go = np.zeros(1)
         if r == 0:
@@ -234,7 +234,7 @@ def stall() -> str:
             core.allreduce(np.ones(2), name="lonely", op=ReduceOp.SUM)
         return catcher.messages[0] if catcher.messages else ""
     finally:
-        logging.getLogger("spark_hvd.core.engine").removeHandler(catcher)
+        logging.getLogger("spark_hvd.core.engine.engine").removeHandler(catcher)
 
 
 def join_other_ops(seed: int = 9) -> int:

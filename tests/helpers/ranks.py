@@ -25,8 +25,8 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.rendezvous import KVStoreServer
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.rendezvous import KVStoreServer
+from spark_hvd.core.transport.wire import make_secret
 
 EnvSpec = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 
@@ -144,9 +144,9 @@ def backend_from_env(backend_kwargs: dict[str, Any] | None = None, **settings: A
     """
     from dataclasses import replace
 
-    from spark_hvd.core.rendezvous import KVRendezvous
-    from spark_hvd.core.ring import RingBackend
+    from spark_hvd.core.backends.ring import RingBackend
     from spark_hvd.core.settings import Settings
+    from spark_hvd.core.transport.rendezvous import KVRendezvous
 
     cfg = replace(Settings.from_env(), **settings)
     job = JobEnv.from_env()
@@ -162,7 +162,7 @@ def shm_leftovers(job_id: str) -> list[str]:
 def shm_groups(name: str, size: int, *, timeout_s: float = 20.0, block_bytes: int = 256, nslots: int = 3) -> list:
     """``size`` members of one ``ShmGroup`` in this process (real /dev/shm segments, names already unlinked): the
     protocol tests run each member on a thread of its own (``on_threads``)."""
-    from spark_hvd.core.shm import ShmGroup, segment_path
+    from spark_hvd.core.transport.shm import ShmGroup, segment_path
 
     nonce = secrets.token_hex(4)
     paths = [segment_path(name, nonce, k) for k in range(size)]

@@ -11,7 +11,7 @@ import pytest
 
 from spark_hvd.core import state_stream
 from spark_hvd.core.elastic import STATE_MAX_ENV, download_state, upload_state
-from spark_hvd.core.wire import make_secret
+from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.elastic import _Driver, _recoverable, _ServiceLink, _sizes
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError

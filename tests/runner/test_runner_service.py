@@ -11,7 +11,7 @@ from helpers.net import RecordingRelay, wait_until
 
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import topology
-from spark_hvd.core.wire import FramedSocket, make_secret
+from spark_hvd.core.transport.wire import FramedSocket, make_secret
 from spark_hvd.runner.barrier_task import BarrierRendezvous, assigned_gpu, task_gpus
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError

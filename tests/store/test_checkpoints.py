@@ -178,6 +178,33 @@ def test_stale_temporary_and_partial_directories_are_cleaned_when_a_run_starts(s
     assert _raw(store, root) == ["epoch-0"]
 
 
+def test_step_checkpoints_are_read_once_verified_and_the_newest_wins(store, tmp_path, caplog, monkeypatch):
+    run = RunDir(store, "r")
+    for epoch, step in ((0, 3), (1, 2)):
+        run.write_step_checkpoint(epoch, step, _local_checkpoint(tmp_path, f"s{epoch}{step}", bytes([step]) * 300))
+    assert [p for p, _ in run.step_checkpoints()] == [(1, 2)]  # a newer one deletes the older
+    run.write_step_checkpoint(1, 4, _local_checkpoint(tmp_path, "s14", bytes([4]) * 300))
+    _overwrite_object(store, posixpath.join(run.step_checkpoint_path(1, 4), "model.pt"), bytes([4]) * 7)
+    store.write_bytes(posixpath.join(run.step_checkpoint_path(1, 9), "model.pt"), b"partial, never committed")
+    monkeypatch.setattr(type(store), "verify", lambda *a: pytest.fail("read twice: verify, then download"))
+    reads = []
+    download = type(store).download_dir
+    monkeypatch.setattr(type(store), "download_dir", lambda s, path, local: (reads.append(path),
+                                                                             download(s, path, local))[1])
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.run_dir"):
+        assert RunDir(_fresh(store), "r").latest_step_checkpoint(str(tmp_path / "back"), after=(1, 0)) is None
+    assert "after batch 4 of epoch 1" in caplog.text and "model.pt has 7 bytes, the manifest says 300" in caplog.text
+    assert reads == [run.step_checkpoint_path(1, 4)]  # the one candidate, downloaded once and checked locally
+    assert [p for p, _ in run.step_checkpoints()] == [(1, 4)]  # the partial step-1-9 deleted, the bad one kept
+    run.write_step_checkpoint(1, 5, _local_checkpoint(tmp_path, "s15", b"five"))
+    found = RunDir(_fresh(store), "r").latest_step_checkpoint(str(tmp_path / "back"), after=(1, 0))
+    assert (found.epoch, found.step, found.path) == (1, 5, run.step_checkpoint_path(1, 5))
+    assert (tmp_path / "back" / "model.pt").read_bytes() == b"five"
+    assert RunDir(store, "r").latest_step_checkpoint(str(tmp_path / "none"), after=(2, 0)) is None
+    run.delete_step_checkpoints(before=(2, 0))  # the end of epoch 1 supersedes them
+    assert run.step_checkpoints() == []
+
+
 def test_failed_write_leaves_the_previous_version(store, tmp_path):
     path = RunDir(store, "r").write_checkpoint(0, _local_checkpoint(tmp_path, "c0", b"first"))
     with pytest.raises(OSError, match="disk full"), store.atomic_dir(path) as target:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Container, Iterable
+from typing import Any
 
 
 def setup_tensorflow() -> None:
@@ -50,3 +51,16 @@ def expect_errors(cases: Iterable[tuple[Callable[[], object], str]],
             assert words in str(exc), f"{words!r} not in: {exc}"
         else:
             raise AssertionError(f"no error ({words})")
+
+
+def adasum_tree(vectors: list[Any]) -> Any:
+    """Adasum of the ranks' arrays in numpy (N a power of two): neighbours pairwise, then pairs of pairs."""
+    import numpy as np
+
+    def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        dot = float(np.sum(a * b))
+        return (1 - dot / (2 * np.sum(a * a))) * a + (1 - dot / (2 * np.sum(b * b))) * b
+    while len(vectors) > 1:
+        vectors = [pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
+    return vectors[0]

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from checks import make_check, setup_tensorflow  # the scripts' directory is on sys.path
+from checks import adasum_tree, make_check, setup_tensorflow  # the scripts' directory is on sys.path
 
 setup_tensorflow()
 
@@ -37,17 +37,6 @@ def close(a: object, b: np.ndarray, tol: float = 1e-5) -> None:
     a = np.asarray(a)
     assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
     np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol)
-
-
-def adasum_tree(vectors: list[np.ndarray]) -> np.ndarray:
-    """Adasum of the ranks' arrays in numpy (N a power of two): neighbours pairwise, then pairs of pairs."""
-    def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        a, b = a.astype(np.float64), b.astype(np.float64)
-        dot = float(np.sum(a * b))
-        return (1 - dot / (2 * np.sum(a * a))) * a + (1 - dot / (2 * np.sum(b * b))) * b
-    while len(vectors) > 1:
-        vectors = [pair(vectors[i], vectors[i + 1]) for i in range(0, len(vectors), 2)]
-    return vectors[0]
 
 
 def all_collectives(run: object, seed: int) -> None:

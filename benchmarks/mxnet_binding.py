@@ -1,0 +1,258 @@
+"""spark_hvd.mxnet against its peers on this machine, interleaved (issue 41)::
+
+    /work/venvs/mxnet/bin/python benchmarks/mxnet_binding.py [--calls 200] [--rounds 3] [--steps 60]
+        [--only allreduce|loop]
+
+(an environment with MXNet 1.9.1, numpy < 1.24 and torch: docs/mxnet.md). Two measurements:
+
+- allreduce (Sum) of one float32 array at 4 KiB and 16 MiB at 2 ranks, one ``spark-hvd-run -np 2`` job:
+  ``spark_hvd.mxnet.allreduce`` (a new NDArray) and ``allreduce_`` (in place) on an ``mx.nd.NDArray`` vs
+  ``spark_hvd.torch.allreduce`` / ``allreduce_`` on a ``torch.Tensor``, in a random order each round of four calls
+  (the same on both ranks: a fixed rotation let a kind's position decide up to 1.5x of its time at 4 KiB); the
+  median wall time per call and rank 0's process CPU time per call (mean, all its
+  threads). The MXNet calls end with ``wait_to_read()``, the torch ones need none.
+- a Gluon loop (an MLP 784-512-512-10, batch 64 per process, SGD with momentum) at 2 processes: samples/s with
+  ``spark_hvd.mxnet.DistributedTrainer`` (``spark-hvd-run -np 2``) vs MXNet's own ``kvstore="dist_sync"`` (a
+  scheduler, one server and two workers on localhost, ps-lite; Gluon's default there updates the weights on the
+  server, once per step, and ``update_on_kvstore=False`` on every worker, as Horovod does), and one process alone
+  (``kvstore=None``), rounds rotating; the median of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MXNET_CPU_WORKER_NTHREADS="1", PYTHONPATH=str(ROOT),
+           PYTHONWARNINGS="ignore::DeprecationWarning")
+for _k in [k for k in ENV if k.startswith(("SPARK_HVD_", "DMLC_"))]:
+    del ENV[_k]
+BATCH = 64
+
+
+def _mean_ms(values: list[float]) -> float:
+    return sum(values) / len(values) * 1e3
+
+
+# ------------------------------------------------------------------------------------------------ allreduce
+
+def allreduce_worker(calls: int) -> None:
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    import numpy as np
+    import torch
+
+    import spark_hvd.mxnet as hmx
+    import spark_hvd.torch as hth
+
+    torch.set_num_threads(1)
+    hmx.init()
+    for nbytes in (4096, 16 << 20):
+        n = nbytes // 4
+        t_mx = mx.nd.array(np.ones(n, np.float32))
+        t_torch = torch.ones(n)
+        reps = calls if nbytes <= 4096 else max(calls // 20, 5)
+        kinds = ("mx", "mx_", "torch", "torch_")
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
+        order = random.Random(nbytes)  # the same order on both ranks
+        for i in range(reps + 3):
+            for kind in order.sample(kinds, len(kinds)):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                if kind == "mx":
+                    hmx.allreduce(t_mx, op=hmx.Sum, name="bench.mx").wait_to_read()
+                elif kind == "mx_":
+                    hmx.allreduce_(t_mx, op=hmx.Sum, name="bench.mx_").wait_to_read()
+                elif kind == "torch":
+                    hth.allreduce(t_torch, op=hth.Sum, name="bench.torch")
+                else:
+                    hth.allreduce_(t_torch, op=hth.Sum, name="bench.torch_")
+                if i >= 3:
+                    times[kind].append(time.perf_counter() - start)
+                    cpu[kind].append(time.process_time() - start_cpu)
+                if kind == "mx_":
+                    t_mx[:] = 1.0
+                    t_mx.wait_to_read()  # MXNet's queued write done outside the timed call, as torch's fill_
+                elif kind == "torch_":
+                    t_torch.fill_(1.0)
+        if hmx.rank() == 0:
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            print(f"ALLREDUCE {nbytes} B ({reps} calls each), median ms per call: spark_hvd.mxnet.allreduce "
+                  f"{med['mx']:.3f}, spark_hvd.torch.allreduce {med['torch']:.3f} (mx/torch "
+                  f"{med['mx'] / med['torch']:.2f}); allreduce_ mx {med['mx_']:.3f}, torch {med['torch_']:.3f} "
+                  f"(mx_/torch_ {med['mx_'] / med['torch_']:.2f}); CPU ms per call (mean): mx "
+                  f"{_mean_ms(cpu['mx']):.3f}, torch {_mean_ms(cpu['torch']):.3f}, mx_ {_mean_ms(cpu['mx_']):.3f}, "
+                  f"torch_ {_mean_ms(cpu['torch_']):.3f}", flush=True)
+    hmx.shutdown()
+
+
+def allreduce(calls: int) -> None:
+    out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", sys.executable,
+                          str(Path(__file__).resolve()), "--worker", "allreduce", "--calls", str(calls)],
+                         env=ENV, capture_output=True, text=True, timeout=900)
+    for line in out.stdout.splitlines():
+        if "ALLREDUCE" in line:
+            print(line.split("ALLREDUCE", 1)[1].strip(), flush=True)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------- Gluon loop
+
+def loop_worker(kind: str, steps: int) -> None:
+    """One process of the loop: ``hvd`` (spark_hvd), ``dist`` / ``dist_local`` (a dist_sync worker, the update on
+    the server / on the worker) or ``single``."""
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = mx.nd.array(rng.standard_normal((BATCH, 784)).astype(np.float32))
+    y = mx.nd.array(rng.integers(0, 10, BATCH).astype(np.float32))
+    mx.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(512, activation="relu", in_units=784),
+            mx.gluon.nn.Dense(512, activation="relu", in_units=512), mx.gluon.nn.Dense(10, in_units=512))
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True)
+    params = net.collect_params()
+    opt = {"learning_rate": 0.01, "momentum": 0.9}
+    if kind == "hvd":
+        import spark_hvd.mxnet as hvd
+
+        hvd.init()
+        hvd.broadcast_parameters(params)
+        trainer = hvd.DistributedTrainer(params, "sgd", opt)
+        rank = hvd.rank()
+    elif kind in ("dist", "dist_local"):  # dist: the server updates (Gluon's default); dist_local: each worker
+        kv = mx.kv.create("dist_sync")
+        trainer = mx.gluon.Trainer(params, "sgd", opt, kvstore=kv, update_on_kvstore=kind == "dist")
+        rank = kv.rank
+    else:
+        trainer = mx.gluon.Trainer(params, "sgd", opt, kvstore=None)
+        rank = 0
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+
+    def step() -> None:
+        with mx.autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(BATCH)
+
+    for _ in range(5):
+        step()
+    mx.nd.waitall()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    mx.nd.waitall()
+    rate = steps * BATCH / (time.perf_counter() - start)
+    cpu = (time.process_time() - start_cpu) / steps * 1e3
+    print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank}", flush=True)
+    if kind == "hvd":
+        hvd.shutdown()
+
+
+def _rate(out: str) -> tuple[float, float]:
+    """(rank 0's samples/s, the workers' CPU ms per step summed) from the workers' ``RATE`` lines."""
+    rate, cpu = 0.0, 0.0
+    for line in out.splitlines():
+        if "RATE" in line:
+            fields = line.split("RATE", 1)[1].split()
+            cpu += float(fields[2])
+            if fields[4] == "0":
+                rate = float(fields[0])
+    return rate, cpu
+
+
+def loop_round(kind: str, steps: int) -> tuple[float, float]:
+    """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``), and the workers' CPU
+    milliseconds per step, summed (all threads; not the dist_sync server's or scheduler's)."""
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
+    if kind == "hvd":
+        out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", *me], env=ENV,
+                             capture_output=True, text=True, timeout=900)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-3000:])
+        return _rate(out.stdout)
+    if kind == "single":
+        return _rate(subprocess.run(me, env=ENV, capture_output=True, text=True, timeout=900, check=True).stdout)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(ENV, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port), DMLC_NUM_SERVER="1",
+                DMLC_NUM_WORKER="2", PS_VERBOSE="0")
+    serve = [sys.executable, "-c", "import warnings; warnings.simplefilter('ignore'); import mxnet"]
+    helpers = [subprocess.Popen(serve, env=dict(base, DMLC_ROLE=role), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
+    workers = [subprocess.Popen(me, env=dict(base, DMLC_ROLE="worker"), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        outs = [w.communicate(timeout=900) for w in workers]
+    finally:
+        for p in helpers:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    for w, (_, err) in zip(workers, outs, strict=True):
+        if w.returncode != 0:
+            raise RuntimeError(err[-3000:])
+    return _rate("".join(o for o, _ in outs))
+
+
+def loop(rounds: int, steps: int) -> None:
+    kinds = ("hvd", "dist", "dist_local", "single")
+    rates: dict[str, list[float]] = {k: [] for k in kinds}
+    cpus: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for kind in kinds[r % 4:] + kinds[:r % 4]:
+            rate, cpu = loop_round(kind, steps)
+            rates[kind].append(rate)
+            cpus[kind].append(cpu)
+            print(f"round {r} {kind} {rate:.1f} samples/s per process, workers' CPU {cpu:.2f} ms per step",
+                  flush=True)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print("workers' CPU ms per step (median): " + ", ".join(f"{k} {statistics.median(v):.2f}"
+                                                              for k, v in cpus.items()), flush=True)
+    print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
+          f"{med['hvd']:.1f}, kvstore dist_sync at 2 {med['dist']:.1f} (update on the server; hvd/dist "
+          f"{med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
+          f"(hvd/dist_local {med['hvd'] / med['dist_local']:.2f}x), one process alone {med['single']:.1f}",
+          flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--only", choices=["allreduce", "loop"], help="run one of the measurements")
+    p.add_argument("--worker", choices=["allreduce", "hvd", "dist", "dist_local", "single"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker == "allreduce":
+        allreduce_worker(args.calls)
+        return
+    if args.worker:
+        loop_worker(args.worker, args.steps)
+        return
+    print(f"load average at start {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    if args.only in (None, "allreduce"):
+        allreduce(args.calls)
+    if args.only in (None, "loop"):
+        loop(args.rounds, args.steps)
+    print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

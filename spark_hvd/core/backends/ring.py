@@ -1,0 +1,780 @@
+"""The built-in ring backend: collectives over an authenticated TCP mesh, and shared memory within a host.
+
+``RingBackend`` joins the job with one ``rendezvous.exchange`` (publishing its listening address, its host
+identity and, when shared memory is on, the name of its shared-memory segment), connects a full TCP mesh (every
+frame HMAC-authenticated) and then:
+
+* allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
+  shared-memory allreduce (``spark_hvd.core.transport.shm``; two ranks and large arrays: a single-copy one by
+  cross-memory
+  attach, ``shm_cma``); ``"hier"`` when ranks share hosts across several hosts:
+  shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
+  broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
+  shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
+  hosts, then one shared-memory allgather; ``shm_slices``; large arrays in pieces, the shared-memory legs
+  overlapping the TCP one: ``hier_pipeline``);
+  ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
+  (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
+  from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
+  ranks, arrays up to ``PAIR_EXCHANGE_BYTES`` are exchanged whole instead (one round trip);
+* allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
+  broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
+
+A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
+peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
+fails within the timeout naming the same culprit.
+
+Why this module is long (~700 lines): the job's setup and every collective's plan over TCP and shared memory share
+one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``transport/tcp.py``,
+the shared-memory protocol in ``transport/shm.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from spark_hvd.core.algorithms import agreed, halving_doubling, hier_pipeline, recursive_doubling
+from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
+from spark_hvd.core.errors import (
+    AuthenticationError,
+    PeerFailureError,
+    ShutdownError,
+    TensorMismatchError,
+)
+from spark_hvd.core.jobenv import JobEnv, topology
+from spark_hvd.core.reduce import check_dtype, divide_average, reduce_into
+from spark_hvd.core.settings import Settings
+from spark_hvd.core.transport import ringloop, shm_cma, tcp
+from spark_hvd.core.transport.addresses import (  # noqa: F401 - IFACE_ENV, HOST_ID_ENV, host_identity: re-exported
+    HOST_ID_ENV,
+    IFACE_ENV,
+    check_reachable,
+    host_identity,
+    listen_address,
+    machine_identity,
+    meeting_host,
+)
+from spark_hvd.core.transport.mac_pool import MacPool, threads_for
+from spark_hvd.core.transport.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
+from spark_hvd.core.transport.tcp import (
+    FRAME_BYTES,
+    INLINE_SEND_BYTES,
+    MAC_POOL_MIN_BYTES,
+    SPIN_MAX_BYTES,
+    SUB_CHUNK_MIN_BYTES,
+    SUB_CHUNKS,
+    PeerAbort,
+    PeerSocket,
+    PeerWatcher,
+    ProtocolError,
+    RingExchange,
+    SendWorker,
+    connect_mesh,
+    open_listener,
+)
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
+#: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
+PAIR_EXCHANGE_BYTES = 1024 * 1024
+#: Hierarchical allreduces from this size split the cross-host leg over every local rank (below, one sync per
+#: local rank costs more than the leader's whole leg).
+HIER_SPLIT_BYTES = 256 * 1024
+
+
+def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
+    """(address to bind, address to publish) for this rank's listener (``addresses.listen_address``, routed
+    towards the rendezvous service or the Spark driver's service)."""
+    return listen_address(meeting_host(rendezvous, JobEnv.from_env()))
+
+
+def even_bounds(n: int, parts: int) -> list[int]:
+    """``parts + 1`` boundaries splitting ``n`` items as evenly as possible, larger parts first."""
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for k in range(parts):
+        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
+    return bounds
+
+
+def _collective(name: str) -> Callable[[F], F]:
+    """Check the backend is usable; on failure tell every peer and raise an error naming the culprit."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: RingBackend, *args: Any, **kwargs: Any) -> Any:
+            self._check_usable(name)
+            try:
+                return method(self, *args, **kwargs)
+            except (PeerFailureError, ProtocolError, AuthenticationError) as exc:
+                reported = self._reported_failure(exc, name)
+                self._fail(reported or exc, name)
+                if reported is not None:
+                    raise reported from exc
+                raise
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def _unpack(packed: np.ndarray, segs: Sequence[np.ndarray]) -> None:
+    offset = 0
+    for seg in segs:
+        seg[...] = packed[offset:offset + seg.size]
+        offset += seg.size
+
+
+def _flat(buf: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{what} expects a numpy array, got {type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what} needs a C-contiguous array (got strides {buf.strides})")
+    return buf.reshape(-1)
+
+
+class RingBackend(Backend):
+    """The built-in backend (TCP mesh + same-host shared memory); see the module docstring."""
+
+    name = "ring"
+
+    def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
+                 settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
+                 shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a job of size {size}")
+        self.rank, self.size = rank, size
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.timeout_s = float(self.settings.timeout_s)
+        self.job_id = job_id
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
+        self.peers: dict[int, PeerSocket] = {}
+        self.shm: ShmGroup | None = None
+        self._cma: shm_cma.CmaPair | None = None
+        self._leaders: list[int] = []
+        #: with as many ranks on every host: ring i joins local rank i of every host (``_allreduce_flat``)
+        self._cross_rings: list[list[int]] = []
+        self._closed = False
+        self._broken: PeerFailureError | None = None
+        self._worker: SendWorker | None = None
+        #: threads that tag and check large TCP frames off the calling thread (``mac_pool``; None: inline)
+        self._mac: MacPool | None = None
+        self._local_watcher: PeerWatcher | None = None  # the hierarchical allreduce's helper thread's
+        self._hier_helper = hier_pipeline.Helper(f"spark-hvd-hier-{rank}")  # its thread starts at first use
+        self._scratch = np.empty(0, dtype=np.uint8)
+        self._listener: socket.socket | None = None
+        self.transport = "none"
+        self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
+        self._pair_bytes = pair_exchange_bytes
+        self._mac_min_bytes = mac_min_bytes
+        self._spin = False  # small two-rank exchanges spin before they sleep (every local rank may have a core)
+        #: every rank runs rings with the compiled loop (``ringloop``): rings it supports use its smaller frames
+        self._compiled = False
+        if size == 1:
+            if rendezvous is not None:
+                rendezvous.exchange(0, 1, b"{}")
+            return
+        if rendezvous is None:
+            raise ValueError("a job of more than one rank needs a rendezvous")
+        segment: ShmGroup | None = None
+        local_paths: list[str] = []
+        try:
+            bind, publish = _bind_host(rendezvous)
+            self._listener = open_listener(bind)
+            port = self._listener.getsockname()[1]
+            host_id = host_identity()
+            use_shm = bool(self.settings.shm) and shm_available()
+            info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
+                    "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(),
+                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring}
+            values = rendezvous.exchange(rank, size, json.dumps(info).encode())
+            infos = [json.loads(v) for v in values]
+            check_reachable([(i["host"], i.get("machine", "")) for i in infos])
+            self._topology(infos)
+            self._compiled = all(i.get("compiled_ring") for i in infos)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            self._spin = self.local_size <= cores  # as shared memory spins: more ranks than cores, never
+            self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
+                                      secret, job_id, self.timeout_s)
+            for j, peer in self.peers.items():
+                peer.where = f" on host {infos[j].get('machine', '').split('/', 1)[0]} ({infos[j]['host']})"
+            self._listener.close()
+            self._listener = None
+            self._watcher = PeerWatcher(list(self.peers.values()))
+            self._worker = SendWorker()
+            threads = threads_for(self.settings.mac_threads, self.local_size)
+            if threads:
+                self._mac = MacPool(threads, name=f"spark-hvd-mac-{rank}")
+            self.transport = "tcp"
+            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy.
+            # Segments are created only now (after every rank joined) and unlinked as soon as every local rank
+            # mapped them; their names are known to every rank, which removes them all if setup fails.
+            hosts = Counter(i["host_id"] for i in infos)
+            if all(i["shm"] for i in infos) and max(hosts.values()) > 1:
+                local_ranks = [r for r, i in enumerate(infos) if i["host_id"] == host_id]
+                local_paths = [segment_path(job_id, infos[0]["nonce"], r) for r in local_ranks]
+                ok = True
+                try:
+                    segment = ShmGroup(local_paths, self.local_rank, local_ranks, self.timeout_s, shm_block_bytes,
+                                       shm_slots)
+                except OSError as exc:
+                    logger.warning("rank %d could not create shared memory (%s); using TCP", rank, exc)
+                    ok = False
+                created = self._small_allgather(b"1" if ok else b"0", "setup")
+                if segment is not None and all(f == b"1" for f in created):
+                    try:
+                        segment.attach()
+                    except OSError as exc:
+                        logger.warning("rank %d could not map its peers' shared memory (%s); using TCP", rank, exc)
+                        ok = False
+                else:
+                    ok = False
+                attached = self._small_allgather(b"1" if ok else b"0", "setup")
+                for path in local_paths:
+                    unlink_quietly(path)
+                if all(f == b"1" for f in attached):
+                    self.transport = "shm" if self.local_size == size else "hier"
+                    # host leaders (local rank 0), in host order, run the TCP ring between hosts
+                    self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h) for h in hosts]
+                    on_host = [[r for r, i in enumerate(infos) if i["host_id"] == h] for h in hosts]
+                    if len({len(ranks) for ranks in on_host}) == 1:
+                        self._cross_rings = [[ranks[k] for ranks in on_host] for k in range(self.local_size)]
+                    if self.local_size > 1:
+                        self.shm, segment = segment, None
+                if segment is not None:
+                    segment.close()
+                    segment = None
+                if self.transport == "shm" and size == 2 and self.settings.shm_cma_bytes > 0:
+                    self._setup_cma()
+        except BaseException:
+            if segment is not None:
+                segment.close()
+            for path in local_paths:
+                unlink_quietly(path)
+            self.close()
+            raise
+        logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
+                     self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
+
+    def _setup_cma(self) -> None:
+        """Two ranks on one host: the single-copy allreduce (``shm_cma``) if both can read each other's memory
+        (one probe read each; where ptrace rules refuse it, both keep the slot protocol)."""
+        assert self.shm is not None
+        reason = shm_cma.probe(self.shm)
+        if reason is not None:
+            logger.info("rank %d: no cross-memory allreduce (%s); using the shared-memory slots", self.rank, reason)
+        probed = self._small_allgather(b"1" if reason is None else b"0", "setup")
+        if all(f == b"1" for f in probed):
+            self._cma = shm_cma.CmaPair(self.shm, self.settings.shm_cma_bytes)
+
+    def _shm_allreduce(self, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """All ranks on this host: cross-memory (two ranks, large arrays) or the shared-memory slots."""
+        assert self.shm is not None
+        if self._cma is not None and self._cma.takes(flats):
+            self._cma.allreduce(flats, op, bfloat16, operation, self._check_peers)
+        else:
+            self.shm.allreduce(flats, op, bfloat16, operation, self._check_peers)
+
+    def _topology(self, infos: list[dict[str, Any]]) -> None:
+        self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(
+            [info["host_id"] for info in infos], self.rank)
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def _check_usable(self, operation: str) -> None:
+        if self._closed:
+            raise ShutdownError(f"{operation}: the ring backend of rank {self.rank} is closed")
+        if self._broken is not None:
+            raise PeerFailureError(f"{operation}: the job is unusable since an earlier failure: {self._broken}",
+                                   rank=self._broken.rank, operation=operation)
+
+    def _reported_failure(self, exc: BaseException, operation: str) -> PeerAbort | None:
+        """After a connection failed: did some peer already report which rank failed (a pending ABORT frame)?
+
+        A rank that noticed the failure first tells everyone and may close before its ABORT frame is read
+        here; without this check this rank would blame that messenger instead of the rank that died.
+        """
+        if isinstance(exc, PeerAbort) or not isinstance(exc, PeerFailureError):
+            return None
+        for peer in self.peers.values():
+            reported = peer.find_abort(operation)
+            if reported is not None and reported.rank is not None:
+                return reported
+        return None
+
+    def _fail(self, exc: BaseException, operation: str) -> None:
+        culprit = getattr(exc, "rank", None)
+        if self._broken is None:
+            self._broken = exc if isinstance(exc, PeerFailureError) else PeerFailureError(
+                str(exc), rank=culprit, operation=operation)
+        reason = f"{operation} on rank {self.rank}: {exc}"
+        for peer in self.peers.values():
+            if peer.rank != culprit:
+                peer.send_abort(culprit, reason)
+
+    def _check_peers(self, operation: str) -> None:
+        self._watcher.check(operation)
+
+    def _check_local_peers(self, operation: str) -> None:
+        """``_check_peers`` for this host's ranks only (the hierarchical allreduce's helper thread: the calling
+        thread meanwhile owns the cross-host connections)."""
+        if self._local_watcher is None:
+            assert self.shm is not None
+            self._local_watcher = PeerWatcher([self.peers[r] for r in self.shm.ranks if r != self.rank])
+        self._local_watcher.check(operation)
+
+    def close(self) -> None:
+        """Close sockets, shared memory and the sender thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._hier_helper.close()
+        if self._worker is not None:
+            self._worker.stop()
+        if self._mac is not None:
+            self._mac.close()
+        for peer in self.peers.values():
+            if self._broken is None:
+                peer.send_bye()
+            try:
+                peer.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            peer.close()
+        if self._listener is not None:
+            self._listener.close()
+        if self.shm is not None:
+            self._cma = None
+            self.shm.close()
+            self.shm = None
+
+    # -- point-to-point helpers --------------------------------------------------------------------------------
+    def _exchange(self, send_peer: int, recv_peer: int, operation: str, nbytes: int = -1) -> RingExchange:
+        """An exchange of frames with these peers; ``nbytes``: a two-rank exchange of this many bytes each way,
+        which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.transport.tcp.SPIN_S``) where every rank
+        of this host may have a core."""
+        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes,
+                            self._spin and 0 <= nbytes <= SPIN_MAX_BYTES)
+
+    @property
+    def _window(self) -> int:
+        """Frames a ``RingExchange`` may hold received while their tags are checked on the MAC pool."""
+        return 1 if self._mac is None else self._mac.threads + 1
+
+    def _scratch_bytes(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, dtype=np.uint8)
+        return self._scratch[:nbytes]
+
+    def _post(self, dst: int, data: np.ndarray, operation: str) -> bool:
+        """Send ``data`` (a uint8 view) to ``dst`` in frames; returns True if the sender thread has work."""
+        peer = self.peers[dst]
+        n = data.nbytes
+        if n <= INLINE_SEND_BYTES:
+            if n:
+                peer.send_data([memoryview(data)], operation)
+            return False
+        assert self._worker is not None
+        for lo in range(0, n, self._frame):
+            self._worker.post(peer, [memoryview(data[lo:lo + self._frame])], operation)
+        return True
+
+    def _wait_sent(self, posted: bool, operation: str) -> None:
+        if posted:
+            assert self._worker is not None
+            self._worker.wait(self.timeout_s * 2, operation)
+
+    def _recv(self, src: int, into: np.ndarray, operation: str) -> None:
+        """Receive ``into.nbytes`` bytes (a uint8 view) from ``src``, frame by frame."""
+        peer = self.peers[src]
+        n = into.nbytes
+        if n <= INLINE_SEND_BYTES:
+            if n:
+                peer.recv_data_into(memoryview(into), operation)
+            return
+        for lo in range(0, n, self._frame):
+            peer.recv_data_into(memoryview(into[lo:lo + self._frame]), operation)
+
+    def _small_allgather(self, payload: bytes, operation: str) -> list[bytes]:
+        """Every rank's small ``payload`` (< 32 KiB), by rank, over the mesh."""
+        for peer in self.peers.values():
+            peer.send_data([payload], operation)
+        out = []
+        for r in range(self.size):
+            out.append(payload if r == self.rank else self.peers[r].recv_message(operation))
+        return out
+
+    # -- ring steps over TCP -----------------------------------------------------------------------------------
+    def _neighbours(self, members: Sequence[int] | None) -> tuple[int, int, int, int]:
+        """(position, ring size, right rank, left rank) of this rank in the ring of ``members`` (default: all)."""
+        if members is None:
+            n, r = self.size, self.rank
+            return r, n, (r + 1) % n, (r - 1) % n
+        n, r = len(members), members.index(self.rank)
+        return r, n, members[(r + 1) % n], members[(r - 1) % n]
+
+    def _sub_bytes(self, bounds: Sequence[int], itemsize: int, frame: int = 0) -> int:
+        """Bytes per pipelined sub-chunk (one frame) for chunks ``bounds`` (in elements), frames of at most
+        ``frame`` bytes (default: the backend's): the same on every rank."""
+        frame = frame or self._frame
+        largest = max(hi - lo for lo, hi in zip(bounds, bounds[1:], strict=False)) * itemsize
+        part = -(-largest // SUB_CHUNKS)
+        return max(min(SUB_CHUNK_MIN_BYTES, frame), min(frame, part + (-part % 64)))
+
+    def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
+              *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
+              average: bool = False) -> None:
+        """Pipelined ring steps on ``flat`` split at ``bounds`` (elements): ``reduce_steps`` reduce-scatter steps,
+        then ``gather_steps`` allgather steps.
+
+        With ``reduce_steps`` > 0, step t sends chunk ``p - t - 1`` and receives chunk ``p - t - 2`` (p: ring
+        position), else (a plain allgather) ``p - t`` and ``p - t - 1``; either way the chunk received at step t
+        is the one sent at step t + 1. Each chunk moves in sub-chunks (one frame each): as soon as a sub-chunk is
+        received (and reduced into place from a preallocated scratch frame) it is queued for the next step, so
+        receiving, reducing and sending overlap across steps and phases (``RingExchange``, no thread hand-off).
+        ``average`` divides this rank's chunk by the ring size at the end of the reduce-scatter.
+
+        Where every rank has the compiled loop and it supports the dtype and op (``ringloop``), frames are at most
+        ``ringloop.FRAME_BYTES`` and this rank runs the compiled loop, unless it uses a MAC pool or a benchmark
+        traces frames (then the Python loop runs the same frames).
+        """
+        p, n, right, left = self._neighbours(members)
+        total = reduce_steps + gather_steps
+        if total == 0 or flat.size == 0:
+            return
+        item = flat.itemsize
+        raw = flat.view(np.uint8)
+        compiled = self._compiled and ringloop.supports(flat.dtype, op, bfloat16, reduce_steps)
+        sub = self._sub_bytes(bounds, item, min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
+        shift = 1 if reduce_steps else 0
+
+        def pieces(chunk: int) -> list[tuple[int, int]]:
+            lo, hi = bounds[chunk] * item, bounds[chunk + 1] * item
+            return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
+
+        plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+        if compiled and self._mac is None and tcp.TRACE is None:
+            ringloop.run(self.peers[right], self.peers[left], operation, flat,
+                         self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
+                         plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
+            return
+        window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
+        scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
+        receives = [scratch[i % window * sub:i % window * sub + hi - lo] if t < reduce_steps else memoryview(raw[lo:hi])
+                    for i, (t, lo, hi) in enumerate(plan)]
+
+        def received(i: int) -> memoryview | None:
+            t, lo, hi = plan[i]
+            if t < reduce_steps:
+                part = flat[lo // item:hi // item]
+                reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
+                if average and t == reduce_steps - 1:
+                    divide_average(part, n, bfloat16)
+            return memoryview(raw[lo:hi]) if t + 1 < total else None
+
+        first = [memoryview(raw[lo:hi]) for lo, hi in pieces((p - shift) % n)]
+        self._exchange(right, left, operation).run(first, receives, received, window)
+
+    def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
+                             operation: str, members: Sequence[int] | None = None) -> None:
+        """After N-1 steps the member at ring position p holds the reduction of ``bounds[p]:bounds[p+1]``."""
+        n = self._neighbours(members)[1]
+        self._ring(flat, bounds, operation, members, reduce_steps=n - 1, op=op, bfloat16=bfloat16)
+
+    def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
+                        members: Sequence[int] | None = None) -> None:
+        """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""
+        n = self._neighbours(members)[1]
+        self._ring(raw, bounds, operation, members, gather_steps=n - 1)
+
+    def _tcp_allreduce(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                       members: Sequence[int] | None = None) -> None:
+        """Bandwidth-optimal ring allreduce over TCP among ``members`` (default: every rank), pipelined; two
+        members and a small array: one exchange (``_pair_exchange``); more members and an array up to
+        ``settings.log_depth_bytes``: recursive doubling (log2 N exchanges, not 2(N-1) ring steps)."""
+        p, n = self._neighbours(members)[:2]
+        if n == 2 and flat.nbytes <= self._pair_bytes:
+            self._pair_exchange(flat, op, bfloat16, operation, members)
+            return
+        if n > 2 and flat.nbytes <= self.settings.log_depth_bytes:
+            recursive_doubling.allreduce(flat, op, bfloat16, members or range(self.size), p,
+                                         _MeshPeers(self, operation), self._scratch_bytes(flat.nbytes))
+            return
+        if n > 2 and 0 < self.settings.halving_doubling_bytes <= flat.nbytes:
+            halving_doubling.allreduce(flat, op, bfloat16, members or range(self.size), p, _MeshPeers(self, operation),
+                                       self._scratch_bytes(halving_doubling.scratch_bytes(flat.size, flat.itemsize, n)))
+            return
+        self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
+                   op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
+
+    def _pair_exchange(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+                       members: Sequence[int] | None) -> None:
+        """Allreduce between two ranks: each sends its whole array and reduces the other's into it once every
+        byte left (one round trip where the ring's two phases take two; ``a op b`` and ``b op a`` are the same
+        bits for every ``ReduceOp``, so both ranks hold the same result)."""
+        peer = self._neighbours(members)[2]
+        raw = flat.view(np.uint8)
+        theirs = self._scratch_bytes(raw.nbytes)
+        pieces = range(0, raw.nbytes, self._frame)
+        self._exchange(peer, peer, operation, raw.nbytes).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
+                                                  [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
+                                                  lambda i: None, self._window)
+        reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
+        if op is ReduceOp.AVERAGE:
+            divide_average(flat, 2, bfloat16)
+
+    def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
+        """Allreduce one flat array in place with the best transport."""
+        if self.transport == "shm":
+            self._shm_allreduce([flat], op, bfloat16, operation)
+        elif self.transport == "hier":
+            # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
+            # result within the host again; AVERAGE is a SUM divided once, before the sharing. With as many ranks
+            # on every host and a large array, every local rank carries a slice across hosts (as Horovod's
+            # hierarchical allreduce does), so the cross-host leg uses every rank's core and connection
+            inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+            if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
+                # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results
+                # are gathered in one pass: (L-1)/L of the array copied in and out per rank, not a full
+                # allreduce and L broadcasts; the average is taken once, on the carried slice. Large slices go
+                # in pieces, the shared-memory legs overlapping the TCP one (``hier_pipeline``)
+                ring = self._cross_rings[self.local_rank]
+
+                def cross(part: np.ndarray) -> None:
+                    self._tcp_allreduce(part, inner, bfloat16, operation, ring)
+                    if op is ReduceOp.AVERAGE:
+                        divide_average(part, self.size, bfloat16)
+
+                hier_pipeline.allreduce(self.shm, flat, even_bounds(flat.size, self.local_size), inner, bfloat16,
+                                        operation, cross, self._check_local_peers, self.timeout_s, self._hier_helper)
+                return
+            if self.shm is not None:
+                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
+            if self.local_rank == 0:
+                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
+                if op is ReduceOp.AVERAGE:
+                    divide_average(flat, self.size, bfloat16)
+            if self.shm is not None:
+                self.shm.broadcast([flat], 0, operation, self._check_peers)
+        else:
+            self._tcp_allreduce(flat, op, bfloat16, operation)
+
+    @property
+    def fuses_in_place(self) -> bool:
+        """True on shared memory: ``allreduce_fused`` copies the arrays straight into the staging slots and the
+        results straight back, with no fusion buffer (over TCP it would have to pack one)."""
+        return self.transport == "shm" or self.size == 1
+
+    @property
+    def agrees_in_band(self) -> bool:
+        """Two ranks over TCP: ``allreduce_agreed`` sends the agreement as the data's first frame."""
+        return self.transport == "tcp" and self.size == 2
+
+    # -- Backend API -------------------------------------------------------------------------------------------
+    @_collective("allreduce")
+    def allreduce(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Reduce ``buf`` across ranks in place (see ``Backend.allreduce``)."""
+        flat = _flat(buf, "allreduce")
+        check_dtype(flat, bfloat16)
+        if self.size == 1 or flat.size == 0:
+            return
+        self._allreduce_flat(flat, op, bfloat16, "allreduce")
+
+    @_collective("allreduce")
+    def allreduce_fused(self, bufs: Sequence[np.ndarray], op: ReduceOp, *, bfloat16: bool = False) -> None:
+        """Allreduce several same-dtype arrays as one collective, in place.
+
+        With shared memory the arrays are copied straight into the shared staging slots and the results
+        straight back (no fusion buffer).
+        """
+        flats = [_flat(b, "allreduce_fused") for b in bufs]
+        if not flats or self.size == 1:
+            return
+        dtype = flats[0].dtype
+        for i, f in enumerate(flats):
+            if f.dtype != dtype:
+                raise TypeError(f"allreduce_fused: array {i} has dtype {f.dtype}, array 0 has {dtype}")
+            check_dtype(f, bfloat16)
+        flats = [f for f in flats if f.size]
+        if not flats:
+            return
+        if self.transport == "shm":
+            self._shm_allreduce(flats, op, bfloat16, "allreduce")
+            return
+        packed = flats[0] if len(flats) == 1 else np.concatenate(flats)  # the TCP paths need one array
+        self._allreduce_flat(packed, op, bfloat16, "allreduce")
+        if len(flats) > 1:
+            _unpack(packed, flats)
+
+    @_collective("allreduce")
+    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        """See ``Backend.allreduce_agreed`` (two ranks over TCP: ``spark_hvd.core.algorithms.agreed``)."""
+        if not self.agrees_in_band:
+            raise NotImplementedError(f"allreduce_agreed needs two ranks over TCP, not {self.size} over "
+                                      f"{self.transport}")
+        flat = buf.reshape(-1)
+        if agree:
+            flat = _flat(buf, "allreduce")
+            check_dtype(flat, False)
+        pair = flat.nbytes <= self._pair_bytes  # as ``_tcp_allreduce`` chooses: one round trip, else the ring
+        compiled = not pair and self._compiled and ringloop.supports(flat.dtype, op, False, 1)
+        sub = self._frame if pair else self._sub_bytes(even_bounds(flat.size, 2), flat.itemsize,
+                                                       min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
+        other = 1 - self.rank
+        exchange = self._exchange(other, other, "allreduce", flat.nbytes)
+        ring = None
+        if compiled and self._mac is None and tcp.TRACE is None:
+            peer = self.peers[other]
+
+            def ring(first: list[tuple[int, int]], plan: list[tuple[int, int, int]]) -> None:
+                ringloop.run(peer, peer, "allreduce", flat, self._scratch_bytes(sub), first, plan, 1, 2, op, 2)
+
+        return agreed.allreduce(exchange, self._window, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
+                                pair, ring, agreed.COMPILED_EAGER_BYTES if compiled else agreed.EAGER_BYTES)
+
+    @_collective("allgather")
+    def allgather(self, buf: np.ndarray) -> np.ndarray:
+        """Concatenate every rank's ``buf`` along the first dimension (which may differ by rank)."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"allgather expects a numpy array, got {type(buf).__name__}")
+        buf = np.ascontiguousarray(buf)
+        if buf.ndim == 0:
+            buf = buf.reshape(1)
+        if self.size == 1:
+            return buf.copy()
+        meta = json.dumps([buf.shape[0], buf.dtype.str, list(buf.shape[1:])]).encode()
+        metas = [json.loads(m) for m in self._small_allgather(meta, "allgather")]
+        odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
+        if odd:
+            raise TensorMismatchError(
+                "allgather: ranks disagree on dtype or trailing shape: " + ", ".join(
+                    f"rank {r}: {m[1]} {tuple(m[2])}" for r, m in enumerate(metas)), ranks=[0, *odd])
+        rows = [m[0] for m in metas]
+        out = np.empty((sum(rows), *buf.shape[1:]), dtype=buf.dtype)
+        row_bytes = buf.dtype.itemsize * int(np.prod(buf.shape[1:], dtype=np.int64))
+        bounds = [0]
+        for n in rows:
+            bounds.append(bounds[-1] + n * row_bytes)
+        raw = out.reshape(-1).view(np.uint8)
+        raw[bounds[self.rank]:bounds[self.rank + 1]] = buf.reshape(-1).view(np.uint8)
+        self._ring_allgather(raw, bounds, "allgather")
+        return out
+
+    @_collective("broadcast")
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Overwrite ``buf`` on every rank with root's ``buf``, in place."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast: root rank {root} is outside a job of size {self.size}")
+        flat = _flat(buf, "broadcast")
+        if self.size == 1 or flat.size == 0:
+            return
+        if self.transport == "shm":
+            assert self.shm is not None
+            self.shm.broadcast([flat], root, "broadcast", self._check_peers)
+            return
+        raw = flat.view(np.uint8)
+        if self.rank == root:
+            posted = False
+            for dst in range(self.size):
+                if dst != root:
+                    posted = self._post(dst, raw, "broadcast") or posted
+            self._wait_sent(posted, "broadcast")
+        else:
+            self._recv(root, raw, "broadcast")
+
+    @_collective("alltoall")
+    def alltoall(self, buf: np.ndarray, splits: Sequence[int] | None = None) -> tuple[np.ndarray, list[int]]:
+        """Send ``splits[i]`` rows of ``buf`` to rank i; return the rows received and how many from each."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"alltoall expects a numpy array, got {type(buf).__name__}")
+        buf, splits = alltoall_args(buf, splits, self.size)
+        if self.size == 1:
+            return buf.copy(), splits
+        meta = json.dumps([splits, buf.dtype.str, list(buf.shape[1:])]).encode()
+        metas = [json.loads(m) for m in self._small_allgather(meta, "alltoall")]
+        odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
+        if odd:
+            raise TensorMismatchError(
+                "alltoall: ranks disagree on dtype or trailing shape: " + ", ".join(
+                    f"rank {r}: {m[1]} {tuple(m[2])}" for r, m in enumerate(metas)), ranks=[0, *odd])
+        recv_splits = [m[0][self.rank] for m in metas]
+        row_bytes = buf.dtype.itemsize * int(np.prod(buf.shape[1:], dtype=np.int64))
+        out = np.empty((sum(recv_splits), *buf.shape[1:]), dtype=buf.dtype)
+        send_raw = buf.reshape(-1).view(np.uint8)
+        recv_raw = out.reshape(-1).view(np.uint8)
+        send_at = np.concatenate([[0], np.cumsum(splits)]) * row_bytes
+        recv_at = np.concatenate([[0], np.cumsum(recv_splits)]) * row_bytes
+        r = self.rank
+        recv_raw[recv_at[r]:recv_at[r + 1]] = send_raw[send_at[r]:send_at[r + 1]]
+        for s in range(1, self.size):
+            dst, src = (r + s) % self.size, (r - s) % self.size
+            posted = self._post(dst, send_raw[send_at[dst]:send_at[dst + 1]], "alltoall")
+            self._recv(src, recv_raw[recv_at[src]:recv_at[src + 1]], "alltoall")
+            self._wait_sent(posted, "alltoall")
+        return out, recv_splits
+
+    @_collective("reducescatter")
+    def reducescatter(self, buf: np.ndarray, op: ReduceOp, *, bfloat16: bool = False) -> np.ndarray:
+        """Reduce ``buf`` across ranks and return this rank's rows (the first ``rows % size`` ranks get one more)."""
+        if not isinstance(buf, np.ndarray):
+            raise TypeError(f"reducescatter expects a numpy array, got {type(buf).__name__}")
+        if buf.ndim == 0:
+            raise ValueError("reducescatter needs an array with at least one dimension")
+        check_dtype(buf, bfloat16)
+        rows = even_bounds(buf.shape[0], self.size)
+        row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
+        lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
+        work = np.array(buf, copy=True, order="C").reshape(-1)
+        if self.size > 1 and work.size:
+            if self.transport in ("shm", "hier"):
+                self._allreduce_flat(work, op, bfloat16, "reducescatter")
+            else:
+                self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
+                if op is ReduceOp.AVERAGE:
+                    divide_average(work[lo:hi], self.size, bfloat16)
+        return work[lo:hi].copy().reshape((rows[self.rank + 1] - rows[self.rank], *buf.shape[1:]))
+
+    @_collective("barrier")
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        if self.size > 1:
+            self._small_allgather(b"", "barrier")
+
+    def __repr__(self) -> str:
+        return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "
+                f"cross={self.cross_rank}/{self.cross_size}, transport={self.transport})")
+
+
+class _MeshPeers:
+    """``recursive_doubling.Peers`` over the backend's authenticated TCP mesh."""
+
+    def __init__(self, backend: RingBackend, operation: str) -> None:
+        self.backend, self.operation = backend, operation
+
+    def send(self, dst: int, data: np.ndarray) -> None:
+        self.backend._wait_sent(self.backend._post(dst, data, self.operation), self.operation)
+
+    def recv(self, src: int, into: np.ndarray) -> None:
+        self.backend._recv(src, into, self.operation)
+
+    def exchange(self, peer: int, data: np.ndarray, into: np.ndarray) -> None:
+        frame = self.backend._frame
+        pieces = range(0, data.nbytes, frame)
+        self.backend._exchange(peer, peer, self.operation).run([memoryview(data[lo:lo + frame]) for lo in pieces],
+                                                               [memoryview(into[lo:lo + frame]) for lo in pieces],
+                                                               lambda i: None, self.backend._window)
+
+
+__all__ = ["RingBackend", "host_identity", "even_bounds"]

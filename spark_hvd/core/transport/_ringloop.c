@@ -1,0 +1,615 @@
+/* The ring's pipelined exchange loop, compiled: the same frames, tags and rules as spark_hvd.core.transport.tcp's
+ * RingExchange running a ring of spark_hvd.core.backends.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
+ *
+ * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
+ * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC
+ * tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in place (allgather
+ * steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is ~20-30 us) frames
+ * can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to 2 MiB (ringloop.py).
+ *
+ * Tags, two ways to the same AES-256-GCM tag:
+ * - the caller's MAC function, ``cryptography``'s ``AESGCM.encrypt`` (its bundled OpenSSL hashes with the widest
+ *   carry-less multiply the CPU has: ~22 GB/s here), called once a frame with the GIL taken for the call;
+ * - the system's libcrypto (dlopen'ed, no build dependency: Python's own ssl module links it), without the GIL
+ *   (OpenSSL 3.0's GHASH ran at ~8.7 GB/s here).
+ * The first is the default; a wait of more than GIL_WAIT_NS for the GIL (another thread of the process runs Python:
+ * it would hand the GIL back only after its switch interval, 5 ms, per frame) switches the process to the second
+ * for GIL_FREE_NS, after which the GIL is tried again. Without libcrypto the GIL is always taken.
+ *
+ * Wire format (spark_hvd.core.transport.wire): length (8 bytes, big-endian, payload + 1) | tag (16) | type byte | payload.
+ * A DATA frame's tag is AES-256-GCM's tag under the direction's data key, nonce = 4 zero bytes | the direction's
+ * 64-bit frame counter (big-endian), associated data = the payload, plaintext = length | type byte (ciphertext
+ * dropped). Nothing received is used (reduced, forwarded, handed back) before its tag checked out.
+ *
+ * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
+ * allocates Python objects while the GIL is released.
+ *
+ * Over 600 lines on purpose: the loop, its two ways to a tag and the module's argument checks share the frame
+ * layout, the statuses and the Ring state.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define HEAD_SIZE 25 /* length 8 + tag 16 + type 1 */
+#define TAG_SIZE 16
+#define DATA_KIND 0
+
+enum status {
+    ST_OK = 0,
+    ST_TIMEOUT = 1,   /* detail: 0 waiting to receive, 1 waiting to send */
+    ST_RECV_ERR = 2,  /* detail: errno, 0 for end of stream */
+    ST_SEND_ERR = 3,  /* detail: errno */
+    ST_AUTH = 4,      /* a frame's tag did not check out */
+    ST_CONTROL = 5,   /* a frame of another type than DATA: its header is returned, its payload not read */
+    ST_SIZE = 6,      /* detail: the payload size the peer announced (another was expected) */
+    ST_EMPTY = 7,     /* a frame announcing no type byte */
+    ST_NOMEM = 8,     /* no memory for the send queue */
+    ST_RAISED = 9,    /* a signal handler or the MAC function raised (the exception is set) */
+    ST_CRYPTO = 10,   /* libcrypto failed */
+};
+
+enum dtype { DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4 };
+enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1 };
+
+/* -- reductions: acc = acc + x (IEEE, no fast-math: the same bits as numpy's add; integers wrap as numpy's do) --
+ * Vectorised (-O3 for these loops), with an AVX2 clone chosen at load time where the CPU has it (as numpy's own
+ * loops are): the same sums, element by element, in wider registers. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("O3")
+#endif
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define WIDE __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE
+#endif
+WIDE static void add_f32(float *restrict acc, const float *restrict x, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+WIDE static void add_f64(double *restrict acc, const double *restrict x, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+WIDE static void add_u32(uint32_t *restrict acc, const uint32_t *restrict x, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+WIDE static void add_u64(uint64_t *restrict acc, const uint64_t *restrict x, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+}
+WIDE static void div_f32(float *restrict acc, float d, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
+}
+WIDE static void div_f64(double *restrict acc, double d, size_t n) {
+    for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+static void reduce_into(int dtype, unsigned char *acc, const unsigned char *x, size_t nbytes) {
+    switch (dtype) {
+    case DT_F32: add_f32((float *)acc, (const float *)x, nbytes / 4); break;
+    case DT_F64: add_f64((double *)acc, (const double *)x, nbytes / 8); break;
+    case DT_I32: add_u32((uint32_t *)acc, (const uint32_t *)x, nbytes / 4); break;
+    case DT_I64: add_u64((uint64_t *)acc, (const uint64_t *)x, nbytes / 8); break;
+    default: break;
+    }
+}
+
+static void divide(int dtype, unsigned char *acc, long n, size_t nbytes) {
+    if (dtype == DT_F32) div_f32((float *)acc, (float)n, nbytes / 4);
+    else if (dtype == DT_F64) div_f64((double *)acc, (double)n, nbytes / 8);
+}
+
+/* -- tags ------------------------------------------------------------------------------------------------------ */
+#define GIL_WAIT_NS 100000LL      /* a longer wait for the GIL means another thread holds it: 0.1 ms */
+#define GIL_FREE_NS 1000000000LL  /* then tag without the GIL for 1 s */
+#define EVP_CTRL_GCM_GET_TAG_ 0x10
+
+/* the few libcrypto functions used (a stable ABI since OpenSSL 1.1), resolved at first use */
+typedef struct evp_ctx EVP_CTX;
+static struct {
+    int tried, ok;
+    const void *(*aes_256_gcm)(void);
+    EVP_CTX *(*ctx_new)(void);
+    void (*ctx_free)(EVP_CTX *);
+    int (*init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *);
+    int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
+    int (*final)(EVP_CTX *, unsigned char *, int *);
+    int (*ctrl)(EVP_CTX *, int, int, void *);
+} crypto;
+
+static int64_t gil_free_until; /* process-wide: tag without the GIL until then (CLOCK_MONOTONIC ns) */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* called with the GIL held (module functions), so once */
+static int crypto_load(void) {
+    if (crypto.tried) return crypto.ok;
+    crypto.tried = 1;
+    const char *names[] = {"libcrypto.so.3", "libcrypto.so", "libcrypto.so.1.1"};
+    void *lib = NULL;
+    for (size_t i = 0; i < sizeof names / sizeof *names && !lib; i++) lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return 0;
+    *(void **)&crypto.aes_256_gcm = dlsym(lib, "EVP_aes_256_gcm");
+    *(void **)&crypto.ctx_new = dlsym(lib, "EVP_CIPHER_CTX_new");
+    *(void **)&crypto.ctx_free = dlsym(lib, "EVP_CIPHER_CTX_free");
+    *(void **)&crypto.init = dlsym(lib, "EVP_EncryptInit_ex");
+    *(void **)&crypto.update = dlsym(lib, "EVP_EncryptUpdate");
+    *(void **)&crypto.final = dlsym(lib, "EVP_EncryptFinal_ex");
+    *(void **)&crypto.ctrl = dlsym(lib, "EVP_CIPHER_CTX_ctrl");
+    crypto.ok = crypto.aes_256_gcm && crypto.ctx_new && crypto.ctx_free && crypto.init && crypto.update
+                && crypto.final && crypto.ctrl;
+    return crypto.ok;
+}
+
+static EVP_CTX *crypto_ctx(const unsigned char *key) {
+    if (!crypto_load()) return NULL;
+    EVP_CTX *ctx = crypto.ctx_new();
+    if (ctx && crypto.init(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
+        crypto.ctx_free(ctx);
+        ctx = NULL;
+    }
+    return ctx;
+}
+
+static void nonce_of(uint64_t counter, unsigned char iv[12]) {
+    memset(iv, 0, 12);
+    for (int i = 0; i < 8; i++) iv[4 + i] = (unsigned char)(counter >> (56 - 8 * i));
+}
+
+/* the tag by libcrypto, without the GIL; 0 on success */
+static int tag_by_crypto(EVP_CTX *ctx, uint64_t counter, const unsigned char *length_kind,
+                         const unsigned char *payload, size_t len, unsigned char *tag) {
+    unsigned char iv[12], out[32];
+    int outl;
+    nonce_of(counter, iv);
+    if (crypto.init(ctx, NULL, NULL, NULL, iv) != 1) return -1;
+    while (len) {
+        int piece = len > (1u << 30) ? (1 << 30) : (int)len;
+        if (crypto.update(ctx, NULL, &outl, payload, piece) != 1) return -1;
+        payload += piece;
+        len -= (size_t)piece;
+    }
+    if (crypto.update(ctx, out, &outl, length_kind, 9) != 1 || crypto.final(ctx, out, &outl) != 1) return -1;
+    return crypto.ctrl(ctx, EVP_CTRL_GCM_GET_TAG_, TAG_SIZE, tag) == 1 ? 0 : -1;
+}
+
+/* the tag by the caller's MAC function (``mac(nonce, length_kind, payload)``'s last 16 bytes), the GIL held */
+static int tag_by_python(PyObject *mac, uint64_t counter, const unsigned char *length_kind, unsigned char *payload,
+                         size_t len, unsigned char *tag) {
+    unsigned char iv[12];
+    nonce_of(counter, iv);
+    int rc = -1;
+    PyObject *nonce = PyBytes_FromStringAndSize((const char *)iv, 12);
+    PyObject *plain = PyBytes_FromStringAndSize((const char *)length_kind, 9);
+    PyObject *view = PyMemoryView_FromMemory((char *)payload, (Py_ssize_t)len, PyBUF_READ);
+    PyObject *out = nonce && plain && view ? PyObject_CallFunctionObjArgs(mac, nonce, plain, view, NULL) : NULL;
+    if (out) {
+        char *data;
+        Py_ssize_t size;
+        if (PyBytes_AsStringAndSize(out, &data, &size) == 0) {
+            if (size >= TAG_SIZE) {
+                memcpy(tag, data + size - TAG_SIZE, TAG_SIZE);
+                rc = 0;
+            } else {
+                PyErr_SetString(PyExc_ValueError, "the MAC function returned less than a tag");
+            }
+        }
+    }
+    Py_XDECREF(out);
+    Py_XDECREF(view);
+    Py_XDECREF(plain);
+    Py_XDECREF(nonce);
+    return rc;
+}
+
+enum mac_mode { MAC_AUTO = 0, MAC_NO_GIL = 1, MAC_GIL = 2 };
+
+/* The tag of the frame numbered ``counter`` whose plaintext is ``length_kind`` (length | type byte) and whose
+ * payload is ``len`` bytes at ``payload`` (see the top of this file for the two ways). 0 on success; -1 with a
+ * Python exception set (the MAC function raised), -2 when libcrypto failed. */
+static int tag_frame(int mode, PyObject *mac, EVP_CTX *ctx, uint64_t counter, const unsigned char *length_kind,
+                     unsigned char *payload, size_t len, unsigned char *tag, PyThreadState **thread) {
+    if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
+                                                                                          __ATOMIC_RELAXED))))
+        return tag_by_crypto(ctx, counter, length_kind, payload, len, tag) == 0 ? 0 : -2;
+    int64_t asked = now_ns();
+    PyEval_RestoreThread(*thread);
+    int64_t got = now_ns();
+    if (ctx && mode == MAC_AUTO && got - asked > GIL_WAIT_NS)
+        __atomic_store_n(&gil_free_until, got + GIL_FREE_NS, __ATOMIC_RELAXED);
+    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
+    *thread = PyEval_SaveThread();
+    return rc;
+}
+
+static void put_be64(unsigned char *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (56 - 8 * i));
+}
+
+static uint64_t get_be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+static int64_t now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* -- the loop -------------------------------------------------------------------------------------------------- */
+typedef struct {
+    int out_fd, in_fd, mac_mode;
+    PyObject *out_mac, *in_mac;
+    EVP_CTX *out_ctx, *in_ctx; /* NULL without libcrypto */
+    uint64_t out_counter, in_counter;
+    unsigned char *buf, *scratch;
+    const int64_t *first;  /* (lo, hi) byte ranges of buf sent first */
+    Py_ssize_t n_first;
+    const int64_t *plan;   /* per received frame: (step, lo, hi) */
+    Py_ssize_t n_recv;
+    int reduce_steps, total_steps, dtype, op;
+    long ranks;            /* the average's divisor */
+    int64_t timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
+    /* results */
+    int status;
+    long long detail;
+    Py_ssize_t index;      /* frames received so far (the failing one on error) */
+    int mid_send;          /* a frame was started (its counter taken) and not wholly handed to the kernel */
+    unsigned char head[HEAD_SIZE];
+} Ring;
+
+static void set_lowat(Ring *r, int64_t *current, int64_t wanted) {
+    if (wanted != *current) {
+        int v = (int)wanted;
+        setsockopt(r->in_fd, SOL_SOCKET, SO_RCVLOWAT, &v, sizeof v);
+        *current = wanted;
+    }
+}
+
+static void run_ring(Ring *r, PyThreadState **thread) {
+    /* the send queue: byte ranges of buf, in order (at most every first chunk's frame and every received one) */
+    Py_ssize_t cap = r->n_first + r->n_recv, q_head = 0, q_tail = 0;
+    int64_t *queue = PyMem_RawMalloc(sizeof(int64_t) * 2 * (size_t)(cap ? cap : 1));
+    if (!queue) { r->status = ST_NOMEM; return; }
+    for (Py_ssize_t i = 0; i < r->n_first; i++) {
+        queue[2 * q_tail] = r->first[2 * i];
+        queue[2 * q_tail + 1] = r->first[2 * i + 1];
+        q_tail++;
+    }
+    unsigned char out_head[HEAD_SIZE];
+    struct iovec pending[2];
+    int n_pending = 0;
+    Py_ssize_t index = 0;
+    size_t got_head = 0, target_len = 0, target_got = 0;
+    unsigned char *target = NULL;
+    int have_target = 0;
+    unsigned char out_length_kind[9], in_length_kind[9]; /* a frame's plaintext: length | type byte */
+    unsigned char expected_tag[TAG_SIZE], tag[TAG_SIZE];
+    int same = r->out_fd == r->in_fd;
+    int can_send = 1, can_recv = 1;
+    int64_t last = now_ms(), lowat = 1, sent_bytes = 0, received_bytes = 0, released = -1;
+    r->status = ST_OK;
+
+    while (index < r->n_recv || n_pending || q_head < q_tail) {
+        int progressed = 0, send_full = !can_send, recv_dry = !can_recv, held = 0;
+        /* -- send as much as the socket takes */
+        while (can_send && (n_pending || q_head < q_tail)) {
+            if (!n_pending) {
+                int64_t lo = queue[2 * q_head], hi = queue[2 * q_head + 1];
+                q_head++;
+                uint64_t length = (uint64_t)(hi - lo) + 1;
+                put_be64(out_head, length);
+                out_head[HEAD_SIZE - 1] = DATA_KIND;
+                memcpy(out_length_kind, out_head, 8);
+                out_length_kind[8] = DATA_KIND;
+                int tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, r->buf + lo,
+                                       (size_t)(hi - lo), out_head + 8, thread);
+                if (tagged < 0) {
+                    r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
+                    goto done;
+                }
+                r->out_counter++;
+                pending[0].iov_base = out_head;
+                pending[0].iov_len = HEAD_SIZE;
+                pending[1].iov_base = r->buf + lo;
+                pending[1].iov_len = (size_t)(hi - lo);
+                n_pending = 2;
+                if (hi == lo) { pending[1] = pending[0]; n_pending = 1; } /* (the ring plans no empty frame) */
+            }
+            struct iovec *iov = pending + (2 - n_pending);
+            struct iovec offer[2];
+            int n_offer = n_pending;
+            size_t offered = 0;
+            for (int k = 0; k < n_pending; k++) { offer[k] = iov[k]; offered += iov[k].iov_len; }
+            int limited = 0;
+            if (r->ahead && index < r->n_recv && received_bytes != released) {
+                int64_t allowed = received_bytes + r->ahead - sent_bytes;
+                if (allowed <= 0) { held = 1; break; }
+                if ((size_t)allowed < offered) {
+                    limited = 1;
+                    if ((size_t)allowed <= offer[0].iov_len) { offer[0].iov_len = (size_t)allowed; n_offer = 1; }
+                    else offer[1].iov_len = (size_t)allowed - offer[0].iov_len;
+                    offered = (size_t)allowed;
+                }
+            }
+            struct msghdr msg = {0};
+            msg.msg_iov = offer;
+            msg.msg_iovlen = (size_t)n_offer;
+            ssize_t sent = sendmsg(r->out_fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (sent < 0) {
+                if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) { send_full = 1; can_send = 0; break; }
+                r->status = ST_SEND_ERR;
+                r->detail = errno;
+                goto done;
+            }
+            progressed = 1;
+            sent_bytes += sent;
+            size_t left = (size_t)sent;
+            while (left && n_pending) {
+                struct iovec *v = pending + (2 - n_pending);
+                size_t take = left < v->iov_len ? left : v->iov_len;
+                v->iov_base = (unsigned char *)v->iov_base + take;
+                v->iov_len -= take;
+                left -= take;
+                if (!v->iov_len) n_pending--;
+            }
+            while (n_pending && !pending[2 - n_pending].iov_len) n_pending--;
+            if (n_pending) {
+                if (limited && (size_t)sent == offered) continue; /* all that was allowed went: the allowance decides */
+                send_full = 1;
+                can_send = 0;
+                break;
+            }
+        }
+        /* -- receive what has arrived */
+        while (index < r->n_recv) {
+            const int64_t *step = r->plan + 3 * index;
+            if (!have_target && got_head == HEAD_SIZE) { /* a header (perhaps read with the frame before) */
+                uint64_t length = get_be64(r->head);
+                size_t expected = (size_t)(step[2] - step[1]);
+                if (length < 1) { r->status = ST_EMPTY; goto done; }
+                if (r->head[HEAD_SIZE - 1] != DATA_KIND) { r->status = ST_CONTROL; goto done; }
+                if (length - 1 != expected) { r->status = ST_SIZE; r->detail = (long long)(length - 1); goto done; }
+                memcpy(expected_tag, r->head + 8, TAG_SIZE);
+                memcpy(in_length_kind, r->head, 8);
+                in_length_kind[8] = DATA_KIND;
+                target = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                target_len = expected;
+                target_got = 0;
+                got_head = 0;
+                have_target = 1;
+            }
+            if (!have_target || target_got < target_len) {
+                if (!can_recv) break;
+                ssize_t n;
+                size_t room;
+                if (!have_target) {
+                    room = HEAD_SIZE - got_head;
+                    n = recv(r->in_fd, r->head + got_head, room, MSG_DONTWAIT);
+                } else if (index + 1 < r->n_recv) {
+                    /* the rest of this frame and the next one's header in one call (never past the last frame) */
+                    struct iovec v[2] = {{target + target_got, target_len - target_got}, {r->head, HEAD_SIZE}};
+                    struct msghdr msg = {0};
+                    msg.msg_iov = v;
+                    msg.msg_iovlen = 2;
+                    room = target_len - target_got + HEAD_SIZE;
+                    n = recvmsg(r->in_fd, &msg, MSG_DONTWAIT);
+                } else {
+                    room = target_len - target_got;
+                    n = recv(r->in_fd, target + target_got, room, MSG_DONTWAIT);
+                }
+                if (n < 0) {
+                    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) { recv_dry = 1; can_recv = 0; break; }
+                    r->status = ST_RECV_ERR;
+                    r->detail = errno;
+                    goto done;
+                }
+                if (n == 0) { r->status = ST_RECV_ERR; r->detail = 0; goto done; }
+                received_bytes += n;
+                progressed = 1;
+                if ((size_t)n < room) { recv_dry = 1; can_recv = 0; }
+                if (!have_target) {
+                    got_head += (size_t)n;
+                    if (recv_dry && got_head < HEAD_SIZE) break;
+                    continue;
+                }
+                target_got += (size_t)n;
+                if (target_got > target_len) { /* the next frame's header came too */
+                    got_head = target_got - target_len;
+                    target_got = target_len;
+                }
+                if (target_got < target_len) {
+                    if (recv_dry) break;
+                    continue;
+                }
+                if (target_len >= (size_t)r->lowat_min) { recv_dry = 1; can_recv = 0; }
+            }
+            /* frame `index` is complete: check its tag before anything uses it */
+            int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target, target_len,
+                                   tag, thread);
+            if (tagged < 0) {
+                r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
+                goto done;
+            }
+            unsigned char diff = 0; /* in constant time */
+            for (int k = 0; k < TAG_SIZE; k++) diff |= (unsigned char)(tag[k] ^ expected_tag[k]);
+            if (diff) { r->status = ST_AUTH; goto done; }
+            r->in_counter++;
+            have_target = 0;
+            if (step[0] < r->reduce_steps) {
+                reduce_into(r->dtype, r->buf + step[1], r->scratch, target_len);
+                if (r->op == OP_AVERAGE && step[0] == r->reduce_steps - 1)
+                    divide(r->dtype, r->buf + step[1], r->ranks, target_len);
+            }
+            if (step[0] + 1 < r->total_steps) {
+                queue[2 * q_tail] = step[1];
+                queue[2 * q_tail + 1] = step[2];
+                q_tail++;
+            }
+            index++;
+            progressed = 1;
+        }
+        if (index == r->n_recv && !n_pending && q_head == q_tail) break;
+        if (held && (index == r->n_recv || received_bytes + r->ahead > sent_bytes)) held = 0;
+        int64_t now = now_ms();
+        int reading = index < r->n_recv;
+        int sending = (n_pending || q_head < q_tail) && !held;
+        if (progressed) {
+            last = now;
+            /* straight to poll only when both sides must wait; otherwise go round again at once */
+            if (!((send_full || held || !(n_pending || q_head < q_tail)) && (recv_dry || !reading))) continue;
+        } else if (now - last > r->timeout_ms) {
+            r->status = ST_TIMEOUT;
+            r->detail = reading ? 0 : 1;
+            goto done;
+        }
+        if (reading) {
+            int64_t wanted = have_target ? (int64_t)(target_len - target_got) : (int64_t)(HEAD_SIZE - got_head);
+            if (wanted < r->lowat_min) wanted = 1;
+            else {
+                int64_t cap_now = index + 1 < r->n_recv ? r->lowat_cap : r->lowat_tail;
+                if (wanted > cap_now) wanted = cap_now;
+            }
+            set_lowat(r, &lowat, wanted);
+        }
+        struct pollfd fds[2];
+        int nfds = 0;
+        short in_ev = reading ? POLLIN : 0, out_ev = sending ? POLLOUT : 0;
+        if (same) {
+            fds[nfds].fd = r->out_fd; fds[nfds].events = in_ev | out_ev; fds[nfds].revents = 0; nfds++;
+        } else { /* a side with nothing to wait for is left out (fd -1): poll reports a hang-up asked or not */
+            fds[nfds].fd = in_ev ? r->in_fd : -1; fds[nfds].events = in_ev; fds[nfds].revents = 0; nfds++;
+            fds[nfds].fd = out_ev ? r->out_fd : -1; fds[nfds].events = out_ev; fds[nfds].revents = 0; nfds++;
+        }
+        int64_t wait_ms = r->timeout_ms - (now - last);
+        if (wait_ms > 1000) wait_ms = 1000;
+        if (wait_ms < 1) wait_ms = 1;
+        if (held && wait_ms > r->ahead_wait_ms) wait_ms = r->ahead_wait_ms;
+        int events = poll(fds, (nfds_t)nfds, (int)wait_ms);
+        if (events < 0) {
+            if (errno != EINTR) { r->status = ST_RECV_ERR; r->detail = errno; goto done; }
+            PyEval_RestoreThread(*thread); /* a signal: let its Python handler run (Ctrl-C raises) */
+            int raised = PyErr_CheckSignals() < 0;
+            *thread = PyEval_SaveThread();
+            if (raised) { r->status = ST_RAISED; goto done; }
+            continue;
+        }
+        if (held && events == 0) released = received_bytes; /* nothing came for a while: send on regardless */
+        for (int k = 0; k < nfds; k++) {
+            short ev = fds[k].revents;
+            if (fds[k].fd == r->out_fd && (ev & (POLLOUT | POLLHUP | POLLERR))) can_send = 1;
+            if (fds[k].fd == r->in_fd && (ev & (POLLIN | POLLHUP | POLLERR))) can_recv = 1;
+        }
+    }
+done:
+    if (lowat != 1) set_lowat(r, &lowat, 1);
+    r->index = index;
+    r->mid_send = n_pending > 0;
+    PyMem_RawFree(queue);
+}
+
+PyDoc_STRVAR(ring_doc,
+"ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
+"     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
+"     lowat_min, mac_mode)\n"
+"-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
+"Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
+"(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
+"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function.");
+
+static PyObject *ring(PyObject *self, PyObject *args) {
+    (void)self;
+    int out_fd, in_fd, reduce_steps, total_steps, dtype, op;
+    unsigned long long out_counter, in_counter;
+    long ranks;
+    long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
+    PyObject *out_mac, *in_mac;
+    Py_buffer out_key, in_key, buf, scratch, first, plan;
+    int mac_mode;
+    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLi", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
+                          &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps,
+                          &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail,
+                          &lowat_min, &mac_mode))
+        return NULL;
+    PyObject *result = NULL;
+    EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
+    if (out_key.len != 32 || in_key.len != 32) {
+        PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
+        goto out;
+    }
+    if (mac_mode != MAC_GIL) {
+        out_ctx = crypto_ctx(out_key.buf);
+        in_ctx = out_ctx ? crypto_ctx(in_key.buf) : NULL;
+        if (!in_ctx && mac_mode == MAC_NO_GIL) {
+            PyErr_SetString(PyExc_RuntimeError, "libcrypto (OpenSSL) could not be loaded or set up");
+            goto out;
+        }
+    }
+    Py_ssize_t n_first = first.len / (Py_ssize_t)(2 * sizeof(int64_t)), n_recv = plan.len / (Py_ssize_t)(3 * sizeof(int64_t));
+    const int64_t *f = first.buf, *p = plan.buf;
+    for (Py_ssize_t i = 0; i < n_first; i++)
+        if (f[2 * i] < 0 || f[2 * i + 1] < f[2 * i] || f[2 * i + 1] > buf.len) {
+            PyErr_SetString(PyExc_ValueError, "a first range lies outside the buffer");
+            goto out;
+        }
+    for (Py_ssize_t i = 0; i < n_recv; i++)
+        if (p[3 * i + 1] < 0 || p[3 * i + 2] < p[3 * i + 1] || p[3 * i + 2] > buf.len
+            || (p[3 * i] < reduce_steps && p[3 * i + 2] - p[3 * i + 1] > scratch.len)) {
+            PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer or the scratch");
+            goto out;
+        }
+    Ring r = {0};
+    r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
+    if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
+    r.out_counter = out_counter; r.in_counter = in_counter;
+    r.buf = buf.buf; r.scratch = scratch.buf; r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
+    r.reduce_steps = reduce_steps; r.total_steps = total_steps; r.dtype = dtype; r.op = op; r.ranks = ranks;
+    r.timeout_ms = timeout_ms; r.ahead = ahead; r.ahead_wait_ms = ahead_wait_ms;
+    r.lowat_cap = lowat_cap; r.lowat_tail = lowat_tail; r.lowat_min = lowat_min;
+    PyThreadState *thread = PyEval_SaveThread();
+    run_ring(&r, &thread);
+    PyEval_RestoreThread(thread);
+    if (r.status == ST_RAISED) goto out; /* the exception is set */
+    result = Py_BuildValue("iLKKny#O", r.status, r.detail, (unsigned long long)r.out_counter,
+                           (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
+                           r.mid_send ? Py_True : Py_False);
+out:
+    if (out_ctx) crypto.ctx_free(out_ctx);
+    if (in_ctx) crypto.ctx_free(in_ctx);
+    PyBuffer_Release(&out_key);
+    PyBuffer_Release(&in_key);
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&scratch);
+    PyBuffer_Release(&first);
+    PyBuffer_Release(&plan);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"ring", ring, METH_VARARGS, ring_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ringloop",
+    "The ring's pipelined exchange loop, compiled (see spark_hvd/core/transport/ringloop.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ringloop(void) { return PyModule_Create(&module); }

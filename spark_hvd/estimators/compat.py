@@ -1,0 +1,88 @@
+"""What differs between the versions of pyspark.ml, MLflow and Lightning that the estimators run on, in one place.
+
+Each function says which versions take which branch (the Spark version itself comes from
+``spark_hvd.runner.compat``), so a branch can be deleted when the floor moves:
+
+- ``save_metadata`` / ``load_metadata``: Spark ML's ``DefaultParamsWriter.saveMetadata`` /
+  ``DefaultParamsReader.loadMetadata`` on a classic session (any Spark) or a Spark Connect one (Spark >= 4.0);
+- ``to_arrow(df)``: a DataFrame's rows as one ``pyarrow.Table`` (``DataFrame.toArrow`` is Spark >= 4.0);
+- ``log_model``: an MLflow flavor's ``log_model`` with the keywords that MLflow version takes (``name=`` and
+  ``step=`` from MLflow 3.0, ``artifact_path=`` before; ``serialization_format=`` where the flavor has it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from spark_hvd.estimators.errors import EstimatorError
+from spark_hvd.runner import cluster
+from spark_hvd.runner import compat as spark_compat
+
+
+def _ml_context(spark: Any, what: str) -> Any:
+    """What ``saveMetadata`` / ``loadMetadata`` take as their ``sc`` argument.
+
+    Spark >= 4.0: the session itself, classic or Connect (pyspark.ml writes through DataFrames).
+    Spark 3.5: a classic session's ``SparkContext`` (3.5 calls ``sc.parallelize`` / ``sc.textFile``); a Spark
+    Connect session has none, and pyspark.ml persistence on Connect needs 4.0: ``EstimatorError`` says so.
+    """
+    if spark_compat.spark_version() >= (4, 0):
+        return spark
+    if cluster.is_connect(spark):
+        spark_compat.require_spark(f"{what} on a Spark Connect session", 4, 0, error=EstimatorError)
+    return spark.sparkContext
+
+
+def save_metadata(instance: Any, path: str, spark: Any, **kwargs: Any) -> None:
+    """``DefaultParamsWriter.saveMetadata(instance, path, <session or context>, **kwargs)`` (``_ml_context``)."""
+    from pyspark.ml.util import DefaultParamsWriter
+
+    DefaultParamsWriter.saveMetadata(instance, path, _ml_context(spark, f"saving a {type(instance).__name__}"),
+                                     **kwargs)
+
+
+def load_metadata(path: str, spark: Any) -> dict[str, Any]:
+    """``DefaultParamsReader.loadMetadata(path, <session or context>)`` (``_ml_context``)."""
+    from pyspark.ml.util import DefaultParamsReader
+
+    return DefaultParamsReader.loadMetadata(path, _ml_context(spark, f"loading the stage at {path}"))
+
+
+def to_arrow(df: Any) -> Any:
+    """``df`` collected to the driver as a ``pyarrow.Table`` (call it on small DataFrames: one row, a few rows).
+
+    Spark >= 4.0: ``df.toArrow()`` (classic and Connect). Spark 3.5 has no ``toArrow``: a classic DataFrame's
+    Arrow batches (``_collect_as_arrow``, what 3.5's ``toPandas`` uses; an empty result takes its schema from
+    ``df.schema``), a Connect one's table from its client (``client.to_table``, what 3.5's ``toPandas`` uses).
+    """
+    if spark_compat.spark_version() >= (4, 0):
+        return df.toArrow()
+    import pyarrow as pa
+
+    if cluster.is_connect(df.sparkSession):
+        table, _ = df._session.client.to_table(df._plan.to_proto(df._session.client))
+        return table
+    batches = df._collect_as_arrow()
+    if batches:
+        return pa.Table.from_batches(batches)
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(df.schema).empty_table()
+
+
+def log_model(flavor_log_model: Callable[..., Any], model: Any, name: str, **kwargs: Any) -> Any:
+    """``flavor_log_model(model, name=name, **kwargs)`` (``mlflow.pytorch.log_model``, ``mlflow.keras.log_model``),
+    the keywords fitted to the installed MLflow:
+
+    - MLflow >= 3.0 names the logged model ``name=``; MLflow 2.x (Databricks 15.4 LTS ML has 2.13.1, 16.4 2.21)
+      takes ``artifact_path=`` (3.x still accepts it, deprecated).
+    - ``step=`` (the run's step the model is logged at) exists from MLflow 3.0; 2.x has no such argument: dropped.
+    - any other keyword the flavor's signature does not name (``serialization_format=``, which
+      ``mlflow.pytorch.log_model`` has only in recent 3.x releases) is dropped too, rather than falling into
+      the flavor's ``**kwargs`` (which ``mlflow.pytorch`` hands to ``torch.save``).
+    """
+    params = inspect.signature(flavor_log_model).parameters
+    kwargs["name" if "name" in params else "artifact_path"] = name
+    return flavor_log_model(model, **{k: v for k, v in kwargs.items() if k in params})

@@ -1,0 +1,208 @@
+"""Horovod's MXNet training wrappers: ``DistributedOptimizer`` (an ``mx.optimizer.Optimizer``) and
+``DistributedTrainer`` (a Gluon ``Trainer``), both averaging gradients over the core's engine before the update.
+
+Averaging: the core's ``Average`` with ``prescale = 1 / gradient_predivide_factor`` and ``postscale =
+gradient_predivide_factor`` (``_binding_common.gradient_scales``), so the sum happens on gradients divided by the
+factor and the result is the plain average (Horovod's semantics). Every gradient of a step is submitted before
+any is waited for, so the engine fuses them; without groups each goes as soon as MXNet's queued reads and writes
+of it are done (last parameter first), overlapping the reduction of the first with the backward pass of the rest.
+``num_groups`` > 0 splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each
+submitted whole.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+
+from spark_hvd import _binding_common as common
+from spark_hvd.core.backend import ReduceOp
+from spark_hvd.core.process_sets import ProcessSet, global_process_set
+from spark_hvd.mxnet import mpi_ops
+from spark_hvd.mxnet.compression import Compression, Compressor
+
+
+def split_groups(items: Sequence[Any], num_groups: int) -> list[list[Any]]:
+    """``items`` split into ``num_groups`` consecutive groups whose lengths differ by at most one (the first
+    ``len % num_groups`` are longer); empty groups are left out."""
+    n = max(1, min(num_groups, len(items)))
+    per, extra = divmod(len(items), n)
+    out, at = [], 0
+    for i in range(n):
+        step = per + (1 if i < extra else 0)
+        out.append(list(items[at:at + step]))
+        at += step
+    return [g for g in out if g]
+
+
+def _allreduce_grads(grads: list[Any], names: list[str], num_groups: int, predivide: float,
+                     process_set: ProcessSet) -> None:
+    """Average ``grads`` (host NDArrays, in the parameters' order) in place across ``process_set``, then wait.
+
+    Without groups each gradient is submitted as soon as MXNet's queued reads and writes of it are done, last
+    parameter first (the order backward produces them), so the engine reduces the first ones while MXNet computes
+    the rest. With
+    ``num_groups`` > 0, Horovod's groups: one submission per group (per dtype within a group) after MXNet's queued
+    operators are done."""
+    prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, predivide)
+    if num_groups <= 0:
+        mpi_ops.allreduce_async_inplace(grads[::-1], names[::-1], ReduceOp.AVERAGE, prescale, postscale,
+                                        process_set, as_ready=True)()
+        return
+    waits = []
+    for group in split_groups(list(zip(grads, names, strict=True)), num_groups):
+        by_dtype: dict[Any, list[tuple[Any, str]]] = {}
+        for g, n in group:
+            by_dtype.setdefault(g.dtype, []).append((g, n))
+        for entries in by_dtype.values():
+            ts = [g for g, _ in entries]
+            base = f"{entries[0][1]}:{entries[-1][1]}"
+            waits.append(mpi_ops.allreduce_async_inplace(ts, [f"{base}.{i}" for i in range(len(ts))],
+                                                         ReduceOp.AVERAGE, prescale, postscale, process_set))
+    for wait in waits:
+        wait()
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """An MXNet optimizer that averages each gradient across the ranks (of ``process_set``) before ``optimizer``
+    updates the weight. Use it with ``mx.gluon.Trainer(..., kvstore=None)`` or ``Module.fit(kvstore=None)``.
+
+    Attributes that are not its own are read from and written to the wrapped optimizer (a Trainer sets
+    ``rescale_grad`` on the optimizer it holds: the wrapped one must see it).
+    """
+
+    _OWN = frozenset({"_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set"})
+
+    def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, process_set: ProcessSet = global_process_set) -> None:
+        common.gradient_scales(ReduceOp.AVERAGE, gradient_predivide_factor)  # checks the factor
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_gradient_predivide_factor", float(gradient_predivide_factor))
+        object.__setattr__(self, "_num_groups", int(num_groups))
+        object.__setattr__(self, "_process_set", process_set)
+
+    def __getattr__(self, item: str) -> Any:
+        if item in DistributedOptimizer._OWN:
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in DistributedOptimizer._OWN:
+            object.__setattr__(self, key, value)
+        else:
+            setattr(self._optimizer, key, value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The wrapper's own fields (``Trainer.save_states`` pickles the optimizer; the wrapped one pickles itself)."""
+        return {k: self.__dict__[k] for k in DistributedOptimizer._OWN}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def create_state(self, index: Any, weight: Any) -> Any:
+        """The wrapped optimizer's state for ``weight``."""
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index: Any, weight: Any) -> Any:
+        """The wrapped optimizer's state for ``weight`` (with a float32 master copy of a float16 one)."""
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _reduce(self, index: Any, grad: Any) -> None:
+        ps = self._process_set
+        if not ps.included() or common.set_size(ps) == 1:
+            return
+        common.require_init("DistributedOptimizer.update()")
+        if isinstance(index, (tuple, list)):
+            grads, names = list(grad), [str(i) for i in index]
+        else:
+            grads, names = [grad], [str(index)]
+        _allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, ps)
+
+    def update(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """Average ``grad`` (one NDArray, or a list with ``index`` a list) across ranks, then update."""
+        self._reduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index: Any, weight: Any, grad: Any, state: Any) -> None:
+        """:meth:`update` for optimizers keeping float32 master weights of float16 ones."""
+        self._reduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the wrapped optimizer's learning rate."""
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult: dict[Any, float]) -> None:
+        """Set the wrapped optimizer's per-parameter learning-rate multipliers."""
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: dict[Any, float]) -> None:
+        """Set the wrapped optimizer's per-parameter weight-decay multipliers."""
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A Gluon ``Trainer`` whose ``step`` averages the gradients across the ranks (of ``process_set``) over the
+    core's engine instead of a kvstore, then updates as ``Trainer`` does.
+
+    Args:
+        params: the parameters to train (``net.collect_params()``, a dict, or a list), in the same order on every
+            rank (they are named by position).
+        optimizer: an optimizer name (``"sgd"``) or an ``mx.optimizer.Optimizer`` (a ``DistributedOptimizer`` is
+            unwrapped, with a warning: the trainer reduces the gradients itself).
+        optimizer_params: the optimizer's keyword arguments when ``optimizer`` is a name.
+        compression: ``Compression.fp16`` sends float gradients as float16.
+        gradient_predivide_factor: divide gradients by this before the sum and multiply after (the result is the
+            average either way); keeps float16 sums in range on large jobs.
+        prefix: prepended to the collectives' names; give each trainer of one program its own.
+        num_groups: > 0 splits the gradients into this many named groups (Horovod's option).
+        process_set: average over the ranks of this process set only.
+    """
+
+    def __init__(self, params: Any, optimizer: Any, optimizer_params: dict[str, Any] | None = None,
+                 compression: type[Compressor] = Compression.none, gradient_predivide_factor: float = 1.0,
+                 prefix: str | None = None, num_groups: int = 0,
+                 process_set: ProcessSet = global_process_set) -> None:
+        common.gradient_scales(ReduceOp.AVERAGE, gradient_predivide_factor)  # checks the factor
+        if prefix is not None and not isinstance(prefix, str):
+            raise ValueError(f"DistributedTrainer: prefix must be a str, got {type(prefix).__name__}")
+        if num_groups < 0:
+            raise ValueError(f"num_groups must be >= 0, got {num_groups}")
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer = optimizer._optimizer
+            warnings.warn("DistributedTrainer reduces the gradients itself: it takes a plain optimizer, and the "
+                          "DistributedOptimizer given was unwrapped", stacklevel=2)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+        self._compression = compression
+        self._gradient_predivide_factor = float(gradient_predivide_factor)
+        self._prefix = prefix or ""
+        self._num_groups = int(num_groups)
+        self._process_set = process_set
+
+    def _allreduce_grads(self) -> None:
+        ps = self._process_set
+        if not ps.included() or common.set_size(ps) == 1:
+            return
+        common.require_init("DistributedTrainer.step()")
+        grads, names, restore = [], [], []
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grad = param.list_grad()[0]
+            sent, ctx = self._compression.compress(grad)
+            grads.append(sent)
+            names.append(f"{self._prefix}{i}")
+            if sent is not grad:
+                restore.append((param, sent, ctx))
+        if grads:
+            _allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, ps)
+        for param, sent, ctx in restore:
+            value = self._compression.decompress(sent, ctx)
+            for g in param.list_grad():
+                g[:] = value
