@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test bench lint lock clean
+.PHONY: setup demo test legs leg-floor leg-spark40 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,16 @@ test: setup
 	$(PY) tools/lock.py check
 	$(PY) -m pytest
 
+# The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
+# installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.
+leg-floor:
+	$(PYTHON) tools/leg.py runtimes/dbr-15.4-ml.txt
+
+leg-spark40:
+	$(PYTHON) tools/leg.py runtimes/dbr-17.3-ml.txt
+
+legs: leg-floor leg-spark40
+
 bench: setup
 	$(PY) benchmarks/allreduce.py
 
@@ -44,4 +54,4 @@ lint: setup
 	$(VENV)/bin/ruff check spark_hvd tests benchmarks examples tools
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache spark_hvd/core/transport/*.so
+	rm -rf $(VENV) .venv-dbr-* dist build *.egg-info .pytest_cache spark_hvd/core/transport/*.so

@@ -11,10 +11,15 @@ The one thing setup.cfg cannot say: the optional compiled ring loop, ``spark_hvd
   ``.c`` in spark_hvd/core/transport/, where the editable install imports it from. Each install compiles afresh (pip
   builds in a new temporary directory) and first deletes the ``.so`` in place, so a ``.c`` that no longer
   compiles leaves the Python loop running, never the last good build of older source.
+- ``SPARK_HVD_PURE=1`` leaves it out on purpose: ``SPARK_HVD_PURE=1 python -m build`` makes a pure-Python
+  ``py3-none-any`` wheel that installs on every platform and Python (the Python loop), beside an sdist that
+  compiles the fast loop where it is installed with a compiler. Without it, ``python -m build --wheel`` makes a
+  wheel for this platform and Python only (``cp311-cp311-linux_x86_64``) when the compile succeeds.
 - ``-O2 -ffp-contract=off`` after Python's own flags (its ``-O3`` overridden): no ``-march=native``, no
   ``-ffast-math``, no fused multiply-add, so the sums are bitwise IEEE and the ``.so`` runs on every host.
 """
 
+import os
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -35,7 +40,7 @@ class FreshInplaceBuildExt(build_ext):
 
 
 ext_modules = []
-if (ROOT / RINGLOOP).is_file():
+if (ROOT / RINGLOOP).is_file() and os.environ.get("SPARK_HVD_PURE", "") not in ("1", "true", "yes"):
     ext_modules.append(Extension(
         "spark_hvd.core.transport._ringloop",
         sources=[RINGLOOP],

@@ -48,9 +48,15 @@ def spark_connect(spark):
     It is not left as the thread's active session, so tests that do not ask for it stay on the classic one. The
     test process also holds a classic ``SparkContext``; the code under test must not use it for a Connect session.
     """
-    from pyspark.sql.connect.session import SparkSession as ConnectSession
+    import pyspark
+    from py4j.java_gateway import JavaClass
 
     jvm = spark.sparkContext._jvm
+    if not isinstance(jvm.org.apache.spark.sql.connect.service.SparkConnectService, JavaClass):
+        pytest.skip(f"pyspark {pyspark.__version__} has no Spark Connect server in its jars (pyspark ships it from 4.0;"
+                    " 3.5 needs the spark-connect package from Maven, which these tests do not fetch)")
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
     jvm.org.apache.spark.sql.connect.service.SparkConnectService.start(spark.sparkContext._jsc.sc())
     port = spark.sparkContext.getConf().get("spark.connect.grpc.binding.port")
     session = ConnectSession.builder.remote(f"sc://127.0.0.1:{port}").create()

@@ -53,6 +53,7 @@ def one_rank(tmp_path_factory):
     return launch_worker("keras_worker.py", 1, tmp_path_factory.mktemp("keras1"), timeout_s=300, quick=True)
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", CHECKS)

@@ -38,6 +38,7 @@ def two_ranks(tmp_path_factory):
     return launch_worker("tf_worker.py", 2, tmp_path_factory.mktemp("tf2"), timeout_s=400)
 
 
+@pytest.mark.compat
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", CHECKS)
 def test_tensorflow_np2(two_ranks, name):

@@ -45,6 +45,7 @@ def one_rank(tmp_path_factory):
     return launch_worker("torch_worker.py", 1, tmp_path_factory.mktemp("torch1"), quick=True)
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", CHECKS)

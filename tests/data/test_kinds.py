@@ -60,6 +60,7 @@ def _read(store, info, size=2, **kwargs):
     return got
 
 
+@pytest.mark.compat
 def test_every_kind_round_trips_across_two_ranks(kinds_df, store):
     rows, df = kinds_df
     info = prepare_data(df, store, ["img", "text", "tokens", "grid", "vec"], "id", num_proc=2,
@@ -109,6 +110,7 @@ def test_every_kind_round_trips_across_two_ranks(kinds_df, store):
     assert padded.tolist() == [[1, 2, 3], [-1, -1, -1], [4, -1, -1]] and lengths.tolist() == [3, 0, 1]
 
 
+@pytest.mark.compat
 def test_unsupported_and_bad_values_are_caught_on_the_driver(spark, store):
     maps = spark.createDataFrame([({"a": 1.0}, 1.0)], "m map<string,double>, y double")
     with pytest.raises(UnsupportedColumnTypeError, match=r"feature column 'm' has type map<string,double>.*select"):

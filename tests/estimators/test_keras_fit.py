@@ -91,6 +91,7 @@ def _estimator(store, model, **kw) -> KerasEstimator:
     return KerasEstimator(**args)
 
 
+@pytest.mark.compat
 def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spark, store, reg_df, tmp_path,
                                                                             mlflow_tracking):
     from pyspark.ml import Pipeline, PipelineModel
@@ -157,6 +158,7 @@ def test_pipeline_regression_custom_layer_save_load_transform_resume_mlflow(spar
                                rtol=1e-6)
 
 
+@pytest.mark.compat
 def test_digits_classification_accuracy(spark, store):
     from sklearn.datasets import load_digits
 

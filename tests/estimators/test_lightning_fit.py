@@ -55,6 +55,7 @@ def digits_df(spark):
     return spark.createDataFrame(rows, "pixels array<float>, digit int")
 
 
+@pytest.mark.compat
 def test_digits_pipeline_accuracy_transform_save_load_resume(spark, digits_df, tmp_path):
     from pyspark.ml import Pipeline, PipelineModel
 

@@ -42,6 +42,7 @@ def _fit_save_load(spark, est, tmp_path) -> tuple:
     return loaded.stages[0], _accuracy(before, target)
 
 
+@pytest.mark.compat
 def test_torch_digits_pipeline_on_connect(connect_mode, tmp_path):
     import torch
 

@@ -31,6 +31,7 @@ from spark_hvd.store.run_dir import RunDir
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this test module
 
 
+@pytest.mark.compat
 def test_the_trigger_counts_optimizer_steps_over_the_run():
     hvd = SimpleNamespace(broadcast_object=lambda value, root_rank: value)
     every3 = StepTrigger(3, None)
@@ -42,6 +43,7 @@ def test_the_trigger_counts_optimizer_steps_over_the_run():
     assert timed.enabled and timed.due(1, hvd)
 
 
+@pytest.mark.compat
 def test_random_state_round_trip():
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     saved = rng_state()
@@ -50,6 +52,7 @@ def test_random_state_round_trip():
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
 
 
+@pytest.mark.compat
 def test_the_newest_step_checkpoint_after_a_point_is_found_and_older_ones_deleted(tmp_path):
     store = Store.create(str(tmp_path / "store"))
     for epoch, step in ((0, 3), (1, 2), (1, 5)):
@@ -103,6 +106,7 @@ def df(spark):
     return spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
 
 
+@pytest.mark.compat
 @pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(600)

@@ -52,6 +52,7 @@ def _estimator(store, net, **kw) -> TorchEstimator:
     return TorchEstimator(**args)
 
 
+@pytest.mark.compat
 def test_pipeline_regression_fit_save_load_transform(spark, store, reg_df, tmp_path):
     from pyspark.ml import Pipeline, PipelineModel
     from pyspark.ml.feature import VectorAssembler
@@ -98,6 +99,7 @@ def test_pipeline_regression_fit_save_load_transform(spark, store, reg_df, tmp_p
     assert_events_match_history(store, tm.getRunId(), hist, tmp_path)
 
 
+@pytest.mark.compat
 def test_digits_classification_accuracy(spark, store):
     from sklearn.datasets import load_digits
 
@@ -162,6 +164,7 @@ class _EpochLog:
         self.recorder.batch_end(self._rank(), epoch, step)
 
 
+@pytest.mark.compat
 def test_resume_by_run_id_and_mlflow(spark, store, reg_df, tmp_path, mlflow_tracking):
     from pyspark.ml.feature import VectorAssembler
 

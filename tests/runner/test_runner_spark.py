@@ -40,6 +40,7 @@ def _allreduce_fn(seed: int) -> dict:
             "local_size": hvd.local_size(), "data": data, "sum": summed, "pid": os.getpid()}
 
 
+@pytest.mark.compat
 def test_results_by_rank_and_allreduce_sum(any_spark):
     results = run(_allreduce_fn, args=(1234,), num_proc=2)  # finds the session: the thread's active one
     assert [r["rank"] for r in results] == [0, 1]

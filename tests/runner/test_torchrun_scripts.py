@@ -19,6 +19,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 
 
+@pytest.mark.compat
 def test_a_script_gets_its_argv_and_torchruns_environment(any_spark, tmp_path):
     results = run(os.path.join(SCRIPTS, "torchrun_report.py"), args=["--lr", "1e-3", "--dir", str(tmp_path)],
                   num_proc=2)
