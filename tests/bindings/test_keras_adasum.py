@@ -1,0 +1,193 @@
+"""``spark_hvd.keras.DistributedOptimizer(..., op=Adasum)`` (the delta optimizer) against a single-process
+computation: every rank's model and plain optimizer (its own slots) simulated in one process, each rank's local
+step from the same variables on its own batches (``backward_passes_per_step`` passes summed), the changes combined
+per variable with the numpy Adasum tree (``helpers.adasum``). Through ``model.fit`` and a custom loop
+(``GradientTape`` + ``apply_gradients``), float64, on the Keras TensorFlow backend; a process set; the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers.adasum import tree
+from helpers.ranks import run_ranks
+
+pytest.importorskip("keras")
+pytest.importorskip("tensorflow")
+
+STEPS = 3
+BATCH = 8
+ENV = {"SPARK_HVD_TIMEOUT": "60", "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
+# (name, optimizer, backward_passes_per_step, loop, process set members or None)
+SCENARIOS = {
+    2: [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None),
+        ("adam-bpps2-tape", "adam", 2, "tape", None)],
+    3: [("adam-bpps2-fit-pset02", "adam", 2, "fit", [0, 2]), ("sgd-fit", "sgd", 1, "fit", None)],
+}
+
+
+def _setup() -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    import keras
+
+    keras.config.set_floatx("float64")
+
+
+def _model():
+    import keras
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)])
+    g = np.random.default_rng(1234)
+    model.set_weights([g.normal(size=w.shape) * 0.5 for w in model.get_weights()])
+    return model
+
+
+def _optimizer(kind: str):
+    import keras
+
+    if kind == "adam":  # per-rank moments: the delta is not a linear function of the gradient
+        return keras.optimizers.Adam(learning_rate=0.05)
+    return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+
+
+def _data(rank: int, passes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s batches, in order: step s, pass k is rows ``(s * passes + k) * BATCH``..."""
+    g = np.random.default_rng([rank, passes])
+    n = STEPS * passes * BATCH
+    return g.normal(loc=0.3 * rank, size=(n, 5)), g.normal(size=(n, 3))
+
+
+def _train(hvd, kind: str, passes: int, loop: str, members: list[int] | None, rank: int) -> list[np.ndarray]:
+    import keras
+    import tensorflow as tf
+
+    pset = hvd.add_process_set(members) if members is not None else None
+    model = _model()
+    opt = hvd.DistributedOptimizer(_optimizer(kind), op=hvd.Adasum, backward_passes_per_step=passes,
+                                   process_set=pset)
+    x, y = _data(rank, passes)
+    if loop == "fit":
+        model.compile(optimizer=opt, loss="mse", jit_compile=False)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    else:
+        loss_fn = keras.losses.MeanSquaredError()
+        for b in range(STEPS * passes):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[b * BATCH:(b + 1) * BATCH], model(x[b * BATCH:(b + 1) * BATCH]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+    if pset is not None:
+        hvd.remove_process_set(pset)
+    return [w.copy() for w in model.get_weights()]
+
+
+def _reference(kind: str, passes: int, n: int, members: list[int] | None,
+               combine=tree) -> list[list[np.ndarray]]:
+    """Every rank's variables after STEPS steps, computed in this one process (``combine``: how the members'
+    changes of one variable are combined; Adasum's tree, or a mean to show the test tells them apart)."""
+    import keras
+    import tensorflow as tf
+
+    members = list(range(n)) if members is None else members
+    models = [_model() for _ in range(n)]
+    opts = [_optimizer(kind) for _ in range(n)]
+    loss_fn = keras.losses.MeanSquaredError()
+    data = [_data(r, passes) for r in range(n)]
+    for s in range(STEPS):
+        before = [m.get_weights() for m in models]
+        deltas = []
+        for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            x, y = data[r]
+            total = None
+            for k in range(passes):  # the passes' gradients summed (Horovod's default)
+                b = s * passes + k
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y[b * BATCH:(b + 1) * BATCH], m(x[b * BATCH:(b + 1) * BATCH]))
+                g = tape.gradient(loss, m.trainable_variables)
+                total = g if total is None else [a + c for a, c in zip(total, g, strict=True)]
+            # the distributed optimizer's ``iterations`` counts passes (Horovod's), and Adam's bias correction
+            # reads it: the plain optimizer is given the same count
+            opt.iterations.assign(s * passes + passes - 1)
+            opt.apply_gradients(zip(total, m.trainable_variables, strict=True))
+            deltas.append([w - b0 for w, b0 in zip(m.get_weights(), before[r], strict=True)])
+        start = before[members[0]]
+        combined = [combine([deltas[r][i].reshape(-1) for r in members]).reshape(start[i].shape)
+                    for i in range(len(start))]
+        for r in members:
+            models[r].set_weights([b0 + c for b0, c in zip(start, combined, strict=True)])
+    return [m.get_weights() for m in models]
+
+
+def _job(n: int) -> dict:
+    _setup()
+    import spark_hvd.keras as hvd
+
+    hvd.init()
+    try:
+        r = hvd.rank()
+        got = {name: _train(hvd, kind, passes, loop, members, r)
+               for name, kind, passes, loop, members in SCENARIOS[n]}
+    finally:
+        hvd.shutdown()
+    if r != 0:
+        return {"got": got}
+    want = {name: _reference(kind, passes, n, members) for name, kind, passes, _, members in SCENARIOS[n]}
+    averaged = {name: _reference(kind, passes, n, members, combine=lambda v: sum(v) / len(v))
+                for name, kind, passes, _, members in SCENARIOS[n]}
+    return {"got": got, "want": want, "averaged": averaged}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("n", [2, 3], ids=["np2", "np3"])
+def test_keras_adasum_matches_single_process(n):
+    results = run_ranks(_job, n, env=ENV, args=(n,), timeout=360)
+    want = results[0]["want"]
+    for name, _kind, _passes, _loop, members in SCENARIOS[n]:
+        inside = list(range(n)) if members is None else members
+        for r, res in enumerate(results):
+            for i, (got, exp) in enumerate(zip(res["got"][name], want[name][r], strict=True)):
+                np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12, err_msg=f"{name}: rank {r} variable {i}")
+        first = results[inside[0]]["got"][name]
+        for r in inside:
+            for got, f in zip(results[r]["got"][name], first, strict=True):
+                np.testing.assert_array_equal(got, f)
+        for r in set(range(n)) - set(inside):  # outside the set: trained alone
+            assert not np.allclose(results[r]["got"][name][0], first[0])
+        # averaging the changes instead would give other variables (the comparison can fail)
+        assert not np.allclose(first[0], results[0]["averaged"][name][inside[0]][0], rtol=1e-6)
+
+
+def _errors_job() -> dict:
+    _setup()
+    import keras
+
+    import spark_hvd.keras as hvd
+
+    hvd.init()
+    out: dict[str, str] = {}
+    try:
+        for key, kwargs in [("average_aggregated", {"average_aggregated_gradients": True,
+                                                    "backward_passes_per_step": 2}),
+                            ("predivide", {"gradient_predivide_factor": 2.0}),
+                            ("loss_scale", {"optimizer": keras.optimizers.LossScaleOptimizer(
+                                keras.optimizers.SGD(0.1))})]:
+            args = {"optimizer": keras.optimizers.SGD(0.1), "op": hvd.Adasum, **kwargs}
+            try:
+                hvd.DistributedOptimizer(**args)
+                out[key] = "no error"
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                out[key] = f"{type(exc).__name__}: {exc}"
+        return out
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_keras_adasum_refusals():
+    out = run_ranks(_errors_job, 1, env=ENV, timeout=150)[0]
+    assert out["average_aggregated"] == "ValueError: Adasum does not support average_aggregated_gradients == True"
+    assert out["predivide"].startswith("ValueError: gradient_predivide_factor needs op=Average"), out
+    assert out["loss_scale"].startswith("NotImplementedError: DistributedOptimizer(op=Adasum) with loss scaling"), out
