@@ -180,6 +180,12 @@ def _errors_job() -> dict:
                 out[key] = "no error"
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 out[key] = f"{type(exc).__name__}: {exc}"
+        # horovod.tensorflow's DistributedOptimizer with a Keras optimizer takes the Keras path
+        import spark_hvd.tensorflow as tfhvd
+        from spark_hvd.keras.adasum_optimizer import DeltaAdasumMixin
+
+        wrapped = tfhvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=tfhvd.Adasum)
+        out["tensorflow"] = "delta" if isinstance(wrapped, DeltaAdasumMixin) else type(wrapped).__mro__[1].__name__
         return out
     finally:
         hvd.shutdown()
@@ -190,4 +196,5 @@ def test_keras_adasum_refusals():
     out = run_ranks(_errors_job, 1, env=ENV, timeout=150)[0]
     assert out["average_aggregated"] == "ValueError: Adasum does not support average_aggregated_gradients == True"
     assert out["predivide"].startswith("ValueError: gradient_predivide_factor needs op=Average"), out
+    assert out["tensorflow"] == "delta", out
     assert out["loss_scale"].startswith("NotImplementedError: DistributedOptimizer(op=Adasum) with loss scaling"), out
