@@ -6,6 +6,8 @@ process set (the ranks outside it keep their own steps)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from helpers.adasum import tree
@@ -41,31 +43,48 @@ def _loss(model: torch.nn.Module, rank: int, step: int, k: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _job(kind: str, passes: int, fp16: bool, members: list[int] | None) -> dict:
-    """One rank: train STEPS steps with the Adasum optimizer; its final parameters and what it observed."""
+def _train(hvd, kind: str, passes: int, fp16: bool, members: list[int] | None) -> dict:
+    """This rank trains STEPS steps with the Adasum optimizer: its final parameters and what it observed."""
+    r = hvd.rank()
+    pset = hvd.add_process_set(members) if members is not None else hvd.global_process_set
+    model = _model()
+    opt = hvd.DistributedOptimizer(_optimizer(kind, model), named_parameters=model.named_parameters(),
+                                   op=hvd.Adasum, backward_passes_per_step=passes, process_set=pset,
+                                   compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+    in_flight_after_backward = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        for k in range(passes):
+            _loss(model, r, s, k).backward()
+        in_flight_after_backward.append(len(getattr(opt, "_hvd_handles", {})))
+        opt.step()
+    if members is not None:
+        hvd.remove_process_set(pset)
+    return {"params": [p.detach().numpy().copy() for p in model.parameters()],
+            "in_flight": in_flight_after_backward, "class": type(opt).__name__,
+            "isinstance": isinstance(opt, type(_optimizer(kind, _model())))}
+
+
+def _job(n: int) -> dict:
+    """One rank of an N-rank launch: every case of that N, then (N = 2) the refusals."""
     import spark_hvd.torch as hvd
 
     torch.set_num_threads(1)
     hvd.init()
     try:
-        r = hvd.rank()
-        pset = hvd.add_process_set(members) if members is not None else hvd.global_process_set
-        model = _model()
-        opt = hvd.DistributedOptimizer(_optimizer(kind, model), named_parameters=model.named_parameters(),
-                                       op=hvd.Adasum, backward_passes_per_step=passes, process_set=pset,
-                                       compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
-        in_flight_after_backward = []
-        for s in range(STEPS):
-            opt.zero_grad()
-            for k in range(passes):
-                _loss(model, r, s, k).backward()
-            in_flight_after_backward.append(len(getattr(opt, "_hvd_handles", {})))
-            opt.step()
-        return {"params": [p.detach().numpy().copy() for p in model.parameters()],
-                "in_flight": in_flight_after_backward, "class": type(opt).__name__,
-                "isinstance": isinstance(opt, type(_optimizer(kind, _model())))}
+        out = {case: _train(hvd, kind, passes, fp16, members)
+               for case, (kind, passes, size, fp16, members) in CASES.items() if size == n}
+        if n == 2:
+            out["errors"] = _errors(hvd)
+        return out
     finally:
         hvd.shutdown()
+
+
+@functools.cache
+def _launch(n: int) -> list[dict]:
+    """The results of one N-rank launch by rank (one launch per N for the whole module)."""
+    return run_ranks(_job, n, env=ENV, args=(n,), timeout=400)
 
 
 def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | None) -> list[list[np.ndarray]]:
@@ -93,23 +112,22 @@ def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | 
     return [[p.detach().numpy().copy() for p in m.parameters()] for m in models]
 
 
-CASES = [  # (optimizer, backward_passes_per_step, ranks, fp16 compression, process set)
-    ("adam", 1, 2, False, None),
-    ("sgd", 2, 2, False, None),
-    ("adam", 2, 3, False, None),
-    ("adam", 1, 4, False, None),
-    ("sgd", 1, 2, True, None),
-    ("adam", 2, 3, False, [0, 2]),
-]
+CASES = {  # id: (optimizer, backward_passes_per_step, ranks, fp16 compression, process set)
+    "adam-np2": ("adam", 1, 2, False, None),
+    "sgd-bpps2-np2": ("sgd", 2, 2, False, None),
+    "sgd-fp16-np2": ("sgd", 1, 2, True, None),
+    "adam-bpps2-np3": ("adam", 2, 3, False, None),
+    "adam-bpps2-pset02-np3": ("adam", 2, 3, False, [0, 2]),
+    "adam-np4": ("adam", 1, 4, False, None),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,passes,n,fp16,members", CASES,
-                         ids=["adam-np2", "sgd-bpps2-np2", "adam-bpps2-np3", "adam-np4", "sgd-fp16-np2",
-                              "adam-bpps2-pset02-np3"])
-def test_adasum_optimizer_matches_single_process(kind, passes, n, fp16, members):
-    results = run_ranks(_job, n, env=ENV, args=(kind, passes, fp16, members), timeout=240)
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("case", list(CASES))
+def test_adasum_optimizer_matches_single_process(case):
+    kind, passes, n, fp16, members = CASES[case]
+    results = [by_case[case] for by_case in _launch(n)]
     want = _reference(kind, passes, n, fp16, members)
     rtol = 5e-3 if fp16 else 1e-10
     inside = list(range(n)) if members is None else members
@@ -140,58 +158,53 @@ def test_reference_is_not_averaging_or_summing():
     np.testing.assert_array_equal(together[0][0], together[1][0])
 
 
-def _errors_job() -> dict:
-    import spark_hvd.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
+def _errors(hvd) -> dict[str, str]:
+    """Horovod's refusals, each as "ExceptionType: message"."""
     out: dict[str, str] = {}
-    try:
-        model = _model()
+    model = _model()
 
-        def attempt(key: str, fn) -> None:
-            try:
-                fn()
-                out[key] = "no error"
-            except Exception as exc:  # noqa: BLE001 - reported to the test
-                out[key] = f"{type(exc).__name__}: {exc}"
+    def attempt(key: str, fn) -> None:
+        try:
+            fn()
+            out[key] = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[key] = f"{type(exc).__name__}: {exc}"
 
-        attempt("predivide", lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, gradient_predivide_factor=2.0))
-        twice_named = list(model.named_parameters()) + [("0.weight", torch.nn.Parameter(torch.ones(2)))]
-        for op in ("Adasum", "Average"):  # Horovod's test_duplicate_names, with and without Adasum
-            attempt(f"duplicates {op}", lambda op=op: hvd.DistributedOptimizer(
-                torch.optim.SGD([p for _, p in twice_named], lr=0.1), named_parameters=twice_named,
-                op=getattr(hvd, op)))
-        attempt("unnamed", lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=list(model.named_parameters())[:2],
-            op=hvd.Adasum))
-        attempt("passes", lambda: hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, backward_passes_per_step=0))
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       named_parameters=model.named_parameters(), op=hvd.Adasum)
+    attempt("predivide", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, gradient_predivide_factor=2.0))
+    twice_named = list(model.named_parameters()) + [("0.weight", torch.nn.Parameter(torch.ones(2)))]
+    for op in ("Adasum", "Average"):  # Horovod's test_duplicate_names, with and without Adasum
+        attempt(f"duplicates {op}", lambda op=op: hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in twice_named], lr=0.1), named_parameters=twice_named,
+            op=getattr(hvd, op)))
+    attempt("unnamed", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=list(model.named_parameters())[:2],
+        op=hvd.Adasum))
+    attempt("passes", lambda: hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum, backward_passes_per_step=0))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
 
-        def skip() -> None:
-            with opt.skip_synchronize():
-                pass
+    def skip() -> None:
+        with opt.skip_synchronize():
+            pass
 
-        attempt("skip_synchronize", skip)
-        _loss(model, hvd.rank(), 0, 0).backward()
-        attempt("zero_grad", opt.zero_grad)
-        opt.step()  # the step of that backward still completes on every rank
-        _loss(model, hvd.rank(), 1, 0).backward()
-        attempt("twice", lambda: _loss(model, hvd.rank(), 2, 0).backward())
-        opt.step()
-        opt.zero_grad()
-        return out
-    finally:
-        hvd.shutdown()
+    attempt("skip_synchronize", skip)
+    _loss(model, hvd.rank(), 0, 0).backward()
+    attempt("zero_grad", opt.zero_grad)
+    opt.step()  # the step of that backward still completes on every rank
+    _loss(model, hvd.rank(), 1, 0).backward()
+    attempt("twice", lambda: _loss(model, hvd.rank(), 2, 0).backward())
+    opt.step()
+    opt.zero_grad()
+    return out
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_adasum_optimizer_errors():
-    """Horovod's refusals, with its exception types."""
-    out = run_ranks(_errors_job, 2, env=ENV, timeout=150)[0]
+    """Horovod's refusals, with its exception types (checked in the 2-rank launch)."""
+    out = _launch(2)[0]["errors"]
     assert out["predivide"].startswith("ValueError: gradient_predivide_factor needs op=Average"), out
     for op in ("Adasum", "Average"):
         assert out[f"duplicates {op}"] == ("ValueError: parameter names in named_parameters are not unique: "
