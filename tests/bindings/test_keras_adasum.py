@@ -22,7 +22,7 @@ ENV = {"SPARK_HVD_TIMEOUT": "60", "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG
 # (backend, ranks): [(name, optimizer, backward_passes_per_step, loop, process set members or None)]
 SCENARIOS = {
     ("tensorflow", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None),
-                        ("adam-bpps2-tape", "adam", 2, "tape", None)],
+                        ("adam-bpps2-tape", "adam", 2, "tape", None), ("adam-fit-local", "adam", 1, "fit-local", None)],
     ("tensorflow", 3): [("adam-bpps2-fit-pset02", "adam", 2, "fit", [0, 2]), ("sgd-fit", "sgd", 1, "fit", None)],
     ("torch", 2): [("adam-fit", "adam", 1, "fit", None)],
     ("jax", 2): [("adam-fit", "adam", 1, "fit", None)],
@@ -79,17 +79,21 @@ def _data(rank: int, passes: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _train(hvd, kind: str, passes: int, loop: str, members: list[int] | None, rank: int) -> list[np.ndarray]:
     import keras
-    import tensorflow as tf
 
     pset = hvd.add_process_set(members) if members is not None else None
     model = _model()
-    opt = hvd.DistributedOptimizer(_optimizer(kind), op=hvd.Adasum, backward_passes_per_step=passes,
-                                   process_set=pset)
+    settings = {"op": hvd.Adasum, "backward_passes_per_step": passes, "process_set": pset}
+    if loop == "fit-local":  # the first layer's variables stay local to each rank
+        opt = hvd.PartialDistributedOptimizer(_optimizer(kind), local_layers=[model.layers[0]], **settings)
+    else:
+        opt = hvd.DistributedOptimizer(_optimizer(kind), **settings)
     x, y = _data(rank, passes)
-    if loop == "fit":
+    if loop.startswith("fit"):
         model.compile(optimizer=opt, loss="mse", jit_compile=_jit())
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     else:
+        import tensorflow as tf
+
         loss_fn = keras.losses.MeanSquaredError()
         for b in range(STEPS * passes):
             with tf.GradientTape() as tape:
@@ -101,10 +105,11 @@ def _train(hvd, kind: str, passes: int, loop: str, members: list[int] | None, ra
     return [w.copy() for w in model.get_weights()]
 
 
-def _reference(kind: str, passes: int, n: int, members: list[int] | None,
+def _reference(kind: str, passes: int, n: int, members: list[int] | None, local: bool = False,
                combine=tree) -> list[list[np.ndarray]]:
     """Every rank's variables after STEPS steps, computed in this one process (``combine``: how the members'
-    changes of one variable are combined; Adasum's tree, or a mean to show the test tells them apart)."""
+    changes of one variable are combined; Adasum's tree, or a mean to show the test tells them apart; ``local``:
+    the first layer's variables keep each rank's own change)."""
     import keras
     import tensorflow as tf
 
@@ -130,11 +135,12 @@ def _reference(kind: str, passes: int, n: int, members: list[int] | None,
             opt.iterations.assign(s * passes + passes - 1)
             opt.apply_gradients(zip(total, m.trainable_variables, strict=True))
             deltas.append([w - b0 for w, b0 in zip(m.get_weights(), before[r], strict=True)])
-        start = before[members[0]]
+        start = before[members[0]]  # the members' shared variables are equal
         combined = [combine([deltas[r][i].reshape(-1) for r in members]).reshape(start[i].shape)
                     for i in range(len(start))]
         for r in members:
-            models[r].set_weights([b0 + c for b0, c in zip(start, combined, strict=True)])
+            models[r].set_weights([before[r][i] + deltas[r][i] if local and i < 2 else start[i] + combined[i]
+                                   for i in range(len(start))])
     return [m.get_weights() for m in models]
 
 
@@ -176,9 +182,10 @@ def _job(n: int) -> dict:
         return {"got": got}
     if backend != "tensorflow":
         return {"got": got, "want": {name: _reference_fit(kind, n) for name, kind, *_ in SCENARIOS[backend, n]}}
-    want = {name: _reference(kind, passes, n, members) for name, kind, passes, _, members in SCENARIOS[backend, n]}
-    averaged = {name: _reference(kind, passes, n, members, combine=lambda v: sum(v) / len(v))
-                for name, kind, passes, _, members in SCENARIOS[backend, n]}
+    want = {name: _reference(kind, passes, n, members, loop == "fit-local")
+            for name, kind, passes, loop, members in SCENARIOS[backend, n]}
+    averaged = {name: _reference(kind, passes, n, members, loop == "fit-local", combine=lambda v: sum(v) / len(v))
+                for name, kind, passes, loop, members in SCENARIOS[backend, n]}
     return {"got": got, "want": want, "averaged": averaged}
 
 
@@ -190,19 +197,22 @@ def test_keras_adasum_matches_single_process(backend, n):
         pytest.importorskip(backend)
     results = run_ranks(_job, n, env={**ENV, "KERAS_BACKEND": backend}, args=(n,), timeout=360)
     want = results[0]["want"]
-    for name, _kind, _passes, _loop, members in SCENARIOS[backend, n]:
+    for name, _kind, _passes, loop, members in SCENARIOS[backend, n]:
         inside = list(range(n)) if members is None else members
         for r, res in enumerate(results):
             for i, (got, exp) in enumerate(zip(res["got"][name], want[name][r], strict=True)):
                 np.testing.assert_allclose(got, exp, rtol=1e-9, atol=1e-12, err_msg=f"{name}: rank {r} variable {i}")
         first = results[inside[0]]["got"][name]
+        shared = 2 if loop == "fit-local" else 0  # local variables (the first layer's) differ by rank
         for r in inside:
-            for got, f in zip(results[r]["got"][name], first, strict=True):
+            for got, f in zip(results[r]["got"][name][shared:], first[shared:], strict=True):
                 np.testing.assert_array_equal(got, f)
+        if shared:
+            assert not np.allclose(results[1]["got"][name][0], first[0])
         for r in set(range(n)) - set(inside):  # outside the set: trained alone
             assert not np.allclose(results[r]["got"][name][0], first[0])
         if "averaged" in results[0]:  # averaging the changes instead would give others (the comparison can fail)
-            assert not np.allclose(first[0], results[0]["averaged"][name][inside[0]][0], rtol=1e-6)
+            assert not np.allclose(first[-1], results[0]["averaged"][name][inside[0]][-1], rtol=1e-6)
 
 
 def _errors_job() -> dict:
