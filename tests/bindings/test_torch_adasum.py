@@ -38,12 +38,15 @@ def _batch(rank: int, step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(x), torch.from_numpy(y)
 
 
-def _loss(model: torch.nn.Module, rank: int, step: int, k: int) -> torch.Tensor:
+def _loss(model: torch.nn.Module, rank: int, step: int, k: int, unused: bool = False) -> torch.Tensor:
+    """The loss of that batch; ``unused``: rank 1 leaves the last bias out (no gradient for it there)."""
     x, y = _batch(rank, step, k)
+    if unused and rank == 1:
+        return torch.nn.functional.mse_loss(model[1](model[0](x)) @ model[2].weight.T, y)
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-def _train(hvd, kind: str, passes: int, fp16: bool, members: list[int] | None) -> dict:
+def _train(hvd, kind: str, passes: int, fp16: bool, members: list[int] | None, unused: bool) -> dict:
     """This rank trains STEPS steps with the Adasum optimizer: its final parameters and what it observed."""
     r = hvd.rank()
     pset = hvd.add_process_set(members) if members is not None else hvd.global_process_set
@@ -55,7 +58,7 @@ def _train(hvd, kind: str, passes: int, fp16: bool, members: list[int] | None) -
     for s in range(STEPS):
         opt.zero_grad()
         for k in range(passes):
-            _loss(model, r, s, k).backward()
+            _loss(model, r, s, k, unused).backward()
         in_flight_after_backward.append(len(getattr(opt, "_hvd_handles", {})))
         opt.step()
     if members is not None:
@@ -72,8 +75,8 @@ def _job(n: int) -> dict:
     torch.set_num_threads(1)
     hvd.init()
     try:
-        out = {case: _train(hvd, kind, passes, fp16, members)
-               for case, (kind, passes, size, fp16, members) in CASES.items() if size == n}
+        out = {case: _train(hvd, kind, passes, fp16, members, unused)
+               for case, (kind, passes, size, fp16, members, unused) in CASES.items() if size == n}
         if n == 2:
             out["errors"] = _errors(hvd)
         return out
@@ -87,9 +90,9 @@ def _launch(n: int) -> list[dict]:
     return run_ranks(_job, n, env=ENV, args=(n,), timeout=400)
 
 
-def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | None) -> list[list[np.ndarray]]:
-    """Every rank's parameters after STEPS steps, computed in this process; also the same with the deltas
-    averaged instead (to show the test tells Adasum apart)."""
+def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | None,
+               unused: bool = False) -> list[list[np.ndarray]]:
+    """Every rank's parameters after STEPS steps, computed in this process."""
     members = list(range(n)) if members is None else members
     models = [_model() for _ in range(n)]
     opts = [_optimizer(kind, m) for m in models]
@@ -99,7 +102,7 @@ def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | 
         for r in range(n):
             opts[r].zero_grad()
             for k in range(passes):
-                _loss(models[r], r, s, k).backward()  # summed in p.grad, as torch accumulates
+                _loss(models[r], r, s, k, unused).backward()  # summed in p.grad, as torch accumulates
             opts[r].step()
             d = [(p.detach() - b).numpy() for p, b in zip(models[r].parameters(), before[r], strict=True)]
             deltas.append([x.astype(np.float16).astype(np.float64) if fp16 else x for x in d])
@@ -112,13 +115,14 @@ def _reference(kind: str, passes: int, n: int, fp16: bool, members: list[int] | 
     return [[p.detach().numpy().copy() for p in m.parameters()] for m in models]
 
 
-CASES = {  # id: (optimizer, backward_passes_per_step, ranks, fp16 compression, process set)
-    "adam-np2": ("adam", 1, 2, False, None),
-    "sgd-bpps2-np2": ("sgd", 2, 2, False, None),
-    "sgd-fp16-np2": ("sgd", 1, 2, True, None),
-    "adam-bpps2-np3": ("adam", 2, 3, False, None),
-    "adam-bpps2-pset02-np3": ("adam", 2, 3, False, [0, 2]),
-    "adam-np4": ("adam", 1, 4, False, None),
+CASES = {  # id: (optimizer, backward_passes_per_step, ranks, fp16 compression, process set, a bias unused on rank 1)
+    "adam-np2": ("adam", 1, 2, False, None, False),
+    "sgd-bpps2-np2": ("sgd", 2, 2, False, None, False),
+    "sgd-fp16-np2": ("sgd", 1, 2, True, None, False),
+    "adam-unused-np2": ("adam", 1, 2, False, None, True),  # step() steps and submits the parameter without a hook
+    "adam-bpps2-np3": ("adam", 2, 3, False, None, False),
+    "adam-bpps2-pset02-np3": ("adam", 2, 3, False, [0, 2], False),
+    "adam-np4": ("adam", 1, 4, False, None, False),
 }
 
 
@@ -126,9 +130,9 @@ CASES = {  # id: (optimizer, backward_passes_per_step, ranks, fp16 compression, 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("case", list(CASES))
 def test_adasum_optimizer_matches_single_process(case):
-    kind, passes, n, fp16, members = CASES[case]
+    kind, passes, n, fp16, members, unused = CASES[case]
     results = [by_case[case] for by_case in _launch(n)]
-    want = _reference(kind, passes, n, fp16, members)
+    want = _reference(kind, passes, n, fp16, members, unused)
     rtol = 5e-3 if fp16 else 1e-10
     inside = list(range(n)) if members is None else members
     for r, res in enumerate(results):
@@ -137,7 +141,8 @@ def test_adasum_optimizer_matches_single_process(case):
             np.testing.assert_allclose(got, exp, rtol=rtol, atol=rtol * np.abs(exp).max(),
                                        err_msg=f"rank {r} parameter {i}")
         # each delta's Adasum starts in the gradient hook, during backward: one in flight per parameter
-        assert res["in_flight"] == ([4] * STEPS if r in inside else [0] * STEPS), res["in_flight"]
+        hooked = 0 if r not in inside else 3 if unused and r == 1 else 4
+        assert res["in_flight"] == [hooked] * STEPS, res["in_flight"]
     for r in inside:  # the members agree bit for bit
         for got, first in zip(results[r]["params"], results[inside[0]]["params"], strict=True):
             np.testing.assert_array_equal(got, first)
