@@ -24,8 +24,8 @@ SCENARIOS = {
     ("tensorflow", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None),
                         ("adam-bpps2-tape", "adam", 2, "tape", None), ("adam-fit-local", "adam", 1, "fit-local", None)],
     ("tensorflow", 3): [("adam-bpps2-fit-pset02", "adam", 2, "fit", [0, 2]), ("sgd-fit", "sgd", 1, "fit", None)],
-    ("torch", 2): [("adam-fit", "adam", 1, "fit", None)],
-    ("jax", 2): [("adam-fit", "adam", 1, "fit", None)],
+    ("torch", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None)],
+    ("jax", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None)],
 }
 
 
@@ -62,12 +62,16 @@ def _model():
     return model
 
 
-def _optimizer(kind: str):
+def _optimizer(kind: str, passes: int = 1):
+    """The plain optimizer; ``passes`` > 1 (SGD only): Keras's own accumulation of that many passes, whose average
+    times a learning rate ``passes`` times larger makes the same update as the sum the distributed one applies."""
     import keras
 
     if kind == "adam":  # per-rank moments: the delta is not a linear function of the gradient
+        assert passes == 1
         return keras.optimizers.Adam(learning_rate=0.05)
-    return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+    return keras.optimizers.SGD(learning_rate=0.1 * passes, momentum=0.9,
+                                gradient_accumulation_steps=passes if passes > 1 else None)
 
 
 def _data(rank: int, passes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -144,19 +148,20 @@ def _reference(kind: str, passes: int, n: int, members: list[int] | None, local:
     return [m.get_weights() for m in models]
 
 
-def _reference_fit(kind: str, n: int) -> list[list[np.ndarray]]:
-    """As :func:`_reference` for one pass per step on any backend: each rank's step is ``train_on_batch`` with the
-    plain optimizer."""
+def _reference_fit(kind: str, n: int, passes: int) -> list[list[np.ndarray]]:
+    """As :func:`_reference` on any backend: each rank's passes are ``train_on_batch`` calls with the plain
+    optimizer (accumulating ``passes`` of them, see :func:`_optimizer`)."""
     models = [_model() for _ in range(n)]
     for m in models:
-        m.compile(optimizer=_optimizer(kind), loss="mse", jit_compile=_jit())
-    data = [_data(r, 1) for r in range(n)]
+        m.compile(optimizer=_optimizer(kind, passes), loss="mse", jit_compile=_jit())
+    data = [_data(r, passes) for r in range(n)]
     for s in range(STEPS):
         before = models[0].get_weights()
         deltas = []
         for r, m in enumerate(models):
             x, y = data[r]
-            m.train_on_batch(x[s * BATCH:(s + 1) * BATCH], y[s * BATCH:(s + 1) * BATCH])
+            for b in range(s * passes, (s + 1) * passes):
+                m.train_on_batch(x[b * BATCH:(b + 1) * BATCH], y[b * BATCH:(b + 1) * BATCH])
             deltas.append([w - b0 for w, b0 in zip(m.get_weights(), before, strict=True)])
         combined = [tree([d[i].reshape(-1) for d in deltas]).reshape(before[i].shape) for i in range(len(before))]
         for m in models:
@@ -181,7 +186,8 @@ def _job(n: int) -> dict:
     if r != 0:
         return {"got": got}
     if backend != "tensorflow":
-        return {"got": got, "want": {name: _reference_fit(kind, n) for name, kind, *_ in SCENARIOS[backend, n]}}
+        return {"got": got, "want": {name: _reference_fit(kind, n, passes)
+                                     for name, kind, passes, *_ in SCENARIOS[backend, n]}}
     want = {name: _reference(kind, passes, n, members, loop == "fit-local")
             for name, kind, passes, loop, members in SCENARIOS[backend, n]}
     averaged = {name: _reference(kind, passes, n, members, loop == "fit-local", combine=lambda v: sum(v) / len(v))
