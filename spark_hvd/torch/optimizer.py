@@ -313,7 +313,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         with ``synchronize()`` and ``skip_synchronize()``.
     """
     common.require_init("DistributedOptimizer()")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer._DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     rop = common.resolve_op(op)
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):

@@ -195,6 +195,7 @@ def _errors(hvd) -> dict[str, str]:
             pass
 
     attempt("skip_synchronize", skip)
+    attempt("rewrap", lambda: hvd.DistributedOptimizer(opt, op=hvd.Adasum))
     _loss(model, hvd.rank(), 0, 0).backward()
     attempt("zero_grad", opt.zero_grad)
     opt.step()  # the step of that backward still completes on every rank
@@ -215,6 +216,7 @@ def test_adasum_optimizer_errors():
         assert out[f"duplicates {op}"] == ("ValueError: parameter names in named_parameters are not unique: "
                                            "['0.weight']"), out
     assert out["unnamed"].startswith("ValueError: named_parameters does not cover every parameter"), out
+    assert out["rewrap"] == "ValueError: optimizer is already a DistributedOptimizer", out
     assert out["passes"].startswith("ValueError: backward_passes_per_step must be >= 1"), out
     assert out["skip_synchronize"] == ("AssertionError: Skipping synchronization is not supported when using "
                                        "Adasum optimizer."), out
