@@ -243,7 +243,7 @@ def _errors_job() -> dict:
                 out[key] = f"{type(exc).__name__}: {exc}"
         # horovod.tensorflow's DistributedOptimizer with a Keras optimizer takes the Keras path
         import spark_hvd.tensorflow as tfhvd
-        from spark_hvd.keras.adasum_optimizer import DeltaAdasumMixin
+        from spark_hvd._keras_common.adasum_optimizer import DeltaAdasumMixin
 
         wrapped = tfhvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=tfhvd.Adasum)
         out["tensorflow"] = "delta" if isinstance(wrapped, DeltaAdasumMixin) else type(wrapped).__mro__[1].__name__
