@@ -22,7 +22,8 @@ ENV = {"SPARK_HVD_TIMEOUT": "60", "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG
 # (backend, ranks): [(name, optimizer, backward_passes_per_step, loop, process set members or None)]
 SCENARIOS = {
     ("tensorflow", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None),
-                        ("adam-bpps2-tape", "adam", 2, "tape", None), ("adam-fit-local", "adam", 1, "fit-local", None)],
+                        ("adam-bpps2-tape", "adam", 2, "tape", None), ("adam-fit-local", "adam", 1, "fit-local", None),
+                        ("adamw-fit", "adamw", 1, "fit", None)],
     ("tensorflow", 3): [("adam-bpps2-fit-pset02", "adam", 2, "fit", [0, 2]), ("sgd-fit", "sgd", 1, "fit", None)],
     ("torch", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None)],
     ("jax", 2): [("adam-fit", "adam", 1, "fit", None), ("sgd-bpps2-fit", "sgd", 2, "fit", None)],
@@ -70,6 +71,9 @@ def _optimizer(kind: str, passes: int = 1):
     if kind == "adam":  # per-rank moments: the delta is not a linear function of the gradient
         assert passes == 1
         return keras.optimizers.Adam(learning_rate=0.05)
+    if kind == "adamw":  # weight decay: part of each rank's local step, so of the change combined
+        assert passes == 1
+        return keras.optimizers.AdamW(learning_rate=0.05, weight_decay=0.5)
     return keras.optimizers.SGD(learning_rate=0.1 * passes, momentum=0.9,
                                 gradient_accumulation_steps=passes if passes > 1 else None)
 
