@@ -39,6 +39,7 @@ import keras
 
 from spark_hvd import _binding_common as common
 from spark_hvd._keras_common import compat
+from spark_hvd._keras_common.adasum_optimizer import DeltaAdasumMixin
 from spark_hvd.core.backend import ReduceOp
 
 log = logging.getLogger(__name__)
@@ -274,15 +275,22 @@ def wrap_optimizer_class(base: type, compression: Any = None,
     if issubclass(base, _DistributedOptimizerMixin):
         return base
     rop = common.resolve_op(op)
-    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {rop}")
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, got {rop}")
     prescale, postscale = common.gradient_scales(rop, gradient_predivide_factor)
+    loss_scale = issubclass(base, keras.optimizers.LossScaleOptimizer)
+    if rop is ReduceOp.ADASUM and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")  # Horovod's words
+    if rop is ReduceOp.ADASUM and loss_scale:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) with loss scaling (LossScaleOptimizer / "
+                                  "mixed_float16) is not supported: use mixed_bfloat16 or float32, or op=Average")
     key = (base, compression, rop, prescale, postscale, bool(average_aggregated_gradients), ops)
     cls = _class_cache.get(key)
     if cls is None:
-        mixin = (_DistributedLossScaleMixin if issubclass(base, keras.optimizers.LossScaleOptimizer)
-                 else _DistributedOptimizerMixin)
-        cls = type(base.__name__, (mixin, base), {
+        mixins: tuple[type, ...] = ((_DistributedLossScaleMixin,) if loss_scale
+                                    else (DeltaAdasumMixin, _DistributedOptimizerMixin) if rop is ReduceOp.ADASUM
+                                    else (_DistributedOptimizerMixin,))
+        cls = type(base.__name__, (*mixins, base), {
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
@@ -326,7 +334,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer,  # noqa: N802 - 
         sparse_as_dense: sparse gradients (``IndexedSlices``) are always sent dense; ``False`` is accepted too
             (Horovod would allgather them instead: the update is the same).
         gradient_predivide_factor: divide before the sum and multiply after (Average only).
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``, or ``Adasum``: the delta optimizer (each rank applies its own
+            gradients, the variables' changes are combined with Adasum; see
+            :mod:`spark_hvd._keras_common.adasum_optimizer`).
         backward_passes_per_step: accumulate this many batches' gradients locally (Keras's
             ``gradient_accumulation_steps``) before one allreduce and one update; ``iterations`` counts passes
             (Horovod's).

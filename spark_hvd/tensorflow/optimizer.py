@@ -69,7 +69,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     ``optimizer``: a Keras 3 optimizer (``tf.keras.optimizers.Adam(...)``; Keras on TensorFlow), wrapped as
     :func:`spark_hvd.keras.DistributedOptimizer` wraps it (see there for ``backward_passes_per_step``,
     ``average_aggregated_gradients``, ``num_groups``, ``groups``), or a ``tf.compat.v1.train.Optimizer``
-    (``backward_passes_per_step`` must then be 1). ``op`` is ``Average`` or ``Sum``;
+    (``backward_passes_per_step`` must then be 1). ``op`` is ``Average`` or ``Sum``, or with a Keras optimizer
+    ``Adasum`` (the Keras delta optimizer; Horovod's TensorFlow refuses Adasum with a Keras optimizer);
     ``gradient_predivide_factor`` splits the average before and after the sum; ``process_set`` reduces over its
     ranks only. ``device_dense``, ``device_sparse`` and ``use_locking`` (Keras) have no effect.
     """

@@ -19,7 +19,7 @@ import torch
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
-from spark_hvd.torch import mpi_ops
+from spark_hvd.torch import adasum_optimizer, mpi_ops
 from spark_hvd.torch.compression import Compression, Compressor
 
 log = logging.getLogger(__name__)
@@ -46,26 +46,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
 
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-                raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
-                                 "e.g. model.named_parameters()")
-            names_seen: dict[str, int] = {}
-            for n, _ in named:
-                names_seen[n] = names_seen.get(n, 0) + 1
-            dups = sorted(n for n, c in names_seen.items() if c > 1)
-            if dups:
-                raise ValueError(f"parameter names in named_parameters are not unique: {dups}")
-            name_of = {id(p): n for n, p in named}
-            unnamed = [i for i, p in enumerate(all_params) if id(p) not in name_of]
-            if unnamed:
-                raise ValueError(
-                    f"named_parameters does not cover every parameter of the optimizer: parameters at "
-                    f"positions {unnamed[:10]} of optimizer.param_groups have no name")
-        else:
-            name_of = {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
-
+        name_of = _parameter_names(all_params, named_parameters)
         self._hvd_requires_update = [p for p in all_params if p.requires_grad]
         # groups of parameters reduced together; every parameter belongs to exactly one group
         explicit: list[list[torch.Tensor]] = []
@@ -246,6 +227,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvd_hook_handles = []
 
 
+def _parameter_names(all_params: list[torch.Tensor],
+                     named_parameters: Iterable[tuple[str, torch.Tensor]] | None) -> dict[int, str]:
+    """``id(parameter) -> name`` for every parameter of an optimizer: from ``named_parameters`` (checked: pairs,
+    unique names, every parameter named), or by position (``noname.<i>``)."""
+    if named_parameters is None:
+        return {id(p): f"noname.{i}" for i, p in enumerate(all_params)}
+    named = list(named_parameters)
+    if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                         "e.g. model.named_parameters()")
+    names_seen: dict[str, int] = {}
+    for n, _ in named:
+        names_seen[n] = names_seen.get(n, 0) + 1
+    dups = sorted(n for n, c in names_seen.items() if c > 1)
+    if dups:
+        raise ValueError(f"parameter names in named_parameters are not unique: {dups}")
+    name_of = {id(p): n for n, p in named}
+    unnamed = [i for i, p in enumerate(all_params) if id(p) not in name_of]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters does not cover every parameter of the optimizer: parameters at "
+            f"positions {unnamed[:10]} of optimizer.param_groups have no name")
+    return name_of
+
+
 def _buckets(params: list[torch.Tensor], cap_mb: float) -> list[list[torch.Tensor]]:
     """DDP-style buckets over ``params`` in reverse order: the first closes past 1 MiB, the others past ``cap_mb``."""
     if cap_mb <= 0:
@@ -284,7 +290,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         compression: ``Compression.none`` or ``Compression.fp16`` (send gradients as float16).
         backward_passes_per_step: number of ``backward()`` calls accumulated locally in ``p.grad`` before one
             allreduce (scale the loss by ``1/k`` to average them, as with Horovod).
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default) or ``Sum``, or ``Adasum``: Horovod's delta optimizer (each rank steps on its own
+            gradients, the parameters' changes are combined with Adasum; see :mod:`spark_hvd.torch.adasum_optimizer`).
+            With Adasum, ``groups``, ``bucket_cap_mb`` and ``sparse_as_dense`` have no effect (every delta goes out
+            alone, by name, as in Horovod), and ``skip_synchronize()`` raises.
         gradient_predivide_factor: divide gradients by this before the sum and multiply after (Average only).
         groups: an int (split the parameters into that many groups) or a list of parameter lists; each group
             goes out as one grouped allreduce once all its gradients are ready.
@@ -304,11 +313,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,  # noqa: N802 - Horov
         with ``synchronize()`` and ``skip_synchronize()``.
     """
     common.require_init("DistributedOptimizer()")
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, (_DistributedOptimizer, adasum_optimizer._DistributedAdasumOptimizer)):
         raise ValueError("optimizer is already a DistributedOptimizer")
     rop = common.resolve_op(op)
-    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, got {rop}")
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ValueError(f"DistributedOptimizer supports op=Average, Sum or Adasum, got {rop}")
+    if rop is ReduceOp.ADASUM:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        common.gradient_scales(rop, gradient_predivide_factor)  # Horovod's ValueError for a predivide factor
+        if process_set.included() and mpi_ops.set_size(process_set) > 1:  # else: nothing to combine (Horovod's)
+            names = _parameter_names([p for g in optimizer.param_groups for p in g["params"]], named_parameters)
+            return adasum_optimizer.wrap(optimizer, names, compression, backward_passes_per_step, process_set)
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__, "__qualname__": base.__name__})
     obj = cls.__new__(cls)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.adasum import pair, tree
 from helpers.ranks import backend_from_env, run_ranks
 
 import spark_hvd.core as core
@@ -14,26 +15,6 @@ from spark_hvd.core.reduce import bf16_to_f32, f32_to_bf16
 
 SIZES = [1, 3, 64, 1001]  # fewer elements than ranks, odd splits, a few thousand
 TCP = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"}
-
-
-def pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The Adasum of two vectors (float64), written out as in the paper."""
-    dot, aa, bb = a @ b, a @ a, b @ b
-    ca = 1.0 - dot / (2 * aa) if aa > 0 else 1.0
-    cb = 1.0 - dot / (2 * bb) if bb > 0 else 1.0
-    return ca * a + cb * b
-
-
-def tree(vectors: list[np.ndarray]) -> np.ndarray:
-    """Ranks' vectors combined pairwise: for N = P + R (P a power of two) ranks 2i and 2i+1 (i < R) first, then
-    neighbours, then pairs of pairs (Horovod's reference_tree_reduction for N a power of two)."""
-    n = len(vectors)
-    p2 = 1 << (n.bit_length() - 1)
-    rem = n - p2
-    level = [pair(vectors[2 * i], vectors[2 * i + 1]) for i in range(rem)] + list(vectors[2 * rem:])
-    while len(level) > 1:
-        level = [pair(level[2 * i], level[2 * i + 1]) for i in range(len(level) // 2)]
-    return level[0]
 
 
 def _data(seed: int, rank: int, size: int, dtype: str) -> np.ndarray:
