@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test legs leg-floor leg-spark40 bench lint lock clean
+.PHONY: setup demo test test-fast legs leg-floor leg-spark40 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ demo: setup
 test: setup
 	$(PY) tools/lock.py check
 	$(PY) -m pytest
+
+# The edit-test loop for a change that touches no Spark code: no Spark session, no simulated hosts, no Ray cluster,
+# nothing marked slow. Not a substitute for `make test`.
+test-fast: setup
+	$(PY) -m pytest -q -m "not spark and not slow and not multihost and not ray"
 
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.
