@@ -50,7 +50,10 @@ def test_scoring_server_answers_raw_rows_as_transform(spark, mlflow_tracking, tm
     info = model.log_mlflow(input_example=df)
 
     port = free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"file://{mlflow_tracking}"}
+    # MLflow starts its server as `uvicorn` found on PATH: this interpreter's scripts first (make test runs
+    # .venv/bin/python without activating the venv)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"file://{mlflow_tracking}",
+           "PATH": os.pathsep.join([str(cli.parent), os.environ.get("PATH", "")])}
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
     server = subprocess.Popen([str(cli), "models", "serve", "-m", info.model_uri, "--env-manager", "local",
                                "-h", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -69,7 +72,8 @@ def test_scoring_server_answers_raw_rows_as_transform(spark, mlflow_tracking, tm
                                        "data": [[base64.b64encode(b).decode()] for b in images]}}
         answer = _post(f"http://127.0.0.1:{port}/invocations", payload)["predictions"]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
     assert [sorted(row) for row in answer] == [["label__output", "prediction", "probability"]] * len(images)
