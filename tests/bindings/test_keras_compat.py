@@ -1,4 +1,5 @@
-"""spark_hvd.keras.compat on the installed Keras, and its branches for the other Keras releases (flags patched)."""
+"""spark_hvd._keras_common.compat on the installed Keras, and its branches for the other Keras releases (flags
+patched)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from spark_hvd.keras import compat
+from spark_hvd._keras_common import compat
 
 
 def test_the_pass_counter_and_iterations_follow_the_installed_keras():
