@@ -31,13 +31,14 @@ the shared-memory protocol in ``transport/shm.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -268,6 +269,17 @@ class RingBackend(Backend):
             raise
         logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
                      self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
+
+    def tunables(self) -> dict[str, int]:
+        """``halving_doubling_bytes`` where this ring's TCP allreduces run among three or more ranks (``tcp``) or
+        hosts (``hier``): the only place it changes which algorithm runs."""
+        if (self.transport == "tcp" and self.size >= 3) or (self.transport == "hier" and self.cross_size >= 3):
+            return {"halving_doubling_bytes": self.settings.halving_doubling_bytes}
+        return {}
+
+    def apply_tuning(self, values: Mapping[str, int]) -> None:
+        """Each later TCP allreduce reads the new thresholds from ``settings``."""
+        self.settings = dataclasses.replace(self.settings, **values)
 
     def _setup_cma(self) -> None:
         """Two ranks on one host: the single-copy allreduce (``shm_cma``) if both can read each other's memory

@@ -104,12 +104,14 @@ import numpy as np
 
 from spark_hvd.core.algorithms import adasum
 from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
+from spark_hvd.core.engine import checks
 from spark_hvd.core.engine.autotune import Point, Tuner, tuner_for
+from spark_hvd.core.engine.checks import in_place_ok
 from spark_hvd.core.engine.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.engine.executor import Executor, Request
-from spark_hvd.core.engine.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
+from spark_hvd.core.engine.fresh import FreshSpec, Layout, build_fresh, fresh_layout
 from spark_hvd.core.engine.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, Meta, ResponseCache, TableEntry
 from spark_hvd.core.engine.speculation import Predictor, Spec
 from spark_hvd.core.engine.table import (
     NegotiationTable,
@@ -128,7 +130,6 @@ from spark_hvd.core.engine.table import (
 from spark_hvd.core.engine.timeline import Timeline, timeline_path
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -154,7 +155,8 @@ class Engine:
     settings autotune switched to, as ``(fast round, fusion threshold, cycle time ms)``, the same on every rank.
     """
 
-    def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None) -> None:
+    def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None,
+                 job: JobEnv | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.rank = backend.rank
@@ -202,15 +204,16 @@ class Engine:
             if path:
                 self.timeline = Timeline(path, self.rank)
         self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
+        self._host = self._executor.host  # the negotiation's own exchanges
         self.autotune_history: list[tuple[int, int, float, int]] = []
         self._tuner: Tuner | None = None  # rank 0 of the job's own engine, with autotune on
         if settings.autotune and self.rank == 0 and not self.scope.process_set:
-            own = getattr(backend, "settings", None)  # the ring's: its TCP allreduce reads the algorithm thresholds
-            halving = own.halving_doubling_bytes if isinstance(own, Settings) else settings.halving_doubling_bytes
-            job = JobEnv.from_env()  # an elastic reset's new engine goes on with the same job's tuner
+            own = backend.tunables()  # the backend's algorithm thresholds, where autotune may search them
+            halving = own.get("halving_doubling_bytes", settings.halving_doubling_bytes)
+            # an elastic reset's new engine goes on with the same job's tuner
             self._tuner = tuner_for(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
                                     settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
-                                    settings.autotune_log, tune_algorithm=_tcp_among_three(backend),
+                                    settings.autotune_log, tune_algorithm="halving_doubling_bytes" in own,
                                     job_id=job.job_id if job else "", attempt=job.attempt if job else 0)
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -247,11 +250,11 @@ class Engine:
             buf = None
             meta = _BARRIER_META
         elif isinstance(buf, DeviceBuffer):
-            splits = self._check_device_buffer(kind, buf, name, root, splits)
+            splits = checks.device_splits(kind, buf, name, root, splits, self.size)
             meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
                         float(postscale), buf.bfloat16, buf.device)
         else:
-            buf = self._check_buffer(kind, buf, name, bfloat16)
+            buf = checks.host_buffer(kind, buf, name, bfloat16)
             if kind == "broadcast" and not 0 <= int(root) < self.size:
                 raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size "
                                  f"{self.size}")
@@ -279,25 +282,6 @@ class Engine:
         if wake and start_engine:  # the engine knows of earlier work: no wake-up (and GIL hand-over) per tensor
             self._wake.set()
         return handle
-
-    def _check_buffer(self, kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
-        if not isinstance(buf, np.ndarray):
-            raise TypeError(f"{kind} of '{name}': expected a numpy array, got {type(buf).__name__}")
-        if bfloat16 and buf.dtype != np.uint16:
-            raise TypeError(f"{kind} of '{name}': bfloat16 data must be passed as a uint16 view, got {buf.dtype}")
-        if kind in ("allreduce", "reducescatter"):
-            try:
-                check_dtype(buf, bfloat16)
-            except TypeError as exc:
-                raise TypeError(f"{kind} of '{name}': {exc}") from None
-        if kind in ("allreduce", "broadcast"):
-            if not _in_place_ok(buf.flags):
-                raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
-        else:
-            buf = np.ascontiguousarray(buf)
-            if kind in RAGGED and buf.ndim == 0:
-                buf = buf.reshape(1)
-        return buf
 
     def join(self) -> Handle:
         """Declare this rank out of data. Its handle's result is the last rank to join, once all have."""
@@ -350,7 +334,7 @@ class Engine:
         fresh = self._fresh
         if fresh is not None and fresh.sole is not None and buf.__class__ is np.ndarray and not bfloat16:
             meta = fresh.layout[0]
-            if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and _in_place_ok(buf.flags):
+            if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and in_place_ok(buf.flags):
                 if name is None:
                     with self._lock:
                         name = f"allreduce.noname.{self._counters['allreduce']}"
@@ -358,7 +342,7 @@ class Engine:
                 if (name not in self._local and self._cache.lookup(name, meta) is None
                         and self._sole_ready(fresh)):
                     try:
-                        hit = self._guarded_round(True, self._fresh_sole_round, fresh, buf, name, meta)
+                        hit = self._guarded_round(True, self._fresh_sole_round, fresh, buf, name)
                     finally:
                         self._round_lock.release()
                     if hit:
@@ -369,9 +353,9 @@ class Engine:
             if (op is spec.op and buf.__class__ is np.ndarray and buf.shape == meta.shape
                     and (buf.dtype is spec.dtype or buf.dtype == spec.dtype)
                     and prescale == meta.prescale and postscale == meta.postscale
-                    and _in_place_ok(buf.flags) and self._sole_ready(spec)):
+                    and in_place_ok(buf.flags) and self._sole_ready(spec)):
                 try:
-                    hit = self._guarded_round(True, self._sole_round, spec, buf, name, meta)
+                    hit = self._guarded_round(True, self._sole_round, spec, buf, name)
                 finally:
                     self._round_lock.release()
                 if hit:
@@ -392,7 +376,7 @@ class Engine:
             cached = self._cache.lookup("barrier", _BARRIER_META)
             if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
                 try:
-                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier", _BARRIER_META)
+                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier")
                 finally:
                     self._round_lock.release()
                 if hit:
@@ -477,9 +461,8 @@ class Engine:
         self._executor.settings = self.settings
         self._cycle = max(point.cycle_time_ms, 0.0) / 1000.0
         self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
-        own = getattr(self.backend, "settings", None)
-        if isinstance(own, Settings):  # no collective of it runs now: the round's collectives come after this
-            self.backend.settings = replace(own, halving_doubling_bytes=point.halving_doubling_bytes)  # type: ignore[attr-defined]
+        if "halving_doubling_bytes" in self.backend.tunables():  # the round's collectives come after this
+            self.backend.apply_tuning({"halving_doubling_bytes": point.halving_doubling_bytes})
         self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms,
                                       point.halving_doubling_bytes))
         self.stats["autotune_switches"] += 1
@@ -652,7 +635,7 @@ class Engine:
             vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size,
                               message_digest(message) if irregular else (0, 0),
                               choice.encode() if choice is not None else (0, 0))
-            self.backend.allreduce(vec, ReduceOp.SUM)
+            self._host.allreduce_staged(vec, ReduceOp.SUM)
             self.stats["fast_rounds"] += 1
             switch = Point.decode(tune_slots(vec, self.size))
             if switch is not None:  # rank 0's autotune choice: every rank switches here, before this round's work
@@ -693,7 +676,7 @@ class Engine:
                 messages = decode_messages(message, 1) * self.size
             else:
                 buf = place_message(message, message_lengths(vec, self.size), self.rank)
-                self.backend.allreduce(buf, ReduceOp.SUM)
+                self._host.allreduce_staged(buf, ReduceOp.SUM)
                 messages = decode_messages(buf, self.size)
             if common:  # some ids were sent by only some ranks: only those become outstanding entries
                 done = set(common)
@@ -709,7 +692,7 @@ class Engine:
             fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
             if first_round:  # every rank must plan fusion and the cache alike
                 fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-            messages = decode_messages(self.backend.allgather(encode_message(fields)), self.size)
+            messages = decode_messages(self._host.allgather(encode_message(fields)), self.size)
             if first_round:
                 check_same_settings([m[5] for m in messages])
         news = table.absorb(messages, self._cache)
@@ -742,79 +725,11 @@ class Engine:
             ids.add(cache_id)
         self._spec = self._predictor.advance(sorted(ids))
 
-    def _speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
-        """The one collective of a speculative round (see ``Spec``): allreduce ``[flag, bufs...]`` (zeros when
-        ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
-        reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
-        staging = spec.staging
-        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
-            return self._speculate_in_band(spec, bufs)
-        if spec.in_place:
-            staging[0] = 0 if bufs is None else 1
-            assert spec.sole is not None
-            data = np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
-        elif bufs is None:
-            staging.fill(0)
-        else:
-            staging[0] = 1
-            for view, buf in zip(spec.views, bufs, strict=True):
-                view[...] = buf
-            if spec.prescale != 1.0:
-                scale_inplace(staging[1:], spec.prescale)
-        t0 = time.perf_counter()
-        if spec.in_place:
-            self._speculative_collective(self.backend.allreduce_fused, [staging, data], spec.op)
-        else:
-            self._speculative_collective(self.backend.allreduce, staging, spec.op)
-        t1 = time.perf_counter()
-        self.stats["speculative_rounds"] += 1
-        agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
-        if not staging[0] > agreed - 0.5 / self.size:  # some rank submitted something else
-            self.stats["speculation_misses"] += 1
-            return False, t0, t1
-        assert bufs is not None  # every rank's flag was 1, this one's included
-        if spec.in_place:
-            scale_inplace(bufs[0], spec.postscale)
-        else:
-            if spec.postscale != 1.0:
-                scale_inplace(staging[1:], spec.postscale)
-            for view, buf in zip(spec.views, bufs, strict=True):
-                buf[...] = view
-        return self._speculated(spec, bufs, t1), t0, t1
-
-    def _speculate_in_band(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
-        """``_speculate`` for ``spec.in_band``: the tensor's own allreduce, this rank's agreement its first frame
-        (a rank that submitted something else passes a read-only stand-in of the tensor's size: never read)."""
-        data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
-        t0 = time.perf_counter()
-        hit = self._speculative_collective(self.backend.allreduce_agreed, data, spec.op, bufs is not None)
-        t1 = time.perf_counter()
-        self.stats["speculative_rounds"] += 1
-        if not hit:  # some rank submitted something else: no rank's tensor changed
-            self.stats["speculation_misses"] += 1
-            return False, t0, t1
-        assert bufs is not None
-        scale_inplace(bufs[0], spec.postscale)
-        return self._speculated(spec, bufs, t1), t0, t1
-
-    def _speculated(self, spec: Spec, bufs: list[np.ndarray], t1: float) -> bool:
-        """Count a speculative round that hit (its tensors reduced); True."""
-        if spec.barrier:
-            self.stats["barrier_collectives"] += 1
-        else:
-            self.stats["allreduce_collectives"] += 1
-            self.stats["allreduce_tensors"] += len(bufs)
-            if len(bufs) > 1:
-                self.stats["fused_collectives"] += 1
-        self._idle_rounds = 0
-        self._progress_at = t1
-        return True
-
     def _speculative_round(self, spec: Spec, mine: dict[int, Request] | None, start: float) -> bool:
-        """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the
-        tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
+        """A speculative round of submitted requests (``Executor.speculate``); True when every rank submitted
+        exactly ``spec.ids`` and the tensors are reduced. ``mine``: this rank's requests by id when it did."""
         bufs = None if mine is None else [] if spec.barrier else [mine[cache_id].buf for cache_id in spec.ids]
-        hit, t0, t1 = self._speculate(spec, bufs)
+        hit, _, t1 = self._executor.speculate(spec, bufs)
         if not hit:
             return False
         assert mine is not None
@@ -824,15 +739,32 @@ class Engine:
         self._fresh_last = None
         if self._tuning() and not spec.barrier:
             self._observe([request.name for request in requests], sum(request.buf.nbytes for request in requests))
-        activity = "BARRIER" if spec.barrier else "ALLREDUCE"
-        for request in requests:
-            self._cache.put(request.name, request.meta)
-            if self.timeline is not None:
-                self.timeline.event(request.name, activity, t0, t1, fused=len(requests), speculative=True)
         finish_all([(request.handle, request.buf) for request in reversed(requests)])
-        if self.timeline is not None:
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
+        self._executor.round_done(start, len(requests))
+        self._progressed(t1)
         return True
+
+    def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str) -> tuple[bool, bool]:
+        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``
+        None: ``barrier``'s round of this rank's barrier alone).
+
+        On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
+        this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
+        ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
+        start = self._last_start = time.perf_counter()
+        hit, _, t1 = self._executor.speculate(spec, [] if buf is None else [buf])
+        if not hit:
+            self._spec = None
+            return False, False
+        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        self.stats["cache_hits"] += 1
+        self._spec = self._predictor.advance(spec.ids)
+        self._fresh_last = None
+        if self._tuning() and buf is not None:
+            self._observe([name], buf.nbytes)
+        self._executor.round_done(start, 1)
+        self._progressed(t1)
+        return True, False
 
     def _fresh_spec(self, layout: Layout) -> FreshSpec:
         spec = self._fresh_specs.get(layout)
@@ -843,114 +775,47 @@ class Engine:
         return spec
 
     def _fresh_round(self, spec: FreshSpec, mine: list[Request] | None, start: float) -> bool:
-        """A round of new names as one collective (``spark_hvd.core.engine.fresh``); True when every rank submitted
+        """A round of new names as one collective (``Executor.fresh``); True when every rank submitted
         ``spec.layout`` under the same names and the tensors are reduced. ``mine``: this rank's requests when they
         have the layout, else None. On a miss the speculation is disarmed and nothing of the requests changed."""
         names = None if mine is None else [request.name for request in mine]
-        pack(spec, self.rank, names, None if mine is None else [request.buf for request in mine])
-        t0 = time.perf_counter()
-        self._fresh_collective(spec)
-        t1 = time.perf_counter()
-        if mine is None or not agreed(spec):
-            self.stats["fresh_misses"] += 1
+        hit, t1 = self._executor.fresh(spec, names, None if mine is None else [request.buf for request in mine])
+        if not hit:
             self._fresh = None
             return False
-        unpack(spec, [request.buf for request in mine])
+        assert mine is not None
         with self._lock:
             for request in mine:
                 self._local.pop(request.name)
-        # the names stay out of the response cache (on every rank, whichever of this and ``_fresh_sole_round`` ran
-        # the round): names made up per call would only evict the loop's, and change the ids the predictor learnt
         if self._tuning():
             self._observe([request.name for request in mine], sum(request.buf.nbytes for request in mine))
-        self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += len(mine)
-        if len(mine) > 1:
-            self.stats["fused_collectives"] += 1
-        if self.timeline is not None:
-            for request in mine:
-                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(mine), speculative=True)
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(mine))
+        self._executor.round_done(start, len(mine))
         finish_all([(request.handle, request.buf) for request in reversed(mine)])
-        self._idle_rounds = 0
-        self._progress_at = t1
+        self._progressed(t1)
         return True
 
-    def _fresh_sole_round(self, spec: FreshSpec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
+    def _fresh_sole_round(self, spec: FreshSpec, buf: np.ndarray, name: str) -> tuple[bool, bool]:
         """``allreduce``'s round of one new name: the round of ``spec`` with ``buf`` alone, with no request or
         handle. On a miss the other ranks go on to a fast round, which is what this rank's next round is too (the
         speculation is disarmed), and ``allreduce`` submits ``buf`` to it. Returns (hit, False)."""
         start = self._last_start = time.perf_counter()
-        pack_one(spec, self.rank, name, buf)
-        timeline = self._timeline
-        t0 = time.perf_counter() if timeline is not None else start
-        self._fresh_collective(spec)
-        if not agreed(spec):
-            self.stats["fresh_misses"] += 1
+        hit, t1 = self._executor.fresh(spec, (name,), (buf,))
+        if not hit:
             self._fresh = None
             return False, False
-        t1 = time.perf_counter() if timeline is not None else start
-        views = spec.views
-        if spec.postscale != 1.0:
-            scale_inplace(spec.data, spec.postscale)
-        buf[...] = views[0]
-        stats = self.stats
-        stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        stats["full_requests"] += 1
-        stats["allreduce_collectives"] += 1
-        stats["allreduce_tensors"] += 1
-        # the name stays out of the response cache, as in ``_fresh_round``
+        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        self.stats["full_requests"] += 1
         if self._tuning():
             self._observe([name], buf.nbytes)
-        if timeline is not None:
-            timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
-            timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
+        self._executor.round_done(start, 1)
+        self._progressed(t1)
+        return True, False
+
+    def _progressed(self, now: float) -> None:
         self._idle_rounds = 0
-        self._progress_at = t1
-        return True, False
+        self._progress_at = now
 
-    def _fresh_collective(self, spec: FreshSpec) -> None:
-        self._speculative_collective(self.backend.allreduce, spec.staging, spec.op)
-        self.stats["fresh_rounds"] += 1
-
-    def _speculative_collective(self, collective: Callable[..., Any], *args: Any) -> Any:
-        """``collective(*args)``, a speculative round's one collective (``Spec``, ``FreshSpec``): an error of
-        spark_hvd's own passes through, any other stops spark_hvd as one that left the ranks out of step."""
-        try:
-            return collective(*args)
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
-                                "can no longer be kept in step, so spark_hvd stopped") from exc
-
-    def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str, meta: Meta) -> tuple[bool, bool]:
-        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``
-        None: ``barrier``'s round of this rank's barrier alone).
-
-        On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
-        this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
-        ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
-        start = self._last_start = time.perf_counter()
-        hit, t0, t1 = self._speculate(spec, [] if buf is None else [buf])
-        if not hit:
-            self._spec = None
-            return False, False
-        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        self.stats["cache_hits"] += 1
-        self._cache.put(name, meta)
-        self._spec = self._predictor.advance(spec.ids)
-        self._fresh_last = None
-        if self._tuning() and buf is not None:
-            self._observe([name], buf.nbytes)
-        if self.timeline is not None:
-            self.timeline.event(name, "ALLREDUCE" if buf is not None else "BARRIER", t0, t1, fused=1,
-                                speculative=True)
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
-        return True, False
-
-    def _finish_round(self, ready: Ready, start: float,
-                      progress: bool) -> None:
+    def _finish_round(self, ready: Ready, start: float, progress: bool) -> None:
         if ready:
             progress = True
             with self._lock:
@@ -962,12 +827,10 @@ class Engine:
         for warning in self._table.stall_warnings(self.rank):
             logger.warning("%s", warning)
         if progress:
-            self._idle_rounds = 0
-            self._progress_at = time.perf_counter()
+            self._progressed(time.perf_counter())
+            self._executor.round_done(start, len(ready))
         else:
             self._idle_rounds += 1
-        if self.timeline is not None and progress:
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
 
     def _complete_join(self, last: int) -> None:
         self._table.clear_joins()
@@ -1007,31 +870,3 @@ class Engine:
         """The device groups this engine has opened so far, by device kind (none until its first device
         collective; for tests and diagnostics)."""
         return self._executor.device_groups()
-
-    def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
-                             splits: Sequence[int] | None) -> list[int] | None:
-        if kind in ("allreduce", "reducescatter") and buf.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{kind} of '{name}': cannot reduce tensors of dtype {buf.dtype}")
-        if kind == "broadcast" and not 0 <= int(root) < self.size:
-            raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size {self.size}")
-        if kind in RAGGED and not buf.shape:
-            raise ValueError(f"{kind} of '{name}' needs a tensor with at least one dimension")
-        if kind == "alltoall":
-            try:  # the splits rules of host arrays, checked on an empty stand-in of the same rows
-                return alltoall_args(np.empty((buf.shape[0], 0)), splits, self.size)[1]
-            except ValueError as exc:
-                raise ValueError(f"alltoall of '{name}': {exc}") from None
-        return None
-
-
-def _tcp_among_three(backend: Backend) -> bool:
-    """Whether ``backend`` (the ring) runs TCP allreduces among three or more ranks or hosts, where its
-    halving-doubling threshold applies (autotune searches it only there)."""
-    transport = getattr(backend, "transport", "")
-    return isinstance(getattr(backend, "settings", None), Settings) and (
-        (transport == "tcp" and backend.size >= 3) or (transport == "hier" and getattr(backend, "cross_size", 0) >= 3))
-
-
-def _in_place_ok(flags: Any) -> bool:
-    """An array an allreduce may work on in place (``np.ndarray.flags``): C-contiguous and writable."""
-    return bool(flags.c_contiguous and flags.writeable)

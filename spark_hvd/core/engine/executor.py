@@ -15,6 +15,11 @@ rank) with this rank's requests for them; every rank therefore makes the same co
 Host arrays run on a ``HostGroup`` over the job's backend, device tensors on a ``DeviceGroup`` (NCCL; gloo stands
 in on CPU) that the executor opens at the first device collective every rank reached: both behind one ``Group``
 interface, so host and device share this one path (Horovod's ``OperationManager``).
+
+The engine's shortcuts run here too, on the host group: a speculative round's one collective (``speculate``:
+``spark_hvd.core.engine.speculation``) and a round of new names in one collective (``fresh``:
+``spark_hvd.core.engine.fresh``); so do the negotiation's own exchanges (``host``). Every collective count, response
+cache put and timeline event of a round is made in this module, whichever way the round went.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.engine import fresh as _fresh
+from spark_hvd.core.engine import speculation as _speculation
 from spark_hvd.core.engine.device import DeviceGroup, GroupScope, check_device_backend
+from spark_hvd.core.engine.fresh import FreshSpec
 from spark_hvd.core.engine.group import Group, HostGroup
 from spark_hvd.core.engine.handle import Handle, finish_all
 from spark_hvd.core.engine.negotiation import CACHEABLE, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.speculation import Spec
 from spark_hvd.core.engine.timeline import Timeline
 from spark_hvd.core.errors import SparkHvdError, TensorMismatchError
 from spark_hvd.core.settings import Settings
@@ -79,6 +88,7 @@ class Executor:
         self.stats = stats
         self.timeline = timeline
         self.rank = backend.rank
+        self.size = backend.size
         self.host = HostGroup(backend)
         self._device_groups: dict[str, DeviceGroup] = {}  # opened by the engine thread at first use
 
@@ -140,6 +150,92 @@ class Executor:
                 group.close()
             except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
                 logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
+
+    def round_done(self, start: float, tensors: int) -> None:
+        """A round that moved something ended (its ``ROUND`` on the timeline, from ``start``)."""
+        if self.timeline is not None:
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=tensors)
+
+    # ------------------------------------------------------------------ speculative rounds: one collective each
+
+    def speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
+        """The one collective of a speculative round (``Spec``): ``[flag, bufs...]`` staged, beside the tensor
+        (``in_place``), or the flag as the tensor's own first frame (``in_band``); ``bufs`` None: this rank
+        submitted something else. On a hit (every rank submitted ``spec.ids``) ``bufs`` hold the result and the
+        round's tensors are counted, put in the response cache and on the timeline. Returns (hit, the collective's
+        start and end)."""
+        host = self.host
+        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
+            data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
+            t0 = time.perf_counter()
+            hit = self._speculative(host.allreduce_agreed, data, spec.op, bufs is not None)
+            t1 = time.perf_counter()
+        else:
+            beside = _speculation.pack(spec, bufs)
+            t0 = time.perf_counter()
+            self._speculative(host.allreduce_staged, spec.staging, spec.op, beside)
+            t1 = time.perf_counter()
+            hit = _speculation.agreed(spec, self.size)
+        stats = self.stats
+        stats["speculative_rounds"] += 1
+        if not hit:  # some rank submitted something else: no rank's tensor changed
+            stats["speculation_misses"] += 1
+            return False, t0, t1
+        assert bufs is not None  # every rank's flag was 1, this one's included
+        _speculation.unpack(spec, bufs)
+        if spec.barrier:
+            stats["barrier_collectives"] += 1
+            activity = "BARRIER"
+        else:
+            stats["allreduce_collectives"] += 1
+            stats["allreduce_tensors"] += len(bufs)
+            if len(bufs) > 1:
+                stats["fused_collectives"] += 1
+            activity = "ALLREDUCE"
+        cache, tl, fused = self.cache, self.timeline, len(spec.ids)
+        for cache_id in spec.ids:  # every rank submitted exactly these ids: their names and metadata
+            name, meta = cache.get(cache_id)
+            cache.put(name, meta)
+            if tl is not None:
+                tl.event(name, activity, t0, t1, fused=fused, speculative=True)
+        return True, t0, t1
+
+    def fresh(self, spec: FreshSpec, names: Sequence[str] | None,
+              bufs: Sequence[np.ndarray] | None) -> tuple[bool, float]:
+        """A round of new names in one collective (``FreshSpec``); ``names`` / ``bufs`` None: this rank submitted
+        something else. On a hit (every rank submitted ``spec.layout`` under the same names) ``bufs`` hold the result
+        and the tensors are counted and on the timeline; their names stay out of the response cache (names made up
+        per call would only evict the loop's). Returns (hit, the collective's end)."""
+        _fresh.pack(spec, self.rank, names, bufs)
+        t0 = time.perf_counter()
+        self._speculative(self.host.allreduce_staged, spec.staging, spec.op)
+        t1 = time.perf_counter()
+        stats = self.stats
+        stats["fresh_rounds"] += 1
+        if names is None or bufs is None or not _fresh.agreed(spec):
+            stats["fresh_misses"] += 1
+            return False, t1
+        _fresh.unpack(spec, bufs)
+        stats["allreduce_collectives"] += 1
+        stats["allreduce_tensors"] += len(names)
+        if len(names) > 1:
+            stats["fused_collectives"] += 1
+        tl = self.timeline
+        if tl is not None:
+            for name in names:
+                tl.event(name, "ALLREDUCE", t0, t1, fused=len(names), speculative=True)
+        return True, t1
+
+    def _speculative(self, collective: Any, *args: Any) -> Any:
+        """``collective(*args)``, a speculative round's one collective: an error of spark_hvd's own passes through,
+        any other stops spark_hvd as one that left the ranks out of step."""
+        try:
+            return collective(*args)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
+                                "can no longer be kept in step, so spark_hvd stopped") from exc
 
     # ------------------------------------------------------------------ allreduce: fusion
 

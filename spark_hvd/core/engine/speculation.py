@@ -26,13 +26,14 @@ appeared, and the first loop's next two calls missed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.engine.negotiation import Meta
+from spark_hvd.core.reduce import scale_inplace
 
 #: Rounds of at most this many bytes are run speculatively, packed into one staging array.
 SPEC_BYTES = 64 * 1024
@@ -129,6 +130,43 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
         offset += n
     return Spec(ids, dtype, ReduceOp(first.op), first.prescale, first.postscale, count, sole, staging, tuple(views),
                 in_place, False)
+
+
+def pack(spec: Spec, bufs: Sequence[np.ndarray] | None) -> np.ndarray | None:
+    """Stage this rank's part of ``spec``'s collective (not ``in_band``): a flag of 1 and the tensors (prescaled),
+    or zeros (``bufs`` None: this rank submitted something else). Returns the tensor reduced beside the staging
+    where it lies (``in_place``: this rank's, or -0.0 of its shape, which leaves every float as it is), else None."""
+    staging = spec.staging
+    if spec.in_place:
+        staging[0] = 0 if bufs is None else 1
+        assert spec.sole is not None
+        return np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
+    if bufs is None:
+        staging.fill(0)
+    else:
+        staging[0] = 1
+        for view, buf in zip(spec.views, bufs, strict=True):
+            view[...] = buf
+        if spec.prescale != 1.0:
+            scale_inplace(staging[1:], spec.prescale)
+    return None
+
+
+def agreed(spec: Spec, size: int) -> bool:
+    """After the collective of ``pack``'s staging: did every rank's flag arrive (every rank submitted ``spec``)?"""
+    full = 1.0 if spec.op is ReduceOp.AVERAGE else float(size)
+    return bool(spec.staging[0] > full - 0.5 / size)
+
+
+def unpack(spec: Spec, bufs: Sequence[np.ndarray]) -> None:
+    """After a hit: the reduced tensors (postscaled) into ``bufs`` (reduced where they lie: scaled there)."""
+    if spec.in_place or spec.in_band:
+        scale_inplace(bufs[0], spec.postscale)
+        return
+    if spec.postscale != 1.0:
+        scale_inplace(spec.staging[1:], spec.postscale)
+    for view, buf in zip(spec.views, bufs, strict=True):
+        buf[...] = view
 
 
 class Predictor:
