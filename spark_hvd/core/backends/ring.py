@@ -95,10 +95,10 @@ PAIR_EXCHANGE_BYTES = 1024 * 1024
 HIER_SPLIT_BYTES = 256 * 1024
 
 
-def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
+def _bind_host(rendezvous: Rendezvous | None, job: JobEnv | None) -> tuple[str, str]:
     """(address to bind, address to publish) for this rank's listener (``addresses.listen_address``, routed
-    towards the rendezvous service or the Spark driver's service)."""
-    return listen_address(meeting_host(rendezvous, JobEnv.from_env()))
+    towards the rendezvous service or the Spark driver's service of the launch contract ``job``)."""
+    return listen_address(meeting_host(rendezvous, job))
 
 
 def even_bounds(n: int, parts: int) -> list[int]:
@@ -154,7 +154,8 @@ class RingBackend(Backend):
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
                  shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
-                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES,
+                 job: JobEnv | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -193,7 +194,7 @@ class RingBackend(Backend):
         segment: ShmGroup | None = None
         local_paths: list[str] = []
         try:
-            bind, publish = _bind_host(rendezvous)
+            bind, publish = _bind_host(rendezvous, job)
             self._listener = open_listener(bind)
             port = self._listener.getsockname()[1]
             host_id = host_identity()

@@ -161,7 +161,7 @@ class Engine:
         self.settings = settings
         self.rank = backend.rank
         self.size = backend.size
-        self.scope = scope or GroupScope(0, tuple(range(self.size)))
+        self.scope = scope or GroupScope(0, tuple(range(self.size)), job)
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._wake = threading.Event()
