@@ -8,10 +8,39 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.backend import alltoall_args
+from spark_hvd.core.algorithms import adasum
+from spark_hvd.core.backend import ReduceOp, alltoall_args
 from spark_hvd.core.engine.device import DeviceBuffer
-from spark_hvd.core.engine.negotiation import RAGGED
+from spark_hvd.core.engine.negotiation import RAGGED, Meta
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype
+
+_OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
+BARRIER_META = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)  # what every barrier agrees on
+
+
+def request(kind: str, buf: Any, name: str, op: ReduceOp, root: int, prescale: float, postscale: float,
+            bfloat16: bool, splits: Sequence[int] | None, size: int) -> tuple[Any, Meta, Sequence[int] | None]:
+    """What a submission of ``kind`` negotiates, among ``size`` ranks: (the buffer the collective takes, its
+    metadata, the alltoall's splits), or the error that fails it on the caller, before any rank waits."""
+    if op is ReduceOp.ADASUM:  # what Adasum cannot reduce
+        device = buf.device if isinstance(buf, DeviceBuffer) else ""
+        adasum.check_request(kind, getattr(buf, "dtype", None), bfloat16, device, name)
+    if kind == "barrier":
+        return None, BARRIER_META, splits
+    if isinstance(buf, DeviceBuffer):
+        splits = device_splits(kind, buf, name, root, splits, size)
+        return buf, Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
+                         float(postscale), buf.bfloat16, buf.device), splits
+    buf = host_buffer(kind, buf, name, bfloat16)
+    if kind == "broadcast" and not 0 <= int(root) < size:
+        raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size {size}")
+    if kind == "alltoall":
+        try:
+            buf, splits = alltoall_args(buf, splits, size)
+        except ValueError as exc:
+            raise ValueError(f"alltoall of '{name}': {exc}") from None
+    return buf, Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale), float(postscale),
+                     bool(bfloat16)), splits
 
 
 def host_buffer(kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
