@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from spark_hvd.core.engine.executor import Executor, Request
     from spark_hvd.core.engine.handle import Handle
     from spark_hvd.core.engine.pacing import Pacer
+    from spark_hvd.core.engine.timeline import Timeline
 
 
 class BlockingCalls:
@@ -55,6 +56,7 @@ class BlockingCalls:
     _tuner: Tuner | None
     _pacer: Pacer
     _executor: Executor
+    _timeline: Timeline | None
     _guarded_round: Callable[..., bool]
     _tuning: Callable[[], bool]
     _observe: Callable[[list[str], int], None]
@@ -146,34 +148,41 @@ class BlockingCalls:
         On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
         this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
         ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
-        start = self._pacer.last_start = time.perf_counter()
+        pacer = self._pacer
+        start = pacer.last_start = time.perf_counter()
         hit, _, t1 = self._executor.speculate(spec, [] if buf is None else [buf])
         if not hit:
             self._spec = None
             return False, False
-        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        self.stats["cache_hits"] += 1
+        stats = self.stats
+        stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        stats["cache_hits"] += 1
         self._spec = self._predictor.advance(spec.ids)
         self._fresh_last = None
         if self._tuning() and buf is not None:
             self._observe([name], buf.nbytes)
-        self._executor.round_done(start, 1)
-        self._pacer.progressed(t1)
+        if self._timeline is not None:
+            self._executor.round_done(start, 1)
+        pacer.idle_rounds = 0  # ``Pacer.progressed``, inline on the steady loop's path
+        pacer.progress_at = t1
         return True, False
 
     def _fresh_sole_round(self, spec: FreshSpec, buf: np.ndarray, name: str) -> tuple[bool, bool]:
         """``allreduce``'s round of one new name: the round of ``spec`` with ``buf`` alone, with no request or
         handle. On a miss the other ranks go on to a fast round, which is what this rank's next round is too (the
         speculation is disarmed), and ``allreduce`` submits ``buf`` to it. Returns (hit, False)."""
-        start = self._pacer.last_start = time.perf_counter()
-        hit, t1 = self._executor.fresh(spec, (name,), (buf,))
-        if not hit:
+        pacer = self._pacer
+        start = pacer.last_start = time.perf_counter()
+        if not self._executor.fresh_one(spec, name, buf):
             self._fresh = None
             return False, False
-        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        self.stats["full_requests"] += 1
+        stats = self.stats
+        stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
+        stats["full_requests"] += 1
         if self._tuning():
             self._observe([name], buf.nbytes)
-        self._executor.round_done(start, 1)
-        self._pacer.progressed(t1)
+        if self._timeline is not None:
+            self._executor.round_done(start, 1)
+        pacer.idle_rounds = 0  # ``Pacer.progressed``, inline on this path
+        pacer.progress_at = start
         return True, False

@@ -26,14 +26,13 @@ appeared, and the first loop's next two calls missed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.engine.negotiation import Meta
-from spark_hvd.core.reduce import scale_inplace
 
 #: Rounds of at most this many bytes are run speculatively, packed into one staging array.
 SPEC_BYTES = 64 * 1024
@@ -83,6 +82,7 @@ class Spec(NamedTuple):
     in_place: bool
     barrier: bool  # the round is barriers only (no data)
     in_band: bool = False  # the flag is the first frame of the tensor's own collective (two ranks, TCP)
+    entries: tuple[tuple[str, Meta], ...] = ()  # each id's (name, metadata), in id order: what a hit puts in the cache
 
 
 def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
@@ -96,7 +96,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
     metas = [meta for _, meta in entries]
     if all(m.kind == "barrier" for m in metas):
         return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None, np.zeros(1, np.float32), (), False,
-                    True)
+                    True, False, tuple(entries))
     first = metas[0]
     dtype = np.dtype(first.dtype)
     if (in_band and size == 2 and len(ids) == 1 and first.kind == "allreduce" and not first.device
@@ -104,7 +104,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
         count = int(np.prod(first.shape, dtype=np.int64))
         if count * dtype.itemsize > SPEC_BYTES:
             return Spec(ids, dtype, ReduceOp(first.op), 1.0, first.postscale, count, entries[0],
-                        np.zeros(0, dtype), (), False, False, True)
+                        np.zeros(0, dtype), (), False, False, True, tuple(entries))
     key = (first.dtype, first.op, first.prescale, first.postscale, False)
     if dtype.kind != "f" or first.op not in ("sum", "average") or any(
             m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
@@ -129,44 +129,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
         views.append(staging[offset:offset + n].reshape(m.shape))
         offset += n
     return Spec(ids, dtype, ReduceOp(first.op), first.prescale, first.postscale, count, sole, staging, tuple(views),
-                in_place, False)
-
-
-def pack(spec: Spec, bufs: Sequence[np.ndarray] | None) -> np.ndarray | None:
-    """Stage this rank's part of ``spec``'s collective (not ``in_band``): a flag of 1 and the tensors (prescaled),
-    or zeros (``bufs`` None: this rank submitted something else). Returns the tensor reduced beside the staging
-    where it lies (``in_place``: this rank's, or -0.0 of its shape, which leaves every float as it is), else None."""
-    staging = spec.staging
-    if spec.in_place:
-        staging[0] = 0 if bufs is None else 1
-        assert spec.sole is not None
-        return np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
-    if bufs is None:
-        staging.fill(0)
-    else:
-        staging[0] = 1
-        for view, buf in zip(spec.views, bufs, strict=True):
-            view[...] = buf
-        if spec.prescale != 1.0:
-            scale_inplace(staging[1:], spec.prescale)
-    return None
-
-
-def agreed(spec: Spec, size: int) -> bool:
-    """After the collective of ``pack``'s staging: did every rank's flag arrive (every rank submitted ``spec``)?"""
-    full = 1.0 if spec.op is ReduceOp.AVERAGE else float(size)
-    return bool(spec.staging[0] > full - 0.5 / size)
-
-
-def unpack(spec: Spec, bufs: Sequence[np.ndarray]) -> None:
-    """After a hit: the reduced tensors (postscaled) into ``bufs`` (reduced where they lie: scaled there)."""
-    if spec.in_place or spec.in_band:
-        scale_inplace(bufs[0], spec.postscale)
-        return
-    if spec.postscale != 1.0:
-        scale_inplace(spec.staging[1:], spec.postscale)
-    for view, buf in zip(spec.views, bufs, strict=True):
-        buf[...] = view
+                in_place, False, False, tuple(entries))
 
 
 class Predictor:
