@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -88,6 +88,18 @@ class Backend(ABC):
         ``buf`` changed. With ``agree`` False, ``buf`` is only a template (size and dtype), never read or written.
         Only where ``agrees_in_band``."""
         raise NotImplementedError(f"the {self.name} backend carries no agreement in band")
+
+    def tunables(self) -> dict[str, int]:
+        """This backend's own settings that autotune may search here, by ``Settings`` field, with their current
+        values; {} when none applies (the ring: ``halving_doubling_bytes`` where its TCP allreduces run among three
+        or more ranks or hosts). The engine never reads a backend's fields for this."""
+        return {}
+
+    def apply_tuning(self, values: Mapping[str, int]) -> None:
+        """Run with these values of ``tunables()``'s settings from the next collective on (every rank applies the
+        same values in the same round, between collectives)."""
+        if values:
+            raise ValueError(f"the {self.name} backend has no tunable setting {sorted(values)}")
 
     @abstractmethod
     def allgather(self, buf: np.ndarray) -> np.ndarray:

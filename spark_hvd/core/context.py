@@ -66,14 +66,13 @@ def _engine(what: str, process_set: ProcessSet | None) -> tuple[Engine, _ps.Memb
 
 
 def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int | None, backend: Any,
-                  secret: bytes | str | None, settings: Settings, job_id: str | None) -> Backend:
+                  secret: bytes | str | None, settings: Settings, job_id: str | None, job: JobEnv | None) -> Backend:
     if isinstance(backend, Backend):
         return backend
     env = os.environ
     name = (backend or env.get("SPARK_HVD_BACKEND") or "").strip().lower() or None
     if name not in (None, "ring", "mpi", "torch", "local"):
         raise ValueError(f"unknown backend {name!r}; expected 'ring', 'mpi', 'torch' or 'local'")
-    job = JobEnv.from_env()
     if rank is None and job is not None:
         rank = job.rank
     if size is None and job is not None:
@@ -114,10 +113,10 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
     if name == "torch":
         from spark_hvd.core.backends.torch_backend import TorchBackend
 
-        return TorchBackend(rank, size, rendezvous, settings, job_id=job_id, secret=secret)
+        return TorchBackend(rank, size, rendezvous, settings, job_id=job_id, secret=secret, job=job)
     from spark_hvd.core.backends.ring import RingBackend
 
-    return RingBackend(rank, size, rendezvous, secret, settings, job_id)
+    return RingBackend(rank, size, rendezvous, secret, settings, job_id, job=job)
 
 
 def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size: int | None = None,
@@ -137,14 +136,16 @@ def init(*, rendezvous: Rendezvous | None = None, rank: int | None = None, size:
                            _ctx.backend.rank, _ctx.engine.error)
             shutdown()
         settings = settings or Settings.from_env()
+        launched = JobEnv.from_env()  # the launch contract, read here once and passed down
         be = _make_backend(rendezvous=rendezvous, rank=rank, size=size, backend=backend, secret=secret,
-                           settings=settings, job_id=job_id)
+                           settings=settings, job_id=job_id, job=launched)
+        job = running_job(be, launched)
         try:
-            engine = Engine(be, settings)
+            engine = Engine(be, settings, job=job)
         except BaseException:
             be.close()
             raise
-        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), running_job(be))
+        _ctx = _Context(be, engine, settings, getattr(be, "name", type(be).__name__), job)
         _ps.bind(be.rank, be.size)
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -266,9 +267,9 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             set_settings = dataclasses.replace(settings(), timeline=None)  # the global engine owns the file
             job = job_env()
             backend = RingBackend(ps.ranks.index(me), len(ps.ranks), _GlobalRendezvous(ps.ranks, rendezvous_name),
-                                  secret, set_settings, f"{job.job_id}.ps{set_id}")
+                                  secret, set_settings, f"{job.job_id}.ps{set_id}", job=job)
             try:
-                engine_ = Engine(backend, set_settings, GroupScope(set_id, tuple(ps.ranks), job))
+                engine_ = Engine(backend, set_settings, GroupScope(set_id, tuple(ps.ranks), job), job=job)
             except BaseException:
                 backend.close()
                 raise

@@ -113,12 +113,12 @@ class JobEnv:
         return out
 
 
-def running_job(backend: Any) -> JobEnv:
-    """The launch contract as a job runs it: the launcher's ``JobEnv`` with the topology ``backend`` found (the
-    same under spark_hvd's launchers; the only source under ``mpirun`` or ``init(rank=, size=)``)."""
+def running_job(backend: Any, launched: JobEnv | None) -> JobEnv:
+    """The launch contract as a job runs it: the launcher's ``JobEnv`` (``launched``, read once by ``init()``; None:
+    none) with the topology ``backend`` found (the same under spark_hvd's launchers; the only source under
+    ``mpirun`` or ``init(rank=, size=)``)."""
     topo = {name: getattr(backend, name) for name in
             ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")}
-    launched = JobEnv.from_env()
     return dataclasses.replace(launched, **topo) if launched is not None else JobEnv(**topo)
 
 

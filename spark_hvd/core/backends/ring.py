@@ -31,13 +31,14 @@ the shared-memory protocol in ``transport/shm.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
 import socket
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -94,10 +95,10 @@ PAIR_EXCHANGE_BYTES = 1024 * 1024
 HIER_SPLIT_BYTES = 256 * 1024
 
 
-def _bind_host(rendezvous: Rendezvous | None) -> tuple[str, str]:
+def _bind_host(rendezvous: Rendezvous | None, job: JobEnv | None) -> tuple[str, str]:
     """(address to bind, address to publish) for this rank's listener (``addresses.listen_address``, routed
-    towards the rendezvous service or the Spark driver's service)."""
-    return listen_address(meeting_host(rendezvous, JobEnv.from_env()))
+    towards the rendezvous service or the Spark driver's service of the launch contract ``job``)."""
+    return listen_address(meeting_host(rendezvous, job))
 
 
 def even_bounds(n: int, parts: int) -> list[int]:
@@ -153,7 +154,8 @@ class RingBackend(Backend):
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
                  shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
-                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES) -> None:
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES,
+                 job: JobEnv | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -192,7 +194,7 @@ class RingBackend(Backend):
         segment: ShmGroup | None = None
         local_paths: list[str] = []
         try:
-            bind, publish = _bind_host(rendezvous)
+            bind, publish = _bind_host(rendezvous, job)
             self._listener = open_listener(bind)
             port = self._listener.getsockname()[1]
             host_id = host_identity()
@@ -268,6 +270,17 @@ class RingBackend(Backend):
             raise
         logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
                      self.local_rank, self.local_size, self.cross_rank, self.cross_size, self.transport)
+
+    def tunables(self) -> dict[str, int]:
+        """``halving_doubling_bytes`` where this ring's TCP allreduces run among three or more ranks (``tcp``) or
+        hosts (``hier``): the only place it changes which algorithm runs."""
+        if (self.transport == "tcp" and self.size >= 3) or (self.transport == "hier" and self.cross_size >= 3):
+            return {"halving_doubling_bytes": self.settings.halving_doubling_bytes}
+        return {}
+
+    def apply_tuning(self, values: Mapping[str, int]) -> None:
+        """Each later TCP allreduce reads the new thresholds from ``settings``."""
+        self.settings = dataclasses.replace(self.settings, **values)
 
     def _setup_cma(self) -> None:
         """Two ranks on one host: the single-copy allreduce (``shm_cma``) if both can read each other's memory

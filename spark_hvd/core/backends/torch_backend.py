@@ -36,7 +36,8 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, settings: Settings | None = None,
-                 job_id: str = "", device: str | None = None, secret: bytes | None = None) -> None:
+                 job_id: str = "", device: str | None = None, secret: bytes | None = None,
+                 job: JobEnv | None = None) -> None:
         try:
             import torch
             import torch.distributed as dist
@@ -60,7 +61,7 @@ class TorchBackend(Backend):
 
             hosts = [v.decode() for v in rendezvous.exchange(rank, size, hostname.encode())]
             kv_address = rendezvous.address if isinstance(rendezvous, KVRendezvous) else None
-            self._store = open_store("backend", rank, size, timeout, job=JobEnv.from_env(), secret=secret,
+            self._store = open_store("backend", rank, size, timeout, job=job, secret=secret,
                                      exchange=lambda mine: rendezvous.exchange(rank, size, mine), job_id=job_id,
                                      kv_address=kv_address)
             init: dict[str, Any] = {"store": self._store}
@@ -68,7 +69,7 @@ class TorchBackend(Backend):
             hosts = [hostname] * size
             init = {"init_method": "env://"}
         if self.cuda:
-            gpu = gpu_index(JobEnv.from_env(), torch.cuda.device_count(), required=True)
+            gpu = gpu_index(job, torch.cuda.device_count(), required=True)
             self.device = torch.device("cuda", gpu)
             torch.cuda.set_device(self.device)
         else:

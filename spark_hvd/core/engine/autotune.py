@@ -60,8 +60,13 @@ import logging
 import math
 import os
 import statistics
-from collections.abc import Iterable
-from typing import NamedTuple, TextIO
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, TextIO
+
+import numpy as np
+
+from spark_hvd.core.jobenv import JobEnv
+from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -421,3 +426,25 @@ def _show(point: Point) -> str:
     halving = f"{point.halving_doubling_bytes / MIB:g} MiB" if point.halving_doubling_bytes else "off"
     return (f"cycle time {point.cycle_time_ms:g} ms, fusion threshold {point.fusion_threshold / MIB:g} MiB, "
             f"halving-doubling {halving}")
+
+
+def job_tuner(settings: Settings, tunables: Mapping[str, int], job: JobEnv | None) -> Tuner:
+    """Rank 0's tuner for the job's engine (``tuner_for``): from ``settings`` and the backend's own ``tunables``
+    (``Backend.tunables``: the halving-doubling threshold is searched only where the backend offers it), for the
+    job and attempt of the launch contract ``job`` (an elastic reset's new engine goes on with the same tuner)."""
+    halving = tunables.get("halving_doubling_bytes", settings.halving_doubling_bytes)
+    return tuner_for(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
+                     settings.autotune_warmup_samples, settings.autotune_steps_per_sample, settings.autotune_log,
+                     tune_algorithm="halving_doubling_bytes" in tunables, job_id=job.job_id if job else "",
+                     attempt=job.attempt if job else 0)
+
+
+def allreduced(ready: Iterable[tuple[Any, Any]]) -> tuple[list[str], int]:
+    """The names and bytes of the allreduces among a round's ready ``(entry, mismatch)`` pairs (what it reduced)."""
+    names, nbytes = [], 0
+    for entry, error in ready:
+        meta = entry.meta
+        if error is None and meta.kind == "allreduce":
+            names.append(entry.name)
+            nbytes += math.prod(meta.shape) * np.dtype(meta.dtype).itemsize
+    return names, nbytes

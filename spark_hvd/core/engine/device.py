@@ -101,8 +101,9 @@ class GroupScope:
 
     ``ranks``: the global ranks of the group's members, in the group's rank order (an engine's rank ``i`` is global
     rank ``ranks[i]``; error messages name global ranks, as Horovod does). ``job``: this rank's launch contract in
-    the whole job (the GPU policy reads its rank, local rank and assigned GPU, never the set's own numbering);
-    None for the whole job's engine, whose backend's topology is the job's (``jobenv.running_job``).
+    the whole job as ``init()`` read it once (the GPU policy reads its rank, local rank and assigned GPU, never the
+    set's own numbering; the device group's store, its job's services); None where none was passed (an engine
+    built on a backend directly: the backend's topology alone).
     """
 
     process_set: int

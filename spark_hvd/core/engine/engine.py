@@ -1,98 +1,59 @@
-"""The background engine: one thread per process that negotiates, fuses and runs every collective.
+"""The background engine: one thread per process that negotiates every collective; the executor runs them.
 
-Why this file is over 600 lines (~1000): it is one idea, the loop and its rounds (pacing, fast, speculative and
-full negotiation), a state machine whose state must stay identical on every rank.
+Why this file is over 600 lines (~650): it is one idea, the loop and its rounds (fast, speculative, fresh and full
+negotiation), a state machine whose state must stay identical on every rank. Beside it: the pacing, the blocking
+calls' shortcuts, the checks of a submission, the table, and the executor that runs every collective.
 
 The framework thread calls ``Engine.enqueue(kind, buf, name=...)`` and gets a ``Handle``; the engine thread runs
-*rounds*. In a round every rank publishes what was submitted locally since its last round, the ranks gather those
-lists (one ``backend.allgather`` of a small message), and every rank runs the same deterministic procedure on the
-same gathered data, so all ranks reach the same answer without a coordinator:
+*rounds*, paced by ``spark_hvd.core.engine.pacing``. In a round every rank publishes what was submitted locally since
+its last round, and every rank runs the same deterministic procedure on the same gathered data, so all ranks reach
+the same answer without a coordinator: one collective per round instead of Horovod's gather to rank 0 and
+broadcast, no rank doing extra work, and nothing needed from a backend beyond allreduce and allgather, so the ring,
+MPI and torch.distributed backends run the same engine.
 
-- the negotiation table (``spark_hvd.core.engine.table``, thread-free) keeps the outstanding tensors identical on every
-  rank and says which are ready (every rank that has not joined submitted it), in one order, which mismatch (the
-  same name with a different shape, dtype or op: a ``TensorMismatchError`` naming the tensor and the ranks), and
-  which stall (logged with the missing ranks after ``stall_check_time_s``; after ``stall_shutdown_time_s`` every
-  rank raises a ``StallError`` naming it, in the same round);
-- the executor (``spark_hvd.core.engine.executor``) runs what a round agreed on: ready allreduces fused per place,
-  dtype, op and scale, each collective on its ``Group`` (the host backend, or a device group for CUDA tensors) behind
-  one interface.
+The engine decides, the executor does (``spark_hvd.core.engine.executor``). The negotiation table
+(``spark_hvd.core.engine.table``, thread-free) keeps the outstanding tensors identical on every rank and says which
+are ready (every rank that has not joined submitted it), in one order, which mismatch (a ``TensorMismatchError``
+naming the tensor and the ranks) and which stall (``StallError`` after ``stall_shutdown_time_s``, on every rank in
+the same round). The response cache (``spark_hvd.core.engine.negotiation``: LRU, identical on every rank) lets a
+request that matches its cached entry travel as a small integer id. Every collective of every round, the
+negotiation's own exchanges and the shortcuts below included, runs on the executor's groups (the host backend, or a
+device group for CUDA tensors), and the executor alone counts collectives, puts entries in the response cache and
+records timeline events.
 
-Why coordinator-free rather than Horovod's gather-to-rank-0-then-broadcast: one collective per round instead of two
-(half the negotiation latency), no rank doing extra work, and it needs nothing from a backend beyond ``allgather``,
-so the ring, MPI and torch.distributed backends all run the same engine. The gathered data is
-O(size x new requests), small for the sizes this project runs at.
+Every rank takes the same kind of round, since the choice follows from state identical everywhere:
 
-Response cache: the table entries of completed allreduce / broadcast / reducescatter / barrier requests are
-remembered (LRU, ``cache_capacity`` entries, identical on every rank because every rank updates it from the same
-responses). A request that matches its cached entry is sent as a small integer id instead of its name and metadata,
-so a steady training loop exchanges a few bytes per tensor.
+- *fast*: with the table empty, one small SUM allreduce of a vector with a 1 at each cache id this rank submits,
+  a flag for anything else, each rank's message length and digest (``table.fast_vector``). Ids every rank sent are
+  ready with no message; otherwise the full round's messages follow in one more allreduce, or none travels when
+  every rank's message is the same (each rank's own is every rank's);
+- *full*: the first round, or tensors outstanding: the messages are gathered and absorbed by the table;
+- *speculative*: once the ranks have seen which clean round follows the last one (``speculation.Predictor``), the
+  next one is one allreduce of ``[flag, tensors...]`` (``speculation.Spec``: in place on shared memory at N=2, the
+  flag in band over TCP, ``spark_hvd.core.algorithms.agreed``); a miss costs one small collective;
+- *fresh*: after two rounds of new names of one layout, the next is one allreduce of ``[flag, name digests,
+  tensors...]`` (``spark_hvd.core.engine.fresh``).
 
-Pacing: a round starts ``cycle_time_ms`` after the previous one (or after the first submission following an idle
-spell), extended while a burst of submissions is still arriving (up to 5 cycles) so one round carries it. A caller
-that waits on a handle whose request is still unsent starts the round at once (``hurry``): nothing submitted
-later could join that operation, so the cycle would only add latency.
+Who runs a round: the engine thread, or a caller that waits on a handle (``drive``), which takes the round lock
+when the engine thread is not in a round and runs the same round, so a blocking call pays no hand-off between
+threads; a blocking ``allreduce`` or ``barrier`` whose round is the one expected runs it at once
+(``spark_hvd.core.engine.blocking``).
 
-Fast rounds: a steady training loop sends only cache ids and leaves nothing outstanding. When the table is empty
-(which every rank knows, as it is identical everywhere) a round starts with one small SUM allreduce of a vector with
-a 1 at each cache id this rank submits, plus a flag for anything else (a new tensor, a join, a shutdown). With no
-flag set, the ids whose count is the job size are ready, in id order, without gathering a message; ids that only
-some ranks sent, or a flag, lead to the full round's messages in the same round, in one more allreduce (the vector
-carried every rank's message length, so each rank's message has its place in one buffer). When every rank's message
-is the same (the same new tensors in the same order everywhere: the vector carries each message's digest too), none
-travels: each rank's own is every rank's, and its tensors are ready and agreed. Once the ranks have seen which clean
-round follows the last one (``spark_hvd.core.engine.speculation``: the same tensor again, two tensors alternating, an
-allreduce between barriers), or after one clean round of one tensor (fast, or full with nothing left outstanding)
-where a miss is cheap, the next round speculates on it: one allreduce of ``[flag, tensors...]`` carries
-negotiation and data together (``Spec``; at N=2 on shared memory, one larger SUM tensor is speculated on in place,
-over TCP one larger tensor carries the flag as the first frame of its own collective,
-``spark_hvd.core.algorithms.agreed``; a round of barriers is the flag's collective alone).
+Joined ranks (``join()``) take part in the allreduces and barriers the others agree on with the identity of the
+reduction (an average still divides by the full size); an allgather, alltoall, reducescatter or broadcast while a
+rank has joined fails on the ranks that called it. A ``PeerFailureError`` stops the engine: every pending handle
+and later call raises it. A rank that shuts down tells the others in its last round; their pending and later calls
+raise ``ShutdownError`` naming it. Messages are JSON (nothing a peer sent is unpickled).
 
-Who runs a round: the engine thread, or a caller that waits on a handle (``drive``): it takes the round lock when
-the engine thread is not in a round, and runs the round itself, so a blocking ``allreduce`` pays no hand-off
-between threads. Both run the same deterministic round, so every rank still makes the same sequence of
-collectives, whichever thread runs them; the blocking calls (``start_engine=False``) do not even wake the engine
-thread unless they cannot take the lock. A blocking ``allreduce`` of the very tensor a speculation is armed on
-(``Engine.allreduce``) goes further: it runs that round's one collective at once, with no request or handle; so does
-a blocking allreduce of one new name when a round of new names is expected (``spark_hvd.core.engine.fresh``), and a
-``barrier`` when the round of this barrier alone is expected (``Engine.barrier``).
-
-Joined ranks (``join()``) take part in the allreduces the others agree on, contributing the identity of the
-reduction (zeros for sum/average, so an average still divides by the full size); an allgather, alltoall,
-reducescatter or broadcast while a rank has joined fails on the ranks that called it (``TensorMismatchError``, as
-Horovod raises), and the ranks stay in step; ``join`` completes for everyone once every rank has joined.
-
-A ``PeerFailureError`` from the backend stops the engine: every pending handle and every later call raises it.
-A rank that shuts down tells the others in its last round; their pending and later calls raise ``ShutdownError``
-naming it.
-
-Idle behaviour: a round is a collective, but a rank with nothing to do does not spin. With nothing outstanding
-anywhere it sleeps until local work arrives, or for a heartbeat round every ``min(1 s, timeout / 4)`` (which keeps
-a peer waiting in a round from timing out, e.g. while rank 0 runs validation, and notices dead peers). With work
-outstanding on some rank the rounds back off from ``cycle_time_ms`` to 10 ms while no progress is made, and to
-100 ms once nothing has moved for a second (a peer in validation, a stalled tensor).
-
-Device tensors (``spark_hvd.core.engine.device.DeviceBuffer``: CUDA tensors, reduced where they lie) are negotiated like
-host arrays, with their device kind in the metadata; the executor runs them on a ``DeviceGroup`` (NCCL) it opens
-at the first device collective. A process set's engine (``scope``) opens a group of the set's members only, and
-its errors name global ranks.
-
-Messages are JSON (no unpickling of anything a peer sent); bfloat16 travels as uint16 with ``bfloat16=True``.
-
-Autotune (``settings.autotune``): rank 0's ``Tuner`` (``spark_hvd.core.engine.autotune``) scores trial settings of the
-fusion threshold, cycle time and halving-doubling threshold from what the rounds reduce; its next choice rides in
-the three tuning slots of a fast round's vector, and every rank switches at that round, before running its
-collectives. While a choice waits, rank 0 lets an armed speculation miss (one small collective per switch), so that
-a fast round comes. Once the tuner is done, rank 0 stops observing rounds (``_tuning``).
-
-What lives beside it: ``table.py`` (the negotiation table and the rounds' wire format), ``executor.py`` and
-``group.py`` (running a round's collectives on host or device), ``handle.py`` (handles), ``negotiation.py``
-(metadata, the table's entries, the response cache).
+Autotune (``settings.autotune``): rank 0's ``autotune.Tuner`` scores settings from what the rounds reduce; its
+choice rides in a fast round's vector and every rank switches at that round, before its collectives (``_switch``;
+the backend's own thresholds through ``Backend.tunables`` / ``apply_tuning``). While a choice waits, rank 0 lets an
+armed speculation miss, so that a fast round comes.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -102,14 +63,16 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.core.algorithms import adasum
-from spark_hvd.core.backend import Backend, ReduceOp, alltoall_args
-from spark_hvd.core.engine.autotune import Point, Tuner, tuner_for
-from spark_hvd.core.engine.device import DeviceBuffer, DeviceGroup, GroupScope
+from spark_hvd.core.backend import Backend, ReduceOp
+from spark_hvd.core.engine import checks
+from spark_hvd.core.engine.autotune import Point, Tuner, allreduced, job_tuner
+from spark_hvd.core.engine.blocking import BlockingCalls
+from spark_hvd.core.engine.device import DeviceGroup, GroupScope
 from spark_hvd.core.engine.executor import Executor, Request
-from spark_hvd.core.engine.fresh import FreshSpec, Layout, agreed, build_fresh, fresh_layout, pack, pack_one, unpack
+from spark_hvd.core.engine.fresh import FreshSpec, Layout, build_fresh, fresh_layout
 from spark_hvd.core.engine.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, RAGGED, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, ResponseCache, TableEntry
+from spark_hvd.core.engine.pacing import Pacer
 from spark_hvd.core.engine.speculation import Predictor, Spec
 from spark_hvd.core.engine.table import (
     NegotiationTable,
@@ -128,20 +91,13 @@ from spark_hvd.core.engine.table import (
 from spark_hvd.core.engine.timeline import Timeline, timeline_path
 from spark_hvd.core.errors import ShutdownError, SparkHvdError
 from spark_hvd.core.jobenv import JobEnv
-from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype, scale_inplace
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-_OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
-_MAX_BACKOFF_S = 0.010  # round interval while work waits on another rank ...
-_LONG_BACKOFF_S = 0.100  # ... and once nothing has moved for _LONG_WAIT_S (a peer in validation, a stall)
-_LONG_WAIT_S = 1.0
-_BURST_CYCLES = 5
-_BARRIER_META = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)  # what every barrier agrees on
 
 
-class Engine:
+class Engine(BlockingCalls):
     """Runs the collectives of one process on its backend from one background thread.
 
     Args:
@@ -151,15 +107,17 @@ class Engine:
             own, and its errors name global ranks); None for the whole job.
 
     ``stats`` counts rounds, collectives and cache use (what tests check fusion with). ``autotune_history``: the
-    settings autotune switched to, as ``(fast round, fusion threshold, cycle time ms)``, the same on every rank.
+    settings autotune switched to, as ``(fast round, fusion threshold, cycle time ms, halving-doubling bytes)``,
+    the same on every rank. ``job``: the launch contract ``init()`` read (the autotune log's job and attempt).
     """
 
-    def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None) -> None:
+    def __init__(self, backend: Backend, settings: Settings, scope: GroupScope | None = None,
+                 job: JobEnv | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.rank = backend.rank
         self.size = backend.size
-        self.scope = scope or GroupScope(0, tuple(range(self.size)))
+        self.scope = scope or GroupScope(0, tuple(range(self.size)), job)
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -181,13 +139,7 @@ class Engine:
         self._table = NegotiationTable(self.size, self.scope, settings.stall_check_time_s,
                                        settings.stall_shutdown_time_s)
         self._cache = ResponseCache(settings.cache_capacity)
-        # Pacing.
-        self._cycle = max(settings.cycle_time_ms, 0.0) / 1000.0
-        self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
-        self._heartbeat = 60.0 if self.size == 1 else max(0.05, min(1.0, settings.timeout_s / 4.0))
-        self._last_start = 0.0
-        self._idle_rounds = 0
-        self._progress_at = 0.0
+        self._pacer = Pacer(settings.cycle_time_ms, self.size, settings.timeout_s)
         self._last_enqueue = 0.0
         self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
         self._spec: Spec | None = None  # identical on every rank
@@ -202,16 +154,11 @@ class Engine:
             if path:
                 self.timeline = Timeline(path, self.rank)
         self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
+        self._host = self._executor.host  # the negotiation's own exchanges
         self.autotune_history: list[tuple[int, int, float, int]] = []
         self._tuner: Tuner | None = None  # rank 0 of the job's own engine, with autotune on
         if settings.autotune and self.rank == 0 and not self.scope.process_set:
-            own = getattr(backend, "settings", None)  # the ring's: its TCP allreduce reads the algorithm thresholds
-            halving = own.halving_doubling_bytes if isinstance(own, Settings) else settings.halving_doubling_bytes
-            job = JobEnv.from_env()  # an elastic reset's new engine goes on with the same job's tuner
-            self._tuner = tuner_for(Point(settings.fusion_threshold, settings.cycle_time_ms, halving),
-                                    settings.autotune_warmup_samples, settings.autotune_steps_per_sample,
-                                    settings.autotune_log, tune_algorithm=_tcp_among_three(backend),
-                                    job_id=job.job_id if job else "", attempt=job.attempt if job else 0)
+            self._tuner = job_tuner(settings, backend.tunables(), job)
         self._thread = threading.Thread(target=self._run, name=f"spark_hvd-engine-rank{self.rank}", daemon=True)
         self._thread.start()
 
@@ -240,28 +187,8 @@ class Engine:
             with self._lock:
                 name = f"{kind}.noname.{self._counters[kind]}"
                 self._counters[kind] += 1
-        if op is ReduceOp.ADASUM:  # what Adasum cannot reduce fails here, on the caller, before any rank waits
-            device = buf.device if isinstance(buf, DeviceBuffer) else ""
-            adasum.check_request(kind, getattr(buf, "dtype", None), bfloat16, device, name)
-        if kind == "barrier":
-            buf = None
-            meta = _BARRIER_META
-        elif isinstance(buf, DeviceBuffer):
-            splits = self._check_device_buffer(kind, buf, name, root, splits)
-            meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
-                        float(postscale), buf.bfloat16, buf.device)
-        else:
-            buf = self._check_buffer(kind, buf, name, bfloat16)
-            if kind == "broadcast" and not 0 <= int(root) < self.size:
-                raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size "
-                                 f"{self.size}")
-            if kind == "alltoall":
-                try:
-                    buf, splits = alltoall_args(buf, splits, self.size)
-                except ValueError as exc:
-                    raise ValueError(f"alltoall of '{name}': {exc}") from None
-            meta = Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
-                        float(postscale), bool(bfloat16))
+        buf, meta, splits = checks.request(kind, buf, name, op, root, prescale, postscale, bfloat16, splits,
+                                           self.size)
         handle = Handle(name, kind, self)
         request = Request(name, meta, buf, op, list(splits) if splits is not None else None, handle,
                            time.perf_counter())
@@ -279,25 +206,6 @@ class Engine:
         if wake and start_engine:  # the engine knows of earlier work: no wake-up (and GIL hand-over) per tensor
             self._wake.set()
         return handle
-
-    def _check_buffer(self, kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
-        if not isinstance(buf, np.ndarray):
-            raise TypeError(f"{kind} of '{name}': expected a numpy array, got {type(buf).__name__}")
-        if bfloat16 and buf.dtype != np.uint16:
-            raise TypeError(f"{kind} of '{name}': bfloat16 data must be passed as a uint16 view, got {buf.dtype}")
-        if kind in ("allreduce", "reducescatter"):
-            try:
-                check_dtype(buf, bfloat16)
-            except TypeError as exc:
-                raise TypeError(f"{kind} of '{name}': {exc}") from None
-        if kind in ("allreduce", "broadcast"):
-            if not _in_place_ok(buf.flags):
-                raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
-        else:
-            buf = np.ascontiguousarray(buf)
-            if kind in RAGGED and buf.ndim == 0:
-                buf = buf.reshape(1)
-        return buf
 
     def join(self) -> Handle:
         """Declare this rank out of data. Its handle's result is the last rank to join, once all have."""
@@ -334,85 +242,6 @@ class Engine:
         if not handle._done:
             self.hurry()
             self._wake.set()  # the engine thread may sleep towards a heartbeat: let it pace the new state
-
-    def allreduce(self, buf: np.ndarray, name: str | None = None, *, op: ReduceOp = ReduceOp.AVERAGE,
-                  prescale: float = 1.0, postscale: float = 1.0, bfloat16: bool = False) -> np.ndarray:
-        """A blocking allreduce of ``buf`` in place (``enqueue(...).wait()``); returns ``buf``.
-
-        The call path of a steady loop: when the engine is armed to speculate on exactly this tensor (the predictor
-        expects a round of it alone next: same name, dtype, shape, op and scales) and nothing else is queued on this
-        rank, the round that ``enqueue`` and ``wait`` would run is one ``[flag, data]`` collective (``Spec``), and this
-        runs it at once in the calling thread with no request, handle or metadata to build. The same for a new
-        name when a round of one new tensor of this layout is expected (``spark_hvd.core.engine.fresh``). Otherwise, or
-        when the speculation misses (another rank submitted something else), it goes through ``enqueue`` and
-        ``wait``.
-        """
-        fresh = self._fresh
-        if fresh is not None and fresh.sole is not None and buf.__class__ is np.ndarray and not bfloat16:
-            meta = fresh.layout[0]
-            if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and _in_place_ok(buf.flags):
-                if name is None:
-                    with self._lock:
-                        name = f"allreduce.noname.{self._counters['allreduce']}"
-                        self._counters["allreduce"] += 1
-                if (name not in self._local and self._cache.lookup(name, meta) is None
-                        and self._sole_ready(fresh)):
-                    try:
-                        hit = self._guarded_round(True, self._fresh_sole_round, fresh, buf, name, meta)
-                    finally:
-                        self._round_lock.release()
-                    if hit:
-                        return buf
-        spec = self._spec
-        if spec is not None and spec.sole is not None and spec.sole[0] == name and not bfloat16:
-            meta = spec.sole[1]
-            if (op is spec.op and buf.__class__ is np.ndarray and buf.shape == meta.shape
-                    and (buf.dtype is spec.dtype or buf.dtype == spec.dtype)
-                    and prescale == meta.prescale and postscale == meta.postscale
-                    and _in_place_ok(buf.flags) and self._sole_ready(spec)):
-                try:
-                    hit = self._guarded_round(True, self._sole_round, spec, buf, name, meta)
-                finally:
-                    self._round_lock.release()
-                if hit:
-                    return buf
-        return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
-                            bfloat16=bfloat16, start_engine=False).wait()
-
-    def barrier(self) -> None:
-        """A blocking barrier (``enqueue("barrier").wait()``).
-
-        When the engine is armed to speculate on a round of this rank's barrier alone (an allreduce between
-        barriers, as osu_allreduce loops), that round is the flag's one collective, and this runs it at once in the
-        calling thread with no request or handle, as ``allreduce`` does for its tensor; otherwise, or on a miss, it
-        goes through ``enqueue`` and ``wait``.
-        """
-        spec = self._spec
-        if spec is not None and spec.barrier and len(spec.ids) == 1:
-            cached = self._cache.lookup("barrier", _BARRIER_META)
-            if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
-                try:
-                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier", _BARRIER_META)
-                finally:
-                    self._round_lock.release()
-                if hit:
-                    return
-        self.enqueue("barrier", start_engine=False).wait()
-
-    def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
-        """Take the round lock for ``_sole_round`` (``_fresh_sole_round``) if ``spec`` is still armed and nothing
-        else is queued here (a join, a shutdown, another request); False (lock not held) otherwise."""
-        if self._outbox or self._join_handle is not None or self._shutdown_requested:
-            return False
-        if self._tuner is not None and self._tuner.pending is not None:
-            return False  # rank 0's autotune choice must ride on a fast round: this round must not be speculative
-        if not self._round_lock.acquire(blocking=False):
-            return False  # the engine thread is in a round
-        armed = self._spec is spec or self._fresh is spec
-        if armed and not self._finished and self._error is None and not self._outbox:
-            return True
-        self._round_lock.release()
-        return False
 
     def hurry(self) -> None:
         """A caller is about to wait: start the next round now rather than collecting a cycle's worth more.
@@ -458,7 +287,7 @@ class Engine:
         with self._lock:
             self._shutdown_requested = True
         self._wake.set()
-        self._thread.join(self.settings.timeout_s + self._heartbeat + 5.0)
+        self._thread.join(self.settings.timeout_s + self._pacer.heartbeat + 5.0)
         if self._thread.is_alive():
             logger.warning("the engine thread of rank %d did not stop within the timeout", self.rank)
             self._fail_all(ShutdownError(f"spark_hvd on rank {self.rank} was shut down"))
@@ -475,11 +304,9 @@ class Engine:
         self.settings = replace(self.settings, fusion_threshold=point.fusion_threshold,
                                 cycle_time_ms=point.cycle_time_ms, halving_doubling_bytes=point.halving_doubling_bytes)
         self._executor.settings = self.settings
-        self._cycle = max(point.cycle_time_ms, 0.0) / 1000.0
-        self._backoff_cap = max(self._cycle, _MAX_BACKOFF_S)
-        own = getattr(self.backend, "settings", None)
-        if isinstance(own, Settings):  # no collective of it runs now: the round's collectives come after this
-            self.backend.settings = replace(own, halving_doubling_bytes=point.halving_doubling_bytes)  # type: ignore[attr-defined]
+        self._pacer.set_cycle(point.cycle_time_ms)
+        if "halving_doubling_bytes" in self.backend.tunables():  # the round's collectives come after this
+            self.backend.apply_tuning({"halving_doubling_bytes": point.halving_doubling_bytes})
         self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms,
                                       point.halving_doubling_bytes))
         self.stats["autotune_switches"] += 1
@@ -493,17 +320,8 @@ class Engine:
     def _observe(self, names: list[str], nbytes: int) -> None:
         """Tell rank 0's tuner what a round allreduced."""
         assert self._tuner is not None
-        self._tuner.observe(names, nbytes, time.perf_counter())
-
-    def _observe_ready(self, ready: Ready) -> None:
-        names, nbytes = [], 0
-        for entry, error in ready:
-            meta = entry.meta
-            if error is None and meta.kind == "allreduce":
-                names.append(entry.name)
-                nbytes += math.prod(meta.shape) * np.dtype(meta.dtype).itemsize
         if names:
-            self._observe(names, nbytes)
+            self._tuner.observe(names, nbytes, time.perf_counter())
 
     # ------------------------------------------------------------------ engine thread
 
@@ -574,22 +392,8 @@ class Engine:
                     return
                 if first_seen is None:
                     first_seen = now
-                target = self._last_start + self._cycle
-                if idle_before:  # collect a cycle's worth of submissions after idling
-                    target = max(target, first_seen + self._cycle)
-                if self._cycle > 0 and target <= now:
-                    # a burst of submissions still under way (a loop enqueueing gradients): let it finish, so
-                    # the ranks negotiate it in one round, for at most _BURST_CYCLES cycles
-                    quiet_at = self._last_enqueue + self._cycle / 2
-                    if quiet_at > now and now < first_seen + _BURST_CYCLES * self._cycle:
-                        target = quiet_at
-            elif not self._table.idle:
-                cap = self._backoff_cap
-                if now - self._progress_at > _LONG_WAIT_S:
-                    cap = max(cap, min(_LONG_BACKOFF_S, self._heartbeat))
-                target = self._last_start + min(cap, self._cycle * (2 ** min(self._idle_rounds, 16)))
-            else:
-                target = self._last_start + self._heartbeat
+            target = self._pacer.next_round(now, first_seen if local_work else None, idle_before,
+                                            self._last_enqueue, self._table.idle)
             remaining = target - now
             if remaining <= 0:
                 with self._lock:
@@ -599,8 +403,7 @@ class Engine:
 
     def _round(self) -> tuple[bool, bool]:
         """One negotiation round and the collectives it agrees on. Returns (progress, the engine must stop)."""
-        start = time.perf_counter()
-        self._last_start = start
+        start = self._pacer.last_start = time.perf_counter()
         with self._lock:
             outgoing, self._outbox = self._outbox, []
             self._hurried = False
@@ -652,7 +455,7 @@ class Engine:
             vec = fast_vector(ids, irregular, self._cache.id_count(), self.rank, self.size, message.size,
                               message_digest(message) if irregular else (0, 0),
                               choice.encode() if choice is not None else (0, 0))
-            self.backend.allreduce(vec, ReduceOp.SUM)
+            self._host.allreduce_staged(vec, ReduceOp.SUM)
             self.stats["fast_rounds"] += 1
             switch = Point.decode(tune_slots(vec, self.size))
             if switch is not None:  # rank 0's autotune choice: every rank switches here, before this round's work
@@ -693,7 +496,7 @@ class Engine:
                 messages = decode_messages(message, 1) * self.size
             else:
                 buf = place_message(message, message_lengths(vec, self.size), self.rank)
-                self.backend.allreduce(buf, ReduceOp.SUM)
+                self._host.allreduce_staged(buf, ReduceOp.SUM)
                 messages = decode_messages(buf, self.size)
             if common:  # some ids were sent by only some ranks: only those become outstanding entries
                 done = set(common)
@@ -709,7 +512,7 @@ class Engine:
             fields: list[Any] = [int(join_flag), int(shutdown_flag), ids, full, table.expired()]
             if first_round:  # every rank must plan fusion and the cache alike
                 fields.append([int(self.settings.fusion_threshold), int(self.settings.cache_capacity)])
-            messages = decode_messages(self.backend.allgather(encode_message(fields)), self.size)
+            messages = decode_messages(self._host.allgather(encode_message(fields)), self.size)
             if first_round:
                 check_same_settings([m[5] for m in messages])
         news = table.absorb(messages, self._cache)
@@ -742,79 +545,11 @@ class Engine:
             ids.add(cache_id)
         self._spec = self._predictor.advance(sorted(ids))
 
-    def _speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
-        """The one collective of a speculative round (see ``Spec``): allreduce ``[flag, bufs...]`` (zeros when
-        ``bufs`` is None: this rank submitted something else; -0.0 in place). On a hit (every rank's flag set) the
-        reduced data is in ``bufs``. Returns (hit, start and end of the collective)."""
-        staging = spec.staging
-        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
-            return self._speculate_in_band(spec, bufs)
-        if spec.in_place:
-            staging[0] = 0 if bufs is None else 1
-            assert spec.sole is not None
-            data = np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
-        elif bufs is None:
-            staging.fill(0)
-        else:
-            staging[0] = 1
-            for view, buf in zip(spec.views, bufs, strict=True):
-                view[...] = buf
-            if spec.prescale != 1.0:
-                scale_inplace(staging[1:], spec.prescale)
-        t0 = time.perf_counter()
-        if spec.in_place:
-            self._speculative_collective(self.backend.allreduce_fused, [staging, data], spec.op)
-        else:
-            self._speculative_collective(self.backend.allreduce, staging, spec.op)
-        t1 = time.perf_counter()
-        self.stats["speculative_rounds"] += 1
-        agreed = 1.0 if spec.op is ReduceOp.AVERAGE else float(self.size)
-        if not staging[0] > agreed - 0.5 / self.size:  # some rank submitted something else
-            self.stats["speculation_misses"] += 1
-            return False, t0, t1
-        assert bufs is not None  # every rank's flag was 1, this one's included
-        if spec.in_place:
-            scale_inplace(bufs[0], spec.postscale)
-        else:
-            if spec.postscale != 1.0:
-                scale_inplace(staging[1:], spec.postscale)
-            for view, buf in zip(spec.views, bufs, strict=True):
-                buf[...] = view
-        return self._speculated(spec, bufs, t1), t0, t1
-
-    def _speculate_in_band(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
-        """``_speculate`` for ``spec.in_band``: the tensor's own allreduce, this rank's agreement its first frame
-        (a rank that submitted something else passes a read-only stand-in of the tensor's size: never read)."""
-        data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
-        t0 = time.perf_counter()
-        hit = self._speculative_collective(self.backend.allreduce_agreed, data, spec.op, bufs is not None)
-        t1 = time.perf_counter()
-        self.stats["speculative_rounds"] += 1
-        if not hit:  # some rank submitted something else: no rank's tensor changed
-            self.stats["speculation_misses"] += 1
-            return False, t0, t1
-        assert bufs is not None
-        scale_inplace(bufs[0], spec.postscale)
-        return self._speculated(spec, bufs, t1), t0, t1
-
-    def _speculated(self, spec: Spec, bufs: list[np.ndarray], t1: float) -> bool:
-        """Count a speculative round that hit (its tensors reduced); True."""
-        if spec.barrier:
-            self.stats["barrier_collectives"] += 1
-        else:
-            self.stats["allreduce_collectives"] += 1
-            self.stats["allreduce_tensors"] += len(bufs)
-            if len(bufs) > 1:
-                self.stats["fused_collectives"] += 1
-        self._idle_rounds = 0
-        self._progress_at = t1
-        return True
-
     def _speculative_round(self, spec: Spec, mine: dict[int, Request] | None, start: float) -> bool:
-        """A speculative round of submitted requests; True when every rank submitted exactly ``spec.ids`` and the
-        tensors are reduced. ``mine``: this rank's requests by id when it did, else None."""
+        """A speculative round of submitted requests (``Executor.speculate``); True when every rank submitted
+        exactly ``spec.ids`` and the tensors are reduced. ``mine``: this rank's requests by id when it did."""
         bufs = None if mine is None else [] if spec.barrier else [mine[cache_id].buf for cache_id in spec.ids]
-        hit, t0, t1 = self._speculate(spec, bufs)
+        hit, _, t1 = self._executor.speculate(spec, bufs)
         if not hit:
             return False
         assert mine is not None
@@ -824,14 +559,9 @@ class Engine:
         self._fresh_last = None
         if self._tuning() and not spec.barrier:
             self._observe([request.name for request in requests], sum(request.buf.nbytes for request in requests))
-        activity = "BARRIER" if spec.barrier else "ALLREDUCE"
-        for request in requests:
-            self._cache.put(request.name, request.meta)
-            if self.timeline is not None:
-                self.timeline.event(request.name, activity, t0, t1, fused=len(requests), speculative=True)
         finish_all([(request.handle, request.buf) for request in reversed(requests)])
-        if self.timeline is not None:
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(requests))
+        self._executor.round_done(start, len(requests))
+        self._pacer.progressed(t1)
         return True
 
     def _fresh_spec(self, layout: Layout) -> FreshSpec:
@@ -843,114 +573,26 @@ class Engine:
         return spec
 
     def _fresh_round(self, spec: FreshSpec, mine: list[Request] | None, start: float) -> bool:
-        """A round of new names as one collective (``spark_hvd.core.engine.fresh``); True when every rank submitted
+        """A round of new names as one collective (``Executor.fresh``); True when every rank submitted
         ``spec.layout`` under the same names and the tensors are reduced. ``mine``: this rank's requests when they
         have the layout, else None. On a miss the speculation is disarmed and nothing of the requests changed."""
         names = None if mine is None else [request.name for request in mine]
-        pack(spec, self.rank, names, None if mine is None else [request.buf for request in mine])
-        t0 = time.perf_counter()
-        self._fresh_collective(spec)
-        t1 = time.perf_counter()
-        if mine is None or not agreed(spec):
-            self.stats["fresh_misses"] += 1
+        hit, t1 = self._executor.fresh(spec, names, None if mine is None else [request.buf for request in mine])
+        if not hit:
             self._fresh = None
             return False
-        unpack(spec, [request.buf for request in mine])
+        assert mine is not None
         with self._lock:
             for request in mine:
                 self._local.pop(request.name)
-        # the names stay out of the response cache (on every rank, whichever of this and ``_fresh_sole_round`` ran
-        # the round): names made up per call would only evict the loop's, and change the ids the predictor learnt
         if self._tuning():
             self._observe([request.name for request in mine], sum(request.buf.nbytes for request in mine))
-        self.stats["allreduce_collectives"] += 1
-        self.stats["allreduce_tensors"] += len(mine)
-        if len(mine) > 1:
-            self.stats["fused_collectives"] += 1
-        if self.timeline is not None:
-            for request in mine:
-                self.timeline.event(request.name, "ALLREDUCE", t0, t1, fused=len(mine), speculative=True)
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(mine))
+        self._executor.round_done(start, len(mine))
         finish_all([(request.handle, request.buf) for request in reversed(mine)])
-        self._idle_rounds = 0
-        self._progress_at = t1
+        self._pacer.progressed(t1)
         return True
 
-    def _fresh_sole_round(self, spec: FreshSpec, buf: np.ndarray, name: str, meta: Meta) -> tuple[bool, bool]:
-        """``allreduce``'s round of one new name: the round of ``spec`` with ``buf`` alone, with no request or
-        handle. On a miss the other ranks go on to a fast round, which is what this rank's next round is too (the
-        speculation is disarmed), and ``allreduce`` submits ``buf`` to it. Returns (hit, False)."""
-        start = self._last_start = time.perf_counter()
-        pack_one(spec, self.rank, name, buf)
-        timeline = self._timeline
-        t0 = time.perf_counter() if timeline is not None else start
-        self._fresh_collective(spec)
-        if not agreed(spec):
-            self.stats["fresh_misses"] += 1
-            self._fresh = None
-            return False, False
-        t1 = time.perf_counter() if timeline is not None else start
-        views = spec.views
-        if spec.postscale != 1.0:
-            scale_inplace(spec.data, spec.postscale)
-        buf[...] = views[0]
-        stats = self.stats
-        stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        stats["full_requests"] += 1
-        stats["allreduce_collectives"] += 1
-        stats["allreduce_tensors"] += 1
-        # the name stays out of the response cache, as in ``_fresh_round``
-        if self._tuning():
-            self._observe([name], buf.nbytes)
-        if timeline is not None:
-            timeline.event(name, "ALLREDUCE", t0, t1, fused=1, speculative=True)
-            timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
-        self._idle_rounds = 0
-        self._progress_at = t1
-        return True, False
-
-    def _fresh_collective(self, spec: FreshSpec) -> None:
-        self._speculative_collective(self.backend.allreduce, spec.staging, spec.op)
-        self.stats["fresh_rounds"] += 1
-
-    def _speculative_collective(self, collective: Callable[..., Any], *args: Any) -> Any:
-        """``collective(*args)``, a speculative round's one collective (``Spec``, ``FreshSpec``): an error of
-        spark_hvd's own passes through, any other stops spark_hvd as one that left the ranks out of step."""
-        try:
-            return collective(*args)
-        except SparkHvdError:
-            raise
-        except Exception as exc:
-            raise SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks "
-                                "can no longer be kept in step, so spark_hvd stopped") from exc
-
-    def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str, meta: Meta) -> tuple[bool, bool]:
-        """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``
-        None: ``barrier``'s round of this rank's barrier alone).
-
-        On a miss nothing of this round is left to do here: the other ranks go on to a fast round, which is what
-        this rank's next round is too (the speculation is disarmed, the table empty), and ``allreduce`` submits
-        ``buf`` to it. Returns (hit, False) as ``_round`` returns (progress, stop)."""
-        start = self._last_start = time.perf_counter()
-        hit, t0, t1 = self._speculate(spec, [] if buf is None else [buf])
-        if not hit:
-            self._spec = None
-            return False, False
-        self.stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
-        self.stats["cache_hits"] += 1
-        self._cache.put(name, meta)
-        self._spec = self._predictor.advance(spec.ids)
-        self._fresh_last = None
-        if self._tuning() and buf is not None:
-            self._observe([name], buf.nbytes)
-        if self.timeline is not None:
-            self.timeline.event(name, "ALLREDUCE" if buf is not None else "BARRIER", t0, t1, fused=1,
-                                speculative=True)
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=1)
-        return True, False
-
-    def _finish_round(self, ready: Ready, start: float,
-                      progress: bool) -> None:
+    def _finish_round(self, ready: Ready, start: float, progress: bool) -> None:
         if ready:
             progress = True
             with self._lock:
@@ -958,16 +600,14 @@ class Engine:
                             for e, _ in ready]
             self._executor.execute(ready, requests, time.perf_counter())
             if self._tuning():
-                self._observe_ready(ready)
+                self._observe(*allreduced(ready))
         for warning in self._table.stall_warnings(self.rank):
             logger.warning("%s", warning)
         if progress:
-            self._idle_rounds = 0
-            self._progress_at = time.perf_counter()
+            self._pacer.progressed(time.perf_counter())
+            self._executor.round_done(start, len(ready))
         else:
-            self._idle_rounds += 1
-        if self.timeline is not None and progress:
-            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=len(ready))
+            self._pacer.idle()
 
     def _complete_join(self, last: int) -> None:
         self._table.clear_joins()
@@ -1007,31 +647,3 @@ class Engine:
         """The device groups this engine has opened so far, by device kind (none until its first device
         collective; for tests and diagnostics)."""
         return self._executor.device_groups()
-
-    def _check_device_buffer(self, kind: str, buf: DeviceBuffer, name: str, root: int,
-                             splits: Sequence[int] | None) -> list[int] | None:
-        if kind in ("allreduce", "reducescatter") and buf.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{kind} of '{name}': cannot reduce tensors of dtype {buf.dtype}")
-        if kind == "broadcast" and not 0 <= int(root) < self.size:
-            raise ValueError(f"broadcast of '{name}': root_rank {root} is not a rank of this job of size {self.size}")
-        if kind in RAGGED and not buf.shape:
-            raise ValueError(f"{kind} of '{name}' needs a tensor with at least one dimension")
-        if kind == "alltoall":
-            try:  # the splits rules of host arrays, checked on an empty stand-in of the same rows
-                return alltoall_args(np.empty((buf.shape[0], 0)), splits, self.size)[1]
-            except ValueError as exc:
-                raise ValueError(f"alltoall of '{name}': {exc}") from None
-        return None
-
-
-def _tcp_among_three(backend: Backend) -> bool:
-    """Whether ``backend`` (the ring) runs TCP allreduces among three or more ranks or hosts, where its
-    halving-doubling threshold applies (autotune searches it only there)."""
-    transport = getattr(backend, "transport", "")
-    return isinstance(getattr(backend, "settings", None), Settings) and (
-        (transport == "tcp" and backend.size >= 3) or (transport == "hier" and getattr(backend, "cross_size", 0) >= 3))
-
-
-def _in_place_ok(flags: Any) -> bool:
-    """An array an allreduce may work on in place (``np.ndarray.flags``): C-contiguous and writable."""
-    return bool(flags.c_contiguous and flags.writeable)

@@ -15,6 +15,11 @@ rank) with this rank's requests for them; every rank therefore makes the same co
 Host arrays run on a ``HostGroup`` over the job's backend, device tensors on a ``DeviceGroup`` (NCCL; gloo stands
 in on CPU) that the executor opens at the first device collective every rank reached: both behind one ``Group``
 interface, so host and device share this one path (Horovod's ``OperationManager``).
+
+The engine's shortcuts run here too, on the host group: a speculative round's one collective (``speculate``:
+``spark_hvd.core.engine.speculation``) and a round of new names in one collective (``fresh``:
+``spark_hvd.core.engine.fresh``); so do the negotiation's own exchanges (``host``). Every collective count, response
+cache put and timeline event of a round is made in this module, whichever way the round went.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ import numpy as np
 
 from spark_hvd.core.backend import Backend, ReduceOp
 from spark_hvd.core.engine.device import DeviceGroup, GroupScope, check_device_backend
+from spark_hvd.core.engine.fresh import FreshSpec, agreed, pack, pack_one, unpack
 from spark_hvd.core.engine.group import Group, HostGroup
 from spark_hvd.core.engine.handle import Handle, finish_all
 from spark_hvd.core.engine.negotiation import CACHEABLE, Meta, ResponseCache, TableEntry
+from spark_hvd.core.engine.speculation import Spec
 from spark_hvd.core.engine.timeline import Timeline
 from spark_hvd.core.errors import SparkHvdError, TensorMismatchError
+from spark_hvd.core.reduce import scale_inplace
 from spark_hvd.core.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -79,7 +87,9 @@ class Executor:
         self.stats = stats
         self.timeline = timeline
         self.rank = backend.rank
+        self.size = backend.size
         self.host = HostGroup(backend)
+        self._staged = self.host.allreduce_staged
         self._device_groups: dict[str, DeviceGroup] = {}  # opened by the engine thread at first use
 
     def execute(self, ready: Sequence[tuple[TableEntry, TensorMismatchError | None]],
@@ -140,6 +150,144 @@ class Executor:
                 group.close()
             except Exception:  # a communicator whose peers are gone cannot always be torn down cleanly
                 logger.debug("rank %d: closing a device group failed", self.rank, exc_info=True)
+
+    def round_done(self, start: float, tensors: int) -> None:
+        """A round that moved something ended (its ``ROUND`` on the timeline, from ``start``)."""
+        if self.timeline is not None:
+            self.timeline.event(None, "ROUND", start, time.perf_counter(), tensors=tensors)
+
+    # ------------------------------------------------------------------ speculative rounds: one collective each
+
+    def speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
+        """The one collective of a speculative round (``Spec``): ``[flag, bufs...]`` staged, beside the tensor
+        (``in_place``: -0.0 where this rank submitted something else), or the flag as the tensor's own first frame
+        (``in_band``); ``bufs`` None: this rank submitted something else. On a hit (every rank submitted
+        ``spec.ids``) ``bufs`` hold the result and the round's tensors are counted, put in the response cache and on
+        the timeline. Returns (hit, the collective's start and end)."""
+        staging = spec.staging
+        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
+            data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
+            t0 = time.perf_counter()
+            try:
+                hit = self.host.allreduce_agreed(data, spec.op, bufs is not None)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise self._speculation_failed(exc) from exc
+            t1 = time.perf_counter()
+        else:
+            beside = None
+            if spec.in_place:
+                staging[0] = 0 if bufs is None else 1
+                assert spec.sole is not None
+                beside = np.full(spec.sole[1].shape, -0.0, spec.dtype) if bufs is None else bufs[0]
+            elif bufs is None:
+                staging.fill(0)
+            else:
+                staging[0] = 1
+                for view, buf in zip(spec.views, bufs, strict=True):
+                    view[...] = buf
+                if spec.prescale != 1.0:
+                    scale_inplace(staging[1:], spec.prescale)
+            t0 = time.perf_counter()
+            try:
+                self._staged(staging, spec.op, beside)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise self._speculation_failed(exc) from exc
+            t1 = time.perf_counter()
+            size = self.size
+            hit = staging[0] > (1.0 if spec.op is ReduceOp.AVERAGE else float(size)) - 0.5 / size
+        stats = self.stats
+        stats["speculative_rounds"] += 1
+        if not hit:  # some rank submitted something else: no rank's tensor changed
+            stats["speculation_misses"] += 1
+            return False, t0, t1
+        assert bufs is not None  # every rank's flag was 1, this one's included
+        if spec.in_place or spec.in_band:
+            scale_inplace(bufs[0], spec.postscale)
+        else:
+            if spec.postscale != 1.0:
+                scale_inplace(staging[1:], spec.postscale)
+            for view, buf in zip(spec.views, bufs, strict=True):
+                buf[...] = view
+        if spec.barrier:
+            stats["barrier_collectives"] += 1
+            activity = "BARRIER"
+        else:
+            stats["allreduce_collectives"] += 1
+            stats["allreduce_tensors"] += len(bufs)
+            if len(bufs) > 1:
+                stats["fused_collectives"] += 1
+            activity = "ALLREDUCE"
+        cache, tl = self.cache, self.timeline
+        for name, meta in spec.entries:  # every rank submitted exactly these
+            cache.put(name, meta)
+            if tl is not None:
+                tl.event(name, activity, t0, t1, fused=len(spec.entries), speculative=True)
+        return True, t0, t1
+
+    def fresh(self, spec: FreshSpec, names: Sequence[str] | None,
+              bufs: Sequence[np.ndarray] | None) -> tuple[bool, float]:
+        """A round of new names in one collective (``FreshSpec``); ``names`` / ``bufs`` None: this rank submitted
+        something else. On a hit (every rank submitted ``spec.layout`` under the same names) ``bufs`` hold the result
+        and the tensors are counted and on the timeline; their names stay out of the response cache (names made up
+        per call would only evict the loop's). Returns (hit, the collective's end)."""
+        pack(spec, self.rank, names, bufs)
+        t0 = time.perf_counter()
+        self._fresh_collective(spec)
+        t1 = time.perf_counter()
+        if names is None or bufs is None or not agreed(spec):
+            self.stats["fresh_misses"] += 1
+            return False, t1
+        unpack(spec, bufs)
+        self._fresh_done(names, t0, t1)
+        return True, t1
+
+    def fresh_one(self, spec: FreshSpec, name: str, buf: np.ndarray) -> bool:
+        """``fresh`` of one tensor (the blocking ``allreduce``'s round of a new name): the same, fewer steps."""
+        pack_one(spec, self.rank, name, buf)
+        tl = self.timeline
+        t0 = time.perf_counter() if tl is not None else 0.0
+        self._fresh_collective(spec)
+        stats = self.stats
+        if not agreed(spec):
+            stats["fresh_misses"] += 1
+            return False
+        if spec.postscale != 1.0:
+            scale_inplace(spec.data, spec.postscale)
+        buf[...] = spec.views[0]
+        stats["allreduce_collectives"] += 1  # ``_fresh_done``, inline on this path
+        stats["allreduce_tensors"] += 1
+        if tl is not None:
+            tl.event(name, "ALLREDUCE", t0, time.perf_counter(), fused=1, speculative=True)
+        return True
+
+    def _fresh_collective(self, spec: FreshSpec) -> None:
+        try:
+            self._staged(spec.staging, spec.op)
+        except SparkHvdError:
+            raise
+        except Exception as exc:
+            raise self._speculation_failed(exc) from exc
+        self.stats["fresh_rounds"] += 1
+
+    def _fresh_done(self, names: Sequence[str], t0: float, t1: float) -> None:
+        stats = self.stats
+        stats["allreduce_collectives"] += 1
+        stats["allreduce_tensors"] += len(names)
+        if len(names) > 1:
+            stats["fused_collectives"] += 1
+        tl = self.timeline
+        if tl is not None:
+            for name in names:
+                tl.event(name, "ALLREDUCE", t0, t1, fused=len(names), speculative=True)
+
+    def _speculation_failed(self, exc: Exception) -> SparkHvdError:
+        """A speculative round's one collective failed with an error not spark_hvd's own."""
+        return SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks can "
+                             "no longer be kept in step, so spark_hvd stopped")
 
     # ------------------------------------------------------------------ allreduce: fusion
 

@@ -71,6 +71,16 @@ class Group(ABC):
         """Return once every rank has called it."""
         raise SparkHvdError(f"barrier is not a collective on {self.device or 'host'} tensors")
 
+    def allreduce_staged(self, staging: np.ndarray, op: ReduceOp, beside: np.ndarray | None = None) -> None:
+        """One allreduce of a staging array as it is, in place, no scaling: a fast round's vector, a speculation's
+        ``[flag, tensors...]``, a fresh round's ``[flag, digests, tensors...]``; ``beside``: a tensor reduced where
+        it lies in the same collective (an in-place speculation's)."""
+        raise SparkHvdError(f"a staged allreduce is not a collective on {self.device or 'host'} tensors")
+
+    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        """``Backend.allreduce_agreed``: reduce ``buf`` in place if every rank ``agree``s; whether they all did."""
+        raise SparkHvdError(f"an agreed allreduce is not a collective on {self.device or 'host'} tensors")
+
     def result(self, buf: Any) -> Any:
         """What a handle of an in-place collective (allreduce, broadcast) of ``buf`` returns."""
         return buf
@@ -155,3 +165,12 @@ class HostGroup(Group):
 
     def barrier(self) -> None:
         self.backend.barrier()
+
+    def allreduce_staged(self, staging: np.ndarray, op: ReduceOp, beside: np.ndarray | None = None) -> None:
+        if beside is None:
+            self.backend.allreduce(staging, op)
+        else:
+            self.backend.allreduce_fused([staging, beside], op)
+
+    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        return self.backend.allreduce_agreed(buf, op, agree)

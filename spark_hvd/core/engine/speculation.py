@@ -82,6 +82,7 @@ class Spec(NamedTuple):
     in_place: bool
     barrier: bool  # the round is barriers only (no data)
     in_band: bool = False  # the flag is the first frame of the tensor's own collective (two ranks, TCP)
+    entries: tuple[tuple[str, Meta], ...] = ()  # each id's (name, metadata), in id order: what a hit puts in the cache
 
 
 def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
@@ -95,7 +96,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
     metas = [meta for _, meta in entries]
     if all(m.kind == "barrier" for m in metas):
         return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None, np.zeros(1, np.float32), (), False,
-                    True)
+                    True, False, tuple(entries))
     first = metas[0]
     dtype = np.dtype(first.dtype)
     if (in_band and size == 2 and len(ids) == 1 and first.kind == "allreduce" and not first.device
@@ -103,7 +104,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
         count = int(np.prod(first.shape, dtype=np.int64))
         if count * dtype.itemsize > SPEC_BYTES:
             return Spec(ids, dtype, ReduceOp(first.op), 1.0, first.postscale, count, entries[0],
-                        np.zeros(0, dtype), (), False, False, True)
+                        np.zeros(0, dtype), (), False, False, True, tuple(entries))
     key = (first.dtype, first.op, first.prescale, first.postscale, False)
     if dtype.kind != "f" or first.op not in ("sum", "average") or any(
             m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
@@ -128,7 +129,7 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
         views.append(staging[offset:offset + n].reshape(m.shape))
         offset += n
     return Spec(ids, dtype, ReduceOp(first.op), first.prescale, first.postscale, count, sole, staging, tuple(views),
-                in_place, False)
+                in_place, False, False, tuple(entries))
 
 
 class Predictor:

@@ -16,7 +16,7 @@ import numpy as np
 from spark_hvd.core.backend import Backend, ReduceOp, rank_rows
 from spark_hvd.core.engine.device import DeviceBuffer, DeviceGroup, GroupScope
 from spark_hvd.core.errors import PeerFailureError, SparkHvdError
-from spark_hvd.core.jobenv import JobEnv, gpu_index, running_job
+from spark_hvd.core.jobenv import gpu_index, running_job
 from spark_hvd.core.settings import Settings
 from spark_hvd.core.transport.addresses import apply_device_group_env
 
@@ -54,7 +54,7 @@ class TorchDeviceGroup(DeviceGroup):
         timeout = timedelta(seconds=settings.timeout_s)
         apply_device_group_env()  # NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from SPARK_HVD_NETWORK_INTERFACE
         if device == "cuda":  # the rank's GPU by the one policy (the engine thread has its own current device)
-            self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend),
+            self._dev = torch.device("cuda", gpu_index(scope.job or running_job(backend, None),
                                                        torch.cuda.device_count(), required=True))
             if kind == "nccl":  # gloo has no such rule: ranks sharing a GPU reduce on it through host memory
                 _one_gpu_per_rank(backend, scope, self._dev.index)
@@ -63,11 +63,11 @@ class TorchDeviceGroup(DeviceGroup):
         self._store: Any = None
         self._owns = False  # this group is torch.distributed's default group (destroyed with it)
         if scope.process_set:  # the set's members only, on their own namespace of the KV store
-            self._store = store = _open_store(device, backend, timeout)
+            self._store = store = _open_store(device, backend, timeout, scope)
             self._pg: Any = _independent_group(dist, kind, store, self.rank, self.size, timeout, self._dev, scope)
         elif not dist.is_initialized():
             self._owns = True
-            self._store = store = _open_store(device, backend, timeout)
+            self._store = store = _open_store(device, backend, timeout, scope)
             extra = {"device_id": self._dev} if kind == "nccl" else {}
             dist.init_process_group(kind, store=store, rank=self.rank, world_size=self.size, timeout=timeout,
                                     **extra)
@@ -302,7 +302,7 @@ def _independent_group(dist: Any, kind: str, store: Any, rank: int, size: int, t
     return pg
 
 
-def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
+def _open_store(device: str, backend: Backend, timeout: timedelta, scope: GroupScope) -> Any:
     """The group's rendezvous store on the job's KV service (collective; ``spark_hvd.core.backends.torch_store``)."""
     from spark_hvd.core.backends.torch_store import open_store
 
@@ -310,5 +310,5 @@ def _open_store(device: str, backend: Backend, timeout: timedelta) -> Any:
         return [backend.allgather(np.frombuffer(mine, dtype=np.uint8)).tobytes()]
 
     # keys under <job id>/torch/<attempt>/device-<kind>/<generation>/: a set's backend has the job id <job>.ps<id>
-    return open_store(f"device-{device}", backend.rank, backend.size, timeout, job=JobEnv.from_env(), secret=None,
+    return open_store(f"device-{device}", backend.rank, backend.size, timeout, job=scope.job, secret=None,
                       job_id=getattr(backend, "job_id", ""), exchange=exchange)
