@@ -25,7 +25,7 @@ peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming th
 fails within the timeout naming the same culprit.
 
 Why this module is long (~700 lines): the job's setup and every collective's plan over TCP and shared memory share
-one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``transport/tcp.py``,
+one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``transport/tcp/``,
 the shared-memory protocol in ``transport/shm.py``.
 """
 
@@ -465,7 +465,7 @@ class RingBackend(Backend):
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
-        if compiled and self._mac is None and tcp.TRACE is None:
+        if compiled and self._mac is None and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
                          plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
@@ -635,7 +635,7 @@ class RingBackend(Backend):
         other = 1 - self.rank
         exchange = self._exchange(other, other, "allreduce", flat.nbytes)
         ring = None
-        if compiled and self._mac is None and tcp.TRACE is None:
+        if compiled and self._mac is None and tcp.loop.TRACE is None:
             peer = self.peers[other]
 
             def ring(first: list[tuple[int, int]], plan: list[tuple[int, int, int]]) -> None:
