@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from spark_hvd.core.backends import ring_plans
@@ -25,6 +27,8 @@ def test_plans_say_what_the_backend_asks_them():
     assert TcpRing().agrees_in_band(2) and not TcpRing().agrees_in_band(3) and not ShmHost().agrees_in_band(2)
     assert ShmHost.fuses_in_place and Solo.fuses_in_place and not TcpRing.fuses_in_place
     assert ShmHost.scatters_by_allreduce and Hierarchical.scatters_by_allreduce and not TcpRing.scatters_by_allreduce
+    job = SimpleNamespace(size=6, cross_size=3)  # what the TCP leg runs among (autotune's halving-doubling)
+    assert [p.tcp_ring_size(job) for p in (Solo(), TcpRing(), ShmHost(), Hierarchical())] == [0, 6, 0, 3]
 
 
 def test_the_tcp_plans_pack_a_fused_allreduce_into_one_array():

@@ -213,6 +213,12 @@ class RingBackend(Backend):
         return self.plan.name
 
     @property
+    def tcp_ring_size(self) -> int:
+        """How many ranks the TCP leg of an allreduce runs among (0: none): the whole job on ``TcpRing``, one rank
+        per host on ``Hierarchical`` (where halving-doubling and its threshold apply from 3)."""
+        return self.plan.tcp_ring_size(self)
+
+    @property
     def shm(self) -> ShmGroup | None:
         """This host's shared-memory group, where the plan has one."""
         return getattr(self.plan, "shm", None)
