@@ -200,8 +200,10 @@ class RingExchange:
             if checking:
                 self._hand_over_checked()
             self.send_full, self.recv_dry, self.tag_wait, self.held = not self.can_send, not self.can_recv, False, False
-            self._send()
-            self._receive()
+            if self.can_send and (self.pending or queue):
+                self._send()
+            if self.index < self.n_recv and len(checking) < self.window:
+                self._receive()
             index, n_recv, pending = self.index, self.n_recv, self.pending
             if index == n_recv and not checking and not pending and not queue:
                 break
@@ -329,72 +331,71 @@ class RingExchange:
         index, n_recv, got_head, target, target_got = self.index, self.n_recv, self.got_head, self.target, \
             self.target_got
         received_bytes, can_recv, recv_dry = self.received_bytes, self.can_recv, self.recv_dry
-        try:
-            while index < n_recv and len(checking) < window:
-                if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
-                    target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
-                if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
-                    if not can_recv:
-                        break
-                    try:
-                        if target is None:
-                            room = head_size - got_head
-                            n = recv.sock.recv_into(head_view[got_head:])
-                        elif index and index + 1 < n_recv:
-                            # the rest of this frame and the next one's header in one call (not past frame 0,
-                            # whose answer may change what follows, nor past the last frame)
-                            room = target.nbytes - target_got + head_size
-                            n = recv.sock.recvmsg_into((target[target_got:], head_view))[0]
-                        else:
-                            room = target.nbytes - target_got
-                            n = recv.sock.recv_into(target[target_got:])
-                    except (BlockingIOError, InterruptedError):
-                        recv_dry, can_recv = True, False
-                        break
-                    except OSError as exc:
-                        recv.recv_broken = True
-                        raise recv._fail(exc, self.operation) from exc
-                    if n == 0:
-                        recv.recv_broken = True
-                        raise recv._fail(ConnectionError("connection closed by peer"), self.operation)
-                    received_bytes += n
-                    self.progressed = True
-                    if n < room:  # a short read took all there was: wait for POLLIN
-                        recv_dry, can_recv = True, False
+        while index < n_recv and len(checking) < window:
+            if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
+                target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
+            if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
+                if not can_recv:
+                    break
+                try:
                     if target is None:
-                        got_head += n
-                        if recv_dry and got_head < head_size:
-                            break
-                        continue
-                    target_got += n
-                    if target_got < target.nbytes:
-                        if recv_dry:
-                            break
-                        continue
-                    if target_got > target.nbytes:  # the next frame's header came too
-                        got_head, target_got = target_got - target.nbytes, target.nbytes
-                    if target.nbytes >= RECV_LOWAT_MIN_BYTES:
-                        # a large frame is complete: let poll say when the next one is (its low-water mark)
-                        # rather than read a few bytes of it now (fewer calls per byte)
-                        recv_dry, can_recv = True, False
-                # frame ``index`` is complete: check its tag before anything uses it
-                if self.trace is not None:
-                    self.trace.append((time.perf_counter_ns(), "r", index, target.nbytes))
-                counter = recv._in.reserve()
-                if mac is not None and index and target.nbytes >= self.mac_min_bytes:  # frame 0: see run()
-                    args = recv._in.data_tag_args(counter, self.length, DATA, target)
-                    checking.append((index, self.tag, mac.submit(recv._in.gmac, *args)))
-                else:
-                    recv._check(recv._in.data_tag(counter, self.length, DATA, target), self.tag)
-                    if checking:  # checked, but handed over after the frames before it
-                        checking.append((index, self.tag, None))
+                        room = head_size - got_head
+                        n = recv.sock.recv_into(head_view[got_head:])
+                    elif index and index + 1 < n_recv:
+                        # the rest of this frame and the next one's header in one call (not past frame 0,
+                        # whose answer may change what follows, nor past the last frame)
+                        room = target.nbytes - target_got + head_size
+                        n = recv.sock.recvmsg_into((target[target_got:], head_view))[0]
                     else:
-                        n_recv = self._hand_over(index)
-                index, target = index + 1, None
-        finally:
-            self.index, self.n_recv, self.got_head, self.target, self.target_got = index, n_recv, got_head, target, \
-                target_got
-            self.received_bytes, self.can_recv, self.recv_dry = received_bytes, can_recv, recv_dry
+                        room = target.nbytes - target_got
+                        n = recv.sock.recv_into(target[target_got:])
+                except (BlockingIOError, InterruptedError):
+                    recv_dry, can_recv = True, False
+                    break
+                except OSError as exc:
+                    recv.recv_broken = True
+                    raise recv._fail(exc, self.operation) from exc
+                if n == 0:
+                    recv.recv_broken = True
+                    raise recv._fail(ConnectionError("connection closed by peer"), self.operation)
+                received_bytes += n
+                self.progressed = True
+                if n < room:  # a short read took all there was: wait for POLLIN
+                    recv_dry, can_recv = True, False
+                if target is None:
+                    got_head += n
+                    if recv_dry and got_head < head_size:
+                        break
+                    continue
+                target_got += n
+                if target_got < target.nbytes:
+                    if recv_dry:
+                        break
+                    continue
+                if target_got > target.nbytes:  # the next frame's header came too
+                    got_head, target_got = target_got - target.nbytes, target.nbytes
+                if target.nbytes >= RECV_LOWAT_MIN_BYTES:
+                    # a large frame is complete: let poll say when the next one is (its low-water mark)
+                    # rather than read a few bytes of it now (fewer calls per byte)
+                    recv_dry, can_recv = True, False
+            # frame ``index`` is complete: check its tag before anything uses it
+            if self.trace is not None:
+                self.trace.append((time.perf_counter_ns(), "r", index, target.nbytes))
+            counter = recv._in.reserve()
+            if mac is not None and index and target.nbytes >= self.mac_min_bytes:  # frame 0: see run()
+                args = recv._in.data_tag_args(counter, self.length, DATA, target)
+                checking.append((index, self.tag, mac.submit(recv._in.gmac, *args)))
+            else:
+                recv._check(recv._in.data_tag(counter, self.length, DATA, target), self.tag)
+                if checking:  # checked, but handed over after the frames before it
+                    checking.append((index, self.tag, None))
+                else:
+                    n_recv = self._hand_over(index)
+            index, target = index + 1, None
+        # (an error ends the run: nothing reads these after one)
+        self.index, self.n_recv, self.got_head, self.target, self.target_got = index, n_recv, got_head, target, \
+            target_got
+        self.received_bytes, self.can_recv, self.recv_dry = received_bytes, can_recv, recv_dry
 
     def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
         """Check a received header against the frame expected next; the view to read its payload into."""
