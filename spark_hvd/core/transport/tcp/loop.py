@@ -111,8 +111,9 @@ class RingExchange:
     returned before its check, and a failed check raises ``AuthenticationError`` naming the peer, as inline.
 
     The fields below ``run``'s first line are those of ``Ring`` in ``_ringloop.c`` (names as there where the
-    idea is the same: ``out`` / ``recv`` for ``out_fd`` / ``in_fd``, ``queue`` for the send queue, ``pending`` for
-    the frame being sent, ``head`` / ``got_head`` / ``target`` / ``target_got`` for the frame being received).
+    idea is the same: ``out_fd`` / ``in_fd`` for ``send_peer`` / ``recv_peer``'s sockets, ``queue`` for the send
+    queue, ``pending`` for the frame being sent, ``head`` / ``got_head`` / ``target`` / ``target_got`` for the frame
+    being received).
     """
 
     __slots__ = (
@@ -125,8 +126,9 @@ class RingExchange:
         # receiving (C: head, got_head, target / have_target, target_got, in_length_kind, expected_tag, ...)
         "checking", "head", "head_view", "got_head", "target", "target_got", "length", "tag", "received_bytes",
         "can_recv",
-        # the run-ahead rule and the waits (C: same, ahead, released, lowat, lowat_cap, last)
-        "same", "ahead", "released", "lowat", "lowat_cap", "last", "spin_until", "poll", "polled", "trace",
+        # the sockets, the run-ahead rule and the waits (C: out_fd, in_fd, same, ahead, released, lowat, last)
+        "out_fd", "in_fd", "same", "ahead", "released", "lowat", "lowat_cap", "last", "spin_until", "poll", "polled",
+        "trace",
         # one pass of the loop (C: the locals of its body)
         "progressed", "send_full", "recv_dry", "tag_wait", "held",
     )
@@ -164,7 +166,8 @@ class RingExchange:
         self.head_view = memoryview(self.head)
         self.got_head, self.target, self.target_got = 0, None, 0
         self.received_bytes, self.can_recv = 0, True
-        self.same = out.sock.fileno() == recv.sock.fileno()
+        self.out_fd, self.in_fd = out.sock.fileno(), recv.sock.fileno()
+        self.same = self.out_fd == self.in_fd
         # two ranks on one connection: hand the kernel at most ``ahead`` bytes more than have arrived from the
         # peer while more is expected (``RUN_AHEAD_BYTES``), so neither direction runs ahead of the other
         self.ahead = RUN_AHEAD_BYTES if self.same and out.couples_directions() else 0
@@ -478,14 +481,14 @@ class RingExchange:
     def _wait(self, now: float, reading: bool) -> None:
         """Wait in ``poll`` for either socket (and the MAC pool) to be ready, at most until the timeout's end
         (a held rank: ``RUN_AHEAD_WAIT_MS``; the small-message path spins first)."""
-        out, recv, mac, held = self.send_peer, self.recv_peer, self.mac, self.held
+        recv, mac, held, out_fd, in_fd = self.recv_peer, self.mac, self.held, self.out_fd, self.in_fd
         mask_in = select.POLLIN if reading else 0
         mask_out = select.POLLOUT if (self.pending or (self.queue and not self.tag_wait)) and not held else 0
         if self.same:
-            self._want(out.sock.fileno(), mask_in | mask_out)
+            self._want(out_fd, mask_in | mask_out)
         else:
-            self._want(recv.sock.fileno(), mask_in)
-            self._want(out.sock.fileno(), mask_out)
+            self._want(in_fd, mask_in)
+            self._want(out_fd, mask_out)
         mac_fd = -1
         if mac is not None:
             mac_fd = mac.fileno()
@@ -514,11 +517,10 @@ class RingExchange:
             self.released = self.received_bytes
         if wait_ms:  # it slept: the next wait decides afresh
             self.spin_until = None
-        out_fd, recv_fd = out.sock.fileno(), recv.sock.fileno()
         for fd, ev in events:
             if fd == out_fd and ev & _POLL_OUT:
                 self.can_send = True
-            if fd == recv_fd and ev & _POLL_IN:
+            if fd == in_fd and ev & _POLL_IN:
                 self.can_recv = True
         if mac is not None:
             mac.waiting = False
