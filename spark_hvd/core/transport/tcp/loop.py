@@ -197,24 +197,30 @@ class RingExchange:
 
     # -- the loop (C: run_ring) --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        recv, checking, queue = self.recv_peer, self.checking, self.queue
+        recv, checking, queue, window, timeout_s = self.recv_peer, self.checking, self.queue, self.window, \
+            self.timeout_s
+        send, receive, set_lowat, wait, monotonic = self._send, self._receive, self._set_lowat, self._wait, \
+            time.monotonic  # (looked up once: the loop may go round hundreds of times)
         while self.index < self.n_recv or checking or self.pending or queue:
             self.progressed = False
             if checking:
                 self._hand_over_checked()
-            self.send_full, self.recv_dry, self.tag_wait, self.held = not self.can_send, not self.can_recv, False, False
-            if self.can_send and (self.pending or queue):
-                self._send()
-            if self.index < self.n_recv and len(checking) < self.window:
-                self._receive()
-            index, n_recv, pending = self.index, self.n_recv, self.pending
+            can_send, can_recv = self.can_send, self.can_recv
+            self.send_full, self.recv_dry, self.tag_wait, self.held = not can_send, not can_recv, False, False
+            if can_send and (self.pending or queue):
+                send()
+            index, n_recv = self.index, self.n_recv
+            if index < n_recv and len(checking) < window:
+                receive()
+                index, n_recv = self.index, self.n_recv
+            pending = self.pending
             if index == n_recv and not checking and not pending and not queue:
                 break
             held = self.held
             if held and (index == n_recv or self.received_bytes + self.ahead > self.sent_bytes):
                 self.held = held = False  # what arrived since allows more: send it before waiting
-            now = time.monotonic()
-            reading = index < n_recv and len(checking) < self.window
+            now = monotonic()
+            reading = index < n_recv and len(checking) < window
             if self.progressed:
                 self.last = now
                 if self.spin_until:  # a frame came while this rank spun for it
@@ -226,12 +232,12 @@ class RingExchange:
                 if not ((self.send_full or self.tag_wait or held or not (pending or queue))
                         and (self.recv_dry or not reading)):
                     continue
-            elif now - self.last > self.timeout_s:
+            elif now - self.last > timeout_s:
                 waiting = recv if index < n_recv else self.send_peer
                 raise waiting._fail(TimeoutError("no progress"), self.operation)
             if reading:
-                self._set_lowat()
-            self._wait(now, reading)
+                set_lowat()
+            wait(now, reading)
         if self.spin_until:  # the last frame came while this rank spun for it
             recv.spin_ended(True)
         trace = self.trace
