@@ -305,14 +305,15 @@ def _perf_start(name: str, rank: int, nbytes: int) -> subprocess.Popen | None:
 
 
 def _trace_start(impl: str) -> list | None:
-    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.transport.tcp.TRACE``), else
-    None."""
+    """``BENCH_TRACE``: the list ``RingExchange`` records its frames in (``spark_hvd.core.transport.tcp.loop.TRACE``;
+    ``tcp.TRACE`` in checkouts from before ``tcp`` was a package), else None."""
     if not os.environ.get("BENCH_TRACE") or impl in ("gloo", "mpi"):
         return None
     from spark_hvd.core.transport import tcp
 
-    tcp.TRACE = []
-    return tcp.TRACE
+    holder = getattr(tcp, "loop", tcp)
+    holder.TRACE = []
+    return holder.TRACE
 
 
 def _trace_dump(trace: list, impl: str, rank: int, nbytes: int) -> None:
@@ -321,7 +322,7 @@ def _trace_dump(trace: list, impl: str, rank: int, nbytes: int) -> None:
 
     from spark_hvd.core.transport import tcp
 
-    tcp.TRACE = None
+    getattr(tcp, "loop", tcp).TRACE = None
     path = f"{os.environ['BENCH_TRACE']}/{impl}.{rank}.{nbytes}.{time.time_ns()}.json"
     with open(path, "w") as fh:
         json.dump(trace, fh)

@@ -2,7 +2,7 @@
 
 ``BENCH_TRACE=DIR python benchmarks/allreduce.py --hosts 2 --np 2 --impls api,ring,gloo --sizes 16M`` makes every
 rank of the TCP implementations write, for each timed loop, what its ``RingExchange`` did
-(``spark_hvd.core.transport.tcp`` ``TRACE``: perf_counter_ns of each frame's first ``sendmsg`` and of its last byte
+(``spark_hvd.core.transport.tcp.loop`` ``TRACE``: perf_counter_ns of each frame's first ``sendmsg`` and of its last byte
 handed to the kernel, of each frame's last byte received, of each hand-over to the collective, and the send socket's
 ``TCP_INFO`` at each exchange's start and end) around each call, to ``DIR/IMPL.RANK.NBYTES.NS.json``. The clock is
 CLOCK_MONOTONIC, shared by

@@ -494,8 +494,8 @@ def test_two_ranks_hold_back_to_their_peer_and_never_stall_on_it(monkeypatch, ov
     # 64 KiB, so frames go in pieces and both sides wait on each other); an exchange whose peer answers only after
     # all of it (far more than that) still completes, since a hold runs out after ``RUN_AHEAD_WAIT_MS``; over TCP
     # with the receive window clamped too (``RUN_AHEAD_WINDOW``: here 128 KiB)
-    monkeypatch.setattr(tcp, "RUN_AHEAD_BYTES", 64 * 1024)
-    monkeypatch.setattr(tcp, "LOSS_BASED_CONGESTION", frozenset())  # hold over TCP whatever the host's default
+    monkeypatch.setattr(tcp.loop, "RUN_AHEAD_BYTES", 64 * 1024)
+    monkeypatch.setattr(tcp.peer, "LOSS_BASED_CONGESTION", frozenset())  # hold over TCP whatever the host's default
     secret = make_secret()
     a, b = _peer_pair(secret, secret, tcp=over_tcp)
     rng = np.random.default_rng(11)
@@ -923,9 +923,9 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
     # with ``cryptography`` under the GIL or with the system's libcrypto without it (``ringloop.MAC_MODE``): the
     # same tags
     monkeypatch.setattr(ringloop, "MAC_MODE", mac_mode)
-    for module in (tcp, ringloop):
+    for module in (tcp.loop, ringloop):
         monkeypatch.setattr(module, "RUN_AHEAD_BYTES", 64 * 1024)
-    monkeypatch.setattr(tcp, "LOSS_BASED_CONGESTION", frozenset())
+    monkeypatch.setattr(tcp.peer, "LOSS_BASED_CONGESTION", frozenset())
     secret = make_secret()
     to_rank_1, to_rank_0 = _peer_pair(secret, secret, tcp=True)  # rank 0's socket to rank 1, rank 1's to rank 0
     peers = [to_rank_1, to_rank_0]

@@ -4,16 +4,16 @@
 identity and, when shared memory is on, the name of its shared-memory segment), connects a full TCP mesh (every
 frame HMAC-authenticated) and then:
 
-* allreduce (``transport``): ``"shm"`` when every rank is on this host and ``settings.shm`` is on: a pipelined
+* allreduce, by the job's plan (``ring_plans``: chosen once from the topology, a typed object, not a name):
+  ``ShmHost`` when every rank is on this host and ``settings.shm`` is on: a pipelined
   shared-memory allreduce (``spark_hvd.core.transport.shm``; two ranks and large arrays: a single-copy one by
-  cross-memory
-  attach, ``shm_cma``); ``"hier"`` when ranks share hosts across several hosts:
+  cross-memory attach, ``shm_cma``); ``Hierarchical`` when ranks share hosts across several hosts:
   shared memory within each host, the TCP ring between the host leaders (local rank 0), then a shared-memory
   broadcast within each host (with as many ranks on every host and arrays from ``HIER_SPLIT_BYTES``: a
   shared-memory reduce-scatter leaves slice i reduced over the host on local rank i, which carries it across
   hosts, then one shared-memory allgather; ``shm_slices``; large arrays in pieces, the shared-memory legs
   overlapping the TCP one: ``hier_pipeline``);
-  ``"tcp"`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
+  ``TcpRing`` otherwise (one rank per host, or ``SPARK_HVD_SHM=0``): the bandwidth-optimal TCP ring
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
   ranks, arrays up to ``PAIR_EXCHANGE_BYTES`` are exchanged whole instead (one round trip);
@@ -24,9 +24,9 @@ A failure (a peer's connection closing, a timeout, a frame failing its HMAC) mar
 peer which rank failed (ABORT frames), and raises ``PeerFailureError`` naming that rank; so every rank of the job
 fails within the timeout naming the same culprit.
 
-Why this module is long (~700 lines): the job's setup and every collective's plan over TCP and shared memory share
-one backend's state (mesh, topology, scratch); the framing and the ring's transfer loop are in ``transport/tcp.py``,
-the shared-memory protocol in ``transport/shm.py``.
+Why this module is long (~700 lines): the job's setup and every collective over TCP share one backend's state
+(mesh, topology, scratch); which transport runs an allreduce is the plan's (``ring_plans``), the framing and the
+ring's transfer loop are in ``transport/tcp/``, the shared-memory protocol in ``transport/shm.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import socket
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -45,6 +44,8 @@ import numpy as np
 
 from spark_hvd.core.algorithms import agreed, halving_doubling, hier_pipeline, recursive_doubling
 from spark_hvd.core.backend import Backend, ReduceOp, Rendezvous, alltoall_args
+from spark_hvd.core.backends import ring_plans
+from spark_hvd.core.backends.ring_plans import Plan, Solo, TcpRing, even_bounds
 from spark_hvd.core.errors import (
     AuthenticationError,
     PeerFailureError,
@@ -65,7 +66,7 @@ from spark_hvd.core.transport.addresses import (  # noqa: F401 - IFACE_ENV, HOST
     meeting_host,
 )
 from spark_hvd.core.transport.mac_pool import MacPool, threads_for
-from spark_hvd.core.transport.shm import ShmGroup, new_nonce, segment_path, shm_available, unlink_quietly
+from spark_hvd.core.transport.shm import ShmGroup, new_nonce, shm_available
 from spark_hvd.core.transport.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
@@ -90,24 +91,12 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
 #: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
 PAIR_EXCHANGE_BYTES = 1024 * 1024
-#: Hierarchical allreduces from this size split the cross-host leg over every local rank (below, one sync per
-#: local rank costs more than the leader's whole leg).
-HIER_SPLIT_BYTES = 256 * 1024
 
 
 def _bind_host(rendezvous: Rendezvous | None, job: JobEnv | None) -> tuple[str, str]:
     """(address to bind, address to publish) for this rank's listener (``addresses.listen_address``, routed
     towards the rendezvous service or the Spark driver's service of the launch contract ``job``)."""
     return listen_address(meeting_host(rendezvous, job))
-
-
-def even_bounds(n: int, parts: int) -> list[int]:
-    """``parts + 1`` boundaries splitting ``n`` items as evenly as possible, larger parts first."""
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for k in range(parts):
-        bounds.append(bounds[-1] + base + (1 if k < extra else 0))
-    return bounds
 
 
 def _collective(name: str) -> Callable[[F], F]:
@@ -129,13 +118,6 @@ def _collective(name: str) -> Callable[[F], F]:
         return run  # type: ignore[return-value]
 
     return wrap
-
-
-def _unpack(packed: np.ndarray, segs: Sequence[np.ndarray]) -> None:
-    offset = 0
-    for seg in segs:
-        seg[...] = packed[offset:offset + seg.size]
-        offset += seg.size
 
 
 def _flat(buf: np.ndarray, what: str) -> np.ndarray:
@@ -164,11 +146,8 @@ class RingBackend(Backend):
         self.job_id = job_id
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
         self.peers: dict[int, PeerSocket] = {}
-        self.shm: ShmGroup | None = None
-        self._cma: shm_cma.CmaPair | None = None
-        self._leaders: list[int] = []
-        #: with as many ranks on every host: ring i joins local rank i of every host (``_allreduce_flat``)
-        self._cross_rings: list[list[int]] = []
+        #: how collectives run (``ring_plans``): chosen once the mesh is up, from every rank's host identity
+        self.plan: Plan = Solo()
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
@@ -178,7 +157,6 @@ class RingBackend(Backend):
         self._hier_helper = hier_pipeline.Helper(f"spark-hvd-hier-{rank}")  # its thread starts at first use
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
-        self.transport = "none"
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
         self._pair_bytes = pair_exchange_bytes
         self._mac_min_bytes = mac_min_bytes
@@ -191,8 +169,6 @@ class RingBackend(Backend):
             return
         if rendezvous is None:
             raise ValueError("a job of more than one rank needs a rendezvous")
-        segment: ShmGroup | None = None
-        local_paths: list[str] = []
         try:
             bind, publish = _bind_host(rendezvous, job)
             self._listener = open_listener(bind)
@@ -220,52 +196,14 @@ class RingBackend(Backend):
             threads = threads_for(self.settings.mac_threads, self.local_size)
             if threads:
                 self._mac = MacPool(threads, name=f"spark-hvd-mac-{rank}")
-            self.transport = "tcp"
-            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy.
-            # Segments are created only now (after every rank joined) and unlinked as soon as every local rank
-            # mapped them; their names are known to every rank, which removes them all if setup fails.
-            hosts = Counter(i["host_id"] for i in infos)
-            if all(i["shm"] for i in infos) and max(hosts.values()) > 1:
-                local_ranks = [r for r, i in enumerate(infos) if i["host_id"] == host_id]
-                local_paths = [segment_path(job_id, infos[0]["nonce"], r) for r in local_ranks]
-                ok = True
-                try:
-                    segment = ShmGroup(local_paths, self.local_rank, local_ranks, self.timeout_s, shm_block_bytes,
-                                       shm_slots)
-                except OSError as exc:
-                    logger.warning("rank %d could not create shared memory (%s); using TCP", rank, exc)
-                    ok = False
-                created = self._small_allgather(b"1" if ok else b"0", "setup")
-                if segment is not None and all(f == b"1" for f in created):
-                    try:
-                        segment.attach()
-                    except OSError as exc:
-                        logger.warning("rank %d could not map its peers' shared memory (%s); using TCP", rank, exc)
-                        ok = False
-                else:
-                    ok = False
-                attached = self._small_allgather(b"1" if ok else b"0", "setup")
-                for path in local_paths:
-                    unlink_quietly(path)
-                if all(f == b"1" for f in attached):
-                    self.transport = "shm" if self.local_size == size else "hier"
-                    # host leaders (local rank 0), in host order, run the TCP ring between hosts
-                    self._leaders = [next(r for r, i in enumerate(infos) if i["host_id"] == h) for h in hosts]
-                    on_host = [[r for r, i in enumerate(infos) if i["host_id"] == h] for h in hosts]
-                    if len({len(ranks) for ranks in on_host}) == 1:
-                        self._cross_rings = [[ranks[k] for ranks in on_host] for k in range(self.local_size)]
-                    if self.local_size > 1:
-                        self.shm, segment = segment, None
-                if segment is not None:
-                    segment.close()
-                    segment = None
-                if self.transport == "shm" and size == 2 and self.settings.shm_cma_bytes > 0:
-                    self._setup_cma()
+            self.plan = TcpRing()
+            # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy;
+            # the plan builds its groups with every rank (or every rank stays on TCP)
+            plan = ring_plans.choose(rank, size, [i["host_id"] for i in infos], all(i["shm"] for i in infos))
+            self.plan = plan.build(ring_plans.Setup(
+                rank, size, job_id, infos[0]["nonce"], self.timeout_s, shm_block_bytes, shm_slots,
+                self.settings.shm_cma_bytes, self._small_allgather))
         except BaseException:
-            if segment is not None:
-                segment.close()
-            for path in local_paths:
-                unlink_quietly(path)
             self.close()
             raise
         logger.debug("rank %d/%d joined job %r: local %d/%d, cross %d/%d, transport %s", rank, size, job_id,
@@ -274,7 +212,7 @@ class RingBackend(Backend):
     def tunables(self) -> dict[str, int]:
         """``halving_doubling_bytes`` where this ring's TCP allreduces run among three or more ranks (``tcp``) or
         hosts (``hier``): the only place it changes which algorithm runs."""
-        if (self.transport == "tcp" and self.size >= 3) or (self.transport == "hier" and self.cross_size >= 3):
+        if self.tcp_ring_size >= 3:
             return {"halving_doubling_bytes": self.settings.halving_doubling_bytes}
         return {}
 
@@ -282,24 +220,25 @@ class RingBackend(Backend):
         """Each later TCP allreduce reads the new thresholds from ``settings``."""
         self.settings = dataclasses.replace(self.settings, **values)
 
-    def _setup_cma(self) -> None:
-        """Two ranks on one host: the single-copy allreduce (``shm_cma``) if both can read each other's memory
-        (one probe read each; where ptrace rules refuse it, both keep the slot protocol)."""
-        assert self.shm is not None
-        reason = shm_cma.probe(self.shm)
-        if reason is not None:
-            logger.info("rank %d: no cross-memory allreduce (%s); using the shared-memory slots", self.rank, reason)
-        probed = self._small_allgather(b"1" if reason is None else b"0", "setup")
-        if all(f == b"1" for f in probed):
-            self._cma = shm_cma.CmaPair(self.shm, self.settings.shm_cma_bytes)
+    @property
+    def transport(self) -> str:
+        """The plan's name ("none", "tcp", "shm", "hier"), for logs and reports; collectives ask ``plan`` itself."""
+        return self.plan.name
 
-    def _shm_allreduce(self, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        """All ranks on this host: cross-memory (two ranks, large arrays) or the shared-memory slots."""
-        assert self.shm is not None
-        if self._cma is not None and self._cma.takes(flats):
-            self._cma.allreduce(flats, op, bfloat16, operation, self._check_peers)
-        else:
-            self.shm.allreduce(flats, op, bfloat16, operation, self._check_peers)
+    @property
+    def tcp_ring_size(self) -> int:
+        """How many ranks the TCP leg of an allreduce runs among (0: none): the whole job on ``TcpRing``, one rank
+        per host on ``Hierarchical`` (where halving-doubling and its threshold apply from 3)."""
+        return self.plan.tcp_ring_size(self)
+
+    @property
+    def shm(self) -> ShmGroup | None:
+        """This host's shared-memory group, where the plan has one."""
+        return getattr(self.plan, "shm", None)
+
+    @property
+    def _cma(self) -> shm_cma.CmaPair | None:
+        return getattr(self.plan, "cma", None)
 
     def _topology(self, infos: list[dict[str, Any]]) -> None:
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = topology(
@@ -368,10 +307,7 @@ class RingBackend(Backend):
             peer.close()
         if self._listener is not None:
             self._listener.close()
-        if self.shm is not None:
-            self._cma = None
-            self.shm.close()
-            self.shm = None
+        self.plan.close()
 
     # -- point-to-point helpers --------------------------------------------------------------------------------
     def _exchange(self, send_peer: int, recv_peer: int, operation: str, nbytes: int = -1) -> RingExchange:
@@ -478,7 +414,7 @@ class RingBackend(Backend):
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
-        if compiled and self._mac is None and tcp.TRACE is None:
+        if compiled and self._mac is None and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
                          plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
@@ -549,51 +485,19 @@ class RingBackend(Backend):
             divide_average(flat, 2, bfloat16)
 
     def _allreduce_flat(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        """Allreduce one flat array in place with the best transport."""
-        if self.transport == "shm":
-            self._shm_allreduce([flat], op, bfloat16, operation)
-        elif self.transport == "hier":
-            # reduce within the host (shared memory), across hosts between leaders (TCP ring), then share the
-            # result within the host again; AVERAGE is a SUM divided once, before the sharing. With as many ranks
-            # on every host and a large array, every local rank carries a slice across hosts (as Horovod's
-            # hierarchical allreduce does), so the cross-host leg uses every rank's core and connection
-            inner = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-            if self.shm is not None and self._cross_rings and flat.nbytes >= HIER_SPLIT_BYTES:
-                # each local rank reduces only the slice it carries (reduce-scatter), and the carriers' results
-                # are gathered in one pass: (L-1)/L of the array copied in and out per rank, not a full
-                # allreduce and L broadcasts; the average is taken once, on the carried slice. Large slices go
-                # in pieces, the shared-memory legs overlapping the TCP one (``hier_pipeline``)
-                ring = self._cross_rings[self.local_rank]
-
-                def cross(part: np.ndarray) -> None:
-                    self._tcp_allreduce(part, inner, bfloat16, operation, ring)
-                    if op is ReduceOp.AVERAGE:
-                        divide_average(part, self.size, bfloat16)
-
-                hier_pipeline.allreduce(self.shm, flat, even_bounds(flat.size, self.local_size), inner, bfloat16,
-                                        operation, cross, self._check_local_peers, self.timeout_s, self._hier_helper)
-                return
-            if self.shm is not None:
-                self.shm.allreduce([flat], inner, bfloat16, operation, self._check_peers)
-            if self.local_rank == 0:
-                self._tcp_allreduce(flat, inner, bfloat16, operation, self._leaders)
-                if op is ReduceOp.AVERAGE:
-                    divide_average(flat, self.size, bfloat16)
-            if self.shm is not None:
-                self.shm.broadcast([flat], 0, operation, self._check_peers)
-        else:
-            self._tcp_allreduce(flat, op, bfloat16, operation)
+        """Allreduce one flat array in place as the plan says."""
+        self.plan.allreduce(self, flat, op, bfloat16, operation)
 
     @property
     def fuses_in_place(self) -> bool:
         """True on shared memory: ``allreduce_fused`` copies the arrays straight into the staging slots and the
         results straight back, with no fusion buffer (over TCP it would have to pack one)."""
-        return self.transport == "shm" or self.size == 1
+        return self.plan.fuses_in_place
 
     @property
     def agrees_in_band(self) -> bool:
         """Two ranks over TCP: ``allreduce_agreed`` sends the agreement as the data's first frame."""
-        return self.transport == "tcp" and self.size == 2
+        return self.plan.agrees_in_band(self.size)
 
     # -- Backend API -------------------------------------------------------------------------------------------
     @_collective("allreduce")
@@ -623,13 +527,7 @@ class RingBackend(Backend):
         flats = [f for f in flats if f.size]
         if not flats:
             return
-        if self.transport == "shm":
-            self._shm_allreduce(flats, op, bfloat16, "allreduce")
-            return
-        packed = flats[0] if len(flats) == 1 else np.concatenate(flats)  # the TCP paths need one array
-        self._allreduce_flat(packed, op, bfloat16, "allreduce")
-        if len(flats) > 1:
-            _unpack(packed, flats)
+        self.plan.allreduce_fused(self, flats, op, bfloat16, "allreduce")
 
     @_collective("allreduce")
     def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
@@ -648,7 +546,7 @@ class RingBackend(Backend):
         other = 1 - self.rank
         exchange = self._exchange(other, other, "allreduce", flat.nbytes)
         ring = None
-        if compiled and self._mac is None and tcp.TRACE is None:
+        if compiled and self._mac is None and tcp.loop.TRACE is None:
             peer = self.peers[other]
 
             def ring(first: list[tuple[int, int]], plan: list[tuple[int, int, int]]) -> None:
@@ -693,10 +591,10 @@ class RingBackend(Backend):
         flat = _flat(buf, "broadcast")
         if self.size == 1 or flat.size == 0:
             return
-        if self.transport == "shm":
-            assert self.shm is not None
-            self.shm.broadcast([flat], root, "broadcast", self._check_peers)
-            return
+        self.plan.broadcast(self, flat, root, "broadcast")
+
+    def _tcp_broadcast(self, flat: np.ndarray, root: int, operation: str) -> None:
+        """Root sends ``flat`` to every other rank over TCP."""
         raw = flat.view(np.uint8)
         if self.rank == root:
             posted = False
@@ -751,7 +649,7 @@ class RingBackend(Backend):
         lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
         work = np.array(buf, copy=True, order="C").reshape(-1)
         if self.size > 1 and work.size:
-            if self.transport in ("shm", "hier"):
+            if self.plan.scatters_by_allreduce:
                 self._allreduce_flat(work, op, bfloat16, "reducescatter")
             else:
                 self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")

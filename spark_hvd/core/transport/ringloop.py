@@ -1,5 +1,5 @@
-"""The ring's pipelined exchange loop, compiled: ``_ringloop.c``, where it was built, with ``tcp.RingExchange`` (the
-same frames in Python) as the fallback.
+"""The ring's pipelined exchange loop, compiled: ``_ringloop.c``, where it was built, with ``tcp.loop.RingExchange``
+(the same frames in Python) as the fallback.
 
 ``pip install`` / ``make setup`` build the extension where a C compiler and Python's headers are found (Debian's
 ``build-essential`` and ``python3-dev``); elsewhere the build is skipped and every ring runs the Python loop. Both
@@ -27,7 +27,7 @@ import numpy as np
 
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError
-from spark_hvd.core.transport.tcp import (
+from spark_hvd.core.transport.tcp.loop import (
     RECV_LOWAT_BYTES,
     RECV_LOWAT_MIN_BYTES,
     RECV_LOWAT_TAIL_BYTES,
@@ -35,9 +35,8 @@ from spark_hvd.core.transport.tcp import (
     RUN_AHEAD_LOWAT,
     RUN_AHEAD_WAIT_MS,
     RUN_AHEAD_WINDOW,
-    PeerSocket,
-    ProtocolError,
 )
+from spark_hvd.core.transport.tcp.peer import PeerSocket, ProtocolError
 from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE
 
 try:
@@ -92,7 +91,7 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
     ahead = RUN_AHEAD_BYTES if same and out.couples_directions() else 0
     rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
-    if ahead:  # ``tcp.RUN_AHEAD_LOWAT``, ``tcp.RUN_AHEAD_WINDOW``
+    if ahead:  # ``tcp.loop.RUN_AHEAD_LOWAT``, ``tcp.loop.RUN_AHEAD_WINDOW``
         lowat_cap = min(lowat_cap, ahead * RUN_AHEAD_LOWAT[0] // RUN_AHEAD_LOWAT[1])
         try:
             recv.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, RUN_AHEAD_WINDOW * ahead)

@@ -24,9 +24,9 @@ x86 keeps stores in order, so a counter is published after the data it covers wi
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
 
-Over 400 lines on purpose: the block pipeline, its two reduction schemes, the broadcast, the exchange rounds and
-the waits all follow the one counter protocol above, which is easiest to check in one place (what the rounds
-carry is in ``shm_slices``).
+Over 600 lines on purpose: the block pipeline (one ``_BlockAllreduce`` per call), its two reduction schemes, the
+broadcast, the exchange rounds and the waits all follow the one counter protocol above, which is easiest to check
+in one place (what the rounds carry is in ``shm_slices``).
 """
 
 from __future__ import annotations
@@ -417,154 +417,197 @@ class ShmGroup:
         if len(segs) == 1 and segs[0].nbytes <= self.small_bytes and self.profile is None:
             self._allreduce_small(segs[0], op, bfloat16, operation, check_peers)
             return
+        _BlockAllreduce(self, segs, op, bfloat16, operation, check_peers).run()
+
+
+class _BlockAllreduce:
+    """One allreduce of ``ShmGroup.allreduce`` as a pipeline of blocks (the module docstring's protocol).
+
+    Block ``b`` (sequence number ``g = base + b + 1``, slot ``(g - 1) % nslots``) is copied in (``copy_in``), then
+    finished (``finish``): two ranks reduce straight from the peer's slot (``_finish_pair``), small blocks are
+    reduced in full by every rank (``_finish_small``), larger ones reduce-scattered and gathered (``_reduce_chunk``,
+    ``_finish_scatter``). While a rank waits it copies later blocks in ahead (``copy_ahead``) and, in scatter mode,
+    reduces its chunk of blocks already in (``work_ahead``): ``next_in`` and ``next_red`` count the blocks done so.
+    """
+
+    __slots__ = ("group", "segs", "op", "bfloat16", "operation", "check_peers", "itemsize", "total", "block",
+                 "nblocks", "size", "me", "nslots", "slots", "ufunc", "average", "halve", "plan", "base", "next_in",
+                 "next_red")
+
+    def __init__(self, group: ShmGroup, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
+                 check_peers: Callable[[str], None]) -> None:
+        self.group, self.segs, self.op, self.bfloat16 = group, segs, op, bfloat16
+        self.operation, self.check_peers = operation, check_peers
         dtype = segs[0].dtype
-        itemsize = dtype.itemsize
-        total = sum(s.size for s in segs)
-        block = self.block_bytes // itemsize
-        nblocks = -(-total // block)
-        size, me = self.size, self.local
-        slots = [s.view(dtype) for s in self.slots]
-        ufunc = ufunc_for(op)
-        average = op is ReduceOp.AVERAGE
+        self.itemsize = dtype.itemsize
+        self.total = sum(s.size for s in segs)
+        self.block = group.block_bytes // self.itemsize
+        self.nblocks = -(-self.total // self.block)
+        self.size, self.me, self.nslots = group.size, group.local, group.nslots
+        self.slots = [s.view(dtype) for s in group.slots]
+        self.ufunc = ufunc_for(op)
+        self.average = op is ReduceOp.AVERAGE
         # two ranks averaging floats: each halves its data on the way into its slot (exact in binary floating
         # point, as halving the sum is) and the result is the sum of the two slots: no pass dividing the sum
-        halve = average and size == 2 and not bfloat16 and dtype.kind == "f" and dtype.itemsize >= 4
+        self.halve = self.average and self.size == 2 and not bfloat16 and dtype.kind == "f" and dtype.itemsize >= 4
         # every block's pieces, (view of a segment, offset in the block), worked out once for copy-in and finish
-        plan = _block_pieces(segs, block)
-        base = self.seq
-        self.seq += nblocks
+        self.plan = _block_pieces(segs, self.block)
+        self.base = group.seq
+        group.seq += self.nblocks
+        self.next_in = 0  # blocks copied in
+        self.next_red = 0  # blocks whose chunk this rank reduced (scatter mode)
 
-        next_in = 0
-
-        def copy_in(b: int) -> None:
-            g = base + b + 1
-            if g > self.nslots:
-                self._wait_all(OUT, g - self.nslots, operation, check_peers)
-            lo = b * block
-            hi = min(total, lo + block)
-            slot = slots[me][((g - 1) % self.nslots) * block:][:hi - lo]
-            parts = plan[b]
-            if halve:
-                for view, at in parts:
-                    np.multiply(view, 0.5, out=slot[at:at + view.size])
-            elif len(parts) == 1:
-                slot[...] = parts[0][0]
-            else:
-                np.concatenate([view for view, _ in parts], out=slot)  # one call, not one per piece
-            self._publish(IN, g)
-
-        def copy_ahead() -> bool:
-            """Idle work while waiting: copy in the next block if its slot is free (never waits)."""
-            nonlocal next_in
-            if next_in >= nblocks:
-                return False
-            g = base + next_in + 1
-            if g > self.nslots and not self._ready_all(OUT, g - self.nslots):
-                return False
-            copy_in(next_in)
-            next_in += 1
-            return True
-
-        next_red = 0
-
-        def reduce_chunk(b: int) -> None:
-            """Scatter mode: reduce this rank's chunk of block b over every slot into its own slot."""
-            g = base + b + 1
-            n = min(total, (b + 1) * block) - b * block
-            off = ((g - 1) % self.nslots) * block
-            c0, c1 = me * n // size, (me + 1) * n // size
-            acc = slots[me][off + c0:off + c1]
-            for k in range(size):
-                if k != me:
-                    reduce_into(acc, slots[k][off + c0:off + c1], op, bfloat16)
-            if average:
-                divide_average(acc, size, bfloat16)
-            self._publish(RED, g)
-
-        def work_ahead() -> bool:
-            """Idle work in scatter mode: copy in ahead, else reduce the next full block whose data is all in."""
-            nonlocal next_red
-            if copy_ahead():
-                return True
-            if next_red < next_in and (next_red + 1) * block <= total and \
-                    self._ready_all(IN, base + next_red + 1):
-                reduce_chunk(next_red)
-                next_red += 1
-                return True
-            return False
-
-        def finish(b: int) -> None:
-            g = base + b + 1
-            lo = b * block
-            hi = min(total, lo + block)
-            n = hi - lo
-            off = ((g - 1) % self.nslots) * block
-            if size == 2:
-                peer = 1 - me
-                if self.ctrl[peer][IN] < g:
-                    self._wait(peer, IN, g, operation, check_peers, copy_ahead)
-                theirs = slots[peer][off:off + n]
-                if halve:
-                    mine = slots[me][off:off + n]
-                    for dst, at in plan[b]:
-                        np.add(mine[at:at + dst.size], theirs[at:at + dst.size], out=dst)
-                    self._publish(OUT, g)
-                    return
-                for dst, at in plan[b]:
-                    if bfloat16:
-                        reduce_into(dst, theirs[at:at + dst.size], op, True)
-                    else:
-                        ufunc(dst, theirs[at:at + dst.size], out=dst)
-                    if average:
-                        divide_average(dst, 2, bfloat16)
-                self._publish(OUT, g)
-                return
-            if n * itemsize <= self.small_bytes:
-                self._wait_all(IN, g, operation, check_peers, copy_ahead)
-                for dst, a in plan[b]:
-                    m = dst.size
-                    if bfloat16:
-                        dst[...] = slots[0][off + a:off + a + m]
-                        for k in range(1, size):
-                            reduce_into(dst, slots[k][off + a:off + a + m], op, True)
-                    else:
-                        ufunc(slots[0][off + a:off + a + m], slots[1][off + a:off + a + m], out=dst)
-                        for k in range(2, size):
-                            ufunc(dst, slots[k][off + a:off + a + m], out=dst)
-                    if average:
-                        divide_average(dst, size, bfloat16)
-                self._publish(OUT, g)
-                return
-            # scatter: reduce my chunk into my slot (unless done ahead), then gather every chunk
-            nonlocal next_red
-            while next_red <= b:
-                self._wait_all(IN, base + next_red + 1, operation, check_peers, copy_ahead)
-                reduce_chunk(next_red)
-                next_red += 1
-            for step in range(size):
-                k = (me + step) % size
-                if k != me and self.ctrl[k][RED] < g:
-                    self._wait(k, RED, g, operation, check_peers, work_ahead)
-                c0, c1 = k * n // size, (k + 1) * n // size  # member k's chunk of the block
-                for dst, at in plan[b]:
-                    a0, a1 = max(at, c0), min(at + dst.size, c1)
-                    if a0 < a1:
-                        dst[a0 - at:a1 - at] = slots[k][off + a0:off + a1]
-            self._publish(OUT, g)
-
-        prof = self.profile
+    def run(self) -> None:
+        prof = self.group.profile
+        copy_in, finish = self.copy_in, self.finish
         if prof is not None:
-            def timed(fn: Callable[[int], None], key: str) -> Callable[[int], None]:
-                def run(b: int) -> None:
-                    t0 = time.perf_counter()
-                    fn(b)
-                    prof[key] = prof.get(key, 0.0) + time.perf_counter() - t0
-                return run
-            copy_in, finish = timed(copy_in, "copy_in"), timed(finish, "finish")  # type: ignore[assignment]
-            prof["blocks"] = prof.get("blocks", 0) + nblocks
-
-        for b in range(nblocks):
-            while next_in <= b:  # this block must be in before it is finished (may wait for a free slot)
-                copy_in(next_in)
-                next_in += 1
+            copy_in, finish = _timed(copy_in, prof, "copy_in"), _timed(finish, prof, "finish")
+            prof["blocks"] = prof.get("blocks", 0) + self.nblocks
+        for b in range(self.nblocks):
+            while self.next_in <= b:  # this block must be in before it is finished (may wait for a free slot)
+                copy_in(self.next_in)
+                self.next_in += 1
             finish(b)
+
+    # -- copy-in ------------------------------------------------------------------------------------------------
+    def copy_in(self, b: int) -> None:
+        group, block = self.group, self.block
+        g = self.base + b + 1
+        if g > self.nslots:
+            group._wait_all(OUT, g - self.nslots, self.operation, self.check_peers)
+        lo = b * block
+        hi = min(self.total, lo + block)
+        slot = self.slots[self.me][((g - 1) % self.nslots) * block:][:hi - lo]
+        parts = self.plan[b]
+        if self.halve:
+            for view, at in parts:
+                np.multiply(view, 0.5, out=slot[at:at + view.size])
+        elif len(parts) == 1:
+            slot[...] = parts[0][0]
+        else:
+            np.concatenate([view for view, _ in parts], out=slot)  # one call, not one per piece
+        group._publish(IN, g)
+
+    def copy_ahead(self) -> bool:
+        """Idle work while waiting: copy in the next block if its slot is free (never waits)."""
+        if self.next_in >= self.nblocks:
+            return False
+        g = self.base + self.next_in + 1
+        if g > self.nslots and not self.group._ready_all(OUT, g - self.nslots):
+            return False
+        if self.group.profile is not None:
+            _timed(self.copy_in, self.group.profile, "copy_in")(self.next_in)
+        else:
+            self.copy_in(self.next_in)
+        self.next_in += 1
+        return True
+
+    # -- finish -------------------------------------------------------------------------------------------------
+    def finish(self, b: int) -> None:
+        if self.size == 2:
+            self._finish_pair(b)
+        elif (min(self.total, (b + 1) * self.block) - b * self.block) * self.itemsize <= self.group.small_bytes:
+            self._finish_small(b)
+        else:
+            self._finish_scatter(b)
+
+    def _finish_pair(self, b: int) -> None:
+        """Two ranks: ``out = mine + peer's slot`` straight into the caller's arrays (commutative: the same bits)."""
+        group, op, bfloat16 = self.group, self.op, self.bfloat16
+        g = self.base + b + 1
+        n = min(self.total, (b + 1) * self.block) - b * self.block
+        off = ((g - 1) % self.nslots) * self.block
+        peer = 1 - self.me
+        if group.ctrl[peer][IN] < g:
+            group._wait(peer, IN, g, self.operation, self.check_peers, self.copy_ahead)
+        theirs = self.slots[peer][off:off + n]
+        if self.halve:
+            mine = self.slots[self.me][off:off + n]
+            for dst, at in self.plan[b]:
+                np.add(mine[at:at + dst.size], theirs[at:at + dst.size], out=dst)
+            group._publish(OUT, g)
+            return
+        for dst, at in self.plan[b]:
+            if bfloat16:
+                reduce_into(dst, theirs[at:at + dst.size], op, True)
+            else:
+                self.ufunc(dst, theirs[at:at + dst.size], out=dst)
+            if self.average:
+                divide_average(dst, 2, bfloat16)
+        group._publish(OUT, g)
+
+    def _finish_small(self, b: int) -> None:
+        """A small block: every rank reduces every slot in rank order (one synchronisation less, identical bits)."""
+        group, op, bfloat16, slots, size, ufunc = self.group, self.op, self.bfloat16, self.slots, self.size, self.ufunc
+        g = self.base + b + 1
+        off = ((g - 1) % self.nslots) * self.block
+        group._wait_all(IN, g, self.operation, self.check_peers, self.copy_ahead)
+        for dst, a in self.plan[b]:
+            m = dst.size
+            if bfloat16:
+                dst[...] = slots[0][off + a:off + a + m]
+                for k in range(1, size):
+                    reduce_into(dst, slots[k][off + a:off + a + m], op, True)
+            else:
+                ufunc(slots[0][off + a:off + a + m], slots[1][off + a:off + a + m], out=dst)
+                for k in range(2, size):
+                    ufunc(dst, slots[k][off + a:off + a + m], out=dst)
+            if self.average:
+                divide_average(dst, size, bfloat16)
+        group._publish(OUT, g)
+
+    def _reduce_chunk(self, b: int) -> None:
+        """Scatter mode: reduce this rank's chunk of block b over every slot into its own slot."""
+        g = self.base + b + 1
+        n = min(self.total, (b + 1) * self.block) - b * self.block
+        off = ((g - 1) % self.nslots) * self.block
+        me, size = self.me, self.size
+        c0, c1 = me * n // size, (me + 1) * n // size
+        acc = self.slots[me][off + c0:off + c1]
+        for k in range(size):
+            if k != me:
+                reduce_into(acc, self.slots[k][off + c0:off + c1], self.op, self.bfloat16)
+        if self.average:
+            divide_average(acc, size, self.bfloat16)
+        self.group._publish(RED, g)
+
+    def work_ahead(self) -> bool:
+        """Idle work in scatter mode: copy in ahead, else reduce the next full block whose data is all in."""
+        if self.copy_ahead():
+            return True
+        if self.next_red < self.next_in and (self.next_red + 1) * self.block <= self.total and \
+                self.group._ready_all(IN, self.base + self.next_red + 1):
+            self._reduce_chunk(self.next_red)
+            self.next_red += 1
+            return True
+        return False
+
+    def _finish_scatter(self, b: int) -> None:
+        """Reduce this rank's chunk into its slot (unless done ahead), then gather every member's chunk."""
+        group, slots, size, me = self.group, self.slots, self.size, self.me
+        g = self.base + b + 1
+        n = min(self.total, (b + 1) * self.block) - b * self.block
+        off = ((g - 1) % self.nslots) * self.block
+        while self.next_red <= b:
+            group._wait_all(IN, self.base + self.next_red + 1, self.operation, self.check_peers, self.copy_ahead)
+            self._reduce_chunk(self.next_red)
+            self.next_red += 1
+        for step in range(size):
+            k = (me + step) % size
+            if k != me and group.ctrl[k][RED] < g:
+                group._wait(k, RED, g, self.operation, self.check_peers, self.work_ahead)
+            c0, c1 = k * n // size, (k + 1) * n // size  # member k's chunk of the block
+            for dst, at in self.plan[b]:
+                a0, a1 = max(at, c0), min(at + dst.size, c1)
+                if a0 < a1:
+                    dst[a0 - at:a1 - at] = slots[k][off + a0:off + a1]
+        group._publish(OUT, g)
+
+
+def _timed(fn: Callable[[int], None], prof: dict[str, float], key: str) -> Callable[[int], None]:
+    """``fn`` adding its seconds to ``prof[key]`` (``ShmGroup.profile``)."""
+    def run(b: int) -> None:
+        t0 = time.perf_counter()
+        fn(b)
+        prof[key] = prof.get(key, 0.0) + time.perf_counter() - t0
+    return run
