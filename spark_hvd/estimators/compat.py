@@ -6,6 +6,9 @@ Each function says which versions take which branch (the Spark version itself co
 - ``save_metadata`` / ``load_metadata``: Spark ML's ``DefaultParamsWriter.saveMetadata`` /
   ``DefaultParamsReader.loadMetadata`` on a classic session (any Spark) or a Spark Connect one (Spark >= 4.0);
 - ``to_arrow(df)``: a DataFrame's rows as one ``pyarrow.Table`` (``DataFrame.toArrow`` is Spark >= 4.0);
+- ``finish_saved_batch(state)``: a Lightning checkpoint taken in ``on_train_batch_end`` resumes after that batch
+  (Lightning 2.5 does it itself, 2.3-2.4 do not); ``starts_resumed_epoch()``: whether Lightning calls
+  ``on_train_epoch_start`` again for the epoch a mid-epoch checkpoint resumes;
 - ``log_model``: an MLflow flavor's ``log_model`` with the keywords that MLflow version takes (``name=`` and
   ``step=`` from MLflow 3.0, ``artifact_path=`` before; ``serialization_format=`` where the flavor has it).
 """
@@ -86,3 +89,40 @@ def log_model(flavor_log_model: Callable[..., Any], model: Any, name: str, **kwa
     params = inspect.signature(flavor_log_model).parameters
     kwargs["name" if "name" in params else "artifact_path"] = name
     return flavor_log_model(model, **{k: v for k, v in kwargs.items() if k in params})
+
+
+def starts_resumed_epoch() -> bool:
+    """Whether Lightning calls ``on_train_epoch_start`` for the epoch a mid-epoch checkpoint resumes: Lightning
+    2.3-2.4 do (a callback that resets its epoch sums there would drop the restored ones); Lightning >= 2.5 (its
+    training epoch loop has ``RestartStage``) do not."""
+    from lightning.pytorch.loops import training_epoch_loop
+
+    return not hasattr(training_epoch_loop, "RestartStage")
+
+
+def finish_saved_batch(state: dict) -> None:
+    """Make a Lightning checkpoint taken in ``on_train_batch_end`` (a step checkpoint) resume after that batch.
+
+    Lightning >= 2.5 (its training epoch loop has ``RestartStage``) sees where the checkpoint was taken and counts
+    the batch as completed itself: nothing to do. Lightning 2.3-2.4 roll the batch counter back to the last
+    completed batch (``reset_on_restart``: ``ready = completed``), one short, so the resumed epoch's batch indices
+    would start one lower than the data (whose first batches the reader skips) and the epoch would end a batch
+    early: here the batch is marked completed, and the run's optimizer-step count advanced by it, as 2.5 does
+    (without gradient accumulation).
+    """
+    from lightning.pytorch.loops import training_epoch_loop
+
+    if hasattr(training_epoch_loop, "RestartStage"):
+        return
+    fit_loop = state.get("loops", {}).get("fit_loop", {})
+    progress = fit_loop.get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    behind = int(progress["current"]["processed"]) - int(progress["current"]["completed"])
+    if behind <= 0:
+        return
+    for part in ("current", "total"):
+        progress[part]["completed"] = int(progress[part]["processed"])
+    loop_state = fit_loop.get("epoch_loop.state_dict")
+    if isinstance(loop_state, dict) and "_batches_that_stepped" in loop_state:
+        loop_state["_batches_that_stepped"] = int(loop_state["_batches_that_stepped"]) + behind
