@@ -6,6 +6,9 @@ Each function says which versions take which branch (the Spark version itself co
 - ``save_metadata`` / ``load_metadata``: Spark ML's ``DefaultParamsWriter.saveMetadata`` /
   ``DefaultParamsReader.loadMetadata`` on a classic session (any Spark) or a Spark Connect one (Spark >= 4.0);
 - ``to_arrow(df)``: a DataFrame's rows as one ``pyarrow.Table`` (``DataFrame.toArrow`` is Spark >= 4.0);
+- ``finish_saved_batch(state)``: a Lightning checkpoint taken in ``on_train_batch_end`` resumes after that batch
+  (Lightning 2.5 does it itself, 2.3-2.4 do not); ``starts_resumed_epoch()``: whether Lightning calls
+  ``on_train_epoch_start`` again for the epoch a mid-epoch checkpoint resumes;
 - ``log_model``: an MLflow flavor's ``log_model`` with the keywords that MLflow version takes (``name=`` and
   ``step=`` from MLflow 3.0, ``artifact_path=`` before; ``serialization_format=`` where the flavor has it).
 - ``keras_export``: ``keras.Model.export`` with the keywords that Keras version takes (3.3 has none but the
@@ -102,3 +105,40 @@ def keras_export(model: Any, filepath: str, format: str, **kwargs: Any) -> None:
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = {k: v for k, v in kwargs.items() if k in params}
     model.export(filepath, format=format, **kwargs)
+
+
+def starts_resumed_epoch() -> bool:
+    """Whether Lightning calls ``on_train_epoch_start`` for the epoch a mid-epoch checkpoint resumes: Lightning
+    2.3-2.4 do (a callback that resets its epoch sums there would drop the restored ones); Lightning >= 2.5 (its
+    training epoch loop has ``RestartStage``) do not."""
+    from lightning.pytorch.loops import training_epoch_loop
+
+    return not hasattr(training_epoch_loop, "RestartStage")
+
+
+def finish_saved_batch(state: dict) -> None:
+    """Make a Lightning checkpoint taken in ``on_train_batch_end`` (a step checkpoint) resume after that batch.
+
+    Lightning >= 2.5 (its training epoch loop has ``RestartStage``) sees where the checkpoint was taken and counts
+    the batch as completed itself: nothing to do. Lightning 2.3-2.4 roll the batch counter back to the last
+    completed batch (``reset_on_restart``: ``ready = completed``), one short, so the resumed epoch's batch indices
+    would start one lower than the data (whose first batches the reader skips) and the epoch would end a batch
+    early: here the batch is marked completed, and the run's optimizer-step count advanced by it, as 2.5 does
+    (without gradient accumulation).
+    """
+    from lightning.pytorch.loops import training_epoch_loop
+
+    if hasattr(training_epoch_loop, "RestartStage"):
+        return
+    fit_loop = state.get("loops", {}).get("fit_loop", {})
+    progress = fit_loop.get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    behind = int(progress["current"]["processed"]) - int(progress["current"]["completed"])
+    if behind <= 0:
+        return
+    for part in ("current", "total"):
+        progress[part]["completed"] = int(progress[part]["processed"])
+    loop_state = fit_loop.get("epoch_loop.state_dict")
+    if isinstance(loop_state, dict) and "_batches_that_stepped" in loop_state:
+        loop_state["_batches_that_stepped"] = int(loop_state["_batches_that_stepped"]) + behind

@@ -44,6 +44,7 @@ import tempfile
 import warnings
 from typing import Any
 
+from spark_hvd.estimators import compat
 from spark_hvd.estimators.lightning_steps import (
     NOT_RESUMABLE_WARNING,
     StepCheckpoints,
@@ -259,6 +260,7 @@ class LightningTrainer(TorchTrainer):
                     ckpt = os.path.join(root, CHECKPOINT_FILE)
                     if run.start_step:
                         align_batch_progress(self.resume, run.start_step)
+                        compat.finish_saved_batch(self.resume)
                     torch.save(self.resume, ckpt)
                     self.resume = None
                 val = self._loader(run, "val") if run.readers.has_validation else None
@@ -341,9 +343,14 @@ class _BridgeHooks:
         if self.owner.lr_factor != 1.0:
             _scale_rates(trainer, self.owner.lr_factor)
             self.owner.lr_factor = 1.0
+        restoring = self.steps.rngs is not None
         self.steps.train_start(_Recorder)  # a mid-epoch resume: the epoch's sums and the random state back
+        # Lightning 2.3-2.4 start the resumed epoch again: its restored sums are kept there
+        self._keep_restored = restoring and compat.starts_resumed_epoch()
 
     def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        if self.__dict__.pop("_keep_restored", False):
+            return
         self.owner.recorder = rec = _Recorder()
         if trainer.lr_scheduler_configs:  # the epoch's rate (Lightning steps an epoch scheduler at its last batch)
             rec.lr = float(trainer.optimizers[0].param_groups[0]["lr"])
