@@ -38,6 +38,16 @@ def mlflow_options(value: Any) -> dict[str, str | None]:
     return {"experiment": value or "", "registered_model_name": None}
 
 
+def _experiment_id(client: Any, name: str) -> str:
+    """The id of the experiment called ``name``, created if there is none (restored if it was deleted)."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        return client.create_experiment(name)
+    if experiment.lifecycle_stage == "deleted":
+        client.restore_experiment(experiment.experiment_id)
+    return experiment.experiment_id
+
+
 class MlflowRun:
     """The MLflow run of one ``fit`` (see the module docstring); ``start`` opens it, ``finish``/``fail`` close it."""
 
@@ -54,12 +64,13 @@ class MlflowRun:
         a fit this one resumes), so the run's history is in epoch order."""
         import mlflow
 
-        if self.options["experiment"]:
-            mlflow.set_experiment(self.options["experiment"])
-        self._nested = mlflow.active_run() is not None
-        run = mlflow.start_run(run_name=self.run_name, nested=self._nested)
-        self.run_id = run.info.run_id
         self._client = mlflow.tracking.MlflowClient()
+        # the experiment is named for this run only: ``mlflow.set_experiment`` would leave it active in the
+        # user's process (and stale once they point MLflow at another tracking store)
+        experiment_id = _experiment_id(self._client, self.options["experiment"]) if self.options["experiment"] else None
+        self._nested = mlflow.active_run() is not None
+        run = mlflow.start_run(run_name=self.run_name, nested=self._nested, experiment_id=experiment_id)
+        self.run_id = run.info.run_id
         mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         for key, values in (earlier or {}).items():
             for epoch, value in enumerate(values):
