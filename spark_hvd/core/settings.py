@@ -113,12 +113,6 @@ class Settings:
         "reduction); 0: none, every tag in the calling thread; 'auto': one less than the cores the rank may use "
         "(its CPU affinity shared among its host's ranks), at most 3, none below 2 cores per rank (off by "
         "default: on 2 shared cores it cost CPU and gained nothing measurable; see [The MAC pool](#the-mac-pool))")
-    encrypt: bool = _setting(
-        "SPARK_HVD_ENCRYPT", None, False, _bool,
-        "encrypt every frame between ranks over TCP and with the driver's services (AES-256-GCM, the primitive that "
-        "authenticates them anyway; same-host shared memory is unchanged); every rank and the driver must agree "
-        "(`run(encrypt=True)` and `spark-hvd-run --encrypt` set it for the ranks; see "
-        "[Reliability](reliability.md#what-is-encrypted))")
     compiled_ring: bool = _setting(
         "SPARK_HVD_COMPILED_RING", None, True, _bool,
         "run TCP rings in the compiled loop where it was built (`make setup` / pip with a C compiler and Python's "

@@ -99,16 +99,18 @@ def secret_from_env(environ: dict[str, str] | None = None) -> bytes:
 
 def check_encryption(rank: int, modes: list[bool]) -> None:
     """Raise ``AuthenticationError`` on every rank when the ranks' encryption settings (``modes``, by rank, as
-    published at the rendezvous) differ, naming the ranks whose setting differs from rank 0's (this rank first
-    when it is one of them), before any connection is made."""
-    odd = [r for r, mode in enumerate(modes) if mode != modes[0]]
-    if not odd:
+    published at the rendezvous) differ, before any connection is made: the message names this rank, the ranks that
+    see it otherwise, and the ranks at odds with the rest (the fewer; on a tie, those that differ from rank 0)."""
+    on = [r for r, mode in enumerate(modes) if mode]
+    off = [r for r, mode in enumerate(modes) if not mode]
+    if not on or not off:
         return
-    lead = f"rank {rank} (this rank)" if rank in odd else f"rank(s) {odd}"
+    odd = on if len(on) < len(off) or (len(on) == len(off) and not modes[0]) else off
+    others = off if modes[rank] else on
     raise AuthenticationError(
-        f"{lead} {_mode(modes[odd[0]])} but rank 0 {_mode(modes[0]).split(' its')[0]} (SPARK_HVD_ENCRYPT, "
-        f"run(encrypt=...), spark-hvd-run --encrypt): every rank of a job must set it alike; ranks at odds with rank "
-        f"0: {odd}")
+        f"rank {rank}: encryption in transit is {'on' if modes[rank] else 'off'} here but "
+        f"{'off' if modes[rank] else 'on'} on rank(s) {others}; rank(s) {odd} are at odds with the rest: every "
+        "rank of a job must set SPARK_HVD_ENCRYPT alike (run(encrypt=...), spark-hvd-run --encrypt)")
 
 
 def sign(secret: bytes, *parts: bytes | memoryview) -> bytes:

@@ -11,8 +11,10 @@ and counters on the wire and follow the same run-ahead rule, so two ranks on one
 
 With encryption (``PeerSocket.encrypt``, both ends of both connections) a frame to send is sealed (ciphertext and
 tag, ``wire._Direction.seal``) when its tag would be computed, and its ciphertext is sent in place of the payload;
-a frame received is read into a staging buffer and decrypted from there into the view it was planned for once its
-tag checked out (``open_into``), so its destination never holds anything unchecked. The C loop does the same.
+a frame received is read into a staging buffer and decrypted from there into the view it was planned for
+(``open_into``), which says whether its tag checked out: as without encryption, nothing is reduced, forwarded or
+handed over before it did (a failed frame leaves its view undefined, and the exchange raises). The C loop does the
+same.
 
 What the Python loop has that the C one does not: a caller's ``on_received`` where the C loop reduces and forwards
 by plan itself; tags computed on a ``MacPool`` (``checking``: frames received and waiting for their check); the
