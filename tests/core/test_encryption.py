@@ -176,6 +176,31 @@ def test_a_tampered_encrypted_frame_is_refused_before_it_is_reduced(monkeypatch,
             sock.close()
 
 
+def test_sealing_without_encrypt_into_gives_the_same_frames():
+    # cryptography before encrypt_into / decrypt_into (the supported floor has neither): the copying fallback seals
+    # and opens the same frames; a wrong tag is refused either way
+    from spark_hvd.core.transport.wire import TAG_SIZE, _Direction
+
+    key, payload = make_secret(), _rank_data(5, 0, 5000, "float32")
+    into, copying = _Direction(key, True), _Direction(key, True)
+    into._cipher()
+    copying._cipher()
+    copying._into = False
+    sealed = into.seal(7, payload.nbytes + 1, b"\x00", memoryview(payload).cast("B"))
+    assert sealed == copying.seal(7, payload.nbytes + 1, b"\x00", memoryview(payload).cast("B"))
+    nonce, aad = bytes(4) + (7).to_bytes(8, "big"), (payload.nbytes + 1).to_bytes(8, "big") + b"\x00"
+    for direction in (into, copying):  # the compiled loop's way in: the same bytes into its staging buffer
+        out = bytearray(len(sealed))
+        direction.seal_into(nonce, aad, memoryview(payload).cast("B"), memoryview(out))
+        assert bytes(out) == sealed
+    for direction in (into, copying):
+        body = bytearray(sealed[:-TAG_SIZE])
+        assert direction.open(7, payload.nbytes + 1, b"\x00", memoryview(body), sealed[-TAG_SIZE:])
+        assert bytes(body) == payload.tobytes()
+        assert not direction.open(8, payload.nbytes + 1, b"\x00", memoryview(bytearray(sealed[:-TAG_SIZE])),
+                                  sealed[-TAG_SIZE:])  # another counter: another nonce
+
+
 def test_the_launch_contract_carries_the_setting():
     job = JobEnv(rank=0, size=2, encrypt=True)
     assert job.to_env()["SPARK_HVD_ENCRYPT"] == "1" and JobEnv.from_env(job.to_env()).encrypt
