@@ -25,8 +25,8 @@
  * associated data = length | type byte and plaintext = the payload, whose ciphertext is sent in its place. A frame
  * to send is sealed from the buffer into ``out_stage`` (ciphertext | tag) when it would be tagged, and sent from
  * there; a frame received is read into ``in_stage``, its tag put after it, and decrypted from there into the scratch
- * frame or its place in the buffer, only if the tag checks out (the same two ways: the caller's ``seal_into`` /
- * ``open_into``, or libcrypto's EVP_Encrypt* / EVP_Decrypt* without the GIL).
+ * frame or its place in the buffer, then used only if the tag checked out (the same two ways: the caller's
+ * ``seal_into`` / ``open_into``, or libcrypto's EVP_Encrypt* / EVP_Decrypt* without the GIL).
  *
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
@@ -391,7 +391,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
     int n_pending = 0;
     Py_ssize_t index = 0;
     size_t got_head = 0, target_len = 0, target_got = 0;
-    unsigned char *target = NULL, *dest = NULL; /* where a frame is read; where it goes (unless encrypted: target) */
+    unsigned char *target = NULL, *dest = NULL; /* where a frame is read (in_stage if encrypted); its payload's place */
     int have_target = 0;
     unsigned char out_length_kind[9], in_length_kind[9]; /* a frame's plaintext: length | type byte */
     unsigned char expected_tag[TAG_SIZE], tag[TAG_SIZE];
@@ -545,7 +545,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 if (target_len >= (size_t)r->lowat_min) { recv_dry = 1; can_recv = 0; }
             }
             /* frame `index` is complete: check its tag before anything uses it */
-            if (r->encrypt) { /* decrypted into its destination only if the tag checks out */
+            if (r->encrypt) { /* decrypted into its place, used only if the tag checked out */
                 memcpy(r->in_stage + target_len, expected_tag, TAG_SIZE);
                 int opened = crypt_frame(r->mac_mode, r->in_mac, r->in_ctx, 0, r->in_counter, in_length_kind,
                                          r->in_stage, target_len, dest, thread);

@@ -28,7 +28,7 @@ counter, the length and the payload, and is checked before the payload is used:
   the MAC was the largest single CPU cost of a link-bound ring (issue 23). One AEAD object per direction, reused
   (a frame's fixed cost ~3 us).
 
-**Encryption (an option).** With ``encrypt=True`` on both ends (``SPARK_HVD_ENCRYPT=1``: ``Settings.encrypt``,
+**Encryption (an option).** With ``encrypt=True`` on both ends (``SPARK_HVD_ENCRYPT=1``: ``JobEnv.encrypt``,
 ``run(encrypt=True)``, ``spark-hvd-run --encrypt``) every frame, control or data, is AES-256-GCM under the
 direction's frame key ``HMAC(direction key, "spark_hvd encrypted frames")``, the nonce the frame counter as above:
 the associated data is ``length`` and the frame's clear prefix (the type byte of a ``PeerSocket``'s frames, which a
@@ -410,7 +410,8 @@ class FramedSocket:
     def verify(self, tag: bytes, length: int, *parts: bytes | memoryview, fast: bool = False) -> None:
         """Check a received frame's ``tag``; ``AuthenticationError`` (logged) when it fails. With ``encrypt``,
         the frame is decrypted: its last part (writable: a ``bytearray`` or a view of one) is replaced by its
-        plaintext once the tag checked out; a ``TYPED`` socket's type byte is the part before it."""
+        plaintext (undefined when the tag fails, which raises); a ``TYPED`` socket's type byte is the part before
+        it."""
         assert self._in is not None
         if not self.encrypt:
             self.check_tag(self._in.tag(length, parts, fast), tag)
