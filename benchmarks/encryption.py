@@ -171,8 +171,9 @@ def table(sizes: list[int], times: dict) -> str:
         # the ratio of each round's pair (interleaved), median over rounds
         wall_ratio = statistics.median(e[0] / a[0] for a, e in zip(auth, enc, strict=True))
         cpu_ratio = statistics.median(e[1] / a[1] for a, e in zip(auth, enc, strict=True))
-        lines.append(f"| {nbytes >> 20} MiB | {wall[0] * 1e3:.1f} ms | {wall[1] * 1e3:.1f} ms | {wall_ratio:.3f}x | "
-                     f"{cpu[0] * 1e3:.1f} ms | {cpu[1] * 1e3:.1f} ms | {cpu_ratio:.3f}x |")
+        size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+        lines.append(f"| {size} | {wall[0] * 1e3:.3f} ms | {wall[1] * 1e3:.3f} ms | {wall_ratio:.3f}x | "
+                     f"{cpu[0] * 1e3:.3f} ms | {cpu[1] * 1e3:.3f} ms | {cpu_ratio:.3f}x |")
     return "\n".join(lines)
 
 

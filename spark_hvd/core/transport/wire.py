@@ -214,6 +214,10 @@ class _Direction:
         of ``length`` bytes whose clear prefix is ``clear`` and whose encrypted rest is ``body``."""
         return self._cipher().encrypt(_NONCE_PAD + _COUNTER.pack(counter), body, _LENGTH.pack(length) + clear)
 
+    def seal_to(self, counter: int, length: int, clear: bytes, body: bytes | memoryview, out: memoryview) -> None:
+        """``seal`` into ``out`` (``len(body) + TAG_SIZE`` bytes) instead of a new object."""
+        self.seal_into(_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + clear, body, out)
+
     def open(self, counter: int, length: int, clear: bytes, body: memoryview, tag: bytes) -> bool:
         """Decrypt the received frame numbered ``counter`` (``body``: its ciphertext, replaced by its plaintext)
         if ``tag`` checks out (True); else False, and ``body`` must not be used."""

@@ -175,7 +175,7 @@ class RingExchange:
         self.encrypt = out.encrypt
         if recv.encrypt != out.encrypt:
             raise ValueError("a ring exchange encrypts on both of its connections or on neither")
-        self.stage: bytearray | None = None  # encrypted frames: the ciphertext of the frame being read, and its tag
+        self.stage: memoryview | None = None  # encrypted frames: the ciphertext of the frame being read, its tag
         self.dest: memoryview | None = None  # ... and the view it is decrypted into
         self.received_bytes, self.can_recv = 0, True
         self.out_fd, self.in_fd = out.sock.fileno(), recv.sock.fileno()
@@ -299,9 +299,11 @@ class RingExchange:
         while self.can_send and (pending or queue):
             if not pending:
                 payload, counter, job = queue[0]
-                if job is None:
-                    tag = out._out.seal(counter, payload.nbytes + 1, DATA, payload) if self.encrypt else \
-                        out._out.data_tag(counter, payload.nbytes + 1, DATA, payload)
+                if job is None and self.encrypt:  # sealed into the socket's send stage (free: nothing is pending)
+                    tag = out.stage("send", payload.nbytes + TAG_SIZE)
+                    out._out.seal_to(counter, payload.nbytes + 1, DATA, payload, tag)
+                elif job is None:
+                    tag = out._out.data_tag(counter, payload.nbytes + 1, DATA, payload)
                 elif job.done:
                     tag = job.value()
                 else:  # its tag is still being computed on the pool
@@ -311,7 +313,7 @@ class RingExchange:
                 if trace is not None:
                     trace.append((time.perf_counter_ns(), "s0", counter, payload.nbytes))
                 if self.encrypt:  # ``tag``: the ciphertext, then the tag
-                    payload, tag = memoryview(tag)[:-TAG_SIZE], tag[-TAG_SIZE:]
+                    payload, tag = memoryview(tag)[:-TAG_SIZE], bytes(tag[-TAG_SIZE:])
                 pending = self.pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag[-TAG_SIZE:] + DATA),
                                           payload]
             offer = pending
@@ -361,7 +363,7 @@ class RingExchange:
         received_bytes, can_recv, recv_dry = self.received_bytes, self.can_recv, self.recv_dry
         while index < n_recv and len(checking) < window:
             if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
-                target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
+                target, target_got, got_head = self._start_frame(bytes(head), receives[index], index), 0, 0
             if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
                 if not can_recv:
                     break
@@ -414,10 +416,8 @@ class RingExchange:
             if self.encrypt:  # the ciphertext in ``stage``: its tag after it, then decrypted into ``dest``
                 stage, n = self.stage, target.nbytes
                 stage[n:n + TAG_SIZE] = self.tag
-                args = (_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(self.length) + DATA,
-                        memoryview(stage)[:n + TAG_SIZE], self.dest)
-                if pooled:
-                    self.stage = None  # the pool decrypts from it: the next frame gets its own
+                args = (_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(self.length) + DATA, stage, self.dest)
+                if pooled:  # (its stage is its own: see _start_frame)
                     checking.append((index, b"", mac.submit(recv._in.open_into, *args)))
                 else:
                     if not recv._in.open_into(*args):
@@ -441,8 +441,8 @@ class RingExchange:
             target_got
         self.received_bytes, self.can_recv, self.recv_dry = received_bytes, can_recv, recv_dry
 
-    def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
-        """Check a received header against the frame expected next; the view to read its payload into."""
+    def _start_frame(self, head: bytes, into: memoryview, index: int) -> memoryview:
+        """Check a received header against frame ``index``, expected next; the view to read its payload into."""
         recv = self.recv_peer
         (length,) = _LENGTH.unpack_from(head)
         self.length, self.tag = length, head[_LENGTH.size:HEADER_SIZE]
@@ -458,9 +458,11 @@ class RingExchange:
                 "the ranks called collectives in different orders or with different shapes")
         if self.encrypt:  # read the ciphertext aside (the tag after it), decrypted into ``into`` once complete
             self.dest = into
-            if self.stage is None or len(self.stage) < into.nbytes + TAG_SIZE:
-                self.stage = bytearray(into.nbytes + TAG_SIZE)
-            return memoryview(self.stage)[:into.nbytes]
+            if self.mac is not None and index and into.nbytes >= self.mac_min_bytes:  # as _receive decides
+                self.stage = memoryview(bytearray(into.nbytes + TAG_SIZE))  # decrypted on the pool: its own
+            else:  # decrypted here, before the next frame is read
+                self.stage = recv.stage("recv", into.nbytes + TAG_SIZE)
+            return self.stage[:into.nbytes]
         return into
 
     def _hand_over(self, i: int) -> int:

@@ -91,6 +91,8 @@ class PeerSocket(FramedSocket):
         #: the peer closed its backend on purpose (a BYE frame arrived): its EOF is no failure
         self.said_bye = False
         self._bye_checked = -1  # the stream length at which _ends_with_bye last found a BYE at its end
+        #: encrypted frames: the ciphertext (and tag) of the frame being sent / received, kept between exchanges
+        self._stages: dict[str, bytearray] = {}
         self._spin_misses = 0  # spins in a row that ended without a frame (``spin_deadline``)
         self._spin_skip = 0  # waits still to sleep through at once after a spin in vain
         self._couples: bool | None = None  # ``couples_directions``, read once
@@ -149,6 +151,14 @@ class PeerSocket(FramedSocket):
         except AuthenticationError:
             self.recv_broken = True
             raise
+
+    def stage(self, side: str, nbytes: int) -> memoryview:
+        """A staging buffer of ``nbytes`` for one encrypted frame at a time on ``side`` ("send" / "recv"), reused
+        from one frame and exchange to the next (grown when needed)."""
+        buf = self._stages.get(side)
+        if buf is None or len(buf) < nbytes:
+            buf = self._stages[side] = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     def _rejected(self) -> None:
         """A received frame failed its check (its decryption): ``AuthenticationError``, the stream marked broken."""
