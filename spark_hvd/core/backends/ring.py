@@ -659,9 +659,14 @@ class RingBackend(Backend):
 
     @_collective("barrier")
     def barrier(self) -> None:
-        """Return once every rank has called it."""
+        """Return once every rank has called it; on one host's shared memory, the ranks leave it together."""
         if self.size > 1:
-            self._small_allgather(b"", "barrier")
+            self.plan.barrier(self, "barrier")
+
+    def leave_together(self) -> None:
+        """See ``Backend.leave_together``: on one host's shared memory, a bounded spin until every peer finished
+        the last collective (``ShmGroup.release``); elsewhere nothing."""
+        self.plan.leave_together()
 
     def __repr__(self) -> str:
         return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "
