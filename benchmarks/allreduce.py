@@ -15,10 +15,14 @@ bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to glo
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,ring-tcp,gloo,mpi   # the user's path
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,gloo --sizes 4K --osu  # OSU style
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --alternate   # two tensors in turn
+    .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --after-barrier  # barrier, one call
 
 ``--osu`` times as osu_allreduce does: a barrier between timed allreduces (only the allreduce is timed), so no
-call can ride on the one before it; ``--alternate`` times back-to-back calls that alternate between two tensors
-(two names). Without either, one tensor is reduced back to back (a steady training loop's best case).
+call can ride on the one before it; ``--after-barrier`` times the loop a user writes to time a small collective:
+untimed back-to-back calls, then ``hvd.barrier()`` before each timed call, each call's slowest rank, the median over
+calls (and logs how far apart the ranks left the barrier; ``--unnamed``: ``hvd.allreduce_(t)`` with no name);
+``--alternate`` times back-to-back calls that alternate between two tensors (two names). Without any, one tensor
+is reduced back to back (a steady training loop's best case).
 
 ``ring`` is the built-in backend as a user gets it (shared memory between the ranks of one host); ``ring-tcp``
 forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and second half of the ranks look like

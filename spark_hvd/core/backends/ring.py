@@ -417,7 +417,7 @@ class RingBackend(Backend):
         if compiled and self._mac is None and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
-                         plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
+                         plan, reduce_steps, total, op, n, average=average, bfloat16=bfloat16)
             return
         window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
         scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
