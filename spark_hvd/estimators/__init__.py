@@ -2,11 +2,18 @@
 ``LightningEstimator``/``LightningModel``.
 
 Nothing else in spark_hvd imports this package; it imports pyspark (and the framework) lazily per class.
+``common/`` holds what the frameworks share, ``torch/``, ``keras/`` and ``lightning/`` what differs; the flat
+layout's module names (``spark_hvd.estimators.rank_run`` ...) still import, as aliases (``_moved.py``), so
+pickles and saved Pipelines that name them load.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from spark_hvd.estimators import _moved
+
+_moved.install()
 
 __all__ = ["TorchEstimator", "TorchModel", "KerasEstimator", "KerasModel", "LightningEstimator", "LightningModel"]
 

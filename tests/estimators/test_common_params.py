@@ -17,7 +17,7 @@ from spark_hvd.estimators import (
     TorchEstimator,
     TorchModel,
 )
-from spark_hvd.estimators.params import OBJECT_PARAMS
+from spark_hvd.estimators.common.params import OBJECT_PARAMS
 from spark_hvd.store import Store
 
 pytestmark = pytest.mark.spark

@@ -1,12 +1,12 @@
-"""spark_hvd.estimators.compat: MLflow's log_model keywords for MLflow 2 and 3, and Spark ML metadata on Connect
+"""spark_hvd.estimators.common.compat: MLflow's log_model keywords for MLflow 2 and 3, and Spark ML metadata on Connect
 before Spark 4.0 (the version is patched)."""
 
 from __future__ import annotations
 
 import pytest
 
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.errors import EstimatorError
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.errors import EstimatorError
 from spark_hvd.runner import compat as spark_compat
 
 

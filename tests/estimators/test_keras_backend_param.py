@@ -20,7 +20,8 @@ import pytest
 from helpers.estimators import assert_fit_fails_before_anything_runs
 from helpers.torch_replay import rank_shards
 
-from spark_hvd.estimators import KerasEstimator, keras_backend
+from spark_hvd.estimators import KerasEstimator
+from spark_hvd.estimators.keras import backend as keras_backend
 from spark_hvd.store import Store
 
 pytestmark = pytest.mark.spark
@@ -83,7 +84,7 @@ def _rank_forcing_fresh(trainer_class, spec):
     """The estimator's rank function with rank 1 alone asking for a fresh process: the ranks decide together, so
     rank 0 (whose history the fit returns) must train in a fresh process too."""
     import spark_hvd.core as core
-    from spark_hvd.estimators.keras_rank import train_keras_rank
+    from spark_hvd.estimators.keras.rank import train_keras_rank
 
     os.environ["SPARK_HVD_TEST_WORKER_PID"] = str(os.getpid())
     return train_keras_rank(trainer_class, spec, fresh=core.rank() == 1)

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     import keras
     import numpy as np
 
-    from spark_hvd.estimators.rank_run import train_on_rank
+    from spark_hvd.estimators.common.rank_run import train_on_rank
 
 
     def on_cuda(y_true, y_pred):
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
 
 
     def rank_fit(spec):
-        from spark_hvd.estimators.keras_rank import KerasTrainer
+        from spark_hvd.estimators.keras.rank import KerasTrainer
 
         return train_on_rank(KerasTrainer, spec)
 

@@ -25,7 +25,7 @@ from helpers import lightning_modules  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from spark_hvd.estimators import LightningEstimator  # noqa: E402
-from spark_hvd.estimators.errors import EstimatorError  # noqa: E402
+from spark_hvd.estimators.common.errors import EstimatorError  # noqa: E402
 from spark_hvd.estimators.torch import EarlyStopping  # noqa: E402
 from spark_hvd.store import Store  # noqa: E402
 
@@ -271,7 +271,7 @@ def test_bad_trainer_settings_fail_on_the_driver(spark, df, tmp_path, what, para
 
 
 def test_a_run_without_lightning_checkpoints_is_not_resumed(spark, df, tmp_path):
-    from spark_hvd.estimators.step_checkpoint import StepState, rng_state, write_step_checkpoint
+    from spark_hvd.estimators.common.step_checkpoint import StepState, rng_state, write_step_checkpoint
     from spark_hvd.store import RunDir
 
     store = Store.create(str(tmp_path / "store"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from spark_hvd.estimators.mlflow_log import MlflowRun
+from spark_hvd.estimators.common.mlflow_log import MlflowRun
 
 pytest.importorskip("mlflow")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spark_hvd.estimators import TorchEstimator, TorchModel
-from spark_hvd.estimators.torch_serde import deserialize_module, optimizer_spec, serialize_module
+from spark_hvd.estimators.torch.serde import deserialize_module, optimizer_spec, serialize_module
 from spark_hvd.store import RunDir, Store
 
 _cuda_tagging = {"on": False}

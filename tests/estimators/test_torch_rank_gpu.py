@@ -30,7 +30,7 @@ from helpers.ranks import run_ranks  # noqa: E402
 
 from spark_hvd.data.parquet import describe_parquet  # noqa: E402
 from spark_hvd.estimators import TorchEstimator, TorchModel  # noqa: E402
-from spark_hvd.estimators.rank_run import train_on_rank  # noqa: E402
+from spark_hvd.estimators.common.rank_run import train_on_rank  # noqa: E402
 from spark_hvd.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -65,7 +65,7 @@ def dataset(tmp_path_factory):
 
 
 def _rank_fit(spec):
-    from spark_hvd.estimators.torch_rank import TorchTrainer
+    from spark_hvd.estimators.torch.rank import TorchTrainer
 
     return train_on_rank(TorchTrainer, spec)
 

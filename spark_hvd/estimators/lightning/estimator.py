@@ -1,7 +1,7 @@
 """``LightningEstimator`` and ``LightningModel``: a ``lightning`` LightningModule trained like a torch module.
 
 The module travels and is saved as ``TorchEstimator``'s modules are (cloudpickle, trained weights as a state dict);
-the rank half is ``lightning_rank.py``.
+the rank half is ``lightning/rank.py``.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from spark_hvd.estimators.errors import param_error, param_type_error
-from spark_hvd.estimators.lightning_checks import check_trainer_settings
-from spark_hvd.estimators.lightning_rank import CHECKPOINT_FILE, LightningTrainer
-from spark_hvd.estimators.params import KeywordParams, LightningEstimatorParams
-from spark_hvd.estimators.spec import LightningSpec
-from spark_hvd.estimators.torch import TorchModel, TorchModuleEstimator
+from spark_hvd.estimators.common.errors import param_error, param_type_error
+from spark_hvd.estimators.common.params import KeywordParams, LightningEstimatorParams
+from spark_hvd.estimators.common.spec import LightningSpec
+from spark_hvd.estimators.lightning.checks import check_trainer_settings
+from spark_hvd.estimators.lightning.rank import CHECKPOINT_FILE, LightningTrainer
+from spark_hvd.estimators.torch.estimator import TorchModel, TorchModuleEstimator
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["LightningEstimator", "LightningModel"]
@@ -54,7 +54,7 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
         fitted = est.fit(df)              # fitted.getModel() is the trained Net
 
     Each rank runs Lightning's own ``lightning.Trainer.fit`` with a ``DDPStrategy`` over torch.distributed, which
-    meets over the job's authenticated store (``lightning_rank.py``, ``lightning_env.py``): gradients are averaged
+    meets over the job's authenticated store (``lightning/rank.py``, ``lightning/env.py``): gradients are averaged
     by DDP, and Lightning runs ``configure_optimizers`` (one or several optimizers with manual optimization, LR
     schedulers), precision, gradient clipping and accumulation, ``callbacks`` (Lightning callbacks), ``logger`` and
     ``self.log``. Batches are dicts of tensors keyed by column name (features shaped by ``input_shapes`` if given),
@@ -124,7 +124,7 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                 return
 
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
-        from spark_hvd.estimators.preflight import lightning_forward_check
+        from spark_hvd.estimators.lightning.preflight import lightning_forward_check
 
         lightning_forward_check(type(self).__name__, spec)
 

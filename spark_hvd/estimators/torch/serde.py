@@ -1,6 +1,6 @@
 """PyTorch objects <-> bytes for the estimators: the module (cloudpickle, loaded on the CPU) and the optimizer (a
-spec rebuilt on another copy of the module). The driver side (``torch.py``) and the rank side (``torch_rank.py``)
-both use it."""
+spec rebuilt on another copy of the module). The driver side (``torch/estimator.py``) and the rank side
+(``torch/rank.py``) both use it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``fit.py``, ``model.py``,
-``params.py``; the rank half is ``torch_rank.py``)."""
+"""``TorchEstimator`` and ``TorchModel``: what differs for PyTorch (the rest is in ``common/``: ``fit.py``,
+``model.py``, ``params.py``; the rank half is ``torch/rank.py``)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.errors import param_error, param_type_error
-from spark_hvd.estimators.fit import BaseEstimator
-from spark_hvd.estimators.model import BaseModel, task_gpu_index, task_threads
-from spark_hvd.estimators.params import KeywordParams, TorchEstimatorParams, TorchModelParams
-from spark_hvd.estimators.rank_run import EarlyStopping
-from spark_hvd.estimators.spec import BestPolicy, TorchSpec
-from spark_hvd.estimators.torch_rank import TorchTrainer, is_class_index_loss, resolve_losses, resolve_metric
-from spark_hvd.estimators.torch_serde import (
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.errors import param_error, param_type_error
+from spark_hvd.estimators.common.fit import BaseEstimator
+from spark_hvd.estimators.common.model import BaseModel, task_gpu_index, task_threads
+from spark_hvd.estimators.common.params import KeywordParams, TorchEstimatorParams, TorchModelParams
+from spark_hvd.estimators.common.rank_run import EarlyStopping
+from spark_hvd.estimators.common.spec import BestPolicy, TorchSpec
+from spark_hvd.estimators.torch.rank import TorchTrainer, is_class_index_loss, resolve_losses, resolve_metric
+from spark_hvd.estimators.torch.serde import (
     build_optimizer,
     deserialize_module,
     load_optimizer_spec,
@@ -71,8 +71,8 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
                **kwargs: Any) -> dict[str, Any]:
         """Write the network to the directory ``path`` as ``format`` ``"torchscript"`` or ``"onnx"``, with its
         input and output names and shapes in ``spark_hvd_export.json`` beside it (the batch dimension open);
-        ``verify`` loads the artifact back and compares it with the network. See ``estimators/export.py``."""
-        from spark_hvd.estimators.export import export_torch
+        ``verify`` loads the artifact back and compares it with the network. See ``estimators/torch/export.py``."""
+        from spark_hvd.estimators.torch.export import export_torch
 
         return export_torch(self, path, format, example=example, verify=verify, **kwargs)
 
@@ -80,7 +80,7 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
                    **kwargs: Any) -> Any:
         """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
         ``mlflow.pytorch`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
-        from spark_hvd.estimators.pyfunc import log_mlflow
+        from spark_hvd.estimators.common.pyfunc import log_mlflow
 
         return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
 
@@ -227,12 +227,12 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
         return float(rate) if isinstance(rate, int | float) else None
 
     def _classifier_kind(self) -> str | None:
-        from spark_hvd.estimators.classifier import torch_kind
+        from spark_hvd.estimators.common.classifier import torch_kind
 
         return torch_kind(self._opt(self.loss))
 
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
-        from spark_hvd.estimators.preflight import torch_forward_check
+        from spark_hvd.estimators.torch.preflight import torch_forward_check
 
         torch_forward_check(type(self).__name__, spec, label_max)
 

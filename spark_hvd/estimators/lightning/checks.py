@@ -13,7 +13,7 @@ import difflib
 import inspect
 from typing import Any, get_args
 
-from spark_hvd.estimators.errors import param_error, param_type_error
+from spark_hvd.estimators.common.errors import param_error, param_type_error
 
 __all__ = ["check_trainer_settings", "RESERVED", "STRATEGIES"]
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from pyspark.ml import Model
 
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.arrow import feature_to_numpy, output_spark_type, output_to_arrow
-from spark_hvd.estimators.errors import param_error
-from spark_hvd.estimators.persistence import PersistableStage
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.arrow import feature_to_numpy, output_spark_type, output_to_arrow
+from spark_hvd.estimators.common.errors import param_error
+from spark_hvd.estimators.common.persistence import PersistableStage
 
 __all__ = ["BaseModel", "task_gpu_index", "task_threads"]
 
@@ -250,7 +250,7 @@ class BaseModel(Model, PersistableStage):
         if clash:
             raise param_error(self, f"column(s) {clash} already exist in the DataFrame; choose others with "
                               "setPredictionCol / setProbabilityCol ('' leaves one out)")
-        from spark_hvd.estimators.classifier import add_classifier_columns
+        from spark_hvd.estimators.common.classifier import add_classifier_columns
 
         return add_classifier_columns(out, out_cols[0], kind, *names)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from spark_hvd.estimators.spec import BestPolicy
+from spark_hvd.estimators.common.spec import BestPolicy
 
 __all__ = ["best_epochs", "kept_epochs"]
 

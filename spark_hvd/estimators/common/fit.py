@@ -1,8 +1,9 @@
 """``BaseEstimator``: the ``fit`` every estimator shares (check, prepare the data, train on the ranks, build the Model).
 
-A framework estimator (``torch.py``, ``keras.py``, ``lightning.py``) adds only what differs: how its model and
-optimizer become bytes and back, its typed spec (``spec.py``), the training function run on every rank (a
-``RankRun`` with the framework's ``RankTrainer``, ``rank_run.py``), and its Model class (``model.py``).
+A framework estimator (``torch/estimator.py``, ``keras/estimator.py``, ``lightning/estimator.py``) adds only
+what differs: how its model and optimizer become bytes and back, its typed spec (``spec.py``), the training
+function run on every rank (a ``RankRun`` with the framework's ``RankTrainer``, ``rank_run.py``), and its Model
+class (over ``model.py``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from typing import Any
 
 from pyspark.ml import Estimator
 
-from spark_hvd.estimators.errors import param_error
-from spark_hvd.estimators.model import BaseModel
-from spark_hvd.estimators.params import OBJECT_PARAMS
-from spark_hvd.estimators.persistence import PersistableStage
-from spark_hvd.estimators.preflight import check_not_classes
-from spark_hvd.estimators.rank_run import RankTrainer, train_on_rank
-from spark_hvd.estimators.spec import BestPolicy, TrainSpec, model_metadata
+from spark_hvd.estimators.common.errors import param_error
+from spark_hvd.estimators.common.model import BaseModel
+from spark_hvd.estimators.common.params import OBJECT_PARAMS
+from spark_hvd.estimators.common.persistence import PersistableStage
+from spark_hvd.estimators.common.preflight import check_not_classes
+from spark_hvd.estimators.common.rank_run import RankTrainer, train_on_rank
+from spark_hvd.estimators.common.spec import BestPolicy, TrainSpec, model_metadata
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["BaseEstimator"]
@@ -416,11 +417,11 @@ class BaseEstimator(Estimator, PersistableStage):
     def _start_mlflow(self, store: Any, run_id: str) -> Any:
         """With ``mlflow`` set: an open ``MlflowRun`` with the params (and the epochs of the checkpoint this fit
         resumes) logged, whose ``on_event`` logs each epoch's metrics as rank 0 reports them
-        (``spark_hvd.estimators.mlflow_log``); else None."""
+        (``spark_hvd.estimators.common.mlflow_log``); else None."""
         setting = self.getOrDefault(self.mlflow)
         if setting is None:
             return None
-        from spark_hvd.estimators.mlflow_log import MlflowRun, mlflow_options
+        from spark_hvd.estimators.common.mlflow_log import MlflowRun, mlflow_options
 
         params = {p.name: v for p, v in self.extractParamMap().items()
                   if p.name not in OBJECT_PARAMS and v is not None}

@@ -15,8 +15,8 @@ import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from spark_hvd import pickling
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.params import OBJECT_PARAMS
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.params import OBJECT_PARAMS
 
 __all__ = ["PersistableStage"]
 

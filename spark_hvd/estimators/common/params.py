@@ -107,7 +107,7 @@ def _to_input_shapes(value: Any) -> list[list[int]] | None:
 
 def _to_mlflow(value: Any) -> str | dict | None:
     """``None``/``False``: off; ``True``: the active experiment; a string: that experiment's name; a dict
-    ``{"experiment": ..., "registered_model_name": ...}`` (see ``spark_hvd.estimators.mlflow_log``)."""
+    ``{"experiment": ..., "registered_model_name": ...}`` (see ``spark_hvd.estimators.common.mlflow_log``)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -115,7 +115,7 @@ def _to_mlflow(value: Any) -> str | dict | None:
     if isinstance(value, str):
         return value
     if isinstance(value, dict):
-        from spark_hvd.estimators.mlflow_log import mlflow_options
+        from spark_hvd.estimators.common.mlflow_log import mlflow_options
 
         mlflow_options(value)  # checks the keys
         return dict(value)

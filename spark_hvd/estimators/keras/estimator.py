@@ -1,6 +1,6 @@
-"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``fit.py``, ``model.py``,
-``params.py``; the rank half is ``keras_rank.py``). Works on Keras's TensorFlow, torch and JAX backends (the
-``backend`` param; ``keras_backend.py``).
+"""``KerasEstimator`` and ``KerasModel``: what differs for Keras 3 (the rest is in ``common/``: ``fit.py``,
+``model.py``, ``params.py``; the rank half is ``keras/rank.py``). Works on Keras's TensorFlow, torch and JAX
+backends (the ``backend`` param; ``keras/backend.py``).
 
 The model travels (to the ranks, to the executors for ``transform``, into saved Pipelines) as the bytes of its
 ``.keras`` file together with the ``custom_objects`` needed to load it (cloudpickled, so classes defined in a notebook
@@ -17,13 +17,16 @@ import cloudpickle
 import numpy as np
 
 from spark_hvd import pickling
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.errors import param_error, param_type_error
-from spark_hvd.estimators.fit import BaseEstimator
-from spark_hvd.estimators.keras_backend import FreshKerasModel, load_for_inference, resolve_backend
-from spark_hvd.estimators.keras_inference import predict
-from spark_hvd.estimators.keras_rank import KerasTrainer, train_keras_rank
-from spark_hvd.estimators.keras_serde import (
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.errors import param_error, param_type_error
+from spark_hvd.estimators.common.fit import BaseEstimator
+from spark_hvd.estimators.common.model import BaseModel
+from spark_hvd.estimators.common.params import KerasEstimatorParams, KerasModelParams, KeywordParams
+from spark_hvd.estimators.common.spec import BestPolicy, KerasSpec
+from spark_hvd.estimators.keras.backend import FreshKerasModel, load_for_inference, resolve_backend
+from spark_hvd.estimators.keras.inference import predict
+from spark_hvd.estimators.keras.rank import KerasTrainer, train_keras_rank
+from spark_hvd.estimators.keras.serde import (
     MODEL_FILE,
     build_optimizer,
     deserialize_keras_model,
@@ -31,9 +34,6 @@ from spark_hvd.estimators.keras_serde import (
     optimizer_spec,
     serialize_keras_model,
 )
-from spark_hvd.estimators.model import BaseModel
-from spark_hvd.estimators.params import KerasEstimatorParams, KerasModelParams, KeywordParams
-from spark_hvd.estimators.spec import BestPolicy, KerasSpec
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
@@ -102,8 +102,8 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
         """Write the model to the directory ``path`` as ``format`` ``"saved_model"``, ``"keras"`` or ``"onnx"``
         (where tf2onnx can), with its input and output names and shapes in ``spark_hvd_export.json`` beside it
         (the batch dimension open); ``verify`` loads the artifact back and compares it with the model. See
-        ``estimators/export.py``."""
-        from spark_hvd.estimators.export import export_keras
+        ``estimators/torch/export.py``."""
+        from spark_hvd.estimators.keras.export import export_keras
 
         return export_keras(self, path, format, example=example, verify=verify, **kwargs)
 
@@ -111,7 +111,7 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
                    **kwargs: Any) -> Any:
         """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
         ``mlflow.keras`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
-        from spark_hvd.estimators.pyfunc import log_mlflow
+        from spark_hvd.estimators.common.pyfunc import log_mlflow
 
         return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
 
@@ -215,7 +215,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             return None
 
     def _classifier_kind(self) -> str | None:
-        from spark_hvd.estimators.classifier import keras_kind
+        from spark_hvd.estimators.common.classifier import keras_kind
 
         return keras_kind(self._opt(self.loss))
     _spec_class = KerasSpec
@@ -258,7 +258,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         return data
 
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
-        from spark_hvd.estimators.preflight import keras_forward_check
+        from spark_hvd.estimators.keras.preflight import keras_forward_check
 
         keras_forward_check(type(self).__name__, spec, label_max)
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.estimators.errors import param_error
-from spark_hvd.estimators.keras_inference import place_for_inference, predict
-from spark_hvd.estimators.keras_serde import deserialize_keras_model, model_backend
-from spark_hvd.estimators.model import task_gpu_index, task_threads
+from spark_hvd.estimators.common.errors import param_error
+from spark_hvd.estimators.common.model import task_gpu_index, task_threads
+from spark_hvd.estimators.keras.inference import place_for_inference, predict
+from spark_hvd.estimators.keras.serde import deserialize_keras_model, model_backend
 
 __all__ = ["BACKENDS", "loaded_backend", "resolve_backend", "runs_here", "set_threads", "load_for_inference",
            "FreshKerasModel"]

@@ -28,10 +28,10 @@ import tempfile
 from abc import ABC, abstractmethod
 from typing import Any
 
-from spark_hvd.estimators.rank_data import ShardReaders, append_history
-from spark_hvd.estimators.retention import best_epochs, kept_epochs
-from spark_hvd.estimators.spec import TrainSpec
-from spark_hvd.estimators.step_checkpoint import (
+from spark_hvd.estimators.common.rank_data import ShardReaders, append_history
+from spark_hvd.estimators.common.retention import best_epochs, kept_epochs
+from spark_hvd.estimators.common.spec import TrainSpec
+from spark_hvd.estimators.common.step_checkpoint import (
     StepState,
     StepTrigger,
     latest_step_checkpoint,
@@ -71,7 +71,7 @@ class EarlyStopping:
 
     def __init__(self, monitor: str = "val_loss", patience: int = 0, mode: str = "auto",
                  min_delta: float = 0.0) -> None:
-        from spark_hvd.estimators.spec import BestPolicy
+        from spark_hvd.estimators.common.spec import BestPolicy
 
         self.policy = BestPolicy.create(monitor, mode, min_delta)
         self.patience = int(patience)
@@ -418,10 +418,10 @@ class RankRun:
 
     def _write_metrics(self, history: dict) -> None:
         """``history`` as ``logs/metrics.jsonl`` and as TensorBoard scalars (``train/<name>``, ``val/<name>``,
-        step = epoch; ``spark_hvd.estimators.tensorboard``) beside it."""
+        step = epoch; ``spark_hvd.estimators.common.tensorboard``) beside it."""
         self.run_dir.write_metrics(history)
         if self._events is None:
-            from spark_hvd.estimators.tensorboard import EventFileWriter
+            from spark_hvd.estimators.common.tensorboard import EventFileWriter
 
             self._events = EventFileWriter(self.spec.store, self.run_dir.logs_path)
         self._events.write_history(history)

@@ -33,8 +33,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from spark_hvd.estimators.rank_run import RankRun, merged_progress
-from spark_hvd.estimators.step_checkpoint import rng_state, set_rng_state
+from spark_hvd.estimators.common.rank_run import RankRun, merged_progress
+from spark_hvd.estimators.common.step_checkpoint import rng_state, set_rng_state
 
 __all__ = ["StepCheckpoints", "align_batch_progress", "resized_progress", "validation_follows"]
 

@@ -1,6 +1,7 @@
 """Keras 3 objects <-> bytes for the estimators: the model (its ``.keras`` file plus the ``custom_objects`` needed to
 load it, cloudpickled so classes defined in a notebook travel by value) and the optimizer (its class and
-``get_config()``, or a Keras name). The driver side (``keras.py``) and the rank side (``keras_rank.py``) both use it.
+``get_config()``, or a Keras name). The driver side (``keras/estimator.py``) and the rank side (``keras/rank.py``)
+both use it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd import pickling
-from spark_hvd.estimators.errors import param_error, param_type_error
+from spark_hvd.estimators.common.errors import param_error, param_type_error
 
 __all__ = ["MODEL_FILE", "serialize_keras_model", "deserialize_keras_model", "load_keras_bytes", "model_backend",
            "optimizer_spec", "build_optimizer"]

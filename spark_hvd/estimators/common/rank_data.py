@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from spark_hvd.data.metadata import model_input_dtype
-from spark_hvd.estimators.spec import TrainSpec
+from spark_hvd.estimators.common.spec import TrainSpec
 
 __all__ = ["ShardReaders", "append_history"]
 

@@ -3,7 +3,7 @@
 ``TorchTrainer`` is a ``RankTrainer`` (see ``rank_run.py``): the shared ``RankRun`` does init order, seeding,
 resume, per-epoch end and finish; this file builds the module, its optimizer (wrapped in
 ``spark_hvd.torch.DistributedOptimizer``) and LR scheduler, and trains one epoch at a time. ``LightningTrainer``
-(``lightning_rank.py``) reuses the device set-up, the batch tensors, the metric averaging and the final model, and
+(``lightning/rank.py``) reuses the device set-up, the batch tensors, the metric averaging and the final model, and
 trains with Lightning's own ``Trainer``.
 
 Callbacks (on every rank) may define ``on_train_begin(context)`` (a ``TrainingContext``: model, optimizer,
@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.estimators.errors import param_error
-from spark_hvd.estimators.params import LOSS_NAMES
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer, TrainingContext
-from spark_hvd.estimators.torch_precision import MixedPrecision
-from spark_hvd.estimators.torch_serde import build_optimizer, deserialize_module
+from spark_hvd.estimators.common.errors import param_error
+from spark_hvd.estimators.common.params import LOSS_NAMES
+from spark_hvd.estimators.common.rank_run import RankRun, RankTrainer, TrainingContext
+from spark_hvd.estimators.torch.precision import MixedPrecision
+from spark_hvd.estimators.torch.serde import build_optimizer, deserialize_module
 
 __all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch"]
 

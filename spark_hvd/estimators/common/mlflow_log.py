@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.estimators import compat
+from spark_hvd.estimators.common import compat
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def input_example(model: Any, df: Any) -> np.ndarray | None:
         log.info("MLflow: %d feature columns: the model is logged without an input example or signature",
                  len(specs))
         return None
-    from spark_hvd.estimators.arrow import feature_to_numpy
+    from spark_hvd.estimators.common.arrow import feature_to_numpy
 
     prepared, feature_idx, _ = model._prepared_input(df.limit(EXAMPLE_ROWS))
     rows = compat.to_arrow(prepared)

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.errors import EstimatorError
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.errors import EstimatorError
 
 __all__ = ["StagePyfunc", "classifier_columns", "frame_to_table", "log_mlflow", "requirements", "save_stage"]
 
@@ -131,7 +131,7 @@ def save_stage(stage: Any, directory: str | os.PathLike, example: Any = None) ->
         if example is None:
             raise EstimatorError(f"{type(stage).__name__}.log_mlflow: the output shapes are not recorded (a model "
                                  "not made by fit): pass input_example=<a DataFrame of a few rows>")
-        from spark_hvd.estimators.model import model_inputs
+        from spark_hvd.estimators.common.model import model_inputs
 
         table = frame_to_table(stage, _example_frame(stage, example, 1))
         inputs = model_inputs(table, list(range(len(specs))), specs, stage._opt(stage.transformation_fn),
@@ -190,7 +190,7 @@ def frame_to_table(stage_or_specs: Any, pdf: Any) -> Any:
 def classifier_columns(output: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
     """``(prediction, probability)`` of a classifier's raw output as ``classifier.add_classifier_columns``
     computes them in Spark SQL (see its table): the class as a double, the per-class probabilities as doubles."""
-    from spark_hvd.estimators.classifier import KINDS
+    from spark_hvd.estimators.common.classifier import KINDS
 
     if kind not in KINDS:
         raise ValueError(f"unknown classifier kind {kind!r}; one of {list(KINDS)}")
@@ -234,7 +234,7 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
         """Build the predict function from a directory written by :func:`save_stage`."""
         import hashlib
 
-        from spark_hvd.estimators.model import _make_transform_fn
+        from spark_hvd.estimators.common.model import _make_transform_fn
 
         directory = Path(directory)
         config = json.loads((directory / "stage.json").read_text())

@@ -1,7 +1,7 @@
 """The rank half of ``KerasEstimator``: ``train_keras_rank`` and ``KerasTrainer``, a ``RankTrainer`` around
 ``model.fit``.
 
-Works on Keras's TensorFlow, torch and JAX backends (the estimator's ``backend``, see ``keras_backend.py``):
+Works on Keras's TensorFlow, torch and JAX backends (the estimator's ``backend``, see ``keras/backend.py``):
 TensorFlow is imported only when it is the backend. ``model.fit`` runs every epoch in one call (so Keras callbacks
 such as ``EarlyStopping`` or LR schedules keep their state); a callback of ours hands each epoch's averaged logs to
 ``RankRun.end_epoch`` and, after every batch, calls ``RankRun.step_end`` (step checkpoints; the epoch's running sums
@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
-from spark_hvd.estimators.errors import param_error
-from spark_hvd.estimators.keras_backend import set_threads
-from spark_hvd.estimators.keras_inference import predict
-from spark_hvd.estimators.keras_serde import MODEL_FILE, build_optimizer, deserialize_keras_model
-from spark_hvd.estimators.rank_run import RankRun, RankTrainer, train_on_rank
+from spark_hvd.estimators.common.errors import param_error
+from spark_hvd.estimators.common.rank_run import RankRun, RankTrainer, train_on_rank
+from spark_hvd.estimators.keras.backend import set_threads
+from spark_hvd.estimators.keras.inference import predict
+from spark_hvd.estimators.keras.serde import MODEL_FILE, build_optimizer, deserialize_keras_model
 
 __all__ = ["KerasTrainer", "train_keras_rank"]
 
@@ -95,7 +95,7 @@ def train_keras_rank(trainer_class: type[RankTrainer], spec: Any, fresh: bool = 
     Python worker of any rank already runs Keras on another backend (or asks for it with ``fresh=True``), in a fresh
     Python process on every rank (``spark_hvd.runner.fresh.run_rank_fresh``; the ranks decide together)."""
     import spark_hvd.core as core
-    from spark_hvd.estimators.keras_backend import loaded_backend, runs_here
+    from spark_hvd.estimators.keras.backend import loaded_backend, runs_here
 
     here = runs_here(spec.backend) and not fresh
     if all(core.allgather_object(here, name="spark_hvd.keras.backend_here")):

@@ -1,7 +1,7 @@
 """The rank half of ``LightningEstimator``: ``LightningTrainer`` runs Lightning's own ``Trainer.fit`` in each rank.
 
 Each rank builds a ``lightning.Trainer`` whose ``DDPStrategy`` has the job's ``SparkHvdEnvironment``
-(``lightning_env.py``: Lightning launches nothing; every rank is a node of one device) and whose
+(``lightning/env.py``: Lightning launches nothing; every rank is a node of one device) and whose
 ``init_process_group`` meets over the job's authenticated store (``env://``, ``spark_hvd.core.torchrun``). So
 Lightning does the training itself: DDP's gradient averaging, ``configure_optimizers`` (one or several
 optimizers, manual optimization, LR schedulers), precision plugins, gradient clipping and accumulation, the
@@ -26,7 +26,7 @@ What spark_hvd adds, through ``_Bridge`` (a Lightning ``Checkpoint`` callback, s
   precision scaler), and a resumed run hands it to ``Trainer.fit(ckpt_path=...)`` on every rank;
 - ``terminate_on_nan`` and ``scale_lr_by_num_proc`` (applied to the optimizers ``configure_optimizers`` built;
   rescaled after Lightning restored a checkpoint of another number of ranks);
-- step checkpoints (``checkpoint_every_steps`` / ``_seconds``, ``lightning_steps.py``): Lightning's full state
+- step checkpoints (``checkpoint_every_steps`` / ``_seconds``, ``lightning/steps.py``): Lightning's full state
   taken in ``on_train_batch_end``, with every rank's random generators and the epoch's running sums; a resume
   continues at the exact batch of the epoch;
 - ``elastic=True``: a relaunch resumes from the last step or epoch checkpoint, and the job grows at a step
@@ -44,15 +44,15 @@ import tempfile
 import warnings
 from typing import Any
 
-from spark_hvd.estimators import compat
-from spark_hvd.estimators.lightning_steps import (
+from spark_hvd.estimators.common import compat
+from spark_hvd.estimators.common.rank_run import RankRun
+from spark_hvd.estimators.lightning.steps import (
     NOT_RESUMABLE_WARNING,
     StepCheckpoints,
     align_batch_progress,
     resized_progress,
 )
-from spark_hvd.estimators.rank_run import RankRun
-from spark_hvd.estimators.torch_rank import TorchTrainer
+from spark_hvd.estimators.torch.rank import TorchTrainer
 
 __all__ = ["LightningTrainer", "CHECKPOINT_FILE"]
 
@@ -112,7 +112,7 @@ class LightningTrainer(TorchTrainer):
     device, threads), the batch tensors, the output shapes and the final model are ``TorchTrainer``'s."""
 
     def build(self, spec: Any) -> None:
-        from spark_hvd.estimators.torch_serde import deserialize_module
+        from spark_hvd.estimators.torch.serde import deserialize_module
 
         self.spec = spec
         self.model = deserialize_module(spec.model_bytes).to(self.device)
@@ -204,7 +204,7 @@ class LightningTrainer(TorchTrainer):
     def _trainer_args(self, run: RankRun, root: str) -> dict:
         from lightning.pytorch.strategies import DDPStrategy
 
-        from spark_hvd.estimators.lightning_env import SparkHvdEnvironment
+        from spark_hvd.estimators.lightning.env import SparkHvdEnvironment
 
         spec = self.spec
         on_gpu = self.device.type == "cuda"

@@ -21,7 +21,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from spark_hvd.estimators.errors import EstimatorError
+from spark_hvd.estimators.common.errors import EstimatorError
 from spark_hvd.runner import cluster
 from spark_hvd.runner import compat as spark_compat
 
