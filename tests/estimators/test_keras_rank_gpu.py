@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent("""
         spec = est._spec(store, run_id, data, est._check_model(model))
         (result,) = run_ranks(rank_fit, 1, env={"SPARK_HVD_TIMEOUT": "60", "KERAS_BACKEND": "torch", **env},
                               args=(spec,), timeout=300)
-        return result["history"], est._load_trained_model(store, run_id)
+        return result["history"], est._load_trained_model(store, run_id, spec.model_bytes)
 
 
     if __name__ == "__main__":

@@ -99,7 +99,7 @@ def test_final_model_and_optimizer_state_saved_on_cuda_load_on_cpu(tmp_path):
 
     # the driver after fit: the trained weights from the store, on the CPU
     est = TorchEstimator(model=_net(), optimizer=torch.optim.SGD(_net().parameters(), lr=0.1))
-    _same_module(net, est._load_trained_model(store, "gpu-run"))
+    _same_module(net, est._load_trained_model(store, "gpu-run", model_bytes))  # the bytes of a GPU module
 
     # a saved estimator read back: module and optimizer (with its state) rebuilt on the CPU
     loaded = TorchEstimator()._load_objects({"model": model_bytes, "optimizer": opt_bytes})

@@ -82,7 +82,7 @@ def _fit(dataset, run_id: str, ranks: int, mode: str | None, use_gpu: bool, env:
     spec = est._spec(store, run_id, data, est._check_model(net))
     results = run_ranks(_rank_fit, ranks, env={"SPARK_HVD_TIMEOUT": "60", **(env or {})}, args=(spec,), timeout=300)
     history = results[0]["history"]
-    return history["loss"], history["out_dtype"], est._load_trained_model(store, run_id)
+    return history["loss"], history["out_dtype"], est._load_trained_model(store, run_id, spec.model_bytes)
 
 
 def _assert_close(gpu, cpu, rtol: float, atol: float) -> None:

@@ -38,8 +38,8 @@ class BaseEstimator(Estimator, PersistableStage):
     these pass), then ``spark_hvd.data.prepare_data``, then ``spark_hvd.runner.run(train_on_rank,
     args=(self._trainer_class, spec))`` (``rank_run.py``) where ``spec`` holds the shared settings plus
     ``_train_spec()``; rank 0's result is ``{"history": {...}, "output_shapes": [[...] per output]}``. The Model
-    is ``_model_class`` built from ``_load_trained_model(store, run_id)``; with ``mlflow`` set, params, per-epoch
-    metrics and ``_log_mlflow_model(model)`` go to the active tracking URI.
+    is ``_model_class`` built from ``_load_trained_model(store, run_id, model_bytes)``; with ``mlflow`` set, params,
+    per-epoch metrics and ``_log_mlflow_model(model)`` go to the active tracking URI.
 
     On the ranks a framework's training function uses ``ShardReaders`` (its shard, same step count on every
     rank), ``RunDir`` (``spark_hvd.store.run_dir``: checkpoints with the history inside, metrics log, final
@@ -87,8 +87,9 @@ class BaseEstimator(Estimator, PersistableStage):
         """The framework's fields of its ``_spec_class`` (optimizer, loss, metrics ...), all picklable."""
         raise NotImplementedError
 
-    def _load_trained_model(self, store: Any, run_id: str) -> Any:
-        """The final model that rank 0 wrote to ``RunDir(store, run_id).model_path``."""
+    def _load_trained_model(self, store: Any, run_id: str, model_bytes: bytes) -> Any:
+        """The final model that rank 0 wrote to ``RunDir(store, run_id).model_path``; ``model_bytes`` are the
+        user's model as the ranks got it (a framework that saves only the weights builds the model from them)."""
         raise NotImplementedError
 
     def _model_params(self) -> dict:
@@ -388,7 +389,7 @@ class BaseEstimator(Estimator, PersistableStage):
         try:
             results = plan["backend"].run(self._rank_fn, args=(self._trainer_class, spec),
                                           on_event=tracking.on_event if tracking else None)
-            trained = self._load_trained_model(store, run_id)
+            trained = self._load_trained_model(store, run_id, spec.model_bytes)
         except BaseException as exc:
             if tracking:
                 tracking.fail()

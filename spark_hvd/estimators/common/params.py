@@ -1,9 +1,13 @@
-"""Spark ML Params shared by the Torch and Keras estimators and their models.
+"""Spark ML Params shared by the estimators and their models: those all of them take (``EstimatorParams``,
+``ModelParams``), and mixins for those several take (``InputShapesParams``, ``StepCheckpointParams``,
+``ElasticParams``); each framework's own are in its ``params.py`` (``spark_hvd.estimators.torch.params`` ...).
 
 Every Param has a snake_case name (Horovod's names, so ``TorchEstimator(batch_size=64)`` works as in Horovod), a
 type converter, a doc string and, where sensible, a default. Each Params class gets camelCase accessors
 (``setBatchSize`` / ``getBatchSize``) generated from its Params, so the estimators behave like any ``pyspark.ml``
-stage: ``explainParams()``, ``copy()``, ``extractParamMap()``.
+stage: ``explainParams()``, ``copy()``, ``extractParamMap()``. A framework's ``params.py`` declares its own with the
+same tools: ``_p`` (a Param), the converters (``_to_optional``, ``_to_strict_int``, ``_to_choice`` ...) and the
+``@_add_accessors`` decorator.
 
 Params whose values are plain JSON (numbers, strings, lists) are saved in the stage's ``metadata`` by the writer;
 the others (model, optimizer, loss, callbacks, store ...) are listed in ``OBJECT_PARAMS`` and saved as pickles.
@@ -18,12 +22,10 @@ from pyspark.ml.param import Param, Params, TypeConverters
 __all__ = [
     "KeywordParams",
     "EstimatorParams",
-    "TorchEstimatorParams",
-    "KerasEstimatorParams",
     "ModelParams",
-    "TorchModelParams",
-    "KerasModelParams",
-    "LightningEstimatorParams",
+    "InputShapesParams",
+    "StepCheckpointParams",
+    "ElasticParams",
     "OBJECT_PARAMS",
     "LOSS_NAMES",
 ]
@@ -164,15 +166,6 @@ def _p(name: str, doc: str, conv=_identity) -> Param:
     return Param(Params._dummy(), name, doc, typeConverter=conv)
 
 
-def _to_keras_backend(value: Any) -> str | None:
-    """None or one of Keras's backends that spark_hvd trains on (the error names the param)."""
-    if value is None:
-        return None
-    if value not in ("tensorflow", "torch", "jax"):
-        raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
-    return str(value)
-
-
 def _to_choice(*choices: str):
     def convert(value: Any) -> str:
         value = TypeConverters.toString(value)
@@ -257,10 +250,66 @@ HOROVOD_ONLY = {
 }
 
 
+
+# --------------------------------------------------------------------------------------------------- mixins
+# A param more than one estimator takes (but not all: those are in EstimatorParams) is declared once, in a mixin
+# below, with its default; an estimator's Params class lists the mixins it takes before EstimatorParams. To add
+# such a param: put it in the mixin of its idea (or a new mixin, decorated with @_add_accessors, whose __init__
+# calls super().__init__() then sets its defaults), then add the mixin to the estimators that take it.
+
+
+@_add_accessors
+class InputShapesParams(Params):
+    """``input_shapes``: the per-row shape of each model input (torch modules, LightningModules, their models)."""
+
+    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
+                      _to_input_shapes)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(input_shapes=None)
+
+
+@_add_accessors
+class StepCheckpointParams(Params):
+    """Checkpoints inside an epoch, by steps or by seconds (``spark_hvd.estimators.common.step_checkpoint``)."""
+
+    checkpoint_every_steps = _p("checkpoint_every_steps", "also checkpoint every this many optimizer steps inside "
+                                "an epoch; a resume continues at the exact batch (reader position, running sums "
+                                "and every rank's random state are in the checkpoint); default None (epochs only)",
+                                _to_optional(_to_strict_int))
+    checkpoint_every_seconds = _p("checkpoint_every_seconds", "also checkpoint inside an epoch when this many "
+                                  "seconds passed since the last one (rank 0's clock); default None",
+                                  _to_optional(TypeConverters.toFloat))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(checkpoint_every_steps=None, checkpoint_every_seconds=None)
+
+
+@_add_accessors
+class ElasticParams(Params):
+    """Elastic training on ``spark_hvd.runner.run_elastic``: how many ranks, how many relaunches."""
+
+    elastic = _p("elastic", "train on spark_hvd.runner.run_elastic: a lost rank or executor relaunches the job on "
+                 "the task slots that are free (min_num_proc .. max_num_proc ranks), resuming from the last "
+                 "checkpoint (set checkpoint_every_steps to lose at most that many steps); default False",
+                 TypeConverters.toBoolean)
+    min_num_proc = _p("min_num_proc", "elastic=True: the fewest ranks training goes on with (default 1)",
+                      _to_optional(_to_strict_int))
+    max_num_proc = _p("max_num_proc", "elastic=True: the most ranks (default num_proc)", _to_optional(_to_strict_int))
+    reset_limit = _p("reset_limit", "elastic=True: the most relaunches after lost ranks; default None (no limit, "
+                     "as Horovod's)", _to_optional(_to_strict_int))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(elastic=False, min_num_proc=None, max_num_proc=None, reset_limit=None)
+
+
 # --------------------------------------------------------------------------------------------------- estimators
 @_add_accessors
 class EstimatorParams(Params):
-    """Params shared by ``TorchEstimator`` and ``KerasEstimator`` (Horovod's ``EstimatorParams`` names)."""
+    """Params every estimator takes (Horovod's ``EstimatorParams`` names)."""
 
     num_proc = _p("num_proc", "number of training processes (one per Spark task slot); default: all slots",
                   _to_optional(_to_strict_int))
@@ -364,111 +413,10 @@ class EstimatorParams(Params):
         )
 
 
-@_add_accessors
-class TorchEstimatorParams(EstimatorParams):
-    """``EstimatorParams`` plus what only the Torch estimator takes."""
-
-    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
-                      _to_input_shapes)
-    train_minibatch_fn = _p("train_minibatch_fn", "replaces one training step: fn(model, optimizer, "
-                            "transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)")
-    lr_scheduler = _p("lr_scheduler", "fn(optimizer) -> a torch LR scheduler, built on every rank on its optimizer")
-    lr_scheduler_interval = _p("lr_scheduler_interval", "step the lr_scheduler after every 'epoch' or every 'batch'",
-                               _to_choice("epoch", "batch"))
-    best_metric = _p("best_metric", "a history key (e.g. val_loss): only epochs that improve it are checkpointed and "
-                     "the returned model is the best epoch's; default: every epoch, the last one returned",
-                     _to_optional(TypeConverters.toString))
-    best_mode = _p("best_mode", "'min', 'max' or 'auto' (max for accuracy-like names) for best_metric",
-                   _to_choice("auto", "min", "max"))
-    mixed_precision = _p("mixed_precision", "'bf16' or 'fp16': forward pass and loss under torch.autocast on the "
-                         "rank's device (fp16 with a GradScaler); default None (float32)",
-                         _to_optional(_to_choice("bf16", "fp16")))
-    checkpoint_every_steps = _p("checkpoint_every_steps", "also checkpoint every this many optimizer steps inside "
-                                "an epoch; a resume continues at the exact batch (reader position, running sums "
-                                "and every rank's random state are in the checkpoint); default None (epochs only)",
-                                _to_optional(_to_strict_int))
-    checkpoint_every_seconds = _p("checkpoint_every_seconds", "also checkpoint inside an epoch when this many "
-                                  "seconds passed since the last one (rank 0's clock); default None",
-                                  _to_optional(TypeConverters.toFloat))
-
-    elastic = _p("elastic", "train on spark_hvd.runner.run_elastic: a lost rank or executor relaunches the job on "
-                 "the task slots that are free (min_num_proc .. max_num_proc ranks), resuming from the last "
-                 "checkpoint (set checkpoint_every_steps to lose at most that many steps); default False",
-                 TypeConverters.toBoolean)
-    min_num_proc = _p("min_num_proc", "elastic=True: the fewest ranks training goes on with (default 1)",
-                      _to_optional(_to_strict_int))
-    max_num_proc = _p("max_num_proc", "elastic=True: the most ranks (default num_proc)", _to_optional(_to_strict_int))
-    reset_limit = _p("reset_limit", "elastic=True: the most relaunches after lost ranks; default None (no limit, "
-                     "as Horovod's)", _to_optional(_to_strict_int))
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(input_shapes=None, lr_scheduler_interval="epoch", best_metric=None, best_mode="auto",
-                         mixed_precision=None, checkpoint_every_steps=None, checkpoint_every_seconds=None,
-                         elastic=False, min_num_proc=None, max_num_proc=None, reset_limit=None)
-
-
-@_add_accessors
-class KerasEstimatorParams(EstimatorParams):
-    """``EstimatorParams`` plus what only the Keras estimator takes."""
-
-    custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
-    checkpoint_callback = _p("checkpoint_callback", "a keras ModelCheckpoint deciding which epochs are checkpointed "
-                             "(e.g. best only); default: every epoch")
-    backend = _p("backend", "Keras's backend on the ranks: 'tensorflow', 'torch' or 'jax'; default None: the "
-                 "driver's own Keras backend. A rank whose Python worker already runs Keras on another backend runs "
-                 "in a fresh Python process", _to_keras_backend)
-    checkpoint_every_steps = TorchEstimatorParams.checkpoint_every_steps
-    checkpoint_every_seconds = TorchEstimatorParams.checkpoint_every_seconds
-    elastic = TorchEstimatorParams.elastic
-    min_num_proc = TorchEstimatorParams.min_num_proc
-    max_num_proc = TorchEstimatorParams.max_num_proc
-    reset_limit = TorchEstimatorParams.reset_limit
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(backend=None, checkpoint_every_steps=None, checkpoint_every_seconds=None, elastic=False,
-                         min_num_proc=None, max_num_proc=None, reset_limit=None)
-
-
-@_add_accessors
-class LightningEstimatorParams(EstimatorParams):
-    """``EstimatorParams`` plus the Torch input shapes and the rank's ``lightning.Trainer`` settings (Horovod's
-    names); optimizer, loss and metrics come from the module itself, ``callbacks`` are Lightning callbacks."""
-
-    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension, e.g. [[1, 28, 28]]",
-                      _to_input_shapes)
-    trainer_args = _p("trainer_args", "dict of further lightning.Trainer arguments, added to (and overriding) those "
-                      "the estimator gives (strategy: 'ddp', 'ddp_find_unused_parameters_true' or a "
-                      "DDPStrategy); not accelerator, devices, num_nodes, max_epochs, callbacks, logger, "
-                      "enable_checkpointing, use_distributed_sampler", _to_json_dict)
-    logger = _p("logger", "a Lightning logger (or a list of them) run on the ranks, e.g. CSVLogger(path); default "
-                "none (the store keeps the metrics log and TensorBoard scalars)")
-    log_every_n_steps = _p("log_every_n_steps", "how often the Trainer logs training steps (Lightning's setting)",
-                           _to_strict_int)
-    precision = _p("precision", "Lightning's precision: 'bf16-mixed', '16-mixed', 'bf16-true', '32-true', 64 ...; "
-                   "default Lightning's ('32-true')")
-    gradient_clip_val = _p("gradient_clip_val", "clip gradients at this value (norm by default; "
-                           "trainer_args={'gradient_clip_algorithm': 'value'} for values); default none",
-                           _to_optional(TypeConverters.toFloat))
-    checkpoint_every_steps = TorchEstimatorParams.checkpoint_every_steps
-    checkpoint_every_seconds = TorchEstimatorParams.checkpoint_every_seconds
-    elastic = TorchEstimatorParams.elastic
-    min_num_proc = TorchEstimatorParams.min_num_proc
-    max_num_proc = TorchEstimatorParams.max_num_proc
-    reset_limit = TorchEstimatorParams.reset_limit
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(input_shapes=None, log_every_n_steps=50, precision=None, gradient_clip_val=None,
-                         checkpoint_every_steps=None, checkpoint_every_seconds=None, elastic=False,
-                         min_num_proc=None, max_num_proc=None, reset_limit=None)
-
-
 # --------------------------------------------------------------------------------------------------- models
 @_add_accessors
 class ModelParams(Params):
-    """Params of ``TorchModel`` and ``KerasModel`` (the fitted models)."""
+    """Params every fitted model takes (``TorchModel``, ``KerasModel``, ``LightningModel``)."""
 
     model = _p("model", "the trained model")
     feature_cols = _p("feature_cols", "feature column names, one model input each", _to_optional(_to_list_string))
@@ -515,25 +463,3 @@ class ModelParams(Params):
         return self.getOrDefault(self.label_cols)
 
 
-@_add_accessors
-class TorchModelParams(ModelParams):
-    """``ModelParams`` plus the Torch input shapes."""
-
-    input_shapes = _p("input_shapes", "shape of each model input without the batch dimension", _to_input_shapes)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(input_shapes=None)
-
-
-@_add_accessors
-class KerasModelParams(ModelParams):
-    """``ModelParams`` plus the Keras custom objects and backend."""
-
-    custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
-    backend = _p("backend", "Keras's backend transform runs the model on ('tensorflow', 'torch', 'jax'; fit sets "
-                 "the estimator's); None: the Python worker's Keras as it is", _to_keras_backend)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(backend=None)

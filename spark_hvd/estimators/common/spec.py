@@ -1,8 +1,9 @@
 """The typed training spec: what the driver's ``fit`` hands every rank (one frozen dataclass per framework).
 
 ``TrainSpec`` holds what every framework shares (the store and run, the prepared dataset's ``DatasetInfo``, the
-column names, batch sizes, epochs, callbacks ...); ``TorchSpec``, ``KerasSpec`` and ``LightningSpec`` add their own
-fields. Everything in a spec is picklable (it travels to the ranks with cloudpickle); the model travels as bytes.
+column names, batch sizes, epochs, callbacks, step checkpoints, elastic ...); each framework's spec (``TorchSpec``
+in ``spark_hvd.estimators.torch.spec``, ``KerasSpec``, ``LightningSpec``) adds its own fields. Everything in a spec
+is picklable (it travels to the ranks with cloudpickle); the model travels as bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BestPolicy", "TrainSpec", "TorchSpec", "KerasSpec", "LightningSpec", "model_metadata"]
+__all__ = ["BestPolicy", "TrainSpec", "model_metadata"]
 
 #: metric names for which bigger is better when a best-epoch mode is "auto"
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1")
@@ -79,52 +80,7 @@ class TrainSpec:
     keep_best_checkpoints: int | None = None  #: ... and the best K by ``monitor``
     monitor: BestPolicy | None = None  #: what ranks the checkpoints (``keep_best_checkpoints``, ``final_model``)
     final_model: str = "last"  #: "last", or "best": the kept checkpoint best by ``monitor``
-
-
-@dataclass(frozen=True, kw_only=True)
-class TorchSpec(TrainSpec):
-    """``TrainSpec`` plus the torch loop's settings (the optimizer as ``torch.optimizer_spec`` describes it)."""
-
-    optimizer: dict
-    loss: Any
-    loss_weights: tuple[float, ...] | None = None
-    metrics: tuple = ()
-    input_shapes: tuple | None = None
-    train_minibatch_fn: Any = None
-    lr_scheduler: Any = None
-    lr_scheduler_interval: str = "epoch"
-    mixed_precision: str | None = None  #: "bf16", "fp16" or None (see ``torch_precision``)
     checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
-    checkpoint_every_seconds: float | None = None  #: ... or every N seconds
-    elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
-
-
-@dataclass(frozen=True, kw_only=True)
-class KerasSpec(TrainSpec):
-    """``TrainSpec`` plus Keras's compile arguments (the optimizer as ``keras.optimizer_spec`` describes it)."""
-
-    optimizer: dict
-    loss: Any
-    loss_weights: tuple[float, ...] | None = None
-    metrics: tuple = ()
-    backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)
-    checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
-    checkpoint_every_seconds: float | None = None  #: ... or every N seconds
-    elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
-
-
-@dataclass(frozen=True, kw_only=True)
-class LightningSpec(TrainSpec):
-    """``TrainSpec`` plus the input shapes and what the rank's ``lightning.Trainer`` is given (the module brings its
-    own optimizer, loss and metrics; ``callbacks`` are Lightning callbacks)."""
-
-    input_shapes: tuple | None = None
-    trainer_args: dict | None = None  #: extra ``lightning.Trainer`` arguments (override the estimator's)
-    logger: Any = None  #: a Lightning logger (or a list of them); None: none
-    log_every_n_steps: int = 50
-    precision: Any = None  #: Lightning's ``precision`` ("bf16-mixed", "16-mixed", 32 ...); None: its default
-    gradient_clip_val: float | None = None
-    checkpoint_every_steps: int | None = None  #: step checkpoints (``lightning_steps``) every N optimizer steps
     checkpoint_every_seconds: float | None = None  #: ... or every N seconds
     elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
 

@@ -21,10 +21,11 @@ from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 from spark_hvd.estimators.common.fit import BaseEstimator
 from spark_hvd.estimators.common.model import BaseModel
-from spark_hvd.estimators.common.params import KerasEstimatorParams, KerasModelParams, KeywordParams
-from spark_hvd.estimators.common.spec import BestPolicy, KerasSpec
+from spark_hvd.estimators.common.params import KeywordParams
+from spark_hvd.estimators.common.spec import BestPolicy
 from spark_hvd.estimators.keras.backend import FreshKerasModel, load_for_inference, resolve_backend
 from spark_hvd.estimators.keras.inference import predict
+from spark_hvd.estimators.keras.params import KerasEstimatorParams, KerasModelParams
 from spark_hvd.estimators.keras.rank import KerasTrainer, train_keras_rank
 from spark_hvd.estimators.keras.serde import (
     MODEL_FILE,
@@ -34,6 +35,7 @@ from spark_hvd.estimators.keras.serde import (
     optimizer_spec,
     serialize_keras_model,
 )
+from spark_hvd.estimators.keras.spec import KerasSpec
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["KerasEstimator", "KerasModel", "serialize_keras_model", "deserialize_keras_model"]
@@ -300,7 +302,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
             "elastic": self.getOrDefault(self.elastic),
         }
 
-    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+    def _load_trained_model(self, store: Any, run_id: str, model_bytes: bytes) -> Any:
         data = RunDir(store, run_id).read_model_file(MODEL_FILE)
         return load_keras_bytes(data, self._custom_objects(), compile=True)
 

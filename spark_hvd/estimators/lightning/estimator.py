@@ -10,10 +10,11 @@ import posixpath
 from typing import Any
 
 from spark_hvd.estimators.common.errors import param_error, param_type_error
-from spark_hvd.estimators.common.params import KeywordParams, LightningEstimatorParams
-from spark_hvd.estimators.common.spec import LightningSpec
+from spark_hvd.estimators.common.params import KeywordParams
 from spark_hvd.estimators.lightning.checks import check_trainer_settings
+from spark_hvd.estimators.lightning.params import LightningEstimatorParams
 from spark_hvd.estimators.lightning.rank import CHECKPOINT_FILE, LightningTrainer
+from spark_hvd.estimators.lightning.spec import LightningSpec
 from spark_hvd.estimators.torch.estimator import TorchModel, TorchModuleEstimator
 from spark_hvd.store.run_dir import RunDir
 

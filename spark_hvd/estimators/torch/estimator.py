@@ -16,9 +16,10 @@ from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 from spark_hvd.estimators.common.fit import BaseEstimator
 from spark_hvd.estimators.common.model import BaseModel, task_gpu_index, task_threads
-from spark_hvd.estimators.common.params import KeywordParams, TorchEstimatorParams, TorchModelParams
+from spark_hvd.estimators.common.params import KeywordParams
 from spark_hvd.estimators.common.rank_run import EarlyStopping
-from spark_hvd.estimators.common.spec import BestPolicy, TorchSpec
+from spark_hvd.estimators.common.spec import BestPolicy
+from spark_hvd.estimators.torch.params import TorchEstimatorParams, TorchModelParams
 from spark_hvd.estimators.torch.rank import TorchTrainer, is_class_index_loss, resolve_losses, resolve_metric
 from spark_hvd.estimators.torch.serde import (
     build_optimizer,
@@ -27,6 +28,7 @@ from spark_hvd.estimators.torch.serde import (
     optimizer_spec,
     serialize_module,
 )
+from spark_hvd.estimators.torch.spec import TorchSpec
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["TorchEstimator", "TorchModel", "EarlyStopping"]
@@ -130,11 +132,11 @@ class TorchModuleEstimator(BaseEstimator):
                               "feature columns")
         return serialize_module(model)
 
-    def _load_trained_model(self, store: Any, run_id: str) -> Any:
+    def _load_trained_model(self, store: Any, run_id: str, model_bytes: bytes) -> Any:
         import torch
 
-        # a CPU copy of the user's module (which may sit on a GPU of the driver), then the trained weights
-        model = deserialize_module(serialize_module(self.getOrDefault(self.model)))
+        # a CPU copy of the user's module from the bytes the ranks got (not pickled again), then the trained weights
+        model = deserialize_module(model_bytes)
         state = torch.load(io.BytesIO(RunDir(store, run_id).read_model_file("model.pt")), map_location="cpu")
         model.load_state_dict(state)
         return model.eval()
