@@ -9,26 +9,15 @@ pickles and saved Pipelines that name them load.
 
 from __future__ import annotations
 
-from typing import Any
-
 from spark_hvd.estimators import _moved
+from spark_hvd.estimators.common.lazy import lazy_getattr
 
 _moved.install()
 
-__all__ = ["TorchEstimator", "TorchModel", "KerasEstimator", "KerasModel", "LightningEstimator", "LightningModel"]
+#: public name -> the framework sub-package that serves it
+_PUBLIC = {"TorchEstimator": "torch", "TorchModel": "torch", "KerasEstimator": "keras", "KerasModel": "keras",
+           "LightningEstimator": "lightning", "LightningModel": "lightning"}
 
+__all__ = list(_PUBLIC)
 
-def __getattr__(name: str) -> Any:
-    if name in ("TorchEstimator", "TorchModel"):
-        from spark_hvd.estimators import torch as _torch
-
-        return getattr(_torch, name)
-    if name in ("KerasEstimator", "KerasModel"):
-        from spark_hvd.estimators import keras as _keras
-
-        return getattr(_keras, name)
-    if name in ("LightningEstimator", "LightningModel"):
-        from spark_hvd.estimators import lightning as _lightning
-
-        return getattr(_lightning, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -331,12 +331,7 @@ class RankRun:
             return False
         state = StepState(epoch, step + 1, copy.deepcopy(self.history), [g[1] for g in gathered],
                           [g[0] for g in gathered], steps=self.readers.steps("train"))
-        snapshot = tempfile.mkdtemp(prefix="spark_hvd_step_")
-        try:
-            self.trainer.save_checkpoint(snapshot)
-        except BaseException:
-            shutil.rmtree(snapshot, ignore_errors=True)
-            raise
+        snapshot = self._snapshot("spark_hvd_step_")
         store, run_id = self.spec.store, self.spec.run_id
         if self.writer.submit(lambda: write_step_checkpoint(store, run_id, snapshot, state),
                               what=f"run {run_id}: the checkpoint after batch {step + 1} of epoch {epoch}",
@@ -380,12 +375,7 @@ class RankRun:
             log.info("run %s: checkpoint of epoch %d skipped: the previous one is still uploading",
                      self.spec.run_id, epoch)
             return False
-        snapshot = tempfile.mkdtemp(prefix="spark_hvd_ckpt_")
-        try:
-            self.trainer.save_checkpoint(snapshot)
-        except BaseException:
-            shutil.rmtree(snapshot, ignore_errors=True)
-            raise
+        snapshot = self._snapshot("spark_hvd_ckpt_")
         history = copy.deepcopy(self.history)
         def write() -> None:
             self._commit(epoch, snapshot, history)
@@ -400,6 +390,16 @@ class RankRun:
             return False
         self._checkpointed = True
         return True
+
+    def _snapshot(self, prefix: str) -> str:
+        """A new local directory holding the trainer's checkpoint (removed again when the trainer fails to write)."""
+        snapshot = tempfile.mkdtemp(prefix=prefix)
+        try:
+            self.trainer.save_checkpoint(snapshot)
+        except BaseException:
+            shutil.rmtree(snapshot, ignore_errors=True)
+            raise
+        return snapshot
 
     def _commit(self, epoch: int, snapshot: str, history: dict) -> None:
         """Commit the local ``snapshot`` as the checkpoint of ``epoch`` (with the history in its state), delete the

@@ -31,6 +31,7 @@ from spark_hvd.estimators.keras.serde import (
     MODEL_FILE,
     build_optimizer,
     deserialize_keras_model,
+    known_name,
     load_keras_bytes,
     optimizer_spec,
     serialize_keras_model,
@@ -136,11 +137,9 @@ def check_losses(loss: Any, n_labels: int) -> None:
                           "label (or a single loss for all of them)")
     for i, item in enumerate(losses):
         if isinstance(item, str):
-            try:
-                keras.losses.get(item)
-            except ValueError:
+            if not known_name(keras.losses.get, item):
                 raise param_error("KerasEstimator", f"unknown loss name {item!r} (label {i}); use a Keras loss name, "
-                                  "a keras.losses.Loss or a callable") from None
+                                  "a keras.losses.Loss or a callable")
         elif not callable(item):
             raise param_error("KerasEstimator", f"loss {i} is a {type(item).__name__}, not a Keras loss or a name")
 
@@ -153,13 +152,9 @@ def check_metrics(metrics: list) -> None:
         items = m if isinstance(m, list | tuple) else [m]
         for item in items:
             if isinstance(item, str):
-                if item in _COMPILE_METRIC_NAMES:
-                    continue
-                try:
-                    keras.metrics.get(item)
-                except ValueError:
+                if item not in _COMPILE_METRIC_NAMES and not known_name(keras.metrics.get, item):
                     raise param_error("KerasEstimator", f"unknown metric name {item!r}; use a Keras metric name, a "
-                                      "keras.metrics.Metric or a callable") from None
+                                      "keras.metrics.Metric or a callable")
             elif not callable(item):
                 raise param_error("KerasEstimator", f"metric {item!r} is not a Keras metric, a callable or a name")
 

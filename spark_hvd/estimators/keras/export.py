@@ -12,17 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from spark_hvd.estimators.common.export import (
-    ExportError,
-    check_format,
-    compare,
-    example_inputs,
-    first_line,
-    run_onnx,
-    target,
-    verify_inputs,
-    write_manifest,
-)
+from spark_hvd.estimators.common import export as shared
+from spark_hvd.estimators.common.export import ExportError
 
 __all__ = ["KERAS_FORMATS", "export_keras", "run_saved_model"]
 
@@ -41,7 +32,7 @@ def _keras_onnx_support() -> None:
     except Exception as exc:  # noqa: BLE001 - ImportError, or tf2onnx failing against this protobuf / numpy
         raise ExportError("KerasModel.export(format='onnx'): Keras 3 exports ONNX through tf2onnx on the "
                           f"TensorFlow backend, and tf2onnx is not usable here ({type(exc).__name__}: "
-                          f"{first_line(exc, 200)}; TensorFlow {_tf_version()}): pip install "
+                          f"{shared.first_line(exc, 200)}; TensorFlow {_tf_version()}): pip install "
                           "'spark_hvd[export]' (tf2onnx >= 1.17 takes a recent protobuf), or export "
                           "format='saved_model' and convert it where tf2onnx runs") from exc
 
@@ -73,7 +64,7 @@ def _run_keras_artifact(fmt: str, file: Path, inputs: list[np.ndarray], custom_o
 
         return predict(keras.saving.load_model(str(file), custom_objects=custom_objects, compile=False), inputs)
     if fmt == "onnx":
-        return run_onnx(file, inputs)
+        return shared.run_onnx(file, inputs)
     return run_saved_model(file, inputs)
 
 
@@ -99,16 +90,16 @@ def export_keras(stage: Any, path: str | os.PathLike, format: str = "saved_model
 
     from spark_hvd.estimators.keras.inference import predict
 
-    check_format(stage, format, KERAS_FORMATS)
+    shared.check_format(stage, format, KERAS_FORMATS)
     model = stage.getModel()
     if model is None:
         raise ExportError(f"{type(stage).__name__}.export: the stage has no model")
     if format == "onnx":
         _keras_onnx_support()
-    inputs = [np.ascontiguousarray(x) for x in example_inputs(stage, example)]
+    inputs = [np.ascontiguousarray(x) for x in shared.example_inputs(stage, example)]
     expected = predict(model, inputs)
     input_names = _keras_input_names(model, stage._feature_specs())
-    directory, file = target(path, format)
+    directory, file = shared.target(path, format)
     who = f"{type(stage).__name__}.export(format={format!r})"
     try:
         if format == "keras":
@@ -130,13 +121,13 @@ def export_keras(stage: Any, path: str | os.PathLike, format: str = "saved_model
         raise
     except Exception as exc:  # noqa: BLE001 - the exporters' errors: all mean "cannot export"
         layer = _keras_culprit(model, exc)
-        raise ExportError(f"{who}: {layer} cannot be exported: {first_line(exc)}") from exc
-    manifest = write_manifest(stage, directory, format, "keras", inputs, expected, input_names,
+        raise ExportError(f"{who}: {layer} cannot be exported: {shared.first_line(exc)}") from exc
+    manifest = shared.write_manifest(stage, directory, format, "keras", inputs, expected, input_names,
                                {"keras": keras.__version__, "backend": keras.backend.backend()})
     if verify:
         custom = stage._custom_objects() if hasattr(stage, "_custom_objects") else {}
-        for batch in verify_inputs(inputs):
-            compare(type(stage).__name__ + ".export", format, _run_keras_artifact(format, file, batch, custom),
+        for batch in shared.verify_inputs(inputs):
+            shared.compare(type(stage).__name__ + ".export", format, _run_keras_artifact(format, file, batch, custom),
                      predict(model, batch), rtol, atol)
     return manifest
 

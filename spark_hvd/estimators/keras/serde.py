@@ -17,7 +17,7 @@ from spark_hvd import pickling
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 
 __all__ = ["MODEL_FILE", "serialize_keras_model", "deserialize_keras_model", "load_keras_bytes", "model_backend",
-           "optimizer_spec", "build_optimizer"]
+           "optimizer_spec", "build_optimizer", "known_name"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,15 @@ def deserialize_keras_model(data: bytes, compile: bool = False) -> Any:  # noqa:
 # ------------------------------------------------------------------------------------------------ optimizer
 
 
+def known_name(get: Any, name: str) -> bool:
+    """Whether Keras's lookup ``get`` (``keras.optimizers.get``, ``keras.losses.get`` ...) knows ``name``."""
+    try:
+        get(name)
+    except ValueError:
+        return False
+    return True
+
+
 def optimizer_spec(optimizer: Any) -> dict:
     """What rebuilds ``optimizer`` on a rank: a Keras name, or its class (the user's, not a distributed wrapper)
     and ``get_config()``. Raises ``ValueError``/``TypeError`` naming what is wrong."""
@@ -104,11 +113,9 @@ def optimizer_spec(optimizer: Any) -> dict:
     if optimizer is None:
         raise param_error("KerasEstimator", "set optimizer, e.g. keras.optimizers.Adam(learning_rate=1e-3) or 'adam'")
     if isinstance(optimizer, str):
-        try:
-            keras.optimizers.get(optimizer)
-        except ValueError:
+        if not known_name(keras.optimizers.get, optimizer):
             raise param_error("KerasEstimator", f"unknown optimizer name {optimizer!r}; use a Keras optimizer name "
-                              "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object") from None
+                              "('adam', 'sgd', 'rmsprop', 'adamw', ...) or an optimizer object")
         return {"name": optimizer}
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise param_type_error("KerasEstimator",

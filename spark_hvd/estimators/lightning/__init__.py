@@ -9,16 +9,11 @@ Pipelines record: it must keep resolving.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from spark_hvd.estimators.common.lazy import lazy_getattr
 
 #: public name -> the submodule that defines it
 _PUBLIC = {"LightningEstimator": "estimator", "LightningModel": "estimator"}
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -9,8 +9,7 @@ The names below are imported on first use, so importing a submodule (a rank impo
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from spark_hvd.estimators.common.lazy import lazy_getattr
 
 #: public name -> the submodule that defines it
 _PUBLIC = {"TorchEstimator": "estimator", "TorchModel": "estimator", "TorchModuleEstimator": "estimator",
@@ -18,8 +17,4 @@ _PUBLIC = {"TorchEstimator": "estimator", "TorchModel": "estimator", "TorchModul
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)
