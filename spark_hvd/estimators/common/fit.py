@@ -97,7 +97,8 @@ class BaseEstimator(Estimator, PersistableStage):
         return {}
 
     def _preflight(self, spec: TrainSpec, label_max: dict[str, float]) -> None:
-        """Checks on a few prepared rows on the driver before any rank starts (``preflight.py``; default none)."""
+        """Checks on a few prepared rows on the driver before any rank starts (the framework's ``preflight.py``;
+        default none)."""
 
     def _classifier_kind(self) -> str | None:
         """For a one-label model, what its output is (``classifier.py``: ``logits``, ``probabilities``,

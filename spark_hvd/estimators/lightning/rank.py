@@ -157,7 +157,7 @@ class LightningTrainer(TorchTrainer):
         self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def resized_progress(self, progress: list[dict], rank: int, size: int) -> dict:
-        """The epoch's running sums of a step checkpoint of another number of ranks (``lightning_steps``)."""
+        """The epoch's running sums of a step checkpoint of another number of ranks (``steps.py``)."""
         return resized_progress(progress, rank)
 
     def rescale_lr(self, factor: float) -> None:
@@ -324,7 +324,7 @@ def _Bridge(owner: LightningTrainer, run: RankRun, steps: StepCheckpoints) -> An
 
 class _BridgeHooks:
     """spark_hvd's side of the Lightning fit (see the module docstring): history, ``RankRun.end_epoch``,
-    ``terminate_on_nan``, progress, ``scale_lr_by_num_proc``, step checkpoints (``lightning_steps``)."""
+    ``terminate_on_nan``, progress, ``scale_lr_by_num_proc``, step checkpoints (``steps.py``)."""
 
     def __init__(self, owner: LightningTrainer, run: RankRun, steps: StepCheckpoints) -> None:
         self.owner, self.run, self.steps = owner, run, steps

@@ -1,5 +1,5 @@
 """Step checkpoints of ``LightningEstimator`` (``checkpoint_every_steps`` / ``checkpoint_every_seconds``): a
-resume continues inside the epoch at the exact batch, as it does for ``TorchEstimator`` (``step_checkpoint.py``).
+resume continues inside the epoch at the exact batch, as it does for ``TorchEstimator`` (``common/step_checkpoint.py``).
 
 The checkpoint is taken where Lightning's own ``ModelCheckpoint(every_n_train_steps=...)`` takes one, in
 ``on_train_batch_end`` (the bridge's, after the user's callbacks): ``RankRun.step_end`` decides whether one is due,

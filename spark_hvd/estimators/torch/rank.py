@@ -1,6 +1,6 @@
 """The rank half of ``TorchEstimator``: losses and metrics by name, and ``TorchTrainer``, the torch training loop.
 
-``TorchTrainer`` is a ``RankTrainer`` (see ``rank_run.py``): the shared ``RankRun`` does init order, seeding,
+``TorchTrainer`` is a ``RankTrainer`` (see ``common/rank_run.py``): the shared ``RankRun`` does init order, seeding,
 resume, per-epoch end and finish; this file builds the module, its optimizer (wrapped in
 ``spark_hvd.torch.DistributedOptimizer``) and LR scheduler, and trains one epoch at a time. ``LightningTrainer``
 (``lightning/rank.py``) reuses the device set-up, the batch tensors, the metric averaging and the final model, and

@@ -22,4 +22,4 @@ class TorchSpec(TrainSpec):
     train_minibatch_fn: Any = None
     lr_scheduler: Any = None
     lr_scheduler_interval: str = "epoch"
-    mixed_precision: str | None = None  #: "bf16", "fp16" or None (see ``torch_precision``)
+    mixed_precision: str | None = None  #: "bf16", "fp16" or None (see ``precision.py``)
