@@ -183,6 +183,10 @@ class BatchReader:
             :mod:`spark_hvd.data.process_pool`); the processes are started by the first epoch and kept for the
             next ones until :meth:`close` (or garbage collection). Memory stays bounded: at most
             ``read_ahead_pieces`` batches are in the pool, ``prefetch`` batches are queued.
+        cache_pieces: keep every row group of the shard in memory, as read from the files (before
+            ``transformation_fn``), once it was read: later epochs read nothing from the filesystem and shuffle and
+            batch the same rows as they would have read (the estimators' ``inmemory_cache_all``). Memory: the
+            shard's rows as decoded from Parquet, for the reader's lifetime.
 
     Column kinds in a batch: numbers as ``(rows, *shape)`` arrays (nested fixed-shape arrays included);
     ``"binary"`` and ``"string"`` columns as object arrays of Python ``bytes`` / ``str``; ``"ragged"`` as set
@@ -217,6 +221,7 @@ class BatchReader:
         pad_value: float = 0,
         collate_fn: Callable[[Batch], Batch] | None = None,
         pool_type: str = "thread",
+        cache_pieces: bool = False,
     ) -> None:
         import pyarrow.dataset as ds
 
@@ -302,6 +307,7 @@ class BatchReader:
         self.shuffle_buffer_rows = int(shuffle_buffer_rows) if shuffle_buffer_rows else default_buf
         self._buffer_by_bytes = not shuffle_buffer_rows
         self._next_epoch = 0
+        self._piece_cache: dict[Piece, Batch] | None = {} if cache_pieces else None
 
     # ------------------------------------------------------------------ construction from the store
     @classmethod
@@ -519,6 +525,17 @@ class BatchReader:
                     chunks = [None] * len(chunks)
 
     def _read(self, piece: Piece) -> Batch:
+        """``piece``'s rows: from the files, or from memory where ``cache_pieces`` kept them (a new dict each time,
+        so a caller that sets a key leaves the kept one as it was)."""
+        cache = self._piece_cache
+        if cache is None:
+            return self._load(piece)
+        kept = cache.get(piece)
+        if kept is None:
+            kept = cache[piece] = self._load(piece)
+        return dict(kept)
+
+    def _load(self, piece: Piece) -> Batch:
         frag = self._fragments[piece.file_index]
         try:
             table = frag.subset(row_group_ids=[piece.row_group]).to_table(

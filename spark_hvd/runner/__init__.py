@@ -11,6 +11,8 @@
 - ``run_local(argv, np, env, timeout)``: the Python API of ``spark-hvd-run``.
 - ``run_elastic(fn, num_proc, min_num_proc, max_num_proc, ...)``: Horovod's elastic training: a lost rank or free
   slots relaunch the barrier stage, which resumes from the last ``state.commit()`` (``spark_hvd.runner.elastic``).
+- ``SparkBackend(spark, num_proc, env=..., encrypt=...)``: the runner the estimators use (their ``backend`` param
+  takes one, as Horovod's estimators take Horovod's ``SparkBackend``).
 - ``check_slots(sc, num_proc)``: the slot check ``run`` does first (``NotEnoughSlotsError`` with both numbers).
 
 Events carry ``attempt``: with ``max_retries`` the events of failed attempts are kept too.
@@ -18,6 +20,7 @@ Events carry ``attempt``: with ``max_retries`` the events of failed attempts are
 Importing this package does not import pyspark (``run`` imports it when called).
 """
 
+from spark_hvd.runner.backend import SparkBackend
 from spark_hvd.runner.client import Event, report
 from spark_hvd.runner.elastic import ElasticError, run_elastic
 from spark_hvd.runner.errors import (
@@ -42,6 +45,7 @@ __all__ = [
     "RankFailedError",
     "RankFailure",
     "RunnerError",
+    "SparkBackend",
     "StageNotStartedError",
     "StartTimeoutError",
     "StepReporter",

@@ -133,9 +133,9 @@ def test_horovod_habits_and_keyword_signature():
     assert TorchEstimator(input_shapes=[[-1, 1, 28, 28], [3]]).getInputShapes() == [[1, 28, 28], [3]]
     with pytest.raises(ValueError, match=r"input_shapes: \[1, -1\] has an unknown or non-positive dimension"):
         TorchEstimator(input_shapes=[[1, -1]])
-    with pytest.raises(TypeError, match=r"no param 'backend' \(a Horovod param: training always runs as one Spark "
-                                        r"barrier stage; set num_proc; see docs/migrating-from-horovod.md\)"):
-        TorchEstimator(backend="spark")
+    with pytest.raises(TypeError, match=r"no param 'continuous_cols' \(a Horovod param: list every input column in "
+                                        r"feature_cols; see docs/migrating-from-horovod.md\)"):
+        TorchEstimator(continuous_cols=["a"])
     sig = inspect.signature(TorchEstimator)
     assert sig.parameters["batch_size"].default == 32 and sig.parameters["batch_size"].kind.name == "KEYWORD_ONLY"
     assert set(sig.parameters) == {p.name for p in TorchEstimator().params}

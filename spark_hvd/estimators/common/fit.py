@@ -22,7 +22,7 @@ from spark_hvd.estimators.common.params import OBJECT_PARAMS
 from spark_hvd.estimators.common.persistence import PersistableStage
 from spark_hvd.estimators.common.preflight import check_not_classes
 from spark_hvd.estimators.common.rank_run import RankTrainer, train_on_rank
-from spark_hvd.estimators.common.spec import BestPolicy, TrainSpec, model_metadata
+from spark_hvd.estimators.common.spec import BestPolicy, TrainSpec, built_loss, model_metadata
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["BaseEstimator"]
@@ -110,11 +110,19 @@ class BaseEstimator(Estimator, PersistableStage):
         """Whether ``loss`` (one label's, as the loss param gives it) takes class indices (default: none known)."""
         return False
 
+    def _loss_value(self) -> Any:
+        """The loss the ranks train with, as the params give it: built here from ``loss_constructors`` where set
+        (the driver's checks call them once; the ranks call them again)."""
+        fns = self._opt(self.loss_constructors) if self.hasParam("loss_constructors") else None
+        if fns:
+            return built_loss(None, tuple(fns))
+        return self._opt(self.loss) if self.hasParam("loss") else None
+
     def _check_label_types(self, df: Any) -> None:
         """A class-index loss given a fractional label column is an error (0.7 would silently become 0)."""
         from pyspark.sql.types import DecimalType, DoubleType, FloatType
 
-        labels, loss = self.getOrDefault(self.label_cols), self._opt(self.loss)
+        labels, loss = self.getOrDefault(self.label_cols), self._loss_value()
         losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(labels)  # one per label, or one
         for col, item in zip(labels, losses, strict=False):
             fractional = isinstance(df.schema[col].dataType, FloatType | DoubleType | DecimalType)
@@ -149,12 +157,17 @@ class BaseEstimator(Estimator, PersistableStage):
             if value is None or value <= 0:
                 raise param_error(name, f"{param} must be a positive integer, got {value!r}")
         for param in ("val_batch_size", "train_steps_per_epoch", "validation_steps_per_epoch", "num_proc",
-                      "keep_checkpoints", "keep_best_checkpoints"):
+                      "keep_checkpoints", "keep_best_checkpoints", "train_reader_num_workers",
+                      "val_reader_num_workers"):
             value = get(getattr(self, param))
             if value is not None and value <= 0:
                 raise param_error(name, f"{param} must be a positive integer or None, got {value!r}")
         if get(self.max_retries) < 0:
             raise param_error(name, f"max_retries must be >= 0, got {get(self.max_retries)}")
+        buffer = get(self.shuffle_buffer_size)
+        if buffer is not None and buffer <= 0:
+            raise param_error(name, f"shuffle_buffer_size must be a positive number of rows or None, got {buffer}; "
+                              "set shuffle=False to turn the shuffle off")
         for param in ("checkpoint_every_steps", "checkpoint_every_seconds"):
             value = get(getattr(self, param)) if self.hasParam(param) else None
             if value is not None and value <= 0:
@@ -183,6 +196,10 @@ class BaseEstimator(Estimator, PersistableStage):
                           else None, self._opt(self.loss) if self.hasParam("loss") else None)
         model_bytes = self._check_model(model)
         self._check_loss(len(labels))
+        label_shapes = get(self.label_shapes)
+        if label_shapes is not None and len(label_shapes) != len(labels):
+            raise param_error(name, f"label_shapes has {len(label_shapes)} shapes for {len(labels)} label columns "
+                              f"{list(labels)}; give one per label")
         weights = get(self.loss_weights)
         if weights is not None and len(weights) != len(labels):
             raise param_error(name, f"loss_weights has {len(weights)} entries for {len(labels)} label columns")
@@ -263,21 +280,56 @@ class BaseEstimator(Estimator, PersistableStage):
             raise param_error(name, f"max_retries={get(self.max_retries)} does not go with elastic=True, which "
                               "relaunches on its own after a lost rank; bound the relaunches with reset_limit")
 
+    def _runner_backend(self) -> Any:
+        """The runner object given as ``backend`` (Horovod's param: a ``SparkBackend`` or any object with
+        ``num_processes()``), or None (also for the Keras estimator's Keras backend name)."""
+        if not self.hasParam("backend") or not self.isDefined(self.backend):
+            return None
+        value = self.getOrDefault(self.backend)
+        return None if value is None or isinstance(value, str) else value
+
     def _backend(self, spark: Any) -> Any:
         """The runner for this fit (``spark_hvd.runner.backend.SparkBackend``): its num_proc, GPU, retry, elastic
-        and verbosity settings from the params."""
+        and verbosity settings from the params; num_proc, env, encrypt and start_timeout from a ``backend`` object
+        where one is given (Horovod's ``SparkBackend(num_proc, env, ...)`` keeps them in ``_num_proc``/``_env``/
+        ``_kwargs``)."""
         from spark_hvd.runner.backend import SparkBackend
 
         get = self.getOrDefault
+        name = type(self).__name__
         elastic = self._elastic_range()
         # the ranks apply the frameworks' quiet log settings (unless their environment has them) before anything
         # is unpickled there: a Keras model imports TensorFlow (runner/start_lines.py)
         from spark_hvd.runner.start_lines import QUIET_ENV
 
-        quiet = {QUIET_ENV: "1"}
-        return SparkBackend(spark, get(self.num_proc), use_gpu=get(self.use_gpu), max_retries=get(self.max_retries),
-                            verbose=get(self.verbose), elastic=elastic, env=quiet,
-                            reset_limit=get(self.reset_limit) if elastic else None)
+        env: dict[str, str] = {QUIET_ENV: "1"}
+        num_proc, encrypt, start_timeout = get(self.num_proc), get(self.encrypt), None
+        given = self._runner_backend()
+        if given is not None:
+            if num_proc is not None:
+                raise param_error(name, f"backend and num_proc={num_proc} are both set; set one (the backend's "
+                                  "num_processes() is the number of ranks)")
+            if elastic is not None:
+                raise param_error(name, "backend does not go with elastic=True (set min_num_proc/max_num_proc "
+                                  "instead)")
+            if isinstance(given, SparkBackend):
+                num_proc, their_env, their_encrypt = given._requested, given.env, given.encrypt
+                start_timeout = given.start_timeout
+            else:  # Horovod's shape
+                try:
+                    num_proc = int(given.num_processes())
+                except Exception as exc:  # noqa: BLE001 - re-raised naming the param
+                    raise param_error(name, f"backend.num_processes() failed: {exc}") from exc
+                extra = getattr(given, "_kwargs", None) or {}
+                their_env = getattr(given, "env", None) or getattr(given, "_env", None)
+                their_encrypt = getattr(given, "encrypt", extra.get("encrypt"))
+                start_timeout = extra.get("start_timeout")
+            env.update({str(k): str(v) for k, v in (their_env or {}).items()})
+            if encrypt is None:
+                encrypt = their_encrypt
+        return SparkBackend(spark, num_proc, use_gpu=get(self.use_gpu), max_retries=get(self.max_retries),
+                            verbose=get(self.verbose), elastic=elastic, env=env, start_timeout=start_timeout,
+                            reset_limit=get(self.reset_limit) if elastic else None, encrypt=encrypt)
 
     # ---- fit
     def _fit(self, df: Any) -> BaseModel:
@@ -359,6 +411,9 @@ class BaseEstimator(Estimator, PersistableStage):
             random_seed=get(self.random_seed), callbacks=tuple(self._opt(self.callbacks) or ()),
             transformation_fn=self._opt(self.transformation_fn), collate_fn=self._opt(self.collate_fn),
             reader_pool_type=get(self.reader_pool_type), reader_num_workers=get(self.train_reader_num_workers),
+            val_reader_num_workers=get(self.val_reader_num_workers), shuffle_buffer_size=get(self.shuffle_buffer_size),
+            inmemory_cache_all=get(self.inmemory_cache_all),
+            label_shapes=_label_shapes(type(self).__name__, get(self.label_shapes), data),
             ragged=get(self.ragged),
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
@@ -434,6 +489,21 @@ class BaseEstimator(Estimator, PersistableStage):
             latest = RunDir(store, run_id).latest_checkpoint(tmp)
         earlier = latest.state.get("history") if latest is not None else None
         return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
+
+
+def _label_shapes(name: str, shapes: list[list[int]] | None, data: Any) -> tuple | None:
+    """``label_shapes`` as the ranks take them, each checked against its label's stored size per row (the
+    prepared data's metadata) before anything runs."""
+    if shapes is None:
+        return None
+    import math
+
+    for col, shape in zip(data.label_cols, shapes, strict=True):
+        stored = list(data.columns[col].shape)
+        if math.prod(stored) != math.prod(shape):
+            raise param_error(name, f"label_shapes: label column {col!r} holds {math.prod(stored)} values per row "
+                              f"(shape {stored}), which shape {list(shape)} does not fit")
+    return tuple(tuple(s) for s in shapes)
 
 
 def _check_batch_functions(spec: TrainSpec) -> None:

@@ -24,6 +24,8 @@ __all__ = [
     "EstimatorParams",
     "ModelParams",
     "InputShapesParams",
+    "RunnerBackendParams",
+    "LossConstructorsParams",
     "StepCheckpointParams",
     "ElasticParams",
     "OBJECT_PARAMS",
@@ -48,6 +50,7 @@ OBJECT_PARAMS = frozenset(
         "lr_scheduler",
         "logger",
         "trainer_args",
+        "loss_constructors",
     }
 )
 
@@ -89,22 +92,53 @@ def _to_validation(value: Any) -> float | str | None:
     return fraction
 
 
-def _to_input_shapes(value: Any) -> list[list[int]] | None:
-    """Each model input's per-row shape. Horovod's form with the batch dimension first (``[[-1, 1, 28, 28]]``)
-    is taken too: a leading -1 (or None) is dropped, as this param has no batch dimension."""
+def _per_row_shapes(name: str, what: str, value: Any) -> list[list[int]] | None:
+    """Per-row shapes, one per ``what``; Horovod's form with the batch dimension first (``[[-1, 1, 28, 28]]``) is
+    taken too: a leading -1 (or None) is dropped, as these params have no batch dimension."""
     if value is None:
         return None
     shapes = []
     for shape in value:
-        dims = list(shape)
+        dims = [shape] if isinstance(shape, int) else list(shape)
         if len(dims) > 1 and dims[0] in (-1, None):
-            dims = dims[1:]  # Horovod's input_shapes include the batch dimension
+            dims = dims[1:]  # Horovod's shapes include the batch dimension
         if any(d is None or int(d) < 1 for d in dims):
-            raise ValueError(f"input_shapes: {list(shape)} has an unknown or non-positive dimension; give each "
-                             "input's shape per row without the batch dimension, e.g. [[1, 28, 28]] (Horovod's "
-                             "[[-1, 1, 28, 28]] is taken too)")
+            raise ValueError(f"{name}: {dims if isinstance(shape, int) else list(shape)} has an unknown or "
+                             f"non-positive dimension; give each {what}'s shape per row without the batch "
+                             "dimension, e.g. [[1, 28, 28]] (Horovod's [[-1, 1, 28, 28]] is taken too)")
         shapes.append([int(d) for d in dims])
     return shapes
+
+
+def _to_input_shapes(value: Any) -> list[list[int]] | None:
+    """Each model input's per-row shape (Horovod's form with the batch dimension first is taken too)."""
+    return _per_row_shapes("input_shapes", "input", value)
+
+
+def _to_label_shapes(value: Any) -> list[list[int]] | None:
+    """Each label's per-row shape (Horovod's form with the batch dimension first is taken too)."""
+    return _per_row_shapes("label_shapes", "label", value)
+
+
+def _to_runner_backend(value: Any) -> Any:
+    """None, or a runner with Horovod's backend shape: ``spark_hvd.runner.SparkBackend`` or any object with a
+    ``num_processes()`` method (Horovod's ``SparkBackend``)."""
+    if value is None or callable(getattr(value, "num_processes", None)):
+        return value
+    raise TypeError(f"backend must be a spark_hvd.runner.SparkBackend (or an object with num_processes(), as "
+                    f"Horovod's SparkBackend), got {type(value).__name__}; or leave it unset and set num_proc")
+
+
+def _to_loss_constructors(value: Any) -> list | None:
+    """None, or a list of zero-argument callables (one per label) that build the losses on every rank."""
+    if value is None:
+        return None
+    fns = list(value) if isinstance(value, list | tuple) else [value]
+    bad = [i for i, fn in enumerate(fns) if not callable(fn)]
+    if bad or not fns:
+        raise TypeError(f"loss_constructors must be a non-empty list of zero-argument callables that build a loss, "
+                        f"entry {bad[0] if bad else 0} is not callable")
+    return fns
 
 
 def _to_mlflow(value: Any) -> str | dict | None:
@@ -231,24 +265,35 @@ class _KeywordSignature:
         return cached
 
 
-#: params of Horovod's estimators that spark_hvd does not take, and what to do instead
+#: params of Horovod's estimators that spark_hvd does not take, and what to do instead (each one is in the param
+#: table of docs/migrating-from-horovod.md)
 HOROVOD_ONLY = {
-    "backend": "training always runs as one Spark barrier stage; set num_proc",
-    "loss_constructors": "pass the loss itself as loss= (one per label for several)",
     "continuous_cols": "list every input column in feature_cols",
     "categorical_cols": "list every input column in feature_cols (index strings with StringIndexer first)",
-    "compress_sparse_cols": "sparse Vectors are stored dense; nothing to set",
-    "shuffle_buffer_size": "shuffle=True shuffles within a bounded buffer of its own",
-    "val_reader_num_workers": "train_reader_num_workers serves both splits",
-    "inmemory_cache_all": "not supported; the reader streams the Parquet files",
-    "mp_start_method": "not needed",
-    "label_shapes": "label shapes come from the prepared data",
+    "compress_sparse_cols": "sparse Vectors are stored dense unless sparse_vectors='sparse'; nothing to set",
+    "mp_start_method": "not needed: reader_pool_type='process' starts its own workers",
     "transformation_edit_fields": "transformation_fn returns the columns it changes; no field list is needed",
     "transformation_removed_fields": "transformation_fn returns the columns it keeps; no field list is needed",
     "feature_columns": "the param is feature_cols",
     "label_columns": "the param is label_cols",
+    "data_module": "spark_hvd reads the prepared Parquet with its own reader, not a petastorm DataModule; "
+                   "per-batch preprocessing goes in transformation_fn (pandas) or collate_fn (arrays)",
+    "backend_env": "pass env to the backend: backend=spark_hvd.runner.SparkBackend(spark, num_proc, env={...})",
+    "tensorflow_dataset_prefetch_buffer_size": "the rank's reader reads ahead on its own (train_reader_num_workers "
+                                               "row groups at once); there is no tf.data pipeline to tune",
+    "num_gpus": "each rank uses one GPU where its Spark task has one: set use_gpu (and Spark's task GPU amount)",
+    "profiler": "pass it to Lightning's Trainer: trainer_args={'profiler': 'simple'}",
+    "loader_num_epochs": "the reader makes exactly one pass per epoch; set train_steps_per_epoch for more or "
+                         "fewer steps",
+    "debug_data_loader": "set verbose=2",
+    "train_async_data_loader_queue_size": "the reader reads ahead on a thread; its depth is "
+                                          "train_reader_num_workers",
+    "val_async_data_loader_queue_size": "the reader reads ahead on a thread; its depth is val_reader_num_workers",
+    "loss_constructors": "a LightningModule computes its loss in training_step (the torch and Keras estimators "
+                         "take loss_constructors)",
+    "train_minibatch_fn": "a LightningModule's training_step is the step (the torch estimator takes "
+                          "train_minibatch_fn)",
 }
-
 
 
 # --------------------------------------------------------------------------------------------------- mixins
@@ -268,6 +313,29 @@ class InputShapesParams(Params):
     def __init__(self) -> None:
         super().__init__()
         self._setDefault(input_shapes=None)
+
+
+@_add_accessors
+class RunnerBackendParams(Params):
+    """``backend``: Horovod's runner object (torch and Lightning estimators; the Keras estimator's ``backend`` takes
+    either this or Keras's backend name)."""
+
+    backend = _p("backend", "a spark_hvd.runner.SparkBackend (or Horovod's: any object with num_processes()) whose "
+                 "num_proc, env, encrypt and start_timeout the fit runs with; not with num_proc set; default None "
+                 "(a SparkBackend from num_proc). Not saved with the estimator", _to_runner_backend)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(backend=None)
+
+
+@_add_accessors
+class LossConstructorsParams(Params):
+    """``loss_constructors``: losses built on every rank (torch and Keras), for losses that do not pickle."""
+
+    loss_constructors = _p("loss_constructors", "instead of loss: a list of zero-argument callables, one per label, "
+                           "each returning the loss (called on every rank, and once on the driver for the checks), "
+                           "for losses that do not pickle", _to_loss_constructors)
 
 
 @_add_accessors
@@ -359,6 +427,21 @@ class EstimatorParams(Params):
                           _to_choice("auto", "thread", "process"))
     train_reader_num_workers = _p("train_reader_num_workers", "workers of that pool per rank, each holding one "
                                   "batch at a time; default min(4, CPUs)", _to_optional(_to_strict_int))
+    val_reader_num_workers = _p("val_reader_num_workers", "the same for the validation reader; default: "
+                                "train_reader_num_workers", _to_optional(_to_strict_int))
+    shuffle_buffer_size = _p("shuffle_buffer_size", "rows the training shuffle mixes at once on each rank (the "
+                             "reader's bounded shuffle buffer); default None: the shard, at most 65536 rows and about "
+                             "256 MB of them; set shuffle=False to turn the shuffle off",
+                             _to_optional(_to_strict_int))
+    inmemory_cache_all = _p("inmemory_cache_all", "keep each rank's shard (train and validation rows as read from the "
+                            "store, before transformation_fn) in memory after the first epoch: later epochs read "
+                            "nothing from the store and shuffle and batch the same rows as without it; default False",
+                            TypeConverters.toBoolean)
+    label_shapes = _p("label_shapes", "each label's shape per row, e.g. [[2, 2]] (Horovod's [[-1, 2, 2]] is taken "
+                      "too): the rank reshapes every label batch to it; the sizes are checked on the driver; default "
+                      "None (as stored)", _to_label_shapes)
+    encrypt = _p("encrypt", "encrypt the ranks' collective traffic (spark_hvd.runner.SparkBackend's encrypt); "
+                 "default None: the runner's default", _to_optional(TypeConverters.toBoolean))
     backward_passes_per_step = _p("backward_passes_per_step", "local gradient accumulation steps per allreduce",
                                   _to_strict_int)
     gradient_compression = _p("gradient_compression",
@@ -409,7 +492,8 @@ class EstimatorParams(Params):
             overwrite_prepared_data=False, scale_lr_by_num_proc=False, checkpoint_upload="async",
             checkpoint_when_busy="wait", keep_checkpoints=None, keep_best_checkpoints=None, monitor=None,
             monitor_mode="auto", final_model="last", reader_pool_type="auto",
-            train_reader_num_workers=None, sparse_vectors="dense", ragged="pad",
+            train_reader_num_workers=None, sparse_vectors="dense", ragged="pad", val_reader_num_workers=None,
+            shuffle_buffer_size=None, inmemory_cache_all=False, label_shapes=None, encrypt=None,
         )
 
 

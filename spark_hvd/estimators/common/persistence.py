@@ -30,7 +30,10 @@ class _StageWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 (Spark's name)
         inst = self.instance
-        json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
+        # a runner given as ``backend`` (Horovod's param) holds the live Spark session: not saved (a loaded stage
+        # runs on num_proc); the Keras estimator's backend name is JSON
+        json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS
+                       and not (p.name == "backend" and not isinstance(v, str | type(None)))}
         blobs = inst._dump_objects()
         compat.save_metadata(
             inst, path, self.sparkSession, paramMap=json_params,

@@ -49,11 +49,16 @@ class ShardReaders:
                   "transformation_fn": spec.transformation_fn, "collate_fn": spec.collate_fn,
                   "pool_type": spec.reader_pool_type, "read_ahead_pieces": spec.reader_num_workers,
                   "ragged": spec.ragged}
+        common["cache_pieces"] = spec.inmemory_cache_all  # the shard stays in memory after the first epoch
         self.readers = {"train": BatchReader.from_dataset(
-            spec.store, self.info, "train", batch_size=spec.batch_size, shuffle=spec.shuffle, **common)}
+            spec.store, self.info, "train", batch_size=spec.batch_size, shuffle=spec.shuffle,
+            shuffle_buffer_rows=spec.shuffle_buffer_size, **common)}
         if self.info.has_validation:
+            common["read_ahead_pieces"] = spec.val_reader_num_workers or spec.reader_num_workers
             self.readers["val"] = BatchReader.from_dataset(
                 spec.store, self.info, "val", batch_size=spec.val_batch_size, shuffle=False, **common)
+        # label_shapes: every label batch reshaped to (rows, *shape) (sizes checked on the driver)
+        self._label_shapes = dict(zip(spec.label_cols, spec.label_shapes or (), strict=False))
 
     @property
     def has_validation(self) -> bool:
@@ -96,4 +101,8 @@ class ShardReaders:
             arr = batch.get(col)
             if arr is not None and dt is not None and arr.dtype != dt:
                 batch[col] = arr.astype(dt)
+        for col, shape in self._label_shapes.items():
+            arr = batch.get(col)
+            if isinstance(arr, np.ndarray) and arr.dtype != object:
+                batch[col] = arr.reshape((len(arr), *shape))
         return batch

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BestPolicy", "TrainSpec", "model_metadata"]
+__all__ = ["BestPolicy", "TrainSpec", "built_loss", "model_metadata"]
 
 #: metric names for which bigger is better when a best-epoch mode is "auto"
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1")
@@ -66,6 +66,10 @@ class TrainSpec:
     collate_fn: Any = None
     reader_pool_type: str = "auto"
     reader_num_workers: int | None = None
+    val_reader_num_workers: int | None = None  #: the validation reader's workers (None: ``reader_num_workers``)
+    shuffle_buffer_size: int | None = None  #: rows the training shuffle mixes (None: the reader's default)
+    inmemory_cache_all: bool = False  #: keep the shard's rows in memory after the first epoch
+    label_shapes: tuple | None = None  #: per label, the per-row shape every label batch is reshaped to
     ragged: str = "pad"
     backward_passes_per_step: int = 1
     gradient_compression: Any = None
@@ -83,6 +87,15 @@ class TrainSpec:
     checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
     checkpoint_every_seconds: float | None = None  #: ... or every N seconds
     elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
+
+
+def built_loss(loss: Any, constructors: tuple = ()) -> Any:
+    """The loss a rank trains with: ``loss``, or what the ``loss_constructors`` build there (one, or a list of one
+    per label): Horovod's param for losses that do not pickle."""
+    if not constructors:
+        return loss
+    losses = [fn() for fn in constructors]
+    return losses[0] if len(losses) == 1 else losses
 
 
 def model_metadata(info: Any, output_shapes: list[list[int]]) -> dict:

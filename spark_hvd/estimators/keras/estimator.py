@@ -53,11 +53,16 @@ _COMPILE_METRIC_NAMES = ("accuracy", "acc", "crossentropy", "ce")
 class _KerasModelBytes:
     """The model as ``.keras`` bytes (with the ``custom_objects`` of the stage), for the estimator and the model."""
 
+    def _keras_backend_name(self) -> str | None:
+        """``backend`` when it names Keras's backend; None when unset or a runner object (Horovod's param)."""
+        value = self.getOrDefault(self.backend)
+        return value if isinstance(value, str) else None
+
     def _custom_objects(self) -> dict:
         return dict(self._opt(self.custom_objects) or {})
 
     def _serialize_model(self, model: Any) -> bytes:  # uses the stage's custom_objects and backend
-        return serialize_keras_model(model, self._custom_objects(), self.getOrDefault(self.backend))
+        return serialize_keras_model(model, self._custom_objects(), self._keras_backend_name())
 
     def _deserialize_model(self, data: bytes) -> Any:
         return deserialize_keras_model(data, compile=False)
@@ -72,7 +77,7 @@ class _KerasModelBytes:
             digest = hashlib.sha256(json.dumps(model.get_config(), sort_keys=True, default=str).encode())
         except Exception:  # noqa: BLE001 - a subclassed model without get_config: hash the archive instead
             return None
-        digest.update(repr((sorted(self._custom_objects()), self.getOrDefault(self.backend))).encode())
+        digest.update(repr((sorted(self._custom_objects()), self._keras_backend_name())).encode())
         for w in model.get_weights():
             digest.update(str((w.shape, w.dtype)).encode())
             digest.update(np.ascontiguousarray(w).tobytes())
@@ -214,7 +219,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
     def _classifier_kind(self) -> str | None:
         from spark_hvd.estimators.common.classifier import keras_kind
 
-        return keras_kind(self._opt(self.loss))
+        return keras_kind(self._loss_value())
     _spec_class = KerasSpec
     _trainer_class = KerasTrainer
     _rank_fn = staticmethod(train_keras_rank)
@@ -236,7 +241,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
 
     # ---- framework hooks of BaseEstimator
     def _check_model(self, model: Any) -> bytes:
-        self._keras_backend = resolve_backend(self.getOrDefault(self.backend))
+        self._keras_backend = resolve_backend(self._keras_backend_name())
         data = serialize_keras_model(model, self._custom_objects())
         self._optimizer_spec = optimizer_spec(self._opt(self.optimizer))
         n_labels = len(self.getOrDefault(self.label_cols))
@@ -266,7 +271,9 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         return runner
 
     def _check_loss(self, n_labels: int) -> None:
-        check_losses(self._opt(self.loss), n_labels)
+        if self._opt(self.loss) is not None and self._opt(self.loss_constructors) is not None:
+            raise param_error("KerasEstimator", "loss and loss_constructors are both set; set one")
+        check_losses(self._loss_value(), n_labels)
         check_metrics(self._metrics())
 
     @staticmethod
@@ -288,6 +295,7 @@ class KerasEstimator(KeywordParams, _KerasModelBytes, BaseEstimator, KerasEstima
         return {
             "optimizer": self._optimizer_spec,
             "loss": self._opt(self.loss),
+            "loss_constructors": tuple(self._opt(self.loss_constructors) or ()),
             "loss_weights": self.getOrDefault(self.loss_weights),
             "metrics": tuple(self._metrics()),
             "best": self._checkpoint_policy(),

@@ -7,10 +7,12 @@ from typing import Any
 from spark_hvd.estimators.common.params import (
     ElasticParams,
     EstimatorParams,
+    LossConstructorsParams,
     ModelParams,
     StepCheckpointParams,
     _add_accessors,
     _p,
+    _to_runner_backend,
 )
 
 __all__ = ["KerasEstimatorParams", "KerasModelParams"]
@@ -20,13 +22,22 @@ def _to_keras_backend(value: Any) -> str | None:
     """None or one of Keras's backends that spark_hvd trains on (the error names the param)."""
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
     if value not in ("tensorflow", "torch", "jax"):
         raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
     return str(value)
 
 
+def _to_keras_or_runner_backend(value: Any) -> Any:
+    """The estimator's ``backend``: Keras's backend name, or Horovod's runner object (``_to_runner_backend``)."""
+    if value is None or isinstance(value, str):
+        return _to_keras_backend(value)
+    return _to_runner_backend(value)
+
+
 @_add_accessors
-class KerasEstimatorParams(StepCheckpointParams, ElasticParams, EstimatorParams):
+class KerasEstimatorParams(LossConstructorsParams, StepCheckpointParams, ElasticParams, EstimatorParams):
     """``EstimatorParams`` plus what only the Keras estimator takes."""
 
     custom_objects = _p("custom_objects", "dict of custom layers/losses/metrics needed to load the model")
@@ -34,7 +45,9 @@ class KerasEstimatorParams(StepCheckpointParams, ElasticParams, EstimatorParams)
                              "(e.g. best only); default: every epoch")
     backend = _p("backend", "Keras's backend on the ranks: 'tensorflow', 'torch' or 'jax'; default None: the "
                  "driver's own Keras backend. A rank whose Python worker already runs Keras on another backend runs "
-                 "in a fresh Python process", _to_keras_backend)
+                 "in a fresh Python process. Horovod's runner object is taken too (a spark_hvd.runner.SparkBackend, or "
+                 "any object with num_processes(): its num_proc, env, encrypt and start_timeout are used; not saved "
+                 "with the estimator)", _to_keras_or_runner_backend)
 
     def __init__(self) -> None:
         super().__init__()

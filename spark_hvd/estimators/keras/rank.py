@@ -22,6 +22,7 @@ import numpy as np
 from spark_hvd.core.jobenv import JobEnv, gpu_index, torch_threads
 from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.rank_run import RankRun, RankTrainer, train_on_rank
+from spark_hvd.estimators.common.spec import built_loss
 from spark_hvd.estimators.keras.backend import set_threads
 from spark_hvd.estimators.keras.inference import predict
 from spark_hvd.estimators.keras.serde import MODEL_FILE, build_optimizer, deserialize_keras_model
@@ -141,7 +142,7 @@ class KerasTrainer(RankTrainer):
             # loss scale's inf/nan check, so every rank skips the same steps
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         optimizer = self.hvd.DistributedOptimizer(optimizer, **kwargs)
-        self.model.compile(optimizer=optimizer, loss=spec.loss,
+        self.model.compile(optimizer=optimizer, loss=built_loss(spec.loss, spec.loss_constructors),
                            loss_weights=list(spec.loss_weights) if spec.loss_weights else None,
                            metrics=_per_output_metrics(spec.metrics, len(spec.label_cols)), jit_compile=False)
         optimizer.build(self.model.trainable_variables)  # on every rank, so the broadcast covers the same variables

@@ -16,6 +16,7 @@ class KerasSpec(TrainSpec):
 
     optimizer: dict
     loss: Any
+    loss_constructors: tuple = ()  #: zero-argument callables building the losses on the rank (``built_loss``)
     loss_weights: tuple[float, ...] | None = None
     metrics: tuple = ()
     backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)

@@ -9,6 +9,7 @@ from spark_hvd.estimators.common.params import (
     ElasticParams,
     EstimatorParams,
     InputShapesParams,
+    RunnerBackendParams,
     StepCheckpointParams,
     _add_accessors,
     _p,
@@ -21,7 +22,8 @@ __all__ = ["LightningEstimatorParams"]
 
 
 @_add_accessors
-class LightningEstimatorParams(InputShapesParams, StepCheckpointParams, ElasticParams, EstimatorParams):
+class LightningEstimatorParams(InputShapesParams, RunnerBackendParams, StepCheckpointParams, ElasticParams,
+                               EstimatorParams):
     """``EstimatorParams`` plus the Torch input shapes and the rank's ``lightning.Trainer`` settings (Horovod's
     names); optimizer, loss and metrics come from the module itself, ``callbacks`` are Lightning callbacks."""
 

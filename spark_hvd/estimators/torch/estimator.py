@@ -208,7 +208,9 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
         return data
 
     def _check_loss(self, n_labels: int) -> None:
-        resolve_losses(self._opt(self.loss), n_labels)
+        if self._opt(self.loss) is not None and self._opt(self.loss_constructors) is not None:
+            raise param_error("TorchEstimator", "loss and loss_constructors are both set; set one")
+        resolve_losses(self._loss_value(), n_labels)
         for m in self._metrics():
             resolve_metric(m)
         for param in ("lr_scheduler", "train_minibatch_fn"):
@@ -231,7 +233,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
     def _classifier_kind(self) -> str | None:
         from spark_hvd.estimators.common.classifier import torch_kind
 
-        return torch_kind(self._opt(self.loss))
+        return torch_kind(self._loss_value())
 
     def _preflight(self, spec: Any, label_max: dict[str, float]) -> None:
         from spark_hvd.estimators.torch.preflight import torch_forward_check
@@ -247,7 +249,8 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
         best = get(self.best_metric)
         return {
             "optimizer": self._optimizer_spec,
-            "loss": get(self.loss),
+            "loss": self._opt(self.loss),
+            "loss_constructors": tuple(self._opt(self.loss_constructors) or ()),
             "loss_weights": get(self.loss_weights),
             "metrics": tuple(self._metrics()),
             "input_shapes": get(self.input_shapes),

@@ -8,7 +8,9 @@ from spark_hvd.estimators.common.params import (
     ElasticParams,
     EstimatorParams,
     InputShapesParams,
+    LossConstructorsParams,
     ModelParams,
+    RunnerBackendParams,
     StepCheckpointParams,
     _add_accessors,
     _p,
@@ -20,7 +22,8 @@ __all__ = ["TorchEstimatorParams", "TorchModelParams"]
 
 
 @_add_accessors
-class TorchEstimatorParams(InputShapesParams, StepCheckpointParams, ElasticParams, EstimatorParams):
+class TorchEstimatorParams(InputShapesParams, LossConstructorsParams, RunnerBackendParams, StepCheckpointParams,
+                           ElasticParams, EstimatorParams):
     """``EstimatorParams`` plus what only the Torch estimator takes."""
 
     train_minibatch_fn = _p("train_minibatch_fn", "replaces one training step: fn(model, optimizer, "

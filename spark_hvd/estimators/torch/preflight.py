@@ -11,6 +11,7 @@ from typing import Any
 
 from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.preflight import check_output
+from spark_hvd.estimators.common.spec import built_loss
 
 __all__ = ["torch_forward_check"]
 
@@ -55,7 +56,7 @@ def torch_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     if len(outputs) != len(spec.label_cols):
         raise param_error(name, f"the model returns {len(outputs)} outputs for {len(spec.label_cols)} label columns "
                          f"{list(spec.label_cols)}; return one tensor per label (a tuple for several)")
-    losses = resolve_losses(spec.loss, len(spec.label_cols))
+    losses = resolve_losses(built_loss(spec.loss, spec.loss_constructors), len(spec.label_cols))
     for col, o, y, item in zip(spec.label_cols, outputs, labels, losses, strict=True):
         check_output(name, col, tuple(o.shape), tuple(y.shape), is_class_index_loss(item), _is_elementwise(item),
                       label_max.get(col), "loss='cross_entropy'")

@@ -24,6 +24,7 @@ import numpy as np
 from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.params import LOSS_NAMES
 from spark_hvd.estimators.common.rank_run import RankRun, RankTrainer, TrainingContext
+from spark_hvd.estimators.common.spec import built_loss
 from spark_hvd.estimators.torch.precision import MixedPrecision
 from spark_hvd.estimators.torch.serde import build_optimizer, deserialize_module
 
@@ -205,7 +206,7 @@ class TorchTrainer(RankTrainer):
     def _build_training(self, spec: Any) -> tuple[Any, str]:
         """The optimizer (not yet distributed) and the scheduler interval; sets up losses and metrics."""
         weighted = bool(spec.sample_weight_col)
-        losses = resolve_losses(spec.loss, len(spec.label_cols))
+        losses = resolve_losses(built_loss(spec.loss, spec.loss_constructors), len(spec.label_cols))
         self.losses = [_loss_fn(item, weighted) for item in losses]
         self.class_index = [is_class_index_loss(item) for item in losses]
         self.loss_weights = list(spec.loss_weights or [1.0] * len(losses))

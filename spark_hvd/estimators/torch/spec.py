@@ -16,6 +16,7 @@ class TorchSpec(TrainSpec):
 
     optimizer: dict
     loss: Any
+    loss_constructors: tuple = ()  #: zero-argument callables building the losses on the rank (``built_loss``)
     loss_weights: tuple[float, ...] | None = None
     metrics: tuple = ()
     input_shapes: tuple | None = None
