@@ -148,10 +148,20 @@ def test_shuffle_buffer_size_and_val_reader_num_workers_reach_the_readers(datase
 
 
 def test_label_shapes_reshape_every_label_batch(dataset):
-    batch = next(iter(_shards(dataset, label_shapes=((1,), (2, 2)))[0].epoch("train", 0)))
+    from spark_hvd.data.keras_loader import KerasBatchDataset
+
+    shaped = _shards(dataset, label_shapes=((1,), (2, 2)))[0]
+    batch = next(iter(shaped.epoch("train", 0)))
     assert batch["y"].shape == (16, 1) and batch["y4"].shape == (16, 2, 2)
-    plain = next(iter(_shards(dataset)[0].epoch("train", 0)))
+    plain_shards = _shards(dataset)[0]
+    plain = next(iter(plain_shards.epoch("train", 0)))
     np.testing.assert_array_equal(batch["y4"].reshape(16, 4), plain["y4"])
+    # Keras's loader reads the reader itself: ShardReaders.batches hands it the reshaped view
+    assert plain_shards.batches("val") is plain_shards.readers["val"]
+    x, (y, y4) = KerasBatchDataset(shaped.batches("train"), ["features"], ["y", "y4"])[0]
+    assert y.shape == (16, 1) and y4.shape == (16, 2, 2)
+    assert len(shaped.batches("train")) == len(shaped.readers["train"])
+    np.testing.assert_array_equal(y4, batch["y4"])
 
 
 def test_label_shapes_are_checked_on_the_driver(dataset):

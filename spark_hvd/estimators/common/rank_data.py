@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +92,12 @@ class ShardReaders:
                     close()
             lap += 1
 
+    def batches(self, split: str) -> Any:
+        """``split``'s ``BatchReader``, or where ``label_shapes`` is set a view of it (``epoch(e)``, ``len()``) whose
+        label batches are reshaped: for loaders that read a ``BatchReader`` themselves (Keras's ``PyDataset``)."""
+        reader = self.readers[split]
+        return _LabelsShaped(reader, self._reshape_labels) if self._label_shapes else reader
+
     def close(self) -> None:
         """Stop the readers' kept worker processes (``reader_pool_type="process"``); safe to call twice."""
         for reader in self.readers.values():
@@ -101,8 +108,32 @@ class ShardReaders:
             arr = batch.get(col)
             if arr is not None and dt is not None and arr.dtype != dt:
                 batch[col] = arr.astype(dt)
+        return self._reshape_labels(batch)
+
+    def _reshape_labels(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         for col, shape in self._label_shapes.items():
             arr = batch.get(col)
             if isinstance(arr, np.ndarray) and arr.dtype != object:
                 batch[col] = arr.reshape((len(arr), *shape))
         return batch
+
+
+class _LabelsShaped:
+    """A ``BatchReader``'s epochs with ``label_shapes`` applied to every batch (``ShardReaders.batches``)."""
+
+    def __init__(self, reader: Any, reshape: Any) -> None:
+        self.reader, self._reshape = reader, reshape
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def epoch(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
+        """The reader's epoch ``epoch``, each batch's labels reshaped."""
+        gen = self.reader.epoch(epoch)
+        try:
+            for batch in gen:
+                yield self._reshape(batch)
+        finally:
+            close = getattr(gen, "close", None)
+            if close is not None:
+                close()

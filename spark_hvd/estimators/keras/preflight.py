@@ -11,6 +11,7 @@ from typing import Any
 
 from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.preflight import check_output
+from spark_hvd.estimators.common.spec import built_loss
 
 __all__ = ["keras_forward_check"]
 
@@ -32,7 +33,7 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     from spark_hvd.estimators.keras.serde import deserialize_keras_model
 
     small = dataclasses.replace(spec, batch_size=rows, shuffle=False, train_steps_per_epoch=1)
-    batches = KerasBatchDataset(ShardReaders(small, 0, 1).readers["train"], spec.feature_cols, spec.label_cols)
+    batches = KerasBatchDataset(ShardReaders(small, 0, 1).batches("train"), spec.feature_cols, spec.label_cols)
     try:
         x, y = batches[0][:2]
     finally:
@@ -61,13 +62,14 @@ def keras_forward_check(name: str, spec: Any, label_max: dict[str, float], rows:
     if len(outputs) != len(spec.label_cols):
         raise param_error(name, f"the model returns {len(outputs)} outputs for {len(spec.label_cols)} label columns "
                          f"{list(spec.label_cols)}; give one label column per output")
-    losses = list(spec.loss) if isinstance(spec.loss, list | tuple) else [spec.loss] * len(outputs)
+    loss = built_loss(spec.loss, spec.loss_constructors)
+    losses = list(loss) if isinstance(loss, list | tuple) else [loss] * len(outputs)
     for col, o, label, item in zip(spec.label_cols, outputs, ys, losses, strict=True):
         fn = _keras_loss_function(item)
         check_output(name, col, tuple(o.shape), tuple(label.shape),
                       fn is keras.losses.sparse_categorical_crossentropy, fn in _keras_elementwise(),
                       label_max.get(col), "loss='sparse_categorical_crossentropy'")
-    model.compile(loss=spec.loss, loss_weights=list(spec.loss_weights) if spec.loss_weights else None)
+    model.compile(loss=loss, loss_weights=list(spec.loss_weights) if spec.loss_weights else None)
     try:  # what model.fit's train step calls
         keras_compat.compute_loss(model, x, y, out)
     except Exception as exc:

@@ -206,18 +206,18 @@ class KerasTrainer(RankTrainer):
         readers = run.readers
         cols = (list(spec.feature_cols), list(spec.label_cols), spec.sample_weight_col)
         skip = run.start_step  # batches of epoch run.start already trained (a resume from a step checkpoint)
-        train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start, skip=skip)
+        train = KerasBatchDataset(readers.batches("train"), *cols, first_epoch=run.start, skip=skip)
         steps = min(readers.steps("train"), len(train))
         if skip >= steps:  # a checkpoint after the epoch's last batch (its end was not committed)
             log.warning("rank %d: the step checkpoint is after the last batch of epoch %d; Keras cannot run an epoch "
                         "of no batch, so its last batch is trained again before the epoch ends", run.rank, run.start)
             skip = steps - 1
-            train = KerasBatchDataset(readers.readers["train"], *cols, first_epoch=run.start, skip=skip)
+            train = KerasBatchDataset(readers.batches("train"), *cols, first_epoch=run.start, skip=skip)
         saved_metrics = run.resume_progress.get("metrics") if skip else None
         keep_sums = run.checkpoints_inside_epochs
         val, val_steps = None, None
         if readers.has_validation:
-            val = KerasBatchDataset(readers.readers["val"], *cols)
+            val = KerasBatchDataset(readers.batches("val"), *cols)
             val_steps = min(readers.steps("val"), len(val))
 
         class _RunCallback(keras.callbacks.Callback):
