@@ -276,3 +276,50 @@ def test_fit_with_cache_loss_constructors_and_label_shapes_equals_the_replay(spa
 
     losses = replay(shards, model, opt, loss, 3)
     assert_fit_equals_replay(fitted, model, losses, atol=1e-5, rtol=1e-4)
+
+
+def _locked_mse_class():
+    import threading
+
+    import keras
+
+    class LockedMSE(keras.losses.Loss):
+        """A Keras loss holding a lock: it cannot be pickled (only its class can), so it is built on the ranks.
+        Keras saves it in the model's compile config, by its class and ``get_config()``."""
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.lock = threading.Lock()
+
+        def call(self, y_true, y_pred):
+            return keras.ops.mean(keras.ops.square(y_pred - y_true), axis=-1)
+
+        def __reduce__(self):  # Keras 3 pickles a loss by its config; this one refuses, as a lock would
+            raise TypeError(f"cannot pickle {type(self).__name__}: it holds {self.lock}")
+
+    return LockedMSE
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_keras_fit_with_loss_constructors_label_shapes_and_cache_converges(spark, tmp_path):
+    import keras
+
+    locked_mse = _locked_mse_class()
+    with pytest.raises(TypeError):
+        cloudpickle.dumps(locked_mse())  # the instance; the class itself travels by value
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 3)).astype(np.float32)
+    y = x @ np.array([1.5, -2.0, 0.5]) + 0.3
+    df = spark.createDataFrame([(x[i].tolist(), float(y[i])) for i in range(256)], "features array<float>, y double")
+    model = keras.Sequential([keras.Input(shape=(3,)), keras.layers.Dense(1)])
+    est = KerasEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=model,
+                         optimizer=keras.optimizers.SGD(learning_rate=0.1), loss_constructors=[locked_mse],
+                         custom_objects={"LockedMSE": locked_mse},
+                         feature_cols=["features"], label_cols=["y"], label_shapes=[[1]], inmemory_cache_all=True,
+                         batch_size=16, epochs=6, random_seed=1, partitions_per_process=2, verbose=0)
+    fitted = est.fit(df)
+    kernel, bias = fitted.getModel().get_weights()
+    np.testing.assert_allclose(kernel.ravel(), [1.5, -2.0, 0.5], atol=0.02)
+    np.testing.assert_allclose(bias, [0.3], atol=0.02)
+    assert fitted.getHistory()["loss"][-1] < 1e-3 < fitted.getHistory()["loss"][0]
