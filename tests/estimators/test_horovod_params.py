@@ -205,6 +205,18 @@ def test_backend_and_encrypt_reach_the_runner(spark, cls):
         cls(backend=object())
 
 
+@pytest.mark.spark
+def test_an_estimator_with_a_runner_saves_without_it(spark, tmp_path):
+    est = TorchEstimator(backend=SparkBackend(spark, 2), encrypt=True, inmemory_cache_all=True, batch_size=8)
+    est.save(str(tmp_path / "est"))
+    loaded = TorchEstimator.load(str(tmp_path / "est"))
+    assert loaded.getBackend() is None and loaded.getEncrypt() is True and loaded.getInmemoryCacheAll() is True
+    assert loaded.getBatchSize() == 8
+    assert loaded.setShufflingBufferSize(64).getShufflingBufferSize() == 64 == loaded.getShuffleBufferSize()
+    assert loaded.setInMemoryCacheAll(False).getInMemoryCacheAll() is False  # Horovod's accessor names
+    assert loaded.setValReaderNumWorker(2).getValReaderNumWorkers() == 2 == loaded.getValReaderNumWorker()
+
+
 def test_keras_backend_takes_a_name_or_a_runner(spark):
     est = KerasEstimator(backend=HorovodShapedBackend(2))
     assert est._keras_backend_name() is None and est._runner_backend() is not None

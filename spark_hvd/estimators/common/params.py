@@ -496,6 +496,31 @@ class EstimatorParams(Params):
             shuffle_buffer_size=None, inmemory_cache_all=False, label_shapes=None, encrypt=None,
         )
 
+    # Horovod's accessor names where they differ from the generated ones
+    def getInMemoryCacheAll(self) -> bool:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``getInmemoryCacheAll``."""
+        return self.getOrDefault(self.inmemory_cache_all)
+
+    def setInMemoryCacheAll(self, value: bool) -> Any:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``setInmemoryCacheAll``."""
+        return self._set(inmemory_cache_all=value)
+
+    def getShufflingBufferSize(self) -> int | None:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``getShuffleBufferSize``."""
+        return self.getOrDefault(self.shuffle_buffer_size)
+
+    def setShufflingBufferSize(self, value: int | None) -> Any:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``setShuffleBufferSize``."""
+        return self._set(shuffle_buffer_size=value)
+
+    def getValReaderNumWorker(self) -> int | None:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``getValReaderNumWorkers``."""
+        return self.getOrDefault(self.val_reader_num_workers)
+
+    def setValReaderNumWorker(self, value: int | None) -> Any:  # noqa: N802 (Horovod's name)
+        """Horovod's name for ``setValReaderNumWorkers``."""
+        return self._set(val_reader_num_workers=value)
+
 
 # --------------------------------------------------------------------------------------------------- models
 @_add_accessors
