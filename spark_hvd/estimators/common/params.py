@@ -1,6 +1,8 @@
 """Spark ML Params shared by the estimators and their models: those all of them take (``EstimatorParams``,
-``ModelParams``), and mixins for those several take (``InputShapesParams``, ``StepCheckpointParams``,
-``ElasticParams``); each framework's own are in its ``params.py`` (``spark_hvd.estimators.torch.params`` ...).
+``ModelParams``), and mixins for those several take (``InputShapesParams``, ``RunnerBackendParams``,
+``LossConstructorsParams``, ``StepCheckpointParams``, ``ElasticParams``); each framework's own are in its
+``params.py`` (``spark_hvd.estimators.torch.params`` ...). A Horovod param that no estimator here takes is in
+``HOROVOD_ONLY`` with what to use instead (the unknown-param error says it).
 
 Every Param has a snake_case name (Horovod's names, so ``TorchEstimator(batch_size=64)`` works as in Horovod), a
 type converter, a doc string and, where sensible, a default. Each Params class gets camelCase accessors
