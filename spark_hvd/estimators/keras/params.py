@@ -22,8 +22,6 @@ def _to_keras_backend(value: Any) -> str | None:
     """None or one of Keras's backends that spark_hvd trains on (the error names the param)."""
     if value is None:
         return None
-    if not isinstance(value, str):
-        raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
     if value not in ("tensorflow", "torch", "jax"):
         raise ValueError(f"backend must be 'tensorflow', 'torch' or 'jax' (Keras's backend), got {value!r}")
     return str(value)
