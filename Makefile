@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast legs leg-floor leg-spark40 bench lint lock clean
+.PHONY: setup demo test test-fast legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,16 @@ leg-spark40:
 	$(PYTHON) tools/leg.py runtimes/dbr-17.3-ml.txt
 
 legs: leg-floor leg-spark40
+
+# Two more supported runtimes, not in CI (its time): 16.4 LTS ML (Spark 3.5.2, numpy 1.26, Keras 3.9) and 18 LTS ML
+# (Spark 4.1.0, Keras 3.12, pyarrow 21). `make legs-all` runs every leg.
+leg-16.4:
+	$(PYTHON) tools/leg.py runtimes/dbr-16.4-ml.txt
+
+leg-18:
+	$(PYTHON) tools/leg.py runtimes/dbr-18-ml.txt
+
+legs-all: legs leg-16.4 leg-18
 
 bench: setup
 	$(PY) benchmarks/allreduce.py
