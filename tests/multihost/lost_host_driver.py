@@ -8,6 +8,8 @@ One ``TorchEstimator`` fit on the standalone cluster, elastic (``{"elastic": tru
 * rank 0 appends ``attempt epoch step size unix_time`` to ``MARKS/batches.log`` after every batch, and every rank
   leaves ``MARKS/rank-<attempt>-<rank>`` holding its host name and pid (the test picks its victim from them);
 * until the test writes ``MARKS/lost``, every batch sleeps ``throttle`` seconds (so the loss lands mid-epoch);
+* ``pace``: every batch also sleeps that long (the soak's fit lasts until the test writes ``MARKS/stop``, then
+  ends after the epoch; with ``hold`` the driver keeps its application until ``MARKS/done``);
 * with ``regrow``, an attempt below ``max_num_proc`` waits, after ``gate_after`` batches, until the driver says
   the job can grow (rank 0 asks the driver service, as the step checkpoint will; the others wait for its
   ``grow-ready-<attempt>`` file): the fit cannot end before the returning host has rejoined.
@@ -39,10 +41,19 @@ GATE_S = 600.0
 class HostLossLog:
     """The callback of the module docstring (pickled by value to the ranks: no import of this script there)."""
 
-    def __init__(self, marks: str, throttle: float, regrow: bool, gate_after: int, max_num_proc: int) -> None:
+    def __init__(self, marks: str, throttle: float, regrow: bool, gate_after: int, max_num_proc: int,
+                 pace: float = 0.0) -> None:
         self.marks, self.throttle, self.regrow = marks, throttle, regrow
-        self.gate_after, self.max_num_proc = gate_after, max_num_proc
+        self.gate_after, self.max_num_proc, self.pace = gate_after, max_num_proc, pace
         self.done = 0
+        self.context = None
+
+    def on_train_begin(self, context) -> None:
+        self.context = context
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None:
+        if self.context is not None and os.path.exists(os.path.join(self.marks, "stop")):
+            self.context.stop_training = True  # the soak's end: rank 0's wish is every rank's
 
     def on_batch_end(self, epoch: int, step: int, loss: float) -> None:
         import socket
@@ -60,6 +71,7 @@ class HostLossLog:
                 f.write(f"{attempt} {epoch} {step} {size} {time.time():.3f}\n")
         if not os.path.exists(os.path.join(self.marks, "lost")):
             time.sleep(self.throttle)
+        time.sleep(self.pace)
         if self.regrow and size < self.max_num_proc and self.done == self.gate_after:
             self._gate(attempt, rank)
 
@@ -119,19 +131,19 @@ def _resume_point(epoch: int, done: int, steps_then: int, steps_now: int) -> tup
     return epoch, done if steps_then == steps_now else min(steps_now, round(done * steps_now / steps_then))
 
 
-def committed_batches(log: list, steps: dict[int, int], every: int) -> list[tuple[int, int, int]]:
-    """``(epoch, step, size)`` of exactly the batches whose training the fit kept: every attempt's batches up to
-    the last checkpoint (a step checkpoint every ``every`` batches, or an epoch's end) whose resume point is where
-    the next attempt started; all of the last attempt's."""
+def attempt_cuts(log: list, steps: dict[int, int], every: int) -> dict[int, tuple[list, int]]:
+    """Each attempt's ``(batches, kept)``: its ``(epoch, step, size)`` rows and how many of them the fit kept: up
+    to the last checkpoint (a step checkpoint every ``every`` batches, or an epoch's end) whose resume point is
+    where the next attempt started; all of the last attempt's."""
     attempts: dict[int, list] = {}
     for a, e, s, n, _ in log:
         attempts.setdefault(a, []).append((e, s, n))
     order = sorted(attempts)
-    kept: list[tuple[int, int, int]] = []
+    out: dict[int, tuple[list, int]] = {}
     for i, a in enumerate(order):
         rows = attempts[a]
         if i == len(order) - 1:
-            kept += rows
+            out[a] = (rows, len(rows))
             break
         first = attempts[order[i + 1]][0]
         cut = None if first[:2] != (0, 0) else 0  # nothing committed at all: the next attempt starts afresh
@@ -142,8 +154,13 @@ def committed_batches(log: list, steps: dict[int, int], every: int) -> list[tupl
         if cut is None:
             raise AssertionError(f"attempt {a} (size {rows[0][2]}) has no checkpoint that resumes at epoch "
                                  f"{first[0]} batch {first[1]} on {first[2]} ranks: {rows}")
-        kept += rows[:cut]
-    return kept
+        out[a] = (rows, cut)
+    return out
+
+
+def committed_batches(log: list, steps: dict[int, int], every: int) -> list[tuple[int, int, int]]:
+    """``(epoch, step, size)`` of exactly the batches whose training the fit kept (``attempt_cuts``), in order."""
+    return [row for rows, cut in attempt_cuts(log, steps, every).values() for row in rows[:cut]]
 
 
 def replay(store, fitted, initial, kept: list, seed: int, batch_size: int, lr: float) -> dict:
@@ -186,7 +203,7 @@ def fit(spark, store_dir: str, marks: str, cfg: dict) -> dict:
         kw = dict(num_proc=cfg["num_proc"], elastic=True, min_num_proc=cfg["min_num_proc"],
                   max_num_proc=cfg["max_num_proc"], reset_limit=cfg.get("reset_limit", 4))
     callback = HostLossLog(marks, cfg.get("throttle", 0.2), bool(cfg.get("regrow")), cfg.get("gate_after", 5),
-                           cfg.get("max_num_proc", cfg["num_proc"]))
+                           cfg.get("max_num_proc", cfg["num_proc"]), cfg.get("pace", 0.0))
     est = TorchEstimator(store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=lr), loss="mse",
                          feature_cols=["features"], label_cols=["y"], batch_size=batch, epochs=cfg["epochs"],
                          random_seed=seed, partitions_per_process=1, verbose=0, checkpoint_every_steps=every,
@@ -219,6 +236,10 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails naming it
             row = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         print(json.dumps(row), flush=True)
+        if cfg.get("hold"):  # the test looks for leaks while the application still runs, then writes "done"
+            deadline = time.monotonic() + 300
+            while not os.path.exists(os.path.join(marks, "done")) and time.monotonic() < deadline:
+                time.sleep(0.2)
     finally:
         spark.stop()
 

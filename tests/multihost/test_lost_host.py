@@ -9,8 +9,9 @@ returns (the elastic fits that expect it), and end with weights equal to a one-p
 committed batches at each size; the driver's log names the lost host. ``recovery_s`` (the host's loss to the first
 batch trained again, printed) is what docs/reliability.md reports; it is not asserted (a loaded machine).
 
-Cost: a cluster of 5 JVMs for the module, a driver and 3 executors per test. ``test_host_killed_*`` and the
-``max_retries`` test run in ``make test``; the link cases are marked ``hostloss`` (``make hostloss``).
+Cost: a cluster of 5 JVMs for the module, a driver and 3 executors per test: 2-4 minutes a test on 2 loaded cores.
+The two killed-host tests (elastic, ``max_retries``) run in ``make test``; the link cases and the executor JVM's
+kill are marked ``hostloss`` (``make hostloss``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import simhosts
 from standalone import Driver, Standalone, job_processes, wait_for_text
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -38,17 +38,9 @@ ELASTIC = {"elastic": True, "num_proc": 3, "min_num_proc": 2, "max_num_proc": 3,
 
 
 @pytest.fixture(scope="module")
-def cluster(simhosts_ready, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("lost-host")
-    sim = simhosts.SimHosts(4, rate="1gbit")
-    spark = None
-    try:
-        spark = Standalone(sim, logs, workers=(1, 2, 3))
-        yield spark
-    finally:
-        if spark is not None:
-            spark.close()
-        sim.close()
+def cluster(standalone_cluster: Standalone) -> Standalone:
+    """The module's cluster (conftest's ``standalone_cluster``)."""
+    return standalone_cluster
 
 
 class _Fit:
@@ -177,11 +169,13 @@ def test_host_link_cut_for_good_elastic_fit_goes_on_without_it(cluster, tmp_path
 
 
 @pytest.mark.hostloss
-def test_host_link_down_20s_the_ranks_ride_it_out_under_the_default_timeout(cluster, tmp_path):
-    """The host's link down for 20 s, then back, under the default ``SPARK_HVD_TIMEOUT`` (30 s): TCP's
-    retransmissions (backing off 0.2, 0.4, ... 12.8 s: the first after a 20-s outage comes ~25 s after the cut)
-    resume the ring before any wait times out, so nothing is relaunched: the fit stalls and goes on at 3 ranks."""
-    fit = _Fit(cluster, tmp_path, ELASTIC)
+def test_host_link_down_20s_the_ranks_ride_it_out_under_a_timeout_above_the_outage(cluster, tmp_path):
+    """The host's link down for 20 s, then back, with ``SPARK_HVD_TIMEOUT=45``: TCP's retransmissions (backing off
+    0.2, 0.4, ... 12.8 s: the first after a 20-s outage comes ~25 s after the cut) resume the ring before any wait
+    times out, so nothing is relaunched: the fit stalls and goes on at 3 ranks. (Under the default 30 s the stall,
+    measured 27.7 s here, is too close to the timeout to say which way it goes: see docs/reliability.md.)"""
+    cfg = {**ELASTIC, "conf": {"spark.executorEnv.SPARK_HVD_TIMEOUT": "45"}}
+    fit = _Fit(cluster, tmp_path, cfg)
     k = fit.victim()
     host = cluster.sim.hosts[k]
     try:
@@ -193,7 +187,7 @@ def test_host_link_down_20s_the_ranks_ride_it_out_under_the_default_timeout(clus
     finally:
         host.link(True)
     times = [r[4] for r in fit.log()]
-    _report("link down 20 s, default timeout", stall_s=max(b - a for a, b in zip(times[:-1], times[1:], strict=True)),
+    _report("link down 20 s, timeout 45 s", stall_s=max(b - a for a, b in zip(times[:-1], times[1:], strict=True)),
             fit_s=row["fit_s"])
     assert _sizes(row) == [3] and len({r[0] for r in fit.log()}) == 1, row["kept"]
     _assert_replayed(row)
@@ -249,6 +243,7 @@ def test_host_killed_mid_epoch_max_retries_fit_retries_on_the_survivors(cluster,
     assert re.search(rf"attempt 0 failed, retrying .*{re.escape(host.address)}", log), log[-4000:]
 
 
+@pytest.mark.hostloss
 def test_executor_jvm_killed_the_stage_fails_and_the_fit_resumes(cluster, tmp_path):
     """``kill -9`` of one host's executor JVM (not of a rank): Spark loses the executor (its worker starts another),
     the barrier stage fails, the elastic fit relaunches from the last step checkpoint on the slots free then, and
