@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from lost_host_driver import attempt_cuts
 from standalone import Driver, Standalone, job_processes, wait_for_text
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -87,6 +88,8 @@ class _Fit:
         self.driver.close()
         assert "error" not in row, f"{row['error']}\n{row.get('traceback', '')}\n" \
                                    f"{self.driver.log.read_text()[-4000:]}"
+        cuts = attempt_cuts(self.log(), {int(n): k for n, k in row["steps"].items()}, EVERY)
+        row["lost"] = [len(rows) - kept for rows, kept in cuts.values()][:-1]  # batches trained again, by reset
         return row
 
 
@@ -98,7 +101,9 @@ def _restore(cluster: Standalone, k: int) -> None:
 
 
 def _assert_replayed(row: dict) -> None:
-    """The fit's weights equal the one-process replay of the committed batches."""
+    """The fit's weights equal the one-process replay of the committed batches; no reset lost more than the
+    batches of one checkpoint interval."""
+    assert max(row["lost"], default=0) <= EVERY, row["lost"]
     for name, want in row["replay"].items():
         np.testing.assert_allclose(row["weights"][name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
@@ -139,7 +144,7 @@ def test_host_killed_mid_epoch_elastic_fit_goes_on_and_grows_back(cluster, tmp_p
     again = _first_after(fit, 0)
     cluster.start_worker(k)
     row = fit.result()
-    _report("host killed", recovery_s=again[4] - lost_at, fit_s=row["fit_s"])
+    _report("host killed", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], steps_lost=row["lost"])
     assert _sizes(row) == [3, 2, 3], row["kept"]
     assert row["history"]["num_proc"][-1] == 3.0
     _assert_replayed(row)
@@ -161,7 +166,7 @@ def test_host_link_cut_for_good_elastic_fit_goes_on_without_it(cluster, tmp_path
         row = fit.result()
     finally:
         _restore(cluster, k)
-    _report("link cut", recovery_s=again[4] - lost_at, fit_s=row["fit_s"])
+    _report("link cut", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], steps_lost=row["lost"])
     assert _sizes(row) == [3, 2], row["kept"]
     _assert_replayed(row)
     log = fit.driver.log.read_text()
@@ -188,7 +193,7 @@ def test_host_link_down_20s_the_ranks_ride_it_out_under_a_timeout_above_the_outa
         host.link(True)
     times = [r[4] for r in fit.log()]
     _report("link down 20 s, timeout 45 s", stall_s=max(b - a for a, b in zip(times[:-1], times[1:], strict=True)),
-            fit_s=row["fit_s"])
+            fit_s=row["fit_s"], steps_lost=row["lost"])
     assert _sizes(row) == [3] and len({r[0] for r in fit.log()}) == 1, row["kept"]
     _assert_replayed(row)
     assert lost_at < times[-1]
@@ -214,7 +219,7 @@ def test_host_link_down_then_back_elastic_fit_goes_on_and_grows_back(cluster, tm
         row = fit.result()
     finally:
         host.link(True)
-    _report("link down then back", recovery_s=again[4] - lost_at, fit_s=row["fit_s"])
+    _report("link down then back", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], steps_lost=row["lost"])
     assert _sizes(row) == [3, 2, 3], row["kept"]
     _assert_replayed(row)
     log = fit.driver.log.read_text()
@@ -235,7 +240,7 @@ def test_host_killed_mid_epoch_max_retries_fit_retries_on_the_survivors(cluster,
         row = fit.result()
     finally:
         _restore(cluster, k)
-    _report("max_retries", recovery_s=again[4] - lost_at, fit_s=row["fit_s"])
+    _report("max_retries", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], steps_lost=row["lost"])
     assert {n for _, _, n in row["kept"]} == {2}
     assert len({r[0] for r in fit.log()}) == 2, "the fit was not retried"
     _assert_replayed(row)
@@ -257,7 +262,8 @@ def test_executor_jvm_killed_the_stage_fails_and_the_fit_resumes(cluster, tmp_pa
     lost_at = fit.lost()
     again = _first_after(fit, 0)
     row = fit.result()
-    _report("executor killed", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], sizes=_sizes(row))
+    _report("executor killed", recovery_s=again[4] - lost_at, fit_s=row["fit_s"], steps_lost=row["lost"],
+            sizes=_sizes(row))
     assert len({r[0] for r in fit.log()}) >= 2, "the fit was not relaunched"
     _assert_replayed(row)
     log = fit.driver.log.read_text()

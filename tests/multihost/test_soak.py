@@ -12,8 +12,9 @@ still runs:
   network (the ring's and the driver service's connections and listeners), no ``spark_hvd`` segment was left in
   ``/dev/shm`` and no ``spark_hvd`` temporary in ``/tmp`` by the fit.
 
-It prints the table: faults by kind, recovery time each (the fault to the next batch trained; median, max), steps
-lost (batches trained after the last checkpoint and trained again). A store failing an upload is not injected.
+It prints the table: faults by kind, recovery time each (training stopped for: the longest gap between batches
+around the fault; median, max), steps lost (batches trained after the last checkpoint and trained again). A store
+failing an upload is not injected.
 """
 
 from __future__ import annotations
@@ -187,8 +188,13 @@ def _table(faults: list[dict], log: list, cuts: dict) -> str:
         first.setdefault(a, t)
     by_kind: dict[str, list[dict]] = {}
     for i, f in enumerate(faults):
-        after = [r for r in log if r[4] > f["end"]]
-        f["recovery_s"] = (after[0][4] - f["at"]) if after else float("nan")
+        times = [r[4] for r in log]
+        before = [t for t in times if t <= f["at"]]
+        after = [t for t in times if t > f["end"]]
+        around = [t for t in times if before and after and before[-1] <= t <= after[0]]
+        # training stopped for: the longest gap between two batches from the last before the fault to the first
+        # after its end (a slowed link that training went through barely shows)
+        f["recovery_s"] = max((b - a for a, b in zip(around[:-1], around[1:], strict=True)), default=float("nan"))
         upto = faults[i + 1]["at"] if i + 1 < len(faults) else float("inf")
         f["reset"] = any(a > f["attempt"] and f["at"] < t <= upto for a, t in first.items())
         rows, kept = cuts.get(f["attempt"], ([], 0))
