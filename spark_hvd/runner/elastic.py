@@ -44,7 +44,7 @@ from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerEr
 from spark_hvd.runner.probe import SlotProbe
 from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import free_slots, free_slots_beside
-from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, pickled, start_timeout_s
+from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, job_encrypts, pickled, start_timeout_s
 from spark_hvd.runner.stage import Attempt, run_attempt, stage_tag
 
 logger = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 start_timeout: float | None = None, elastic_timeout: float | None = None,
                 reset_limit: int | None = None, env: dict[str, str] | None = None, verbose: int = 1, *,
                 use_gpu: bool | None = None, on_event: Callable[[Event], None] | None = None,
-                spark: Any = None) -> list[Any]:
+                spark: Any = None, encrypt: bool | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job on Spark and return the results of its last attempt by rank.
 
     ``fn`` uses Horovod's elastic API (``hvd.elastic.run``, ``TorchState`` / ``KerasState``, ``state.commit()``).
@@ -277,7 +277,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
         elastic_timeout: seconds to wait for ``min_num_proc`` free slots before a launch (default
             ``HOROVOD_ELASTIC_TIMEOUT``, else 600); ``ElasticError`` names how many were missing.
         reset_limit: the most relaunches (after lost ranks or to grow); None: no limit.
-        env, verbose, use_gpu, on_event, spark: as for ``run``.
+        env, verbose, use_gpu, on_event, spark, encrypt: as for ``run``.
 
     Raises:
         ElasticError: too few slots within ``elastic_timeout``, or more resets than ``reset_limit``.
@@ -290,6 +290,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
     env = checked_env(env)
+    encrypted = job_encrypts(encrypt, env)
     payload = pickled(_elastic_rank, as_callable(fn, args, kwargs), {})
     secret, run_id = make_secret(), secrets.token_hex(4)
     driver = _Driver(spark, high, run_id)
@@ -302,7 +303,8 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
             driver.size, driver.group = size, stage_tag(f"{run_id}a{attempt}")
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
             try:
-                stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose)
+                stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose,
+                                encrypt=encrypted)
                 results = run_attempt(spark, stage, events, driver.handlers())
                 why = "" if not any(isinstance(r, _Resized) for r in results) else "to grow"
             except RankFailedError as exc:

@@ -58,14 +58,16 @@ class DriverService:
         bind_host: interface to listen on ("" = all, for executors on other hosts).
         handlers: request name -> ``handler(rank, payload)``, whose return value is sent back to the rank
             (``ServiceClient.request``); an exception it raises is sent back as an error message.
+        encrypt: every connection's frames are encrypted (its ranks' clients must say so too).
     """
 
     def __init__(self, secret: bytes, num_proc: int, *, job_id: str = "", verbose: int = 1,
                  on_event: Callable[[Event], None] | None = None,
                  on_failure: Callable[[RankFailure], None] | None = None,
                  attempt: int = 0, bind_host: str = "",
-                 handlers: dict[str, Callable[[int, Any], Any]] | None = None) -> None:
+                 handlers: dict[str, Callable[[int, Any], Any]] | None = None, encrypt: bool = False) -> None:
         self.secret = secret
+        self.encrypt = encrypt
         self.num_proc = num_proc
         self.job_id = job_id
         self.verbose = verbose
@@ -96,7 +98,8 @@ class DriverService:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.bind_host, 0))
         sock.listen(max(16, self.num_proc * 2))
-        self._listener = Listener(sock, self.secret, self._serve, name="spark_hvd-driver-service")
+        self._listener = Listener(sock, self.secret, self._serve, name="spark_hvd-driver-service",
+                                  encrypt=self.encrypt)
         self._listener.start()
         host, port = sock.getsockname()[:2]
         return host, port

@@ -62,6 +62,8 @@ class Attempt:
     start_timeout: float = 600.0
     use_gpu: bool | None = None
     verbose: int = 1
+    #: frames between the ranks and with the driver's service are encrypted (``run(encrypt=...)``)
+    encrypt: bool = False
 
 
 def stage_tag(job_id: str) -> str:
@@ -118,10 +120,11 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
             logger.exception("spark_hvd: cancelling the stage %s failed", stage.tag)
 
     service = DriverService(attempt.secret, num_proc, job_id=job_id, verbose=attempt.verbose, on_event=on_event,
-                            on_failure=cancel, attempt=attempt.attempt, handlers=handlers)
+                            on_failure=cancel, attempt=attempt.attempt, handlers=handlers, encrypt=attempt.encrypt)
     _, port = service.start()
     setup = TaskSetup(f"{cluster.driver_host(spark)}:{port}", attempt.secret, job_id, attempt.attempt, num_proc,
-                      dict(attempt.env), attempt.use_gpu, attempt.payload, tee=not cluster.is_local_master(spark))
+                      dict(attempt.env), attempt.use_gpu, attempt.payload, tee=not cluster.is_local_master(spark),
+                      encrypt=attempt.encrypt)
     slots_unknown = stage.connect and cluster.total_slots(spark) is None
     outcome: dict[str, Any] = {}
 

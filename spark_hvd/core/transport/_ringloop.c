@@ -21,6 +21,13 @@
  * 64-bit frame counter (big-endian), associated data = the payload, plaintext = length | type byte (ciphertext
  * dropped). Nothing received is used (reduced, forwarded, handed back) before its tag checked out.
  *
+ * Encrypted frames (``encrypt``, SPARK_HVD_ENCRYPT): the same cipher, key (the direction's frame key) and nonce, but
+ * associated data = length | type byte and plaintext = the payload, whose ciphertext is sent in its place. A frame
+ * to send is sealed from the buffer into ``out_stage`` (ciphertext | tag) when it would be tagged, and sent from
+ * there; a frame received is read into ``in_stage``, its tag put after it, and decrypted from there into the scratch
+ * frame or its place in the buffer, then used only if the tag checked out (the same two ways: the caller's
+ * ``seal_into`` / ``open_into``, or libcrypto's EVP_Encrypt* / EVP_Decrypt* without the GIL).
+ *
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
  *
@@ -113,6 +120,7 @@ static void divide(int dtype, unsigned char *acc, long n, size_t nbytes) {
 #define GIL_WAIT_NS 100000LL      /* a longer wait for the GIL means another thread holds it: 0.1 ms */
 #define GIL_FREE_NS 1000000000LL  /* then tag without the GIL for 1 s */
 #define EVP_CTRL_GCM_GET_TAG_ 0x10
+#define EVP_CTRL_GCM_SET_TAG_ 0x11
 
 /* the few libcrypto functions used (a stable ABI since OpenSSL 1.1), resolved at first use */
 typedef struct evp_ctx EVP_CTX;
@@ -125,6 +133,9 @@ static struct {
     int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
     int (*final)(EVP_CTX *, unsigned char *, int *);
     int (*ctrl)(EVP_CTX *, int, int, void *);
+    int (*dec_init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *);
+    int (*dec_update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
+    int (*dec_final)(EVP_CTX *, unsigned char *, int *);
 } crypto;
 
 static int64_t gil_free_until; /* process-wide: tag without the GIL until then (CLOCK_MONOTONIC ns) */
@@ -150,15 +161,19 @@ static int crypto_load(void) {
     *(void **)&crypto.update = dlsym(lib, "EVP_EncryptUpdate");
     *(void **)&crypto.final = dlsym(lib, "EVP_EncryptFinal_ex");
     *(void **)&crypto.ctrl = dlsym(lib, "EVP_CIPHER_CTX_ctrl");
+    *(void **)&crypto.dec_init = dlsym(lib, "EVP_DecryptInit_ex");
+    *(void **)&crypto.dec_update = dlsym(lib, "EVP_DecryptUpdate");
+    *(void **)&crypto.dec_final = dlsym(lib, "EVP_DecryptFinal_ex");
     crypto.ok = crypto.aes_256_gcm && crypto.ctx_new && crypto.ctx_free && crypto.init && crypto.update
-                && crypto.final && crypto.ctrl;
+                && crypto.final && crypto.ctrl && crypto.dec_init && crypto.dec_update && crypto.dec_final;
     return crypto.ok;
 }
 
-static EVP_CTX *crypto_ctx(const unsigned char *key) {
+/* a context that encrypts (or, ``decrypt``, decrypts) under ``key`` */
+static EVP_CTX *crypto_ctx(const unsigned char *key, int decrypt) {
     if (!crypto_load()) return NULL;
     EVP_CTX *ctx = crypto.ctx_new();
-    if (ctx && crypto.init(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
+    if (ctx && (decrypt ? crypto.dec_init : crypto.init)(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
         crypto.ctx_free(ctx);
         ctx = NULL;
     }
@@ -216,7 +231,78 @@ static int tag_by_python(PyObject *mac, uint64_t counter, const unsigned char *l
     return rc;
 }
 
+/* Encrypted frames by libcrypto, without the GIL. Sealing: ``in`` the plaintext (``len``), ``out`` ciphertext | tag
+ * (``len`` + 16); opening: ``in`` ciphertext | tag, ``out`` the plaintext. 0 on success, 1 when a tag fails, -1 when
+ * libcrypto does. */
+static int crypt_by_crypto(EVP_CTX *ctx, int sealing, uint64_t counter, const unsigned char *aad,
+                           const unsigned char *in, size_t len, unsigned char *out) {
+    unsigned char iv[12], tail[32];
+    int outl;
+    nonce_of(counter, iv);
+    int (*init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *) =
+        sealing ? crypto.init : crypto.dec_init;
+    int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int) =
+        sealing ? crypto.update : crypto.dec_update;
+    if (init(ctx, NULL, NULL, NULL, iv) != 1 || update(ctx, NULL, &outl, aad, 9) != 1) return -1;
+    const unsigned char *tag = in + len;
+    while (len) {
+        int piece = len > (1u << 30) ? (1 << 30) : (int)len;
+        if (update(ctx, out, &outl, in, piece) != 1) return -1;
+        in += piece;
+        out += piece;
+        len -= (size_t)piece;
+    }
+    if (sealing)
+        return crypto.final(ctx, tail, &outl) == 1 && crypto.ctrl(ctx, EVP_CTRL_GCM_GET_TAG_, TAG_SIZE, out) == 1
+                   ? 0 : -1;
+    if (crypto.ctrl(ctx, EVP_CTRL_GCM_SET_TAG_, TAG_SIZE, (void *)tag) != 1) return -1;
+    return crypto.dec_final(ctx, tail, &outl) == 1 ? 0 : 1;
+}
+
+/* Encrypted frames by the caller's functions, the GIL held: ``seal_into(nonce, aad, plaintext, out)``,
+ * ``open_into(nonce, aad, sealed, out)`` -> whether the tag checked out. As crypt_by_crypto, -1 with an exception. */
+static int crypt_by_python(PyObject *fn, int sealing, uint64_t counter, const unsigned char *aad,
+                           unsigned char *in, size_t len, unsigned char *out) {
+    unsigned char iv[12];
+    nonce_of(counter, iv);
+    size_t in_len = sealing ? len : len + TAG_SIZE, out_len = sealing ? len + TAG_SIZE : len;
+    int rc = -1;
+    PyObject *nonce = PyBytes_FromStringAndSize((const char *)iv, 12);
+    PyObject *ad = PyBytes_FromStringAndSize((const char *)aad, 9);
+    PyObject *src = PyMemoryView_FromMemory((char *)in, (Py_ssize_t)in_len, PyBUF_READ);
+    PyObject *dst = PyMemoryView_FromMemory((char *)out, (Py_ssize_t)out_len, PyBUF_WRITE);
+    PyObject *result = nonce && ad && src && dst ? PyObject_CallFunctionObjArgs(fn, nonce, ad, src, dst, NULL) : NULL;
+    if (result) {
+        int ok = sealing ? 1 : PyObject_IsTrue(result);
+        rc = ok < 0 ? -1 : (ok ? 0 : 1);
+    }
+    Py_XDECREF(result);
+    Py_XDECREF(dst);
+    Py_XDECREF(src);
+    Py_XDECREF(ad);
+    Py_XDECREF(nonce);
+    return rc;
+}
+
 enum mac_mode { MAC_AUTO = 0, MAC_NO_GIL = 1, MAC_GIL = 2 };
+
+static int take_gil(int mode, EVP_CTX *ctx, PyThreadState **thread);
+
+/* Seal or open an encrypted frame, one of the two ways (as tag_frame chooses): 0 on success, 1 when its tag fails,
+ * -1 with a Python exception set, -2 when libcrypto failed. */
+static int crypt_frame(int mode, PyObject *fn, EVP_CTX *ctx, int sealing, uint64_t counter,
+                       const unsigned char *aad, unsigned char *in, size_t len, unsigned char *out,
+                       PyThreadState **thread) {
+    if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
+                                                                                          __ATOMIC_RELAXED)))) {
+        int rc = crypt_by_crypto(ctx, sealing, counter, aad, in, len, out);
+        return rc < 0 ? -2 : rc;
+    }
+    take_gil(mode, ctx, thread);
+    int rc = crypt_by_python(fn, sealing, counter, aad, in, len, out);
+    *thread = PyEval_SaveThread();
+    return rc;
+}
 
 /* The tag of the frame numbered ``counter`` whose plaintext is ``length_kind`` (length | type byte) and whose
  * payload is ``len`` bytes at ``payload`` (see the top of this file for the two ways). 0 on success; -1 with a
@@ -226,14 +312,20 @@ static int tag_frame(int mode, PyObject *mac, EVP_CTX *ctx, uint64_t counter, co
     if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
                                                                                           __ATOMIC_RELAXED))))
         return tag_by_crypto(ctx, counter, length_kind, payload, len, tag) == 0 ? 0 : -2;
+    take_gil(mode, ctx, thread);
+    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
+    *thread = PyEval_SaveThread();
+    return rc;
+}
+
+/* take the GIL back; a long wait for it (another thread runs Python) sends MAC_AUTO to libcrypto for a while */
+static int take_gil(int mode, EVP_CTX *ctx, PyThreadState **thread) {
     int64_t asked = now_ns();
     PyEval_RestoreThread(*thread);
     int64_t got = now_ns();
     if (ctx && mode == MAC_AUTO && got - asked > GIL_WAIT_NS)
         __atomic_store_n(&gil_free_until, got + GIL_FREE_NS, __ATOMIC_RELAXED);
-    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
-    *thread = PyEval_SaveThread();
-    return rc;
+    return 0;
 }
 
 static void put_be64(unsigned char *p, uint64_t v) {
@@ -258,6 +350,8 @@ typedef struct {
     PyObject *out_mac, *in_mac;
     EVP_CTX *out_ctx, *in_ctx; /* NULL without libcrypto */
     uint64_t out_counter, in_counter;
+    int encrypt;                              /* frames are encrypted: sealed into out_stage, opened from in_stage */
+    unsigned char *out_stage, *in_stage;      /* (the largest frame + its tag each; NULL when not encrypted) */
     unsigned char *buf, *scratch;
     const int64_t *first;  /* (lo, hi) byte ranges of buf sent first */
     Py_ssize_t n_first;
@@ -297,7 +391,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
     int n_pending = 0;
     Py_ssize_t index = 0;
     size_t got_head = 0, target_len = 0, target_got = 0;
-    unsigned char *target = NULL;
+    unsigned char *target = NULL, *dest = NULL; /* where a frame is read (in_stage if encrypted); its payload's place */
     int have_target = 0;
     unsigned char out_length_kind[9], in_length_kind[9]; /* a frame's plaintext: length | type byte */
     unsigned char expected_tag[TAG_SIZE], tag[TAG_SIZE];
@@ -318,8 +412,17 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 out_head[HEAD_SIZE - 1] = DATA_KIND;
                 memcpy(out_length_kind, out_head, 8);
                 out_length_kind[8] = DATA_KIND;
-                int tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, r->buf + lo,
+                unsigned char *from = r->buf + lo;
+                int tagged;
+                if (r->encrypt) { /* sealed into out_stage (ciphertext | tag), sent from there */
+                    tagged = crypt_frame(r->mac_mode, r->out_mac, r->out_ctx, 1, r->out_counter, out_length_kind,
+                                         from, (size_t)(hi - lo), r->out_stage, thread);
+                    memcpy(out_head + 8, r->out_stage + (hi - lo), TAG_SIZE);
+                    from = r->out_stage;
+                } else {
+                    tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, from,
                                        (size_t)(hi - lo), out_head + 8, thread);
+                }
                 if (tagged < 0) {
                     r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
                     goto done;
@@ -327,7 +430,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 r->out_counter++;
                 pending[0].iov_base = out_head;
                 pending[0].iov_len = HEAD_SIZE;
-                pending[1].iov_base = r->buf + lo;
+                pending[1].iov_base = from;
                 pending[1].iov_len = (size_t)(hi - lo);
                 n_pending = 2;
                 if (hi == lo) { pending[1] = pending[0]; n_pending = 1; } /* (the ring plans no empty frame) */
@@ -389,7 +492,8 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 memcpy(expected_tag, r->head + 8, TAG_SIZE);
                 memcpy(in_length_kind, r->head, 8);
                 in_length_kind[8] = DATA_KIND;
-                target = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                dest = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                target = r->encrypt ? r->in_stage : dest;
                 target_len = expected;
                 target_got = 0;
                 got_head = 0;
@@ -441,15 +545,26 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 if (target_len >= (size_t)r->lowat_min) { recv_dry = 1; can_recv = 0; }
             }
             /* frame `index` is complete: check its tag before anything uses it */
-            int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target, target_len,
-                                   tag, thread);
-            if (tagged < 0) {
-                r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
-                goto done;
+            if (r->encrypt) { /* decrypted into its place, used only if the tag checked out */
+                memcpy(r->in_stage + target_len, expected_tag, TAG_SIZE);
+                int opened = crypt_frame(r->mac_mode, r->in_mac, r->in_ctx, 0, r->in_counter, in_length_kind,
+                                         r->in_stage, target_len, dest, thread);
+                if (opened < 0) {
+                    r->status = opened == -1 ? ST_RAISED : ST_CRYPTO;
+                    goto done;
+                }
+                if (opened) { r->status = ST_AUTH; goto done; }
+            } else {
+                int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target,
+                                       target_len, tag, thread);
+                if (tagged < 0) {
+                    r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
+                    goto done;
+                }
+                unsigned char diff = 0; /* in constant time */
+                for (int k = 0; k < TAG_SIZE; k++) diff |= (unsigned char)(tag[k] ^ expected_tag[k]);
+                if (diff) { r->status = ST_AUTH; goto done; }
             }
-            unsigned char diff = 0; /* in constant time */
-            for (int k = 0; k < TAG_SIZE; k++) diff |= (unsigned char)(tag[k] ^ expected_tag[k]);
-            if (diff) { r->status = ST_AUTH; goto done; }
             r->in_counter++;
             have_target = 0;
             if (step[0] < r->reduce_steps) {
@@ -527,11 +642,12 @@ done:
 PyDoc_STRVAR(ring_doc,
 "ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
 "     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
-"     lowat_min, mac_mode)\n"
+"     lowat_min, mac_mode, encrypt)\n"
 "-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
 "(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
-"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function.");
+"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function;\n"
+"``encrypt``: frames are encrypted, ``out_mac``/``in_mac`` then each direction's ``seal_into``/``open_into``.");
 
 static PyObject *ring(PyObject *self, PyObject *args) {
     (void)self;
@@ -541,21 +657,22 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
     PyObject *out_mac, *in_mac;
     Py_buffer out_key, in_key, buf, scratch, first, plan;
-    int mac_mode;
-    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLi", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
+    int mac_mode, encrypt;
+    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
                           &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps,
                           &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail,
-                          &lowat_min, &mac_mode))
+                          &lowat_min, &mac_mode, &encrypt))
         return NULL;
     PyObject *result = NULL;
     EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
+    unsigned char *out_stage = NULL, *in_stage = NULL;
     if (out_key.len != 32 || in_key.len != 32) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
         goto out;
     }
     if (mac_mode != MAC_GIL) {
-        out_ctx = crypto_ctx(out_key.buf);
-        in_ctx = out_ctx ? crypto_ctx(in_key.buf) : NULL;
+        out_ctx = crypto_ctx(out_key.buf, 0);
+        in_ctx = out_ctx ? crypto_ctx(in_key.buf, encrypt) : NULL;
         if (!in_ctx && mac_mode == MAC_NO_GIL) {
             PyErr_SetString(PyExc_RuntimeError, "libcrypto (OpenSSL) could not be loaded or set up");
             goto out;
@@ -574,7 +691,21 @@ static PyObject *ring(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer or the scratch");
             goto out;
         }
+    if (encrypt) { /* the stages: the largest frame sent or received, and a tag */
+        int64_t largest = 0;
+        for (Py_ssize_t i = 0; i < n_first; i++)
+            if (f[2 * i + 1] - f[2 * i] > largest) largest = f[2 * i + 1] - f[2 * i];
+        for (Py_ssize_t i = 0; i < n_recv; i++)
+            if (p[3 * i + 2] - p[3 * i + 1] > largest) largest = p[3 * i + 2] - p[3 * i + 1];
+        out_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
+        in_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
+        if (!out_stage || !in_stage) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
     Ring r = {0};
+    r.encrypt = encrypt; r.out_stage = out_stage; r.in_stage = in_stage;
     r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
     if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
     r.out_counter = out_counter; r.in_counter = in_counter;
@@ -590,6 +721,8 @@ static PyObject *ring(PyObject *self, PyObject *args) {
                            (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
                            r.mid_send ? Py_True : Py_False);
 out:
+    PyMem_RawFree(out_stage);
+    PyMem_RawFree(in_stage);
     if (out_ctx) crypto.ctx_free(out_ctx);
     if (in_ctx) crypto.ctx_free(in_ctx);
     PyBuffer_Release(&out_key);

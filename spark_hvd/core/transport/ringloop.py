@@ -13,7 +13,9 @@ for the Python loop and 9.4 / 33.1 for gloo, on the wire's floor).
 The compiled loop reduces SUM of float32/float64/int32/int64 (and uint32/uint64, the same bits), AVERAGE of
 float32/float64 (and any allgather step); other dtypes and ops (float16, bfloat16, MIN, MAX, PRODUCT) run the
 Python loop on the same frames. ``SPARK_HVD_COMPILED_RING=false`` turns it off on a rank (then its whole job uses
-the Python loop's frame size).
+the Python loop's frame size). With encryption (``SPARK_HVD_ENCRYPT``) it seals and opens frames as the Python loop
+does (``_ringloop.c``), by ``cryptography``'s ``encrypt_into`` / ``decrypt_into`` under the GIL (or, after a wait for
+the GIL, the system's libcrypto without it).
 """
 
 from __future__ import annotations
@@ -99,14 +101,18 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
             pass
     code = _BYTES if reduce_steps == 0 else {**_FLOATS, **_INTEGERS}[flat.dtype]
     sending, receiving = out._sending(), recv._receiving()
+    if out.encrypt != recv.encrypt:
+        raise ValueError("a ring encrypts on both of its connections or on neither")
+    # encrypted: each direction's seal_into / open_into (``wire``), else its GMAC
+    out_fn, in_fn = (sending.seal_into, receiving.open_into) if out.encrypt else (sending.gmac, receiving.gmac)
     timeout_ms = int(max(out.timeout_s, recv.timeout_s) * 1000)
     with out.send_lock:
         try:
             status, detail, sending.counter, receiving.counter, index, head, mid_send = _ringloop.ring(
-                out.sock.fileno(), recv.sock.fileno(), sending.gmac, sending.data_key(), sending.counter,
-                receiving.gmac, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
+                out.sock.fileno(), recv.sock.fileno(), out_fn, sending.data_key(), sending.counter,
+                in_fn, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
                 reduce_steps, total_steps, code, 1 if op is ReduceOp.AVERAGE else 0, ranks, timeout_ms, ahead,
-                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE)
+                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE, int(out.encrypt))
         except BaseException:  # a signal handler's exception (Ctrl-C), or the MAC's: the streams may stop mid-frame
             out.send_broken = recv.recv_broken = True
             raise
