@@ -68,6 +68,11 @@ class Standalone:
                  start_s: float = 180.0) -> None:
         self.sim, self.logs, self.start_s = sim, logs, start_s
         self.procs: list[subprocess.Popen] = []
+        #: each host's TMPDIR (its daemons', so its executors' and their Python workers'; a driver's on host 0):
+        #: what spark_hvd leaves in temporary files is found there, apart from other processes of this machine
+        self.tmpdirs = {k: logs / f"tmp{k}" for k in range(len(sim.hosts))}
+        for path in self.tmpdirs.values():
+            path.mkdir(exist_ok=True)
         self.workers: dict[int, subprocess.Popen] = {}
         self.starts: dict[int, int] = {}
         h0 = sim.hosts[0]
@@ -75,7 +80,7 @@ class Standalone:
         master_log = logs / "master.log"
         with open(master_log, "w") as out:
             master = h0.popen([self._spark_class(), "org.apache.spark.deploy.master.Master", "--host", h0.address,
-                               "--port", "7077", "--webui-port", "8080"], env=daemon_env(h0.address),
+                               "--port", "7077", "--webui-port", "8080"], env=self.env(0),
                               stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(master)
         wait_for_text(master_log, "I have been elected leader", master, start_s)
@@ -83,6 +88,10 @@ class Standalone:
             self.start_worker(k, wait=False)
         for k in workers:
             self.wait_registered(k)
+
+    def env(self, k: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """``daemon_env`` of host ``k``, with its ``TMPDIR``."""
+        return daemon_env(self.sim.hosts[k].address, {"TMPDIR": str(self.tmpdirs[k]), **(extra or {})})
 
     @staticmethod
     def _spark_class() -> str:
@@ -99,7 +108,7 @@ class Standalone:
             worker = host.popen([self._spark_class(), "org.apache.spark.deploy.worker.Worker", "--host", host.address,
                                  "--cores", "1", "--memory", "1g", "--webui-port", "8081",
                                  "--work-dir", str(self.logs / f"work{k}"), self.url],
-                                env=daemon_env(host.address), stdout=out, stderr=subprocess.STDOUT)
+                                env=self.env(k), stdout=out, stderr=subprocess.STDOUT)
         self.procs.append(worker)
         self.workers[k] = worker
         self.starts[k] = self.starts.get(k, 0) + 1
@@ -175,7 +184,7 @@ class Driver:
                  env: dict[str, str] | None = None) -> None:
         h0 = cluster.sim.hosts[0]
         self.log = log
-        full_env = daemon_env(h0.address, {"SIM_DRIVER_ADDRESS": h0.address, **(env or {})})
+        full_env = cluster.env(0, {"SIM_DRIVER_ADDRESS": h0.address, **(env or {})})
         with open(log, "w") as err:
             self.proc = h0.popen([sys.executable, script, *args], env=full_env, stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=err, text=True)

@@ -9,8 +9,9 @@ still runs:
 
 * its weights equal a one-process replay of exactly the committed batches at each size;
 * no host runs a process that inherited a spark_hvd job id, no Python process holds a TCP socket on the simulated
-  network (the ring's and the driver service's connections and listeners), no ``spark_hvd`` segment was left in
-  ``/dev/shm`` and no ``spark_hvd`` temporary in ``/tmp`` by the fit.
+  network (the ring's and the driver service's connections and listeners), no segment of the run is left in
+  ``/dev/shm`` and no ``spark_hvd`` temporary in any host's ``TMPDIR`` (each host's own, so that other processes
+  of the machine do not count).
 
 It prints the table: faults by kind, recovery time each (training stopped for: the longest gap between batches
 around the fault; median, max), steps lost (batches trained after the last checkpoint and trained again). A store
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -49,14 +51,12 @@ def _log(marks: Path) -> list[tuple[int, int, int, int, float]]:
     return [(int(a), int(e), int(s), int(n), float(t)) for a, e, s, n, t in rows]
 
 
-def _spark_hvd_temps() -> set[str]:
-    found = set()
-    for folder in ("/tmp", "/dev/shm"):
-        try:
-            found |= {os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("spark_hvd")}
-        except OSError:
-            pass
-    return found
+def _spark_hvd_temps(cluster: Standalone, run_id: str) -> list[str]:
+    """spark_hvd's temporaries in the hosts' ``TMPDIR`` and the run's shared-memory segments
+    (``/dev/shm/spark_hvd-<job id>-...``; the job ids of a run start with its id)."""
+    found = [str(p) for d in cluster.tmpdirs.values() for p in d.iterdir() if p.name.startswith("spark_hvd")]
+    return found + sorted(os.path.join("/dev/shm", n) for n in os.listdir("/dev/shm")
+                          if n.startswith(f"spark_hvd-{run_id}"))
 
 
 def _shape(cluster: Standalone, k: int, rate: str) -> None:
@@ -100,7 +100,6 @@ def _python_threads(host) -> dict[int, int]:
 def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalone_cluster, tmp_path):
     cluster = standalone_cluster
     rng = random.Random(SEED)
-    temps_before = _spark_hvd_temps()
     marks = tmp_path / "marks"
     marks.mkdir()
     cfg = {"elastic": True, "num_proc": 3, "min_num_proc": 1, "max_num_proc": 3, "every": EVERY, "epochs": 100000,
@@ -159,7 +158,8 @@ def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalo
             if found:
                 leaks[host.name] = found
         threads = {h.name: _python_threads(h) for h in cluster.sim.hosts[1:]}
-        temps = sorted(_spark_hvd_temps() - temps_before)
+        run_id = re.search(r"run_elastic (\w+):", driver.log.read_text()).group(1)
+        temps = _spark_hvd_temps(cluster, run_id)
     finally:
         for h in cluster.sim.hosts:
             h.link(True)
