@@ -421,7 +421,7 @@ class RingBackend(Backend):
         if compiled and self._mac is None and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
-                         plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
+                         plan, reduce_steps, total, op, n, average=average, bfloat16=bfloat16)
             return
         window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
         scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
@@ -663,9 +663,14 @@ class RingBackend(Backend):
 
     @_collective("barrier")
     def barrier(self) -> None:
-        """Return once every rank has called it."""
+        """Return once every rank has called it; on one host's shared memory, the ranks leave it together."""
         if self.size > 1:
-            self._small_allgather(b"", "barrier")
+            self.plan.barrier(self, "barrier")
+
+    def leave_together(self) -> None:
+        """See ``Backend.leave_together``: on one host's shared memory, a bounded spin until every peer finished
+        the last collective (``ShmGroup.release``); elsewhere nothing."""
+        self.plan.leave_together()
 
     def __repr__(self) -> str:
         return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "

@@ -39,6 +39,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -64,12 +65,20 @@ enum status {
     ST_CRYPTO = 10,   /* libcrypto failed */
 };
 
-enum dtype { DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4 };
-enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1 };
+enum dtype {
+    DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4, DT_U32 = 5, DT_U64 = 6, DT_F16 = 7, DT_BF16 = 8,
+    DT_I8 = 9, DT_U8 = 10, DT_I16 = 11, DT_U16 = 12, DT_COUNT = 13
+};
+enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1, OP_MIN = 2, OP_MAX = 3, OP_PRODUCT = 4, OP_COUNT = 5 };
 
-/* -- reductions: acc = acc + x (IEEE, no fast-math: the same bits as numpy's add; integers wrap as numpy's do) --
+/* -- reductions: acc = op(acc, x), element by element, the same bits as the Python loop's numpy ufuncs ----------
+ * (spark_hvd.core.reduce.reduce_into): IEEE, no fast-math; integer sums and products wrap as numpy's do (computed
+ * in the unsigned type of the width: the same bits, no signed overflow); MIN / MAX as numpy's scalar loops, a NaN
+ * in acc kept, a NaN in x taken; float16 and bfloat16 widened to float32 (exact), reduced there, and rounded back
+ * once (float16 as numpy's half loops: round to nearest even; bfloat16 as reduce.f32_to_bf16, NaN to 0x7FC0 with
+ * its sign). AVERAGE sums; ``divide`` turns the last step's sums into averages as reduce.divide_average does.
  * Vectorised (-O3 for these loops), with an AVX2 clone chosen at load time where the CPU has it (as numpy's own
- * loops are): the same sums, element by element, in wider registers. */
+ * loops are): the same operations, element by element, in wider registers. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("O3")
@@ -79,41 +88,224 @@ enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1 };
 #else
 #define WIDE
 #endif
-WIDE static void add_f32(float *restrict acc, const float *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+#define MIN_(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
+#define MAX_(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
+
+/* SUM (and AVERAGE's sums), PRODUCT, MIN, MAX of one element type T; sums and products in U (unsigned for integers) */
+#define KERNELS(NAME, T, U)                                                                                     \
+    WIDE static void NAME##_sum(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)(U)((U)acc[i] + (U)x[i]);                                   \
+    }                                                                                                            \
+    WIDE static void NAME##_prod(T *restrict acc, const T *restrict x, size_t n) {                             \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)(U)((U)acc[i] * (U)x[i]);                                   \
+    }                                                                                                            \
+    WIDE static void NAME##_min(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = MIN_(acc[i], x[i]);                                             \
+    }                                                                                                            \
+    WIDE static void NAME##_max(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = MAX_(acc[i], x[i]);                                             \
+    }
+KERNELS(f32, float, float)
+KERNELS(f64, double, double)
+KERNELS(i8, int8_t, unsigned)   /* unsigned int: uint8 * uint8 promoted to int could overflow in C */
+KERNELS(u8, uint8_t, unsigned)
+KERNELS(i16, int16_t, unsigned)
+KERNELS(u16, uint16_t, unsigned)
+KERNELS(i32, int32_t, uint32_t)
+KERNELS(u32, uint32_t, uint32_t)
+KERNELS(i64, int64_t, uint64_t)
+KERNELS(u64, uint64_t, uint64_t)
+
+/* float16 <-> float32 (numpy's npy_half_to_float / npy_float_to_half) and bfloat16 <-> float32 */
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, nan (payload kept) */
+    if (exp) return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    float v = (float)man * 0x1p-24f;                                      /* zero, subnormal: exact */
+    return bits_f32(sign | f32_bits(v));
 }
-WIDE static void add_f64(double *restrict acc, const double *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+static inline uint16_t f2h(float f) {
+    uint32_t b = f32_bits(f), e = b & 0x7f800000u, sig = b & 0x007fffffu;
+    uint16_t sign = (uint16_t)((b & 0x80000000u) >> 16);
+    if (e >= 0x47800000u) {                                                /* overflow, inf, nan */
+        if (e == 0x7f800000u && sig) {
+            uint16_t h = (uint16_t)(0x7c00u + (sig >> 13));
+            return (uint16_t)(sign + (h == 0x7c00u ? h + 1 : h));         /* a nan stays a nan */
+        }
+        return (uint16_t)(sign + 0x7c00u);
+    }
+    if (e <= 0x38000000u) {                                                /* subnormal half, or zero */
+        if (e < 0x33000000u) return sign;
+        uint32_t shift = 113u - (e >> 23);
+        uint32_t s = (0x00800000u + sig) >> shift;
+        if ((s & 0x3fffu) != 0x1000u || (sig & ((1u << shift) - 1u))) s += 0x1000u; /* nearest, ties to even */
+        return (uint16_t)(sign + (s >> 13));
+    }
+    uint32_t h = (e - 0x38000000u) >> 13;                                  /* the exponent, in place */
+    if ((sig & 0x3fffu) != 0x1000u) sig += 0x1000u;                        /* nearest, ties to even */
+    return (uint16_t)(sign + h + (sig >> 13));                             /* a carry rounds up the exponent */
 }
-WIDE static void add_u32(uint32_t *restrict acc, const uint32_t *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+static inline float b2f(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t f2b(float f) {
+    uint32_t b = f32_bits(f);
+    uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)(0x7fc0u | (r & 0x8000u)) : (uint16_t)r;
 }
-WIDE static void add_u64(uint64_t *restrict acc, const uint64_t *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+/* Which NaN a sum or product of two 16-bit floats carries, as the Python loop's numpy gives it: float16 (numpy's half
+ * loops) the second operand's if it is one, else the first's, quieted; bfloat16 (numpy's float32 loops, then
+ * reduce.f32_to_bf16, which keeps only a NaN's sign) the first operand's, else the second's. */
+static inline float quiet(float a) { return bits_f32(f32_bits(a) | 0x00400000u); }
+#define NAN_F16(r, a, b) ((b) != (b) ? quiet(b) : (a) != (a) ? quiet(a) : (r))
+#define NAN_BF16(r, a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (r))
+
+#define HALF_KERNELS(NAME, TO, FROM, NAN_)                                                                      \
+    WIDE static void NAME##_sum(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) {                                                                        \
+            float a = TO(acc[i]), b = TO(x[i]);                                                                 \
+            acc[i] = FROM(NAN_(a + b, a, b));                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    WIDE static void NAME##_prod(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {              \
+        for (size_t i = 0; i < n; i++) {                                                                        \
+            float a = TO(acc[i]), b = TO(x[i]);                                                                 \
+            acc[i] = FROM(NAN_(a * b, a, b));                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    WIDE static void NAME##_min(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) { float a = TO(acc[i]), b = TO(x[i]); acc[i] = FROM(MIN_(a, b)); }     \
+    }                                                                                                            \
+    WIDE static void NAME##_max(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) { float a = TO(acc[i]), b = TO(x[i]); acc[i] = FROM(MAX_(a, b)); }     \
+    }                                                                                                            \
+    WIDE static void NAME##_div(uint16_t *restrict acc, float d, size_t n) {                                   \
+        for (size_t i = 0; i < n; i++) acc[i] = FROM(TO(acc[i]) / d);                                         \
+    }
+HALF_KERNELS(f16_soft, h2f, f2h, NAN_F16)
+HALF_KERNELS(bf16, b2f, f2b, NAN_BF16)
+
+/* float16 where the CPU converts (F16C, with AVX2): eight at a time, the same bits as h2f / f2h (the hardware
+ * rounds to nearest even, as f2h; a NaN sum is quiet either way, its payload cut the same). MIN / MAX compare the
+ * widened values and keep the chosen input's own bits (as numpy's half loops do: a signalling NaN stays one). The
+ * rest of an array, and CPUs without F16C, take the loops above. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define ROUND_ (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+__attribute__((target("avx2,f16c"))) static size_t f16_wide(int op, uint16_t *restrict acc,
+                                                           const uint16_t *restrict x, float d, size_t n) {
+    size_t i = 0;
+    __m256 div = _mm256_set1_ps(d);
+    for (; i + 8 <= n; i += 8) {
+        __m128i ha = _mm_loadu_si128((const __m128i *)(acc + i)), hb = _mm_setzero_si128(), r;
+        __m256 a = _mm256_cvtph_ps(ha), b = a;
+        if (x) {
+            hb = _mm_loadu_si128((const __m128i *)(x + i));
+            b = _mm256_cvtph_ps(hb);
+        }
+        if (!x) {
+            r = _mm256_cvtps_ph(_mm256_div_ps(a, div), ROUND_);
+        } else if (op == OP_SUM || op == OP_AVERAGE || op == OP_PRODUCT) {
+            __m256 sum = op == OP_PRODUCT ? _mm256_mul_ps(a, b) : _mm256_add_ps(a, b);
+            __m256 qa = _mm256_or_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+            __m256 qb = _mm256_or_ps(b, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+            sum = _mm256_blendv_ps(sum, qa, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); /* NAN_F16: b's, else a's */
+            sum = _mm256_blendv_ps(sum, qb, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+            r = _mm256_cvtps_ph(sum, ROUND_);
+        } else {
+            __m256 keep = op == OP_MIN ? _mm256_cmp_ps(a, b, _CMP_LE_OQ) : _mm256_cmp_ps(a, b, _CMP_GE_OQ);
+            __m256i k = _mm256_castps_si256(_mm256_or_ps(keep, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+            __m128i k16 = _mm_packs_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+            r = _mm_blendv_epi8(hb, ha, k16);
+        }
+        _mm_storeu_si128((__m128i *)(acc + i), r);
+    }
+    return i;
 }
+static int f16c_ok = -1;
+static size_t f16_fast(int op, uint16_t *acc, const uint16_t *x, float d, size_t n) {
+    if (f16c_ok < 0) f16c_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return f16c_ok ? f16_wide(op, acc, x, d, n) : 0;
+}
+#else
+static size_t f16_fast(int op, uint16_t *acc, const uint16_t *x, float d, size_t n) {
+    (void)op; (void)acc; (void)x; (void)d; (void)n;
+    return 0;
+}
+#endif
+#define F16_OP(NAME, OP)                                                                                        \
+    static void f16_##NAME(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {                     \
+        size_t done = f16_fast(OP, acc, x, 1.0f, n);                                                            \
+        f16_soft_##NAME(acc + done, x + done, n - done);                                                        \
+    }
+F16_OP(sum, OP_SUM)
+F16_OP(prod, OP_PRODUCT)
+F16_OP(min, OP_MIN)
+F16_OP(max, OP_MAX)
+static void f16_div(uint16_t *restrict acc, float d, size_t n) {
+    size_t done = f16_fast(OP_AVERAGE, acc, NULL, d, n);
+    f16_soft_div(acc + done, d, n - done);
+}
+
 WIDE static void div_f32(float *restrict acc, float d, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
 }
 WIDE static void div_f64(double *restrict acc, double d, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
 }
+/* an integer average as reduce.divide_average: trunc(sum / float64(n)), cast back */
+#define INT_DIV(NAME, T)                                                                                        \
+    static void NAME##_div(T *restrict acc, double d, size_t n) {                                               \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)trunc((double)acc[i] / d);                                   \
+    }
+INT_DIV(i8, int8_t)
+INT_DIV(u8, uint8_t)
+INT_DIV(i16, int16_t)
+INT_DIV(u16, uint16_t)
+INT_DIV(i32, int32_t)
+INT_DIV(u32, uint32_t)
+INT_DIV(i64, int64_t)
+INT_DIV(u64, uint64_t)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
 
-static void reduce_into(int dtype, unsigned char *acc, const unsigned char *x, size_t nbytes) {
-    switch (dtype) {
-    case DT_F32: add_f32((float *)acc, (const float *)x, nbytes / 4); break;
-    case DT_F64: add_f64((double *)acc, (const double *)x, nbytes / 8); break;
-    case DT_I32: add_u32((uint32_t *)acc, (const uint32_t *)x, nbytes / 4); break;
-    case DT_I64: add_u64((uint64_t *)acc, (const uint64_t *)x, nbytes / 8); break;
-    default: break;
-    }
+typedef void (*kernel)(void *restrict, const void *restrict, size_t);
+#define ROW(NAME) {(kernel)NAME##_sum, (kernel)NAME##_sum, (kernel)NAME##_min, (kernel)NAME##_max, (kernel)NAME##_prod}
+static const kernel kernels[DT_COUNT][OP_COUNT] = {
+    [DT_F32] = ROW(f32), [DT_F64] = ROW(f64), [DT_I32] = ROW(i32), [DT_I64] = ROW(i64), [DT_U32] = ROW(u32),
+    [DT_U64] = ROW(u64), [DT_F16] = ROW(f16), [DT_BF16] = ROW(bf16), [DT_I8] = ROW(i8), [DT_U8] = ROW(u8),
+    [DT_I16] = ROW(i16), [DT_U16] = ROW(u16),
+};
+static const size_t itemsizes[DT_COUNT] = {4, 8, 4, 8, 1, 4, 8, 2, 2, 1, 1, 2, 2};
+
+static void reduce_into(int dtype, int op, unsigned char *acc, const unsigned char *x, size_t nbytes) {
+    kernels[dtype][op](acc, x, nbytes / itemsizes[dtype]);
 }
 
 static void divide(int dtype, unsigned char *acc, long n, size_t nbytes) {
-    if (dtype == DT_F32) div_f32((float *)acc, (float)n, nbytes / 4);
-    else if (dtype == DT_F64) div_f64((double *)acc, (double)n, nbytes / 8);
+    size_t k = nbytes / itemsizes[dtype];
+    switch (dtype) {
+    case DT_F32: div_f32((float *)acc, (float)n, k); break;
+    case DT_F64: div_f64((double *)acc, (double)n, k); break;
+    case DT_F16: f16_div((uint16_t *)acc, (float)h2f(f2h((float)n)), k); break;
+    case DT_BF16: bf16_div((uint16_t *)acc, (float)n, k); break;
+    case DT_I8: i8_div((int8_t *)acc, (double)n, k); break;
+    case DT_U8: u8_div((uint8_t *)acc, (double)n, k); break;
+    case DT_I16: i16_div((int16_t *)acc, (double)n, k); break;
+    case DT_U16: u16_div((uint16_t *)acc, (double)n, k); break;
+    case DT_I32: i32_div((int32_t *)acc, (double)n, k); break;
+    case DT_U32: u32_div((uint32_t *)acc, (double)n, k); break;
+    case DT_I64: i64_div((int64_t *)acc, (double)n, k); break;
+    case DT_U64: u64_div((uint64_t *)acc, (double)n, k); break;
+    default: break;
+    }
 }
 
 /* -- tags ------------------------------------------------------------------------------------------------------ */
@@ -568,7 +760,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
             r->in_counter++;
             have_target = 0;
             if (step[0] < r->reduce_steps) {
-                reduce_into(r->dtype, r->buf + step[1], r->scratch, target_len);
+                reduce_into(r->dtype, r->op, r->buf + step[1], r->scratch, target_len);
                 if (r->op == OP_AVERAGE && step[0] == r->reduce_steps - 1)
                     divide(r->dtype, r->buf + step[1], r->ranks, target_len);
             }
@@ -677,6 +869,10 @@ static PyObject *ring(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_RuntimeError, "libcrypto (OpenSSL) could not be loaded or set up");
             goto out;
         }
+    }
+    if (reduce_steps > 0 && (dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || op < 0 || op >= OP_COUNT)) {
+        PyErr_SetString(PyExc_ValueError, "unknown dtype or reduction code");
+        goto out;
     }
     Py_ssize_t n_first = first.len / (Py_ssize_t)(2 * sizeof(int64_t)), n_recv = plan.len / (Py_ssize_t)(3 * sizeof(int64_t));
     const int64_t *f = first.buf, *p = plan.buf;
