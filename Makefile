@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
+.PHONY: setup demo test test-fast hostloss legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,12 @@ test: setup
 # nothing marked slow. Not a substitute for `make test`.
 test-fast: setup
 	$(PY) -m pytest -q -m "not spark and not slow and not multihost and not ray"
+
+# What `make test` leaves out for its time: a worker host's link lost on simulated hosts, under Spark standalone
+# (tests/multihost/test_lost_host.py, marker hostloss: ~3 min a test on 2 cores; needs root) and the fault soak
+# (marker soak). Run once per change to the runner, core or store.
+hostloss: setup
+	$(PY) -m pytest -m "hostloss or soak" -s --durations=0 tests/multihost
 
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.

@@ -15,10 +15,14 @@ bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to glo
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,ring-tcp,gloo,mpi   # the user's path
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,gloo --sizes 4K --osu  # OSU style
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --alternate   # two tensors in turn
+    .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --after-barrier  # barrier, one call
 
 ``--osu`` times as osu_allreduce does: a barrier between timed allreduces (only the allreduce is timed), so no
-call can ride on the one before it; ``--alternate`` times back-to-back calls that alternate between two tensors
-(two names). Without either, one tensor is reduced back to back (a steady training loop's best case).
+call can ride on the one before it; ``--after-barrier`` times the loop a user writes to time a small collective:
+untimed back-to-back calls, then ``hvd.barrier()`` before each timed call, each call's slowest rank, the median over
+calls (and logs how far apart the ranks left the barrier; ``--unnamed``: ``hvd.allreduce_(t)`` with no name);
+``--alternate`` times back-to-back calls that alternate between two tensors (two names). Without any, one tensor
+is reduced back to back (a steady training loop's best case).
 
 ``ring`` is the built-in backend as a user gets it (shared memory between the ranks of one host); ``ring-tcp``
 forces its TCP ring (``SPARK_HVD_SHM=0``); ``ring-hier`` makes the first and second half of the ranks look like
@@ -89,7 +93,10 @@ from spark_hvd.core.transport.wire import FramedSocket, make_secret  # noqa: E40
 logger = logging.getLogger("bench")
 _MODES = {"osu": "--osu: a barrier between timed allreduces, as osu_allreduce",
           "alt": "--alternate: two tensors alternating, time per call",
-          "new": "--new-names: every call a new name, time per call"}
+          "new": "--new-names: every call a new name, time per call",
+          "bar": "--after-barrier: back-to-back warm-up, then hvd.barrier() before each timed call; per call the "
+                 "slowest rank, median over calls",
+          "barnn": "--after-barrier --unnamed: as --after-barrier, each call hvd.allreduce_(t) without a name"}
 IMPLS = ("api", "api-tcp", "ring", "gloo", "mpi", "ring-tcp", "ring-hier", "api-hier", "ring-sync", "ring-agreed")
 DEFAULT_IMPLS = ("api", "api-tcp", "ring", "ring-hier", "gloo", "mpi")
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -191,13 +198,13 @@ def _worker(name: str) -> None:
         rank, size = hvd.rank(), hvd.size()
         tensors: dict[int, torch.Tensor] = {}
 
-        def allreduce(buf: np.ndarray, tag: str = "") -> None:
+        def allreduce(buf: np.ndarray, tag: str | None = "") -> None:
             tensor = tensors.get(id(buf))
             if tensor is None:
                 if len(tensors) > 1:
                     tensors.clear()
                 tensor = tensors[id(buf)] = torch.from_numpy(buf)  # shares buf's memory
-            hvd.allreduce_(tensor, name=f"bench.{buf.nbytes}{tag}", op=hvd.Sum)
+            hvd.allreduce_(tensor, name=None if tag is None else f"bench.{buf.nbytes}{tag}", op=hvd.Sum)
 
         barrier = hvd.barrier
         close = hvd.shutdown
@@ -249,6 +256,10 @@ def _worker(name: str) -> None:
         if buf is None:
             buffers.clear()
             buf = buffers[nbytes] = rng.standard_normal(nbytes // 4).astype(np.float32)
+        if mode and mode[0] in ("bar", "barnn"):
+            control.send_object(("result", _after_barrier(allreduce, barrier, buf, iters, warmup,
+                                                          mode[0] == "barnn"), 0.0))
+            continue
         if mode and mode[0] != "loop":
             control.send_object(("result", *_osu_timed(mode[0], allreduce, barrier, buf, iters, warmup)))
             continue
@@ -396,6 +407,29 @@ def _osu_timed(mode: str, allreduce: Any, barrier: Any, buf: np.ndarray, iters: 
     return elapsed / iters, cpu / iters
 
 
+def _after_barrier(allreduce: Any, barrier: Any, buf: np.ndarray, iters: int, warmup: int,
+                   unnamed: bool) -> list[tuple[float, float]]:
+    """``--after-barrier``: the loop a user writes to time a small collective, untimed back-to-back calls to warm
+    up, then per call ``hvd.barrier()`` and the timed ``hvd.allreduce_(t)``. ``unnamed``: the calls give no name
+    (each is ``allreduce.noname.<n>``, as ``hvd.allreduce_(t)`` names it; the bare backends know no names).
+    Returns (when the barrier returned, the call's seconds) per timed call on this rank (the driver takes the
+    slowest rank per call, and reports how far apart the ranks left the barrier)."""
+    tagged = "tag" in getattr(getattr(allreduce, "__code__", None), "co_varnames", ())
+    tag = None if unnamed else ""
+    call = (lambda: allreduce(buf, tag)) if tagged else (lambda: allreduce(buf))
+    times = []
+    clock = time.perf_counter
+    with np.errstate(over="ignore", invalid="ignore"):  # repeated sums of the same buffer overflow to inf
+        for _ in range(warmup + 10):
+            call()
+        for _ in range(iters):
+            barrier()
+            t = clock()
+            call()
+            times.append((t, clock() - t))
+    return times
+
+
 # ---------------------------------------------------------------------------------------------- driver side
 def variant_env(name: str) -> dict[str, str]:
     """The environment variables ``IMPL:VARIANT`` adds (``BENCH_VARIANTS``); none for a plain ``IMPL``."""
@@ -451,10 +485,19 @@ class Group:
             self.procs.append(subprocess.Popen([*place, *script], env={**env, **extra, **own, **variant}))
 
     def run(self, nbytes: int, iters: int, warmup: int, mode: str = "loop") -> tuple[float, float]:
-        """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank)."""
+        """(slowest rank's seconds per allreduce, mean CPU seconds per allreduce per rank); for a mode that times
+        each call (``--after-barrier``), the median over calls of each call's slowest rank."""
         for conn in self.conns.values():
             conn.send_object(("run", nbytes, iters, warmup, mode))
         replies = [conn.recv_object() for conn in self.conns.values()]
+        if isinstance(replies[0][1], list):  # per call (barrier exit, seconds) on each rank
+            calls = list(zip(*(r[1] for r in replies), strict=True))
+            spread = statistics.median(max(t for t, _ in c) - min(t for t, _ in c) for c in calls)
+            slowest = [max(d for _, d in c) for c in calls]
+            logger.info("%s %s: the ranks left the barrier %.1f us apart (median), slowest rank per call %.1f us "
+                        "(median; quartiles %.1f, %.1f)", self.impl, human(nbytes), spread * 1e6,
+                        statistics.median(slowest) * 1e6, *(q * 1e6 for q in statistics.quantiles(slowest, n=4)[::2]))
+            return statistics.median(slowest), 0.0
         return max(r[1] for r in replies), sum(r[2] for r in replies) / len(replies)
 
     def stop(self) -> None:
@@ -580,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="OSU style: a barrier between timed allreduces (osu_allreduce's loop)")
     parser.add_argument("--alternate", action="store_true",
                         help="back-to-back calls alternating two tensors of each size (two names)")
+    parser.add_argument("--after-barrier", action="store_true",
+                        help="untimed back-to-back warm-up, then hvd.barrier() before each timed call (per call the "
+                             "slowest rank; the median over calls)")
+    parser.add_argument("--unnamed", action="store_true",
+                        help="with --after-barrier: the api calls give no name (hvd.allreduce_(t))")
     parser.add_argument("--new-names", action="store_true",
                         help="back-to-back calls, each under a name not used before (a full negotiation each)")
     args = parser.parse_args(argv)
@@ -606,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in nps:
         # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring
         run = [i for i in impls if not i.split(":", 1)[0].endswith("-hier") or n >= 4]
-        mode = "osu" if args.osu else "alt" if args.alternate else "new" if args.new_names else "loop"
+        mode = ("osu" if args.osu else "alt" if args.alternate else "new" if args.new_names
+                else ("barnn" if args.unnamed else "bar") if args.after_barrier else "loop")
         if mode != "loop":
             print(f"mode: {_MODES[mode]}")
         times = bench(n, run, sizes, rounds, args.quick, mode)

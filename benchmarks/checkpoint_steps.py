@@ -149,7 +149,7 @@ def main() -> None:
 
     import torch
 
-    from spark_hvd.estimators.rank_run import RankRun
+    from spark_hvd.estimators.common.rank_run import RankRun
     from spark_hvd.store import Store
 
     torch.set_num_threads(1)

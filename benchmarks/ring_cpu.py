@@ -12,6 +12,11 @@ directory::
     .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
     .venv/bin/python benchmarks/ring_cpu.py --np 2 --envs "SPARK_HVD_MAC_THREADS=0;SPARK_HVD_MAC_THREADS=1"
 
+``--dtype`` and ``--op`` reduce another dtype (``bfloat16``: a uint16 view) or op than float32 SUM; with a tree from
+before the compiled loop took them, A/B against it compares the compiled loop with the Python loop::
+
+    .venv/bin/python benchmarks/ring_cpu.py --trees /tmp/base,. --np 2 --sizes 16M --dtype float16 --op max
+
 ``--envs`` compares settings instead of (or as well as) trees: each ``;``-separated list of ``VAR=VALUE,...``
 is one variant, run in every tree, alternated with the others every round.
 
@@ -52,7 +57,7 @@ def _spin(stop: threading.Event) -> None:
         count += 1
 
 
-def _rank(sizes: list[int], profile: int, spin: bool = False) -> dict:
+def _rank(sizes: list[int], profile: int, spin: bool = False, dtype: str = "float32", op: str = "SUM") -> dict:
     """One rank: time every size (warm-up, barrier, then a fixed byte budget of allreduces)."""
     import cProfile
     import io
@@ -67,6 +72,8 @@ def _rank(sizes: list[int], profile: int, spin: bool = False) -> dict:
     from spark_hvd.core.backend import ReduceOp
 
     backend = backend_from_env()
+    bfloat16 = dtype == "bfloat16"
+    reduce_op = ReduceOp[op]
     out: dict = {}
     stop = threading.Event()
     if spin:
@@ -74,16 +81,17 @@ def _rank(sizes: list[int], profile: int, spin: bool = False) -> dict:
     profiler = cProfile.Profile(time.thread_time) if profile else None  # the calling thread's CPU only
     try:
         for nbytes in sizes:
-            buf = np.zeros(nbytes // 4, np.float32)
+            kind = np.dtype(np.uint16 if bfloat16 else dtype)
+            buf = np.ones(nbytes // kind.itemsize, kind)  # ones: products and sums of floats stay finite for a while
             iters = max(5, min(300, (256 << 20) // nbytes))
             for _ in range(2):
-                backend.allreduce(buf, ReduceOp.SUM)
+                backend.allreduce(buf, reduce_op, bfloat16=bfloat16)
             backend.barrier()
             if profiler is not None:
                 profiler.enable()
             wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(iters):
-                backend.allreduce(buf, ReduceOp.SUM)
+                backend.allreduce(buf, reduce_op, bfloat16=bfloat16)
             out[nbytes] = ((time.perf_counter() - wall) / iters, (time.process_time() - cpu) / iters,
                            (time.thread_time() - main) / iters)
             if profiler is not None:
@@ -99,7 +107,8 @@ def _rank(sizes: list[int], profile: int, spin: bool = False) -> dict:
     return out
 
 
-def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int, spin: bool) -> None:
+def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int, spin: bool, dtype: str = "float32",
+            op: str = "SUM") -> None:
     """Run in a tree (cwd): spawn the ranks, print rank 0's profile (if any), then
     {size: [wall of the slowest rank, mean cpu, mean cpu of the calling thread]} as JSON."""
     sys.path[:0] = [os.getcwd(), os.path.join(os.getcwd(), "tests"), os.path.join(os.getcwd(), "tests", "core")]
@@ -109,7 +118,7 @@ def _worker(n: int, sizes: list[int], hier: bool, shm: bool, profile: int, spin:
         from ringutil import run_ranks
 
     env = (lambda r: {"SPARK_HVD_HOST_ID": f"host{2 * r // n}"}) if hier else {"SPARK_HVD_SHM": "1" if shm else "0"}
-    results = run_ranks(_rank, n, env=env, args=(sizes, profile, spin), timeout=900)
+    results = run_ranks(_rank, n, env=env, args=(sizes, profile, spin, dtype, op), timeout=900)
     if profile:
         print(results[0]["profile"])
     print(json.dumps({s: [max(r[s][0] for r in results), sum(r[s][1] for r in results) / n,
@@ -127,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="cProfile every rank (CPU clock); print rank 0's top K functions per tree")
     parser.add_argument("--spin", action="store_true", help="a thread running Python in every rank meanwhile")
+    parser.add_argument("--dtype", default="float32", help="float16/32/64, bfloat16, int8..uint64 (default float32)")
+    parser.add_argument("--op", default="SUM", type=str.upper, help="SUM, AVERAGE, MIN, MAX or PRODUCT (default SUM)")
     parser.add_argument("--envs", default="", help="';'-separated variants of 'VAR=VALUE,...' to alternate")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # sizes in bytes: run in a tree, print JSON
     args = parser.parse_args(argv)
     if args.worker:  # imports nothing of this tree's spark_hvd: the tree's own is imported from its directory
-        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.shm, args.profile, args.spin)
+        _worker(args.np, [int(s) for s in args.worker.split(",")], args.hier, args.shm, args.profile, args.spin,
+                args.dtype, args.op)
         return 0
     sys.path.insert(0, str(HERE.parents[1]))
     from benchmarks.allreduce import human, parse_size
@@ -148,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for tree, extra in trees[rnd % len(trees):] + trees[:rnd % len(trees)]:
             cmd = [sys.executable, "-W", "ignore", str(HERE), "--worker", ",".join(map(str, sizes)), "--np",
                    str(args.np), "--profile", str(args.profile)] + (["--hier"] if args.hier else []) + \
-                (["--shm"] if args.shm else []) + (["--spin"] if args.spin else [])
+                (["--shm"] if args.shm else []) + (["--spin"] if args.spin else []) + \
+                ["--dtype", args.dtype, "--op", args.op]
             env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1", **extra}
             done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
             if done.returncode:
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# rank 0 of {tree}, cProfile (CPU clock), sizes {args.sizes} together, last round\n{text}")
     path = "hierarchical" if args.hier else "shared memory" if args.shm else "TCP ring"
     spinning = ", a thread running Python in every rank (CPU includes it)" if args.spin else ""
-    print(f"# bare RingBackend, N={args.np}, {path}{spinning}, median of "
+    print(f"# bare RingBackend, N={args.np}, {path}{spinning}, {args.dtype} {args.op}, median of "
           f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f} at the end")
     print("| size | tree | wall per allreduce | cpu per allreduce per rank | of it, the calling thread's |\n"
           "|---|---|---|---|---|")

@@ -2,7 +2,7 @@
 
 Each layer that has failures of its own keeps them in its ``errors.py``, derived from this class: the core's
 (``spark_hvd.core.errors``: a failed peer, a stall, a mismatch ...), the store's (``StoreError``), the data
-layer's (``DataError``), the runner's (``RunnerError``) and the estimators' (``spark_hvd.estimators.errors``).
+layer's (``DataError``), the runner's (``RunnerError``) and the estimators' (``spark_hvd.estimators.common.errors``).
 This module imports nothing, so a layer reaches its base class without loading another layer.
 """
 

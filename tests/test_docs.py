@@ -101,7 +101,9 @@ def test_settings_table_matches_code():
 
 def test_every_estimator_param_is_documented():
     pytest.importorskip("pyspark")
-    from spark_hvd.estimators.params import KerasEstimatorParams, LightningEstimatorParams, TorchEstimatorParams
+    from spark_hvd.estimators.keras.params import KerasEstimatorParams
+    from spark_hvd.estimators.lightning.params import LightningEstimatorParams
+    from spark_hvd.estimators.torch.params import TorchEstimatorParams
 
     names = {p.name for cls in (TorchEstimatorParams, KerasEstimatorParams, LightningEstimatorParams)
              for p in cls().params}

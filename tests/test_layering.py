@@ -39,7 +39,10 @@ LAYERS: list[list[str | tuple[str, ...]]] = [
     ["spark_hvd.torch", "spark_hvd.mxnet", "spark_hvd._keras_common"],  # _keras_common: shared by keras/, tensorflow/
     ["spark_hvd.tensorflow"],  # GPU tensors reach torch's device group by DLPack
     ["spark_hvd.keras"],       # Keras 3 runs on TensorFlow, torch or JAX: over their bindings, never under them
-    ["spark_hvd.estimators"],
+    ["spark_hvd.estimators.common"],  # what the estimators share: params, fit, the model's transform, the rank's run
+    ["spark_hvd.estimators.torch", "spark_hvd.estimators.keras"],
+    ["spark_hvd.estimators.lightning"],  # over the torch estimator
+    ["spark_hvd.estimators"],  # the front door: the estimators by name, the flat layout's names as aliases
 ]
 
 

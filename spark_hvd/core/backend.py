@@ -127,6 +127,11 @@ class Backend(ABC):
     def barrier(self) -> None:
         """Return once every rank has called it."""
 
+    def leave_together(self) -> None:  # noqa: B027 - nothing to wait for by default
+        """Called after a collective that completes a barrier (a speculative round's flag): wait, briefly and
+        without failing, until every peer has finished it too, so the ranks leave the barrier together and the
+        next collective starts on every rank at once. Moves nothing; by default it returns at once."""
+
     @abstractmethod
     def close(self) -> None:
         """Release sockets, shared memory and threads. Safe to call twice."""

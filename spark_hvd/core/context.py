@@ -109,7 +109,8 @@ def _make_backend(*, rendezvous: Rendezvous | None, rank: int | None, size: int 
                              f"rendezvous= was given: rank {rank} cannot find the other ranks")
         from spark_hvd.core.transport.rendezvous import KVRendezvous
 
-        rendezvous = KVRendezvous(address, secret, job_id, settings.timeout_s)
+        rendezvous = KVRendezvous(address, secret, job_id, settings.timeout_s,
+                                  encrypt=job is not None and job.encrypt)
     if name == "torch":
         from spark_hvd.core.backends.torch_backend import TorchBackend
 

@@ -25,6 +25,14 @@ RANK = "SPARK_HVD_RANK"
 SIZE = "SPARK_HVD_SIZE"
 SECRET = "SPARK_HVD_SECRET"
 GPU = "SPARK_HVD_GPU"
+ENCRYPT = "SPARK_HVD_ENCRYPT"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def encrypt_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``SPARK_HVD_ENCRYPT`` asks for encryption in transit (1 / true / yes / on): what a driver or launcher
+    that is given no ``encrypt=`` decides for its job, and writes into every rank's ``JobEnv``."""
+    return (os.environ if environ is None else environ).get(ENCRYPT, "").strip().lower() in _TRUE
 
 
 def _var(name: str) -> Any:
@@ -38,7 +46,9 @@ class JobEnv:
     ``secret`` is the job's key (bytes; hex in the environment, left out of ``repr``); ``rendezvous`` the
     ``host:port`` of the launcher's KV service (None under Spark, whose rendezvous is the barrier's allGather);
     ``service_address`` the driver service for output and ``report(...)``; ``attempt`` the run's attempt number
-    (``run(max_retries=...)``); ``gpu`` the GPU address Spark assigned to the task, or None.
+    (``run(max_retries=...)``); ``gpu`` the GPU address Spark assigned to the task, or None; ``encrypt``: every
+    frame between the ranks and with the driver's services is encrypted (``SPARK_HVD_ENCRYPT``; the launcher
+    decides it for the whole job, ``spark_hvd.core.transport.wire``).
     """
 
     rank: int = field(metadata={"env": RANK, "required": True})
@@ -53,6 +63,7 @@ class JobEnv:
     service_address: str | None = _var("SPARK_HVD_DRIVER_SERVICE")
     attempt: int = field(default=0, metadata={"env": "SPARK_HVD_RUN_ATTEMPT"})
     gpu: str | None = _var(GPU)
+    encrypt: bool = field(default=False, metadata={"env": ENCRYPT})
 
     def __post_init__(self) -> None:
         for name in ("rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "attempt"):
@@ -90,6 +101,8 @@ class JobEnv:
                     values[f.name] = int(raw)
                 except ValueError:
                     raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+            elif f.name == "encrypt":
+                values[f.name] = raw.strip().lower() in _TRUE
             elif f.name == "secret":
                 try:
                     values[f.name] = bytes.fromhex(raw)
@@ -109,7 +122,10 @@ class JobEnv:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            out[f.metadata["env"]] = value.hex() if isinstance(value, bytes) else str(value)
+            if isinstance(value, bool):
+                out[f.metadata["env"]] = "1" if value else "0"
+            else:
+                out[f.metadata["env"]] = value.hex() if isinstance(value, bytes) else str(value)
         return out
 
 

@@ -122,7 +122,7 @@ def job_store(job: JobEnv, timeout: timedelta) -> Any:
         key = (job.job_id, job.attempt)
         _generations[key] = generation = _generations.get(key, 0) + 1
     prefix = f"{job.job_id}/torch/{job.attempt}/env/{generation}/"
-    store = kv_store_class()(address, job.secret, prefix, timeout, hello)
+    store = kv_store_class()(address, job.secret, prefix, timeout, hello, encrypt=job.encrypt)
     with _lock:  # torch holds the C++ half only: the Python store must outlive the group (see _stores)
         _stores.append(store)
     return store

@@ -2,26 +2,22 @@
 ``LightningEstimator``/``LightningModel``.
 
 Nothing else in spark_hvd imports this package; it imports pyspark (and the framework) lazily per class.
+``common/`` holds what the frameworks share, ``torch/``, ``keras/`` and ``lightning/`` what differs; the flat
+layout's module names (``spark_hvd.estimators.rank_run`` ...) still import, as aliases (``_moved.py``), so
+pickles and saved Pipelines that name them load.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from spark_hvd.estimators import _moved
+from spark_hvd.estimators.common.lazy import lazy_getattr
 
-__all__ = ["TorchEstimator", "TorchModel", "KerasEstimator", "KerasModel", "LightningEstimator", "LightningModel"]
+_moved.install()
 
+#: public name -> the framework sub-package that serves it
+_PUBLIC = {"TorchEstimator": "torch", "TorchModel": "torch", "KerasEstimator": "keras", "KerasModel": "keras",
+           "LightningEstimator": "lightning", "LightningModel": "lightning"}
 
-def __getattr__(name: str) -> Any:
-    if name in ("TorchEstimator", "TorchModel"):
-        from spark_hvd.estimators import torch as _torch
+__all__ = list(_PUBLIC)
 
-        return getattr(_torch, name)
-    if name in ("KerasEstimator", "KerasModel"):
-        from spark_hvd.estimators import keras as _keras
-
-        return getattr(_keras, name)
-    if name in ("LightningEstimator", "LightningModel"):
-        from spark_hvd.estimators import lightning as _lightning
-
-        return getattr(_lightning, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _PUBLIC)

@@ -1,7 +1,8 @@
 """Running spark_hvd jobs: ``run(fn, num_proc)`` on a Spark barrier stage, ``spark-hvd-run`` for local processes.
 
-- ``run(fn, args, kwargs, num_proc, env, start_timeout, use_gpu, max_retries, verbose, on_event=None)``: the
-  results of ``fn`` by rank; a failure on any rank raises ``RankFailedError`` naming it, with its traceback.
+- ``run(fn, args, kwargs, num_proc, env, start_timeout, use_gpu, max_retries, verbose, on_event=None,
+  encrypt=None)``: the results of ``fn`` by rank; a failure on any rank raises ``RankFailedError`` naming it, with
+  its traceback.
 - ``report(epoch=..., step=..., **metrics)`` from training code: progress shown on the driver and handed to
   ``on_event`` / ``last_events()``; ``StepReporter`` sends rank 0's batches (throttled) for the driver's progress
   bar (``ProgressDisplay``).

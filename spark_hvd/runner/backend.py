@@ -23,7 +23,7 @@ __all__ = ["SparkBackend"]
 class SparkBackend:
     """Runs a function on ``num_proc`` ranks of one Spark barrier stage of ``spark``.
 
-    ``use_gpu``, ``max_retries``, ``verbose``, ``env`` and ``start_timeout`` are ``run``'s. ``elastic``:
+    ``use_gpu``, ``max_retries``, ``verbose``, ``env``, ``start_timeout`` and ``encrypt`` are ``run``'s. ``elastic``:
     ``(min_num_proc, max_num_proc)`` to run on ``run_elastic`` (``num_proc`` ranks first, clamped into that
     range), with at most ``reset_limit`` relaunches (None: no limit); None: a plain ``run``.
     """
@@ -31,7 +31,7 @@ class SparkBackend:
     def __init__(self, spark: Any, num_proc: int | None = None, *, use_gpu: bool | None = None,
                  max_retries: int = 0, verbose: int = 1, env: dict[str, str] | None = None,
                  start_timeout: float | None = None, elastic: tuple[int, int | None] | None = None,
-                 reset_limit: int | None = None) -> None:
+                 reset_limit: int | None = None, encrypt: bool | None = None) -> None:
         self.spark = spark
         self._requested = num_proc
         self._num_proc: int | None = None
@@ -42,6 +42,7 @@ class SparkBackend:
         self.start_timeout = start_timeout
         self.elastic = elastic
         self.reset_limit = reset_limit
+        self.encrypt = encrypt
 
     def num_processes(self) -> int:
         """``num_proc`` (default: the session's default parallelism), its free slots checked on the first call
@@ -75,7 +76,8 @@ class SparkBackend:
             low, high = self.elastic
             return run_elastic(fn, args, kwargs, num_proc=num_proc, min_num_proc=low, max_num_proc=high,
                                start_timeout=self.start_timeout, reset_limit=self.reset_limit, env=self.env,
-                               verbose=self.verbose, use_gpu=self.use_gpu, on_event=on_event, spark=self.spark)
+                               verbose=self.verbose, use_gpu=self.use_gpu, on_event=on_event, spark=self.spark,
+                               encrypt=self.encrypt)
         return run_checked(self.spark, self.num_processes(), fn, args, kwargs, env=self.env,
                            start_timeout=self.start_timeout, use_gpu=self.use_gpu, max_retries=self.max_retries,
-                           verbose=self.verbose, on_event=on_event)
+                           verbose=self.verbose, on_event=on_event, encrypt=self.encrypt)

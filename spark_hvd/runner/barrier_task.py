@@ -97,6 +97,7 @@ class TaskSetup:
     use_gpu: bool | None
     payload: bytes
     tee: bool
+    encrypt: bool = False
 
 
 def assigned_gpu(ctx: Any) -> str | None:
@@ -155,7 +156,8 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
     if ctx.attemptNumber() > 0:
         raise RunnerError(f"rank {rank}: Spark retried this barrier task (attempt {ctx.attemptNumber()}); spark_hvd "
                           f"does not resume a rank alone: the run fails, use run(max_retries=...) to run it again")
-    client = ServiceClient(setup.service_address, setup.secret, setup.job_id, rank, attempt=setup.attempt)
+    client = ServiceClient(setup.service_address, setup.secret, setup.job_id, rank, attempt=setup.attempt,
+                           encrypt=setup.encrypt)
     forwarder = OutputForwarder(client, tee=setup.tee)
     saved_env: dict[str, str | None] = {}
     error: BaseException | None = None
@@ -172,7 +174,8 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
         gpus = task_gpus(hosts, assigned, setup.use_gpu)
         job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
                      cross_size=cross_size, job_id=setup.job_id, secret=setup.secret,
-                     service_address=setup.service_address, attempt=setup.attempt, gpu=gpus[rank])
+                     service_address=setup.service_address, attempt=setup.attempt, gpu=gpus[rank],
+                     encrypt=setup.encrypt)
         # torchrun's variables, and Spark's GPUs of this host visible in local-rank order (cuda:LOCAL_RANK)
         spark_gpus = [gpus[r] if assigned[r] is not None else None for r in range(size) if hosts[r] == hosts[rank]]
         job, cuda_env = torchrun.pin_visible_devices(job, spark_gpus)

@@ -57,17 +57,18 @@ class ServiceClient:
 
     ``role="rank"`` is the rank's own connection, whose end (done, error, or closed) the driver tracks;
     ``role="aux"`` only carries ``report()`` events (a launched process, or a helper process of a rank).
+    ``encrypt``: as the service does (``JobEnv.encrypt``).
     """
 
     def __init__(self, address: str, secret: bytes, job_id: str, rank: int, *, attempt: int = 0,
-                 timeout_s: float = 60.0, role: str = "rank") -> None:
+                 timeout_s: float = 60.0, role: str = "rank", encrypt: bool = False) -> None:
         host, _, port = address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=timeout_s)
         sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.rank = rank
         self.attempt = attempt
-        self._conn = FramedSocket(sock, secret, "driver")
+        self._conn = FramedSocket(sock, secret, "driver", encrypt)
         try:
             self._conn.handshake("client", timeout_s)
         except BaseException:
@@ -155,7 +156,7 @@ def current_client() -> ServiceClient | None:
             if job is None or job.secret is None:
                 raise ValueError("this process is not a rank of a job: SPARK_HVD_RANK/_SIZE/_SECRET are not set")
             _client = ServiceClient(address, job.secret, job.job_id, job.rank, attempt=job.attempt, timeout_s=30.0,
-                                    role="aux")
+                                    role="aux", encrypt=job.encrypt)
         except (OSError, ValueError, AuthenticationError, PeerFailureError) as exc:
             logger.warning("report(): cannot reach the driver service at %s (%s); reports are dropped", address, exc)
             _client = None

@@ -16,9 +16,11 @@ A barrier stage cannot lose or gain a task, so each reset is a new stage (an "at
    ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``_Resized`` results) and is relaunched
    bigger.
 
-``reset_limit`` bounds the relaunches (both kinds). Free slots are read from the classic ``SparkContext``; over
-Spark Connect only a ``local[N]`` master tells its total, so there the job never grows and relaunches at
-``min(max_num_proc, N)``.
+``reset_limit`` bounds the relaunches (both kinds). Free slots are read from the classic ``SparkContext``. Spark
+Connect cannot tell them: there a one-task probe job (``probe.SlotProbe``) that runs while the attempt holds its
+slots proves one free, and the job grows by one rank (to ``min(max_num_proc, N)`` on a ``local[N]`` master, whose
+total is known); a relaunch after a lost rank takes ``min(max_num_proc, N)``, or ``max_num_proc`` where the total
+is unknown.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.probe import SlotProbe
 from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import free_slots, free_slots_beside
-from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, pickled, start_timeout_s
+from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, job_encrypts, pickled, start_timeout_s
 from spark_hvd.runner.stage import Attempt, run_attempt, stage_tag
 
 logger = logging.getLogger(__name__)
@@ -108,9 +111,11 @@ class _Driver:
     upload; ``close()`` removes it), never whole in memory: its size is bounded by the disk, not the heap.
     """
 
-    def __init__(self, spark: Any, max_num_proc: int) -> None:
+    def __init__(self, spark: Any, max_num_proc: int, run_id: str = "") -> None:
         self.spark = spark
         self.max_num_proc = max_num_proc
+        #: Connect: the probe that tells whether a slot is free (classic sessions ask the scheduler)
+        self.probe = SlotProbe(spark, f"spark_hvd-{run_id}-probe") if cluster.is_connect(spark) else None
         self.size = 0
         #: the job group of the running attempt's stage
         self.group = ""
@@ -129,7 +134,9 @@ class _Driver:
                 "elastic.get": self._get, "elastic.hosts": self._hosts}
 
     def close(self) -> None:
-        """Remove the committed state from the driver's disk."""
+        """Remove the committed state from the driver's disk; stop a slot probe still running."""
+        if self.probe is not None:
+            self.probe.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _path(self, name: str) -> str:
@@ -188,8 +195,8 @@ class _Driver:
                 return f.read(nbytes)
 
     def _hosts(self, rank: int, _: Any) -> bool:
-        if cluster.is_connect(self.spark):
-            return False  # Connect cannot tell free slots (only a local master's total): never grow there
+        if self.probe is not None:  # Connect cannot tell free slots: a probe job proves one
+            return self.size < self.max_num_proc and self.probe.free()
         now = time.monotonic()
         with self._lock:
             if now - self._grow_at < GROW_CHECK_S:
@@ -252,7 +259,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 start_timeout: float | None = None, elastic_timeout: float | None = None,
                 reset_limit: int | None = None, env: dict[str, str] | None = None, verbose: int = 1, *,
                 use_gpu: bool | None = None, on_event: Callable[[Event], None] | None = None,
-                spark: Any = None) -> list[Any]:
+                spark: Any = None, encrypt: bool | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job on Spark and return the results of its last attempt by rank.
 
     ``fn`` uses Horovod's elastic API (``hvd.elastic.run``, ``TorchState`` / ``KerasState``, ``state.commit()``).
@@ -270,7 +277,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
         elastic_timeout: seconds to wait for ``min_num_proc`` free slots before a launch (default
             ``HOROVOD_ELASTIC_TIMEOUT``, else 600); ``ElasticError`` names how many were missing.
         reset_limit: the most relaunches (after lost ranks or to grow); None: no limit.
-        env, verbose, use_gpu, on_event, spark: as for ``run``.
+        env, verbose, use_gpu, on_event, spark, encrypt: as for ``run``.
 
     Raises:
         ElasticError: too few slots within ``elastic_timeout``, or more resets than ``reset_limit``.
@@ -283,9 +290,10 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
     env = checked_env(env)
+    encrypted = job_encrypts(encrypt, env)
     payload = pickled(_elastic_rank, as_callable(fn, args, kwargs), {})
-    driver = _Driver(spark, high)
     secret, run_id = make_secret(), secrets.token_hex(4)
+    driver = _Driver(spark, high, run_id)
     events = EventLog(on_event)
 
     resets = 0
@@ -295,7 +303,8 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
             driver.size, driver.group = size, stage_tag(f"{run_id}a{attempt}")
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
             try:
-                stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose)
+                stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose,
+                                encrypt=encrypted)
                 results = run_attempt(spark, stage, events, driver.handlers())
                 why = "" if not any(isinstance(r, _Resized) for r in results) else "to grow"
             except RankFailedError as exc:
@@ -311,7 +320,10 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 raise ElasticError(f"run_elastic {run_id}: reset_limit={reset_limit} reached; the last reset was "
                                    f"needed {why}")
             logger.warning("spark_hvd run_elastic %s: relaunching (reset %d) %s", run_id, resets, why)
-            size = _wait_slots(spark, low, high, elastic_s, f"reset {resets} ({why})")
+            # Connect to a cluster of unknown size: the probe proved one free slot, so grow by one
+            most = size + 1 if why == "to grow" and driver.probe is not None and cluster.total_slots(spark) is None \
+                else high
+            size = _wait_slots(spark, low, min(most, high), elastic_s, f"reset {resets} ({why})")
         raise AssertionError("unreachable")
     finally:
         driver.close()

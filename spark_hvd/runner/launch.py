@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 from spark_hvd import __version__
 from spark_hvd.core import torchrun
-from spark_hvd.core.jobenv import JobEnv, env_names
+from spark_hvd.core.jobenv import JobEnv, encrypt_requested, env_names
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import hosts
 from spark_hvd.runner.client import Event
@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, timeout: float | None = None,
               *, capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
-              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+              on_event: Callable[[Event], None] | None = None, encrypt: bool | None = None) -> LaunchResult:
     """Run ``argv`` as ``np`` local ranks of one job and wait for them (the Python API of ``spark-hvd-run``).
 
     Args:
@@ -73,6 +73,8 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
         grace_s: seconds between SIGTERM and SIGKILL when stopping ranks.
         verbose: as in ``run``: 0 prints no progress events, 1 rank 0's per-epoch events, 2 all.
         on_event: called with each ``report(...)`` event.
+        encrypt: encrypt every frame between the ranks and with these services (``spark-hvd-run --encrypt``;
+            None: ``SPARK_HVD_ENCRYPT`` of ``env`` or of this process's environment).
     """
     if np < 1:
         raise ValueError(f"np must be >= 1, got {np}")
@@ -86,10 +88,12 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
     output = RankOutput(result, capture, on_event)
     sink, add_event = output.line, output.event
 
-    kv = KVStoreServer(secret)
+    if encrypt is None:
+        encrypt = encrypt_requested({**os.environ, **(env or {})})
+    kv = KVStoreServer(secret, encrypt=encrypt)
     kv_host, kv_port = kv.start()
     service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
-                            bind_host="127.0.0.1")
+                            bind_host="127.0.0.1", encrypt=encrypt)
     _, service_port = service.start()
     ranks: list[RankProcess] = []
     launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
@@ -103,7 +107,8 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
             child_env.update(env or {})
             job = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job_id, secret=secret,
-                         rendezvous=f"{kv_host}:{kv_port}", service_address=f"127.0.0.1:{service_port}")
+                         rendezvous=f"{kv_host}:{kv_port}", service_address=f"127.0.0.1:{service_port}",
+                         encrypt=encrypt)
             child_env.update(job.to_env())
             child_env.update(torchrun.torchrun_env(job, *master))
             child_env["PYTHONUNBUFFERED"] = "1"
@@ -168,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds the whole job may run; past it every rank is stopped (exit code 124)")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                         help="environment variable for every rank (repeatable)")
+    parser.add_argument("--encrypt", action="store_true", default=None,
+                        help="encrypt every frame between the ranks and with the launcher's services (AES-256-GCM; "
+                             "shared memory within a host is unchanged); default: SPARK_HVD_ENCRYPT")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 10)")
     parser.add_argument("--verbose", type=int, default=1,
@@ -231,14 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if sep:
                     env[key] = value
             result = run_local(command, args.np, env=env, timeout=args.timeout, grace_s=args.grace,
-                               verbose=args.verbose)
+                               verbose=args.verbose, encrypt=args.encrypt)
         else:
             result = run_hosts(command, placements, ssh_command=shlex.split(args.ssh_command),
                                ssh_port=args.ssh_port, identity_file=args.ssh_identity_file, env=env,
                                forward=args.forward, network_interface=args.network_interface,
                                timeout=args.timeout, start_timeout=args.start_timeout,
                                connect_timeout=args.ssh_connect_timeout, remote_python=args.remote_python,
-                               grace_s=args.grace, verbose=args.verbose)
+                               grace_s=args.grace, verbose=args.verbose, encrypt=args.encrypt)
     except KeyboardInterrupt:
         sys.stderr.write("spark-hvd-run: interrupted; all ranks stopped\n")
         return 130

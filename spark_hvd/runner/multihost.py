@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from spark_hvd.core import torchrun
-from spark_hvd.core.jobenv import JobEnv, env_names
+from spark_hvd.core.jobenv import JobEnv, encrypt_requested, env_names
 from spark_hvd.core.transport.addresses import (
     NETWORK_INTERFACE_ENV,
     AddressError,
@@ -134,7 +134,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
               network_interface: str | None = None, timeout: float | None = None, start_timeout: float = 30.0,
               connect_timeout: float = CONNECT_TIMEOUT_S, remote_python: str | None = None,
               capture: bool = False, grace_s: float = 10.0, verbose: int = 1,
-              on_event: Callable[[Event], None] | None = None) -> LaunchResult:
+              on_event: Callable[[Event], None] | None = None, encrypt: bool | None = None) -> LaunchResult:
     """Run ``argv`` as one rank per placement (``hosts.place``) and wait for them.
 
     Args:
@@ -156,7 +156,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             host's PATH); by default ``SPARK_HVD_REMOTE_PYTHON``, else this interpreter's path where the host has
             it, else ``python3`` on the host's PATH. A host with none of them, or whose interpreter cannot import
             spark_hvd, is named before any rank starts there. The ranks' own command runs as given.
-        capture, grace_s, verbose, on_event: as in ``launch.run_local``.
+        capture, grace_s, verbose, on_event, encrypt: as in ``launch.run_local``.
     """
     if not argv:
         raise ValueError("no command given to run")
@@ -206,10 +206,12 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
 
     from spark_hvd.core.transport.rendezvous import KVStoreServer
 
-    kv = KVStoreServer(secret, host=bind or "0.0.0.0")
+    if encrypt is None:
+        encrypt = encrypt_requested({**os.environ, **extra})
+    kv = KVStoreServer(secret, host=bind or "0.0.0.0", encrypt=encrypt)
     _, kv_port = kv.start()
     service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
-                            bind_host=bind)
+                            bind_host=bind, encrypt=encrypt)
     _, service_port = service.start()
     ranks: list[RankProcess] = []
     launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
@@ -229,7 +231,7 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
         for p, is_remote in zip(placements, remote, strict=True):
             job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
                          cross_rank=p.cross_rank, cross_size=p.cross_size, job_id=job_id, secret=secret,
-                         rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}")
+                         rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}", encrypt=encrypt)
             rank_env = {**extra, **job.to_env(), **torchrun.torchrun_env(job, *master), "PYTHONUNBUFFERED": "1"}
             if is_remote:
                 shell_argv = ssh_argv(ssh_command, p.host, remote_command(pythons, cwd), ssh_port, identity_file,

@@ -146,8 +146,10 @@ def free_slots_beside(sc: Any, group: str, ours: int) -> int:
     return max(0, total - others - ours)
 
 
-def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
-    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free."""
+def wait_tasks_gone(sc: Any, group: str, timeout_s: float, leave: int = 0) -> bool:
+    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free; with
+    ``leave``, until at most that many are (the tasks of ranks whose host is unreachable: their executor cannot be
+    told to kill them until it comes back or Spark declares it lost; their slots stay counted as busy)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -155,7 +157,7 @@ def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
         except Exception:  # the status tracker is best effort
             logger.debug("spark_hvd: status tracker query failed", exc_info=True)
             return False
-        if active == 0:
+        if active <= leave:
             return True
         if time.monotonic() > deadline:
             logger.warning("spark_hvd: %d task(s) of job group %s still running %.0f s after the run failed",

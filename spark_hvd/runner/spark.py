@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spark_hvd import pickling
+from spark_hvd.core.jobenv import ENCRYPT, encrypt_requested
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
@@ -88,6 +89,15 @@ def checked_env(env: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+def job_encrypts(encrypt: bool | None, env: dict[str, str]) -> bool:
+    """``run(encrypt=...)`` as given, else ``SPARK_HVD_ENCRYPT`` of ``env`` (the ranks' extra environment) or of the
+    driver's; written into ``env`` as 1 or 0, so that every rank and the driver's service see the same."""
+    if encrypt is None:
+        encrypt = encrypt_requested({**os.environ, **env})
+    env[ENCRYPT] = "1" if encrypt else "0"
+    return bool(encrypt)
+
+
 def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> bytes:
     """``(fn, args, kwargs)`` pickled for the tasks (``spark_hvd.pickling``: code shipped by value keeps its source
     lines); ``RunnerError`` when they cannot be."""
@@ -100,7 +110,7 @@ def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> byte
 def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float | None = None,
         use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
-        on_event: Callable[[Event], None] | None = None, spark: Any = None) -> list[Any]:
+        on_event: Callable[[Event], None] | None = None, spark: Any = None, encrypt: bool | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` (or a script) on ``num_proc`` ranks of one Spark barrier stage; the results by rank.
 
     Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
@@ -133,23 +143,27 @@ def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kw
             of the last run are also kept in ``last_events()``.
         spark: the session to run on; default: this thread's active Spark Connect session, else the active
             classic one.
+        encrypt: encrypt every frame between the ranks and with the driver's service (AES-256-GCM; shared memory
+            within a host is unchanged; docs/reliability.md); None: ``SPARK_HVD_ENCRYPT`` of ``env`` or of the
+            driver's environment, else off.
 
     Raises:
         RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
         NotEnoughSlotsError, StartTimeoutError (``StageNotStartedError`` on Connect), RunnerError.
     """
     spark = cluster.active_session(spark)
-    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries)
+    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries, encrypt)
     return launch.run(spark, resolve_num_proc(spark, num_proc), use_gpu, verbose, on_event)
 
 
 def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (),
                 kwargs: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
                 start_timeout: float | None = None, use_gpu: bool | None = None, max_retries: int = 0,
-                verbose: int = 1, on_event: Callable[[Event], None] | None = None) -> list[Any]:
+                verbose: int = 1, on_event: Callable[[Event], None] | None = None,
+                encrypt: bool | None = None) -> list[Any]:
     """``run`` on ``spark`` with ``num_proc`` as ``resolve_num_proc`` returned it: its slots are not checked again
     (a retry still waits for the previous attempt's tasks to leave theirs)."""
-    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries)
+    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries, encrypt)
     return launch.run(spark, num_proc, use_gpu, verbose, on_event)
 
 
@@ -157,12 +171,14 @@ class _Launch:
     """``run``'s arguments checked (before any slot check or Spark job), and its loop of attempts."""
 
     def __init__(self, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any], kwargs: dict[str, Any] | None,
-                 env: dict[str, str] | None, start_timeout: float | None, max_retries: int) -> None:
+                 env: dict[str, str] | None, start_timeout: float | None, max_retries: int,
+                 encrypt: bool | None = None) -> None:
         self.start_timeout = start_timeout_s(start_timeout)
         if max_retries < 0:
             raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
         self.max_retries = max_retries
         self.env = checked_env(env)
+        self.encrypt = job_encrypts(encrypt, self.env)
         self.payload = pickled(*as_callable(fn, args, kwargs))
 
     def run(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
@@ -176,7 +192,8 @@ class _Launch:
                 check_session_slots(spark, num_proc, wait_s=60.0)  # the previous attempt's tasks may be winding down
             try:
                 results = run_attempt(spark, Attempt(self.payload, num_proc, secret, f"{run_id}a{attempt}", attempt,
-                                                     self.env, self.start_timeout, use_gpu, verbose), events)
+                                                     self.env, self.start_timeout, use_gpu, verbose,
+                                                     encrypt=self.encrypt), events)
             except (RankFailedError, StartTimeoutError, RunnerError) as exc:
                 if isinstance(exc, NotEnoughSlotsError) or attempt >= self.max_retries:
                     events.publish()

@@ -16,7 +16,7 @@ the newest one that verifies wins; a newer one that does not is skipped with a w
 until that epoch is written again. Step checkpoints (:meth:`RunDir.write_step_checkpoint`) are read back the same way
 (:meth:`RunDir.latest_step_checkpoint`). Checkpoint names are made and parsed here alone (``_NAME``, ``_STEP_NAME``
 and their patterns). What a step checkpoint holds beyond the framework's files is the estimators' business
-(``spark_hvd.estimators.step_checkpoint``): to this class it is a directory.
+(``spark_hvd.estimators.common.step_checkpoint``): to this class it is a directory.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
     input, ``postscale_factor`` the result; ``compression=Compression.fp16`` sends floats as float16.
     ``device_dense``, ``device_sparse`` and ``ignore_name_scope`` are accepted for Horovod compatibility.
     """
-    common.require_init("allreduce()")
+    mpi_ops.require_init("allreduce()")
     del device_dense, device_sparse, ignore_name_scope
     rop = common.resolve_op(op, average)
     if isinstance(tensor, tf.IndexedSlices):
@@ -114,7 +114,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
                       name: str | None = None) -> list[Any]:
     """Reduce several tensors across ranks as one collective (fused by the engine); ``tf.IndexedSlices`` among
     them are allgathered as in :func:`allreduce`. Returns new tensors in the same order."""
-    common.require_init("grouped_allreduce()")
+    mpi_ops.require_init("grouped_allreduce()")
     del device_dense, device_sparse, ignore_name_scope
     rop = common.resolve_op(op, average)
     tensors = list(tensors)
@@ -166,14 +166,14 @@ def _allgather_diff(tensors: list[tf.Tensor], name: str | None, process_set: Pro
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Every rank's (of ``process_set``) ``tensor`` concatenated on dimension 0, which may differ by rank."""
-    common.require_init("allgather()")
+    mpi_ops.require_init("allgather()")
     return _allgather_diff([tensor], name, process_set)[0]
 
 
 def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """:func:`allgather` of each of ``tensors``, submitted together."""
-    common.require_init("grouped_allgather()")
+    mpi_ops.require_init("grouped_allgather()")
     tensors = list(tensors)
     return _allgather_diff(tensors, name, process_set) if tensors else []
 
@@ -181,7 +181,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Root's ``tensor`` (``root_rank`` a global rank), as a new tensor on every rank of ``process_set``."""
-    common.require_init("broadcast()")
+    mpi_ops.require_init("broadcast()")
     t = tf.convert_to_tensor(tensor)
     op_name = mpi_ops.op_name("Broadcast", name, [t])
     if not _recording():
@@ -205,7 +205,7 @@ def broadcast_(variables: Any, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> Any:
     """Assign root's values to ``variables`` (one ``tf.Variable`` or a list) in place; returns their new values
     (a tensor, or a list for a list)."""
-    common.require_init("broadcast_()")
+    mpi_ops.require_init("broadcast_()")
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
     names = mpi_ops.member_names(name, len(variables))
@@ -221,7 +221,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to rank i of ``process_set`` (an even split when None); returns
     the rows received in rank order, and with ``splits`` given ``(rows, received splits)``, as Horovod."""
-    common.require_init("alltoall()")
+    mpi_ops.require_init("alltoall()")
     t = tf.convert_to_tensor(tensor)
     op_name = mpi_ops.op_name("Alltoall", name, [t])
     if splits is not None:
@@ -270,7 +270,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compres
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` across ranks (``Average`` by default, or ``Sum``) and return this rank's rows of the
     result (the first ``rows % size`` ranks get one row more)."""
-    common.require_init("reducescatter()")
+    mpi_ops.require_init("reducescatter()")
     rop = common.resolve_op(op)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     out = _reducescatter_diff([compressed], name, rop, prescale_factor, postscale_factor, process_set)[0]
@@ -283,7 +283,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
                           ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[tf.Tensor]:
     """:func:`reducescatter` of each of ``tensors``, submitted together."""
-    common.require_init("grouped_reducescatter()")
+    mpi_ops.require_init("grouped_reducescatter()")
     rop = common.resolve_op(op)
     tensors = list(tensors)
     if not tensors:

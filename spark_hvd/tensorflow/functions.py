@@ -23,16 +23,16 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0,
     """Assign root's values (``root_rank`` a global rank) to ``variables`` (``tf.Variable`` or Keras variables) on
     every rank of ``process_set``. Eagerly returns None when done; in a graph returns the op that does it.
     ``inplace`` is accepted for Horovod compatibility (the values are assigned either way)."""
-    common.require_init("broadcast_variables()")
-    common.check_member(process_set, "broadcast_variables()")
     variables = list(variables)
-    if not tf.executing_eagerly():
+    if not tf.executing_eagerly():  # the ops check init() and membership (now, or when they run: mpi_ops)
         assigns = []
         for v in variables:
             value = tf.convert_to_tensor(v)
             out = mpi_ops.broadcast_raw(value, root_rank, mpi_ops.op_name("Broadcast", None, [value]), process_set)
             assigns.append(v.assign(out))
         return tf.group(*assigns)
+    common.require_init("broadcast_variables()")
+    common.check_member(process_set, "broadcast_variables()")
     c = common.core()
     bufs, handles = [], []
     for v in variables:

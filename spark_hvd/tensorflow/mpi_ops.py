@@ -38,7 +38,7 @@ import tensorflow as tf
 from spark_hvd import _binding_common as common
 from spark_hvd._binding_common import set_rank, set_size  # noqa: F401 - used as mpi_ops.set_rank / set_size
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.errors import TensorMismatchError
+from spark_hvd.core.errors import NotInitializedError, TensorMismatchError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.tensorflow import device, host_memory
 
@@ -121,8 +121,10 @@ def run_numpy(fn: Callable[..., Any], inputs: Sequence[tf.Tensor], tout: Sequenc
 
     def guarded(*arrays: np.ndarray) -> list[np.ndarray]:
         try:
+            if not common.core().is_initialized():  # a graph built before init(), run without it
+                raise NotInitializedError(f"{kind}()")
             outs = fn(*arrays)
-        except TensorMismatchError as e:  # placeholders, never used: the error op below fails first
+        except (TensorMismatchError, NotInitializedError) as e:  # placeholders, never used: the error op fails
             return [np.zeros(0, t.as_numpy_dtype) for t in tout] + [np.bytes_(str(e).encode())]
         return [*(outs if isinstance(outs, (list, tuple)) else [outs]), np.bytes_(b"")]
 
@@ -152,9 +154,19 @@ def _raise_in_graph(message: tf.Tensor) -> tf.Tensor:
                    lambda: tf.io.read_file(tf.strings.join(["/dev/null/ spark_hvd: ", message, " (error) "])))
 
 
+def require_init(what: str) -> None:
+    """Raise :class:`NotInitializedError` naming ``what`` unless ``init()`` has been called, except while a TF1
+    graph or a ``tf.function`` is being built: as in Horovod, such a graph may be built before ``init()``, and its
+    collectives check when they run (``run_numpy``: ``FailedPreconditionError`` naming ``what``)."""
+    if tf.executing_eagerly() or common.core().is_initialized():
+        common.require_init(what)
+
+
 def _check(process_set: ProcessSet | None, what: str) -> None:
-    common.require_init(what)
-    common.check_member(process_set, what)
+    """``require_init``, then (where initialized) that this rank is a member of ``process_set``."""
+    require_init(what)
+    if common.core().is_initialized():
+        common.check_member(process_set, what)
 
 
 # ---------------------------------------------------------------------------------------------------- the ops
@@ -313,7 +325,7 @@ def _set_ranks(process_set_id: int) -> list[int]:
 
 
 def _int_op(value: Callable[[], int], what: str, name: str | None) -> tf.Tensor:
-    common.require_init(what)
+    require_init(what)
     if tf.executing_eagerly():
         return tf.constant(value(), dtype=tf.int32)
     out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name or what)

@@ -19,6 +19,7 @@ CHECKS = [
     "host_memory_without_copies",
     "collectives_tf_function",
     "collectives_tf1_graph_session",
+    "tf1_graph_built_before_init",
     "indexed_slices_allreduce",
     "gradients_eager_and_tf_function",
     "training_tape_matches_single_process_eager",

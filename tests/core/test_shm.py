@@ -47,3 +47,50 @@ def test_block_allreduce_matches_numpy_over_many_blocks(size, op):
     for segs in results:
         for got, want in zip(segs, expected, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_barrier_returns_after_every_member_called_it_and_keeps_the_members_in_step():
+    # member 2 arrives last, after setting ``late``: no member may leave the barrier before it; the allreduce after
+    # it still matches numpy (the barrier, ``release`` included, used one sequence number on every member)
+    import threading
+
+    groups = shm_groups("barrier3", 3)
+    late = threading.Event()
+    seen: list = [None] * 3
+    results: list = [None] * 3
+
+    def member(k: int) -> None:
+        if k == 2:
+            threading.Event().wait(0.2)
+            late.set()
+        groups[k].barrier("barrier", lambda operation: None)
+        seen[k] = late.is_set()
+        arr = np.full(5, k + 1, np.float32)
+        groups[k].allreduce([arr], ReduceOp.SUM, False, "allreduce", lambda operation: None)
+        results[k] = arr
+
+    try:
+        on_threads(3, member)
+    finally:
+        for g in groups:
+            g.close()
+    assert seen == [True] * 3
+    for arr in results:
+        np.testing.assert_array_equal(arr, np.full(5, 6, np.float32))
+
+
+def test_release_gives_up_on_a_peer_that_has_not_finished():
+    # a peer still short of this member's last collective (here: it never ran it) is waited for only briefly, and
+    # release moves no counter
+    from spark_hvd.core.transport.shm import IN, OUT
+
+    groups = shm_groups("release2", 2)
+    try:
+        groups[0].seq += 1
+        before = [list(g.ctrl[g.local][:OUT + 1]) for g in groups]
+        groups[0].release()
+        assert [list(g.ctrl[g.local][:OUT + 1]) for g in groups] == before
+        assert groups[1].ctrl[1][OUT] < groups[0].seq and groups[0].ctrl[0][IN] == 0
+    finally:
+        for g in groups:
+            g.close()

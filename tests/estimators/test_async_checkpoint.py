@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_hvd.estimators.rank_run import RankRun
+from spark_hvd.estimators.common.rank_run import RankRun
 from spark_hvd.store import RunDir, Store
 from spark_hvd.store.background import UploadFailedError
 from spark_hvd.store.local import LocalStore

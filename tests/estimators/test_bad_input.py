@@ -1,5 +1,5 @@
 """TorchEstimator's own bad inputs fail with a clear error before any Spark job runs, the store untouched (what every
-estimator shares is in test_common_params.py)."""
+estimator shares is in test_params.py)."""
 
 from __future__ import annotations
 

@@ -164,7 +164,7 @@ def test_transform_inputs_pad_ragged_rows_as_training_does():
     per Arrow batch and cast as the training reader does; with ragged='list', one array per row to collate_fn."""
     import pyarrow as pa
 
-    from spark_hvd.estimators.model import model_inputs
+    from spark_hvd.estimators.common.model import model_inputs
 
     rb = pa.record_batch({"ids": pa.array([[3, 1], [], [7, 8, 9]], pa.list_(pa.int32())), "x": [1.0, 2.0, 3.0]})
     specs = [{"name": "ids", "dtype": "int64", "shape": [-1], "kind": "ragged"},

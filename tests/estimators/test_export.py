@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spark_hvd.estimators import LightningModel, TorchModel
-from spark_hvd.estimators.export import MANIFEST, ExportError, read_manifest
+from spark_hvd.estimators.common.export import MANIFEST, ExportError, read_manifest
 
 #: Loads the artifact of an export directory in a fresh interpreter, runs it on the arrays of an .npz (in the
 #: order of the JSON's inputs) and writes its outputs to another .npz.

@@ -189,7 +189,7 @@ def test_rewritten_files_get_a_new_key_and_overwrite_prepares_again(spark, tmp_p
     """The cache key sees the source files' sizes and mtimes: files rewritten under the same path are prepared
     again without any setting; overwrite_prepared_data prepares again even when nothing changed."""
     from spark_hvd.data.reader import BatchReader
-    from spark_hvd.estimators.fit import _prepare_data
+    from spark_hvd.estimators.common.fit import _prepare_data
 
     store = Store.create(str(tmp_path / "store"))
     net = torch.nn.Linear(3, 1)

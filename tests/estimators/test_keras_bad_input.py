@@ -1,5 +1,5 @@
 """KerasEstimator's own bad inputs fail with a clear error before any Spark job runs, the store untouched (what every
-estimator shares is in test_common_params.py)."""
+estimator shares is in test_params.py)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def test_input_check_takes_the_shapes_keras_adjusts():
     them (it adds or drops the trailing 1); anything else is named."""
     import numpy as np
 
-    from spark_hvd.estimators.preflight import _check_keras_inputs
+    from spark_hvd.estimators.keras.preflight import _check_keras_inputs
 
     for shape, rows in (((1,), np.zeros((4,), "float32")), ((), np.zeros((4, 1), "float32")),
                         ((3,), np.zeros((4, 3), "float32"))):

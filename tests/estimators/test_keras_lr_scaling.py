@@ -6,7 +6,7 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from spark_hvd.estimators.keras_rank import scale_learning_rate  # noqa: E402
+from spark_hvd.estimators.keras.rank import scale_learning_rate  # noqa: E402
 
 
 def test_constant_rate_is_multiplied():

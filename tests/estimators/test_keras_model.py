@@ -21,7 +21,7 @@ def _net(n_in: int = 4, n_out: int = 1) -> keras.Model:
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="the traced function is the TensorFlow path")
 def test_inference_traced_once_for_any_batch_size():
     """Batches of 7, 3, 50 and 1 rows share one trace (no TensorFlow retracing) and equal the model's own call."""
-    import spark_hvd.estimators.keras_inference as km
+    import spark_hvd.estimators.keras.inference as km
 
     net = _net()
     x = np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32)

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     import keras
     import numpy as np
 
-    from spark_hvd.estimators.rank_run import train_on_rank
+    from spark_hvd.estimators.common.rank_run import train_on_rank
 
 
     def on_cuda(y_true, y_pred):
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
 
 
     def rank_fit(spec):
-        from spark_hvd.estimators.keras_rank import KerasTrainer
+        from spark_hvd.estimators.keras.rank import KerasTrainer
 
         return train_on_rank(KerasTrainer, spec)
 
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent("""
         spec = est._spec(store, run_id, data, est._check_model(model))
         (result,) = run_ranks(rank_fit, 1, env={"SPARK_HVD_TIMEOUT": "60", "KERAS_BACKEND": "torch", **env},
                               args=(spec,), timeout=300)
-        return result["history"], est._load_trained_model(store, run_id)
+        return result["history"], est._load_trained_model(store, run_id, spec.model_bytes)
 
 
     if __name__ == "__main__":

@@ -113,7 +113,7 @@ def test_a_lightning_fit_shrinks_and_grows_at_step_checkpoints(spark, df, tmp_pa
 
 def test_ddp_errors_of_a_lost_peer_are_consequences_others_stay_as_they_are():
     from spark_hvd.core.errors import PeerFailureError
-    from spark_hvd.estimators.lightning_rank import peer_failure
+    from spark_hvd.estimators.lightning.rank import peer_failure
     from spark_hvd.runner.errors import CONSEQUENCE_TYPES
 
     gloo = RuntimeError("[/x/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55952: "

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("lightning")
 import lightning.pytorch as pl  # noqa: E402
 
-from spark_hvd.estimators.lightning_steps import StepCheckpoints  # noqa: E402
+from spark_hvd.estimators.lightning.steps import StepCheckpoints  # noqa: E402
 
 STEPS = 8
 

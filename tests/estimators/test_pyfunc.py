@@ -154,7 +154,7 @@ def test_image_bytes_lightning_and_export_from_a_spark_frame(spark, mlflow_track
     import mlflow
 
     from spark_hvd.estimators import LightningModel
-    from spark_hvd.estimators.export import run_onnx  # noqa: F401 - the module imports without onnx
+    from spark_hvd.estimators.common.export import run_onnx  # noqa: F401 - the module imports without onnx
 
     def _decode_images(pdf):  # local, so that it travels by value to the Spark workers
         """Raw 4x4 grayscale bytes -> float arrays in [0, 1] (an image decoder of the simplest kind)."""

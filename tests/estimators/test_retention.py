@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from spark_hvd.estimators.rank_run import RankRun
-from spark_hvd.estimators.retention import best_epochs, kept_epochs
-from spark_hvd.estimators.spec import BestPolicy
+from spark_hvd.estimators.common.rank_run import RankRun
+from spark_hvd.estimators.common.retention import best_epochs, kept_epochs
+from spark_hvd.estimators.common.spec import BestPolicy
 from spark_hvd.store import RunDir, Store
 
 RUN = "retention-run"

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers.torch_replay import rank_shards, replay
 
-from spark_hvd.estimators.step_checkpoint import (
+from spark_hvd.estimators.common.step_checkpoint import (
     StepState,
     StepTrigger,
     latest_step_checkpoint,

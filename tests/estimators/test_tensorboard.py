@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers.estimators import tf_events, tf_scalars
 
-from spark_hvd.estimators.tensorboard import (
+from spark_hvd.estimators.common.tensorboard import (
     FILE_VERSION,
     EventFileWriter,
     crc32c,

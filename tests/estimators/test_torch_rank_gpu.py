@@ -30,7 +30,7 @@ from helpers.ranks import run_ranks  # noqa: E402
 
 from spark_hvd.data.parquet import describe_parquet  # noqa: E402
 from spark_hvd.estimators import TorchEstimator, TorchModel  # noqa: E402
-from spark_hvd.estimators.rank_run import train_on_rank  # noqa: E402
+from spark_hvd.estimators.common.rank_run import train_on_rank  # noqa: E402
 from spark_hvd.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -65,7 +65,7 @@ def dataset(tmp_path_factory):
 
 
 def _rank_fit(spec):
-    from spark_hvd.estimators.torch_rank import TorchTrainer
+    from spark_hvd.estimators.torch.rank import TorchTrainer
 
     return train_on_rank(TorchTrainer, spec)
 
@@ -82,7 +82,7 @@ def _fit(dataset, run_id: str, ranks: int, mode: str | None, use_gpu: bool, env:
     spec = est._spec(store, run_id, data, est._check_model(net))
     results = run_ranks(_rank_fit, ranks, env={"SPARK_HVD_TIMEOUT": "60", **(env or {})}, args=(spec,), timeout=300)
     history = results[0]["history"]
-    return history["loss"], history["out_dtype"], est._load_trained_model(store, run_id)
+    return history["loss"], history["out_dtype"], est._load_trained_model(store, run_id, spec.model_bytes)
 
 
 def _assert_close(gpu, cpu, rtol: float, atol: float) -> None:

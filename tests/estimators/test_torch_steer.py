@@ -72,7 +72,7 @@ class CountingMinibatch:
         self.directory = directory
 
     def __call__(self, model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights):
-        from spark_hvd.estimators.torch_rank import default_train_minibatch
+        from spark_hvd.estimators.torch.rank import default_train_minibatch
 
         with open(os.path.join(self.directory, f"steps{_rank()}.log"), "a") as f:
             f.write("1\n")

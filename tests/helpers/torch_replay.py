@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from spark_hvd.data.metadata import DatasetInfo
-from spark_hvd.estimators.rank_data import ShardReaders
-from spark_hvd.estimators.spec import TrainSpec
+from spark_hvd.estimators.common.rank_data import ShardReaders
+from spark_hvd.estimators.common.spec import TrainSpec
 
 
 def rank_shards(store: Any, fitted: Any, *, seed: int, batch_size: int, label_cols: tuple = ("y",),

@@ -83,6 +83,7 @@ from spark_hvd.core.transport.tcp import (
     connect_mesh,
     open_listener,
 )
+from spark_hvd.core.transport.wire import check_encryption
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class RingBackend(Backend):
         self.settings = settings if settings is not None else Settings.from_env()
         self.timeout_s = float(self.settings.timeout_s)
         self.job_id = job_id
+        #: every TCP frame is encrypted (the launch contract's ``JobEnv.encrypt``: every rank must agree)
+        self.encrypt = job is not None and job.encrypt
         self.local_rank, self.local_size, self.cross_rank, self.cross_size = 0, 1, 0, 1
         self.peers: dict[int, PeerSocket] = {}
         #: how collectives run (``ring_plans``): chosen once the mesh is up, from every rank's host identity
@@ -177,16 +180,17 @@ class RingBackend(Backend):
             use_shm = bool(self.settings.shm) and shm_available()
             info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
                     "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(),
-                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring}
+                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring, "encrypt": self.encrypt}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
+            check_encryption(rank, [bool(i.get("encrypt")) for i in infos])
             check_reachable([(i["host"], i.get("machine", "")) for i in infos])
             self._topology(infos)
             self._compiled = all(i.get("compiled_ring") for i in infos)
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self._spin = self.local_size <= cores  # as shared memory spins: more ranks than cores, never
             self.peers = connect_mesh(rank, size, self._listener, [(i["host"], i["port"]) for i in infos],
-                                      secret, job_id, self.timeout_s)
+                                      secret, job_id, self.timeout_s, encrypt=self.encrypt)
             for j, peer in self.peers.items():
                 peer.where = f" on host {infos[j].get('machine', '').split('/', 1)[0]} ({infos[j]['host']})"
             self._listener.close()
@@ -417,7 +421,7 @@ class RingBackend(Backend):
         if compiled and self._mac is None and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
-                         plan, reduce_steps, total, ReduceOp.AVERAGE if average else ReduceOp.SUM, n)
+                         plan, reduce_steps, total, op, n, average=average, bfloat16=bfloat16)
             return
         window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
         scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
@@ -659,9 +663,14 @@ class RingBackend(Backend):
 
     @_collective("barrier")
     def barrier(self) -> None:
-        """Return once every rank has called it."""
+        """Return once every rank has called it; on one host's shared memory, the ranks leave it together."""
         if self.size > 1:
-            self._small_allgather(b"", "barrier")
+            self.plan.barrier(self, "barrier")
+
+    def leave_together(self) -> None:
+        """See ``Backend.leave_together``: on one host's shared memory, a bounded spin until every peer finished
+        the last collective (``ShmGroup.release``); elsewhere nothing."""
+        self.plan.leave_together()
 
     def __repr__(self) -> str:
         return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "

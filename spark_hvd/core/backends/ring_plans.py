@@ -113,6 +113,13 @@ class Plan:
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         backend._tcp_broadcast(flat, root, operation)
 
+    def barrier(self, backend: RingBackend, operation: str) -> None:
+        """Return once every rank has called it: an empty message from every rank over the mesh."""
+        backend._small_allgather(b"", operation)
+
+    def leave_together(self) -> None:
+        """After a barrier's collective: hold on (briefly, never failing) until the peers finished it too."""
+
     def close(self) -> None:
         """Release the plan's groups."""
 
@@ -226,6 +233,15 @@ class ShmHost(Plan):
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         assert self.shm is not None
         self.shm.broadcast([flat], root, operation, backend._check_peers)
+
+    def barrier(self, backend: RingBackend, operation: str) -> None:
+        """One small shared-memory collective, left together (``ShmGroup.barrier``): no socket to wake up from."""
+        assert self.shm is not None
+        self.shm.barrier(operation, backend._check_peers)
+
+    def leave_together(self) -> None:
+        assert self.shm is not None
+        self.shm.release()
 
     def close(self) -> None:
         if self.shm is not None:

@@ -65,14 +65,16 @@ class _KVStoreOps:
 
     Each thread that uses the store gets its own authenticated connection (torch may call from its own threads).
     ``server`` is a ``KVStoreServer`` this store owns (the fallback of ``open_store``), stopped by ``close``.
+    ``encrypt``: the connections encrypt their frames, as the service does (``JobEnv.encrypt``).
     """
 
     def __init__(self, address: str, secret: bytes, prefix: str, timeout: timedelta,
-                 hello: tuple[Any, ...] | None = None, server: KVStoreServer | None = None) -> None:
+                 hello: tuple[Any, ...] | None = None, server: KVStoreServer | None = None,
+                 encrypt: bool = False) -> None:
         super().__init__()  # torch.distributed.Store's (see kv_store_class)
         self.set_timeout(timeout)
         self.address, self.prefix = address, prefix
-        self._secret, self._hello, self._server = secret, hello, server
+        self._secret, self._hello, self._server, self._encrypt = secret, hello, server, encrypt
         self._local = threading.local()
         self._clients: list[KVClient] = []
         self._lock = threading.Lock()
@@ -80,7 +82,8 @@ class _KVStoreOps:
     def _kv(self) -> KVClient:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = KVClient(self.address, self._secret, self.timeout.total_seconds(), hello=self._hello)
+            client = KVClient(self.address, self._secret, self.timeout.total_seconds(), hello=self._hello,
+                              encrypt=self._encrypt)
             self._local.client = client
             with self._lock:
                 self._clients.append(client)
@@ -140,7 +143,7 @@ class _KVStoreOps:
 
     def clone(self) -> Any:
         """The same store over new connections (it does not own the fallback server)."""
-        return type(self)(self.address, self._secret, self.prefix, self.timeout, self._hello)
+        return type(self)(self.address, self._secret, self.prefix, self.timeout, self._hello, encrypt=self._encrypt)
 
     def close(self) -> None:
         """Close every connection, and the fallback server this store owns. Safe to call twice."""
@@ -171,6 +174,7 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
         store.set_timeout(timeout)
         return store
     attempt = job.attempt if job is not None else 0
+    encrypt = job is not None and job.encrypt
     job_id = job_id or (job.job_id if job is not None else "")
     secret = secret if secret is not None else (job.secret if job is not None else None)
     address, hello = kv_address or (job.rendezvous if job is not None else None), None
@@ -183,10 +187,10 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
         fresh = b""
         if fallback:  # a service of our own, under the job's secret (or a fresh one where the job has none)
             fresh = make_secret() if secret is None else b""
-            server = KVStoreServer(secret or fresh, host=listen_address(meeting_host(None, job))[0])
+            server = KVStoreServer(secret or fresh, host=listen_address(meeting_host(None, job))[0], encrypt=encrypt)
             host, port = server.start()
             address, hello = f"{host}:{port}", None
-        client = KVClient(address, secret or fresh, timeout.total_seconds(), hello=hello)
+        client = KVClient(address, secret or fresh, timeout.total_seconds(), hello=hello, encrypt=encrypt)
         try:
             generation = client.incr(f"{base}/generation")
         finally:
@@ -196,4 +200,4 @@ def open_store(name: str, rank: int, size: int, timeout: timedelta, *, job: JobE
     if fallback:
         address, hello = published, None
         secret = secret if secret is not None else bytes.fromhex(fresh_hex)
-    return kv_store_class()(address, secret, f"{base}/{generation_s}/", timeout, hello, server)
+    return kv_store_class()(address, secret, f"{base}/{generation_s}/", timeout, hello, server, encrypt=encrypt)

@@ -205,6 +205,8 @@ class Executor:
             stats["speculation_misses"] += 1
             return False, t0, t1
         assert bufs is not None  # every rank's flag was 1, this one's included
+        if spec.barrier:  # the flag's collective was the barrier: leave it with the other ranks
+            self.host.leave_together()
         if spec.in_place or spec.in_band:
             scale_inplace(bufs[0], spec.postscale)
         else:

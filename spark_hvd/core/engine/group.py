@@ -81,6 +81,9 @@ class Group(ABC):
         """``Backend.allreduce_agreed``: reduce ``buf`` in place if every rank ``agree``s; whether they all did."""
         raise SparkHvdError(f"an agreed allreduce is not a collective on {self.device or 'host'} tensors")
 
+    def leave_together(self) -> None:  # noqa: B027 - nothing to wait for by default
+        """``Backend.leave_together``: after a staged collective that completed a barrier."""
+
     def result(self, buf: Any) -> Any:
         """What a handle of an in-place collective (allreduce, broadcast) of ``buf`` returns."""
         return buf
@@ -174,3 +177,6 @@ class HostGroup(Group):
 
     def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
         return self.backend.allreduce_agreed(buf, op, agree)
+
+    def leave_together(self) -> None:
+        self.backend.leave_together()

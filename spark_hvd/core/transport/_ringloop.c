@@ -21,6 +21,13 @@
  * 64-bit frame counter (big-endian), associated data = the payload, plaintext = length | type byte (ciphertext
  * dropped). Nothing received is used (reduced, forwarded, handed back) before its tag checked out.
  *
+ * Encrypted frames (``encrypt``, SPARK_HVD_ENCRYPT): the same cipher, key (the direction's frame key) and nonce, but
+ * associated data = length | type byte and plaintext = the payload, whose ciphertext is sent in its place. A frame
+ * to send is sealed from the buffer into ``out_stage`` (ciphertext | tag) when it would be tagged, and sent from
+ * there; a frame received is read into ``in_stage``, its tag put after it, and decrypted from there into the scratch
+ * frame or its place in the buffer, then used only if the tag checked out (the same two ways: the caller's
+ * ``seal_into`` / ``open_into``, or libcrypto's EVP_Encrypt* / EVP_Decrypt* without the GIL).
+ *
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
  *
@@ -32,6 +39,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <math.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -57,12 +65,20 @@ enum status {
     ST_CRYPTO = 10,   /* libcrypto failed */
 };
 
-enum dtype { DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4 };
-enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1 };
+enum dtype {
+    DT_F32 = 0, DT_F64 = 1, DT_I32 = 2, DT_I64 = 3, DT_BYTES = 4, DT_U32 = 5, DT_U64 = 6, DT_F16 = 7, DT_BF16 = 8,
+    DT_I8 = 9, DT_U8 = 10, DT_I16 = 11, DT_U16 = 12, DT_COUNT = 13
+};
+enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1, OP_MIN = 2, OP_MAX = 3, OP_PRODUCT = 4, OP_COUNT = 5 };
 
-/* -- reductions: acc = acc + x (IEEE, no fast-math: the same bits as numpy's add; integers wrap as numpy's do) --
+/* -- reductions: acc = op(acc, x), element by element, the same bits as the Python loop's numpy ufuncs ----------
+ * (spark_hvd.core.reduce.reduce_into): IEEE, no fast-math; integer sums and products wrap as numpy's do (computed
+ * in the unsigned type of the width: the same bits, no signed overflow); MIN / MAX as numpy's scalar loops, a NaN
+ * in acc kept, a NaN in x taken; float16 and bfloat16 widened to float32 (exact), reduced there, and rounded back
+ * once (float16 as numpy's half loops: round to nearest even; bfloat16 as reduce.f32_to_bf16, NaN to 0x7FC0 with
+ * its sign). AVERAGE sums; ``divide`` turns the last step's sums into averages as reduce.divide_average does.
  * Vectorised (-O3 for these loops), with an AVX2 clone chosen at load time where the CPU has it (as numpy's own
- * loops are): the same sums, element by element, in wider registers. */
+ * loops are): the same operations, element by element, in wider registers. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("O3")
@@ -72,47 +88,231 @@ enum reduce_op { OP_SUM = 0, OP_AVERAGE = 1 };
 #else
 #define WIDE
 #endif
-WIDE static void add_f32(float *restrict acc, const float *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+#define MIN_(a, b) (((a) <= (b) || (a) != (a)) ? (a) : (b))
+#define MAX_(a, b) (((a) >= (b) || (a) != (a)) ? (a) : (b))
+
+/* SUM (and AVERAGE's sums), PRODUCT, MIN, MAX of one element type T; sums and products in U (unsigned for integers) */
+#define KERNELS(NAME, T, U)                                                                                     \
+    WIDE static void NAME##_sum(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)(U)((U)acc[i] + (U)x[i]);                                   \
+    }                                                                                                            \
+    WIDE static void NAME##_prod(T *restrict acc, const T *restrict x, size_t n) {                             \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)(U)((U)acc[i] * (U)x[i]);                                   \
+    }                                                                                                            \
+    WIDE static void NAME##_min(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = MIN_(acc[i], x[i]);                                             \
+    }                                                                                                            \
+    WIDE static void NAME##_max(T *restrict acc, const T *restrict x, size_t n) {                              \
+        for (size_t i = 0; i < n; i++) acc[i] = MAX_(acc[i], x[i]);                                             \
+    }
+KERNELS(f32, float, float)
+KERNELS(f64, double, double)
+KERNELS(i8, int8_t, unsigned)   /* unsigned int: uint8 * uint8 promoted to int could overflow in C */
+KERNELS(u8, uint8_t, unsigned)
+KERNELS(i16, int16_t, unsigned)
+KERNELS(u16, uint16_t, unsigned)
+KERNELS(i32, int32_t, uint32_t)
+KERNELS(u32, uint32_t, uint32_t)
+KERNELS(i64, int64_t, uint64_t)
+KERNELS(u64, uint64_t, uint64_t)
+
+/* float16 <-> float32 (numpy's npy_half_to_float / npy_float_to_half) and bfloat16 <-> float32 */
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static inline float bits_f32(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13)); /* inf, nan (payload kept) */
+    if (exp) return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    float v = (float)man * 0x1p-24f;                                      /* zero, subnormal: exact */
+    return bits_f32(sign | f32_bits(v));
 }
-WIDE static void add_f64(double *restrict acc, const double *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+static inline uint16_t f2h(float f) {
+    uint32_t b = f32_bits(f), e = b & 0x7f800000u, sig = b & 0x007fffffu;
+    uint16_t sign = (uint16_t)((b & 0x80000000u) >> 16);
+    if (e >= 0x47800000u) {                                                /* overflow, inf, nan */
+        if (e == 0x7f800000u && sig) {
+            uint16_t h = (uint16_t)(0x7c00u + (sig >> 13));
+            return (uint16_t)(sign + (h == 0x7c00u ? h + 1 : h));         /* a nan stays a nan */
+        }
+        return (uint16_t)(sign + 0x7c00u);
+    }
+    if (e <= 0x38000000u) {                                                /* subnormal half, or zero */
+        if (e < 0x33000000u) return sign;
+        uint32_t shift = 113u - (e >> 23);
+        uint32_t s = (0x00800000u + sig) >> shift;
+        if ((s & 0x3fffu) != 0x1000u || (sig & ((1u << shift) - 1u))) s += 0x1000u; /* nearest, ties to even */
+        return (uint16_t)(sign + (s >> 13));
+    }
+    uint32_t h = (e - 0x38000000u) >> 13;                                  /* the exponent, in place */
+    if ((sig & 0x3fffu) != 0x1000u) sig += 0x1000u;                        /* nearest, ties to even */
+    return (uint16_t)(sign + h + (sig >> 13));                             /* a carry rounds up the exponent */
 }
-WIDE static void add_u32(uint32_t *restrict acc, const uint32_t *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+static inline float b2f(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static inline uint16_t f2b(float f) {
+    uint32_t b = f32_bits(f);
+    uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    return f != f ? (uint16_t)(0x7fc0u | (r & 0x8000u)) : (uint16_t)r;
 }
-WIDE static void add_u64(uint64_t *restrict acc, const uint64_t *restrict x, size_t n) {
-    for (size_t i = 0; i < n; i++) acc[i] += x[i];
+
+/* Which NaN a sum or product of two 16-bit floats carries, as the Python loop's numpy gives it: float16 (numpy's half
+ * loops) the second operand's if it is one, else the first's, quieted; bfloat16 (numpy's float32 loops, then
+ * reduce.f32_to_bf16, which keeps only a NaN's sign) the first operand's, else the second's. */
+static inline float quiet(float a) { return bits_f32(f32_bits(a) | 0x00400000u); }
+#define NAN_F16(r, a, b) ((b) != (b) ? quiet(b) : (a) != (a) ? quiet(a) : (r))
+#define NAN_BF16(r, a, b) ((a) != (a) ? (a) : (b) != (b) ? (b) : (r))
+
+#define HALF_KERNELS(NAME, TO, FROM, NAN_)                                                                      \
+    WIDE static void NAME##_sum(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) {                                                                        \
+            float a = TO(acc[i]), b = TO(x[i]);                                                                 \
+            acc[i] = FROM(NAN_(a + b, a, b));                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    WIDE static void NAME##_prod(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {              \
+        for (size_t i = 0; i < n; i++) {                                                                        \
+            float a = TO(acc[i]), b = TO(x[i]);                                                                 \
+            acc[i] = FROM(NAN_(a * b, a, b));                                                                   \
+        }                                                                                                        \
+    }                                                                                                            \
+    WIDE static void NAME##_min(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) { float a = TO(acc[i]), b = TO(x[i]); acc[i] = FROM(MIN_(a, b)); }     \
+    }                                                                                                            \
+    WIDE static void NAME##_max(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {               \
+        for (size_t i = 0; i < n; i++) { float a = TO(acc[i]), b = TO(x[i]); acc[i] = FROM(MAX_(a, b)); }     \
+    }                                                                                                            \
+    WIDE static void NAME##_div(uint16_t *restrict acc, float d, size_t n) {                                   \
+        for (size_t i = 0; i < n; i++) acc[i] = FROM(TO(acc[i]) / d);                                         \
+    }
+HALF_KERNELS(f16_soft, h2f, f2h, NAN_F16)
+HALF_KERNELS(bf16, b2f, f2b, NAN_BF16)
+
+/* float16 where the CPU converts (F16C, with AVX2): eight at a time, the same bits as h2f / f2h (the hardware
+ * rounds to nearest even, as f2h; a NaN sum is quiet either way, its payload cut the same). MIN / MAX compare the
+ * widened values and keep the chosen input's own bits (as numpy's half loops do: a signalling NaN stays one). The
+ * rest of an array, and CPUs without F16C, take the loops above. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#include <immintrin.h>
+#define ROUND_ (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+__attribute__((target("avx2,f16c"))) static size_t f16_wide(int op, uint16_t *restrict acc,
+                                                           const uint16_t *restrict x, float d, size_t n) {
+    size_t i = 0;
+    __m256 div = _mm256_set1_ps(d);
+    for (; i + 8 <= n; i += 8) {
+        __m128i ha = _mm_loadu_si128((const __m128i *)(acc + i)), hb = _mm_setzero_si128(), r;
+        __m256 a = _mm256_cvtph_ps(ha), b = a;
+        if (x) {
+            hb = _mm_loadu_si128((const __m128i *)(x + i));
+            b = _mm256_cvtph_ps(hb);
+        }
+        if (!x) {
+            r = _mm256_cvtps_ph(_mm256_div_ps(a, div), ROUND_);
+        } else if (op == OP_SUM || op == OP_AVERAGE || op == OP_PRODUCT) {
+            __m256 sum = op == OP_PRODUCT ? _mm256_mul_ps(a, b) : _mm256_add_ps(a, b);
+            __m256 qa = _mm256_or_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+            __m256 qb = _mm256_or_ps(b, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)));
+            sum = _mm256_blendv_ps(sum, qa, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)); /* NAN_F16: b's, else a's */
+            sum = _mm256_blendv_ps(sum, qb, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+            r = _mm256_cvtps_ph(sum, ROUND_);
+        } else {
+            __m256 keep = op == OP_MIN ? _mm256_cmp_ps(a, b, _CMP_LE_OQ) : _mm256_cmp_ps(a, b, _CMP_GE_OQ);
+            __m256i k = _mm256_castps_si256(_mm256_or_ps(keep, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+            __m128i k16 = _mm_packs_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+            r = _mm_blendv_epi8(hb, ha, k16);
+        }
+        _mm_storeu_si128((__m128i *)(acc + i), r);
+    }
+    return i;
 }
+static int f16c_ok = -1;
+static size_t f16_fast(int op, uint16_t *acc, const uint16_t *x, float d, size_t n) {
+    if (f16c_ok < 0) f16c_ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return f16c_ok ? f16_wide(op, acc, x, d, n) : 0;
+}
+#else
+static size_t f16_fast(int op, uint16_t *acc, const uint16_t *x, float d, size_t n) {
+    (void)op; (void)acc; (void)x; (void)d; (void)n;
+    return 0;
+}
+#endif
+#define F16_OP(NAME, OP)                                                                                        \
+    static void f16_##NAME(uint16_t *restrict acc, const uint16_t *restrict x, size_t n) {                     \
+        size_t done = f16_fast(OP, acc, x, 1.0f, n);                                                            \
+        f16_soft_##NAME(acc + done, x + done, n - done);                                                        \
+    }
+F16_OP(sum, OP_SUM)
+F16_OP(prod, OP_PRODUCT)
+F16_OP(min, OP_MIN)
+F16_OP(max, OP_MAX)
+static void f16_div(uint16_t *restrict acc, float d, size_t n) {
+    size_t done = f16_fast(OP_AVERAGE, acc, NULL, d, n);
+    f16_soft_div(acc + done, d, n - done);
+}
+
 WIDE static void div_f32(float *restrict acc, float d, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
 }
 WIDE static void div_f64(double *restrict acc, double d, size_t n) {
     for (size_t i = 0; i < n; i++) acc[i] = acc[i] / d;
 }
+/* an integer average as reduce.divide_average: trunc(sum / float64(n)), cast back */
+#define INT_DIV(NAME, T)                                                                                        \
+    static void NAME##_div(T *restrict acc, double d, size_t n) {                                               \
+        for (size_t i = 0; i < n; i++) acc[i] = (T)trunc((double)acc[i] / d);                                   \
+    }
+INT_DIV(i8, int8_t)
+INT_DIV(u8, uint8_t)
+INT_DIV(i16, int16_t)
+INT_DIV(u16, uint16_t)
+INT_DIV(i32, int32_t)
+INT_DIV(u32, uint32_t)
+INT_DIV(i64, int64_t)
+INT_DIV(u64, uint64_t)
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
 
-static void reduce_into(int dtype, unsigned char *acc, const unsigned char *x, size_t nbytes) {
-    switch (dtype) {
-    case DT_F32: add_f32((float *)acc, (const float *)x, nbytes / 4); break;
-    case DT_F64: add_f64((double *)acc, (const double *)x, nbytes / 8); break;
-    case DT_I32: add_u32((uint32_t *)acc, (const uint32_t *)x, nbytes / 4); break;
-    case DT_I64: add_u64((uint64_t *)acc, (const uint64_t *)x, nbytes / 8); break;
-    default: break;
-    }
+typedef void (*kernel)(void *restrict, const void *restrict, size_t);
+#define ROW(NAME) {(kernel)NAME##_sum, (kernel)NAME##_sum, (kernel)NAME##_min, (kernel)NAME##_max, (kernel)NAME##_prod}
+static const kernel kernels[DT_COUNT][OP_COUNT] = {
+    [DT_F32] = ROW(f32), [DT_F64] = ROW(f64), [DT_I32] = ROW(i32), [DT_I64] = ROW(i64), [DT_U32] = ROW(u32),
+    [DT_U64] = ROW(u64), [DT_F16] = ROW(f16), [DT_BF16] = ROW(bf16), [DT_I8] = ROW(i8), [DT_U8] = ROW(u8),
+    [DT_I16] = ROW(i16), [DT_U16] = ROW(u16),
+};
+static const size_t itemsizes[DT_COUNT] = {4, 8, 4, 8, 1, 4, 8, 2, 2, 1, 1, 2, 2};
+
+static void reduce_into(int dtype, int op, unsigned char *acc, const unsigned char *x, size_t nbytes) {
+    kernels[dtype][op](acc, x, nbytes / itemsizes[dtype]);
 }
 
 static void divide(int dtype, unsigned char *acc, long n, size_t nbytes) {
-    if (dtype == DT_F32) div_f32((float *)acc, (float)n, nbytes / 4);
-    else if (dtype == DT_F64) div_f64((double *)acc, (double)n, nbytes / 8);
+    size_t k = nbytes / itemsizes[dtype];
+    switch (dtype) {
+    case DT_F32: div_f32((float *)acc, (float)n, k); break;
+    case DT_F64: div_f64((double *)acc, (double)n, k); break;
+    case DT_F16: f16_div((uint16_t *)acc, (float)h2f(f2h((float)n)), k); break;
+    case DT_BF16: bf16_div((uint16_t *)acc, (float)n, k); break;
+    case DT_I8: i8_div((int8_t *)acc, (double)n, k); break;
+    case DT_U8: u8_div((uint8_t *)acc, (double)n, k); break;
+    case DT_I16: i16_div((int16_t *)acc, (double)n, k); break;
+    case DT_U16: u16_div((uint16_t *)acc, (double)n, k); break;
+    case DT_I32: i32_div((int32_t *)acc, (double)n, k); break;
+    case DT_U32: u32_div((uint32_t *)acc, (double)n, k); break;
+    case DT_I64: i64_div((int64_t *)acc, (double)n, k); break;
+    case DT_U64: u64_div((uint64_t *)acc, (double)n, k); break;
+    default: break;
+    }
 }
 
 /* -- tags ------------------------------------------------------------------------------------------------------ */
 #define GIL_WAIT_NS 100000LL      /* a longer wait for the GIL means another thread holds it: 0.1 ms */
 #define GIL_FREE_NS 1000000000LL  /* then tag without the GIL for 1 s */
 #define EVP_CTRL_GCM_GET_TAG_ 0x10
+#define EVP_CTRL_GCM_SET_TAG_ 0x11
 
 /* the few libcrypto functions used (a stable ABI since OpenSSL 1.1), resolved at first use */
 typedef struct evp_ctx EVP_CTX;
@@ -125,6 +325,9 @@ static struct {
     int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
     int (*final)(EVP_CTX *, unsigned char *, int *);
     int (*ctrl)(EVP_CTX *, int, int, void *);
+    int (*dec_init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *);
+    int (*dec_update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int);
+    int (*dec_final)(EVP_CTX *, unsigned char *, int *);
 } crypto;
 
 static int64_t gil_free_until; /* process-wide: tag without the GIL until then (CLOCK_MONOTONIC ns) */
@@ -150,15 +353,19 @@ static int crypto_load(void) {
     *(void **)&crypto.update = dlsym(lib, "EVP_EncryptUpdate");
     *(void **)&crypto.final = dlsym(lib, "EVP_EncryptFinal_ex");
     *(void **)&crypto.ctrl = dlsym(lib, "EVP_CIPHER_CTX_ctrl");
+    *(void **)&crypto.dec_init = dlsym(lib, "EVP_DecryptInit_ex");
+    *(void **)&crypto.dec_update = dlsym(lib, "EVP_DecryptUpdate");
+    *(void **)&crypto.dec_final = dlsym(lib, "EVP_DecryptFinal_ex");
     crypto.ok = crypto.aes_256_gcm && crypto.ctx_new && crypto.ctx_free && crypto.init && crypto.update
-                && crypto.final && crypto.ctrl;
+                && crypto.final && crypto.ctrl && crypto.dec_init && crypto.dec_update && crypto.dec_final;
     return crypto.ok;
 }
 
-static EVP_CTX *crypto_ctx(const unsigned char *key) {
+/* a context that encrypts (or, ``decrypt``, decrypts) under ``key`` */
+static EVP_CTX *crypto_ctx(const unsigned char *key, int decrypt) {
     if (!crypto_load()) return NULL;
     EVP_CTX *ctx = crypto.ctx_new();
-    if (ctx && crypto.init(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
+    if (ctx && (decrypt ? crypto.dec_init : crypto.init)(ctx, crypto.aes_256_gcm(), NULL, key, NULL) != 1) {
         crypto.ctx_free(ctx);
         ctx = NULL;
     }
@@ -216,7 +423,78 @@ static int tag_by_python(PyObject *mac, uint64_t counter, const unsigned char *l
     return rc;
 }
 
+/* Encrypted frames by libcrypto, without the GIL. Sealing: ``in`` the plaintext (``len``), ``out`` ciphertext | tag
+ * (``len`` + 16); opening: ``in`` ciphertext | tag, ``out`` the plaintext. 0 on success, 1 when a tag fails, -1 when
+ * libcrypto does. */
+static int crypt_by_crypto(EVP_CTX *ctx, int sealing, uint64_t counter, const unsigned char *aad,
+                           const unsigned char *in, size_t len, unsigned char *out) {
+    unsigned char iv[12], tail[32];
+    int outl;
+    nonce_of(counter, iv);
+    int (*init)(EVP_CTX *, const void *, void *, const unsigned char *, const unsigned char *) =
+        sealing ? crypto.init : crypto.dec_init;
+    int (*update)(EVP_CTX *, unsigned char *, int *, const unsigned char *, int) =
+        sealing ? crypto.update : crypto.dec_update;
+    if (init(ctx, NULL, NULL, NULL, iv) != 1 || update(ctx, NULL, &outl, aad, 9) != 1) return -1;
+    const unsigned char *tag = in + len;
+    while (len) {
+        int piece = len > (1u << 30) ? (1 << 30) : (int)len;
+        if (update(ctx, out, &outl, in, piece) != 1) return -1;
+        in += piece;
+        out += piece;
+        len -= (size_t)piece;
+    }
+    if (sealing)
+        return crypto.final(ctx, tail, &outl) == 1 && crypto.ctrl(ctx, EVP_CTRL_GCM_GET_TAG_, TAG_SIZE, out) == 1
+                   ? 0 : -1;
+    if (crypto.ctrl(ctx, EVP_CTRL_GCM_SET_TAG_, TAG_SIZE, (void *)tag) != 1) return -1;
+    return crypto.dec_final(ctx, tail, &outl) == 1 ? 0 : 1;
+}
+
+/* Encrypted frames by the caller's functions, the GIL held: ``seal_into(nonce, aad, plaintext, out)``,
+ * ``open_into(nonce, aad, sealed, out)`` -> whether the tag checked out. As crypt_by_crypto, -1 with an exception. */
+static int crypt_by_python(PyObject *fn, int sealing, uint64_t counter, const unsigned char *aad,
+                           unsigned char *in, size_t len, unsigned char *out) {
+    unsigned char iv[12];
+    nonce_of(counter, iv);
+    size_t in_len = sealing ? len : len + TAG_SIZE, out_len = sealing ? len + TAG_SIZE : len;
+    int rc = -1;
+    PyObject *nonce = PyBytes_FromStringAndSize((const char *)iv, 12);
+    PyObject *ad = PyBytes_FromStringAndSize((const char *)aad, 9);
+    PyObject *src = PyMemoryView_FromMemory((char *)in, (Py_ssize_t)in_len, PyBUF_READ);
+    PyObject *dst = PyMemoryView_FromMemory((char *)out, (Py_ssize_t)out_len, PyBUF_WRITE);
+    PyObject *result = nonce && ad && src && dst ? PyObject_CallFunctionObjArgs(fn, nonce, ad, src, dst, NULL) : NULL;
+    if (result) {
+        int ok = sealing ? 1 : PyObject_IsTrue(result);
+        rc = ok < 0 ? -1 : (ok ? 0 : 1);
+    }
+    Py_XDECREF(result);
+    Py_XDECREF(dst);
+    Py_XDECREF(src);
+    Py_XDECREF(ad);
+    Py_XDECREF(nonce);
+    return rc;
+}
+
 enum mac_mode { MAC_AUTO = 0, MAC_NO_GIL = 1, MAC_GIL = 2 };
+
+static int take_gil(int mode, EVP_CTX *ctx, PyThreadState **thread);
+
+/* Seal or open an encrypted frame, one of the two ways (as tag_frame chooses): 0 on success, 1 when its tag fails,
+ * -1 with a Python exception set, -2 when libcrypto failed. */
+static int crypt_frame(int mode, PyObject *fn, EVP_CTX *ctx, int sealing, uint64_t counter,
+                       const unsigned char *aad, unsigned char *in, size_t len, unsigned char *out,
+                       PyThreadState **thread) {
+    if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
+                                                                                          __ATOMIC_RELAXED)))) {
+        int rc = crypt_by_crypto(ctx, sealing, counter, aad, in, len, out);
+        return rc < 0 ? -2 : rc;
+    }
+    take_gil(mode, ctx, thread);
+    int rc = crypt_by_python(fn, sealing, counter, aad, in, len, out);
+    *thread = PyEval_SaveThread();
+    return rc;
+}
 
 /* The tag of the frame numbered ``counter`` whose plaintext is ``length_kind`` (length | type byte) and whose
  * payload is ``len`` bytes at ``payload`` (see the top of this file for the two ways). 0 on success; -1 with a
@@ -226,14 +504,20 @@ static int tag_frame(int mode, PyObject *mac, EVP_CTX *ctx, uint64_t counter, co
     if (ctx && (mode == MAC_NO_GIL || (mode == MAC_AUTO && now_ns() < __atomic_load_n(&gil_free_until,
                                                                                           __ATOMIC_RELAXED))))
         return tag_by_crypto(ctx, counter, length_kind, payload, len, tag) == 0 ? 0 : -2;
+    take_gil(mode, ctx, thread);
+    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
+    *thread = PyEval_SaveThread();
+    return rc;
+}
+
+/* take the GIL back; a long wait for it (another thread runs Python) sends MAC_AUTO to libcrypto for a while */
+static int take_gil(int mode, EVP_CTX *ctx, PyThreadState **thread) {
     int64_t asked = now_ns();
     PyEval_RestoreThread(*thread);
     int64_t got = now_ns();
     if (ctx && mode == MAC_AUTO && got - asked > GIL_WAIT_NS)
         __atomic_store_n(&gil_free_until, got + GIL_FREE_NS, __ATOMIC_RELAXED);
-    int rc = tag_by_python(mac, counter, length_kind, payload, len, tag);
-    *thread = PyEval_SaveThread();
-    return rc;
+    return 0;
 }
 
 static void put_be64(unsigned char *p, uint64_t v) {
@@ -258,6 +542,8 @@ typedef struct {
     PyObject *out_mac, *in_mac;
     EVP_CTX *out_ctx, *in_ctx; /* NULL without libcrypto */
     uint64_t out_counter, in_counter;
+    int encrypt;                              /* frames are encrypted: sealed into out_stage, opened from in_stage */
+    unsigned char *out_stage, *in_stage;      /* (the largest frame + its tag each; NULL when not encrypted) */
     unsigned char *buf, *scratch;
     const int64_t *first;  /* (lo, hi) byte ranges of buf sent first */
     Py_ssize_t n_first;
@@ -297,7 +583,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
     int n_pending = 0;
     Py_ssize_t index = 0;
     size_t got_head = 0, target_len = 0, target_got = 0;
-    unsigned char *target = NULL;
+    unsigned char *target = NULL, *dest = NULL; /* where a frame is read (in_stage if encrypted); its payload's place */
     int have_target = 0;
     unsigned char out_length_kind[9], in_length_kind[9]; /* a frame's plaintext: length | type byte */
     unsigned char expected_tag[TAG_SIZE], tag[TAG_SIZE];
@@ -318,8 +604,17 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 out_head[HEAD_SIZE - 1] = DATA_KIND;
                 memcpy(out_length_kind, out_head, 8);
                 out_length_kind[8] = DATA_KIND;
-                int tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, r->buf + lo,
+                unsigned char *from = r->buf + lo;
+                int tagged;
+                if (r->encrypt) { /* sealed into out_stage (ciphertext | tag), sent from there */
+                    tagged = crypt_frame(r->mac_mode, r->out_mac, r->out_ctx, 1, r->out_counter, out_length_kind,
+                                         from, (size_t)(hi - lo), r->out_stage, thread);
+                    memcpy(out_head + 8, r->out_stage + (hi - lo), TAG_SIZE);
+                    from = r->out_stage;
+                } else {
+                    tagged = tag_frame(r->mac_mode, r->out_mac, r->out_ctx, r->out_counter, out_length_kind, from,
                                        (size_t)(hi - lo), out_head + 8, thread);
+                }
                 if (tagged < 0) {
                     r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
                     goto done;
@@ -327,7 +622,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 r->out_counter++;
                 pending[0].iov_base = out_head;
                 pending[0].iov_len = HEAD_SIZE;
-                pending[1].iov_base = r->buf + lo;
+                pending[1].iov_base = from;
                 pending[1].iov_len = (size_t)(hi - lo);
                 n_pending = 2;
                 if (hi == lo) { pending[1] = pending[0]; n_pending = 1; } /* (the ring plans no empty frame) */
@@ -389,7 +684,8 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 memcpy(expected_tag, r->head + 8, TAG_SIZE);
                 memcpy(in_length_kind, r->head, 8);
                 in_length_kind[8] = DATA_KIND;
-                target = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                dest = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                target = r->encrypt ? r->in_stage : dest;
                 target_len = expected;
                 target_got = 0;
                 got_head = 0;
@@ -441,19 +737,30 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 if (target_len >= (size_t)r->lowat_min) { recv_dry = 1; can_recv = 0; }
             }
             /* frame `index` is complete: check its tag before anything uses it */
-            int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target, target_len,
-                                   tag, thread);
-            if (tagged < 0) {
-                r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
-                goto done;
+            if (r->encrypt) { /* decrypted into its place, used only if the tag checked out */
+                memcpy(r->in_stage + target_len, expected_tag, TAG_SIZE);
+                int opened = crypt_frame(r->mac_mode, r->in_mac, r->in_ctx, 0, r->in_counter, in_length_kind,
+                                         r->in_stage, target_len, dest, thread);
+                if (opened < 0) {
+                    r->status = opened == -1 ? ST_RAISED : ST_CRYPTO;
+                    goto done;
+                }
+                if (opened) { r->status = ST_AUTH; goto done; }
+            } else {
+                int tagged = tag_frame(r->mac_mode, r->in_mac, r->in_ctx, r->in_counter, in_length_kind, target,
+                                       target_len, tag, thread);
+                if (tagged < 0) {
+                    r->status = tagged == -1 ? ST_RAISED : ST_CRYPTO;
+                    goto done;
+                }
+                unsigned char diff = 0; /* in constant time */
+                for (int k = 0; k < TAG_SIZE; k++) diff |= (unsigned char)(tag[k] ^ expected_tag[k]);
+                if (diff) { r->status = ST_AUTH; goto done; }
             }
-            unsigned char diff = 0; /* in constant time */
-            for (int k = 0; k < TAG_SIZE; k++) diff |= (unsigned char)(tag[k] ^ expected_tag[k]);
-            if (diff) { r->status = ST_AUTH; goto done; }
             r->in_counter++;
             have_target = 0;
             if (step[0] < r->reduce_steps) {
-                reduce_into(r->dtype, r->buf + step[1], r->scratch, target_len);
+                reduce_into(r->dtype, r->op, r->buf + step[1], r->scratch, target_len);
                 if (r->op == OP_AVERAGE && step[0] == r->reduce_steps - 1)
                     divide(r->dtype, r->buf + step[1], r->ranks, target_len);
             }
@@ -527,11 +834,12 @@ done:
 PyDoc_STRVAR(ring_doc,
 "ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
 "     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
-"     lowat_min, mac_mode)\n"
+"     lowat_min, mac_mode, encrypt)\n"
 "-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
 "(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
-"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function.");
+"32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function;\n"
+"``encrypt``: frames are encrypted, ``out_mac``/``in_mac`` then each direction's ``seal_into``/``open_into``.");
 
 static PyObject *ring(PyObject *self, PyObject *args) {
     (void)self;
@@ -541,25 +849,30 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
     PyObject *out_mac, *in_mac;
     Py_buffer out_key, in_key, buf, scratch, first, plan;
-    int mac_mode;
-    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLi", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
+    int mac_mode, encrypt;
+    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
                           &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps,
                           &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail,
-                          &lowat_min, &mac_mode))
+                          &lowat_min, &mac_mode, &encrypt))
         return NULL;
     PyObject *result = NULL;
     EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
+    unsigned char *out_stage = NULL, *in_stage = NULL;
     if (out_key.len != 32 || in_key.len != 32) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
         goto out;
     }
     if (mac_mode != MAC_GIL) {
-        out_ctx = crypto_ctx(out_key.buf);
-        in_ctx = out_ctx ? crypto_ctx(in_key.buf) : NULL;
+        out_ctx = crypto_ctx(out_key.buf, 0);
+        in_ctx = out_ctx ? crypto_ctx(in_key.buf, encrypt) : NULL;
         if (!in_ctx && mac_mode == MAC_NO_GIL) {
             PyErr_SetString(PyExc_RuntimeError, "libcrypto (OpenSSL) could not be loaded or set up");
             goto out;
         }
+    }
+    if (reduce_steps > 0 && (dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || op < 0 || op >= OP_COUNT)) {
+        PyErr_SetString(PyExc_ValueError, "unknown dtype or reduction code");
+        goto out;
     }
     Py_ssize_t n_first = first.len / (Py_ssize_t)(2 * sizeof(int64_t)), n_recv = plan.len / (Py_ssize_t)(3 * sizeof(int64_t));
     const int64_t *f = first.buf, *p = plan.buf;
@@ -574,7 +887,21 @@ static PyObject *ring(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer or the scratch");
             goto out;
         }
+    if (encrypt) { /* the stages: the largest frame sent or received, and a tag */
+        int64_t largest = 0;
+        for (Py_ssize_t i = 0; i < n_first; i++)
+            if (f[2 * i + 1] - f[2 * i] > largest) largest = f[2 * i + 1] - f[2 * i];
+        for (Py_ssize_t i = 0; i < n_recv; i++)
+            if (p[3 * i + 2] - p[3 * i + 1] > largest) largest = p[3 * i + 2] - p[3 * i + 1];
+        out_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
+        in_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
+        if (!out_stage || !in_stage) {
+            PyErr_NoMemory();
+            goto out;
+        }
+    }
     Ring r = {0};
+    r.encrypt = encrypt; r.out_stage = out_stage; r.in_stage = in_stage;
     r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
     if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
     r.out_counter = out_counter; r.in_counter = in_counter;
@@ -590,6 +917,8 @@ static PyObject *ring(PyObject *self, PyObject *args) {
                            (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
                            r.mid_send ? Py_True : Py_False);
 out:
+    PyMem_RawFree(out_stage);
+    PyMem_RawFree(in_stage);
     if (out_ctx) crypto.ctx_free(out_ctx);
     if (in_ctx) crypto.ctx_free(in_ctx);
     PyBuffer_Release(&out_key);

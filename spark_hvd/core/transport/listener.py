@@ -41,17 +41,18 @@ class Listener:
         max_pending: connections allowed to be unauthenticated at the same time.
         handshake_timeout_s: how long a client may take to prove the secret.
         wrap: makes the ``FramedSocket`` (or subclass) of an accepted socket; default a plain ``FramedSocket``.
+        encrypt: the default ``FramedSocket``s encrypt their frames (every client must too; ``wire``).
     """
 
     def __init__(self, sock: socket.socket, secret: bytes, serve: Callable[[Any, str], bool | None], *,
                  name: str, max_pending: int = MAX_PENDING, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 wrap: Callable[[socket.socket, str], FramedSocket] | None = None) -> None:
+                 wrap: Callable[[socket.socket, str], FramedSocket] | None = None, encrypt: bool = False) -> None:
         self.sock = sock
         self.secret = secret
         self.serve = serve
         self.name = name
         self.handshake_timeout_s = handshake_timeout_s
-        self._wrap = wrap or (lambda conn, address: FramedSocket(conn, secret, f"connection from {address}"))
+        self._wrap = wrap or (lambda conn, address: FramedSocket(conn, secret, f"connection from {address}", encrypt))
         #: connections dropped because they failed (or never finished) the handshake, or came over the cap
         self.rejected = 0
         #: accept() errors survived (EMFILE...)

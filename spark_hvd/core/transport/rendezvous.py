@@ -157,11 +157,14 @@ class KVTable:
 class KVStoreServer:
     """A thread-based key-value service for a job's rendezvous (the operations: ``KVTable``).
 
-    ``listener_options`` go to the ``Listener`` (``max_pending``, ``handshake_timeout_s``).
+    ``listener_options`` go to the ``Listener`` (``max_pending``, ``handshake_timeout_s``); ``encrypt``: every
+    connection's frames are encrypted (``wire``; its clients must say so too).
     """
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, **listener_options: Any) -> None:
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", port: int = 0, *, encrypt: bool = False,
+                 **listener_options: Any) -> None:
         self.secret = secret
+        self.encrypt = encrypt
         self._listener_options = listener_options
         self._bind = (host, port)
         self.table = KVTable()
@@ -187,7 +190,8 @@ class KVStoreServer:
         if host in ("0.0.0.0", ""):
             host = routable_address()
         self.address = (host, port)
-        self._listener = Listener(sock, self.secret, self._serve, name="spark-hvd-kv", **self._listener_options)
+        self._listener = Listener(sock, self.secret, self._serve, name="spark-hvd-kv", encrypt=self.encrypt,
+                                  **self._listener_options)
         self._listener.start()
         logger.debug("KV rendezvous service listening on %s:%d", host, port)
         return self.address
@@ -222,13 +226,14 @@ class KVClient:
     """A connection to a ``KVStoreServer`` (not thread-safe: one per thread).
 
     ``hello``: a first frame sent after the handshake, for a service that serves KV requests beside others (the
-    Spark runner's driver service wants ``("hello", job_id, rank, "kv")``).
+    Spark runner's driver service wants ``("hello", job_id, rank, "kv")``). ``encrypt``: as the service does.
     """
 
     def __init__(self, address: str | tuple[str, int], secret: bytes, timeout_s: float = 30.0,
-                 hello: tuple[Any, ...] | None = None) -> None:
+                 hello: tuple[Any, ...] | None = None, encrypt: bool = False) -> None:
         host, port = parse_address(address) if isinstance(address, str) else address
         self.address = f"{host}:{port}"
+        self.encrypt = encrypt
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         while True:  # the service may still be starting, or busy: retry until the timeout
@@ -248,7 +253,7 @@ class KVClient:
     def _connect(self, host: str, port: int, secret: bytes, timeout_s: float) -> FramedSocket:
         sock = socket.create_connection((host, port), timeout=timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        framed = FramedSocket(sock, secret, f"rendezvous service {self.address}")
+        framed = FramedSocket(sock, secret, f"rendezvous service {self.address}", self.encrypt)
         try:
             framed.handshake("client", timeout_s)
         except BaseException:
@@ -330,19 +335,21 @@ class KVRendezvous(Rendezvous):
     """``Rendezvous`` over a ``KVStoreServer`` at ``address`` ("host:port").
 
     Every ``exchange`` is a new round (a per-rank counter on the service numbers them), so a job that
-    initialises twice with the same ``job_id`` never reads the previous round's values.
+    initialises twice with the same ``job_id`` never reads the previous round's values. ``encrypt``: as the service.
     """
 
-    def __init__(self, address: str, secret: bytes, job_id: str = "", timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, secret: bytes, job_id: str = "", timeout_s: float = 30.0,
+                 encrypt: bool = False) -> None:
         self.address = address
         self.secret = secret
+        self.encrypt = encrypt
         self.job_id = job_id
         self.timeout_s = timeout_s
         self.host = parse_address(address)[0]
 
     def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
         """Publish ``value`` for ``rank`` and return all ``size`` values; names the missing ranks on timeout."""
-        client = KVClient(self.address, self.secret, self.timeout_s)
+        client = KVClient(self.address, self.secret, self.timeout_s, encrypt=self.encrypt)
         try:
             prefix = f"{self.job_id}/rendezvous"
             round_no = client.incr(f"{prefix}/round/{rank}")

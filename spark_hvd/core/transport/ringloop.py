@@ -10,10 +10,13 @@ into frames of at most ``FRAME_BYTES`` (issue 23's CPU per byte at the link-boun
 hosts at 2 Gbit/s, 12 rounds interleaved, CPU per call per rank at 16 / 64 MiB: 7.5 / 27.0 ms against 9.3 / 34.8
 for the Python loop and 9.4 / 33.1 for gloo, on the wire's floor).
 
-The compiled loop reduces SUM of float32/float64/int32/int64 (and uint32/uint64, the same bits), AVERAGE of
-float32/float64 (and any allgather step); other dtypes and ops (float16, bfloat16, MIN, MAX, PRODUCT) run the
-Python loop on the same frames. ``SPARK_HVD_COMPILED_RING=false`` turns it off on a rank (then its whole job uses
-the Python loop's frame size).
+The compiled loop reduces every element-wise op (SUM, AVERAGE, MIN, MAX, PRODUCT) of every dtype the ring takes
+(float16/32/64, bfloat16, int8/16/32/64, uint8/16/32/64) with the same bits as the Python loop's numpy ufuncs
+(float16 and bfloat16 widened to float32 and rounded back once, as ``spark_hvd.core.reduce`` does; checked bit for
+bit in ``tests/core/test_ringloop_ops.py``), and runs any allgather step. ``SPARK_HVD_COMPILED_RING=false`` turns
+it off on a rank (then its whole job uses the Python loop's frame size). With encryption (``SPARK_HVD_ENCRYPT``) it
+seals and opens frames as the Python loop does (``_ringloop.c``), by ``cryptography``'s ``encrypt_into`` /
+``decrypt_into`` under the GIL (or, after a wait for the GIL, the system's libcrypto without it).
 """
 
 from __future__ import annotations
@@ -51,9 +54,13 @@ logger = logging.getLogger(__name__)
 FRAME_BYTES = 512 * 1024
 
 _OK, _TIMEOUT, _RECV_ERR, _SEND_ERR, _AUTH, _CONTROL, _SIZE, _EMPTY, _NOMEM, _RAISED, _CRYPTO = range(11)
-_FLOATS = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}
-_INTEGERS = {np.dtype(np.int32): 2, np.dtype(np.uint32): 2, np.dtype(np.int64): 3, np.dtype(np.uint64): 3}
-_BYTES = 4
+#: the C loop's dtype codes (``enum dtype``); bfloat16 travels as a uint16 view with ``bfloat16=True``
+_DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, np.dtype(np.int32): 2, np.dtype(np.int64): 3,
+           np.dtype(np.uint32): 5, np.dtype(np.uint64): 6, np.dtype(np.float16): 7, np.dtype(np.int8): 9,
+           np.dtype(np.uint8): 10, np.dtype(np.int16): 11, np.dtype(np.uint16): 12}
+_BYTES, _BF16 = 4, 8
+#: its reduction codes (``enum reduce_op``; AVERAGE sums, then divides at the last reduce step)
+_OPS = {ReduceOp.SUM: 0, ReduceOp.AVERAGE: 1, ReduceOp.MIN: 2, ReduceOp.MAX: 3, ReduceOp.PRODUCT: 4}
 
 
 #: whether the compiled loop was built here (``Settings.compiled_ring`` may still turn it off)
@@ -70,20 +77,19 @@ def supports(dtype: np.dtype, op: ReduceOp, bfloat16: bool, reduce_steps: int) -
     if reduce_steps == 0:
         return True
     if bfloat16:
-        return False
-    if dtype in _FLOATS:
-        return op is ReduceOp.SUM or op is ReduceOp.AVERAGE
-    return dtype in _INTEGERS and op is ReduceOp.SUM
+        return dtype == np.uint16 and op in _OPS
+    return dtype in _DTYPES and op in _OPS
 
 
 def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scratch: np.ndarray,
         first: Sequence[tuple[int, int]], plan: Sequence[tuple[int, int, int]], reduce_steps: int, total_steps: int,
-        op: ReduceOp, ranks: int) -> None:
+        op: ReduceOp, ranks: int, *, average: bool | None = None, bfloat16: bool = False) -> None:
     """Run a ring's steps on ``flat`` (see ``RingBackend._ring``) with the compiled loop: send the byte ranges
     ``first`` ((lo, hi) pairs) to ``out``; receive frame i from ``recv`` as planned by ``plan[i]``, (step, lo,
-    hi): steps below ``reduce_steps`` into ``scratch`` and reduced into ``flat``'s bytes lo:hi (an
-    AVERAGE divided by ``ranks`` at the last of them), later ones straight into place; a frame of a step before the
-    last is sent on. Raises what ``RingExchange.run`` raises, naming the peer at fault."""
+    hi): steps below ``reduce_steps`` into ``scratch`` and reduced by ``op`` into ``flat``'s bytes lo:hi (with
+    ``average``, by default where ``op`` is AVERAGE, divided by ``ranks`` at the last of them), later ones
+    straight into place; a frame of a step before the last is sent on. ``bfloat16``: ``flat`` is the uint16 view
+    of bfloat16 values. Raises what ``RingExchange.run`` raises, naming the peer at fault."""
     assert _ringloop is not None
     spans = np.array(first, dtype=np.int64).reshape(-1, 2)
     frames = np.array(plan, dtype=np.int64).reshape(-1, 3)
@@ -97,16 +103,24 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
             recv.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, RUN_AHEAD_WINDOW * ahead)
         except OSError:  # not TCP (a Unix socket pair)
             pass
-    code = _BYTES if reduce_steps == 0 else {**_FLOATS, **_INTEGERS}[flat.dtype]
+    code = _BYTES if reduce_steps == 0 else _BF16 if bfloat16 else _DTYPES[flat.dtype]
+    # AVERAGE (1) only where this ring divides: a reduce-scatter of an average leaves the division to its caller
+    if average is None:
+        average = op is ReduceOp.AVERAGE
+    opcode = 1 if average else 0 if op is ReduceOp.AVERAGE else _OPS[op]
     sending, receiving = out._sending(), recv._receiving()
+    if out.encrypt != recv.encrypt:
+        raise ValueError("a ring encrypts on both of its connections or on neither")
+    # encrypted: each direction's seal_into / open_into (``wire``), else its GMAC
+    out_fn, in_fn = (sending.seal_into, receiving.open_into) if out.encrypt else (sending.gmac, receiving.gmac)
     timeout_ms = int(max(out.timeout_s, recv.timeout_s) * 1000)
     with out.send_lock:
         try:
             status, detail, sending.counter, receiving.counter, index, head, mid_send = _ringloop.ring(
-                out.sock.fileno(), recv.sock.fileno(), sending.gmac, sending.data_key(), sending.counter,
-                receiving.gmac, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
-                reduce_steps, total_steps, code, 1 if op is ReduceOp.AVERAGE else 0, ranks, timeout_ms, ahead,
-                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE)
+                out.sock.fileno(), recv.sock.fileno(), out_fn, sending.data_key(), sending.counter,
+                in_fn, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
+                reduce_steps, total_steps, code, opcode, ranks, timeout_ms, ahead,
+                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE, int(out.encrypt))
         except BaseException:  # a signal handler's exception (Ctrl-C), or the MAC's: the streams may stop mid-frame
             out.send_broken = recv.recv_broken = True
             raise

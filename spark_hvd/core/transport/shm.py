@@ -53,6 +53,12 @@ CTRL_BYTES = 4096
 # control words (int64 index into the control page), one cache line apart
 IN, RED, OUT, PID = 0, 8, 16, 24  # PID + 1: this mapping's address (shm_cma); shm_cma uses 32..
 SPIN_CHECKS = 500
+#: ``release``: how long a rank spins at most for its peers to finish a barrier (their wake-up from a futex took
+#: 30-150 us on a loaded 2-core host; a peer later than this has been preempted, and the caller goes on) ...
+RELEASE_SPIN_S = 0.002
+#: ... and after this long it yields its core at every look: on a loaded host the scheduler tends to put two ranks
+#: that wake each other on one core, where spinning would only keep the peer from running.
+RELEASE_YIELD_S = 50e-6
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
 
@@ -290,6 +296,41 @@ class ShmGroup:
 
     def _ready_all(self, word: int, target: int) -> bool:
         return all(self.ctrl[k][word] >= target for k in range(self.size) if k != self.local)
+
+    def release(self) -> None:
+        """After a barrier's collective: spin until every peer has finished it too (its ``OUT`` reached this
+        rank's), for at most ``RELEASE_SPIN_S``, so that the ranks leave the barrier together.
+
+        A rank that waited long in the collective went to sleep on the futex, and the last rank to arrive, which
+        finds every ``IN`` already there, would leave a whole wake-up (30-150 us on a loaded host) before it: the
+        collective after the barrier then starts that far apart, and its early rank pays the gap and a wake-up of
+        its own (``benchmarks/allreduce.py --after-barrier``). Spinning here is cheap, since every peer is known to
+        have arrived and only has to wake; after ``RELEASE_YIELD_S`` each look yields the core first, since the
+        scheduler may have woken the peer onto this one. It moves no counter and fails nothing: a peer still not
+        done after the bound has been preempted, and the caller goes on as before. No spin where ranks outnumber
+        the cores (``spin_checks`` 0)."""
+        if self.size == 1 or not self.spin_checks:
+            return
+        target, me = self.seq, self.local
+        clock = time.perf_counter
+        start = 0.0
+        for k in range(self.size):
+            if k == me:
+                continue
+            ctrl = self.ctrl[k]
+            while ctrl[OUT] < target:
+                now = clock()
+                if not start:
+                    start = now
+                elif now - start > RELEASE_SPIN_S:
+                    return
+                elif now - start > RELEASE_YIELD_S:
+                    os.sched_yield()  # the peer may wait for this very core
+
+    def barrier(self, operation: str, check_peers: Callable[[str], None]) -> None:
+        """Return once every member has called it, and leave with them (``release``): one small collective."""
+        self._allreduce_small(np.zeros(1, np.uint8), ReduceOp.MAX, False, operation, check_peers)
+        self.release()
 
     # -- exchange rounds (the slice collectives of ``shm_slices``) ----------------------------------------------
     def rounds(self, nblocks: int, stage: Callable[[int, np.ndarray], None],

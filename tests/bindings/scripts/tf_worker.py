@@ -150,6 +150,36 @@ def _tf1() -> None:
     assert (res[7], res[8]) == (R, N)
 
 
+@check("tf1_graph_built_before_init")
+def _tf1_before_init() -> None:
+    """As in Horovod, a TF1 graph's collectives may be built before ``init()``: they check when they run."""
+    xs = [data(r, (3,), seed=4) for r in range(N)]
+    hvd.shutdown()
+    try:
+        assert not hvd.is_initialized()
+        with tf.Graph().as_default() as early:
+            red = hvd.allreduce(tf.constant(xs[R]), op=hvd.Sum)
+        with tf.Graph().as_default() as g:
+            v = tf.compat.v1.Variable(np.full(3, float(R), np.float32))
+            bcast = hvd.broadcast_global_variables(0)  # Horovod's test_horovod_broadcast_graph_mode
+            total = hvd.allreduce(tf.constant(xs[R]), op=hvd.Sum)
+            rank_t = hvd.rank_op()
+        with tf.compat.v1.Session(graph=early) as sess:
+            try:
+                sess.run(red)
+                raise AssertionError("a collective ran without init()")
+            except tf.errors.FailedPreconditionError as e:
+                assert "initialized" in str(e) and "allreduce" in str(e), str(e)
+    finally:
+        hvd.init()
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        got = sess.run([bcast, total, rank_t])
+        close(sess.run(v), np.zeros(3, np.float32))  # read after the run that assigned it
+    close(got[1], np.stack(xs).sum(0))
+    assert got[2] == R
+
+
 @check("indexed_slices_allreduce")
 def _sparse() -> None:
     vals = [data(r, (2, 3), seed=5) for r in range(N)]

@@ -9,6 +9,13 @@ over and perhaps queued to go on), and wait in ``poll`` when both sides must. Bo
 and counters on the wire and follow the same run-ahead rule, so two ranks on one connection may run either
 (``tests/core/test_ring.py``: the interoperation tests).
 
+With encryption (``PeerSocket.encrypt``, both ends of both connections) a frame to send is sealed (ciphertext and
+tag, ``wire._Direction.seal``) when its tag would be computed, and its ciphertext is sent in place of the payload;
+a frame received is read into a staging buffer and decrypted from there into the view it was planned for
+(``open_into``), which says whether its tag checked out: as without encryption, nothing is reduced, forwarded or
+handed over before it did (a failed frame leaves its view undefined, and the exchange raises). The C loop does the
+same.
+
 What the Python loop has that the C one does not: a caller's ``on_received`` where the C loop reduces and forwards
 by plan itself; tags computed on a ``MacPool`` (``checking``: frames received and waiting for their check); the
 small-message spin (``SPIN_S``); and the per-frame timeline ``TRACE``.
@@ -27,7 +34,7 @@ from typing import Any
 
 from spark_hvd.core.transport.mac_pool import MacJob, MacPool
 from spark_hvd.core.transport.tcp.peer import DATA, PeerSocket, ProtocolError
-from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE, TAG_SIZE
+from spark_hvd.core.transport.wire import _COUNTER, _LENGTH, _NONCE_PAD, HEADER_SIZE, TAG_SIZE
 
 #: Large payloads go out in frames of at most this many bytes (bounded sendall time, hashing overlaps sending).
 #: With whole frames read per wake-up a frame's fixed cost (tag call, header, hand-over, reduce call, poll, two
@@ -125,7 +132,7 @@ class RingExchange:
         "queue", "pending", "sent_bytes", "can_send",
         # receiving (C: head, got_head, target / have_target, target_got, in_length_kind, expected_tag, ...)
         "checking", "head", "head_view", "got_head", "target", "target_got", "length", "tag", "received_bytes",
-        "can_recv",
+        "can_recv", "encrypt", "stage", "dest",
         # the sockets, the run-ahead rule and the waits (C: out_fd, in_fd, same, ahead, released, lowat, last)
         "out_fd", "in_fd", "same", "ahead", "released", "lowat", "lowat_cap", "last", "spin_until", "poll", "polled",
         "trace",
@@ -165,6 +172,11 @@ class RingExchange:
         self.head = bytearray(HEADER_SIZE + 1)
         self.head_view = memoryview(self.head)
         self.got_head, self.target, self.target_got = 0, None, 0
+        self.encrypt = out.encrypt
+        if recv.encrypt != out.encrypt:
+            raise ValueError("a ring exchange encrypts on both of its connections or on neither")
+        self.stage: memoryview | None = None  # encrypted frames: the ciphertext of the frame being read, its tag
+        self.dest: memoryview | None = None  # ... and the view it is decrypted into
         self.received_bytes, self.can_recv = 0, True
         self.out_fd, self.in_fd = out.sock.fileno(), recv.sock.fileno()
         self.same = self.out_fd == self.in_fd
@@ -273,7 +285,10 @@ class RingExchange:
         job = None
         mac = self.mac
         if mac is not None and payload.nbytes >= self.mac_min_bytes:
-            job = mac.submit(direction.gmac, *direction.data_tag_args(counter, payload.nbytes + 1, DATA, payload))
+            if self.encrypt:
+                job = mac.submit(direction.seal, counter, payload.nbytes + 1, DATA, payload)
+            else:
+                job = mac.submit(direction.gmac, *direction.data_tag_args(counter, payload.nbytes + 1, DATA, payload))
         self.queue.append((payload, counter, job))
 
     def _send(self) -> None:
@@ -284,17 +299,23 @@ class RingExchange:
         while self.can_send and (pending or queue):
             if not pending:
                 payload, counter, job = queue[0]
-                if job is None:
+                if job is None and self.encrypt:  # sealed into the socket's send stage (free: nothing is pending)
+                    tag = out.stage("send", payload.nbytes + TAG_SIZE)
+                    out._out.seal_to(counter, payload.nbytes + 1, DATA, payload, tag)
+                elif job is None:
                     tag = out._out.data_tag(counter, payload.nbytes + 1, DATA, payload)
                 elif job.done:
-                    tag = job.value()[-TAG_SIZE:]
+                    tag = job.value()
                 else:  # its tag is still being computed on the pool
                     self.tag_wait = True
                     break
                 queue.popleft()
                 if trace is not None:
                     trace.append((time.perf_counter_ns(), "s0", counter, payload.nbytes))
-                pending = self.pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag + DATA), payload]
+                if self.encrypt:  # ``tag``: the ciphertext, then the tag
+                    payload, tag = memoryview(tag)[:-TAG_SIZE], bytes(tag[-TAG_SIZE:])
+                pending = self.pending = [memoryview(_LENGTH.pack(payload.nbytes + 1) + tag[-TAG_SIZE:] + DATA),
+                                          payload]
             offer = pending
             if ahead and self.index < self.n_recv and self.received_bytes != self.released:
                 allowed = self.received_bytes + ahead - sent_bytes
@@ -342,7 +363,7 @@ class RingExchange:
         received_bytes, can_recv, recv_dry = self.received_bytes, self.can_recv, self.recv_dry
         while index < n_recv and len(checking) < window:
             if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
-                target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
+                target, target_got, got_head = self._start_frame(bytes(head), receives[index], index), 0, 0
             if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
                 if not can_recv:
                     break
@@ -391,7 +412,21 @@ class RingExchange:
             if self.trace is not None:
                 self.trace.append((time.perf_counter_ns(), "r", index, target.nbytes))
             counter = recv._in.reserve()
-            if mac is not None and index and target.nbytes >= self.mac_min_bytes:  # frame 0: see run()
+            pooled = mac is not None and index and target.nbytes >= self.mac_min_bytes  # frame 0: see run()
+            if self.encrypt:  # the ciphertext in ``stage``: its tag after it, then decrypted into ``dest``
+                stage, n = self.stage, target.nbytes
+                stage[n:n + TAG_SIZE] = self.tag
+                args = (_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(self.length) + DATA, stage, self.dest)
+                if pooled:  # (its stage is its own: see _start_frame)
+                    checking.append((index, b"", mac.submit(recv._in.open_into, *args)))
+                else:
+                    if not recv._in.open_into(*args):
+                        recv._rejected()
+                    if checking:
+                        checking.append((index, b"", None))
+                    else:
+                        n_recv = self._hand_over(index)
+            elif pooled:
                 args = recv._in.data_tag_args(counter, self.length, DATA, target)
                 checking.append((index, self.tag, mac.submit(recv._in.gmac, *args)))
             else:
@@ -406,8 +441,8 @@ class RingExchange:
             target_got
         self.received_bytes, self.can_recv, self.recv_dry = received_bytes, can_recv, recv_dry
 
-    def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
-        """Check a received header against the frame expected next; the view to read its payload into."""
+    def _start_frame(self, head: bytes, into: memoryview, index: int) -> memoryview:
+        """Check a received header against frame ``index``, expected next; the view to read its payload into."""
         recv = self.recv_peer
         (length,) = _LENGTH.unpack_from(head)
         self.length, self.tag = length, head[_LENGTH.size:HEADER_SIZE]
@@ -421,6 +456,13 @@ class RingExchange:
             raise ProtocolError(
                 f"{self.operation}: rank {recv.rank} sent {length - 1} bytes where {into.nbytes} were expected; "
                 "the ranks called collectives in different orders or with different shapes")
+        if self.encrypt:  # read the ciphertext aside (the tag after it), decrypted into ``into`` once complete
+            self.dest = into
+            if self.mac is not None and index and into.nbytes >= self.mac_min_bytes:  # as _receive decides
+                self.stage = memoryview(bytearray(into.nbytes + TAG_SIZE))  # decrypted on the pool: its own
+            else:  # decrypted here, before the next frame is read
+                self.stage = recv.stage("recv", into.nbytes + TAG_SIZE)
+            return self.stage[:into.nbytes]
         return into
 
     def _hand_over(self, i: int) -> int:
@@ -446,7 +488,10 @@ class RingExchange:
             if job is not None:
                 if not job.done:
                     break
-                recv._check(job.value()[-TAG_SIZE:], tag)
+                if not self.encrypt:
+                    recv._check(job.value()[-TAG_SIZE:], tag)
+                elif not job.value():  # it was decrypted, unless its tag failed
+                    recv._rejected()
             checking.popleft()
             self.progressed = True
             self.n_recv = self._hand_over(i)

@@ -76,8 +76,9 @@ def _tune(sock: socket.socket) -> None:
 
 
 def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Sequence[tuple[str, int]],
-                 secret: bytes, job_id: str, timeout_s: float) -> dict[int, PeerSocket]:
-    """Connect every pair of ranks once (rank i dials every lower rank, accepts every higher one).
+                 secret: bytes, job_id: str, timeout_s: float, encrypt: bool = False) -> dict[int, PeerSocket]:
+    """Connect every pair of ranks once (rank i dials every lower rank, accepts every higher one); ``encrypt``:
+    every frame on every connection is encrypted (``wire``), as every rank must say.
 
     Higher ranks are accepted concurrently by a ``Listener`` on ``listener`` (started first, closed on return),
     so dialling lower ranks, waiting for the higher ones and reading the lower ranks' acknowledgements cannot
@@ -91,7 +92,7 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
     handshake_s = max(1.0, min(HANDSHAKE_TIMEOUT_S, timeout_s))
 
     def wrap(sock: socket.socket, address: str) -> PeerSocket:
-        candidate = PeerSocket(sock, secret, -1, handshake_s)
+        candidate = PeerSocket(sock, secret, -1, handshake_s, encrypt)
         candidate.peer = f"connection from {address}"
         return candidate
 
@@ -132,7 +133,7 @@ def connect_mesh(rank: int, size: int, listener: socket.socket, addresses: Seque
                                                rank=j, operation="setup") from exc
                     time.sleep(0.05)
             _tune(sock)
-            peer = PeerSocket(sock, secret, j, timeout_s)
+            peer = PeerSocket(sock, secret, j, timeout_s, encrypt)
             peers[j] = peer
             peer.handshake("client", max(0.1, deadline - time.monotonic()))
             peer.sock.settimeout(timeout_s)

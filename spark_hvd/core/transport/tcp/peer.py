@@ -4,11 +4,12 @@ Every connection first proves the job's secret (``FramedSocket.handshake``: fres
 per-connection keys), then carries ``FramedSocket`` frames whose payload starts with one type byte: ``DATA`` frames
 carry collective payloads, are authenticated with GMAC (AES-GCM's tag, cheap next to the copy) and received straight
 into the destination buffer, and are never unpickled; ``ABORT``, ``HELLO`` and ``BYE`` frames are HMAC'd control
-frames. An ABORT tells a peer that a rank failed, so that every rank of the job fails fast and names the same
-culprit instead of waiting for its own timeout. A BYE, the last frame of a healthy rank that closes its backend,
-tells a peer that the connection's end is no death: a rank that finished its part of the last collective may leave
-while others still wait on shared memory, and their liveness checks must not blame it (a receive it still owed
-fails, naming it).
+frames. With ``encrypt`` every frame is AES-256-GCM-encrypted but for its type byte (``FramedSocket.TYPED``), which
+``probe`` peeks at to find an ABORT or a BYE without reading a frame. An ABORT tells a peer that a rank failed, so
+that every rank of the job fails fast and names the same culprit instead of waiting for its own timeout. A BYE, the
+last frame of a healthy rank that closes its backend, tells a peer that the connection's end is no death: a rank that
+finished its part of the last collective may leave while others still wait on shared memory, and their liveness
+checks must not blame it (a receive it still owed fails, naming it).
 
 Beside the connection: ``PeerWatcher`` (many peers checked for EOF / ABORT in one ``poll``) and ``SendWorker`` (a
 thread that sends frames so a step's send overlaps its receive). The ring's exchange loop is in ``loop``, the mesh
@@ -76,8 +77,10 @@ class PeerSocket(FramedSocket):
     ``recv_broken`` / ``send_broken``: a direction whose stream may be out of frame alignment after an error.
     """
 
-    def __init__(self, sock: socket.socket, secret: bytes, rank: int, timeout_s: float) -> None:
-        super().__init__(sock, secret, f"rank {rank}")
+    TYPED = True  # the type byte stays in clear when frames are encrypted: ``probe`` peeks at it
+
+    def __init__(self, sock: socket.socket, secret: bytes, rank: int, timeout_s: float, encrypt: bool = False) -> None:
+        super().__init__(sock, secret, f"rank {rank}", encrypt)
         self.rank = rank
         #: where the peer runs (" on host NAME (ADDRESS)"), for error messages; set once the mesh is up
         self.where = ""
@@ -88,6 +91,8 @@ class PeerSocket(FramedSocket):
         #: the peer closed its backend on purpose (a BYE frame arrived): its EOF is no failure
         self.said_bye = False
         self._bye_checked = -1  # the stream length at which _ends_with_bye last found a BYE at its end
+        #: encrypted frames: the ciphertext (and tag) of the frame being sent / received, kept between exchanges
+        self._stages: dict[str, bytearray] = {}
         self._spin_misses = 0  # spins in a row that ended without a frame (``spin_deadline``)
         self._spin_skip = 0  # waits still to sleep through at once after a spin in vain
         self._couples: bool | None = None  # ``couples_directions``, read once
@@ -146,6 +151,19 @@ class PeerSocket(FramedSocket):
         except AuthenticationError:
             self.recv_broken = True
             raise
+
+    def stage(self, side: str, nbytes: int) -> memoryview:
+        """A staging buffer of ``nbytes`` for one encrypted frame at a time on ``side`` ("send" / "recv"), reused
+        from one frame and exchange to the next (grown when needed)."""
+        buf = self._stages.get(side)
+        if buf is None or len(buf) < nbytes:
+            buf = self._stages[side] = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
+
+    def _rejected(self) -> None:
+        """A received frame failed its check (its decryption): ``AuthenticationError``, the stream marked broken."""
+        self.recv_broken = True
+        self.reject()
 
     def _check(self, expected: bytes, tag: bytes) -> None:
         try:
@@ -218,7 +236,10 @@ class PeerSocket(FramedSocket):
 
     # -- sending ---------------------------------------------------------------------------------------------
     def data_header(self, payload: memoryview) -> bytes:
-        """Header and type byte of the next DATA frame carrying ``payload`` (advances the send counter)."""
+        """Header and type byte of the next DATA frame carrying ``payload`` (advances the send counter); frames
+        that are not encrypted only (an encrypted frame sends its ciphertext, not ``payload``)."""
+        if self.encrypt:
+            raise ValueError("data_header: an encrypted frame's header comes with its ciphertext (send_data)")
         direction = self._sending()
         length = payload.nbytes + 1
         return _LENGTH.pack(length) + direction.tag(length, (DATA, payload), True) + DATA
