@@ -13,7 +13,7 @@ A barrier stage cannot lose or gain a task, so each reset is a new stage (an "at
    stage; the driver waits up to ``elastic_timeout`` for ``min_num_proc`` free slots and relaunches. An exception
    raised by ``fn`` itself is a bug, not a lost rank: it fails the run as ``run()`` does.
 4. Growth: while ``size < max_num_proc`` and slots are free, a commit answers "grow"; every rank raises
-   ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``_Resized`` results) and is relaunched
+   ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``Resized`` results) and is relaunched
    bigger.
 
 ``reset_limit`` bounds the relaunches (both kinds). Free slots are read from the classic ``SparkContext``. Spark
@@ -60,7 +60,7 @@ class ElasticError(RunnerError):
 
 
 @dataclass(frozen=True)
-class _Resized:
+class Resized:
     """What a rank returns when the ranks agreed to stop for a relaunch at a bigger size."""
 
     size: int
@@ -88,8 +88,8 @@ class _ServiceLink:
         return bool(self.client.request("elastic.hosts"))
 
 
-def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """Runs in each rank: ``fn`` with the driver link installed; a resize becomes a clean ``_Resized`` result."""
+def elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Runs in each rank: ``fn`` with the driver link installed; a resize becomes a clean ``Resized`` result."""
     import spark_hvd.core as core
 
     client = current_client()
@@ -99,12 +99,12 @@ def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -
     try:
         return fn(*args, **kwargs)
     except HostsUpdatedInterrupt:
-        return _Resized(core.size())
+        return Resized(core.size())
     finally:
         set_link(None)
 
 
-class _Driver:
+class ElasticDriver:
     """The driver's elastic state across attempts: the last committed snapshot and the growth check.
 
     The snapshot is kept in a private temporary directory on the driver's disk (``committed`` and the ``pending``
@@ -227,13 +227,15 @@ def _wait_slots(spark: Any, low: int, high: int, timeout_s: float, why: str) -> 
         threading.Event().wait(0.5)
 
 
-def _recoverable(exc: RankFailedError) -> bool:
+def is_recoverable(exc: RankFailedError) -> bool:
     """A lost rank or a failure caused by one (not an exception raised by ``fn`` itself)."""
     root = exc.failures[0] if exc.failures else None
     return root is None or root.kind == "lost" or root.type_name in CONSEQUENCE_TYPES
 
 
-def _timeout(value: float | None) -> float:
+def elastic_timeout_s(value: float | None) -> float:
+    """How long an elastic job waits for its minimum size: ``value``, else ``HOROVOD_ELASTIC_TIMEOUT``, else 600 s;
+    a non-positive value is a ``RunnerError``."""
     seconds = float(value) if value is not None else env_seconds((ELASTIC_TIMEOUT_ENV,), 600.0)
     if seconds <= 0:
         raise RunnerError(f"elastic_timeout must be a positive number of seconds, got {seconds:g}")
@@ -285,15 +287,15 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
     """
     spark = cluster.active_session(spark)
     start_s = start_timeout_s(start_timeout)
-    elastic_s = _timeout(elastic_timeout)
+    elastic_s = elastic_timeout_s(elastic_timeout)
     if reset_limit is not None and reset_limit < 0:
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
     env = checked_env(env)
     encrypted = job_encrypts(encrypt, env)
-    payload = pickled(_elastic_rank, as_callable(fn, args, kwargs), {})
+    payload = pickled(elastic_rank, as_callable(fn, args, kwargs), {})
     secret, run_id = make_secret(), secrets.token_hex(4)
-    driver = _Driver(spark, high, run_id)
+    driver = ElasticDriver(spark, high, run_id)
     events = EventLog(on_event)
 
     resets = 0
@@ -306,9 +308,9 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose,
                                 encrypt=encrypted)
                 results = run_attempt(spark, stage, events, driver.handlers())
-                why = "" if not any(isinstance(r, _Resized) for r in results) else "to grow"
+                why = "" if not any(isinstance(r, Resized) for r in results) else "to grow"
             except RankFailedError as exc:
-                if not _recoverable(exc):
+                if not is_recoverable(exc):
                     raise
                 why = f"after {str(exc).splitlines()[0]}"
             except StartTimeoutError as exc:
