@@ -13,11 +13,13 @@ Spark application only; pass ``overwrite=True`` to prepare again when files chan
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import posixpath
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +53,25 @@ _SCALAR_DTYPES = {
     "float": "float32",
     "double": "float64",
 }
+
+
+_STORE_LOCKS: dict[str, threading.Lock] = {}
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def _one_at_a_time_per_store(fn: Callable[..., DatasetInfo]) -> Callable[..., DatasetInfo]:
+    """Preparations into one store run one after another in this process. Concurrent fits of the same data (a
+    ``CrossValidator`` with ``parallelism`` > 1 fits one fold's grid points at once) then find the first one's
+    committed dataset and reuse it, instead of each writing it again and replacing it under the others' readers."""
+
+    @functools.wraps(fn)
+    def locked(df: DataFrame, store: Store, *args: Any, **kwargs: Any) -> DatasetInfo:
+        with _STORE_LOCKS_GUARD:
+            lock = _STORE_LOCKS.setdefault(str(store.url), threading.Lock())
+        with lock:
+            return fn(df, store, *args, **kwargs)
+
+    return locked
 
 
 @dataclass(frozen=True)
@@ -214,6 +235,7 @@ def dataset_key(
     return "ds-" + _fingerprint(df, params)[:20]
 
 
+@_one_at_a_time_per_store
 def prepare_data(
     df: DataFrame,
     store: Store,
