@@ -208,7 +208,9 @@ def _params(
         "weight": weight,
         "validation": validation,
         "num_parts": num_parts,
-        "seed": seed,
+        # the seed draws a fractional validation split and nothing else: without one, fits that differ only in
+        # their seed (a CrossValidator grid over random_seed) share the dataset
+        "seed": seed if isinstance(validation, float) and 0 < validation < 1 else 0,
         "compression": compression,
     }
 
