@@ -17,6 +17,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import threading
 from collections.abc import Callable, Sequence
@@ -55,6 +56,8 @@ _SCALAR_DTYPES = {
 }
 
 
+#: Seconds a preparation waits for another one into the same store (this process) to end.
+PREPARE_WAIT_S = float(os.environ.get("SPARK_HVD_PREPARE_WAIT", str(6 * 3600)))
 _STORE_LOCKS: dict[str, threading.Lock] = {}
 _STORE_LOCKS_GUARD = threading.Lock()
 
@@ -68,8 +71,13 @@ def _one_at_a_time_per_store(fn: Callable[..., DatasetInfo]) -> Callable[..., Da
     def locked(df: DataFrame, store: Store, *args: Any, **kwargs: Any) -> DatasetInfo:
         with _STORE_LOCKS_GUARD:
             lock = _STORE_LOCKS.setdefault(str(store.url), threading.Lock())
-        with lock:
+        if not lock.acquire(timeout=PREPARE_WAIT_S):
+            raise InvalidParamError(f"another preparation into {store!r} in this process did not end within "
+                                    f"{PREPARE_WAIT_S:.0f} s (SPARK_HVD_PREPARE_WAIT)")
+        try:
             return fn(df, store, *args, **kwargs)
+        finally:
+            lock.release()
 
     return locked
 
