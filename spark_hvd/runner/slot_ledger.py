@@ -46,6 +46,11 @@ class SlotLedger:
         with self._cond:
             return sum(self._held.get(key, {}).values())
 
+    def busy(self) -> bool:
+        """Whether any run of this process holds slots now."""
+        with self._cond:
+            return bool(self._held)
+
     def holders(self, key: str) -> int:
         """How many runs of the session hold slots now."""
         with self._cond:

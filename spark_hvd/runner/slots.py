@@ -73,10 +73,10 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     while free < num_proc:
         waited = time.monotonic() - start
         if total >= num_proc and wait_s <= SLOT_WAIT_S:
-            if LEDGER.held(session_key(sc)):
+            held = LEDGER.held(session_key(sc)) if LEDGER.busy() else 0
+            if held:
                 logger.info("spark_hvd: %d of %d task slots are free and %d are held by this process's other runs: "
-                            "the run of %d processes will wait for its turn", free, total,
-                            LEDGER.held(session_key(sc)), num_proc)
+                            "the run of %d processes will wait for its turn", free, total, held, num_proc)
                 return free
             if waited >= BUSY_SLOT_GRACE_S:
                 break  # the slots exist but stay busy with other work: fail rather than wait
@@ -94,7 +94,7 @@ def session_key(spark_or_sc: Any) -> str:
     session), or the Connect session's id."""
     sc = spark_or_sc if hasattr(spark_or_sc, "applicationId") else None
     if sc is None and not cluster.is_connect(spark_or_sc):
-        sc = spark_or_sc.sparkContext
+        sc = getattr(spark_or_sc, "sparkContext", None)
     if sc is not None:
         return f"app:{sc.applicationId}"
     return f"connect:{getattr(spark_or_sc, 'session_id', id(spark_or_sc))}"
