@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast legs leg-floor leg-spark40 bench lint lock clean
+.PHONY: setup demo test test-fast hostloss legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,12 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not spark and not slow and not multihost and not ray"
 
+# What `make test` leaves out for its time: a worker host's link lost on simulated hosts, under Spark standalone
+# (tests/multihost/test_lost_host.py, marker hostloss: ~3 min a test on 2 cores; needs root) and the fault soak
+# (marker soak). Run once per change to the runner, core or store.
+hostloss: setup
+	$(PY) -m pytest -m "hostloss or soak" -s --durations=0 tests/multihost
+
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.
 leg-floor:
@@ -48,6 +54,16 @@ leg-spark40:
 	$(PYTHON) tools/leg.py runtimes/dbr-17.3-ml.txt
 
 legs: leg-floor leg-spark40
+
+# Two more supported runtimes, not in CI (its time): 16.4 LTS ML (Spark 3.5.2, numpy 1.26, Keras 3.9) and 18 LTS ML
+# (Spark 4.1.0, Keras 3.12, pyarrow 21). `make legs-all` runs every leg.
+leg-16.4:
+	$(PYTHON) tools/leg.py runtimes/dbr-16.4-ml.txt
+
+leg-18:
+	$(PYTHON) tools/leg.py runtimes/dbr-18-ml.txt
+
+legs-all: legs leg-16.4 leg-18
 
 bench: setup
 	$(PY) benchmarks/allreduce.py

@@ -53,8 +53,8 @@ CPU time and the ACKs its network namespace took in TCP's slow and fast paths (w
 runs ``IMPL`` with the environment variables of ``NAME`` in ``BENCH_VARIANTS`` (JSON) added, as a group of its own;
 ``BENCH_ROOT`` among them imports spark_hvd from another checkout (the worker script stays this one)::
 
-    BENCH_VARIANTS='{"main": {"BENCH_ROOT": "/work/main"}, "nomac": {"SPARK_HVD_MAC_THREADS": "0"}}' \
-        .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,ring:main,ring:nomac,gloo --sizes 64M
+    BENCH_VARIANTS='{"main": {"BENCH_ROOT": "/work/main"}, "python": {"SPARK_HVD_COMPILED_RING": "0"}}' \
+        .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,ring:main,ring:python,gloo --sizes 64M
 
 ``BENCH_PERF=DIR``: every rank records its timed loops from 1 MiB with ``perf record -g`` (Linux perf on the PATH;
 root or a permissive ``perf_event_paranoid``) to ``DIR/IMPL.RANK.NBYTES.NS.data``, and

@@ -42,7 +42,7 @@ def main() -> None:
     from spark_hvd.core import elastic
     from spark_hvd.core.transport.wire import make_secret
     from spark_hvd.runner.client import ServiceClient
-    from spark_hvd.runner.elastic import _Driver, _ServiceLink
+    from spark_hvd.runner.elastic import ElasticDriver, _ServiceLink
     from spark_hvd.runner.service import DriverService
     from spark_hvd.torch.elastic import TorchState
 
@@ -51,7 +51,7 @@ def main() -> None:
 
     core.init()
     secret = make_secret()
-    driver = _Driver(_NoSpark(), max_num_proc=1)
+    driver = ElasticDriver(_NoSpark(), max_num_proc=1)
     service = DriverService(secret, 1, job_id="bench", verbose=0, bind_host="127.0.0.1", handlers=driver.handlers())
     _, port = service.start()
     client = ServiceClient(f"127.0.0.1:{port}", secret, "bench", 0)

@@ -1,10 +1,9 @@
-"""How fast the DATA frames' tag (AES-256-GCM's GMAC, ``core/wire``) runs on 1..T threads, and what the MAC pool
-(``core/mac_pool``, ``SPARK_HVD_MAC_THREADS``) costs per frame handed to it.
+"""How fast the DATA frames' tag (AES-256-GCM's GMAC, ``core/wire``) runs on 1..T threads.
 
-Part 1 tags frames of each size on T threads at once (one shared key object, as the ring's pool uses it) and
-prints the aggregate GB/s: above 1x for 2 threads only because ``cryptography`` hashes without the GIL, and only
-as far as idle cores allow. Part 2 tags the same frames through a ``MacPool`` (submit, wait on its eventfd as
-``RingExchange`` does) and inline, and prints CPU and wall time per frame: the pool's hand-off cost::
+It tags frames of each size on T threads at once (one shared key object) and prints the aggregate GB/s: above 1x
+for 2 threads only because ``cryptography`` hashes without the GIL, and only as far as idle cores allow. (A pool
+of threads tagging the ring's frames off the calling thread was tried and removed: on 2 cores it cost CPU and
+gained nothing, issue 45.)::
 
     .venv/bin/python benchmarks/mac_tag.py                       # 64 KiB .. 1 MiB frames, 1 and 2 threads
     .venv/bin/python benchmarks/mac_tag.py --threads 1,2,4 --sizes 1M
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import sys
 import threading
 import time
@@ -27,7 +25,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.allreduce import human, parse_size  # noqa: E402
-from spark_hvd.core.transport.mac_pool import MacPool  # noqa: E402
 from spark_hvd.core.transport.wire import _Direction  # noqa: E402
 
 
@@ -56,35 +53,6 @@ def threads_rate(direction: _Direction, size: int, threads: int, total: int) -> 
     return per_thread * threads * size / best / 1e9
 
 
-def pool_cost(direction: _Direction, size: int, threads: int, count: int, depth: int = 4) -> tuple[float, float]:
-    """(CPU us, wall us) per frame tagged through a pool of ``threads`` (``threads`` 0: inline), at most
-    ``depth`` frames in flight."""
-    frames = _frames(size)
-    pool = MacPool(threads) if threads else None
-    cpu, wall = time.process_time(), time.perf_counter()
-    if pool is None:
-        for i in range(count):
-            direction.data_tag(i, size + 1, b"\0", frames[i % len(frames)])
-    else:
-        poll = select.poll()
-        poll.register(pool.fileno(), select.POLLIN)
-        jobs: list = []
-        for i in range(count + depth):
-            if i < count:
-                jobs.append(pool.submit(direction.gmac, *direction.data_tag_args(i, size + 1, b"\0",
-                                                                                 frames[i % len(frames)])))
-            while jobs and (len(jobs) >= depth or i >= count):
-                pool.waiting = True
-                if not jobs[0].done:
-                    poll.poll(1000)
-                    pool.clear()
-                pool.waiting = False
-                if jobs[0].done:
-                    jobs.pop(0).value()
-        pool.close()
-    return (time.process_time() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="64K,256K,1M")
@@ -102,13 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         rates = [threads_rate(direction, size, t, total) for t in counts]
         print(f"| {human(size)} | " + " | ".join(f"{r:.1f}" for r in rates) + " |")
-    print("\n| frame | inline cpu/frame | inline wall/frame | "
-          + " | ".join(f"pool {t} cpu/frame | pool {t} wall/frame" for t in counts) + " |")
-    print("|---|---|---|" + "---|---|" * len(counts))
-    for size in sizes:
-        count = max(16, total // size // 2)
-        cells = [pool_cost(direction, size, t, count) for t in [0, *counts]]
-        print(f"| {human(size)} | " + " | ".join(f"{c:.1f} us | {w:.1f} us" for c, w in cells) + " |")
     print(f"# load average {os.getloadavg()[0]:.1f} at the end")
     return 0
 

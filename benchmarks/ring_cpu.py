@@ -4,13 +4,13 @@ On a machine shared with other work, wall times swing with the load while the CP
 allreduce stays comparable; so this script times the bare backend (float32 SUM, N ranks on this host) once per
 source tree given, alternating the trees every round, and prints each tree's CPU (mean per rank) and wall
 (slowest rank) per allreduce, median over rounds, and the CPU of the thread that calls the collective (the rest
-is the sender thread's and the MAC pool's: what would run on another core if one were idle). A tree is a
+is the sender thread's: what would run on another core if one were idle). A tree is a
 checkout of this repository (for example ``git worktree add /tmp/base main``); each is imported from its own
 directory::
 
     .venv/bin/python benchmarks/ring_cpu.py --trees /tmp/base,. --np 2 --sizes 4K,1M,16M,64M --rounds 3
     .venv/bin/python benchmarks/ring_cpu.py --trees . --np 4 --hier           # 2 simulated hosts of N/2 ranks
-    .venv/bin/python benchmarks/ring_cpu.py --np 2 --envs "SPARK_HVD_MAC_THREADS=0;SPARK_HVD_MAC_THREADS=1"
+    .venv/bin/python benchmarks/ring_cpu.py --np 2 --envs "SPARK_HVD_COMPILED_RING=1;SPARK_HVD_COMPILED_RING=0"
 
 ``--dtype`` and ``--op`` reduce another dtype (``bfloat16``: a uint16 view) or op than float32 SUM; with a tree from
 before the compiled loop took them, A/B against it compares the compiled loop with the Python loop::

@@ -15,13 +15,13 @@ import allreduce_perf  # noqa: E402
 
 
 def test_variant_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BENCH_VARIANTS", json.dumps({"nomac": {"SPARK_HVD_MAC_THREADS": 0}}))
+    monkeypatch.setenv("BENCH_VARIANTS", json.dumps({"python": {"SPARK_HVD_COMPILED_RING": 0}}))
     assert allreduce.variant_env("ring") == {}
-    assert allreduce.variant_env("ring:nomac") == {"SPARK_HVD_MAC_THREADS": "0"}
+    assert allreduce.variant_env("ring:python") == {"SPARK_HVD_COMPILED_RING": "0"}
     with pytest.raises(ValueError, match="no variant 'other'"):
         allreduce.variant_env("ring:other")
     with pytest.raises(ValueError, match="unknown implementation 'rings'"):
-        allreduce.variant_env("rings:nomac")
+        allreduce.variant_env("rings:python")
 
 
 def test_perf_lines() -> None:

@@ -35,7 +35,7 @@ LAYERS: list[list[str | tuple[str, ...]]] = [
     ["spark_hvd.store"],
     ["spark_hvd.runner", "spark_hvd.data"],
     ["spark_hvd.ray"],  # Ray's launch seam, over the runner's rendezvous, elastic state and driver service
-    ["spark_hvd._binding_common"],
+    [("spark_hvd._binding_common", "spark_hvd._process_api")],  # _process_api: the names every binding exports
     ["spark_hvd.torch", "spark_hvd.mxnet", "spark_hvd._keras_common"],  # _keras_common: shared by keras/, tensorflow/
     ["spark_hvd.tensorflow"],  # GPU tensors reach torch's device group by DLPack
     ["spark_hvd.keras"],       # Keras 3 runs on TensorFlow, torch or JAX: over their bindings, never under them

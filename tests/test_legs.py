@@ -54,7 +54,7 @@ def test_every_runtime_version_satisfies_spark_hvds_requirements(leg_file):
     runtime = lock.read_lock(leg_file)
     config = _setup_cfg()
     wanted = _requirements(config["options"]["install_requires"])
-    for extra in leg.EXTRAS.split(","):
+    for extra in leg.extras_for(leg_file).split(","):
         wanted += _requirements(config["options.extras_require"][extra])
     outside = [f"{req} (the runtime has {runtime[name]})" for req in wanted
                if (name := lock.normalise(req.name)) in runtime
@@ -68,6 +68,13 @@ def test_changed_names_moved_and_removed_packages_not_added_ones():
     after = {"numpy": "2.4.6", "pyarrow": "14.0.1", "tqdm": "4.67.1"}
     assert leg.changed(before, after) == ["  keras: 3.3.3 -> removed", "  numpy: 1.23.5 -> 2.4.6"]
     assert leg.changed(before, {**before, "tqdm": "4.67.1"}) == []
+
+
+def test_a_leg_file_names_the_extras_its_user_installs(tmp_path):
+    assert "mxnet" in leg.extras_for(ROOT / "runtimes" / "dbr-15.4-ml.txt").split(",")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("# no extras line\nnumpy==1.23.5\n")
+    assert leg.extras_for(plain) == leg.EXTRAS
 
 
 def test_each_leg_has_its_own_virtualenv():

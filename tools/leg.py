@@ -5,10 +5,13 @@ compatibility subset of the suite run there.
     python tools/leg.py runtimes/dbr-15.4-ml.txt -- -x -k torch   # arguments after -- go to pytest
 
 A leg file (runtimes/*.txt) lists the runtime's packages that matter to spark_hvd as exact pins, with comments saying
-where each version comes from. The steps, each failing loudly:
+where each version comes from, and may name the extras its user installs in a comment line
+``# leg-extras: torch,spark,...`` (default: ``EXTRAS``); an extra may add packages the runtime lacks (MXNet on the
+floor leg), never replace one. The steps, each failing loudly:
 
 1. the runtime: a virtualenv ``.venv-<leg>`` built from the leg file (``pip install -r``), its ``pip list``
-   saved as the runtime's snapshot. Reused while the leg file is unchanged (its hash is in ``.leg-stamp``);
+   saved as the runtime's snapshot. Reused while the leg file's pins are unchanged (their hash is in
+   ``.leg-stamp``; comments and the extras line do not count);
 2. the user's install: ``pip install -e '.[EXTRAS]'`` with no constraints file, as a user would run
    ``pip install spark_hvd[...]``; then every package of the snapshot must still be there at the same version
    (packages the runtime lacks may be added). Editable, so that the test process, Spark's Python workers and the
@@ -17,8 +20,9 @@ where each version comes from. The steps, each failing loudly:
    by tests/test_packaging.py, which installs the built wheel over the leg;
 3. the test tools (pytest, ...) installed with the snapshot as constraints, so they cannot move a runtime package;
    checked again;
-4. the runtime's frameworks import (``import lightning`` ...): the test modules skip themselves when a framework
-   does not import, which on a leg that has the framework would hide a broken runtime as a skip;
+4. the frameworks import (``import lightning`` ...), the runtime's and those its extras added: the test modules
+   skip themselves when a framework does not import, which on a leg that has the framework would hide a broken
+   install as a skip;
 5. ``pytest -m compat``: the tests marked ``compat`` (setup.cfg), with the leg's interpreter for the driver and
    Spark's workers. No test selected (pytest's exit code 5) is a failure: the subset is the leg's whole point.
 """
@@ -43,9 +47,12 @@ PROJECT = "spark-hvd"
 EXTRAS = "torch,tensorflow,spark,lightning,mlflow"
 # What the compatibility subset needs beside the runtime and spark_hvd (the runtime has scikit-learn and pillow).
 TEST_TOOLS = ["pytest>=8", "pytest-timeout", "build"]
-# Distribution -> module: the frameworks the subset exercises, imported on every leg whose file lists them.
+# Distribution -> module: the frameworks the subset exercises, imported on every leg that has them (its file
+# lists them or its extras added them).
 FRAMEWORKS = {"pyspark": "pyspark", "numpy": "numpy", "pandas": "pandas", "pyarrow": "pyarrow", "torch": "torch",
-              "tensorflow": "tensorflow", "keras": "keras", "lightning": "lightning", "mlflow-skinny": "mlflow"}
+              "tensorflow": "tensorflow", "keras": "keras", "lightning": "lightning", "mlflow-skinny": "mlflow",
+              "mxnet": "mxnet"}
+EXTRAS_LINE = "# leg-extras:"
 STAMP = ".leg-stamp"
 SNAPSHOT = "runtime-packages.json"
 
@@ -53,6 +60,14 @@ SNAPSHOT = "runtime-packages.json"
 def venv_for(leg: Path) -> Path:
     """``runtimes/dbr-15.4-ml.txt`` -> ``<repo>/.venv-dbr-15.4-ml``."""
     return ROOT / f".venv-{leg.stem}"
+
+
+def extras_for(leg: Path) -> str:
+    """The extras a user of ``leg``'s runtime installs: its ``# leg-extras: a,b`` line, else ``EXTRAS``."""
+    for line in leg.read_text().splitlines():
+        if line.startswith(EXTRAS_LINE):
+            return line[len(EXTRAS_LINE):].strip().replace(" ", "")
+    return EXTRAS
 
 
 def packages(python: Path) -> dict[str, str]:
@@ -82,8 +97,9 @@ def pip(python: Path, *args: str) -> None:
 
 
 def build_runtime(leg: Path, venv: Path, base_python: str) -> dict[str, str]:
-    """The runtime's virtualenv (reused while the leg file is unchanged) and its package snapshot."""
-    digest = hashlib.sha256(leg.read_bytes()).hexdigest()
+    """The runtime's virtualenv (reused while the leg file's pins are unchanged) and its package snapshot."""
+    pins = "".join(f"{name}=={version}\n" for name, version in sorted(lock.read_lock(leg).items()))
+    digest = hashlib.sha256(pins.encode()).hexdigest()
     python = venv / "bin" / "python"
     if (venv / STAMP).is_file() and (venv / STAMP).read_text() == digest:
         print(f"leg: reusing {venv.name} (built from this {leg.name})")
@@ -111,17 +127,18 @@ def check_unchanged(python: Path, snapshot: dict[str, str], step: str, before: d
     print(f"leg: {step}: no runtime package changed ({len(snapshot)} checked); added: {', '.join(added) or 'none'}")
 
 
-def check_imports(python: Path, runtime: dict[str, str]) -> None:
-    """Exit naming the runtime's frameworks that do not import in the leg's interpreter, with the error."""
+def check_imports(python: Path, installed: dict[str, str]) -> None:
+    """Exit naming the frameworks ``installed`` in the leg (the runtime's and those spark_hvd's extras added) that
+    do not import in the leg's interpreter, with the error."""
     broken = []
     for dist, module in FRAMEWORKS.items():
-        if dist in runtime:
+        if dist in installed:
             proc = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True, text=True, cwd="/")
             if proc.returncode:
                 broken.append(f"  import {module}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     if broken:
-        sys.exit("leg: the runtime's frameworks do not import (the tests would skip, not fail):\n" + "\n".join(broken))
-    print(f"leg: {', '.join(FRAMEWORKS[d] for d in FRAMEWORKS if d in runtime)} import")
+        sys.exit("leg: frameworks of the leg do not import (the tests would skip, not fail):\n" + "\n".join(broken))
+    print(f"leg: {', '.join(FRAMEWORKS[d] for d in FRAMEWORKS if d in installed)} import")
 
 
 def run_subset(python: Path, pytest_args: list[str]) -> int:
@@ -142,7 +159,8 @@ def run_subset(python: Path, pytest_args: list[str]) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("leg", type=Path, help="a leg file, e.g. runtimes/dbr-15.4-ml.txt")
-    parser.add_argument("--extras", default=EXTRAS, help=f"spark_hvd's extras to install (default {EXTRAS})")
+    parser.add_argument("--extras", help=f"spark_hvd's extras to install (default: the leg file's "
+                                         f"'{EXTRAS_LINE}' line, else {EXTRAS})")
     parser.add_argument("--python", default="python3.11", help="the interpreter the virtualenv is made from")
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest")
     args = parser.parse_args(argv)
@@ -150,18 +168,19 @@ def main(argv: list[str]) -> int:
     venv = venv_for(leg)
     python = venv / "bin" / "python"
 
+    extras = args.extras or extras_for(leg)
     snapshot = build_runtime(leg, venv, args.python)
     start = time.monotonic()
     before = packages(python)
-    pip(python, "-q", "-e", f".[{args.extras}]")
-    check_unchanged(python, snapshot, f"pip install -e '.[{args.extras}]'", before)
+    pip(python, "-q", "-e", f".[{extras}]")
+    check_unchanged(python, snapshot, f"pip install -e '.[{extras}]'", before)
     constraints = venv / "runtime-constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in sorted(snapshot.items())))
     before = packages(python)
     pip(python, "-q", "-c", str(constraints), *TEST_TOOLS)
     check_unchanged(python, snapshot, "installing the test tools", before)
     print(f"leg: spark_hvd and the test tools installed in {time.monotonic() - start:.0f} s", flush=True)
-    check_imports(python, lock.read_lock(leg))
+    check_imports(python, packages(python))
     return run_subset(python, args.pytest_args)
 
 

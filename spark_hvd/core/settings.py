@@ -44,16 +44,6 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _threads(value: str) -> int | None:
-    value = value.strip().lower()
-    if value == "auto":
-        return None
-    number = int(value or 0)
-    if number < 0:
-        raise ValueError("expected 'auto' or an integer >= 0")
-    return number
-
-
 def _bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
@@ -106,13 +96,6 @@ class Settings:
         "SPARK_HVD_HALVING_DOUBLING_BYTES", None, 0, int,
         "TCP allreduces among three or more ranks (or host leaders) from this many bytes use recursive halving and "
         "doubling (Rabenseifner: the ring's bytes in 2 log2 N steps instead of 2(N-1)); 0 turns it off")
-    mac_threads: int | None = _setting(
-        "SPARK_HVD_MAC_THREADS", None, 0, _threads,
-        "threads per rank, besides the one running the collective, that compute and check the tags of TCP data "
-        "frames from 128 KiB (AES-GCM hashes without the GIL, so they overlap the socket copies and the "
-        "reduction); 0: none, every tag in the calling thread; 'auto': one less than the cores the rank may use "
-        "(its CPU affinity shared among its host's ranks), at most 3, none below 2 cores per rank (off by "
-        "default: on 2 shared cores it cost CPU and gained nothing measurable; see [The MAC pool](#the-mac-pool))")
     compiled_ring: bool = _setting(
         "SPARK_HVD_COMPILED_RING", None, True, _bool,
         "run TCP rings in the compiled loop where it was built (`make setup` / pip with a C compiler and Python's "

@@ -3,6 +3,8 @@
 - :func:`prepare_data` (driver): DataFrame -> Parquet under ``store.data_path(key)`` + ``_metadata.json``, cached.
 - :class:`BatchReader` (worker): rank r of n reads its shard as numpy batches; ``BatchReader.from_dataset(store,
   info)``.
+- :func:`make_converter` (driver): petastorm's ``make_spark_converter`` shape: ``with make_converter(df, store) as
+  c:`` then ``c.make_torch_dataloader(...)`` / ``c.make_tf_dataset(...)`` in any training function.
 - ``spark_hvd.data.torch_loader.TorchBatchLoader`` and ``spark_hvd.data.keras_loader.KerasBatchDataset``: the
   framework wrappers (import them from their modules; they import torch / keras).
 
@@ -16,7 +18,7 @@ from typing import Any
 from spark_hvd.data import errors
 from spark_hvd.data.metadata import ColumnSpec, DatasetInfo
 
-__all__ = ["BatchReader", "ColumnSpec", "DatasetInfo", "errors", "prepare_data"]
+__all__ = ["BatchReader", "ColumnSpec", "DatasetInfo", "errors", "make_converter", "prepare_data"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,4 +30,8 @@ def __getattr__(name: str) -> Any:
         from spark_hvd.data.reader import BatchReader
 
         return BatchReader
+    if name == "make_converter":
+        from spark_hvd.data.converter import make_converter
+
+        return make_converter
     raise AttributeError(f"module 'spark_hvd.data' has no attribute {name!r}")

@@ -18,8 +18,16 @@ One thing the rendering shows is left out: a Spark ML stage's uid in the field n
 handed to a ``ScalaUDF`` (``VectorAssembler`` casts a non-double input ``c`` to ``c_double_<its uid>``, the UDF
 reads the struct by position), so a new assembler instance over the same data gives the same key.
 
-Anything else the rendering cannot show (a node kind not listed above, a Spark Connect DataFrame) falls back to
-``semanticHash`` scoped to the Spark application: it may miss the cache, it never hits it wrongly across sessions.
+A Spark Connect DataFrame (no JVM objects on the client) is described by its Connect plan (protobuf), made
+independent of the session that built it: its plan ids renumbered in order of appearance (they count the client's
+plans), call-site ``origin`` left out, the uid of a Spark ML transformer (``VectorAssembler``) left out. Its sources
+must be ones whose content the key can cover: files (a ``read`` of paths: the files it reads, ``inputFiles()``, and
+their sizes and modification times, listed by the server), a local relation (its data is in the plan, or its
+content hash), a ``range``; anything else (a table, SQL text, a fitted model held by the server, a relation kind
+not known here) falls back to the session-scoped key. Two Connect sessions on the same files thus share the cache.
+
+Anything else the rendering cannot show (a node kind not listed above) falls back to ``semanticHash`` scoped to the
+Spark application (or Connect session): it may miss the cache, it never hits it wrongly across sessions.
 """
 
 from __future__ import annotations
@@ -59,7 +67,13 @@ def plan_key(df: DataFrame) -> dict[str, Any]:
     """A JSON-able description of what ``df`` computes (see the module docstring); hash it for a cache key."""
     jdf = getattr(df, "_jdf", None)
     if jdf is None:  # Spark Connect: no JVM objects here
-        return _session_scoped(df, "spark connect")
+        try:
+            return _connect_key(df)
+        except _Uncovered as exc:
+            return _session_scoped(df, f"spark connect: {exc}")
+        except Exception as exc:  # a pyspark whose Connect plan differs: stay correct, lose the cross-session hits
+            logger.debug("Connect plan fingerprint failed (%s); using semanticHash for this session only", exc)
+            return _session_scoped(df, f"spark connect: {type(exc).__name__}: {exc}")
     try:
         return _classic_key(df, jdf)
     except _Uncovered as exc:
@@ -223,3 +237,75 @@ def _conf(conf: Any, key: str) -> str | None:
         return conf.get(key)
     except Exception:  # not set and no default
         return None
+
+
+# ---------------------------------------------------------------------------------------------- Spark Connect
+#: Connect relation kinds that compute from their inputs only (their inputs are walked and checked too)
+_CONNECT_PURE = frozenset({
+    "project", "filter", "join", "set_op", "sort", "limit", "aggregate", "sample", "offset", "deduplicate",
+    "subquery_alias", "repartition", "to_df", "with_columns_renamed", "drop", "tail", "with_columns", "hint",
+    "unpivot", "to_schema", "repartition_by_expression", "map_partitions", "parse", "group_map", "co_group_map",
+    "as_of_join", "with_relations", "transpose", "lateral_join", "fill_na", "drop_na", "replace", "sample_by",
+})
+#: Connect sources whose content is in the plan (or its content hash) or implied by it
+_CONNECT_CONTENT = frozenset({"range", "local_relation", "cached_local_relation", "chunked_cached_local_relation"})
+
+
+def _connect_key(df: DataFrame) -> dict[str, Any]:
+    session = df.sparkSession
+    plan = df._plan.to_proto(session.client)
+    reads_files = _canonical_connect(plan, {})
+    files: list[list[str]] = []
+    if reads_files:
+        paths = sorted(str(p) for p in df.inputFiles())
+        if paths:
+            listing = session.read.format("binaryFile").load(paths).select("path", "length", "modificationTime")
+            files = sorted([str(r[0]), str(r[1]), str(r[2])] for r in listing.collect())
+            if len(files) != len(paths):
+                raise _Uncovered(f"{len(paths)} input files but {len(files)} listed")
+    conf = session.conf
+    return {
+        "connect_plan": hashlib.sha256(plan.SerializeToString(deterministic=True)).hexdigest(),
+        "files": hashlib.sha256(json.dumps(files).encode()).hexdigest(),
+        "num_files": len(files),
+        "conf": {k: _conf(conf, k) for k in _CONFS},
+    }
+
+
+def _canonical_connect(msg: Any, ids: dict[int, int]) -> bool:
+    """Make a Connect plan message session-independent in place (module docstring); raise ``_Uncovered`` for a
+    source the key cannot cover. True when it reads files."""
+    files = False
+    name = msg.DESCRIPTOR.full_name
+    if name == "spark.connect.Relation":
+        kind = msg.WhichOneof("rel_type")
+        if kind == "read":
+            source = msg.read.WhichOneof("read_type")
+            if source != "data_source" or not msg.read.data_source.paths:
+                raise _Uncovered(f"a {'table' if source == 'named_table' else 'data source'} read")
+            files = True
+        elif kind == "ml_relation":
+            ml = msg.ml_relation
+            if ml.WhichOneof("ml_type") != "transform" or ml.transform.WhichOneof("operator") != "transformer":
+                raise _Uncovered("a Spark ML object held by the server")
+            ml.transform.transformer.ClearField("uid")
+        elif kind not in _CONNECT_PURE and kind not in _CONNECT_CONTENT:
+            raise _Uncovered(f"a {kind} relation")
+    for field, value in msg.ListFields():
+        if field.name == "origin" and field.message_type is not None:
+            msg.ClearField("origin")
+        elif field.name == "plan_id" and field.message_type is None:
+            msg.plan_id = ids.setdefault(int(value), len(ids) + 1)  # 0 may be unset (proto3 default): kept
+        elif field.message_type is None:
+            continue
+        elif field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            if entry.message_type is not None:
+                for key in sorted(value):
+                    files |= _canonical_connect(value[key], ids)
+        elif (field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED):
+            for item in value:
+                files |= _canonical_connect(item, ids)
+        else:
+            files |= _canonical_connect(value, ids)
+    return files

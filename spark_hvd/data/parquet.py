@@ -9,6 +9,10 @@ included, e.g. ``array<array<float>>``), or 1-D lists that differ in length (tok
 batch as ``fit(df)`` does); no nulls at any depth. It names the column and the type it needs otherwise. Nothing is
 written: where a column needs converting (Spark ML Vectors, decimals), ``fit(df)`` prepares a copy.
 
+A dataset written by petastorm (a Unischema in its ``_common_metadata``) is read as petastorm reads it: a column
+that ``NdarrayCodec``, ``CompressedNdarrayCodec`` or ``CompressedImageCodec`` encoded is a fixed-shape array of the
+field's dtype (``spark_hvd.data.petastorm_dataset``), decoded on the ranks.
+
 A Delta table's current files can be read the same way only through ``delta-spark`` (the transaction log says which
 files are current); spark_hvd does not depend on it, so a Delta table must be given to ``fit(spark.read.format(
 "delta").load(path))``, which prepares a copy.
@@ -31,6 +35,7 @@ from spark_hvd.data.errors import (
     UnsupportedColumnTypeError,
 )
 from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
+from spark_hvd.data.petastorm_dataset import codec_column_spec, dataset_codecs
 
 if TYPE_CHECKING:  # pragma: no cover
     from spark_hvd.store import Store
@@ -65,8 +70,16 @@ def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label
         paths["val"] = store_path(store, validation_path)
     columns: dict[str, ColumnSpec] = {}
     rows: dict[str, int] = {}
+    codecs: dict[str, dict] = {}
     for split, split_path in paths.items():
         split_columns, rows[split] = _describe_split(store, split_path, roles, num_proc)
+        split_codecs = dataset_codecs(split_path, store.pyarrow_filesystem(), list(roles))
+        for name, codec in split_codecs.items():  # petastorm's encoded columns: arrays once decoded
+            split_columns[name] = codec_column_spec(name, codec)
+        if split != "train" and split_codecs != {n: c for n, c in codecs.items() if n in split_codecs}:
+            raise InconsistentShapeError(f"the petastorm codecs of {split_path!r} ({split_codecs}) differ from "
+                                         f"those of {paths['train']!r} ({codecs})")
+        codecs.update(split_codecs)
         for name, spec in split_columns.items():
             if name in columns and {columns[name].kind, spec.kind} == {"array", "ragged"} and \
                     columns[name].spark_type == spec.spark_type and len(columns[name].shape) == 1:
@@ -80,13 +93,14 @@ def describe_parquet(store: Store, path: str, feature_cols: Sequence[str], label
         raise UnsupportedColumnTypeError(sample_weight_col, columns[sample_weight_col].spark_type,
                                          "sample weight column")
     doc = {"paths": paths, "columns": [c.to_json() for c in columns.values()], "rows": rows,
-           "format": FORMAT_VERSION}
+           "format": FORMAT_VERSION, **({"codecs": codecs} if codecs else {})}
     fingerprint = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
     return DatasetInfo(
         key="pq-" + fingerprint[:20], columns=columns, feature_cols=list(feature_cols), label_cols=list(label_cols),
         sample_weight_col=sample_weight_col, train_rows=rows["train"], val_rows=rows.get("val", 0),
         num_partitions=0, validation=paths.get("val"), fingerprint=fingerprint,
-        extra={"train_path": paths["train"], **({"val_path": paths["val"]} if "val" in paths else {})},
+        extra={"train_path": paths["train"], **({"val_path": paths["val"]} if "val" in paths else {}),
+               **({"codecs": codecs} if codecs else {})},
     )
 
 

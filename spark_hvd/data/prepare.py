@@ -13,11 +13,14 @@ Spark application only; pass ``overwrite=True`` to prepare again when files chan
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import os
 import posixpath
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +54,32 @@ _SCALAR_DTYPES = {
     "float": "float32",
     "double": "float64",
 }
+
+
+#: Seconds a preparation waits for another one into the same store (this process) to end.
+PREPARE_WAIT_S = float(os.environ.get("SPARK_HVD_PREPARE_WAIT", str(6 * 3600)))
+_STORE_LOCKS: dict[str, threading.Lock] = {}
+_STORE_LOCKS_GUARD = threading.Lock()
+
+
+def _one_at_a_time_per_store(fn: Callable[..., DatasetInfo]) -> Callable[..., DatasetInfo]:
+    """Preparations into one store run one after another in this process. Concurrent fits of the same data (a
+    ``CrossValidator`` with ``parallelism`` > 1 fits one fold's grid points at once) then find the first one's
+    committed dataset and reuse it, instead of each writing it again and replacing it under the others' readers."""
+
+    @functools.wraps(fn)
+    def locked(df: DataFrame, store: Store, *args: Any, **kwargs: Any) -> DatasetInfo:
+        with _STORE_LOCKS_GUARD:
+            lock = _STORE_LOCKS.setdefault(str(store.url), threading.Lock())
+        if not lock.acquire(timeout=PREPARE_WAIT_S):
+            raise InvalidParamError(f"another preparation into {store!r} in this process did not end within "
+                                    f"{PREPARE_WAIT_S:.0f} s (SPARK_HVD_PREPARE_WAIT)")
+        try:
+            return fn(df, store, *args, **kwargs)
+        finally:
+            lock.release()
+
+    return locked
 
 
 @dataclass(frozen=True)
@@ -187,7 +216,9 @@ def _params(
         "weight": weight,
         "validation": validation,
         "num_parts": num_parts,
-        "seed": seed,
+        # the seed draws a fractional validation split and nothing else: without one, fits that differ only in
+        # their seed (a CrossValidator grid over random_seed) share the dataset
+        "seed": seed if isinstance(validation, float) and 0 < validation < 1 else 0,
         "compression": compression,
     }
 
@@ -214,6 +245,7 @@ def dataset_key(
     return "ds-" + _fingerprint(df, params)[:20]
 
 
+@_one_at_a_time_per_store
 def prepare_data(
     df: DataFrame,
     store: Store,

@@ -183,6 +183,11 @@ class BatchReader:
             :mod:`spark_hvd.data.process_pool`); the processes are started by the first epoch and kept for the
             next ones until :meth:`close` (or garbage collection). Memory stays bounded: at most
             ``read_ahead_pieces`` batches are in the pool, ``prefetch`` batches are queued.
+        codecs: per encoded column of a petastorm dataset, its codec, dtype and shape
+            (``spark_hvd.data.petastorm_dataset.dataset_codecs``); default: read from the Unischema in the
+            directory's ``_common_metadata`` where there is one. Such a column is decoded into a ``(rows, *shape)``
+            array of its dtype (``NdarrayCodec``, ``CompressedNdarrayCodec``, ``CompressedImageCodec``); a
+            ``transformation_fn`` sees each row's decoded array, as petastorm hands them over.
         cache_pieces: keep every row group of the shard in memory, as read from the files (before
             ``transformation_fn``), once it was read: later epochs read nothing from the filesystem and shuffle and
             batch the same rows as they would have read (the estimators' ``inmemory_cache_all``). Memory: the
@@ -221,6 +226,7 @@ class BatchReader:
         pad_value: float = 0,
         collate_fn: Callable[[Batch], Batch] | None = None,
         pool_type: str = "thread",
+        codecs: dict[str, dict[str, Any]] | None = None,
         cache_pieces: bool = False,
     ) -> None:
         import pyarrow.dataset as ds
@@ -267,9 +273,21 @@ class BatchReader:
             pool_type = "process" if getattr(transformation_fn, "prefers_processes", False) else "thread"
         self.collate_fn, self.pool_type = collate_fn, pool_type
         self._procs: Any = None
+        if codecs is None:  # a petastorm dataset says in its _common_metadata how its binary columns are encoded
+            from spark_hvd.data.petastorm_dataset import dataset_codecs
+
+            codecs = dataset_codecs(path, filesystem, self.columns)
+        self.codecs = {c: codecs[c] for c in self.columns if c in codecs}
         self.shapes = {c: tuple((shapes or {}).get(c, ())) for c in self.columns}
         self.kinds = {c: (kinds or {}).get(c) or arrow_kind(self.schema.field(c).type) for c in self.columns}
-        self._list_cols = {c for c in self.columns if self.kinds[c] in ("array", "vector")}
+        for c, codec in self.codecs.items():
+            self.shapes[c] = tuple(int(s) for s in codec["shape"])
+            self.kinds[c] = "array" if self.shapes[c] else "scalar"
+        if self.codecs and transformation_fn is not None:  # the user's fn sees decoded arrays, as petastorm's did
+            from spark_hvd.data.petastorm_codecs import DecodingTransform
+
+            self.transformation_fn = transformation_fn = DecodingTransform(transformation_fn, self.codecs)
+        self._list_cols = {c for c in self.columns if self.kinds[c] in ("array", "vector") and c not in self.codecs}
         self._plain_rows = all(plain_type(self.schema.field(c).type) for c in self.columns)
         for c in self._list_cols:
             if not self.shapes[c]:
@@ -334,6 +352,7 @@ class BatchReader:
         path = info.train_path(store) if split == "train" else info.val_path(store)
         cols = list(columns) if columns is not None else list(info.columns)
         kinds = {n: c.kind for n, c in info.columns.items()}
+        kwargs.setdefault("codecs", info.extra.get("codecs", {}))
         return cls(path, filesystem=store.pyarrow_filesystem(), columns=cols, shapes=info.shapes(), kinds=kinds,
                    **kwargs)
 
@@ -560,6 +579,11 @@ class BatchReader:
         if arr.null_count:
             raise ReaderError(f"{self._where}: column {name!r} holds {arr.null_count} nulls")
         kind = self.kinds[name]
+        if name in self.codecs:
+            from spark_hvd.data.petastorm_codecs import decode_column
+
+            codec = self.codecs[name]
+            return decode_column(codec, arr, codec["dtype"], self.shapes[name], name, self._where)
         if kind == "sparse":
             return sparse_to_csr(arr, self.shapes[name])
         if kind == "ragged":

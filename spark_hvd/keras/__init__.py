@@ -22,42 +22,8 @@ from typing import Any
 
 import keras
 
-from spark_hvd._binding_common import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    allgather_object,
-    barrier,
-    broadcast_object,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd import _process_api
+from spark_hvd._process_api import *  # noqa: F403 - the process API every binding exports (_process_api.py)
 from spark_hvd.keras import callbacks, elastic
 from spark_hvd.keras.distributed_optimizer import (
     DistributedOptimizer,
@@ -115,7 +81,7 @@ def _builtin_optimizer_classes() -> list[type]:
 
 
 def load_model(filepath: Any, custom_objects: dict[str, Any] | None = None,
-               compression: Any = None, op: Any = Average, gradient_predivide_factor: float = 1.0,
+               compression: Any = None, op: Any = _process_api.Average, gradient_predivide_factor: float = 1.0,
                compile: bool = True, safe_mode: bool = True,  # noqa: A002 - Keras's name
                average_aggregated_gradients: bool = False) -> keras.Model:
     """Load a saved model (``.keras``) with its optimizer wrapped in :func:`DistributedOptimizer` again.
@@ -145,13 +111,8 @@ def nccl_built() -> int:
 
 
 __all__ = [
-    "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "NotInitializedError",
-    "PartialDistributedOptimizer", "ProcessSet", "Adasum", "Product", "Sum", "add_process_set", "global_process_set",
-    "remove_process_set",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_global_variables",
-    "broadcast_object", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size", "ddl_built",
-    "elastic",
-    "gloo_built", "gloo_enabled", "grouped_allreduce", "init", "is_homogeneous", "is_initialized", "join",
-    "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "rank", "reducescatter", "shutdown", "size", "start_timeline", "stop_timeline",
+    *_process_api.__all__,
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "allgather", "allreduce", "alltoall",
+    "broadcast", "broadcast_global_variables", "broadcast_variables", "callbacks", "elastic", "grouped_allreduce",
+    "init", "load_model", "nccl_built", "reducescatter",
 ]

@@ -23,71 +23,34 @@ module imports mxnet; ``import spark_hvd`` does not.
 
 from __future__ import annotations
 
-from spark_hvd._binding_common import (
-    HorovodInternalError,
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-)
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd import _process_api
+from spark_hvd._process_api import *  # noqa: F403 - the process API every binding exports (_process_api.py)
 from spark_hvd.mxnet.compression import Compression
 from spark_hvd.mxnet.functions import broadcast_parameters
 from spark_hvd.mxnet.mpi_ops import (
-    Adasum,
-    Average,
     CollectiveArgumentError,
-    Max,
-    Min,
-    Product,
-    Sum,
     allgather,
-    allgather_object,
     allreduce,
     allreduce_,
     alltoall,
-    barrier,
     broadcast,
     broadcast_,
-    broadcast_object,
-    ccl_built,
-    cross_rank,
-    cross_size,
     cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     grouped_allgather,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_reducescatter,
     init,
-    is_homogeneous,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
     nccl_built,
-    rank,
     reducescatter,
     rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
 )
 from spark_hvd.mxnet.optimizer import DistributedOptimizer, DistributedTrainer
 
 __all__ = [
-    "Adasum", "add_process_set", "allgather", "allgather_object", "allreduce", "allreduce_", "alltoall", "Average",
-    "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_parameters", "ccl_built",
-    "CollectiveArgumentError", "Compression", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "DistributedOptimizer", "DistributedTrainer", "global_process_set", "gloo_built", "gloo_enabled",
-    "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter", "HorovodInternalError",
-    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "Max", "Min", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "NotInitializedError", "ProcessSet", "Product", "rank",
-    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "Sum",
+    *_process_api.__all__,
+    "allgather", "allreduce", "allreduce_", "alltoall", "broadcast", "broadcast_", "broadcast_parameters",
+    "CollectiveArgumentError", "Compression", "cuda_built", "DistributedOptimizer", "DistributedTrainer",
+    "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter", "init", "nccl_built",
+    "reducescatter", "rocm_built",
 ]

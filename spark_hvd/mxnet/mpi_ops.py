@@ -29,38 +29,8 @@ import numpy as np
 from mxnet.base import MXNetError
 
 from spark_hvd import _binding_common as common
-from spark_hvd._binding_common import (  # noqa: F401 - re-exported process API
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather_object,
-    barrier,
-    broadcast_object,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    set_rank,
-    set_size,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from spark_hvd._binding_common import Average, set_rank, set_size  # noqa: F401 - set_rank, set_size re-exported
+from spark_hvd._process_api import *  # noqa: F403 - Horovod's process API, re-exported as its mpi_ops does
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import SparkHvdError
 from spark_hvd.core.process_sets import ProcessSet, global_process_set

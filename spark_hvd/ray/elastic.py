@@ -4,14 +4,14 @@ The same design, and the same code, as ``spark_hvd.runner.run_elastic`` on Spark
 stage: every reset is a new *attempt*, a fresh set of workers (``RayExecutor._start_workers``), as many as Ray can
 place (between ``min_workers`` and ``max_workers``). What is shared with Spark's elastic runner, not copied:
 
-* the rank side, ``spark_hvd.runner.elastic._elastic_rank``: ``fn`` runs with a ``DriverLink`` over the rank's
+* the rank side, ``spark_hvd.runner.elastic.elastic_rank``: ``fn`` runs with a ``DriverLink`` over the rank's
   connection to the driver service; ``state.commit()`` on rank 0 streams the state to the driver, a relaunched
   rank 0's first ``state.sync()`` fetches it, ``HostsUpdatedInterrupt`` ends the attempt cleanly
   (``spark_hvd.core.elastic``: ``State``, ``ObjectState``; ``TorchState`` / ``KerasState`` in the bindings);
-* the driver side, ``spark_hvd.runner.elastic._Driver``: the committed state on the driver's disk, served to the
+* the driver side, ``spark_hvd.runner.elastic.ElasticDriver``: the committed state on the driver's disk, served to the
   ranks through the ``DriverService`` (``spark_hvd.runner.service``) of each attempt; only its growth check
   differs (``RayElasticDriver.free``: Ray could place one more worker);
-* which failures are recovered (``_recoverable``: a lost rank, or a rank that failed because of one; an exception
+* which failures are recovered (``is_recoverable``: a lost rank, or a rank that failed because of one; an exception
   of ``fn``'s own fails the run), ``reset_limit`` and ``elastic_timeout`` (``HOROVOD_ELASTIC_TIMEOUT``).
 
 Free workers are counted from ``ray.available_resources()`` (CPUs, and GPUs with ``use_gpu``) over the whole
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spark_hvd.ray.errors import RayExecutorError, RayWorkerFailedError
-from spark_hvd.runner.elastic import ElasticError, _Driver, _elastic_rank, _recoverable, _Resized
+from spark_hvd.runner.elastic import ElasticDriver, ElasticError, Resized, elastic_rank, is_recoverable
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def free_workers(ray: Any, cpus_per_worker: float, gpus_per_worker: float) -> in
     return min(counts) if counts else 0
 
 
-class RayElasticDriver(_Driver):
+class RayElasticDriver(ElasticDriver):
     """Spark's elastic driver state (commits on the driver's disk) with Ray's growth check: the job can grow while
     it is below ``max_workers`` and ``free()`` says Ray could place another worker."""
 
@@ -98,12 +98,12 @@ def run_elastic(executor: Any, fn: Callable[..., Any], args: tuple[Any, ...], kw
             why = ""
             try:
                 executor._start_workers(size, attempt, handlers=driver.handlers())
-                results = executor._wait_all([w.run.remote(_elastic_rank, (fn, tuple(args), dict(kwargs)))
+                results = executor._wait_all([w.run.remote(elastic_rank, (fn, tuple(args), dict(kwargs)))
                                               for w in executor.workers], "run")
-                if any(isinstance(r, _Resized) for r in results):
+                if any(isinstance(r, Resized) for r in results):
                     why = "to grow"
             except RayWorkerFailedError as exc:
-                if not _recoverable(exc):
+                if not is_recoverable(exc):
                     raise
                 why = f"after {str(exc).splitlines()[0]}"
             except RayExecutorError as exc:  # the workers could not be placed or started

@@ -107,7 +107,7 @@ class ElasticParams:
         """Checked bounds: ``max_workers`` None is unbounded (Horovod's default); ``cooldown_range``'s lower end
         is the pause after a reset; ``elastic_timeout`` None is ``HOROVOD_ELASTIC_TIMEOUT``, else 600 s."""
         from spark_hvd.ray.elastic import COOLDOWN_S
-        from spark_hvd.runner.elastic import _timeout
+        from spark_hvd.runner.elastic import elastic_timeout_s
 
         high = (1 << 30) if max_workers is None else max_workers
         if not isinstance(min_workers, int) or min_workers < 1 or high < min_workers:
@@ -116,7 +116,7 @@ class ElasticParams:
         if reset_limit is not None and reset_limit < 0:
             raise ValueError(f"reset_limit must be >= 0 or None, got {reset_limit}")
         cooldown = float(cooldown_range[0]) if cooldown_range else COOLDOWN_S
-        return cls(min_workers, high, reset_limit, cooldown, _timeout(elastic_timeout))
+        return cls(min_workers, high, reset_limit, cooldown, elastic_timeout_s(elastic_timeout))
 
 
 class RayExecutor:

@@ -16,11 +16,14 @@ Connect and keep the cheaper ``SparkContext`` calls on a classic session:
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
 
 from spark_hvd.runner.errors import RunnerError
+
+log = logging.getLogger(__name__)
 
 #: Overrides the host name the ranks use to reach the driver service (e.g. a Spark Connect client that does not
 #: run on the cluster's driver node but is reachable from the executors).
@@ -46,6 +49,9 @@ def active_session(spark: Any = None) -> Any:
 
         session = ConnectSession.getActiveSession()
     except ImportError:  # pyspark without the Connect extras (grpcio, ...)
+        session = None
+    except Exception as e:  # noqa: BLE001 - Connect's modules present but unloadable (e.g. protobuf's VersionError)
+        log.debug("Spark Connect is not usable here (%s: %s); looking for a classic session", type(e).__name__, e)
         session = None
     if session is None:
         from pyspark.sql import SparkSession

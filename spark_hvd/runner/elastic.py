@@ -13,12 +13,14 @@ A barrier stage cannot lose or gain a task, so each reset is a new stage (an "at
    stage; the driver waits up to ``elastic_timeout`` for ``min_num_proc`` free slots and relaunches. An exception
    raised by ``fn`` itself is a bug, not a lost rank: it fails the run as ``run()`` does.
 4. Growth: while ``size < max_num_proc`` and slots are free, a commit answers "grow"; every rank raises
-   ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``_Resized`` results) and is relaunched
+   ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``Resized`` results) and is relaunched
    bigger.
 
-``reset_limit`` bounds the relaunches (both kinds). Free slots are read from the classic ``SparkContext``; over
-Spark Connect only a ``local[N]`` master tells its total, so there the job never grows and relaunches at
-``min(max_num_proc, N)``.
+``reset_limit`` bounds the relaunches (both kinds). Free slots are read from the classic ``SparkContext``. Spark
+Connect cannot tell them: there a one-task probe job (``probe.SlotProbe``) that runs while the attempt holds its
+slots proves one free, and the job grows by one rank (to ``min(max_num_proc, N)`` on a ``local[N]`` master, whose
+total is known); a relaunch after a lost rank takes ``min(max_num_proc, N)``, or ``max_num_proc`` where the total
+is unknown.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.probe import SlotProbe
 from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import free_slots, free_slots_beside
 from spark_hvd.runner.spark import EventLog, checked_env, env_seconds, job_encrypts, pickled, start_timeout_s
@@ -57,7 +60,7 @@ class ElasticError(RunnerError):
 
 
 @dataclass(frozen=True)
-class _Resized:
+class Resized:
     """What a rank returns when the ranks agreed to stop for a relaunch at a bigger size."""
 
     size: int
@@ -85,8 +88,8 @@ class _ServiceLink:
         return bool(self.client.request("elastic.hosts"))
 
 
-def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """Runs in each rank: ``fn`` with the driver link installed; a resize becomes a clean ``_Resized`` result."""
+def elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Runs in each rank: ``fn`` with the driver link installed; a resize becomes a clean ``Resized`` result."""
     import spark_hvd.core as core
 
     client = current_client()
@@ -96,21 +99,23 @@ def _elastic_rank(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -
     try:
         return fn(*args, **kwargs)
     except HostsUpdatedInterrupt:
-        return _Resized(core.size())
+        return Resized(core.size())
     finally:
         set_link(None)
 
 
-class _Driver:
+class ElasticDriver:
     """The driver's elastic state across attempts: the last committed snapshot and the growth check.
 
     The snapshot is kept in a private temporary directory on the driver's disk (``committed`` and the ``pending``
     upload; ``close()`` removes it), never whole in memory: its size is bounded by the disk, not the heap.
     """
 
-    def __init__(self, spark: Any, max_num_proc: int) -> None:
+    def __init__(self, spark: Any, max_num_proc: int, run_id: str = "") -> None:
         self.spark = spark
         self.max_num_proc = max_num_proc
+        #: Connect: the probe that tells whether a slot is free (classic sessions ask the scheduler)
+        self.probe = SlotProbe(spark, f"spark_hvd-{run_id}-probe") if cluster.is_connect(spark) else None
         self.size = 0
         #: the job group of the running attempt's stage
         self.group = ""
@@ -129,7 +134,9 @@ class _Driver:
                 "elastic.get": self._get, "elastic.hosts": self._hosts}
 
     def close(self) -> None:
-        """Remove the committed state from the driver's disk."""
+        """Remove the committed state from the driver's disk; stop a slot probe still running."""
+        if self.probe is not None:
+            self.probe.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def _path(self, name: str) -> str:
@@ -188,8 +195,8 @@ class _Driver:
                 return f.read(nbytes)
 
     def _hosts(self, rank: int, _: Any) -> bool:
-        if cluster.is_connect(self.spark):
-            return False  # Connect cannot tell free slots (only a local master's total): never grow there
+        if self.probe is not None:  # Connect cannot tell free slots: a probe job proves one
+            return self.size < self.max_num_proc and self.probe.free()
         now = time.monotonic()
         with self._lock:
             if now - self._grow_at < GROW_CHECK_S:
@@ -220,13 +227,15 @@ def _wait_slots(spark: Any, low: int, high: int, timeout_s: float, why: str) -> 
         threading.Event().wait(0.5)
 
 
-def _recoverable(exc: RankFailedError) -> bool:
+def is_recoverable(exc: RankFailedError) -> bool:
     """A lost rank or a failure caused by one (not an exception raised by ``fn`` itself)."""
     root = exc.failures[0] if exc.failures else None
     return root is None or root.kind == "lost" or root.type_name in CONSEQUENCE_TYPES
 
 
-def _timeout(value: float | None) -> float:
+def elastic_timeout_s(value: float | None) -> float:
+    """How long an elastic job waits for its minimum size: ``value``, else ``HOROVOD_ELASTIC_TIMEOUT``, else 600 s;
+    a non-positive value is a ``RunnerError``."""
     seconds = float(value) if value is not None else env_seconds((ELASTIC_TIMEOUT_ENV,), 600.0)
     if seconds <= 0:
         raise RunnerError(f"elastic_timeout must be a positive number of seconds, got {seconds:g}")
@@ -278,15 +287,15 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
     """
     spark = cluster.active_session(spark)
     start_s = start_timeout_s(start_timeout)
-    elastic_s = _timeout(elastic_timeout)
+    elastic_s = elastic_timeout_s(elastic_timeout)
     if reset_limit is not None and reset_limit < 0:
         raise RunnerError(f"reset_limit must be >= 0 or None, got {reset_limit}")
     first, low, high = _sizes(spark, num_proc, min_num_proc, max_num_proc)
     env = checked_env(env)
     encrypted = job_encrypts(encrypt, env)
-    payload = pickled(_elastic_rank, as_callable(fn, args, kwargs), {})
-    driver = _Driver(spark, high)
+    payload = pickled(elastic_rank, as_callable(fn, args, kwargs), {})
     secret, run_id = make_secret(), secrets.token_hex(4)
+    driver = ElasticDriver(spark, high, run_id)
     events = EventLog(on_event)
 
     resets = 0
@@ -299,9 +308,9 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose,
                                 encrypt=encrypted)
                 results = run_attempt(spark, stage, events, driver.handlers())
-                why = "" if not any(isinstance(r, _Resized) for r in results) else "to grow"
+                why = "" if not any(isinstance(r, Resized) for r in results) else "to grow"
             except RankFailedError as exc:
-                if not _recoverable(exc):
+                if not is_recoverable(exc):
                     raise
                 why = f"after {str(exc).splitlines()[0]}"
             except StartTimeoutError as exc:
@@ -313,7 +322,10 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 raise ElasticError(f"run_elastic {run_id}: reset_limit={reset_limit} reached; the last reset was "
                                    f"needed {why}")
             logger.warning("spark_hvd run_elastic %s: relaunching (reset %d) %s", run_id, resets, why)
-            size = _wait_slots(spark, low, high, elastic_s, f"reset {resets} ({why})")
+            # Connect to a cluster of unknown size: the probe proved one free slot, so grow by one
+            most = size + 1 if why == "to grow" and driver.probe is not None and cluster.total_slots(spark) is None \
+                else high
+            size = _wait_slots(spark, low, min(most, high), elastic_s, f"reset {resets} ({why})")
         raise AssertionError("unreachable")
     finally:
         driver.close()

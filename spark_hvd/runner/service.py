@@ -81,6 +81,8 @@ class DriverService:
         self._bad_frames = 0
         self.started: set[int] = set()
         self.finished: set[int] = set()
+        #: each started rank's host, as its connection to the service came from
+        self.hosts: dict[int, str] = {}
         self.changed = threading.Event()
         self._lock = threading.Lock()
         self.display = ProgressDisplay(verbose)
@@ -146,6 +148,29 @@ class DriverService:
         causes = [f for f in failures if not f.consequence]
         return min(causes or failures, key=lambda f: f.time)
 
+    def silent(self) -> list[int]:
+        """Ranks that started and have neither reported an end nor closed their connection: a rank whose host went
+        unreachable (its link down) or whose process is stuck."""
+        with self._lock:
+            return sorted(self.started - self.finished)
+
+    def blame_silent(self) -> RankFailure | None:
+        """When every failure reported is a consequence (peers timing out on each other in a ring) and some ranks
+        went silent, the first silent rank as a ``lost`` failure (added to the failures): it is the likely cause,
+        not the first rank whose wait timed out (which names its neighbour, often another victim). None otherwise."""
+        root = self.root_failure()
+        silent = self.silent()
+        if not silent or root is None or not root.consequence:
+            return None
+        rank = silent[0]
+        failure = RankFailure(rank, "lost", "ProcessUnreachable",
+                              f"rank {rank}'s process on host {self.hosts.get(rank, '?')} stopped answering: its "
+                              "peers timed out waiting for it and it neither finished nor closed its connection to "
+                              "the driver (its host is unreachable, e.g. its link is down, or the process is stuck)",
+                              time=min((f.time for f in self.failures), default=time.time()) - 1e-3)
+        self._add_failure(failure)
+        return failure
+
     def sorted_failures(self) -> list[RankFailure]:
         root = self.root_failure()
         with self._lock:
@@ -181,6 +206,7 @@ class DriverService:
             conn.peer = f"rank {rank}"
             with self._lock:
                 self.started.add(rank)
+                self.hosts[rank] = address.rsplit(":", 1)[0]
             self.changed.set()
             while True:
                 msg = conn.recv_object(max_size=MAX_FRAME)

@@ -12,6 +12,7 @@ from typing import Any
 
 from spark_hvd.runner import cluster, compat
 from spark_hvd.runner.errors import NotEnoughSlotsError, RunnerError
+from spark_hvd.runner.slot_ledger import LEDGER
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     registering), waits up to ``wait_s`` (not in local mode, whose slots never change). Slots that exist but are
     busy get ``BUSY_SLOT_GRACE_S`` (the tasks of a stage just cancelled, a previous run's, take a moment to go),
     then the error; a ``wait_s`` longer than ``SLOT_WAIT_S`` (``run_elastic`` waiting for slots) waits for them
-    that long. Returns the number of free slots.
+    that long. Busy slots while this process's other runs hold some (``slot_ledger``) are no error: the run waits
+    for its turn when it launches. Returns the number of free slots.
     """
     if is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
         wait_s = 0.0
@@ -71,6 +73,11 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     while free < num_proc:
         waited = time.monotonic() - start
         if total >= num_proc and wait_s <= SLOT_WAIT_S:
+            held = LEDGER.held(session_key(sc)) if LEDGER.busy() else 0
+            if held:
+                logger.info("spark_hvd: %d of %d task slots are free and %d are held by this process's other runs: "
+                            "the run of %d processes will wait for its turn", free, total, held, num_proc)
+                return free
             if waited >= BUSY_SLOT_GRACE_S:
                 break  # the slots exist but stay busy with other work: fail rather than wait
         elif waited >= wait_s:
@@ -80,6 +87,23 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     if free < num_proc:
         raise NotEnoughSlotsError(num_proc, free, total)
     return free
+
+
+def session_key(spark_or_sc: Any) -> str:
+    """The key of a session's slots in ``slot_ledger.LEDGER``: its Spark application (classic ``SparkContext`` or
+    session), or the Connect session's id."""
+    sc = spark_or_sc if hasattr(spark_or_sc, "applicationId") else None
+    if sc is None and not cluster.is_connect(spark_or_sc):
+        sc = getattr(spark_or_sc, "sparkContext", None)
+    if sc is not None:
+        return f"app:{sc.applicationId}"
+    return f"connect:{getattr(spark_or_sc, 'session_id', id(spark_or_sc))}"
+
+
+def session_total_slots(spark: Any) -> int | None:
+    """All task slots of the session (classic: the default resource profile's; Connect: a ``local[N]`` master's N,
+    else None)."""
+    return cluster.total_slots(spark) if cluster.is_connect(spark) else total_slots(spark.sparkContext)
 
 
 def check_session_slots(spark: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int | None:
@@ -146,8 +170,10 @@ def free_slots_beside(sc: Any, group: str, ours: int) -> int:
     return max(0, total - others - ours)
 
 
-def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
-    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free."""
+def wait_tasks_gone(sc: Any, group: str, timeout_s: float, leave: int = 0) -> bool:
+    """Wait (bounded) until no task of the job group is running, so a following run finds its slots free; with
+    ``leave``, until at most that many are (the tasks of ranks whose host is unreachable: their executor cannot be
+    told to kill them until it comes back or Spark declares it lost; their slots stay counted as busy)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -155,7 +181,7 @@ def wait_tasks_gone(sc: Any, group: str, timeout_s: float) -> bool:
         except Exception:  # the status tracker is best effort
             logger.debug("spark_hvd: status tracker query failed", exc_info=True)
             return False
-        if active == 0:
+        if active <= leave:
             return True
         if time.monotonic() > deadline:
             logger.warning("spark_hvd: %d task(s) of job group %s still running %.0f s after the run failed",

@@ -21,7 +21,8 @@ from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import NotEnoughSlotsError, RankFailedError, RunnerError, StartTimeoutError
 from spark_hvd.runner.script import as_callable
-from spark_hvd.runner.slots import check_session_slots, resolve_num_proc
+from spark_hvd.runner.slot_ledger import LEDGER
+from spark_hvd.runner.slots import check_session_slots, resolve_num_proc, session_key, session_total_slots
 from spark_hvd.runner.stage import Attempt, run_attempt
 
 __all__ = ["run", "run_checked", "last_events", "EventLog", "env_seconds", "start_timeout_s", "checked_env",
@@ -183,8 +184,18 @@ class _Launch:
 
     def run(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
             on_event: Callable[[Event], None] | None) -> list[Any]:
-        secret = make_secret()
+        """The attempts, holding ``num_proc`` of the session's slots (``slot_ledger``: concurrent runs of this
+        process wait their turn instead of failing or oversubscribing)."""
         run_id = secrets.token_hex(4)
+        total = session_total_slots(spark)
+        if total is None:  # a Connect session that cannot tell its slots: the stage itself is the check
+            return self._attempts(spark, num_proc, use_gpu, verbose, on_event, run_id)
+        with LEDGER.reserve(session_key(spark), num_proc, total, what=f"run {run_id}"):
+            return self._attempts(spark, num_proc, use_gpu, verbose, on_event, run_id)
+
+    def _attempts(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
+                  on_event: Callable[[Event], None] | None, run_id: str) -> list[Any]:
+        secret = make_secret()
         events = EventLog(on_event)
         _last_events.clear()
         for attempt in range(self.max_retries + 1):

@@ -90,10 +90,11 @@ class Stage:
     def cancel(self) -> None:
         compat.cancel_job(self.spark, self.tag)
 
-    def wait_gone(self, timeout_s: float) -> None:
-        """Wait (bounded) until no task of the stage runs (classic; Connect's interrupt returns once it is done)."""
+    def wait_gone(self, timeout_s: float, leave: int = 0) -> None:
+        """Wait (bounded) until no task of the stage runs, or at most ``leave`` (``wait_tasks_gone``; classic:
+        Connect's interrupt returns once it is done)."""
         if not self.connect:
-            wait_tasks_gone(self.spark.sparkContext, self.tag, timeout_s)
+            wait_tasks_gone(self.spark.sparkContext, self.tag, timeout_s, leave)
 
 
 def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
@@ -178,7 +179,10 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
             by_rank = dict(outcome["results"])
             return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
         service.wait_finished(10.0, only_started=True)
-        stage.wait_gone(TASKS_GONE_WAIT_S)
+        # a rank still silent now is on a host that cannot be reached (or stuck): it is blamed, and its task,
+        # which Spark cannot kill until the host answers or is declared lost, is not waited for (its slot stays busy)
+        unreachable = service.blame_silent()
+        stage.wait_gone(TASKS_GONE_WAIT_S, leave=len(service.silent()) if unreachable else 0)
         root = service.root_failure()
         detail = spark_message(outcome.get("error"))
         if root is not None:

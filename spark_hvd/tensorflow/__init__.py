@@ -23,42 +23,8 @@ Collectives take ``tf.Tensor`` / ``tf.Variable`` (and ``tf.IndexedSlices`` for a
 
 from __future__ import annotations
 
-from spark_hvd._binding_common import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    allgather_object,
-    barrier,
-    broadcast_object,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from spark_hvd.core.errors import NotInitializedError
+from spark_hvd import _process_api
+from spark_hvd._process_api import *  # noqa: F403 - the process API every binding exports (_process_api.py)
 from spark_hvd.tensorflow import elastic, util
 from spark_hvd.tensorflow.collectives import (
     allgather,
@@ -110,14 +76,10 @@ def rocm_built() -> bool:
 
 
 __all__ = [
-    "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "HorovodInternalError", "Max",
-    "Min", "NotInitializedError", "PartialDistributedGradientTape", "ProcessSet", "Adasum", "Product", "Sum",
-    "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
-    "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-    "broadcast_variables", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
-    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op",
-    "local_size", "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set", "rocm_built", "shutdown",
-    "size", "size_op", "start_timeline", "stop_timeline", "util",
+    *_process_api.__all__,
+    "Compression", "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape",
+    "SyncBatchNormalization", "allgather", "allreduce", "alltoall", "broadcast", "broadcast_",
+    "broadcast_global_variables", "broadcast_object_fn", "broadcast_variables", "cuda_built", "elastic",
+    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "local_rank_op", "local_size_op",
+    "nccl_built", "process_set_included_op", "rank_op", "reducescatter", "rocm_built", "size_op", "util",
 ]

@@ -11,6 +11,9 @@ import pytest
 from helpers.launch import assert_check, launch_worker
 from helpers.mxnet_env import mxnet_skip_reason
 
+# The floor leg (make leg-floor) installs MXNet and runs these with the compatibility subset; elsewhere they skip.
+pytestmark = pytest.mark.compat
+
 if (_reason := mxnet_skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 

@@ -46,9 +46,9 @@ def _rank_data(seed: int, rank: int, count: int, dtype: str) -> np.ndarray:
         rng.standard_normal(count).astype(dtype)
 
 
-def _encrypted_collectives(seed: int, mac_min_bytes: int) -> dict:
+def _encrypted_collectives(seed: int) -> dict:
     """Allreduces on the ring (small frames: several per chunk) and an allgather, each against numpy."""
-    be = _ring_backend(frame_bytes=64 * 1024, pair_exchange_bytes=16 * 1024, mac_min_bytes=mac_min_bytes)
+    be = _ring_backend(frame_bytes=64 * 1024, pair_exchange_bytes=16 * 1024)
     try:
         assert be.encrypt and all(peer.encrypt for peer in be.peers.values())
         for dtype, op, count in (("float32", ReduceOp.SUM, 200_003), ("float64", ReduceOp.AVERAGE, 100_001),
@@ -62,23 +62,21 @@ def _encrypted_collectives(seed: int, mac_min_bytes: int) -> dict:
         rows = be.allgather(_rank_data(seed, be.rank, (be.rank + 1) * 3000, "float32").reshape(-1, 3))
         np.testing.assert_array_equal(rows, np.concatenate(
             [_rank_data(seed, k, (k + 1) * 3000, "float32").reshape(-1, 3) for k in range(be.size)]))
-        return {"compiled": be._compiled, "transport": be.transport, "pool": be._mac is not None}
+        return {"compiled": be._compiled, "transport": be.transport}
     finally:
         be.close()
 
 
-@pytest.mark.parametrize("loop, n", [("compiled", 2), ("python", 2), ("python-pool", 3)])
+@pytest.mark.parametrize("loop, n", [("compiled", 2), ("python", 2), ("compiled", 3)])
 def test_encrypted_ring_matches_numpy(loop, n):
-    # the compiled loop; the Python loop; the Python loop sealing and opening frames from 4 KiB on a MAC pool's
-    # threads (SPARK_HVD_MAC_THREADS), several frames opened ahead of their hand-over, three ranks
+    # the compiled loop and the Python loop, two ranks; the compiled loop, three
     if loop == "compiled" and ringloop._ringloop is None:
         pytest.skip("the compiled ring loop is not built here")
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     env = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60", "SPARK_HVD_ENCRYPT": "1",
-           "SPARK_HVD_COMPILED_RING": "1" if loop == "compiled" else "0",
-           "SPARK_HVD_MAC_THREADS": "2" if loop == "python-pool" else "0"}
-    results = run_ranks(_encrypted_collectives, n, env=env, timeout=180, args=(seed, 4096))
-    assert results == [{"compiled": loop == "compiled", "transport": "tcp", "pool": loop == "python-pool"}] * n
+           "SPARK_HVD_COMPILED_RING": "1" if loop == "compiled" else "0"}
+    results = run_ranks(_encrypted_collectives, n, env=env, timeout=180, args=(seed,))
+    assert results == [{"compiled": loop == "compiled", "transport": "tcp"}] * n
 
 
 def _join_and_report() -> str:

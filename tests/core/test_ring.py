@@ -28,7 +28,6 @@ from spark_hvd.core.backends.ring import even_bounds
 from spark_hvd.core.errors import AuthenticationError, CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import ELEMENTWISE_OPS, bf16_to_f32, divide_average, f32_to_bf16, reduce_into
 from spark_hvd.core.transport import ringloop, tcp
-from spark_hvd.core.transport.mac_pool import MacPool
 from spark_hvd.core.transport.rendezvous import KVClient
 from spark_hvd.core.transport.tcp import (
     SEND_BUFFER_BYTES,
@@ -159,8 +158,7 @@ def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
                 _close(got.reshape(-1), want[lo:hi].reshape(-1), "float32", f"reducescatter {op} rows={total_rows}")
         be.barrier()
         return {"transport": be.transport, "digest": digest.hexdigest(),
-                "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size),
-                "mac_threads": 0 if be._mac is None else be._mac.threads}
+                "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size)}
     finally:
         be.close()
 
@@ -180,19 +178,6 @@ def test_collectives_match_numpy(n, shm):
     assert len({res["digest"] for res in results}) == 1
     assert [res["topology"] for res in results] == [(k, n, 0, 1) for k in range(n)]
     assert shm_leftovers(job_id) == []
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_collectives_match_numpy_with_the_mac_pool(n):
-    # every TCP frame from 4 KiB is tagged and checked on the pool's threads (SPARK_HVD_MAC_THREADS), with
-    # several frames received ahead of their checks into scratch frames used in turn
-    seed = int(np.random.SeedSequence().entropy % (1 << 32))
-    results = run_ranks(_all_collectives, n, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60",
-                                                  "SPARK_HVD_MAC_THREADS": "2"},
-                        timeout=240, args=(seed, {"mac_min_bytes": 4096}))
-    assert [res["transport"] for res in results] == ["tcp"] * n
-    assert [res["mac_threads"] for res in results] == [2] * n
-    assert len({res["digest"] for res in results}) == 1
 
 
 @pytest.mark.parametrize("hosts", ["abb", "aabb"])
@@ -287,15 +272,17 @@ def test_pair_exchange_in_several_frames():
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
-def _agreed_allreduces(seed: int, mac_ranks: tuple[int, ...]) -> str:
+def _agreed_allreduces(seed: int, python_ranks: tuple[int, ...]) -> str:
     """``allreduce_agreed`` (two ranks over TCP, the flag as the data's first frame) with each rank agreeing or
     not, exchanged whole (3001 elements) and on the ring (200_003, odd: unequal halves, several frames each);
-    ``mac_ranks``: the ranks whose frames from 4 KiB are checked on the MAC pool, several received ahead of their
-    checks (the Python loop, where a rank without the pool runs the compiled loop if built: the same frames)."""
-    be = backend_from_env({**SMALL, "mac_min_bytes": 4096})
+    ``python_ranks``: the ranks that run the Python loop (a rank tracing frames does), where the others run the
+    compiled loop if built: the same frames."""
+    be = backend_from_env(SMALL)
     digest = hashlib.sha256()
+    if be.rank in python_ranks:
+        tcp.loop.TRACE = []
     try:
-        assert be.agrees_in_band and (be._mac is not None) == (be.rank in mac_ranks)
+        assert be.agrees_in_band
         # early frames (sent before the other's header): on the ring (7 frames per half) all of them, one, none
         ops = (("float32", ReduceOp.SUM), ("float64", ReduceOp.AVERAGE), ("int32", ReduceOp.MAX))
         for count, eager, cases in ((3001, agreed.EAGER_BYTES, ops), (200_003, agreed.EAGER_BYTES, ops),
@@ -326,16 +313,12 @@ def _agreed_allreduces(seed: int, mac_ranks: tuple[int, ...]) -> str:
         be.close()
 
 
-@pytest.mark.parametrize("mac_ranks", [(), (0, 1), (1,)], ids=["inline", "mac-pool", "mixed"])
-def test_agreed_allreduce_reduces_only_when_both_ranks_agree(mac_ranks):
-    # mixed: rank 0 runs the ring in the compiled loop (where built), rank 1 in the Python loop (its MAC pool)
+@pytest.mark.parametrize("python_ranks", [(), (1,)], ids=["same-loop", "mixed"])
+def test_agreed_allreduce_reduces_only_when_both_ranks_agree(python_ranks):
+    # mixed: rank 0 runs the ring in the compiled loop (where built), rank 1 in the Python loop
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
-
-    def env(rank: int) -> dict[str, str]:
-        return {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60",
-                "SPARK_HVD_MAC_THREADS": "2" if rank in mac_ranks else "0"}
-
-    digests = run_ranks(_agreed_allreduces, 2, env=env, timeout=120, args=(seed, mac_ranks))
+    digests = run_ranks(_agreed_allreduces, 2, env={"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"}, timeout=120,
+                        args=(seed, python_ranks))
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
@@ -563,11 +546,9 @@ def test_ring_socket_rejects_a_tampered_data_frame():
         sock.close()
 
 
-@pytest.mark.parametrize("mac_threads", [0, 2], ids=["inline", "mac-pool"])
-def test_ring_exchange_rejects_a_tampered_data_frame(mac_threads):
+def test_ring_exchange_rejects_a_tampered_data_frame():
     # the ring's own receive loop (non-blocking, straight into the destination) checks every tag before the
-    # frame is used: the frames before the tampered one are handed over, the tampered one never is, with the
-    # checks inline or on the MAC pool's threads (frames received ahead of their checks)
+    # frame is used: the frames before the tampered one are handed over, the tampered one never is
     secret = make_secret()
     sender, receiver = _peer_pair(secret, secret)
     payloads = [np.random.default_rng(k).random(2048).astype(np.float32) for k in range(3)]
@@ -583,14 +564,9 @@ def test_ring_exchange_rejects_a_tampered_data_frame(mac_threads):
     writer.sendall(bytes(raw))
     got = [np.zeros_like(p) for p in payloads]
     used: list[int] = []
-    pool = MacPool(mac_threads) if mac_threads else None
-    try:
-        with pytest.raises(AuthenticationError, match="rank 0"):
-            RingExchange(receiver, receiver, "test", pool, mac_min_bytes=0).run(
-                [], [memoryview(g).cast("B") for g in got], lambda i: used.append(i), window=3)
-    finally:
-        if pool is not None:
-            pool.close()
+    with pytest.raises(AuthenticationError, match="rank 0"):
+        RingExchange(receiver, receiver, "test").run([], [memoryview(g).cast("B") for g in got],
+                                                     lambda i: used.append(i))
     assert used == [0]
     np.testing.assert_array_equal(got[0], payloads[0])
     assert receiver.recv_broken
@@ -962,13 +938,16 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
             peer.sock.close()
 
 
-def _mixed_loop_collectives(seed: int) -> dict:
+def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> dict:
     """Allreduces above the recursive-doubling size (so on the ring) and an allgather, checked against numpy;
     compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that disagreed on the frame
-    layout would fail with ``ProtocolError``."""
+    layout would fail with ``ProtocolError``. ``python_ranks`` run the Python loop on the compiled loop's frames
+    (a rank tracing frames does)."""
     ringloop.FRAME_BYTES = 16 * 1024
-    be = backend_from_env({**SMALL, "mac_min_bytes": 4096})
+    be = backend_from_env(SMALL)
     digest = hashlib.sha256()
+    if be.rank in python_ranks:
+        tcp.loop.TRACE = []
     try:
         for dtype, op, count in (("float32", ReduceOp.SUM, 60_001), ("float32", ReduceOp.AVERAGE, 60_001),
                                  ("float64", ReduceOp.SUM, 30_001), ("float64", ReduceOp.AVERAGE, 30_001),
@@ -984,7 +963,7 @@ def _mixed_loop_collectives(seed: int) -> dict:
 
         got = be.allgather(rows(be.rank))
         np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(be.size)]))
-        return {"transport": be.transport, "compiled": be._compiled, "mac": be._mac is not None,
+        return {"transport": be.transport, "compiled": be._compiled, "python": tcp.loop.TRACE is not None,
                 "digest": digest.hexdigest()}
     finally:
         be.close()
@@ -992,16 +971,15 @@ def _mixed_loop_collectives(seed: int) -> dict:
 
 @needs_compiled_loop
 def test_ranks_with_and_without_the_compiled_loop_share_a_ring():
-    # np=3 over TCP: rank 1 has a MAC pool (so it runs the Python loop, on the compiled loop's frame layout since every
-    # rank has the compiled loop), ranks 0 and 2 the compiled loop; then a job where rank 2 turns the compiled loop
+    # np=3 over TCP: rank 1 runs the Python loop (on the compiled loop's frame layout since every rank has the
+    # compiled loop), ranks 0 and 2 the compiled loop; then a job where rank 2 turns the compiled loop
     # off (SPARK_HVD_COMPILED_RING=false: no rank uses its layout). Same data: the same bits in both jobs (the same
     # additions in the same order, whichever loop made them)
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     base = {"SPARK_HVD_SHM": "0", "SPARK_HVD_TIMEOUT": "60"}
-    mixed = run_ranks(_mixed_loop_collectives, 3, env=lambda r: {**base, "SPARK_HVD_MAC_THREADS": str(int(r == 1))},
-                      timeout=120, args=(seed,))
-    assert [(res["transport"], res["compiled"], res["mac"]) for res in mixed] == [("tcp", True, r == 1)
-                                                                                  for r in range(3)]
+    mixed = run_ranks(_mixed_loop_collectives, 3, env=base, timeout=120, args=(seed, (1,)))
+    assert [(res["transport"], res["compiled"], res["python"]) for res in mixed] == [("tcp", True, r == 1)
+                                                                                     for r in range(3)]
     off = run_ranks(_mixed_loop_collectives, 3, timeout=120, args=(seed,),
                     env=lambda r: {**base, "SPARK_HVD_COMPILED_RING": "false" if r == 2 else "true"})
     assert [(res["transport"], res["compiled"]) for res in off] == [("tcp", False)] * 3

@@ -68,6 +68,26 @@ def test_alternating_rounds_and_barriers_are_predicted_and_an_empty_round_change
     assert spec is not None and spec.ids == (1,) and spec.views[0].shape == (3, 2)
 
 
+def test_a_round_of_made_up_names_is_learnt_as_new_and_never_guessed():
+    # hvd.barrier(); hvd.allreduce(t) without a name, in a loop: the barrier follows every round of made-up names
+    # (speculated on), and nothing is guessed after the barrier (the next name is another new one)
+    cache = _cache(("barrier", BARRIER), ("g", _allreduce()))
+    predictor = Predictor(cache.get, 2, False)
+    assert predictor.followed_by_new() is None  # nothing learnt yet
+    assert predictor.advance([0]) is not None  # a barrier seen once: the same again is guessed (a cheap miss)
+    for _ in range(3):
+        spec = predictor.followed_by_new()
+        assert spec is not None and spec.barrier and spec.ids == (0,)  # after the made-up names: the barrier
+        assert predictor.advance([0]) is None  # after the barrier: made-up names again, nothing to guess
+    # a steady loop keeps its speculation through one unnamed metric now and then
+    predictor = Predictor(cache.get, 2, False)
+    for _ in range(3):
+        spec = predictor.advance([1])
+    assert spec is not None and spec.ids == (1,)
+    predictor.followed_by_new()
+    assert predictor.advance([1]).ids == (1,)
+
+
 def test_a_changed_successor_is_armed_only_once_seen_again():
     cache = _cache(("a", _allreduce()), ("b", _allreduce()), ("c", _allreduce()))
     predictor = Predictor(cache.get, 2, False)
@@ -236,6 +256,36 @@ def test_barrier_between_allreduces_and_alternating_tensors_speculate_and_stay_r
         alternating = stats["speculative_rounds"] - osu["speculative_rounds"]
         assert alternating >= 12, stats
         assert stats["speculation_misses"] >= 1, stats  # the broken pattern was seen, and survived
+
+
+def _unnamed_after_barrier_job(seed: int) -> dict:
+    """The loop a user writes to time a small collective, with no name: ``barrier(); allreduce(t)``."""
+    core.init()
+    try:
+        n, r = core.size(), core.rank()
+        engine = core.get_engine()
+        before: dict = {}
+        for i in range(14):
+            if i == 4:
+                before = dict(engine.stats)
+            datas = [sc._data(seed + i, q, (1024,), np.float32) for q in range(n)]
+            buf = datas[r].copy()
+            core.barrier()
+            core.allreduce(buf, op=ReduceOp.SUM)
+            sc._check(buf, reference_reduce(datas, ReduceOp.SUM), f"call {i}")
+        return {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
+    finally:
+        core.shutdown()
+
+
+def test_unnamed_calls_after_barriers_speculate_on_the_barriers_and_guess_nothing_wrong():
+    # 10 iterations once learnt: each barrier one speculative collective, each new name a fast round and its
+    # allreduce (six collectives an iteration before: two missed guesses, two fast rounds); a heartbeat round of a
+    # rank paused for a second may miss once
+    for stats in run_ranks(_unnamed_after_barrier_job, 2, env={"SPARK_HVD_TIMEOUT": "60"}, args=(7,), timeout=120):
+        assert stats["speculation_misses"] <= 1, stats
+        assert stats["speculative_rounds"] - stats["speculation_misses"] >= 9, stats
+        assert stats["barrier_collectives"] == 10 and stats["allreduce_collectives"] == 10, stats
 
 
 def _large_job(seed: int) -> dict:

@@ -129,8 +129,11 @@ def test_cache_reuses_same_dataframe_and_settings(df, store, monkeypatch):
         dataset_key(df, ["x"], ["id"], num_proc=3),  # other settings
         dataset_key(df, ["x"], ["id"], num_proc=2, validation=0.1),
         dataset_key(df, ["x", "flag"], ["id"], num_proc=2),
+        dataset_key(df, ["x"], ["id"], num_proc=2, validation=0.1, seed=5),  # another random split
     }
-    assert len(keys) == 5
+    assert len(keys) == 6
+    # the seed draws only a fractional validation split: without one it keys nothing (a grid over random_seed)
+    assert dataset_key(df, ["x"], ["id"], num_proc=2, seed=5) == info.key
     assert store.list_datasets() == [info.key]
 
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import simhosts  # beside this conftest, whose folder pytest puts on the path
+from standalone import Standalone
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -35,3 +36,19 @@ def sim(simhosts_ready):
         yield hosts
     finally:
         hosts.close()
+
+
+@pytest.fixture(scope="module")
+def standalone_cluster(simhosts_ready, tmp_path_factory):
+    """Spark standalone on four simulated hosts (1 Gbit/s links): the master on host 0 (where the tests' drivers run
+    too), a one-core worker on each of hosts 1-3 (``standalone.Standalone``)."""
+    logs = tmp_path_factory.mktemp("standalone")
+    sim = simhosts.SimHosts(4, rate="1gbit")
+    spark = None
+    try:
+        spark = Standalone(sim, logs, workers=(1, 2, 3))
+        yield spark
+    finally:
+        if spark is not None:
+            spark.close()
+        sim.close()

@@ -93,7 +93,7 @@ def cluster(simhosts_ready, tmp_path_factory):
             p.wait(timeout=30)
 
 
-class _Driver:
+class ElasticDriver:
     """The module's one driver process (``spark_driver.py`` reading its steps from stdin) and its JSON lines."""
 
     def __init__(self, cluster) -> None:
@@ -127,7 +127,7 @@ class _Driver:
 def driver(cluster):
     """One driver process (one SparkContext, one executor per worker host) for every step of the module: starting
     a driver and its executors again costs more than most steps."""
-    proc = _Driver(cluster)
+    proc = ElasticDriver(cluster)
     try:
         yield proc
     finally:

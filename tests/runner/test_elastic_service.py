@@ -13,18 +13,18 @@ from spark_hvd.core import state_stream
 from spark_hvd.core.elastic import STATE_MAX_ENV, download_state, upload_state
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner.client import ServiceClient
-from spark_hvd.runner.elastic import _Driver, _recoverable, _ServiceLink, _sizes
+from spark_hvd.runner.elastic import ElasticDriver, _ServiceLink, _sizes, is_recoverable
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError
 from spark_hvd.runner.service import DriverService
 
 
 class _NoGrowthSpark:
-    """A Connect-like session object: ``_Driver`` never grows there (no free-slot count)."""
+    """A Connect-like session object: ``ElasticDriver`` never grows there (no free-slot count)."""
 
     __module__ = "pyspark.sql.connect.session"
 
 
-def _serve(driver: _Driver, num_proc: int = 2):
+def _serve(driver: ElasticDriver, num_proc: int = 2):
     secret = make_secret()
     service = DriverService(secret, num_proc, job_id="el1", verbose=0, bind_host="127.0.0.1",
                             handlers=driver.handlers())
@@ -35,7 +35,7 @@ def _serve(driver: _Driver, num_proc: int = 2):
 
 def test_commits_stream_to_the_driver_and_a_later_attempt_fetches_the_last(monkeypatch):
     monkeypatch.setattr(state_stream, "CHUNK_BYTES", 1 << 16)
-    driver = _Driver(_NoGrowthSpark(), max_num_proc=2)
+    driver = ElasticDriver(_NoGrowthSpark(), max_num_proc=2)
     service, clients = _serve(driver)
     try:
         link0, link1 = (_ServiceLink(c) for c in clients)
@@ -87,6 +87,6 @@ def test_sizes_and_which_failures_relaunch():
     lost = RankFailure(1, "lost", "ProcessLost", "died")
     peer = RankFailure(0, "exception", "PeerFailureError", "rank 1 closed", consequence=True)
     bug = RankFailure(0, "exception", "ValueError", "bad column")
-    assert _recoverable(RankFailedError(lost, [lost, peer]))
-    assert _recoverable(RankFailedError(peer, [peer]))
-    assert not _recoverable(RankFailedError(bug, [bug, peer]))
+    assert is_recoverable(RankFailedError(lost, [lost, peer]))
+    assert is_recoverable(RankFailedError(peer, [peer]))
+    assert not is_recoverable(RankFailedError(bug, [bug, peer]))

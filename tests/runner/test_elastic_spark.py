@@ -124,7 +124,7 @@ def test_a_rank_killed_mid_epoch_resumes_from_the_last_commit(spark, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_over_spark_connect_a_killed_rank_resumes_too(spark_connect, tmp_path):
-    """Connect cannot tell free slots: the relaunch takes the local[2] master's total, and the job never grows."""
+    """Connect cannot tell free slots: the relaunch takes the local[2] master's total."""
     results = run_elastic(_train, args=(str(tmp_path), 1, 0.0), num_proc=2, min_num_proc=1, max_num_proc=2,
                           elastic_timeout=60, reset_limit=2, verbose=0, spark=spark_connect)
     _check_final(results, 2)
@@ -217,6 +217,25 @@ def test_the_job_grows_when_a_slot_frees_up(spark, tmp_path):
         assert r["attempt"] >= 1 and r["resets"] == [2]
         epoch, processed = r["resumed"]
         assert (epoch, processed) != (0, 0), "the grown job did not start from the 1-rank job's commit"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_over_spark_connect_the_job_grows_when_a_slot_frees_up(spark, spark_connect, tmp_path):
+    """Connect cannot tell free slots: a one-task probe job that runs proves one (``runner/probe.py``). The job
+    starts on 1 rank of the Connect session while a classic job holds the other slot of the shared local[2]; once
+    the rank has released it, a probe runs and the job grows to 2 from its last commit."""
+    blocker = _hold_a_slot(spark, str(tmp_path / "release"))
+    try:
+        results = run_elastic(_train, args=(str(tmp_path), None, 1.0), num_proc=1, min_num_proc=1, max_num_proc=2,
+                              elastic_timeout=60, reset_limit=3, verbose=0, spark=spark_connect)
+    finally:
+        (tmp_path / "release").touch()
+        blocker.join(60)
+    _check_final(results, 2)
+    for r in results:
+        assert r["attempt"] >= 1 and r["resets"] == [2]
+        assert r["resumed"] != (0, 0), "the grown job did not start from the 1-rank job's commit"
 
 
 def test_too_few_slots_within_elastic_timeout_names_what_is_missing(spark):

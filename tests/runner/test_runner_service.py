@@ -61,6 +61,50 @@ def test_wrong_job_id_and_lost_connection():
         service.stop()
 
 
+class CollectiveTimeoutError(Exception):
+    """Stands in for the core's (the service sees the type's name only)."""
+
+
+def test_a_silent_rank_is_blamed_when_every_failure_is_a_consequence():
+    """Ranks 0 and 1 time out on each other (consequences, as in a ring around a host whose link went down) while
+    rank 2 neither finishes nor closes its connection: ``blame_silent`` makes rank 2, with its host, the cause."""
+    secret = make_secret()
+    service = DriverService(secret, 3, job_id="job5", verbose=0, bind_host="127.0.0.1")
+    _, port = service.start()
+    clients = [ServiceClient(f"127.0.0.1:{port}", secret, "job5", r) for r in range(3)]
+    try:
+        assert wait_until(lambda: service.started == {0, 1, 2})
+        assert service.blame_silent() is None  # nothing failed yet
+        clients[0].send_error(CollectiveTimeoutError("allreduce: rank 1 on host h2 sent nothing for 30s"))
+        clients[1].send_error(CollectiveTimeoutError("allreduce: rank 2 on host h3 sent nothing for 30s"))
+        assert wait_until(lambda: service.finished == {0, 1})
+        assert service.silent() == [2]
+        blamed = service.blame_silent()
+        assert blamed is not None and service.root_failure() is blamed
+        assert (blamed.rank, blamed.kind, blamed.type_name) == (2, "lost", "ProcessUnreachable")
+        assert "rank 2's process on host 127.0.0.1 stopped answering" in blamed.message
+    finally:
+        for c in clients:
+            c.close()
+        service.stop()
+
+
+def test_a_rank_that_raised_is_not_replaced_by_a_silent_one():
+    secret = make_secret()
+    service = DriverService(secret, 2, job_id="job6", verbose=0, bind_host="127.0.0.1")
+    _, port = service.start()
+    clients = [ServiceClient(f"127.0.0.1:{port}", secret, "job6", r) for r in range(2)]
+    try:
+        assert wait_until(lambda: service.started == {0, 1})
+        clients[0].send_error(ValueError("a bug of fn"))
+        assert wait_until(lambda: service.finished == {0})
+        assert service.blame_silent() is None and service.root_failure().type_name == "ValueError"
+    finally:
+        for c in clients:
+            c.close()
+        service.stop()
+
+
 def test_replayed_hello_does_not_mark_a_live_rank_lost():
     secret = make_secret()
     failures = []

@@ -57,17 +57,17 @@ def _pieces(lo: int, hi: int, sub: int) -> list[tuple[int, int]]:
 CompiledRing = Callable[[list[tuple[int, int]], list[tuple[int, int, int]]], None]
 
 
-def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, agree: bool, op: ReduceOp,
+def allreduce(exchange: RingExchange, rank: int, flat: np.ndarray, agree: bool, op: ReduceOp,
               bfloat16: bool, scratch: Callable[[int], np.ndarray], sub: int, pair: bool,
               compiled: CompiledRing | None = None, eager_bytes: int = EAGER_BYTES) -> bool:
     """Allreduce ``flat`` with the other of two ranks if both ``agree``; True then (``flat`` holds the result).
 
     ``agree`` False: ``flat`` is only a template (its size and dtype), never read or written. On a miss (either
     rank disagrees) nothing of ``flat`` changes on either rank and False is returned. ``exchange``: to and from
-    the other rank (its ``run`` with ``window``: frames checked on a MAC pool at once, so scratch frames are used
-    in turn); ``rank``: 0 or 1 (which half the ring reduces here); ``scratch(n)``: a reusable uint8 array of
-    ``n`` bytes; ``sub``: the bytes per frame (identical on both ranks); ``pair``: exchange whole arrays (one
-    round trip), else the two-step ring.
+    the other rank (each frame handed over before the next is read, so one scratch frame is reused); ``rank``: 0
+    or 1 (which half the ring reduces here); ``scratch(n)``: a reusable uint8 array of ``n`` bytes; ``sub``: the
+    bytes per frame (identical on both ranks); ``pair``: exchange whole arrays (one round trip), else the two-step
+    ring.
 
     What travels: each rank's header, then (only from a rank that agrees) its first frames, up to ``EAGER_BYTES``
     (whole arrays: all of it), sent before the other's header is here; once the headers said both agree, the rest
@@ -97,14 +97,14 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         out_spans = _pieces(*chunks[1 - rank], sub)
         reduce_spans = _pieces(*chunks[rank], sub)
         in_spans = reduce_spans + out_spans  # the other's copy of chunk ``rank``, then chunk ``1 - rank`` reduced
-        got = scratch(sub * window)
+        got = scratch(sub)
         early = -(-eager_bytes // sub)
         eager_out, eager_in = min(len(out_spans), early), min(len(reduce_spans), early)
 
     if compiled is not None and not pair:
         if eager_out or eager_in:
             raise ValueError("the compiled ring sends no early frames (eager_bytes=COMPILED_EAGER_BYTES)")
-        exchange.run([memoryview(mine.view(np.uint8))], [memoryview(theirs.view(np.uint8))], lambda i: None, window)
+        exchange.run([memoryview(mine.view(np.uint8))], [memoryview(theirs.view(np.uint8))], lambda i: None)
         hit = _agreed(theirs, nbytes, peer, operation) and agree
         if hit:
             compiled(out_spans, [(0, lo, hi) for lo, hi in reduce_spans] + [(1, lo, hi) for lo, hi in out_spans])
@@ -117,8 +117,7 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
             return memoryview(got[lo:hi])
         if raw is not None and k > len(reduce_spans):
             return memoryview(raw[lo:hi])
-        at = k % window * sub
-        return memoryview(got[at:at + hi - lo])
+        return memoryview(got[:hi - lo])
 
     receives = [memoryview(theirs.view(np.uint8))]
     receives += [target(lo, hi, k) for k, (lo, hi) in enumerate(in_spans, 1)]
@@ -148,7 +147,7 @@ def allreduce(exchange: RingExchange, window: int, rank: int, flat: np.ndarray, 
         sends += [memoryview(raw[lo:hi]) for lo, hi in out_spans[:eager_out]]  # type: ignore[index]
     # ``RingExchange`` reads ``receives[i]`` (and the list's length) only when frame i starts, after
     # ``on_received(i - 1)`` returned: the headers' answer may still shorten or redirect what follows them
-    exchange.run(sends, receives, on_received, window)
+    exchange.run(sends, receives, on_received)
     if hit[0] and pair:
         reduce_into(flat, got.view(flat.dtype), op, bfloat16)
         if op is ReduceOp.AVERAGE:

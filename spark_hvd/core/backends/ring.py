@@ -65,12 +65,10 @@ from spark_hvd.core.transport.addresses import (  # noqa: F401 - IFACE_ENV, HOST
     machine_identity,
     meeting_host,
 )
-from spark_hvd.core.transport.mac_pool import MacPool, threads_for
 from spark_hvd.core.transport.shm import ShmGroup, new_nonce, shm_available
 from spark_hvd.core.transport.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
-    MAC_POOL_MIN_BYTES,
     SPIN_MAX_BYTES,
     SUB_CHUNK_MIN_BYTES,
     SUB_CHUNKS,
@@ -137,8 +135,7 @@ class RingBackend(Backend):
     def __init__(self, rank: int, size: int, rendezvous: Rendezvous | None, secret: bytes,
                  settings: Settings | None = None, job_id: str = "", *, shm_block_bytes: int = 1 << 20,
                  shm_slots: int = 64, frame_bytes: int = FRAME_BYTES,
-                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, mac_min_bytes: int = MAC_POOL_MIN_BYTES,
-                 job: JobEnv | None = None) -> None:
+                 pair_exchange_bytes: int = PAIR_EXCHANGE_BYTES, job: JobEnv | None = None) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is outside a job of size {size}")
         self.rank, self.size = rank, size
@@ -154,15 +151,12 @@ class RingBackend(Backend):
         self._closed = False
         self._broken: PeerFailureError | None = None
         self._worker: SendWorker | None = None
-        #: threads that tag and check large TCP frames off the calling thread (``mac_pool``; None: inline)
-        self._mac: MacPool | None = None
         self._local_watcher: PeerWatcher | None = None  # the hierarchical allreduce's helper thread's
         self._hier_helper = hier_pipeline.Helper(f"spark-hvd-hier-{rank}")  # its thread starts at first use
         self._scratch = np.empty(0, dtype=np.uint8)
         self._listener: socket.socket | None = None
         self._frame = max(INLINE_SEND_BYTES, frame_bytes - frame_bytes % 64)
         self._pair_bytes = pair_exchange_bytes
-        self._mac_min_bytes = mac_min_bytes
         self._spin = False  # small two-rank exchanges spin before they sleep (every local rank may have a core)
         #: every rank runs rings with the compiled loop (``ringloop``): rings it supports use its smaller frames
         self._compiled = False
@@ -197,9 +191,6 @@ class RingBackend(Backend):
             self._listener = None
             self._watcher = PeerWatcher(list(self.peers.values()))
             self._worker = SendWorker()
-            threads = threads_for(self.settings.mac_threads, self.local_size)
-            if threads:
-                self._mac = MacPool(threads, name=f"spark-hvd-mac-{rank}")
             self.plan = TcpRing()
             # shared memory among the ranks of this host: the whole job (all local) or one level of a hierarchy;
             # the plan builds its groups with every rank (or every rank stays on TCP)
@@ -299,8 +290,6 @@ class RingBackend(Backend):
         self._hier_helper.close()
         if self._worker is not None:
             self._worker.stop()
-        if self._mac is not None:
-            self._mac.close()
         for peer in self.peers.values():
             if self._broken is None:
                 peer.send_bye()
@@ -318,13 +307,8 @@ class RingBackend(Backend):
         """An exchange of frames with these peers; ``nbytes``: a two-rank exchange of this many bytes each way,
         which spins before it sleeps up to ``SPIN_MAX_BYTES`` (``spark_hvd.core.transport.tcp.SPIN_S``) where every rank
         of this host may have a core."""
-        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation, self._mac, self._mac_min_bytes,
+        return RingExchange(self.peers[send_peer], self.peers[recv_peer], operation,
                             self._spin and 0 <= nbytes <= SPIN_MAX_BYTES)
-
-    @property
-    def _window(self) -> int:
-        """Frames a ``RingExchange`` may hold received while their tags are checked on the MAC pool."""
-        return 1 if self._mac is None else self._mac.threads + 1
 
     def _scratch_bytes(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
@@ -400,8 +384,8 @@ class RingBackend(Backend):
         ``average`` divides this rank's chunk by the ring size at the end of the reduce-scatter.
 
         Where every rank has the compiled loop and it supports the dtype and op (``ringloop``), frames are at most
-        ``ringloop.FRAME_BYTES`` and this rank runs the compiled loop, unless it uses a MAC pool or a benchmark
-        traces frames (then the Python loop runs the same frames).
+        ``ringloop.FRAME_BYTES`` and this rank runs the compiled loop, unless a benchmark traces frames (then the
+        Python loop runs the same frames).
         """
         p, n, right, left = self._neighbours(members)
         total = reduce_steps + gather_steps
@@ -418,15 +402,13 @@ class RingBackend(Backend):
             return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
-        if compiled and self._mac is None and tcp.loop.TRACE is None:
+        if compiled and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
                          plan, reduce_steps, total, op, n, average=average, bfloat16=bfloat16)
             return
-        window = self._window  # reduce-scatter frames arrive in this many scratch frames in turn
-        scratch = memoryview(self._scratch_bytes(sub * window)) if reduce_steps else memoryview(b"")
-        receives = [scratch[i % window * sub:i % window * sub + hi - lo] if t < reduce_steps else memoryview(raw[lo:hi])
-                    for i, (t, lo, hi) in enumerate(plan)]
+        scratch = memoryview(self._scratch_bytes(sub)) if reduce_steps else memoryview(b"")  # one frame, reused
+        receives = [scratch[:hi - lo] if t < reduce_steps else memoryview(raw[lo:hi]) for t, lo, hi in plan]
 
         def received(i: int) -> memoryview | None:
             t, lo, hi = plan[i]
@@ -438,7 +420,7 @@ class RingBackend(Backend):
             return memoryview(raw[lo:hi]) if t + 1 < total else None
 
         first = [memoryview(raw[lo:hi]) for lo, hi in pieces((p - shift) % n)]
-        self._exchange(right, left, operation).run(first, receives, received, window)
+        self._exchange(right, left, operation).run(first, receives, received)
 
     def _ring_reduce_scatter(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
                              operation: str, members: Sequence[int] | None = None) -> None:
@@ -483,7 +465,7 @@ class RingBackend(Backend):
         pieces = range(0, raw.nbytes, self._frame)
         self._exchange(peer, peer, operation, raw.nbytes).run([memoryview(raw[lo:lo + self._frame]) for lo in pieces],
                                                   [memoryview(theirs[lo:lo + self._frame]) for lo in pieces],
-                                                  lambda i: None, self._window)
+                                                  lambda i: None)
         reduce_into(flat, theirs.view(flat.dtype), op, bfloat16)
         if op is ReduceOp.AVERAGE:
             divide_average(flat, 2, bfloat16)
@@ -550,13 +532,13 @@ class RingBackend(Backend):
         other = 1 - self.rank
         exchange = self._exchange(other, other, "allreduce", flat.nbytes)
         ring = None
-        if compiled and self._mac is None and tcp.loop.TRACE is None:
+        if compiled and tcp.loop.TRACE is None:
             peer = self.peers[other]
 
             def ring(first: list[tuple[int, int]], plan: list[tuple[int, int, int]]) -> None:
                 ringloop.run(peer, peer, "allreduce", flat, self._scratch_bytes(sub), first, plan, 1, 2, op, 2)
 
-        return agreed.allreduce(exchange, self._window, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
+        return agreed.allreduce(exchange, self.rank, flat, agree, op, False, self._scratch_bytes, sub,
                                 pair, ring, agreed.COMPILED_EAGER_BYTES if compiled else agreed.EAGER_BYTES)
 
     @_collective("allgather")
@@ -694,7 +676,7 @@ class _MeshPeers:
         pieces = range(0, data.nbytes, frame)
         self.backend._exchange(peer, peer, self.operation).run([memoryview(data[lo:lo + frame]) for lo in pieces],
                                                                [memoryview(into[lo:lo + frame]) for lo in pieces],
-                                                               lambda i: None, self.backend._window)
+                                                               lambda i: None)
 
 
 __all__ = ["RingBackend", "host_identity", "even_bounds"]

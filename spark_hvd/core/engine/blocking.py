@@ -23,7 +23,7 @@ import numpy as np
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.engine.checks import BARRIER_META, in_place_ok
 from spark_hvd.core.engine.fresh import FreshSpec, Layout
-from spark_hvd.core.engine.negotiation import ResponseCache
+from spark_hvd.core.engine.negotiation import ResponseCache, noname
 from spark_hvd.core.engine.speculation import Predictor, Spec
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class BlockingCalls:
             if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and in_place_ok(buf.flags):
                 if name is None:
                     with self._lock:
-                        name = f"allreduce.noname.{self._counters['allreduce']}"
+                        name = noname("allreduce", self._counters["allreduce"])
                         self._counters["allreduce"] += 1
                 if (name not in self._local and self._cache.lookup(name, meta) is None
                         and self._sole_ready(fresh)):

@@ -71,7 +71,7 @@ from spark_hvd.core.engine.device import DeviceGroup, GroupScope
 from spark_hvd.core.engine.executor import Executor, Request
 from spark_hvd.core.engine.fresh import FreshSpec, Layout, build_fresh, fresh_layout
 from spark_hvd.core.engine.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, ResponseCache, TableEntry
+from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, ResponseCache, TableEntry, made_up, noname
 from spark_hvd.core.engine.pacing import Pacer
 from spark_hvd.core.engine.speculation import Predictor, Spec
 from spark_hvd.core.engine.table import (
@@ -185,7 +185,7 @@ class Engine(BlockingCalls):
             name = "barrier"  # one at a time per rank (it blocks): one name, so the response cache knows it
         elif name is None:
             with self._lock:
-                name = f"{kind}.noname.{self._counters[kind]}"
+                name = noname(kind, self._counters[kind])
                 self._counters[kind] += 1
         buf, meta, splits = checks.request(kind, buf, name, op, root, prescale, postscale, bfloat16, splits,
                                            self.size)
@@ -482,9 +482,15 @@ class Engine(BlockingCalls):
                     ready = [(TableEntry(*get(cache_id)), None) for cache_id in ids]
                     ready += [(TableEntry(request.name, request.meta), None) for request in fresh]
                     # the new tensors break the context; what was learnt stays (their ids are new: no id changed
-                    # its meaning, or the cache's version moved and the predictor forgets all at its next round)
+                    # its meaning, or the cache's version moved and the predictor forgets all at its next round).
+                    # Names the engine made up never come back: such a round is learnt as ``Predictor.NEW``, so
+                    # that a loop of unnamed calls between barriers speculates on its barriers and does not guess
+                    # the round after a barrier wrongly (``followed_by_new``)
                     self._spec = None
-                    self._predictor.forget_last()
+                    if any(made_up(entry.name, entry.meta.kind) for entry, _ in ready):
+                        self._spec = self._predictor.followed_by_new()
+                    else:
+                        self._predictor.forget_last()
                     # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.engine.fresh``)
                     layout = None if ids else fresh_layout([request.meta for request in fresh])
                     if layout is not None and layout == self._fresh_last:
@@ -534,11 +540,15 @@ class Engine(BlockingCalls):
     def _sighted(self, ready: Ready) -> None:
         """A full round that left nothing outstanding is a clean sighting of what it reduced: the predictor may
         expect those tensors again at the next round (a loop's second call), unless a round of new names is
-        expected (``spark_hvd.core.engine.fresh``). Everything read here is identical on every rank."""
+        expected (``spark_hvd.core.engine.fresh``) or the round reduced a name the engine made up (``noname``: it
+        never comes back, so expecting it would cost a missed speculation at the next round). Everything read here
+        is identical on every rank."""
         if not ready or self._fresh is not None or not self._table.idle:
             return
         ids = set()
         for entry, mismatch in ready:
+            if made_up(entry.name, entry.meta.kind):
+                return
             cache_id = self._cache.lookup(entry.name, entry.meta) if entry.meta.kind in CACHEABLE else None
             if mismatch is not None or cache_id is None:
                 return

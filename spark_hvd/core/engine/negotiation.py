@@ -18,6 +18,17 @@ CACHEABLE = frozenset({"allreduce", "broadcast", "reducescatter", "barrier"})
 RAGGED = frozenset({"allgather", "alltoall"})  # the first dimension may differ by rank
 
 
+def noname(kind: str, n: int) -> str:
+    """The name the engine gives the ``n``-th operation of ``kind`` submitted without one on a rank (the same on
+    every rank that submits in the same order)."""
+    return f"{kind}.noname.{n}"
+
+
+def made_up(name: str, kind: str) -> bool:
+    """Whether ``name`` is one the engine made up (``noname``): a per-rank counter's, never submitted again."""
+    return name.startswith(kind) and name.startswith(".noname.", len(kind))
+
+
 class Meta(NamedTuple):
     """What every rank must agree on for one named tensor."""
 

@@ -21,7 +21,10 @@ an irregular pattern does not pay a miss on every round. A full round (new names
 breaks the context (``forget_last``); when a round changes what a cache id means (a name's metadata changed, an
 eviction: the cache's ``version``), everything learned is forgotten (``reset``). A new name on a fresh id forgets
 nothing: the benchmark's loops of two sizes in turn were otherwise relearnt from scratch when the second size first
-appeared, and the first loop's next two calls missed.
+appeared, and the first loop's next two calls missed. A round of names the engine made up (``allreduce(t)`` with no
+name: ``allreduce.noname.N``, never submitted again) is learnt as the round ``NEW`` (``followed_by_new``): never
+speculated on, but what follows it is, so ``barrier(); allreduce(t)`` unnamed in a loop speculates on its barriers
+and guesses nothing after them (three collectives an iteration, against six when each was a broken context).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ _IN_BAND_OPS = ("sum", "average", "min", "max", "product")
 _MAX_LEARNED = 4096  # rounds remembered (a loop with more distinct rounds than this is forgotten and relearned)
 
 Ids = tuple[int, ...]
+#: The round of names the engine made up (``negotiation.made_up``): learnt like a round, never speculated on
+NEW: Ids = ()
 
 
 class Spec(NamedTuple):
@@ -189,13 +194,13 @@ class Predictor:
         if seen is None:
             seen = self._follows.get(self._last)
         if seen is None:  # nothing seen after this round yet: expect it again (a loop's next step), where a wrong
-            # guess costs no more than the negotiation it stands in for
-            if not self._guessable(self._last):
+            # guess costs no more than the negotiation it stands in for (``NEW`` never comes again)
+            if self._last == NEW or not self._guessable(self._last):
                 return None
             spec = self._spec(self._last)
             return spec if spec is not None and _cheap_miss(spec) else None
         ids = seen[0]
-        return None if ids is None else self._spec(ids)
+        return None if not ids else self._spec(ids)  # (a ``NEW`` round next: nothing to speculate on)
 
     def _guessable(self, ids: Ids) -> bool:
         """Whether a round of ``ids`` may be guessed before it was seen to repeat (checked before its speculation
@@ -225,6 +230,17 @@ class Predictor:
         if buf is None or buf.size < n:
             buf = self._scratch[dtype.str] = np.zeros(max(n, 2 * buf.size if buf is not None else 0), dtype)
         return buf[:n]
+
+    def followed_by_new(self) -> Spec | None:
+        """A round of names the engine made up (never submitted again) came after the last clean one: learnt as
+        the round ``NEW``, so that what follows ``NEW`` (a barrier after each unnamed call) is predicted, and
+        nothing is speculated on after a round that ``NEW`` follows. Returns the speculation for the next round."""
+        if self._last is not None:
+            _learn(self._follows, self._last, NEW)
+            if self._before is not None:
+                _learn(self._follows2, (self._before, self._last), NEW)
+        self._before, self._last = self._last, NEW
+        return self.predict()
 
     def forget_last(self) -> None:
         """Forget which rounds came last, keep what follows what (rounds went by unseen: a full negotiation that

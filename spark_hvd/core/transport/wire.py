@@ -192,11 +192,6 @@ class _Direction:
         return self._data.encrypt(_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + kind,
                                   payload)[-TAG_SIZE:]
 
-    def data_tag_args(self, counter: int, length: int, kind: bytes,
-                      payload: bytes | memoryview) -> tuple[bytes, bytes, bytes | memoryview]:
-        """The arguments of ``gmac`` whose output ends with that tag (its last ``TAG_SIZE`` bytes)."""
-        return _NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(length) + kind, payload
-
     def data_key(self) -> bytes:
         """The AES-256-GCM key of this direction's data frames (the compiled ring loop tags with it too); with
         ``encrypt``, of every frame (another label: a frame sealed in one mode never opens in the other)."""

@@ -43,7 +43,7 @@ _STAGE_DIR = "stage"
 #: Floors of what the pyfunc needs at load time: the oldest supported runtime's versions (DESIGN.md, Round 4:
 #: Databricks 15.4 LTS ML), no upper bounds, so the serving environment keeps the runtime's own frameworks.
 _FLOORS = {"numpy": "1.23", "pandas": "1.5", "pyarrow": "14", "cloudpickle": "2.2"}
-_FRAMEWORK_FLOORS = {"torch": {"torch": "2.3"}, "keras": {"keras": "3.3", "tensorflow": "2.16"}}
+_FRAMEWORK_FLOORS = {"torch": {"torch": "2.3"}, "keras": {"keras": "3.2", "tensorflow": "2.16"}}
 
 
 # ------------------------------------------------------------------------------------------------ the bundle

@@ -11,7 +11,6 @@ The names below are the transport's API; the benchmarks' per-frame timeline is `
 
 from spark_hvd.core.transport.tcp.loop import (
     FRAME_BYTES,
-    MAC_POOL_MIN_BYTES,
     RECV_LOWAT_BYTES,
     RECV_LOWAT_MIN_BYTES,
     RECV_LOWAT_TAIL_BYTES,
@@ -50,7 +49,7 @@ from spark_hvd.core.transport.tcp.peer import (
 )
 
 __all__ = [
-    "ABORT", "BYE", "DATA", "FRAME_BYTES", "HELLO", "INLINE_SEND_BYTES", "LOSS_BASED_CONGESTION", "MAC_POOL_MIN_BYTES",
+    "ABORT", "BYE", "DATA", "FRAME_BYTES", "HELLO", "INLINE_SEND_BYTES", "LOSS_BASED_CONGESTION",
     "MAX_CONTROL_FRAME", "RECV_LOWAT_BYTES", "RECV_LOWAT_MIN_BYTES", "RECV_LOWAT_TAIL_BYTES", "RUN_AHEAD_BYTES",
     "RUN_AHEAD_LOWAT", "RUN_AHEAD_WAIT_MS", "RUN_AHEAD_WINDOW", "SEND_BUFFER_BYTES", "SPIN_MAX_BYTES", "SPIN_S",
     "SUB_CHUNKS", "SUB_CHUNK_MIN_BYTES", "PeerAbort", "PeerSocket", "PeerWatcher", "ProtocolError", "RingExchange",

@@ -17,14 +17,12 @@ handed over before it did (a failed frame leaves its view undefined, and the exc
 same.
 
 What the Python loop has that the C one does not: a caller's ``on_received`` where the C loop reduces and forwards
-by plan itself; tags computed on a ``MacPool`` (``checking``: frames received and waiting for their check); the
-small-message spin (``SPIN_S``); and the per-frame timeline ``TRACE``.
+by plan itself; the small-message spin (``SPIN_S``); and the per-frame timeline ``TRACE``.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import select
 import socket
 import struct
@@ -32,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spark_hvd.core.transport.mac_pool import MacJob, MacPool
 from spark_hvd.core.transport.tcp.peer import DATA, PeerSocket, ProtocolError
 from spark_hvd.core.transport.wire import _COUNTER, _LENGTH, _NONCE_PAD, HEADER_SIZE, TAG_SIZE
 
@@ -88,9 +85,6 @@ RUN_AHEAD_LOWAT = (3, 4)
 #: has at most about the allowance in flight, so the clamp (2 MiB: ~16 Gbit/s at 1 ms round trip) does not bound it.
 RUN_AHEAD_WINDOW = 2
 RECV_LOWAT_MIN_BYTES = 16 * 1024
-#: With a MAC pool, ``RingExchange`` tags and checks frames from this size on the pool's threads (smaller ones in
-#: the calling thread: the hand-off would cost more than the tag)
-MAC_POOL_MIN_BYTES = 128 * 1024
 #: ``benchmarks/allreduce.py`` with ``BENCH_TRACE`` sets a list here, and ``RingExchange.run`` appends its per-frame
 #: timeline to it: (``time.perf_counter_ns()``, event, frame, bytes) for "run" (start: frames to send, to receive),
 #: "s0" / "s1" (a frame's first ``sendmsg`` / its last byte handed to the kernel, with the send socket's
@@ -110,12 +104,9 @@ class RingExchange:
     ring forwards it) queued for sending as soon as it is complete. ``run`` returns when every expected frame
     arrived and every queued frame left; nothing waits longer than ``timeout_s`` without progress.
 
-    With a ``MacPool`` (``mac``), the tags of frames from ``mac_min_bytes`` are computed on its threads
-    (``cryptography`` hashes without the GIL): a frame to send is tagged as soon as it is queued (its frame
-    counter taken then, so frames still leave in counter order), and a received frame is checked while the next
-    one arrives. A received frame is handed to ``on_received`` only once its tag and every earlier frame's
-    checked out, in order, and ``run`` returns only when every tag did: nothing is reduced, forwarded or
-    returned before its check, and a failed check raises ``AuthenticationError`` naming the peer, as inline.
+    A received frame's tag is checked as soon as it is complete, before it is handed to ``on_received``: nothing
+    is reduced, forwarded or returned before its check, and a failed check raises ``AuthenticationError`` naming
+    the peer.
 
     The fields below ``run``'s first line are those of ``Ring`` in ``_ringloop.c`` (names as there where the
     idea is the same: ``out_fd`` / ``in_fd`` for ``send_peer`` / ``recv_peer``'s sockets, ``queue`` for the send
@@ -125,50 +116,42 @@ class RingExchange:
 
     __slots__ = (
         # set once (the exchange)
-        "send_peer", "recv_peer", "operation", "timeout_s", "mac", "mac_min_bytes", "spin",
+        "send_peer", "recv_peer", "operation", "timeout_s", "spin",
         # one run: its frames (C: first, plan, n_recv, index) and its hand-over (C: reduce / forward by plan)
-        "receives", "on_received", "window", "n_recv", "index",
+        "receives", "on_received", "n_recv", "index",
         # sending (C: queue / q_head / q_tail, pending / n_pending, sent_bytes, can_send)
         "queue", "pending", "sent_bytes", "can_send",
         # receiving (C: head, got_head, target / have_target, target_got, in_length_kind, expected_tag, ...)
-        "checking", "head", "head_view", "got_head", "target", "target_got", "length", "tag", "received_bytes",
+        "head", "head_view", "got_head", "target", "target_got", "length", "tag", "received_bytes",
         "can_recv", "encrypt", "stage", "dest",
         # the sockets, the run-ahead rule and the waits (C: out_fd, in_fd, same, ahead, released, lowat, last)
         "out_fd", "in_fd", "same", "ahead", "released", "lowat", "lowat_cap", "last", "spin_until", "poll", "polled",
         "trace",
         # one pass of the loop (C: the locals of its body)
-        "progressed", "send_full", "recv_dry", "tag_wait", "held",
+        "progressed", "send_full", "recv_dry", "held",
     )
 
-    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str,
-                 mac: MacPool | None = None, mac_min_bytes: int = MAC_POOL_MIN_BYTES, spin: bool = False) -> None:
+    def __init__(self, send_peer: PeerSocket, recv_peer: PeerSocket, operation: str, spin: bool = False) -> None:
         self.send_peer, self.recv_peer, self.operation = send_peer, recv_peer, operation
         self.timeout_s = max(send_peer.timeout_s, recv_peer.timeout_s)
-        self.mac, self.mac_min_bytes = mac, mac_min_bytes
         self.spin = spin  # the small-message path: poll again at once for a while before sleeping (``SPIN_S``)
 
     def run(self, sends: Sequence[memoryview], receives: Sequence[memoryview],
-            on_received: Callable[[int], memoryview | list[memoryview] | None], window: int = 1) -> None:
+            on_received: Callable[[int], memoryview | list[memoryview] | None]) -> None:
         """Send ``sends``; receive frame i into ``receives[i]``, then call ``on_received(i)``, which may return a
         view (or a list of views) to send next. ``receives[i]`` is read when frame i starts, and ``on_received(0)``
         may shorten ``receives`` (a list) to expect fewer frames (``spark_hvd.core.algorithms.agreed``: what a first
-        frame answered decides what follows it). Frame 0 is always checked in the calling thread, so ``on_received(0)``
-        returns before a byte of frame 1 is read, with or without a pool; later frames may be read ahead of their
-        checks, and the tail of frame i >= 1 is read together with frame i + 1's header (one system call) when
-        frame i + 1 is expected, so only frame 0's answer may change how many frames follow. Nothing past the
-        last expected frame is read.
-
-        ``window``: how many frames may be received and not yet handed to ``on_received`` (only with a pool:
-        frames waiting for their check). Receive views that alias, such as one scratch frame reused, need 1;
-        with ``window`` scratch frames used in turn, ``window``.
+        frame answered decides what follows it). Frame i is handed over before a byte of frame i + 1's payload is
+        read (receive views may alias: one scratch frame reused); the tail of frame i >= 1 is read together with
+        frame i + 1's header (one system call) when frame i + 1 is expected, so only frame 0's answer may change how
+        many frames follow. Nothing past the last expected frame is read.
         """
         out, recv = self.send_peer, self.recv_peer
-        self.receives, self.on_received, self.window = receives, on_received, max(1, window)
+        self.receives, self.on_received = receives, on_received
         self.n_recv, self.index = len(receives), 0
-        self.queue: collections.deque[tuple[memoryview, int, MacJob | None]] = collections.deque()
+        self.queue: collections.deque[tuple[memoryview, int]] = collections.deque()
         self.pending: list[memoryview] = []  # the frame being sent: what is left of [header, payload]
         self.sent_bytes, self.can_send = 0, True  # try each side until it would block, then wait for poll
-        self.checking: collections.deque[tuple[int, bytes, MacJob | None]] = collections.deque()
         self.head = bytearray(HEADER_SIZE + 1)
         self.head_view = memoryview(self.head)
         self.got_head, self.target, self.target_got = 0, None, 0
@@ -209,30 +192,27 @@ class RingExchange:
 
     # -- the loop (C: run_ring) --------------------------------------------------------------------------------
     def _loop(self) -> None:
-        recv, checking, queue, window, timeout_s = self.recv_peer, self.checking, self.queue, self.window, \
-            self.timeout_s
+        recv, queue, timeout_s = self.recv_peer, self.queue, self.timeout_s
         send, receive, set_lowat, wait, monotonic = self._send, self._receive, self._set_lowat, self._wait, \
             time.monotonic  # (looked up once: the loop may go round hundreds of times)
-        while self.index < self.n_recv or checking or self.pending or queue:
+        while self.index < self.n_recv or self.pending or queue:
             self.progressed = False
-            if checking:
-                self._hand_over_checked()
             can_send, can_recv = self.can_send, self.can_recv
-            self.send_full, self.recv_dry, self.tag_wait, self.held = not can_send, not can_recv, False, False
+            self.send_full, self.recv_dry, self.held = not can_send, not can_recv, False
             if can_send and (self.pending or queue):
                 send()
             index, n_recv = self.index, self.n_recv
-            if index < n_recv and len(checking) < window:
+            if index < n_recv:
                 receive()
                 index, n_recv = self.index, self.n_recv
             pending = self.pending
-            if index == n_recv and not checking and not pending and not queue:
+            if index == n_recv and not pending and not queue:
                 break
             held = self.held
             if held and (index == n_recv or self.received_bytes + self.ahead > self.sent_bytes):
                 self.held = held = False  # what arrived since allows more: send it before waiting
             now = monotonic()
-            reading = index < n_recv and len(checking) < window
+            reading = index < n_recv
             if self.progressed:
                 self.last = now
                 if self.spin_until:  # a frame came while this rank spun for it
@@ -241,7 +221,7 @@ class RingExchange:
                 # straight to poll when both sides are known to have to wait (saves an iteration whose two calls
                 # would only raise BlockingIOError: ~half the loop's iterations on a link-bound ring); otherwise (a
                 # frame completed, a forward was queued) go round again at once
-                if not ((self.send_full or self.tag_wait or held or not (pending or queue))
+                if not ((self.send_full or held or not (pending or queue))
                         and (self.recv_dry or not reading)):
                     continue
             elif now - self.last > timeout_s:
@@ -259,10 +239,7 @@ class RingExchange:
 
     def _done(self) -> None:
         """After the loop, however it ended (C: ``done:``): frames never started give their counters back (an ABORT
-        may follow), pool jobs nobody will read are cancelled, the low-water mark and timeouts are put back."""
-        for _, _, job in itertools.chain(self.queue, self.checking):
-            if job is not None:
-                job.cancelled = True
+        may follow), the low-water mark and timeouts are put back."""
         if self.queue:
             self.send_peer._out.counter = self.queue[0][1]
         recv = self.recv_peer
@@ -279,17 +256,8 @@ class RingExchange:
 
     # -- sending ---------------------------------------------------------------------------------------------
     def _enqueue(self, payload: memoryview) -> None:
-        """Queue a frame to send, its counter taken now (and its tag started on the pool if large)."""
-        direction = self.send_peer._sending()
-        counter = direction.reserve()
-        job = None
-        mac = self.mac
-        if mac is not None and payload.nbytes >= self.mac_min_bytes:
-            if self.encrypt:
-                job = mac.submit(direction.seal, counter, payload.nbytes + 1, DATA, payload)
-            else:
-                job = mac.submit(direction.gmac, *direction.data_tag_args(counter, payload.nbytes + 1, DATA, payload))
-        self.queue.append((payload, counter, job))
+        """Queue a frame to send, its counter taken now (frames leave in counter order)."""
+        self.queue.append((payload, self.send_peer._sending().reserve()))
 
     def _send(self) -> None:
         """Send as much as the socket takes, within the run-ahead allowance (a short send: its buffer is full,
@@ -298,17 +266,12 @@ class RingExchange:
         ahead, sent_bytes = self.ahead, self.sent_bytes
         while self.can_send and (pending or queue):
             if not pending:
-                payload, counter, job = queue[0]
-                if job is None and self.encrypt:  # sealed into the socket's send stage (free: nothing is pending)
+                payload, counter = queue[0]
+                if self.encrypt:  # sealed into the socket's send stage (free: nothing is pending)
                     tag = out.stage("send", payload.nbytes + TAG_SIZE)
                     out._out.seal_to(counter, payload.nbytes + 1, DATA, payload, tag)
-                elif job is None:
+                else:
                     tag = out._out.data_tag(counter, payload.nbytes + 1, DATA, payload)
-                elif job.done:
-                    tag = job.value()
-                else:  # its tag is still being computed on the pool
-                    self.tag_wait = True
-                    break
                 queue.popleft()
                 if trace is not None:
                     trace.append((time.perf_counter_ns(), "s0", counter, payload.nbytes))
@@ -355,15 +318,15 @@ class RingExchange:
     # -- receiving -------------------------------------------------------------------------------------------
     def _receive(self) -> None:
         """Receive what has arrived: read headers and payloads as far as the socket gives them, check each
-        complete frame's tag (here, or on the pool from frame 1 on) and hand it over."""
-        recv, checking, receives, window, mac = self.recv_peer, self.checking, self.receives, self.window, self.mac
+        complete frame's tag and hand it over."""
+        recv, receives = self.recv_peer, self.receives
         head, head_view, head_size = self.head, self.head_view, HEADER_SIZE + 1
         index, n_recv, got_head, target, target_got = self.index, self.n_recv, self.got_head, self.target, \
             self.target_got
         received_bytes, can_recv, recv_dry = self.received_bytes, self.can_recv, self.recv_dry
-        while index < n_recv and len(checking) < window:
+        while index < n_recv:
             if target is None and got_head == head_size:  # a header (perhaps read with the frame before)
-                target, target_got, got_head = self._start_frame(bytes(head), receives[index], index), 0, 0
+                target, target_got, got_head = self._start_frame(bytes(head), receives[index]), 0, 0
             if target is None or target_got < target.nbytes:  # (an empty payload: nothing to read)
                 if not can_recv:
                     break
@@ -412,37 +375,23 @@ class RingExchange:
             if self.trace is not None:
                 self.trace.append((time.perf_counter_ns(), "r", index, target.nbytes))
             counter = recv._in.reserve()
-            pooled = mac is not None and index and target.nbytes >= self.mac_min_bytes  # frame 0: see run()
             if self.encrypt:  # the ciphertext in ``stage``: its tag after it, then decrypted into ``dest``
                 stage, n = self.stage, target.nbytes
                 stage[n:n + TAG_SIZE] = self.tag
-                args = (_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(self.length) + DATA, stage, self.dest)
-                if pooled:  # (its stage is its own: see _start_frame)
-                    checking.append((index, b"", mac.submit(recv._in.open_into, *args)))
-                else:
-                    if not recv._in.open_into(*args):
-                        recv._rejected()
-                    if checking:
-                        checking.append((index, b"", None))
-                    else:
-                        n_recv = self._hand_over(index)
-            elif pooled:
-                args = recv._in.data_tag_args(counter, self.length, DATA, target)
-                checking.append((index, self.tag, mac.submit(recv._in.gmac, *args)))
+                if not recv._in.open_into(_NONCE_PAD + _COUNTER.pack(counter), _LENGTH.pack(self.length) + DATA,
+                                          stage, self.dest):
+                    recv._rejected()
             else:
                 recv._check(recv._in.data_tag(counter, self.length, DATA, target), self.tag)
-                if checking:  # checked, but handed over after the frames before it
-                    checking.append((index, self.tag, None))
-                else:
-                    n_recv = self._hand_over(index)
+            n_recv = self._hand_over(index)
             index, target = index + 1, None
         # (an error ends the run: nothing reads these after one)
         self.index, self.n_recv, self.got_head, self.target, self.target_got = index, n_recv, got_head, target, \
             target_got
         self.received_bytes, self.can_recv, self.recv_dry = received_bytes, can_recv, recv_dry
 
-    def _start_frame(self, head: bytes, into: memoryview, index: int) -> memoryview:
-        """Check a received header against frame ``index``, expected next; the view to read its payload into."""
+    def _start_frame(self, head: bytes, into: memoryview) -> memoryview:
+        """Check a received header against the frame expected next; the view to read its payload into."""
         recv = self.recv_peer
         (length,) = _LENGTH.unpack_from(head)
         self.length, self.tag = length, head[_LENGTH.size:HEADER_SIZE]
@@ -457,11 +406,8 @@ class RingExchange:
                 f"{self.operation}: rank {recv.rank} sent {length - 1} bytes where {into.nbytes} were expected; "
                 "the ranks called collectives in different orders or with different shapes")
         if self.encrypt:  # read the ciphertext aside (the tag after it), decrypted into ``into`` once complete
-            self.dest = into
-            if self.mac is not None and index and into.nbytes >= self.mac_min_bytes:  # as _receive decides
-                self.stage = memoryview(bytearray(into.nbytes + TAG_SIZE))  # decrypted on the pool: its own
-            else:  # decrypted here, before the next frame is read
-                self.stage = recv.stage("recv", into.nbytes + TAG_SIZE)
+            self.dest = into  # decrypted here, before the next frame is read
+            self.stage = recv.stage("recv", into.nbytes + TAG_SIZE)
             return self.stage[:into.nbytes]
         return into
 
@@ -479,22 +425,6 @@ class RingExchange:
         elif forward is not None:
             self._enqueue(forward)
         return len(self.receives)
-
-    def _hand_over_checked(self) -> None:
-        """Hand over the received frames whose tags checked out on the pool, in order."""
-        checking, recv = self.checking, self.recv_peer
-        while checking:
-            i, tag, job = checking[0]
-            if job is not None:
-                if not job.done:
-                    break
-                if not self.encrypt:
-                    recv._check(job.value()[-TAG_SIZE:], tag)
-                elif not job.value():  # it was decrypted, unless its tag failed
-                    recv._rejected()
-            checking.popleft()
-            self.progressed = True
-            self.n_recv = self._hand_over(i)
 
     # -- waiting ---------------------------------------------------------------------------------------------
     def _set_lowat(self) -> None:
@@ -530,29 +460,18 @@ class RingExchange:
                 del polled[fd]
 
     def _wait(self, now: float, reading: bool) -> None:
-        """Wait in ``poll`` for either socket (and the MAC pool) to be ready, at most until the timeout's end
-        (a held rank: ``RUN_AHEAD_WAIT_MS``; the small-message path spins first)."""
-        recv, mac, held, out_fd, in_fd = self.recv_peer, self.mac, self.held, self.out_fd, self.in_fd
+        """Wait in ``poll`` for either socket to be ready, at most until the timeout's end (a held rank:
+        ``RUN_AHEAD_WAIT_MS``; the small-message path spins first)."""
+        recv, held, out_fd, in_fd = self.recv_peer, self.held, self.out_fd, self.in_fd
         mask_in = select.POLLIN if reading else 0
-        mask_out = select.POLLOUT if (self.pending or (self.queue and not self.tag_wait)) and not held else 0
+        mask_out = select.POLLOUT if (self.pending or self.queue) and not held else 0
         if self.same:
             self._want(out_fd, mask_in | mask_out)
         else:
             self._want(in_fd, mask_in)
             self._want(out_fd, mask_out)
-        mac_fd = -1
-        if mac is not None:
-            mac_fd = mac.fileno()
-            awaited = [self.queue[0][2]] if self.tag_wait else []  # the jobs this rank waits for
-            if self.checking and self.checking[0][2] is not None:
-                awaited.append(self.checking[0][2])
-            self._want(mac_fd, select.POLLIN if awaited else 0)
-            mac.waiting = True  # then look again: a job that finished meanwhile did not wake us
-            if any(job.done for job in awaited):
-                mac.waiting = False
-                return
         wait_ms = max(1, int(min(1.0, self.timeout_s - (now - self.last)) * 1000))
-        if self.spin and reading and not (self.pending or self.queue or self.checking):
+        if self.spin and reading and not (self.pending or self.queue):
             if self.spin_until is None:
                 self.spin_until = recv.spin_deadline(now)
             if self.spin_until:
@@ -573,10 +492,6 @@ class RingExchange:
                 self.can_send = True
             if fd == in_fd and ev & _POLL_IN:
                 self.can_recv = True
-        if mac is not None:
-            mac.waiting = False
-            if any(fd == mac_fd for fd, _ in events):
-                mac.clear()
 
 
 def tcp_state(sock: socket.socket) -> dict[str, int]:
