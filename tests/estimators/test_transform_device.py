@@ -63,6 +63,10 @@ def test_task_gpu_index_takes_the_task_gpu_where_visible(task_with_gpu, monkeypa
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert task_gpu_index(True, 2) == 1
     assert task_gpu_index(False, 2) is None
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert task_gpu_index(True, 2) == 0  # address 3 but two devices seen: device 0, warned
+    assert "sees 2 GPU(s)" in model_mod._LOADED_DEVICE[0].note
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     model_mod._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger=model_mod.__name__):
         assert task_gpu_index(True, 0) is None  # no CUDA here: the CPU, warned once

@@ -373,8 +373,8 @@ TASK_GPU_ENV = "SPARK_HVD_TASK_GPU_ADDRESS"
 class TaskDevice:
     """Where an inference task runs its model. ``address``: the GPU address Spark assigned to the task
     (``TaskContext.resources()["gpu"]``; None: none); ``visible``: this process's ``CUDA_VISIBLE_DEVICES``;
-    ``ordinal``: the CUDA ordinal chosen for it (None: the CPU); ``device``: ``"cuda:N"`` or ``"cpu"`` as loaded;
-    ``note``: why."""
+    ``ordinal``: the CUDA ordinal chosen for it (None: ``use_gpu`` off); ``device``: where the model was loaded,
+    ``"cuda:N"`` or ``"cpu"`` (``"elsewhere"``: placed by a helper process or a Keras backend); ``note``: why."""
 
     address: str | None
     visible: str | None
@@ -386,8 +386,10 @@ class TaskDevice:
 def choose_gpu(use_gpu: bool, address: str | None, visible: str | None) -> TaskDevice:
     """The CUDA ordinal for a task Spark gave the GPU ``address``, in a process whose ``CUDA_VISIBLE_DEVICES`` is
     ``visible``: the address's position in that list (a cluster manager that isolates GPUs lists the task's), or the
-    address itself where the variable is unset; without an address (``spark.task.resource.gpu.amount`` unset) or
-    with one that is not listed, device 0 of the visible ones (``note`` says so; ``task_gpu_index`` warns)."""
+    address itself where the variable is unset (``device`` is then ``"cuda"``, made ``"cuda:N"`` or ``"cpu"`` by
+    ``task_gpu_index`` once the framework's devices are known); without an address
+    (``spark.task.resource.gpu.amount`` unset) or with one that is not listed, device 0 of the visible ones
+    (``note`` says so; ``task_gpu_index`` warns)."""
     if not use_gpu:
         return TaskDevice(address, visible, None, "cpu", "use_gpu is off")
     listed = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
@@ -431,13 +433,18 @@ def _warn_once(message: str) -> None:
 def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
     """The CUDA ordinal an inference task loads its model on (``task_device``), given the ``device_count`` GPUs the
     framework sees here; None (the CPU) without ``use_gpu`` or where that ordinal is not visible (warned once per
-    Python worker, as is a fallback to device 0). The choice is what ``inference_device()`` reports."""
+    Python worker, as is a fallback to device 0: an ordinal beyond ``device_count`` takes device 0). The choice is
+    what ``inference_device()`` reports."""
     choice = task_device(use_gpu)
-    if choice.ordinal is not None and choice.ordinal >= device_count:
-        _warn_once(f"use_gpu is set but this worker sees {device_count} GPU(s), not CUDA device {choice.ordinal} "
-                   f"({choice.note}; Spark's address {choice.address!r}): transform runs on the CPU")
-        choice = replace(choice, device="cpu", note=f"{choice.note}; CUDA device {choice.ordinal} not visible "
-                         f"({device_count} seen): the CPU")
+    if choice.ordinal is not None and device_count <= 0:
+        _warn_once(f"use_gpu is set but this worker sees no GPU ({choice.note}; Spark's address "
+                   f"{choice.address!r}): transform runs on the CPU")
+        choice = replace(choice, device="cpu", note=f"{choice.note}; no GPU visible: the CPU")
+    elif choice.ordinal is not None and choice.ordinal >= device_count:
+        note = (f"Spark assigned GPU {choice.address!r} to the task, CUDA device {choice.ordinal}, but this worker "
+                f"sees {device_count} GPU(s): transform uses device 0")
+        _warn_once(note)
+        choice = replace(choice, ordinal=0, device="cuda:0", note=note)
     elif choice.ordinal is not None:
         if choice.note != "the task's GPU":
             _warn_once(choice.note)
