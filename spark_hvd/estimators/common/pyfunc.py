@@ -284,16 +284,22 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
         batches = table.to_batches() or [pa.RecordBatch.from_pylist([], schema=table.schema)]
         if len(batches) > 1:
             batches = [pa.RecordBatch.from_arrays(table.combine_chunks().columns, names=table.column_names)]
-        out = pa.Table.from_batches(list(self._fn(iter(batches)))).to_pandas()
-        if config.get("classifier"):
-            raw = out[config["output_cols"][0]].to_numpy()
-            if raw.dtype == object:  # an array per row
-                raw = np.stack(raw) if len(raw) else np.zeros((0, 1))
+        result = pa.Table.from_batches(list(self._fn(iter(batches))))
+        if config.get("classifier"):  # the columns added in Arrow: one pandas conversion, no insert per column
+            column = result.column(config["output_cols"][0]).combine_chunks()
+            if pa.types.is_list(column.type):  # an array per row
+                width = int(np.prod(config["output_shapes"][0])) or 1
+                raw = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), width)
+            else:
+                raw = column.to_numpy(zero_copy_only=False)
             prediction, probability = classifier_columns(raw, config["classifier"])
             if config.get("prediction_col"):
-                out[config["prediction_col"]] = prediction
+                result = result.append_column(config["prediction_col"], pa.array(prediction))
             if config.get("probability_col"):
-                out[config["probability_col"]] = list(probability)
+                offsets = np.arange(len(probability) + 1, dtype=np.int32) * probability.shape[1]
+                result = result.append_column(config["probability_col"], pa.ListArray.from_arrays(
+                    pa.array(offsets), pa.array(probability.ravel())))
+        out = result.to_pandas()
         out.index = model_input.index
         return out
 
