@@ -185,8 +185,9 @@ def bench_onnx(model: Any, rows: int, repeats: int) -> dict:
     import numpy as np
     import torch
 
+    x = np.random.default_rng(4).random((rows, WIDTH), dtype=np.float32)
     directory = tempfile.mkdtemp(prefix="serving-onnx-")
-    info = model.export(directory, format="onnx")
+    info = model.export(directory, format="onnx", example=[x[:8]])  # a stage not made by fit: no recorded shapes
     path = os.path.join(directory, info.get("file", "model.onnx")) if isinstance(info, dict) else directory
     if not os.path.isfile(path):
         path = next(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".onnx"))
@@ -194,7 +195,6 @@ def bench_onnx(model: Any, rows: int, repeats: int) -> dict:
     options.intra_op_num_threads = torch.get_num_threads()
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name
-    x = np.random.default_rng(4).random((rows, WIDTH), dtype=np.float32)
     net = model.getModel()
     xt = torch.from_numpy(x)
 
