@@ -186,3 +186,19 @@ def test_image_bytes_lightning_and_export_from_a_spark_frame(spark, mlflow_track
     decoded = torch.from_numpy(np.stack(_decode_images(pd.DataFrame({"image": images}))["image"].to_list()))
     np.testing.assert_allclose(scripted(decoded).detach().numpy(), np.stack(expect["label__output"]), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_array_cells_become_the_arrow_list_column_of_the_slow_path():
+    """``frame_to_table``'s fast path (1-D numeric numpy cells, as ``spark_udf`` hands them over) builds the same
+    Arrow column as converting each cell to a list; anything else takes the per-cell path."""
+    import pyarrow as pa
+
+    from spark_hvd.estimators.common.pyfunc import _as_list, _flat_list_array
+
+    rng = np.random.default_rng(0)
+    for cells in ([np.arange(3, dtype=np.float32), np.arange(2, dtype=np.float32)], [np.arange(4), np.arange(0)],
+                  [rng.standard_normal(64) for _ in range(5)], [np.arange(3, dtype=np.uint8)]):
+        fast = _flat_list_array(cells)
+        assert fast is not None and fast.equals(pa.array([_as_list(v) for v in cells])), (fast, cells)
+    for cells in ([np.zeros((2, 2))], [[1.0], [2.0]], [np.arange(2), np.arange(2.0)], [np.arange(2), None], []):
+        assert _flat_list_array(cells) is None

@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,8 @@ from spark_hvd.estimators.common.arrow import feature_to_numpy, output_spark_typ
 from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.persistence import PersistableStage
 
-__all__ = ["BaseModel", "task_gpu_index", "task_threads"]
+__all__ = ["BaseModel", "TaskDevice", "choose_gpu", "inference_device", "task_device", "task_gpu_index",
+           "task_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +267,11 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
 
-        model = _cached_model(f"{key}-gpu" if use_gpu else key,
-                              lambda: model_cls._load_for_inference(bc.value, use_gpu))
+        # the GPU Spark gave this task (a reused Python worker runs tasks given different GPUs: one cache entry each)
+        choice = task_device(use_gpu)
+        model, device = _cached_model(f"{key}-{choice.address}-{choice.ordinal}" if use_gpu else key,
+                                      lambda: _load_recording_device(model_cls, bc.value, use_gpu))
+        _set_task_device(device)  # a module function: this closure travels by value, with copies of its globals
         transformation_fn, collate_fn = (None, None)
         if preprocessing is not None:
             from spark_hvd import pickling
@@ -356,19 +362,117 @@ def task_threads() -> int | None:
     return max(1, int(ctx.cpus())) if ctx is not None else None
 
 
-def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
-    """The CUDA ordinal an inference task uses: with ``use_gpu`` and a visible device, the GPU Spark assigned to
-    the task (its ``resources()["gpu"]``) when it is visible here, else device 0; None (the CPU) otherwise."""
-    if not use_gpu or device_count <= 0:
-        if use_gpu:
-            log.info("use_gpu is set but this worker sees no GPU: transform runs on the CPU")
-        return None
+# ------------------------------------------------------------------------------------------------ the task's device
+
+# The address of the GPU Spark assigned to the task, for a helper process that loads the model for it (it has no
+# TaskContext: ``FreshKerasModel``).
+TASK_GPU_ENV = "SPARK_HVD_TASK_GPU_ADDRESS"
+
+
+@dataclass(frozen=True)
+class TaskDevice:
+    """Where an inference task runs its model. ``address``: the GPU address Spark assigned to the task
+    (``TaskContext.resources()["gpu"]``; None: none); ``visible``: this process's ``CUDA_VISIBLE_DEVICES``;
+    ``ordinal``: the CUDA ordinal chosen for it (None: ``use_gpu`` off); ``device``: where the model was loaded,
+    ``"cuda:N"`` or ``"cpu"`` (``"elsewhere"``: placed by a helper process or a Keras backend); ``note``: why."""
+
+    address: str | None
+    visible: str | None
+    ordinal: int | None
+    device: str
+    note: str
+
+
+def choose_gpu(use_gpu: bool, address: str | None, visible: str | None) -> TaskDevice:
+    """The CUDA ordinal for a task Spark gave the GPU ``address``, in a process whose ``CUDA_VISIBLE_DEVICES`` is
+    ``visible``: the address's position in that list (a cluster manager that isolates GPUs lists the task's), or the
+    address itself where the variable is unset (``device`` is then ``"cuda"``, made ``"cuda:N"`` or ``"cpu"`` by
+    ``task_gpu_index`` once the framework's devices are known); without an address
+    (``spark.task.resource.gpu.amount`` unset) or with one that is not listed, device 0 of the visible ones
+    (``note`` says so; ``task_gpu_index`` warns)."""
+    if not use_gpu:
+        return TaskDevice(address, visible, None, "cpu", "use_gpu is off")
+    listed = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None else None
+    if address is not None:
+        if listed is not None and address in listed:
+            return TaskDevice(address, visible, listed.index(address), "cuda", "the task's GPU")
+        if listed is None and address.isdigit():
+            return TaskDevice(address, visible, int(address), "cuda", "the task's GPU")
+        why = (f"Spark assigned GPU {address!r} to the task but CUDA_VISIBLE_DEVICES={visible!r} does not list it"
+               if listed is not None else f"Spark assigned GPU {address!r}, not a device index")
+    else:
+        why = ("Spark assigned no GPU to the task (set spark.executor.resource.gpu.amount and "
+               "spark.task.resource.gpu.amount, with a discovery script)")
+    where = f"device 0 of CUDA_VISIBLE_DEVICES={visible}" if listed else "device 0"
+    return TaskDevice(address, visible, 0, "cuda", f"{why}: transform uses {where}")
+
+
+def task_device(use_gpu: bool) -> TaskDevice:
+    """``choose_gpu`` for the running Spark task (its ``resources()["gpu"]``; in a helper process, the address in
+    ``SPARK_HVD_TASK_GPU_ADDRESS``) and this process's ``CUDA_VISIBLE_DEVICES``; no CUDA device is touched."""
     from pyspark import TaskContext
 
     from spark_hvd.runner.barrier_task import assigned_gpu
 
     ctx = TaskContext.get()
-    address = assigned_gpu(ctx) if ctx is not None else None
-    if address is not None and address.isdigit() and int(address) < device_count:
-        return int(address)
-    return 0
+    address = assigned_gpu(ctx) if ctx is not None else os.environ.get(TASK_GPU_ENV) or None
+    return choose_gpu(use_gpu, address, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+_WARNED: set[str] = set()
+_LOADED_DEVICE: list[TaskDevice] = []  # what the last task_gpu_index call of this process chose
+_TASK_DEVICE: list[TaskDevice] = []  # the device of the transform task running in this Python worker
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
+
+
+def task_gpu_index(use_gpu: bool, device_count: int) -> int | None:
+    """The CUDA ordinal an inference task loads its model on (``task_device``), given the ``device_count`` GPUs the
+    framework sees here; None (the CPU) without ``use_gpu`` or where that ordinal is not visible (warned once per
+    Python worker, as is a fallback to device 0: an ordinal beyond ``device_count`` takes device 0). The choice is
+    what ``inference_device()`` reports."""
+    choice = task_device(use_gpu)
+    if choice.ordinal is not None and device_count <= 0:
+        _warn_once(f"use_gpu is set but this worker sees no GPU ({choice.note}; Spark's address "
+                   f"{choice.address!r}): transform runs on the CPU")
+        choice = replace(choice, device="cpu", note=f"{choice.note}; no GPU visible: the CPU")
+    elif choice.ordinal is not None and choice.ordinal >= device_count:
+        note = (f"Spark assigned GPU {choice.address!r} to the task, CUDA device {choice.ordinal}, but this worker "
+                f"sees {device_count} GPU(s): transform uses device 0")
+        _warn_once(note)
+        choice = replace(choice, ordinal=0, device="cuda:0", note=note)
+    elif choice.ordinal is not None:
+        if choice.note != "the task's GPU":
+            _warn_once(choice.note)
+        choice = replace(choice, device=f"cuda:{choice.ordinal}")
+    _LOADED_DEVICE[:] = [choice]
+    return int(choice.device.split(":")[1]) if choice.device.startswith("cuda:") else None
+
+
+def _load_recording_device(model_cls: type, data: bytes, use_gpu: bool) -> tuple[Any, TaskDevice]:
+    """The model loaded for inference and the device its framework put it on (``task_gpu_index``'s choice; a
+    framework that does not call it, or a model served by a helper process: the CPU, or ``task_device``'s choice
+    marked as decided elsewhere)."""
+    _LOADED_DEVICE.clear()
+    model = model_cls._load_for_inference(data, use_gpu)
+    if _LOADED_DEVICE:
+        return model, _LOADED_DEVICE[0]
+    choice = task_device(use_gpu)
+    if not use_gpu:
+        return model, choice
+    return model, replace(choice, device="elsewhere", note=f"{choice.note}; placed by the framework or a helper "
+                          "process")
+
+
+def _set_task_device(device: TaskDevice) -> None:
+    _TASK_DEVICE[:] = [device]
+
+
+def inference_device() -> TaskDevice | None:
+    """The device of the ``transform`` task running in this Python worker (None outside one): what Spark assigned,
+    and where the model runs. A model's own code (its ``forward``) may read it."""
+    return _TASK_DEVICE[0] if _TASK_DEVICE else None

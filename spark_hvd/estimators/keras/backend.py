@@ -12,6 +12,7 @@ batches.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from typing import Any
@@ -19,12 +20,14 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.estimators.common.errors import param_error
-from spark_hvd.estimators.common.model import task_gpu_index, task_threads
+from spark_hvd.estimators.common.model import TASK_GPU_ENV, task_device, task_gpu_index, task_threads
 from spark_hvd.estimators.keras.inference import place_for_inference, predict
 from spark_hvd.estimators.keras.serde import deserialize_keras_model, model_backend
 
 __all__ = ["BACKENDS", "loaded_backend", "resolve_backend", "runs_here", "set_threads", "load_for_inference",
            "FreshKerasModel"]
+
+log = logging.getLogger(__name__)
 
 #: Keras's backends that spark_hvd trains on (the package each needs has the same name)
 BACKENDS = ("tensorflow", "torch", "jax")
@@ -114,6 +117,9 @@ def load_for_inference(data: bytes, use_gpu: bool = False) -> Any:
 
         index = task_gpu_index(use_gpu, len(tf.config.list_physical_devices("GPU")))
         place_for_inference(model, "/CPU:0" if index is None else f"/GPU:{index}")
+    elif use_gpu:  # JAX / torch backends place by their own defaults (the first visible GPU)
+        log.info("use_gpu with Keras on the %s backend: the backend places the model (its default device), not "
+                 "spark_hvd", keras.backend.backend())
     return model
 
 
@@ -126,7 +132,11 @@ class FreshKerasModel:
         from spark_hvd.runner.fresh import FreshProcess
 
         self.backend = backend
-        self._proc = FreshProcess(env={"KERAS_BACKEND": backend})
+        env = {"KERAS_BACKEND": backend}
+        address = task_device(use_gpu).address
+        if address is not None:  # the helper has no TaskContext: the GPU Spark gave this task
+            env[TASK_GPU_ENV] = address
+        self._proc = FreshProcess(env=env)
         self._proc.call(_load_in_helper, data, use_gpu)
 
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:

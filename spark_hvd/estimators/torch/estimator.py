@@ -89,7 +89,9 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
     @classmethod
     def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
         """One ``torch.from_numpy`` per input (no copy), the module on ``batch_size`` rows at a time on the
-        module's device, one host copy of each output at the end."""
+        module's device, one host copy of each output at the end. On a GPU the inputs are copied once into pinned
+        host memory, so each batch's copy to the device is asynchronous (``non_blocking``): the next batch's
+        transfer overlaps this batch's kernels."""
         import torch
 
         with warnings.catch_warnings():
@@ -97,6 +99,8 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
             tensors = [torch.from_numpy(x) for x in inputs]
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
+        if device.type == "cuda":
+            tensors = [t.pin_memory() for t in tensors]
         parts: list[list[Any]] = []
         with torch.inference_mode():
             for start in range(0, len(tensors[0]), batch_size) or [0]:
