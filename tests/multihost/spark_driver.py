@@ -48,13 +48,16 @@ def _rank_fn(n: int) -> dict:
     return {"rank": rank, "hostname": socket.gethostname(), "local_size": hvd.local_size(),
             "cross_size": hvd.cross_size(), "transport": getattr(backend, "transport", None),
             "peers": sorted({p.where for p in getattr(backend, "peers", {}).values()}),
-            "env": sorted(k for k in os.environ if k.startswith("SPARK_HVD_") and k not in _LAUNCH_VARS),
+            "env": sorted(k for k in os.environ if k.startswith("SPARK_HVD_") and k not in _launch_vars()),
             "allreduce": bool(np.allclose(total, expected, rtol=1e-10, atol=1e-10))}
 
 
-_LAUNCH_VARS = {"SPARK_HVD_RANK", "SPARK_HVD_SIZE", "SPARK_HVD_LOCAL_RANK", "SPARK_HVD_LOCAL_SIZE",
-                "SPARK_HVD_CROSS_RANK", "SPARK_HVD_CROSS_SIZE", "SPARK_HVD_JOB_ID", "SPARK_HVD_SECRET",
-                "SPARK_HVD_RENDEZVOUS", "SPARK_HVD_DRIVER_SERVICE", "SPARK_HVD_RUN_ATTEMPT", "SPARK_HVD_GPU"}
+def _launch_vars() -> set[str]:
+    """The launch contract's variables (``JobEnv``: rank, size, job, secret, ..., encrypt), which every launch
+    sets; anything else named ``SPARK_HVD_*`` on a rank is a setting that reached it."""
+    from spark_hvd.core.jobenv import env_names
+
+    return set(env_names())
 
 
 def _tx_bytes(iface: str) -> int:
