@@ -122,8 +122,10 @@ def _reduce_op(op: Any, average: bool | None, what: str, allowed: Sequence[Reduc
 
 # ------------------------------------------------------------------------------------------------ allreduce
 
-def _allreduce_inplace(tensors: list[Any], names: list[str | None], op: ReduceOp, prescale: float,
+def allreduce_inplace(tensors: list[Any], names: list[str | None], op: ReduceOp, prescale: float,
                        postscale: float, process_set: ProcessSet) -> None:
+    """Reduce ``tensors`` (NDArrays) in place, after MXNet's queued operators: one blocking allreduce for one
+    tensor (the engine runs it in this thread), one grouped collective for several."""
     staged = nda.stage_all(tensors)
     c = common.core()
     if len(staged) == 1:  # the blocking call: the round runs in this thread (the engine's fast path)
@@ -183,7 +185,7 @@ def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None
     _check(process_set, "allreduce_()")
     rop = _reduce_op(op, average, "allreduce_()")
     (t,) = _ndarrays([tensor], "allreduce_()")
-    _allreduce_inplace([t], [_name(name)], rop, prescale_factor, postscale_factor, process_set)
+    allreduce_inplace([t], [_name(name)], rop, prescale_factor, postscale_factor, process_set)
     return t
 
 
@@ -211,7 +213,7 @@ def grouped_allreduce_(tensors: Sequence[Any], average: bool | None = None, name
     ts = _ndarrays(tensors, "grouped_allreduce_()")
     if ts:
         _check_context(ts, "grouped_allreduce_()")
-        _allreduce_inplace(ts, _names(_name(name), len(ts)), rop, prescale_factor, postscale_factor, process_set)
+        allreduce_inplace(ts, _names(_name(name), len(ts)), rop, prescale_factor, postscale_factor, process_set)
     return ts
 
 

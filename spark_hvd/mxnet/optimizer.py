@@ -22,7 +22,9 @@ from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.mxnet import mpi_ops
+from spark_hvd.mxnet import ndarray as nda
 from spark_hvd.mxnet.compression import Compression, Compressor
+from spark_hvd.mxnet.flat_grads import FlatGrads
 
 
 def split_groups(items: Sequence[Any], num_groups: int) -> list[list[Any]]:
@@ -184,12 +186,52 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._prefix = prefix or ""
         self._num_groups = int(num_groups)
         self._process_set = process_set
+        self._fuse = True
+        params = [p for p in self._params if p.grad_req != "null"]
+        # built now, before a backward binds the gradient arrays (FlatGrads' docstring); deferred ones at a step
+        self._flat: FlatGrads | None = (FlatGrads(params) if num_groups == 0 and all(p._grad for p in params)
+                                        else None)
 
     def _allreduce_grads(self) -> None:
         ps = self._process_set
         if not ps.included() or common.set_size(ps) == 1:
             return
         common.require_init("DistributedTrainer.step()")
+        if self._num_groups > 0 or not self._fuse:
+            self._allreduce_each()
+            return
+        params = [p for p in self._params if p.grad_req != "null"]
+        flat = self._flat
+        if flat is None or not flat.current(params):
+            flat = self._flat = FlatGrads(params)  # this step's gradients copied in; verified at the next one
+        elif not flat.verify():  # a static_shape block writes the former arrays: each gradient on its own
+            self._fuse, self._flat = False, None
+            self._allreduce_each()
+            return
+        prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, self._gradient_predivide_factor)
+        if len(flat.buffers) == 1 and not flat.rest and self._compression is Compression.none:
+            # the steady path: every gradient in one buffer, reduced in place by one blocking allreduce (the engine
+            # runs it in this thread) once MXNet's queued operators (backward) are done
+            nda.wait_all()
+            common.core().allreduce(flat.views[0], name=f"{self._prefix}trainer.grads", op=ReduceOp.AVERAGE,
+                                    prescale=prescale, postscale=postscale, process_set=ps)
+            return
+        tensors = [*flat.buffers, *(p.list_grad()[0] for p in flat.rest)]
+        if not tensors:
+            return
+        names = [f"{self._prefix}trainer.grads.{i}" for i in range(len(flat.buffers))]
+        names += [f"{self._prefix}{self._params.index(p)}" for p in flat.rest]
+        sent, contexts = zip(*(self._compression.compress(t) for t in tensors), strict=True)
+        mpi_ops.allreduce_inplace(list(sent), names, ReduceOp.AVERAGE, prescale, postscale, ps)
+        targets = [[b] for b in flat.buffers] + [p.list_grad() for p in flat.rest]
+        for t, s, ctx, outs in zip(tensors, sent, contexts, targets, strict=True):
+            if s is not t:
+                value = self._compression.decompress(s, ctx)
+                for out in outs:
+                    out[:] = value
+
+    def _allreduce_each(self) -> None:
+        """Horovod's ``num_groups``: the gradients in that many named groups of their own arrays."""
         grads, names, restore = [], [], []
         for i, param in enumerate(self._params):
             if param.grad_req == "null":
@@ -201,7 +243,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             if sent is not grad:
                 restore.append((param, sent, ctx))
         if grads:
-            _allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, ps)
+            _allreduce_grads(grads, names, self._num_groups, self._gradient_predivide_factor, self._process_set)
         for param, sent, ctx in restore:
             value = self._compression.decompress(sent, ctx)
             for g in param.list_grad():

@@ -321,12 +321,35 @@ def assert_same_history(got: list[list[np.ndarray]], want: list[list[np.ndarray]
 
 @check("trainer_matches_single_process_on_combined_batches")
 def _trainer() -> None:
+    """Also: every gradient lives in one buffer that each step reduces with one allreduce in place, and a
+    re-initialisation of the gradients after the trainer was made (``cast``) moves them into a new one."""
+    import spark_hvd.core as core
+
+    seen: list[int] = []
+    real = core.allreduce
+
+    def spy(buf, *args, **kwargs):
+        seen.append(buf.ctypes.data)
+        return real(buf, *args, **kwargs)
+
     for opt, params in (("sgd", {"learning_rate": 0.1, "momentum": 0.9}), ("adam", {"learning_rate": 0.01})):
         want = single_process(opt, params)
         net = mlp(7 + R)  # different weights on each rank until the broadcast
         hvd.broadcast_parameters(net.collect_params(), root_rank=0)
         trainer = hvd.DistributedTrainer(net.collect_params(), opt, dict(params))
-        assert_same_history(train(net, trainer, [R]), want, 1e-5)
+        if opt == "adam":
+            net.cast("float32")  # new data and gradient arrays (same values): the trainer's buffer is rebuilt
+        core.allreduce, seen[:] = spy, []
+        try:
+            assert_same_history(train(net, trainer, [R]), want, 1e-5)
+        finally:
+            core.allreduce = real
+        (flat,) = trainer._flat.buffers
+        start = pointer(flat)
+        assert seen == [start] * STEPS, f"{len(seen)} allreduces of {seen} for {STEPS} steps, buffer at {start}"
+        for p in net.collect_params().values():
+            at = pointer(p.grad()) - start
+            assert 0 <= at < flat.size * 4, f"{p.name}'s gradient is not in the trainer's buffer"
 
 
 @check("trainer_options_groups_predivide_fp16")
@@ -334,10 +357,18 @@ def _trainer_options() -> None:
     params = {"learning_rate": 0.1}
     want = single_process("sgd", params)
     for kwargs, tol in (({"num_groups": 2}, 1e-5), ({"gradient_predivide_factor": 2.0}, 1e-5),
-                        ({"compression": hvd.Compression.fp16, "prefix": "fp16."}, 5e-3)):
+                        ({"compression": hvd.Compression.fp16, "prefix": "fp16."}, 5e-3), ({"prefix": "bound."}, 1e-5)):
         net = mlp(7)
+        if kwargs.get("prefix") == "bound.":
+            # a static_shape block whose backward ran before the trainer: it keeps writing the gradient arrays it
+            # ran with, so the trainer gives them back and reduces them one by one (spark_hvd/mxnet/flat_grads.py)
+            net.hybridize(static_alloc=True, static_shape=True)
+            with mx.autograd.record():
+                LOSS(net(gluon_array(batches(R, 0)[0])), gluon_array(batches(R, 0)[1])).backward()
         trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(params), **kwargs)
         assert_same_history(train(net, trainer, [R]), want, tol)
+        if kwargs.get("prefix") == "bound.":
+            assert not trainer._fuse and trainer._flat is None, "the trainer kept buffers backward does not write"
 
 
 @check("distributed_optimizer_in_gluon_trainer")
