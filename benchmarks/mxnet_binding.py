@@ -15,7 +15,10 @@
   ``spark_hvd.mxnet.DistributedTrainer`` (``spark-hvd-run -np 2``) vs MXNet's own ``kvstore="dist_sync"`` (a
   scheduler, one server and two workers on localhost, ps-lite; Gluon's default there updates the weights on the
   server, once per step, and ``update_on_kvstore=False`` on every worker, as Horovod does), and one process alone
-  (``kvstore=None``), rounds rotating; the median of the rounds.
+  (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd_each`` is ``DistributedTrainer`` reducing
+  each gradient's own array as it did before its gradients shared one buffer (``_fuse`` off): one allreduce per
+  gradient, submitted as backward finishes it. With the samples/s, the workers' CPU time per step (all threads,
+  and their Python threads alone).
 """
 
 from __future__ import annotations
@@ -152,32 +155,37 @@ def loop_worker(kind: str, steps: int) -> None:
     for _ in range(5):
         step()
     mx.nd.waitall()
-    start, start_cpu = time.perf_counter(), time.process_time()
+    start, start_cpu, start_main = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(steps):
         step()
     mx.nd.waitall()
     rate = steps * BATCH / (time.perf_counter() - start)
     cpu = (time.process_time() - start_cpu) / steps * 1e3
-    print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank}", flush=True)
+    main_cpu = (time.thread_time() - start_main) / steps * 1e3
+    print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank} MAIN {main_cpu:.3f}", flush=True)
     if kind in ("hvd", "hvd_each"):
         hvd.shutdown()
 
 
-def _rate(out: str) -> tuple[float, float]:
-    """(rank 0's samples/s, the workers' CPU ms per step summed) from the workers' ``RATE`` lines."""
-    rate, cpu = 0.0, 0.0
+def _rate(out: str) -> tuple[float, float, float]:
+    """(rank 0's samples/s, the workers' CPU ms per step summed, that of their Python threads) from the workers'
+    ``RATE`` lines."""
+    rate, cpu, main = 0.0, 0.0, 0.0
     for line in out.splitlines():
         if "RATE" in line:
             fields = line.split("RATE", 1)[1].split()
             cpu += float(fields[2])
+            main += float(fields[6])
             if fields[4] == "0":
                 rate = float(fields[0])
-    return rate, cpu
+    return rate, cpu, main
 
 
-def loop_round(kind: str, steps: int) -> tuple[float, float]:
+def loop_round(kind: str, steps: int) -> tuple[float, float, float]:
     """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``), and the workers' CPU
-    milliseconds per step, summed (all threads; not the dist_sync server's or scheduler's)."""
+    milliseconds per step, summed: all threads (not the dist_sync server's or scheduler's), and the Python threads
+    alone (where the step's Python runs: forward and backward queued, the trainer's step; MXNet's worker thread
+    computes)."""
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
     if kind in ("hvd", "hvd_each"):
         out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", *me], env=ENV,
@@ -217,21 +225,22 @@ def loop(rounds: int, steps: int) -> None:
     kinds = ("hvd", "hvd_each", "dist", "dist_local", "single")
     rates: dict[str, list[float]] = {k: [] for k in kinds}
     cpus: dict[str, list[float]] = {k: [] for k in kinds}
+    mains: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(rounds):
         for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-            rate, cpu = loop_round(kind, steps)
+            rate, cpu, main = loop_round(kind, steps)
             rates[kind].append(rate)
             cpus[kind].append(cpu)
-            print(f"round {r} {kind} {rate:.1f} samples/s per process, workers' CPU {cpu:.2f} ms per step",
-                  flush=True)
+            mains[kind].append(main)
+            print(f"round {r} {kind} {rate:.1f} samples/s per process, workers' CPU {cpu:.2f} ms per step (Python "
+                  f"threads {main:.2f})", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print("workers' CPU ms per step (median): " + ", ".join(f"{k} {statistics.median(v):.2f}"
-                                                              for k, v in cpus.items()), flush=True)
+    print("workers' CPU ms per step, summed (median; their Python threads'): " + ", ".join(
+        f"{k} {statistics.median(cpus[k]):.2f} ({statistics.median(mains[k]):.2f})" for k in kinds), flush=True)
     print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
           f"{med['hvd']:.1f} (one allreduce per gradient, as before: {med['hvd_each']:.1f}, hvd/that "
           f"{med['hvd'] / med['hvd_each']:.2f}x), kvstore dist_sync at 2 {med['dist']:.1f} (update on the server; "
-          f"hvd/dist "
-          f"{med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
+          f"hvd/dist {med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
           f"(hvd/dist_local {med['hvd'] / med['dist_local']:.2f}x), one process alone {med['single']:.1f}",
           flush=True)
 

@@ -3,10 +3,12 @@
 
 Averaging: the core's ``Average`` with ``prescale = 1 / gradient_predivide_factor`` and ``postscale =
 gradient_predivide_factor`` (``_binding_common.gradient_scales``), so the sum happens on gradients divided by the
-factor and the result is the plain average (Horovod's semantics). Every gradient of a step is submitted before
-any is waited for, so the engine fuses them; without groups each goes as soon as MXNet's queued reads and writes
-of it are done (last parameter first), overlapping the reduction of the first with the backward pass of the rest.
-``num_groups`` > 0 splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each
+factor and the result is the plain average (Horovod's semantics). ``DistributedTrainer`` keeps its gradients in one
+flat buffer per dtype (``spark_hvd.mxnet.flat_grads``) and reduces it with one blocking allreduce per step.
+``DistributedOptimizer``, and the trainer where a buffer cannot hold the gradients, submit every gradient of a call
+before waiting for any, so the engine fuses them; without groups each goes as soon as MXNet's queued reads and
+writes of it are done (last parameter first), overlapping the reduction of the first with the backward pass of the
+rest. ``num_groups`` > 0 splits them into that many named groups, as Horovod does (``<first>:<last>`` names), each
 submitted whole.
 """
 
@@ -153,6 +155,10 @@ class DistributedTrainer(mx.gluon.Trainer):
     """A Gluon ``Trainer`` whose ``step`` averages the gradients across the ranks (of ``process_set``) over the
     core's engine instead of a kvstore, then updates as ``Trainer`` does.
 
+    The parameters' gradients become slices of one flat NDArray per dtype (``spark_hvd.mxnet.flat_grads``: built
+    here when the parameters are initialised, else at the first step), and a step reduces each buffer in place with
+    one allreduce; with ``num_groups`` > 0, or where a buffer cannot hold them, the gradients go one by one.
+
     Args:
         params: the parameters to train (``net.collect_params()``, a dict, or a list), in the same order on every
             rank (they are named by position).
@@ -163,7 +169,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         gradient_predivide_factor: divide gradients by this before the sum and multiply after (the result is the
             average either way); keeps float16 sums in range on large jobs.
         prefix: prepended to the collectives' names; give each trainer of one program its own.
-        num_groups: > 0 splits the gradients into this many named groups (Horovod's option).
+        num_groups: > 0 splits the gradients into this many named groups (Horovod's option), each gradient in its
+            own array (no flat buffer).
         process_set: average over the ranks of this process set only.
     """
 
