@@ -17,8 +17,8 @@
   server, once per step, and ``update_on_kvstore=False`` on every worker, as Horovod does), and one process alone
   (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd_each`` is ``DistributedTrainer`` reducing
   each gradient's own array as it did before its gradients shared one buffer (``_fuse`` off): one allreduce per
-  gradient, submitted as backward finishes it. With the samples/s, the workers' CPU time per step (all threads,
-  and their Python threads alone).
+  gradient, submitted as backward finishes it. With the samples/s, the job's CPU time per step (every thread of
+  the workers, and of dist_sync's server and scheduler) and that of the workers' Python threads.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -155,6 +156,7 @@ def loop_worker(kind: str, steps: int) -> None:
     for _ in range(5):
         step()
     mx.nd.waitall()
+    print("START", flush=True)  # the dist_sync driver reads the server's CPU time from here to the RATE lines
     start, start_cpu, start_main = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(steps):
         step()
@@ -182,9 +184,10 @@ def _rate(out: str) -> tuple[float, float, float]:
 
 
 def loop_round(kind: str, steps: int) -> tuple[float, float, float]:
-    """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``), and the workers' CPU
-    milliseconds per step, summed: all threads (not the dist_sync server's or scheduler's), and the Python threads
-    alone (where the step's Python runs: forward and backward queued, the trainer's step; MXNet's worker thread
+    """Samples/s of one process (rank 0) of a 2-process run (one process for ``single``); the job's CPU
+    milliseconds per step: the workers' threads, with dist_sync's server and scheduler from the moment both workers
+    start timing to the moment both are done (the server sums, and with Gluon's default updates, for the workers);
+    and the workers' Python threads alone (forward and backward queued, the trainer's step; MXNet's worker thread
     computes)."""
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
     if kind in ("hvd", "hvd_each"):
@@ -207,18 +210,51 @@ def loop_round(kind: str, steps: int) -> tuple[float, float, float]:
                                 stderr=subprocess.DEVNULL) for role in ("scheduler", "server")]
     workers = [subprocess.Popen(me, env=dict(base, DMLC_ROLE="worker"), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    lines: list[list[str]] = [[], []]
+    errs: list[list[str]] = [[], []]
+    seen = {"START": threading.Semaphore(0), "RATE": threading.Semaphore(0)}
+
+    def read(i: int) -> None:
+        for line in workers[i].stdout:
+            lines[i].append(line)
+            for word, sem in seen.items():
+                if line.startswith(word):
+                    sem.release()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    readers += [threading.Thread(target=lambda i=i: errs[i].extend(workers[i].stderr), daemon=True)
+                for i in range(2)]
+    for t in readers:
+        t.start()
+    helper_cpu = []  # the scheduler's and server's CPU seconds when both workers start timing, and when both end
     try:
-        outs = [w.communicate(timeout=900) for w in workers]
+        for word in ("START", "RATE"):
+            for _ in range(2):
+                if not seen[word].acquire(timeout=900):
+                    raise RuntimeError(f"no {word} line from a dist_sync worker: {''.join(sum(errs, []))[-3000:]}")
+            helper_cpu.append(sum(_proc_cpu(p.pid) for p in helpers))
+        for w in workers:
+            w.wait(timeout=900)
+        for t in readers:
+            t.join(timeout=60)
     finally:
-        for p in helpers:
+        for p in (*workers, *helpers):
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
-    for w, (_, err) in zip(workers, outs, strict=True):
+    for w, err in zip(workers, errs, strict=True):
         if w.returncode != 0:
-            raise RuntimeError(err[-3000:])
-    return _rate("".join(o for o, _ in outs))
+            raise RuntimeError("".join(err)[-3000:])
+    rate, cpu, main = _rate("".join(sum(lines, [])))
+    return rate, cpu + (helper_cpu[1] - helper_cpu[0]) / steps * 1e3, main
+
+
+def _proc_cpu(pid: int) -> float:
+    """The user + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def loop(rounds: int, steps: int) -> None:
@@ -232,10 +268,10 @@ def loop(rounds: int, steps: int) -> None:
             rates[kind].append(rate)
             cpus[kind].append(cpu)
             mains[kind].append(main)
-            print(f"round {r} {kind} {rate:.1f} samples/s per process, workers' CPU {cpu:.2f} ms per step (Python "
-                  f"threads {main:.2f})", flush=True)
+            print(f"round {r} {kind} {rate:.1f} samples/s per process, the job's CPU {cpu:.2f} ms per step (the "
+                  f"workers' Python threads {main:.2f})", flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print("workers' CPU ms per step, summed (median; their Python threads'): " + ", ".join(
+    print("the job's CPU ms per step, all processes (median; the workers' Python threads'): " + ", ".join(
         f"{k} {statistics.median(cpus[k]):.2f} ({statistics.median(mains[k]):.2f})" for k in kinds), flush=True)
     print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
           f"{med['hvd']:.1f} (one allreduce per gradient, as before: {med['hvd_each']:.1f}, hvd/that "
