@@ -123,7 +123,7 @@ def _reduce_op(op: Any, average: bool | None, what: str, allowed: Sequence[Reduc
 # ------------------------------------------------------------------------------------------------ allreduce
 
 def allreduce_inplace(tensors: list[Any], names: list[str | None], op: ReduceOp, prescale: float,
-                       postscale: float, process_set: ProcessSet) -> None:
+                      postscale: float, process_set: ProcessSet) -> None:
     """Reduce ``tensors`` (NDArrays) in place, after MXNet's queued operators: one blocking allreduce for one
     tensor (the engine runs it in this thread), one grouped collective for several."""
     staged = nda.stage_all(tensors)

@@ -194,10 +194,13 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._num_groups = int(num_groups)
         self._process_set = process_set
         self._fuse = True
+        self._flat: FlatGrads | None = None
         params = [p for p in self._params if p.grad_req != "null"]
-        # built now, before a backward binds the gradient arrays (FlatGrads' docstring); deferred ones at a step
-        self._flat: FlatGrads | None = (FlatGrads(params) if num_groups == 0 and all(p._grad for p in params)
-                                        else None)
+        if (num_groups == 0 and all(p._grad for p in params) and common.is_initialized() and process_set.included()
+                and common.set_size(process_set) > 1):
+            # built now, before a backward binds the gradient arrays (FlatGrads' docstring); else at the first step
+            # that reduces (none in a job of one: the gradients stay Gluon's)
+            self._flat = FlatGrads(params)
 
     def _allreduce_grads(self) -> None:
         ps = self._process_set
