@@ -61,7 +61,7 @@ class FlatGrads:
     flat NDArray per dtype.
 
     Attributes:
-        buffers: the flat NDArrays, one per dtype, in the order of their first parameter.
+        buffers: the flat NDArrays, one per dtype (and CPU context), in the order of their first parameter.
         views: a writable numpy array over each buffer's memory (what the core reduces).
         rest: the parameters left with their own gradient arrays (see the module's docstring).
     """
@@ -69,16 +69,16 @@ class FlatGrads:
     def __init__(self, params: Sequence[Any]) -> None:
         self._params = list(params)
         self.rest = [p for p in self._params if not _flattenable(p)]
-        by_dtype: dict[np.dtype, list[Any]] = {}
+        groups: dict[tuple[np.dtype, Any], list[Any]] = {}  # by dtype and context (a rank may train on cpu(rank))
         for p in self._params:
             if _flattenable(p):
-                by_dtype.setdefault(np.dtype(p._grad[0].dtype), []).append(p)
+                groups.setdefault((np.dtype(p._grad[0].dtype), p._grad[0].context), []).append(p)
         self.buffers: list[Any] = []
         self._slices: list[tuple[Any, Any]] = []  # (parameter, its gradient: a view of a buffer)
         self._replaced: list[tuple[Any, Any, Any]] = []  # (parameter, its former gradient, the view), until verify()
         with mx.autograd.pause():
-            for dtype, members in by_dtype.items():
-                flat = mx.nd.zeros((sum(p._grad[0].size for p in members),), ctx=mx.cpu(), dtype=dtype)
+            for (dtype, ctx), members in groups.items():
+                flat = mx.nd.zeros((sum(p._grad[0].size for p in members),), ctx=ctx, dtype=dtype)
                 at = 0
                 for p in members:
                     old = p._grad[0]
