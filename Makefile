@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast hostloss legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
+.PHONY: setup demo test test-fast hostloss ray-hosts legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,11 @@ test-fast: setup
 # (marker soak). Run once per change to the runner, core or store.
 hostloss: setup
 	$(PY) -m pytest -m "hostloss or soak" -s --durations=0 tests/multihost
+
+# RayExecutor on a Ray cluster of three simulated hosts, one of them lost mid-training and started again
+# (tests/multihost/test_ray_hosts.py, marker hostloss, so also in `make hostloss`: ~3 min on 2 loaded cores; root).
+ray-hosts: setup
+	$(PY) -m pytest -m hostloss -s --durations=0 tests/multihost/test_ray_hosts.py
 
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.
