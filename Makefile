@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast hostloss ray-hosts legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
+.PHONY: setup demo test test-fast hostloss ray-clusters legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -45,10 +45,12 @@ test-fast: setup
 hostloss: setup
 	$(PY) -m pytest -m "hostloss or soak" -s --durations=0 tests/multihost
 
-# RayExecutor on a Ray cluster of three simulated hosts, one of them lost mid-training and started again
-# (tests/multihost/test_ray_hosts.py, marker hostloss, so also in `make hostloss`: ~3 min on 2 loaded cores; root).
-ray-hosts: setup
-	$(PY) -m pytest -m hostloss -s --durations=0 tests/multihost/test_ray_hosts.py
+# RayExecutor on real Ray clusters started with `ray start`: on three simulated hosts, one of them lost mid-training
+# and started again (tests/multihost/test_ray_hosts.py, ~3 min; root), and Ray on Spark on a local[2] session
+# (tests/ray/test_ray_on_spark.py, ~4 min), at load ~30-50 on 2 cores. Marker hostloss for their time: not in
+# `make test` (`make hostloss` runs the first).
+ray-clusters: setup
+	$(PY) -m pytest -m hostloss -s --durations=0 tests/multihost/test_ray_hosts.py tests/ray/test_ray_on_spark.py
 
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.

@@ -12,7 +12,7 @@ driver must be on a node of the cluster.
   trained again) is printed, not asserted.
 
 Cost: ~2-3 minutes on 2 loaded cores (three Ray nodes start in ~30 s each, one restarts), so it is marked
-``hostloss`` and runs with ``make ray-hosts`` (and ``make hostloss``), not in ``make test``.
+``hostloss`` and runs with ``make ray-clusters`` (and ``make hostloss``), not in ``make test``.
 """
 
 from __future__ import annotations
