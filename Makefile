@@ -14,7 +14,7 @@ export PYSPARK_PYTHON := $(abspath $(PY))
 export PYSPARK_DRIVER_PYTHON := $(abspath $(PY))
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-fast hostloss ray-clusters legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
+.PHONY: setup demo test test-fast hostloss legs legs-all leg-floor leg-spark40 leg-16.4 leg-18 bench lint lock clean
 
 setup: $(STAMP)
 
@@ -49,6 +49,7 @@ hostloss: setup
 # and started again (tests/multihost/test_ray_hosts.py, ~3 min; root), and Ray on Spark on a local[2] session
 # (tests/ray/test_ray_on_spark.py, ~4 min), at load ~30-50 on 2 cores. Marker hostloss for their time: not in
 # `make test` (`make hostloss` runs the first).
+.PHONY: ray-clusters
 ray-clusters: setup
 	$(PY) -m pytest -m hostloss -s --durations=0 tests/multihost/test_ray_hosts.py tests/ray/test_ray_on_spark.py
 
