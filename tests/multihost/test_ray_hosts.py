@@ -17,13 +17,16 @@ Cost: ~2-3 minutes on 2 loaded cores (three Ray nodes start in ~30 s each, one r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,9 +35,6 @@ import simhosts  # beside this file (conftest puts the folder on the path; a scr
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.hostloss]
 
 RAY_PORT = 6380
-STEPS = 16
-KILL_AT = 5  # host 2 is killed after this step's commit
-ADD_AT = 10  # host 2's Ray node starts again after this step's commit
 NODE_ARGS = ["--object-store-memory=80000000", "--disable-usage-stats"]
 
 
@@ -112,14 +112,6 @@ def ray_hosts(simhosts_ready, tmp_path_factory):
 
 
 # -- the ranks' functions (pickled by value: this file is the driver's __main__) ----------------------------------
-def _wait_for(path: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank waited {timeout_s:g} s for {path}")
-        time.sleep(0.05)
-
-
 def _topology() -> dict:
     import socket
 
@@ -136,46 +128,32 @@ def _topology() -> dict:
             "gather": core.allgather(rows, name="rows").tolist()}
 
 
-def _elastic(marks: str) -> dict:
-    import socket
+def _test_nodes() -> Any:
+    """``tests/ray/test_nodes.py``, whose elastic job (``_elastic_nodes``) and step numbers this test shares."""
+    if "test_nodes" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("test_nodes", Path(__file__).parents[1] / "ray" / "test_nodes.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["test_nodes"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["test_nodes"]
 
+
+def _answer_added(marks: str) -> None:
+    """On the driver: once the test restarted host 2's node (``restarted``) and Ray counts its CPUs, ``added``."""
     import ray
 
-    import spark_hvd.core as core
-    from spark_hvd.core.elastic import ObjectState, run_fn
-
-    state = ObjectState(step=0, sizes=[])
-
-    @run_fn
-    def train(state: ObjectState) -> dict:
-        while state.step < STEPS:
-            core.allreduce(np.ones(8), name="step")
-            if core.rank() == 0:
-                with open(os.path.join(marks, "steps.log"), "a") as f:
-                    f.write(f"{state.step} {core.size()} {time.time()}\n")
-            state.sizes = state.sizes + [core.size()]
-            state.step += 1
-            state.commit()
-            if state.step == KILL_AT and core.size() == 2:
-                if core.rank() == 0:
-                    open(os.path.join(marks, "kill"), "w").close()
-                _wait_for(os.path.join(marks, "killed"))  # the rank on host 2 dies meanwhile
-            if state.step == ADD_AT and core.size() == 1:
-                open(os.path.join(marks, "add"), "w").close()
-                _wait_for(os.path.join(marks, "added"))
-                deadline = time.monotonic() + 60  # the next commit sees the new node's CPUs
-                while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            time.sleep(0.05)
-        return {"sizes": list(state.sizes), "attempt": int(os.environ["SPARK_HVD_RUN_ATTEMPT"]),
-                "hostname": socket.gethostname()}
-
-    return train(state)
+    deadline = time.monotonic() + 600
+    while not os.path.exists(os.path.join(marks, "restarted")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    open(os.path.join(marks, "added"), "w").close()
 
 
 def driver(mode: str, address: str, marks: str) -> None:
     """Run on host 0: connect to the cluster, run ``mode``'s job, write ``marks/result.json``."""
     import ray
+    from ray import cloudpickle
 
     from spark_hvd.ray import RayExecutor
 
@@ -190,12 +168,15 @@ def driver(mode: str, address: str, marks: str) -> None:
         finally:
             executor.shutdown()
     else:
+        nodes = _test_nodes()
+        cloudpickle.register_pickle_by_value(nodes)
+        threading.Thread(target=_answer_added, args=(marks,), daemon=True).start()
         executor = RayExecutor(RayExecutor.create_settings(timeout_s=120, placement_group_timeout_s=30),
                                min_workers=1, max_workers=2, cpus_per_worker=2, elastic_timeout=120,
                                cooldown_range=[4, 10], reset_limit=5)
         executor.start()
         try:
-            out["ranks"] = executor.run(_elastic, args=[marks])
+            out["ranks"] = executor.run(nodes._elastic_nodes, args=[marks, 240.0])
         finally:
             executor.shutdown()
     with open(os.path.join(marks, "result.json"), "w") as f:
@@ -230,19 +211,20 @@ def test_elastic_job_loses_a_host_and_grows_back_when_its_ray_node_returns(ray_h
     victim = ray_hosts.sim.hosts[2]
     proc = ray_hosts.drive("elastic", tmp_path)
     try:
-        _wait_host_mark(tmp_path / "kill", proc)
+        _wait_host_mark(tmp_path / "remove", proc)
         killed_at = time.time()
         simhosts._kill_netns_processes(victim.name)  # raylet, object store, agents, the worker: a lost host
-        (tmp_path / "killed").write_text(str(killed_at))
+        (tmp_path / "removed").write_text(str(killed_at))
         _wait_host_mark(tmp_path / "add", proc)
         ray_hosts.start_node(2)
-        (tmp_path / "added").touch()
+        (tmp_path / "restarted").touch()  # the driver answers "added" once Ray counts the node's CPUs
         got = ray_hosts.result(proc, tmp_path)
     finally:
         if proc.poll() is None:
             proc.kill()
     results = got["ranks"]
-    sizes = [2] * KILL_AT + [1] * (ADD_AT + 1 - KILL_AT) + [2] * (STEPS - ADD_AT - 1)
+    nodes = _test_nodes()
+    sizes = [2] * nodes.REMOVE_AT + [1] * (nodes.ADD_AT + 1 - nodes.REMOVE_AT) + [2] * (nodes.STEPS - nodes.ADD_AT - 1)
     assert [r["sizes"] for r in results] == [sizes, sizes]
     assert all(r["attempt"] >= 2 for r in results) and results[0]["attempt"] == results[1]["attempt"]
     assert {r["hostname"] for r in results} == {h.name for h in ray_hosts.sim.hosts[1:]}
