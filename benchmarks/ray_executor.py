@@ -1,17 +1,22 @@
-"""One allreduce loop on two workers, launched three ways: ``RayExecutor`` on a local Ray cluster, spark_hvd's
-Spark ``run()`` on ``local[2]``, and (where Ray Train is installed) ``ray.train.torch.TorchTrainer`` with
-``torch.distributed`` on gloo. Interleaved rounds; for each, the medians of:
+"""``RayExecutor`` against Ray Train's ``TorchTrainer`` (gloo) on one local Ray cluster, 2 workers, interleaved
+rounds; each round starts both from nothing (the executor's actors, the trainer's worker group) and takes:
 
-- ``start`` (RayExecutor only): ``RayExecutor.start()``, the actors placed and the ring joined;
-- ``call``: one launch of the loop, wall time seen by the driver (RayExecutor: ``run(fn)`` on the started workers;
-  ``run()``: Spark tasks started, ring joined, loop, ring left; TorchTrainer: ``fit()``, its worker group started
-  and stopped each time, as Ray Train does);
-- ``loop``: rank 0's own time for the loop inside the call (``--steps`` allreduces of ``--mib`` MiB float32), so
-  that ``call - loop`` is the launch's overhead.
+- ``first_allreduce_s``: from the driver's ``executor.start()`` to the moment rank 0's first ``hvd.allreduce``
+  (8 floats, spark_hvd.torch) completed; ``first_step_s``: to the end of its first training step of a small
+  model (``hvd.broadcast_parameters`` + ``hvd.DistributedOptimizer``, one SGD step);
+- ``TorchTrainer``'s ``first_step_s``: from ``TorchTrainer(..., ScalingConfig(num_workers=2)).fit()`` to the end of
+  rank 0's first DDP step (``DistributedDataParallel`` of the same model, one SGD step), as Ray Train starts it;
+- ``busbw_GBps`` at each ``--sizes`` MiB: float32 SUM allreduce bus bandwidth between the two workers, on the
+  started group (``hvd.allreduce_`` / ``torch.distributed.all_reduce`` on gloo, in place), ``--steps`` timed calls
+  after one warm-up, ``bytes * 2 (n - 1) / n / seconds`` (n = 2: bytes / seconds) from rank 0's own clock.
 
-    python benchmarks/ray_executor.py --rounds 3 --steps 50 --mib 1
+Both sides import torch in fresh worker processes each round. Ratios are per round (ours / theirs for the times,
+ours / theirs for bandwidth) and their medians are printed with every figure.
 
-Ray runs with 4 CPUs, no dashboard, on loopback, as ``tests/ray`` does.
+    python benchmarks/ray_executor.py --rounds 3 --sizes 16,64 --steps 10
+
+Ray runs with 4 CPUs, an 80 MiB object store, no dashboard, on loopback, as ``tests/ray`` does (the benchmark
+stops if Ray Train's ``MASTER_ADDR`` is not 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -25,122 +30,144 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+# loopback only (as tests/ray): Ray's node address (what Ray Train makes MASTER_ADDR) stays 127.0.0.1 instead of
+# the machine's routed address, and gloo's device is loopback; Ray's workers inherit both
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
-def hvd_loop(steps: int, mib: float) -> dict[str, float]:
-    """``steps`` spark_hvd.torch allreduces of ``mib`` MiB; this rank's seconds for them."""
+def _model() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+
+def hvd_side(sizes: list[float], steps: int) -> dict[str, Any]:
+    """On each RayExecutor rank: the first allreduce, the first training step, then the bandwidth loops."""
     import torch
 
     import spark_hvd.torch as hvd
 
     hvd.init()
-    t = torch.ones(int(mib * 2**18))
-    hvd.allreduce(t, name="warm")
-    start = time.perf_counter()
-    for i in range(steps):
-        t = hvd.allreduce(t, name=f"x{i % 4}")
-    return {"rank": hvd.rank(), "loop": time.perf_counter() - start, "value": float(t[0])}
+    hvd.allreduce(torch.ones(8), name="first")
+    first_allreduce = time.time()
+    model = _model()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    opt.zero_grad()
+    model(torch.ones(8, 32)).pow(2).mean().backward()
+    opt.step()
+    first_step = time.time()
+    busbw = {}
+    for mib in sizes:
+        t = torch.ones(int(mib * 2**18))
+        hvd.allreduce_(t, op=hvd.Sum, name=f"bw{mib}")
+        start = time.perf_counter()
+        for _ in range(steps):
+            hvd.allreduce_(t, op=hvd.Sum, name=f"bw{mib}")
+        seconds = time.perf_counter() - start
+        assert float(t[0]) == 2.0 ** (steps + 1), float(t[0])  # 2 ranks, SUM, steps + 1 times
+        busbw[str(mib)] = t.numel() * 4 * steps / seconds / 1e9
+    return {"rank": hvd.rank(), "first_allreduce": first_allreduce, "first_step": first_step, "busbw": busbw}
 
 
-def gloo_loop(config: dict[str, Any]) -> None:
-    """The same loop with ``torch.distributed.all_reduce`` (Ray Train's process group, gloo), averaging as
-    spark_hvd's allreduce does; rank 0 writes its seconds to ``config["out"]`` (Ray Train 2.60's ``Result.metrics``
-    keeps only what was reported with a checkpoint)."""
+def gloo_side(config: dict[str, Any]) -> None:
+    """On each Ray Train worker: the first DDP step, then the bandwidth loops on Ray Train's gloo group; rank 0
+    writes its figures to ``config["out"]`` (Ray Train 2.60 keeps only metrics reported with a checkpoint)."""
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
-    t = torch.ones(int(config["mib"] * 2**18))
-    dist.all_reduce(t)
-    t /= dist.get_world_size()
-    start = time.perf_counter()
-    for _ in range(config["steps"]):
+    model = DistributedDataParallel(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(torch.ones(8, 32)).pow(2).mean().backward()
+    opt.step()
+    first_step = time.time()
+    busbw = {}
+    for mib in config["sizes"]:
+        t = torch.ones(int(mib * 2**18))
         dist.all_reduce(t)
-        t /= dist.get_world_size()
+        start = time.perf_counter()
+        for _ in range(config["steps"]):
+            dist.all_reduce(t)
+        seconds = time.perf_counter() - start
+        assert float(t[0]) == 2.0 ** (config["steps"] + 1), float(t[0])
+        busbw[str(mib)] = t.numel() * 4 * config["steps"] / seconds / 1e9
     if dist.get_rank() == 0:
         with open(config["out"], "w") as f:
-            json.dump({"loop": time.perf_counter() - start, "value": float(t[0])}, f)
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+            json.dump({"first_step": first_step, "busbw": busbw, "master": os.environ.get("MASTER_ADDR")}, f)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--mib", type=float, default=1.0)
-    parser.add_argument("--no-spark", action="store_true", help="leave out spark_hvd's Spark run()")
+    parser.add_argument("--sizes", default="16,64", help="MiB, comma-separated")
+    parser.add_argument("--steps", type=int, default=10, help="timed allreduces per size (<= 100)")
     args = parser.parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
 
     import ray
+    import ray.train.torch as ray_torch
+    from ray.train import RunConfig, ScalingConfig
 
     from spark_hvd.ray import RayExecutor
 
     temp_dir = tempfile.mkdtemp(prefix="shvd-ray-bench-")
     ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
              _node_ip_address="127.0.0.1", _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
-    try:
-        import ray.train.torch as ray_torch
-        from ray.train import RunConfig, ScalingConfig
-    except ImportError:
-        ray_torch = None
-    spark = None
-    if not args.no_spark:
-        from pyspark.sql import SparkSession
-
-        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-                 .config("spark.task.maxFailures", "1").getOrCreate())
-        from spark_hvd.runner import run as spark_run
-
     res: dict[str, list[float]] = {}
 
     def add(key: str, value: float) -> None:
-        res.setdefault(key, []).append(value)
+        res.setdefault(key, []).append(round(value, 4))
 
     try:
-        executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
-        t_start, _ = timed(executor.start)
-        add("ray_executor.start", t_start)
-        executor.run(hvd_loop, args=[2, args.mib])  # warm: the function's imports in the actors
-        if spark is not None:
-            spark_run(hvd_loop, args=(2, args.mib), num_proc=2, verbose=0)  # warm Spark's Python workers
         for _ in range(args.rounds):
-            t, out = timed(lambda: executor.run(hvd_loop, args=[args.steps, args.mib]))
-            add("ray_executor.call", t)
-            add("ray_executor.loop", out[0]["loop"])
-            if spark is not None:
-                t, out = timed(lambda: spark_run(hvd_loop, args=(args.steps, args.mib), num_proc=2, verbose=0))
-                add("spark_run.call", t)
-                add("spark_run.loop", out[0]["loop"])
-            if ray_torch is not None:
-                out = os.path.join(temp_dir, "gloo_loop.json")
-                config = {"steps": args.steps, "mib": args.mib, "out": out}
-                trainer = ray_torch.TorchTrainer(gloo_loop, train_loop_config=config,
-                                                 scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                                                 torch_config=ray_torch.TorchConfig(backend="gloo"),
-                                                 run_config=RunConfig(storage_path=temp_dir))
-                t, _ = timed(trainer.fit)
-                add("torch_trainer.call", t)
-                with open(out) as f:
-                    add("torch_trainer.loop", json.load(f)["loop"])
-        t_stop, _ = timed(executor.shutdown)
-        add("ray_executor.shutdown", t_stop)
+            executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
+            t0 = time.time()
+            executor.start()
+            try:
+                out = executor.run(hvd_side, args=[sizes, args.steps])[0]
+            finally:
+                executor.shutdown()
+            add("ray_executor.first_allreduce_s", out["first_allreduce"] - t0)
+            add("ray_executor.first_step_s", out["first_step"] - t0)
+            for mib, bw in out["busbw"].items():
+                add(f"ray_executor.busbw_GBps.{mib}MiB", bw)
+
+            path = os.path.join(temp_dir, "gloo_side.json")
+            trainer = ray_torch.TorchTrainer(
+                gloo_side, train_loop_config={"sizes": sizes, "steps": args.steps, "out": path},
+                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                torch_config=ray_torch.TorchConfig(backend="gloo"), run_config=RunConfig(storage_path=temp_dir))
+            t0 = time.time()
+            trainer.fit()
+            with open(path) as f:
+                theirs = json.load(f)
+            os.unlink(path)
+            if theirs["master"] != "127.0.0.1":
+                raise RuntimeError(f"Ray Train's MASTER_ADDR is {theirs['master']}, not loopback")
+            add("torch_trainer.first_step_s", theirs["first_step"] - t0)
+            for mib, bw in theirs["busbw"].items():
+                add(f"torch_trainer.busbw_GBps.{mib}MiB", bw)
+            add("ratio.first_allreduce_vs_ddp_step", res["ray_executor.first_allreduce_s"][-1]
+                / res["torch_trainer.first_step_s"][-1])
+            add("ratio.first_step_vs_ddp_step", res["ray_executor.first_step_s"][-1]
+                / res["torch_trainer.first_step_s"][-1])
+            for mib in out["busbw"]:
+                add(f"ratio.busbw.{mib}MiB", out["busbw"][mib] / theirs["busbw"][mib])
     finally:
-        if spark is not None:
-            spark.stop()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-    summary = {k: round(statistics.median(v), 4) for k, v in res.items()}
-    print(json.dumps({"steps": args.steps, "mib": args.mib, "rounds": args.rounds, "median_s": summary,
-                      "all_s": {k: [round(x, 4) for x in v] for k, v in res.items()}}, indent=1), file=sys.stdout)
+    print(json.dumps({"rounds": args.rounds, "sizes_MiB": sizes, "steps": args.steps,
+                      "median": {k: round(statistics.median(v), 4) for k, v in res.items()}, "all": res},
+                     indent=1), file=sys.stdout)
 
 
 if __name__ == "__main__":

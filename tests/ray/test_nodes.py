@@ -108,7 +108,12 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _elastic_nodes(marks: str) -> dict:
+def _elastic_nodes(marks: str, wait_s: float = 60.0) -> dict:
+    """The elastic job of this test and of ``tests/multihost/test_ray_hosts.py``: rank 0 logs each step's size and
+    time to ``marks/steps.log``; the job asks for a node's removal (``remove``) and addition (``add``) and waits up
+    to ``wait_s`` for the test to answer (``removed``, ``added``)."""
+    import socket
+
     import spark_hvd.core as core
     from spark_hvd.core.elastic import ObjectState, run_fn
 
@@ -118,19 +123,22 @@ def _elastic_nodes(marks: str) -> dict:
     def train(state: ObjectState) -> dict:
         while state.step < STEPS:
             core.allreduce(np.ones(8), name="step")
+            if core.rank() == 0:
+                with open(os.path.join(marks, "steps.log"), "a") as f:
+                    f.write(f"{state.step} {core.size()} {time.time()}\n")
             state.sizes = state.sizes + [core.size()]
             state.step += 1
             state.commit()
             if state.step == REMOVE_AT and core.size() == 2:
                 if core.rank() == 0:
                     open(os.path.join(marks, "remove"), "w").close()
-                _wait_for(os.path.join(marks, "removed"))  # the rank on the removed node dies meanwhile
+                _wait_for(os.path.join(marks, "removed"), wait_s)  # the rank on the removed node dies meanwhile
             if state.step == ADD_AT and core.size() == 1:
                 open(os.path.join(marks, "add"), "w").close()
-                _wait_for(os.path.join(marks, "added"))  # the next commit sees the new node's CPUs
+                _wait_for(os.path.join(marks, "added"), wait_s)  # the next commit sees the new node's CPUs
             time.sleep(0.05)
         return {"sizes": list(state.sizes), "attempt": int(os.environ["SPARK_HVD_RUN_ATTEMPT"]),
-                "node": os.environ["SPARK_HVD_HOST_ID"]}
+                "node": os.environ["SPARK_HVD_HOST_ID"], "hostname": socket.gethostname()}
 
     return train(state)
 

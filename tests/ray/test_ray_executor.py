@@ -120,6 +120,20 @@ def _train(steps: int, per_rank: int) -> dict:
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
+def _one_process(steps: int, per_rank: int) -> dict:
+    """``_train``'s model trained in one process on each step's combined batch: what every rank must end with."""
+    import torch
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _make_batches(steps, per_rank)
+    for step in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.from_numpy(x[step])), torch.from_numpy(y[step])).backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
 # -- the tests -------------------------------------------------------------------------------------------------------
 
 # (the elastic test first: it needs the cluster's 4 CPUs, before the module's executor takes 2)
@@ -257,17 +271,10 @@ def test_stateful_execute_loop(ray_cluster):
 
 
 def test_torch_training_equals_one_process_on_the_combined_batches(executor):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     steps, per_rank = 5, 8
     got = executor.run(_train, kwargs={"steps": steps, "per_rank": per_rank})
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = _make_batches(steps, per_rank)
-    for step in range(steps):
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(torch.from_numpy(x[step])), torch.from_numpy(y[step])).backward()
-        optimizer.step()
-    want = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    want = _one_process(steps, per_rank)
     for rank in range(SIZE):
         for name, value in want.items():
             np.testing.assert_allclose(got[rank][name], value, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
