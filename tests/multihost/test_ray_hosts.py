@@ -12,7 +12,7 @@ driver must be on a node of the cluster.
   trained again) is printed, not asserted.
 
 Cost: ~2-3 minutes on 2 loaded cores (three Ray nodes start in ~30 s each, one restarts), so it is marked
-``hostloss`` and runs with ``make ray-clusters`` (and ``make hostloss``), not in ``make test``.
+``raycluster`` and runs with ``make ray-clusters``, not in ``make test``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import simhosts  # beside this file (conftest puts the folder on the path; a script has it as sys.path[0])
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.hostloss]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.raycluster]
 
 RAY_PORT = 6380
 NODE_ARGS = ["--object-store-memory=80000000", "--disable-usage-stats"]

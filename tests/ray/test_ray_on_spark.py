@@ -16,7 +16,7 @@ What it takes on one machine with Ray 2.60 (each point was a failure first):
 
 The driver is this file run as a script in a process of its own (a fresh Spark JVM: the suite's shared session's
 workers would not have the token). Cost: ~4 minutes on 2 cores at load ~50 (a JVM, a Ray head that Ray on Spark
-gives a fixed 60 s here, two Ray nodes), so it is marked ``hostloss`` (for its time: setup.cfg deselects it) with
+gives a fixed 60 s here, two Ray nodes), so it is marked ``raycluster`` (for its time: setup.cfg deselects it) with
 the other real-cluster Ray test (``make ray-clusters``), not in ``make test``.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.hostloss]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.raycluster]
 
 STEPS, PER_RANK = 5, 8
 LOOPBACK = "127.0.0.2"
