@@ -1,6 +1,6 @@
 """The background engine: one thread per process that negotiates every collective; the executor runs them.
 
-Why this file is over 600 lines (~650): it is one idea, the loop and its rounds (fast, speculative, fresh and full
+Why this file is over 600 lines (~680): it is one idea, the loop and its rounds (fast, speculative, fresh and full
 negotiation), a state machine whose state must stay identical on every rank. Beside it: the pacing, the blocking
 calls' shortcuts, the checks of a submission, the table, and the executor that runs every collective.
 
@@ -31,7 +31,8 @@ Every rank takes the same kind of round, since the choice follows from state ide
 - *speculative*: once the ranks have seen which clean round follows the last one (``speculation.Predictor``), the
   next one is one allreduce of ``[flag, tensors...]`` (``speculation.Spec``: in place on shared memory at N=2, the
   flag in band over TCP, ``spark_hvd.core.algorithms.agreed``); a miss costs one small collective;
-- *fresh*: after two rounds of new names of one layout, the next is one allreduce of ``[flag, name digests,
+- *fresh*: after two rounds of new names of one layout, or a round that names the engine made up are expected to
+  follow (``_advance``: an unnamed call after each barrier), the next is one allreduce of ``[flag, name digests,
   tensors...]`` (``spark_hvd.core.engine.fresh``).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``), which takes the round lock

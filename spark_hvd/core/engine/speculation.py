@@ -24,7 +24,8 @@ nothing: the benchmark's loops of two sizes in turn were otherwise relearnt from
 appeared, and the first loop's next two calls missed. A round of names the engine made up (``allreduce(t)`` with no
 name: ``allreduce.noname.N``, never submitted again) is learnt as the round ``NEW`` (``followed_by_new``): never
 speculated on, but what follows it is, so ``barrier(); allreduce(t)`` unnamed in a loop speculates on its barriers
-and guesses nothing after them (three collectives an iteration, against six when each was a broken context).
+and guesses nothing after them (three collectives an iteration, against six when each was a broken context);
+the engine then expects the made-up names by their layout (``expects_new``, ``spark_hvd.core.engine.fresh``): two.
 """
 
 from __future__ import annotations
