@@ -75,10 +75,13 @@ def test_a_round_of_made_up_names_is_learnt_as_new_and_never_guessed():
     predictor = Predictor(cache.get, 2, False)
     assert predictor.followed_by_new() is None  # nothing learnt yet
     assert predictor.advance([0]) is not None  # a barrier seen once: the same again is guessed (a cheap miss)
+    assert not predictor.expects_new()
     for _ in range(3):
         spec = predictor.followed_by_new()
         assert spec is not None and spec.barrier and spec.ids == (0,)  # after the made-up names: the barrier
+        assert not predictor.expects_new()
         assert predictor.advance([0]) is None  # after the barrier: made-up names again, nothing to guess
+        assert predictor.expects_new()  # ... which the engine expects by their layout (``Engine._advance``)
     # a steady loop keeps its speculation through one unnamed metric now and then
     predictor = Predictor(cache.get, 2, False)
     for _ in range(3):
