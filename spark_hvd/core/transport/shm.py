@@ -23,11 +23,6 @@ reduce-scatter and allgather of the hierarchical allreduce): stage into one's sl
 x86 keeps stores in order, so a counter is published after the data it covers with a plain store. A wait spins
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
-A rank about to sleep on a futex sets its ``SLEEP`` word first, and a publisher wakes the futex only when a peer's
-is set: the wake's system call (1-2 us from Python, two per collective) is paid only where someone sleeps. The
-sleeper sets the word more than a system call's entry before the kernel reads the value it sleeps on, and a
-publisher's store is visible long before that, so it cannot sleep through a publication it missed; were it ever
-to, the futex wait's 2 ms bound would end it (the wait looks again), never the result.
 
 Over 600 lines on purpose: the block pipeline (one ``_BlockAllreduce`` per call), its two reduction schemes, the
 broadcast, the exchange rounds and the waits all follow the one counter protocol above, which is easiest to check
@@ -57,8 +52,6 @@ SHM_DIR = "/dev/shm"
 CTRL_BYTES = 4096
 # control words (int64 index into the control page), one cache line apart
 IN, RED, OUT, PID = 0, 8, 16, 24  # PID + 1: this mapping's address (shm_cma); shm_cma uses 32..
-#: non-zero while this rank may sleep on a peer's futex (``_publish`` wakes no one where no peer's is set)
-SLEEP = 28
 SPIN_CHECKS = 500
 #: ``release``: how long a rank spins at most for its peers to finish a barrier (their wake-up from a futex took
 #: 30-150 us on a loaded 2-core host; a peer later than this has been preempted, and the caller goes on) ...
@@ -189,7 +182,6 @@ class ShmGroup:
         os.close(fd)
         self._maps: list[mmap.mmap] = []
         self.ctrl: list[memoryview] = []
-        self._peer_ctrl: list[memoryview] = []  # the peers' control pages (``_publish`` reads their ``SLEEP``)
         #: restores the creating thread's CPUs at ``close`` (``shm_bind``: set by whoever bound it)
         self.unbind: Callable[[], None] | None = None
         self.slots: list[np.ndarray] = []
@@ -217,8 +209,6 @@ class ShmGroup:
                     os.close(fd)
                 self._maps.append(m)
             self.ctrl.append(memoryview(m)[:CTRL_BYTES].cast("q"))
-            if k != self.local:
-                self._peer_ctrl.append(self.ctrl[-1])
             self._addr.append(np.frombuffer(m, dtype=np.uint8, count=CTRL_BYTES).ctypes.data)
             self.slots.append(np.frombuffer(m, dtype=np.uint8, count=self.nslots * self.block_bytes,
                                             offset=CTRL_BYTES))
@@ -238,7 +228,6 @@ class ShmGroup:
         for view in self.ctrl:
             view.release()
         self.ctrl = []
-        self._peer_ctrl = []
         self.slots = []
         for m in [*self._maps, self._own]:
             try:
@@ -252,10 +241,7 @@ class ShmGroup:
         """Store ``value`` in this rank's control ``word`` and wake peers sleeping on it."""
         self.ctrl[self.local][word] = value
         if _FUTEX is not None:
-            for ctrl in self._peer_ctrl:
-                if ctrl[SLEEP]:
-                    _FUTEX[1](self._addr[self.local] + 8 * word)
-                    return
+            _FUTEX[1](self._addr[self.local] + 8 * word)
 
     def _wait(self, k: int, word: int, target: int, operation: str, check_peers: Callable[[str], None],
               idle: Callable[[], bool] | None = None) -> None:
@@ -278,17 +264,6 @@ class ShmGroup:
         for _ in range(self.spin_checks):
             if ctrl[word] >= target:
                 return
-        own = self.ctrl[self.local]
-        own[SLEEP] = 1  # before the last look: a peer that publishes after it wakes this rank (module docstring)
-        try:
-            self._sleep_for(k, word, target, operation, check_peers)
-        finally:
-            own[SLEEP] = 0
-
-    def _sleep_for(self, k: int, word: int, target: int, operation: str,
-                   check_peers: Callable[[str], None]) -> None:
-        """``_wait_for`` past its spin: sleep on rank k's ``word`` (or poll) until it reaches ``target``."""
-        ctrl = self.ctrl[k]
         start = time.monotonic()
         next_check = start
         delay = 20e-6
