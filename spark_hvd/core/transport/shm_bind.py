@@ -7,7 +7,7 @@ then keeps the very peer it waits for from running, every hand-over costs a sche
 microseconds, and the ranks leave each collective tens of microseconds apart. On a 2-core host at load 36, two
 ranks timing ``hvd.barrier(); hvd.allreduce_(t)`` (4 KiB) took 370-450 us a call, leaving the barrier 120 us apart,
 and 22-40 us, leaving it 0.6-4 us apart, with each rank held to a CPU of its own (2026-12-07; the figures of
-``benchmarks/allreduce.py --after-barrier`` with and without it are in docs/benchmarks.md).
+``benchmarks/allreduce.py --after-barrier`` with and without it are in benchmarks/RESULTS.md).
 
 It is off by default: a rank held to its share cannot escape a CPU that other processes keep busy, and on the same
 host at load 54 back-to-back allreduces took 7.1 ms (4 KiB) and 121 ms (16 MiB) bound against 1.1 and 66 ms
