@@ -33,7 +33,7 @@ import numpy as np
 from spark_hvd.core.algorithms import hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import divide_average
-from spark_hvd.core.transport import shm_cma
+from spark_hvd.core.transport import shm_bind, shm_cma
 from spark_hvd.core.transport.shm import ShmGroup, segment_path, unlink_quietly
 
 if TYPE_CHECKING:
@@ -181,6 +181,7 @@ def _join_shm(setup: Setup, local_ranks: Sequence[int]) -> ShmGroup | None:
             unlink_quietly(path)
         if all(f == b"1" for f in attached):
             segment, joined = None, segment
+            joined.unbind = shm_bind.bind(joined.local, joined.size)  # a share of the CPUs of its own (shm_bind)
             return joined
         return None
     finally:

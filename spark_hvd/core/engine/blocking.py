@@ -52,12 +52,15 @@ class BlockingCalls:
     _spec: Spec | None
     _fresh: FreshSpec | None
     _fresh_last: Layout | None
+    _new_layout: Layout | None
     _predictor: Predictor
     _tuner: Tuner | None
     _pacer: Pacer
     _executor: Executor
     _timeline: Timeline | None
     _guarded_round: Callable[..., bool]
+    _advance: Callable[[list[int] | tuple[int, ...]], None]
+    _fresh_hit: Callable[[list[str] | None], None]
     _tuning: Callable[[], bool]
     _observe: Callable[[list[str], int], None]
     enqueue: Callable[..., Handle]
@@ -75,7 +78,8 @@ class BlockingCalls:
         ``wait``.
         """
         fresh = self._fresh
-        if fresh is not None and fresh.sole is not None and buf.__class__ is np.ndarray and not bfloat16:
+        if (fresh is not None and fresh.sole is not None and self._spec is None and buf.__class__ is np.ndarray
+                and not bfloat16):  # (an armed ``Spec`` comes first: its round is the one every rank runs first)
             meta = fresh.layout[0]
             if (op, buf.shape, buf.dtype, prescale, postscale) == fresh.sole and in_place_ok(buf.flags):
                 if name is None:
@@ -157,7 +161,7 @@ class BlockingCalls:
         stats = self.stats
         stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         stats["cache_hits"] += 1
-        self._spec = self._predictor.advance(spec.ids)
+        self._advance(spec.ids)
         self._fresh_last = None
         if self._tuning() and buf is not None:
             self._observe([name], buf.nbytes)
@@ -174,8 +178,9 @@ class BlockingCalls:
         pacer = self._pacer
         start = pacer.last_start = time.perf_counter()
         if not self._executor.fresh_one(spec, name, buf):
-            self._fresh = None
+            self._fresh = self._new_layout = None
             return False, False
+        self._fresh_hit([name])
         stats = self.stats
         stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         stats["full_requests"] += 1

@@ -1,6 +1,6 @@
 """The background engine: one thread per process that negotiates every collective; the executor runs them.
 
-Why this file is over 600 lines (~650): it is one idea, the loop and its rounds (fast, speculative, fresh and full
+Why this file is over 600 lines (~680): it is one idea, the loop and its rounds (fast, speculative, fresh and full
 negotiation), a state machine whose state must stay identical on every rank. Beside it: the pacing, the blocking
 calls' shortcuts, the checks of a submission, the table, and the executor that runs every collective.
 
@@ -31,7 +31,8 @@ Every rank takes the same kind of round, since the choice follows from state ide
 - *speculative*: once the ranks have seen which clean round follows the last one (``speculation.Predictor``), the
   next one is one allreduce of ``[flag, tensors...]`` (``speculation.Spec``: in place on shared memory at N=2, the
   flag in band over TCP, ``spark_hvd.core.algorithms.agreed``); a miss costs one small collective;
-- *fresh*: after two rounds of new names of one layout, the next is one allreduce of ``[flag, name digests,
+- *fresh*: after two rounds of new names of one layout, or a round that names the engine made up are expected to
+  follow (``_advance``: an unnamed call after each barrier), the next is one allreduce of ``[flag, name digests,
   tensors...]`` (``spark_hvd.core.engine.fresh``).
 
 Who runs a round: the engine thread, or a caller that waits on a handle (``drive``), which takes the round lock
@@ -147,6 +148,7 @@ class Engine(BlockingCalls):
                                     lambda: self._cache.version)
         self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.engine.fresh``)
         self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
+        self._new_layout: Layout | None = None  # ... of the last round of names the engine made up (``_advance``)
         self._fresh_specs: dict[Layout, FreshSpec] = {}
         self._timeline: Timeline | None = None
         if settings.timeline:
@@ -468,7 +470,7 @@ class Engine(BlockingCalls):
                 ready = [(TableEntry(*get(cache_id)), None) for cache_id in common]
                 progress = bool(common) or partial
                 if not partial:
-                    self._spec = self._predictor.advance(common)
+                    self._advance(common)
                     if common:
                         self._fresh_last = None
                     self._finish_round(ready, start, progress)
@@ -487,12 +489,13 @@ class Engine(BlockingCalls):
                     # that a loop of unnamed calls between barriers speculates on its barriers and does not guess
                     # the round after a barrier wrongly (``followed_by_new``)
                     self._spec = None
+                    layout = None if ids else fresh_layout([request.meta for request in fresh])
                     if any(made_up(entry.name, entry.meta.kind) for entry, _ in ready):
                         self._spec = self._predictor.followed_by_new()
+                        self._new_layout = layout
                     else:
                         self._predictor.forget_last()
                     # twice in a row new tensors of one layout: expect a third (``spark_hvd.core.engine.fresh``)
-                    layout = None if ids else fresh_layout([request.meta for request in fresh])
                     if layout is not None and layout == self._fresh_last:
                         self._fresh = self._fresh_spec(layout)
                     self._fresh_last = layout
@@ -565,7 +568,7 @@ class Engine(BlockingCalls):
         assert mine is not None
         with self._lock:
             requests = [self._local.pop(mine[cache_id].name) for cache_id in spec.ids]
-        self._spec = self._predictor.advance(spec.ids)
+        self._advance(spec.ids)
         self._fresh_last = None
         if self._tuning() and not spec.barrier:
             self._observe([request.name for request in requests], sum(request.buf.nbytes for request in requests))
@@ -573,6 +576,22 @@ class Engine(BlockingCalls):
         self._executor.round_done(start, len(requests))
         self._pacer.progressed(t1)
         return True
+
+    def _advance(self, ids: list[int] | tuple[int, ...]) -> None:
+        """A clean round agreed on ``ids``: the predictor learns it and arms the next speculation. When what it
+        expects next is a round of names the engine made up (``Predictor.expects_new``: an unnamed ``allreduce(t)``
+        after each ``barrier()``), the round of new names of the last such round's layout is armed instead
+        (``spark_hvd.core.engine.fresh``): that call is then one collective, not a fast round and the data. A wrong
+        layout costs one small collective and disarms it until the next round of made-up names."""
+        self._spec = spec = self._predictor.advance(ids)
+        if spec is None and self._fresh is None and self._new_layout is not None and self._predictor.expects_new():
+            self._fresh = self._fresh_spec(self._new_layout)
+
+    def _fresh_hit(self, names: Sequence[str] | None) -> None:
+        """A round of new names was agreed in one collective: when the engine made them up, the predictor learns
+        it as ``NEW`` (what follows it, a barrier, is speculated on), as when the round was negotiated."""
+        if names and all(made_up(name, "allreduce") for name in names):
+            self._spec = self._predictor.followed_by_new()
 
     def _fresh_spec(self, layout: Layout) -> FreshSpec:
         spec = self._fresh_specs.get(layout)
@@ -589,9 +608,10 @@ class Engine(BlockingCalls):
         names = None if mine is None else [request.name for request in mine]
         hit, t1 = self._executor.fresh(spec, names, None if mine is None else [request.buf for request in mine])
         if not hit:
-            self._fresh = None
+            self._fresh = self._new_layout = None
             return False
         assert mine is not None
+        self._fresh_hit(names)
         with self._lock:
             for request in mine:
                 self._local.pop(request.name)

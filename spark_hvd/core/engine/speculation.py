@@ -24,7 +24,8 @@ nothing: the benchmark's loops of two sizes in turn were otherwise relearnt from
 appeared, and the first loop's next two calls missed. A round of names the engine made up (``allreduce(t)`` with no
 name: ``allreduce.noname.N``, never submitted again) is learnt as the round ``NEW`` (``followed_by_new``): never
 speculated on, but what follows it is, so ``barrier(); allreduce(t)`` unnamed in a loop speculates on its barriers
-and guesses nothing after them (three collectives an iteration, against six when each was a broken context).
+and guesses nothing after them (three collectives an iteration, against six when each was a broken context);
+the engine then expects the made-up names by their layout (``expects_new``, ``spark_hvd.core.engine.fresh``): two.
 """
 
 from __future__ import annotations
@@ -186,13 +187,26 @@ class Predictor:
             self._before, self._last = self._last, now
         return self.predict()
 
+    def _seen(self) -> tuple[Ids | None, Ids, bool] | None:
+        """What was seen to follow the last clean round (the last two, else the last), if anything."""
+        last = self._last
+        if last is None:
+            return None
+        seen = None if self._before is None else self._follows2.get((self._before, last))
+        return self._follows.get(last) if seen is None else seen
+
+    def expects_new(self) -> bool:
+        """Whether the round armed after the last clean one is ``NEW``: a round of names the engine made up (an
+        unnamed ``allreduce(t)`` after each barrier), which no ``Spec`` can carry (its names are new), and which
+        the engine may expect by its layout instead (``spark_hvd.core.engine.fresh``)."""
+        seen = self._seen()
+        return seen is not None and seen[0] == NEW
+
     def predict(self) -> Spec | None:
         """The speculation for the round after the last clean one, if one is expected."""
         if self._last is None:
             return None
-        seen = None if self._before is None else self._follows2.get((self._before, self._last))
-        if seen is None:
-            seen = self._follows.get(self._last)
+        seen = self._seen()
         if seen is None:  # nothing seen after this round yet: expect it again (a loop's next step), where a wrong
             # guess costs no more than the negotiation it stands in for (``NEW`` never comes again)
             if self._last == NEW or not self._guessable(self._last):

@@ -182,6 +182,8 @@ class ShmGroup:
         os.close(fd)
         self._maps: list[mmap.mmap] = []
         self.ctrl: list[memoryview] = []
+        #: restores the creating thread's CPUs at ``close`` (``shm_bind``: set by whoever bound it)
+        self.unbind: Callable[[], None] | None = None
         self.slots: list[np.ndarray] = []
         self.paths = list(paths)
         self._addr: list[int] = []
@@ -220,6 +222,9 @@ class ShmGroup:
     def close(self) -> None:
         """Unmap everything (and unlink, in case that had not happened yet)."""
         self.unlink()
+        if self.unbind is not None:
+            self.unbind, unbind = None, self.unbind
+            unbind()
         for view in self.ctrl:
             view.release()
         self.ctrl = []
