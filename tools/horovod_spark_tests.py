@@ -12,8 +12,9 @@ and run in one pytest process with the alias on ``PYTHONPATH`` (its ``sitecustom
 workers and the ranks too). Each test is then put in one column:
 
 - pass; skip (Horovod's own skips: GPU, MPI, ...);
-- Horovod internals: it uses a Horovod name spark_hvd has no counterpart of (the alias's ``HorovodInternal``), or is
-  listed in ``INTERNAL`` below with why (it mocks an internal, so it fails on an assertion instead);
+- Horovod internals: it uses a Horovod name spark_hvd has no counterpart of (the alias's ``HorovodInternal``, or a
+  private method of a Horovod class), or is listed in ``INTERNAL`` below with why (it mocks an internal, so it fails
+  on an assertion instead);
 - params: an estimator param spark_hvd refuses; Keras 2 / Lightning 1: test code those versions' APIs broke;
 - run() keywords: a keyword of ``horovod.spark.run`` / ``run_elastic`` that spark_hvd does not take;
 - other: anything else (listed with its message: each is a spark_hvd gap or a documented difference).
@@ -109,7 +110,8 @@ def classify(junit: Path) -> list[tuple[str, str, str, str]]:
     """(file, test, column, message) for every test case of the junit XML."""
     rows = []
     for case in ET.parse(junit).getroot().iter("testcase"):
-        module = (case.get("classname") or "").split(".")[0]
+        parts = (case.get("classname") or "").split(".")
+        module = next((p for p in parts if p + ".py" in FILES), parts[0])
         name = case.get("name") or ""
         column, message = "pass", ""
         for tag in ("failure", "error", "skipped"):
@@ -121,7 +123,8 @@ def classify(junit: Path) -> list[tuple[str, str, str, str]]:
             full = (el.text or "") + text
             if tag == "skipped":
                 column = "skip"
-            elif "HorovodInternal" in full or "Horovod internal" in full or "'_Stub'" in full:
+            elif "HorovodInternal" in full or "Horovod internal" in full or "'_Stub'" in full or \
+                    re.search(r"object has no attribute '_", full):  # a private method of Horovod's classes
                 column = "internals"
             elif name in INTERNAL:
                 column, message = "internals", f"{INTERNAL[name]} ({message[:120]})"
