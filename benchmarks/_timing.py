@@ -1,5 +1,6 @@
-"""What ``estimator.py`` and ``estimator_keras.py`` share: the data, the Spark session, how an item is timed (the
-median of repeated wall-clock runs), the plain ``spark-hvd-run`` baseline and how results are written.
+"""What the benchmark scripts share: the data, the Spark session, how an item is timed (the median of repeated
+wall-clock runs; variants interleaved in one invocation), the plain ``spark-hvd-run`` baseline and how results are
+written.
 
 The benchmark scripts import it as ``_timing`` (their directory is ``sys.path[0]`` when run as scripts). Everything
 here runs in the driver; nothing of it is shipped to Spark's Python workers.
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 WIDTH = 32  # features per row; the models of both benchmarks are 32 -> 64 -> 64 -> 1 MLPs
@@ -177,6 +178,21 @@ def time_plain_run(template: str, tmp: str, name: str, train_path: str, batch: i
                 detail.update(json.loads(line.split("RESULT", 1)[1]))
 
     return median_time(run_plain, repeats), detail
+
+
+def interleaved(rounds: int, variants: Sequence[Any], run: Callable[[Any], dict],
+                value: Callable[[dict], Iterable[float]]) -> tuple[dict[Any, list[dict]], dict[Any, float]]:
+    """``run(variant)`` for every variant in turn, ``rounds`` times (a, b, a, b, ...: one invocation, so that both
+    sides see the same machine load); each result is printed as a JSON line on stderr as it comes. Returns the
+    results by variant and, by variant, the median of the numbers ``value(result)`` gives over all its results."""
+    results: dict[Any, list[dict]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            result = run(variant)
+            print(json.dumps(result, default=str), file=sys.stderr, flush=True)
+            results[variant].append(result)
+    medians = {v: statistics.median(x for r in rs for x in value(r)) for v, rs in results.items() if rs}
+    return results, medians
 
 
 def finish(results: dict, out: str | None) -> None:

@@ -16,11 +16,11 @@ import argparse
 import json
 import logging
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
+from _timing import finish, interleaved
 
 
 def _data(spark, rows: int = 600):
@@ -73,25 +73,14 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     df = _data(spark).cache()
     df.count()
-    results = []
-    for _ in range(args.repeats):
-        for p in (int(x) for x in args.parallelism.split(",")):
-            r = run_once(spark, df, p)
-            print(json.dumps(r), file=sys.stderr, flush=True)
-            results.append(r)
-    by_p: dict[int, list[float]] = {}
-    for r in results:
-        by_p.setdefault(r["parallelism"], []).append(r["seconds"])
-    summary = {"runs": results, "median_seconds": {p: float(np.median(v)) for p, v in by_p.items()},
-               "cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}
-    if 1 in by_p and 2 in by_p:
-        summary["ratio_p2_over_p1"] = round(summary["median_seconds"][2] / summary["median_seconds"][1], 3)
+    variants = [int(x) for x in args.parallelism.split(",")]
+    by_p, medians = interleaved(args.repeats, variants, lambda p: run_once(spark, df, p), lambda r: [r["seconds"]])
+    results = [r for rs in by_p.values() for r in rs]
+    summary = {"runs": results, "median_seconds": medians, "cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]}
+    if 1 in medians and 2 in medians:
+        summary["ratio_p2_over_p1"] = round(medians[2] / medians[1], 3)
         summary["same_best"] = len({json.dumps(r["best_params"], sort_keys=True) for r in results}) == 1
-    print(json.dumps(summary, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-
+    finish(summary, args.json)
 
 if __name__ == "__main__":
     main()

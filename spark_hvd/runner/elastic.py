@@ -32,15 +32,16 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from spark_hvd.core.elastic import HostsUpdatedInterrupt, set_link, state_max_bytes
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event, ServiceClient, current_client
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.horovod_kwargs import OutputStreams, horovod_env, np_alias
 from spark_hvd.runner.probe import SlotProbe
 from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slots import free_slots, free_slots_beside
@@ -261,7 +262,9 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 start_timeout: float | None = None, elastic_timeout: float | None = None,
                 reset_limit: int | None = None, env: dict[str, str] | None = None, verbose: int = 1, *,
                 use_gpu: bool | None = None, on_event: Callable[[Event], None] | None = None,
-                spark: Any = None, encrypt: bool | None = None) -> list[Any]:
+                spark: Any = None, encrypt: bool | None = None, stdout: TextIO | None = None,
+                stderr: TextIO | None = None, prefix_output_with_timestamp: bool = False,
+                nics: Iterable[str] | None = None, min_np: int | None = None, max_np: int | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job on Spark and return the results of its last attempt by rank.
 
     ``fn`` uses Horovod's elastic API (``hvd.elastic.run``, ``TorchState`` / ``KerasState``, ``state.commit()``).
@@ -280,11 +283,17 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
             ``HOROVOD_ELASTIC_TIMEOUT``, else 600); ``ElasticError`` names how many were missing.
         reset_limit: the most relaunches (after lost ranks or to grow); None: no limit.
         env, verbose, use_gpu, on_event, spark, encrypt: as for ``run``.
+        stdout, stderr, prefix_output_with_timestamp, nics: Horovod's, as for ``run``.
+        min_np, max_np: Horovod's deprecated names of ``min_num_proc``, ``max_num_proc``.
 
     Raises:
         ElasticError: too few slots within ``elastic_timeout``, or more resets than ``reset_limit``.
         RankFailedError: ``fn`` raised an exception of its own (not a lost rank).
     """
+    min_num_proc = np_alias(min_num_proc, min_np, "min_num_proc", "min_np")
+    max_num_proc = np_alias(max_num_proc, max_np, "max_num_proc", "max_np")
+    env = horovod_env(env, nics=nics, what="run_elastic")
+    output = OutputStreams(stdout, stderr, prefix_output_with_timestamp)
     spark = cluster.active_session(spark)
     start_s = start_timeout_s(start_timeout)
     elastic_s = elastic_timeout_s(elastic_timeout)
@@ -306,7 +315,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
             logger.info("spark_hvd run_elastic %s: attempt %d with %d ranks", run_id, attempt, size)
             try:
                 stage = Attempt(payload, size, secret, f"{run_id}a{attempt}", attempt, env, start_s, use_gpu, verbose,
-                                encrypt=encrypted)
+                                encrypt=encrypted, output=output)
                 results = run_attempt(spark, stage, events, driver.handlers())
                 why = "" if not any(isinstance(r, Resized) for r in results) else "to grow"
             except RankFailedError as exc:

@@ -36,6 +36,7 @@ from spark_hvd.core.transport.rendezvous import KVTable
 from spark_hvd.core.transport.wire import FramedSocket
 from spark_hvd.runner.client import MAX_FRAME, Event
 from spark_hvd.runner.errors import CONSEQUENCE_TYPES, RankFailure
+from spark_hvd.runner.horovod_kwargs import OutputStreams
 from spark_hvd.runner.progress import ProgressDisplay
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,10 @@ class DriverService:
                  on_event: Callable[[Event], None] | None = None,
                  on_failure: Callable[[RankFailure], None] | None = None,
                  attempt: int = 0, bind_host: str = "",
-                 handlers: dict[str, Callable[[int, Any], Any]] | None = None, encrypt: bool = False) -> None:
+                 handlers: dict[str, Callable[[int, Any], Any]] | None = None, encrypt: bool = False,
+                 output: OutputStreams | None = None) -> None:
         self.secret = secret
+        self.output = output or OutputStreams()
         self.encrypt = encrypt
         self.num_proc = num_proc
         self.job_id = job_id
@@ -259,10 +262,10 @@ class DriverService:
             return "error", f"{type(exc).__name__}: {exc}"
 
     def _print_lines(self, rank: int, stream: str, text: str) -> None:
-        if self.verbose < 1:
+        if self.output.write(rank, stream, text) or self.verbose < 1:
             return
         out = sys.stderr if stream == "stderr" else sys.stdout
-        self.display.write("".join(f"[{rank}] {line}\n" for line in text.splitlines()), out)
+        self.display.write(self.output.lines(rank, stream, text, horovod=False), out)
 
     def _add_event(self, event: Event) -> None:
         if self.attempt and event.attempt != self.attempt:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TextIO
 
 from spark_hvd import pickling
 from spark_hvd.core.jobenv import ENCRYPT, encrypt_requested
@@ -20,6 +20,7 @@ from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import NotEnoughSlotsError, RankFailedError, RunnerError, StartTimeoutError
+from spark_hvd.runner.horovod_kwargs import OutputStreams, horovod_env
 from spark_hvd.runner.script import as_callable
 from spark_hvd.runner.slot_ledger import LEDGER
 from spark_hvd.runner.slots import check_session_slots, resolve_num_proc, session_key, session_total_slots
@@ -111,7 +112,10 @@ def pickled(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> byte
 def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
         num_proc: int | None = None, env: dict[str, str] | None = None, start_timeout: float | None = None,
         use_gpu: bool | None = None, max_retries: int = 0, verbose: int = 1, *,
-        on_event: Callable[[Event], None] | None = None, spark: Any = None, encrypt: bool | None = None) -> list[Any]:
+        on_event: Callable[[Event], None] | None = None, spark: Any = None, encrypt: bool | None = None,
+        stdout: TextIO | None = None, stderr: TextIO | None = None, prefix_output_with_timestamp: bool = False,
+        nics: Iterable[str] | None = None, use_gloo: bool | None = None, use_mpi: bool | None = None,
+        extra_mpi_args: str | None = None, executable: str | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` (or a script) on ``num_proc`` ranks of one Spark barrier stage; the results by rank.
 
     Each rank has ``spark_hvd.core`` initialised (rank = partition id), so Horovod-style code inside ``fn``
@@ -147,13 +151,22 @@ def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kw
         encrypt: encrypt every frame between the ranks and with the driver's service (AES-256-GCM; shared memory
             within a host is unchanged; docs/reliability.md); None: ``SPARK_HVD_ENCRYPT`` of ``env`` or of the
             driver's environment, else off.
+        stdout, stderr: Horovod's: streams the ranks' output lines go to, as ``[rank]<stdout>:line`` (whatever
+            ``verbose`` says); ``prefix_output_with_timestamp`` starts each forwarded line with the time.
+        nics: Horovod's: the network interfaces the ranks use (``SPARK_HVD_NETWORK_INTERFACE``).
+        use_gloo, use_mpi, extra_mpi_args, executable: Horovod's launch choices: ``use_gloo`` True or None is
+            the built-in ring; ``use_mpi=True``, ``extra_mpi_args`` and ``executable`` are refused with what to
+            write instead (``spark_hvd.runner.horovod_kwargs``).
 
     Raises:
         RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
         NotEnoughSlotsError, StartTimeoutError (``StageNotStartedError`` on Connect), RunnerError.
     """
+    env = horovod_env(env, use_mpi=use_mpi, use_gloo=use_gloo, extra_mpi_args=extra_mpi_args, nics=nics,
+                      executable=executable)
     spark = cluster.active_session(spark)
-    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries, encrypt)
+    launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries, encrypt,
+                     OutputStreams(stdout, stderr, prefix_output_with_timestamp))
     return launch.run(spark, resolve_num_proc(spark, num_proc), use_gpu, verbose, on_event)
 
 
@@ -173,8 +186,9 @@ class _Launch:
 
     def __init__(self, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any], kwargs: dict[str, Any] | None,
                  env: dict[str, str] | None, start_timeout: float | None, max_retries: int,
-                 encrypt: bool | None = None) -> None:
+                 encrypt: bool | None = None, output: OutputStreams | None = None) -> None:
         self.start_timeout = start_timeout_s(start_timeout)
+        self.output = output
         if max_retries < 0:
             raise RunnerError(f"max_retries must be >= 0, got {max_retries}")
         self.max_retries = max_retries
@@ -204,7 +218,7 @@ class _Launch:
             try:
                 results = run_attempt(spark, Attempt(self.payload, num_proc, secret, f"{run_id}a{attempt}", attempt,
                                                      self.env, self.start_timeout, use_gpu, verbose,
-                                                     encrypt=self.encrypt), events)
+                                                     encrypt=self.encrypt, output=self.output), events)
             except (RankFailedError, StartTimeoutError, RunnerError) as exc:
                 if isinstance(exc, NotEnoughSlotsError) or attempt >= self.max_retries:
                     events.publish()

@@ -29,6 +29,7 @@ from spark_hvd.runner import cluster, compat
 from spark_hvd.runner.barrier_task import RESULT_SCHEMA, TaskSetup, make_mapper
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError, StageNotStartedError, StartTimeoutError
+from spark_hvd.runner.horovod_kwargs import OutputStreams
 from spark_hvd.runner.interrupt import QuietInterrupt
 from spark_hvd.runner.service import DriverService
 from spark_hvd.runner.slots import wait_tasks_gone
@@ -64,6 +65,8 @@ class Attempt:
     verbose: int = 1
     #: frames between the ranks and with the driver's service are encrypted (``run(encrypt=...)``)
     encrypt: bool = False
+    #: Horovod's ``stdout`` / ``stderr`` streams for the ranks' output lines (None: the driver's, by ``verbose``)
+    output: OutputStreams | None = None
 
 
 def stage_tag(job_id: str) -> str:
@@ -120,7 +123,8 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
             logger.exception("spark_hvd: cancelling the stage %s failed", stage.tag)
 
     service = DriverService(attempt.secret, num_proc, job_id=job_id, verbose=attempt.verbose, on_event=on_event,
-                            on_failure=cancel, attempt=attempt.attempt, handlers=handlers, encrypt=attempt.encrypt)
+                            on_failure=cancel, attempt=attempt.attempt, handlers=handlers, encrypt=attempt.encrypt,
+                            output=attempt.output)
     _, port = service.start()
     setup = TaskSetup(f"{cluster.driver_host(spark)}:{port}", attempt.secret, job_id, attempt.attempt, num_proc,
                       dict(attempt.env), attempt.use_gpu, attempt.payload, tee=not cluster.is_local_master(spark),

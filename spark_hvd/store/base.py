@@ -75,7 +75,7 @@ def scheme_of(url: str) -> str:
     """The store scheme of ``url``: ``""`` (local), ``file``, ``dbfs``, ``volumes``, ``hdfs``, or an fsspec one."""
     if url.startswith(("/Volumes/", "dbfs:/Volumes/")):
         return "volumes"
-    if url == "/dbfs" or url.startswith("/dbfs/"):
+    if url == "/dbfs" or url.startswith(("/dbfs/", "file:/dbfs/", "file:///dbfs/")):
         return "dbfs"
     m = _SCHEME_RE.match(url)
     if not m or len(m.group(1)) == 1:  # no scheme, or a Windows drive letter
@@ -236,8 +236,7 @@ class Store(ABC):
 
     def data_path(self, key: str) -> str:
         """``<prefix>/data/<key>``: the directory of one prepared dataset."""
-        _check_name(key, "dataset key")
-        return self.path("data", key)
+        return self._entry("data", key, "dataset key")
 
     def train_data_path(self, key: str) -> str:
         """``<prefix>/data/<key>/train``: the training Parquet files of a dataset."""
@@ -257,8 +256,32 @@ class Store(ABC):
 
     def run_path(self, run_id: str) -> str:
         """``<prefix>/runs/<run_id>``: everything of one training run."""
-        _check_name(run_id, "run_id")
-        return self.path("runs", run_id)
+        return self._entry("runs", run_id, "run_id")
+
+    def _entry(self, folder: str, name: str, what: str) -> str:
+        _check_name(name, what)
+        return self.path(folder, name)
+
+    # ------------------------------------------------------------------ Horovod's Store names
+    def get_full_path(self, path: str) -> str:
+        """Horovod's name of :meth:`spark_url`: the URL Spark and other tools use for the store path ``path``."""
+        return self.spark_url(path)
+
+    def get_localized_path(self, url: str) -> str:
+        """The store path of a URL :meth:`get_full_path` gave (the inverse; Horovod's name). A store path is
+        returned as it is; a URL of another store or filesystem is a ``StoreURLError``."""
+        if scheme_of(url) in ("", "dbfs") and url.startswith("/"):
+            return url
+        root = self.spark_url(self.prefix_path)
+        base = root.rstrip("/")
+        if url != root and url != base and not url.startswith(base + "/"):
+            raise StoreURLError(f"{url!r} is not a URL of the store {self.url!r} (its URLs start with {root!r})")
+        rest = url[len(base):].lstrip("/")
+        return posixpath.join(self.prefix_path, rest) if rest else self.prefix_path
+
+    def get_run_path(self, run_id: str) -> str:
+        """Horovod's name of :meth:`run_path`."""
+        return self.run_path(run_id)
 
     # ------------------------------------------------------------------ bytes and listings
     def exists(self, path: str) -> bool:
@@ -304,19 +327,7 @@ class Store(ABC):
 
         A missing directory lists as ``[]``.
         """
-        self._invalidate(path)
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        base = path.rstrip("/")
-        names = set()
-        for entry in entries:
-            name = posixpath.basename(str(entry).rstrip("/"))
-            if not name or name.startswith(TMP_PREFIX) or str(entry).rstrip("/") == base:
-                continue
-            names.add(name)
-        return sorted(names)
+        return [name for name in self._raw_names(path) if not name.startswith(TMP_PREFIX)]
 
     def list_runs(self) -> list[str]:
         """The run ids under ``<prefix>/runs``, sorted."""

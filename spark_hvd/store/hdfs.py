@@ -18,7 +18,9 @@ DEFAULT_PORT = 8020
 
 
 class HDFSStore(Store):
-    """A store under ``hdfs://namenode:port/path`` or ``hdfs:///path`` (the cluster's ``fs.defaultFS``).
+    """A store under ``hdfs://namenode:port/path`` or ``hdfs:///path`` (the cluster's ``fs.defaultFS``); an absolute
+    path without a scheme given to ``HDFSStore`` itself is ``hdfs:///path``, as in Horovod (``Store.create`` takes such
+    a path as a local one).
 
     Storage options (all optional): ``user``, ``kerb_ticket``, ``extra_conf`` (dict of Hadoop settings),
     ``replication``, ``buffer_size``, ``default_block_size``; they go to ``pyarrow.fs.HadoopFileSystem``, which needs
@@ -31,6 +33,8 @@ class HDFSStore(Store):
         unknown = sorted(set(storage_options) - set(HDFS_OPTIONS))
         if unknown:
             raise StoreURLError(f"unknown HDFS storage options {unknown} for {url!r}; known: {list(HDFS_OPTIONS)}")
+        if url.startswith("/"):
+            url = "hdfs://" + url
         parsed = urlparse(url)
         if parsed.scheme not in ("hdfs", "viewfs"):
             raise StoreURLError(f"not an HDFS URL: {url!r}")
@@ -79,6 +83,18 @@ class HDFSStore(Store):
         if self.host == "default":
             return f"{self.scheme}://{path}"
         return f"{self.scheme}://{self.host}:{self.port}{path}"
+
+    def get_localized_path(self, url: str) -> str:
+        """The path of an URL on this store's namenode (``hdfs://nn:8020/a/b`` -> ``/a/b``; Horovod's name); a path
+        is returned as it is. An URL of another namenode or scheme is a ``StoreURLError``."""
+        if url.startswith("/"):
+            return url
+        parsed = urlparse(url)
+        same = parsed.scheme == self.scheme and (parsed.hostname or "default") == self.host and (
+            parsed.hostname is None or (parsed.port or DEFAULT_PORT) == self.port)
+        if not same:
+            raise StoreURLError(f"{url!r} is not on the namenode of the store {self.url!r}")
+        return parsed.path or "/"
 
     def _rename(self, src: str, dst: str) -> None:
         self.pyarrow_filesystem().move(src, dst)

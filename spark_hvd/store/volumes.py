@@ -17,9 +17,8 @@ older runtime (``DATABRICKS_RUNTIME_VERSION``), on the driver, before anything i
 A single file rewritten in place (the metrics log) can be read half-written for a moment; everything a run
 resumes from is committed by manifest.
 
-Storage options:
-    fuse_root: where ``/Volumes`` lives (default ``/``, the real mount; tests point it at a temporary directory).
-    visibility_timeout_s: how long :meth:`wait_until_visible` waits by default (default 120).
+Storage options (``spark_hvd.store.fuse``): ``fuse_root``, where ``/Volumes`` lives (default ``/``, the real mount),
+and ``visibility_timeout_s``.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from typing import Any
 
-from spark_hvd.store.base import _poll
 from spark_hvd.store.errors import StoreError, StoreURLError
-from spark_hvd.store.local import LocalStore, _fsync
+from spark_hvd.store.fuse import FuseStore
+from spark_hvd.store.local import _fsync
 
 __all__ = ["VolumesStore", "is_volume_path"]
 
@@ -43,17 +41,12 @@ def is_volume_path(url: str) -> bool:
     return url.startswith(("/Volumes/", "dbfs:/Volumes/")) or url in ("/Volumes", "dbfs:/Volumes")
 
 
-class VolumesStore(LocalStore):
+class VolumesStore(FuseStore):
     """A store under ``/Volumes/<catalog>/<schema>/<volume>/<prefix>`` (see the module docstring)."""
 
-    supports_rename = False
+    kind = "Volumes"
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
-        options = dict(storage_options)
-        fuse_root = str(options.pop("fuse_root", "/")).rstrip("/")
-        timeout = float(options.pop("visibility_timeout_s", 120.0))
-        if options:
-            raise StoreURLError(f"unknown Volumes storage options {sorted(options)} for {url!r}")
+    def _mount_path(self, url: str) -> str:
         m = _VOLUME.match(url.rstrip("/"))
         if not m:
             raise StoreURLError(f"not a Unity Catalog volume path: {url!r} (expected "
@@ -63,11 +56,10 @@ class VolumesStore(LocalStore):
             raise StoreURLError(f"volume path {url!r} leaves its volume")
         _check_runtime(os.environ.get("DATABRICKS_RUNTIME_VERSION", ""), url)
         self.catalog, self.schema, self.volume = m.group(1, 2, 3)
-        self.fuse_root = fuse_root
-        self.visibility_timeout_s = timeout
-        super().__init__(fuse_root + rel)
-        self.url = rel
-        self.storage_options = dict(storage_options)
+        return rel
+
+    def _canonical_url(self, rel: str) -> str:
+        return rel
 
     def spark_url(self, path: str) -> str:
         """``dbfs:/Volumes/...`` for a path under the mount (Spark on Unity Catalog compute reads it)."""
@@ -91,11 +83,6 @@ class VolumesStore(LocalStore):
             f.flush()
             _fsync(f.fileno())
         self._record(path, data)
-
-    def wait_until_visible(self, path: str, timeout_s: float | None = None) -> None:
-        """Poll the mount until Spark's ``_SUCCESS`` file under ``path`` is visible."""
-        timeout = self.visibility_timeout_s if timeout_s is None else timeout_s
-        _poll(lambda: self.exists(posixpath.join(path, "_SUCCESS")), timeout, f"Spark output {path!r} in {self!r}")
 
 
 #: the first Databricks Runtime on which files written to /Volumes reach the volume (docs/stores.md)

@@ -8,6 +8,7 @@ descent run in one process, and every sample must be counted exactly once per ep
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import threading
@@ -244,14 +245,17 @@ def test_too_few_slots_within_elastic_timeout_names_what_is_missing(spark):
 
 
 def _raises() -> None:
+    print("a line before the bug", flush=True)
     raise ValueError("a bug in fn, not a lost rank")
 
 
 @pytest.mark.timeout(120)
 def test_an_exception_of_fn_fails_the_run_without_a_relaunch(spark):
+    out = io.StringIO()  # Horovod's stdout keyword and min_np name (its deprecated min_num_proc)
     with pytest.raises(RankFailedError, match="a bug in fn") as info:
-        run_elastic(_raises, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=5, verbose=0)
+        run_elastic(_raises, num_proc=2, min_np=1, max_num_proc=2, reset_limit=5, verbose=0, stdout=out)
     assert info.value.remote_type == "ValueError"
+    assert "]<stdout>:a line before the bug\n" in out.getvalue()
 
 
 def _rank_1_dies() -> None:

@@ -4,6 +4,7 @@ The tests taking ``any_spark`` run on the classic session and on a Spark Connect
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import sys
@@ -157,10 +158,18 @@ def test_env_passed_and_output_prefixed(spark, capsys):
         assert f"[{rank}] stdout line of rank {rank}" in out
         assert f"[{rank}] fd-level line of rank {rank}" in out
         assert f"[{rank}] stderr line of rank {rank}" in err
-    # the environment is restored afterwards: the Python workers are reused
-    assert run(_env_and_output, args=("MY_RUNNER_VAR",), num_proc=2, verbose=0) == ["<unset>", "<unset>"]
-    out, _ = capsys.readouterr()
-    assert "[0] stdout line" not in out
+    # the environment is restored afterwards: the Python workers are reused. Horovod's stdout / stderr streams get
+    # the lines in Horovod's format whatever verbose says; the driver's own streams get none with verbose=0
+    streams = io.StringIO(), io.StringIO()
+    assert run(_env_and_output, args=("MY_RUNNER_VAR",), num_proc=2, verbose=0, stdout=streams[0],
+               stderr=streams[1], use_gloo=True) == ["<unset>", "<unset>"]
+    out, err = capsys.readouterr()
+    assert "[0] stdout line" not in out and "stderr line" not in err
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:stdout line of rank {rank}\n" in streams[0].getvalue()
+        assert f"[{rank}]<stdout>:fd-level line of rank {rank}\n" in streams[0].getvalue()
+        assert f"[{rank}]<stderr>:stderr line of rank {rank}\n" in streams[1].getvalue()
+    assert "stderr line" not in streams[0].getvalue()
 
 
 def _reports(epochs: int) -> None:
