@@ -10,6 +10,7 @@ import torch
 from spark_hvd.core.compression import Compressor, NoneCompressor, framework_compression
 
 FP16Compressor, Compression = framework_compression(
-    __name__, half=torch.float16, is_floating=lambda dtype: dtype.is_floating_point, cast=lambda tensor, dtype: tensor.to(dtype))
+    __name__, half=torch.float16, is_floating=lambda dtype: dtype.is_floating_point,
+    cast=lambda tensor, dtype: tensor.to(dtype))
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
