@@ -92,11 +92,11 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             # a launcher started inside another job's rank must not hand that job's variables on
             child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
             child_env.update(env or {})
-            rank_env = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job.job_id, secret=job.secret,
+            contract = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job.job_id, secret=job.secret,
                               rendezvous=f"{job.kv_host}:{job.kv_port}",
                               service_address=f"127.0.0.1:{job.service_port}", encrypt=encrypt)
-            child_env.update(rank_env.to_env())
-            child_env.update(torchrun.torchrun_env(rank_env, *master))
+            child_env.update(contract.to_env())
+            child_env.update(torchrun.torchrun_env(contract, *master))
             child_env["PYTHONUNBUFFERED"] = "1"
             proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
