@@ -35,7 +35,57 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, prefix: st
         v.assign(buf)
 
 
-class KerasState(ObjectState):
+class VariablesState(ObjectState):
+    """Elastic state of a list of variables (Keras or TensorFlow), plus plain objects: numpy copies of their values
+    are the snapshot, taken on ``commit()`` (``save``) and by ``sync()``, assigned back on ``restore()``.
+
+    A subclass lists the variables (``_variables``), copies their values (``_values``) and broadcasts them
+    (``_broadcast``); it sets what ``_values`` reads before calling ``__init__``.
+    """
+
+    def __init__(self, **objects: Any) -> None:
+        self._saved_vars = self._values()
+        super().__init__(**objects)
+
+    def _variables(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _values(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def _broadcast(self, variables: list[Any]) -> None:
+        raise NotImplementedError
+
+    def save(self) -> None:
+        self._saved_vars = self._values()
+        super().save()
+
+    def restore(self) -> None:
+        variables = self._variables()
+        if len(variables) != len(self._saved_vars):
+            raise ValueError(f"{type(self).__name__}.restore: the snapshot has {len(self._saved_vars)} variables, "
+                             f"the state now has {len(variables)} (was a layer or an optimizer slot added since?)")
+        for var, value in zip(variables, self._saved_vars, strict=True):
+            var.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        self.sync_from_driver()
+        variables = self._variables()
+        if common.core().size() > 1 and variables:
+            self._broadcast(variables)
+        self._saved_vars = self._values()  # Horovod's: the synced values are the snapshot restore() goes back to
+        super().sync()
+
+    def snapshot(self) -> Any:
+        return {**super().snapshot(), "variables": self._saved_vars}
+
+    def load_snapshot(self, value: Any) -> None:
+        super().load_snapshot(value)
+        self._saved_vars = list(value["variables"])
+
+
+class KerasState(VariablesState):
     """Elastic state of a Keras training process (Horovod's ``hvd.elastic.KerasState``).
 
     Args:
@@ -50,7 +100,6 @@ class KerasState(ObjectState):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         if self.optimizer is not None and not self.optimizer.built and model.built:
             self.optimizer.build(model.trainable_variables)
-        self._saved_vars = self._values()
         super().__init__(**objects)
 
     def _variables(self) -> list[Any]:
@@ -61,29 +110,5 @@ class KerasState(ObjectState):
 
         return [np.array(keras.ops.convert_to_numpy(v), copy=True) for v in self._variables()]
 
-    def save(self) -> None:
-        self._saved_vars = self._values()
-        super().save()
-
-    def restore(self) -> None:
-        variables = self._variables()
-        if len(variables) != len(self._saved_vars):
-            raise ValueError(f"KerasState.restore: the snapshot has {len(self._saved_vars)} variables, the model and "
-                             f"optimizer now have {len(variables)} (was a layer or an optimizer slot added since?)")
-        for var, value in zip(variables, self._saved_vars, strict=True):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        self.sync_from_driver()
-        if common.core().size() > 1:
-            broadcast_variables(self._variables(), root_rank=0, prefix="elastic.keras")
-        self._saved_vars = self._values()  # Horovod's: the synced values are the snapshot restore() goes back to
-        super().sync()
-
-    def snapshot(self) -> Any:
-        return {**super().snapshot(), "variables": self._saved_vars}
-
-    def load_snapshot(self, value: Any) -> None:
-        super().load_snapshot(value)
-        self._saved_vars = list(value["variables"])
+    def _broadcast(self, variables: list[Any]) -> None:
+        broadcast_variables(variables, root_rank=0, prefix="elastic.keras")

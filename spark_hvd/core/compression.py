@@ -1,12 +1,14 @@
 """Gradient compression for allreduce: none, or float16 on the wire (Horovod's ``hvd.Compression``).
 
 One implementation serves every tensor type. ``FP16Compressor`` here works on numpy arrays; a framework binding
-subclasses it and supplies its own ``half`` dtype, ``is_floating`` test and ``cast`` (``spark_hvd.torch.compression``,
-``spark_hvd.keras.compression``), so the rule of what is compressed and how it is restored lives in one place.
+gets its subclass from ``framework_compression`` with its own ``half`` dtype, ``is_floating`` test and ``cast``
+(``spark_hvd.torch.compression``, ``spark_hvd.tensorflow.compression``, ``spark_hvd.mxnet.compression``), so the rule
+of what is compressed and how it is restored lives in one place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,3 +86,17 @@ class Compression:
 
     none: type[Compressor] = NoneCompressor
     fp16: type[Compressor] = FP16Compressor
+
+
+def framework_compression(module: str, half: Any, is_floating: Callable[[Any], bool],
+                          cast: Callable[[Any, Any], Any]) -> tuple[type[FP16Compressor], type[Compression]]:
+    """A binding's ``FP16Compressor`` (``half``: its float16 dtype; ``is_floating(dtype)``; ``cast(tensor,
+    dtype)``) and its ``Compression`` with that ``fp16``, both named as classes of ``module`` (the binding's
+    ``__name__``, which binds them under these names), so they pickle by reference as classes written there would."""
+    fp16 = type("FP16Compressor", (FP16Compressor,), {
+        "__module__": module, "__doc__": "Sends floating-point tensors as float16 (half the bytes), restoring the "
+                                         "dtype afterwards.",
+        "half": half, "is_floating": staticmethod(is_floating), "cast": staticmethod(cast)})
+    compression = type("Compression", (Compression,), {
+        "__module__": module, "__doc__": "``Compression.none`` and ``Compression.fp16``, as in Horovod.", "fp16": fp16})
+    return fp16, compression

@@ -98,32 +98,30 @@ def reduce_into(acc: np.ndarray, other: np.ndarray, op: ReduceOp, bfloat16: bool
 
 def scale_inplace(buf: np.ndarray, factor: float, bfloat16: bool = False) -> None:
     """``buf *= factor`` in place; integers are truncated toward zero (as Horovod does)."""
-    if factor == 1.0:
-        return
-    if bfloat16:
-        wide = bf16_to_f32(buf)
-        np.multiply(wide, np.float32(factor), out=wide)
-        f32_to_bf16(wide, buf)
-    elif buf.dtype == np.float16:  # scaled in float32 and rounded once, as Horovod does (not by a float16 factor)
-        np.multiply(buf, np.float32(factor), out=buf, dtype=np.float32, casting="unsafe")
-    elif buf.dtype.kind == "f":
-        np.multiply(buf, buf.dtype.type(factor), out=buf)
-    else:
-        buf[...] = np.trunc(buf * np.float64(factor))
+    if factor != 1.0:
+        _by_scalar(np.multiply, buf, factor, bfloat16)
 
 
 def divide_average(buf: np.ndarray, size: int, bfloat16: bool = False) -> None:
     """Turn a sum over ``size`` ranks into their average, in place (integers truncate toward zero)."""
-    if size == 1:
-        return
+    if size != 1:
+        _by_scalar(np.divide, buf, size, bfloat16)
+
+
+def _by_scalar(ufunc: np.ufunc, buf: np.ndarray, value: float, bfloat16: bool) -> None:
+    """``buf = ufunc(buf, value)`` in place: bfloat16 and float16 computed in float32 and rounded once (as Horovod
+    does; for float16 the same bits as float16 arithmetic where ``value`` is a float16, as a rank count is), other
+    floats in their own dtype, integers in float64 and truncated toward zero."""
     if bfloat16:
         wide = bf16_to_f32(buf)
-        np.divide(wide, np.float32(size), out=wide)
+        ufunc(wide, np.float32(value), out=wide)
         f32_to_bf16(wide, buf)
+    elif buf.dtype == np.float16:  # not by a float16 factor: 0.1 would be rounded to float16 first
+        ufunc(buf, np.float32(value), out=buf, dtype=np.float32, casting="unsafe")
     elif buf.dtype.kind == "f":
-        np.divide(buf, buf.dtype.type(size), out=buf)
+        ufunc(buf, buf.dtype.type(value), out=buf)
     else:
-        buf[...] = np.trunc(buf / np.float64(size))
+        buf[...] = np.trunc(ufunc(buf, np.float64(value)))
 
 
 def reference_reduce(arrays: list[np.ndarray], op: ReduceOp, bfloat16: bool = False) -> np.ndarray:

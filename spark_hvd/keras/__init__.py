@@ -32,42 +32,19 @@ from spark_hvd.keras.distributed_optimizer import (
 )
 from spark_hvd.keras.functions import broadcast_global_variables, broadcast_variables
 
+# the collectives, ``init`` and ``Compression`` on the tensors of Keras's backend: one module of each backend has them
 if keras.backend.backend() == "tensorflow":
-    from spark_hvd.keras.compression import Compression
-    from spark_hvd.keras.mpi_ops import (
-        allgather,
-        allreduce,
-        alltoall,
-        broadcast,
-        grouped_allreduce,
-        init,
-        reducescatter,
-    )
+    from spark_hvd.keras import mpi_ops as _ops
 elif keras.backend.backend() == "torch":  # Keras on torch: the tensors are torch tensors
-    from spark_hvd.torch.collectives import (  # type: ignore[assignment]
-        allgather,
-        allreduce,
-        alltoall,
-        broadcast,
-        grouped_allreduce,
-        reducescatter,
-    )
-    from spark_hvd.torch.compression import Compression  # type: ignore[assignment]
-    from spark_hvd.torch.mpi_ops import init  # type: ignore[assignment]
+    import spark_hvd.torch as _ops  # type: ignore[no-redef]
 elif keras.backend.backend() == "jax":  # Keras on JAX: the arrays are jax.Arrays (CPU)
-    from spark_hvd.keras.jax_ops import (  # type: ignore[assignment]
-        Compression,
-        allgather,
-        allreduce,
-        alltoall,
-        broadcast,
-        grouped_allreduce,
-        init,
-        reducescatter,
-    )
+    from spark_hvd.keras import jax_ops as _ops  # type: ignore[no-redef]
 else:
     raise ImportError(f"spark_hvd.keras supports the Keras TensorFlow, torch and JAX backends; this process runs "
                       f"Keras on {keras.backend.backend()!r} (set KERAS_BACKEND=tensorflow, torch or jax)")
+Compression, allgather, allreduce, alltoall, broadcast, grouped_allreduce, init, reducescatter = (
+    _ops.Compression, _ops.allgather, _ops.allreduce, _ops.alltoall, _ops.broadcast, _ops.grouped_allreduce, _ops.init,
+    _ops.reducescatter)
 
 
 def _builtin_optimizer_classes() -> list[type]:

@@ -21,25 +21,9 @@ from spark_hvd.core import compression as _compression
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 
-
-class FP16Compressor(_compression.FP16Compressor):
-    """Sends floating-point JAX arrays as float16, restoring the dtype afterwards."""
-
-    half = jnp.float16
-
-    @staticmethod
-    def is_floating(dtype: Any) -> bool:
-        return jnp.issubdtype(dtype, jnp.floating)
-
-    @staticmethod
-    def cast(tensor: Any, dtype: Any) -> Any:
-        return tensor.astype(dtype)
-
-
-class Compression(_compression.Compression):
-    """``Compression.none`` and ``Compression.fp16``, as in Horovod."""
-
-    fp16 = FP16Compressor
+FP16Compressor, Compression = _compression.framework_compression(
+    __name__, half=jnp.float16, is_floating=lambda dtype: jnp.issubdtype(dtype, jnp.floating),
+    cast=lambda tensor, dtype: tensor.astype(dtype))
 
 
 def init(*args: Any, **kwargs: Any) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import shlex
 import signal
 import subprocess
@@ -39,22 +38,19 @@ from collections.abc import Callable, Sequence
 from spark_hvd import __version__
 from spark_hvd.core import torchrun
 from spark_hvd.core.jobenv import JobEnv, encrypt_requested, env_names
-from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import hosts
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.horovod_flags import add_horovod_flags
+from spark_hvd.runner.job_services import JobServices
 from spark_hvd.runner.multihost import run_hosts
 from spark_hvd.runner.procs import (  # noqa: F401 - LaunchResult, describe_exit: part of this module's API
-    PIPE_DRAIN_S,
     TIMEOUT_EXIT_CODE,
     LaunchResult,
-    RankOutput,
     RankProcess,
     describe_exit,
     kill_and_drain,
     wait_ranks,
 )
-from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
 
@@ -80,21 +76,11 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
         raise ValueError(f"np must be >= 1, got {np}")
     if not argv:
         raise ValueError("no command given to run")
-    from spark_hvd.core.transport.rendezvous import KVStoreServer
-
-    secret = make_secret()
-    job_id = secrets.token_hex(4)
-    result = LaunchResult(returncode=0)
-    output = RankOutput(result, capture, on_event)
-    sink, add_event = output.line, output.event
-
     if encrypt is None:
         encrypt = encrypt_requested({**os.environ, **(env or {})})
-    kv = KVStoreServer(secret, encrypt=encrypt)
-    kv_host, kv_port = kv.start()
-    service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
-                            bind_host="127.0.0.1", encrypt=encrypt)
-    _, service_port = service.start()
+    job = JobServices.start(np, kv_host="127.0.0.1", bind_host="127.0.0.1", encrypt=encrypt, capture=capture,
+                            verbose=verbose, on_event=on_event)
+    result, sink = job.result, job.output.line
     ranks: list[RankProcess] = []
     launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
     master = torchrun.master_address("127.0.0.1:0")  # local ranks: MASTER_ADDR is loopback
@@ -106,22 +92,19 @@ def run_local(argv: Sequence[str], np: int, env: dict[str, str] | None = None, t
             # a launcher started inside another job's rank must not hand that job's variables on
             child_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
             child_env.update(env or {})
-            job = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job_id, secret=secret,
-                         rendezvous=f"{kv_host}:{kv_port}", service_address=f"127.0.0.1:{service_port}",
-                         encrypt=encrypt)
-            child_env.update(job.to_env())
-            child_env.update(torchrun.torchrun_env(job, *master))
+            contract = JobEnv(rank=rank, size=np, local_rank=rank, local_size=np, job_id=job.job_id, secret=job.secret,
+                              rendezvous=f"{job.kv_host}:{job.kv_port}",
+                              service_address=f"127.0.0.1:{job.service_port}", encrypt=encrypt)
+            child_env.update(contract.to_env())
+            child_env.update(torchrun.torchrun_env(contract, *master))
             child_env["PYTHONUNBUFFERED"] = "1"
             proc = subprocess.Popen(list(argv), env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True)
             ranks.append(RankProcess(rank, proc, sink))
         wait_ranks(ranks, result, timeout, grace_s)
     finally:
-        kill_and_drain(ranks, grace_s, job_id)
-        result.returncodes = [r.proc.returncode for r in ranks]
-        service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
-        service.stop()
-        kv.stop()
+        kill_and_drain(ranks, grace_s, job.job_id)
+        job.finish(ranks)
     if result.failure is not None:
         result.failure.stderr_tail = list(ranks[result.failure.rank].stderr_tail)
     return result

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -43,15 +42,13 @@ from spark_hvd.core.transport.addresses import (
     non_loopback_address,
     route_towards,
 )
-from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner import rank_tree
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import LaunchFailure
 from spark_hvd.runner.hosts import Placement, is_local_host
+from spark_hvd.runner.job_services import JobServices
 from spark_hvd.runner.procs import (
-    PIPE_DRAIN_S,
     LaunchResult,
-    RankOutput,
     RankProcess,
     describe_exit,
     kill_and_drain,
@@ -70,7 +67,6 @@ from spark_hvd.runner.remote import (
     remote_command,
     request,
 )
-from spark_hvd.runner.service import DriverService
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +169,11 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
         extra[NETWORK_INTERFACE_ENV] = network_interface
     host = rendezvous_host(placements, remote, {**os.environ, **extra})
     bind = "" if any(remote) else "127.0.0.1"
-    secret = make_secret()
-    job_id = secrets.token_hex(4)
-    result = LaunchResult(returncode=0)
-    output = RankOutput(result, capture, on_event)
-    add_event = output.event
+    if encrypt is None:
+        encrypt = encrypt_requested({**os.environ, **extra})
+    job = JobServices.start(np, kv_host=bind or "0.0.0.0", bind_host=bind, encrypt=encrypt, capture=capture,
+                            verbose=verbose, on_event=on_event)
+    result, output = job.result, job.output
     marks = _Marks()
 
     def sink(rank: int, stream: str, line: str) -> None:
@@ -204,15 +200,6 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
             return
         output.line(rank, stream, line)
 
-    from spark_hvd.core.transport.rendezvous import KVStoreServer
-
-    if encrypt is None:
-        encrypt = encrypt_requested({**os.environ, **extra})
-    kv = KVStoreServer(secret, host=bind or "0.0.0.0", encrypt=encrypt)
-    _, kv_port = kv.start()
-    service = DriverService(secret, np, job_id=job_id, verbose=0 if capture else verbose, on_event=add_event,
-                            bind_host=bind, encrypt=encrypt)
-    _, service_port = service.start()
     ranks: list[RankProcess] = []
     launch_vars = set(env_names()) | set(torchrun.TORCHRUN_VARS)
     # torchrun's variables too; MASTER_ADDR is rank 0's host, MASTER_PORT torchrun's default (only code that opens
@@ -229,10 +216,12 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
     pythons = python_candidates(remote_python or os.environ.get(REMOTE_PYTHON_ENV), sys.executable)
     try:
         for p, is_remote in zip(placements, remote, strict=True):
-            job = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
-                         cross_rank=p.cross_rank, cross_size=p.cross_size, job_id=job_id, secret=secret,
-                         rendezvous=f"{host}:{kv_port}", service_address=f"{host}:{service_port}", encrypt=encrypt)
-            rank_env = {**extra, **job.to_env(), **torchrun.torchrun_env(job, *master), "PYTHONUNBUFFERED": "1"}
+            contract = JobEnv(rank=p.rank, size=np, local_rank=p.local_rank, local_size=p.local_size,
+                              cross_rank=p.cross_rank, cross_size=p.cross_size, job_id=job.job_id, secret=job.secret,
+                              rendezvous=f"{host}:{job.kv_port}", service_address=f"{host}:{job.service_port}",
+                              encrypt=encrypt)
+            rank_env = {**extra, **contract.to_env(), **torchrun.torchrun_env(contract, *master),
+                        "PYTHONUNBUFFERED": "1"}
             if is_remote:
                 shell_argv = ssh_argv(ssh_command, p.host, remote_command(pythons, cwd), ssh_port, identity_file,
                                       min(connect_timeout, start_timeout))
@@ -278,11 +267,8 @@ def run_hosts(argv: Sequence[str], placements: Sequence[Placement], *, ssh_comma
 
         wait_ranks(ranks, result, timeout, _remote_stop_s(grace_s), check=check)
     finally:
-        _stop_all(ranks, grace_s, job_id)
-        result.returncodes = [r.proc.returncode for r in ranks]
-        service.wait_finished(5.0 if result.returncode == 0 else PIPE_DRAIN_S, only_started=True)
-        service.stop()
-        kv.stop()
+        _stop_all(ranks, grace_s, job.job_id)
+        job.finish(ranks)
     if result.failure is not None and marks.unusable:  # a host that could not run the remote end comes first
         rank = min(marks.unusable)
         code = ranks[rank].proc.returncode or 127

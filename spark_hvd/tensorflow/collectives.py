@@ -18,7 +18,7 @@ reducescatter (+ grouped)     allgather of ``g``, times ``size`` for Sum, times 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -54,22 +54,33 @@ def _zeros_for(dys: Sequence[Any], xs: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     return [tf.zeros_like(x) if dy is None else tf.convert_to_tensor(dy) for dy, x in zip(dys, xs, strict=True)]
 
 
-def _allreduce_diff(tensors: list[tf.Tensor], name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                    process_set: ProcessSet) -> list[tf.Tensor]:
-    names = _names("GroupedAllreduce" if len(tensors) > 1 else "Allreduce", name, tensors)
+def _differentiable(run: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+                    gradient: Callable[[Sequence[Any], Sequence[tf.Tensor], Any], list[tf.Tensor]],
+                    tensors: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``run(tensors)`` (a raw op of ``mpi_ops`` on a list); where a gradient tape may record it (``_recording``),
+    inside a ``tf.custom_gradient`` whose gradient of the upstream ``dys`` is ``gradient(dys, xs, outs)``."""
     if not _recording():
-        return mpi_ops.allreduce_raw(tensors, names, op, prescale, postscale, process_set)
+        return run(tensors)
 
     @tf.custom_gradient
     def fn(*xs: tf.Tensor) -> Any:
-        outs = mpi_ops.allreduce_raw(list(xs), names, op, prescale, postscale, process_set)
+        outs = run(list(xs))
 
         def grad(*dys: Any) -> list[tf.Tensor]:
-            return _allreduce_diff(_zeros_for(dys, xs), None, op, prescale, postscale, process_set)
+            return gradient(dys, xs, outs)
         return outs, grad
 
     out = fn(*tensors)
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _allreduce_diff(tensors: list[tf.Tensor], name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                    process_set: ProcessSet) -> list[tf.Tensor]:
+    names = _names("GroupedAllreduce" if len(tensors) > 1 else "Allreduce", name, tensors)
+    return _differentiable(
+        lambda xs: mpi_ops.allreduce_raw(xs, names, op, prescale, postscale, process_set),
+        lambda dys, xs, _outs: _allreduce_diff(_zeros_for(dys, xs), None, op, prescale, postscale, process_set),
+        tensors)
 
 
 def _sparse_allreduce(value: tf.IndexedSlices, op: ReduceOp, prescale: float, postscale: float,
@@ -137,30 +148,21 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 def _allgather_diff(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     names = _names("Allgather", name, tensors)
-    if not _recording():
-        return mpi_ops.allgather_raw(tensors, names, process_set)
 
-    @tf.custom_gradient
-    def fn(*xs: tf.Tensor) -> Any:
-        outs = mpi_ops.allgather_raw(list(xs), names, process_set)
+    def grad(dys: Sequence[Any], xs: Sequence[tf.Tensor], outs: Any) -> list[tf.Tensor]:
+        dys = _zeros_for(dys, outs)
+        reduced = [mpi_ops.allreduce_raw([d], [mpi_ops.op_name("Allreduce", None, [d])], ReduceOp.AVERAGE,
+                                         1.0, 1.0, process_set)[0] for d in dys]
+        rows = [tf.reshape(tf.shape(x, out_type=tf.int32)[0], [1]) for x in xs]
+        counts = mpi_ops.allgather_raw(rows, [mpi_ops.op_name("Allgather", None, [r]) for r in rows], process_set)
+        r = mpi_ops.set_rank(process_set)
+        res = []
+        for g, c in zip(reduced, counts, strict=True):
+            start = tf.reduce_sum(c[:r])
+            res.append(g[start:start + c[r]])
+        return res
 
-        def grad(*dys: Any) -> list[tf.Tensor]:
-            dys = _zeros_for(dys, outs)
-            reduced = [mpi_ops.allreduce_raw([d], [mpi_ops.op_name("Allreduce", None, [d])], ReduceOp.AVERAGE,
-                                             1.0, 1.0, process_set)[0] for d in dys]
-            rows = [tf.reshape(tf.shape(x, out_type=tf.int32)[0], [1]) for x in xs]
-            counts = mpi_ops.allgather_raw(rows, [mpi_ops.op_name("Allgather", None, [r]) for r in rows],
-                                           process_set)
-            r = mpi_ops.set_rank(process_set)
-            res = []
-            for g, c in zip(reduced, counts, strict=True):
-                start = tf.reduce_sum(c[:r])
-                res.append(g[start:start + c[r]])
-            return res
-        return outs, grad
-
-    out = fn(*tensors)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    return _differentiable(lambda xs: mpi_ops.allgather_raw(xs, names, process_set), grad, tensors)
 
 
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
@@ -247,21 +249,14 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
 def _reducescatter_diff(tensors: list[tf.Tensor], name: str | None, op: ReduceOp, prescale: float,
                         postscale: float, process_set: ProcessSet) -> list[tf.Tensor]:
     names = _names("Reducescatter", name, tensors)
-    if not _recording():
-        return mpi_ops.reducescatter_raw(tensors, names, op, prescale, postscale, process_set)
 
-    @tf.custom_gradient
-    def fn(*xs: tf.Tensor) -> Any:
-        outs = mpi_ops.reducescatter_raw(list(xs), names, op, prescale, postscale, process_set)
+    def grad(dys: Sequence[Any], _xs: Sequence[tf.Tensor], outs: Any) -> list[tf.Tensor]:
+        factor = (mpi_ops.set_size(process_set) if op is ReduceOp.SUM else 1.0) * prescale * postscale
+        dys = [d * tf.cast(factor, d.dtype) if factor != 1.0 else d for d in _zeros_for(dys, outs)]
+        return mpi_ops.allgather_raw(dys, [mpi_ops.op_name("Allgather", None, [d]) for d in dys], process_set)
 
-        def grad(*dys: Any) -> list[tf.Tensor]:
-            factor = (mpi_ops.set_size(process_set) if op is ReduceOp.SUM else 1.0) * prescale * postscale
-            dys = [d * tf.cast(factor, d.dtype) if factor != 1.0 else d for d in _zeros_for(dys, outs)]
-            return mpi_ops.allgather_raw(dys, [mpi_ops.op_name("Allgather", None, [d]) for d in dys], process_set)
-        return outs, grad
-
-    out = fn(*tensors)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    return _differentiable(lambda xs: mpi_ops.reducescatter_raw(xs, names, op, prescale, postscale, process_set),
+                           grad, tensors)
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,

@@ -5,32 +5,11 @@ The logic is ``spark_hvd.core.compression``'s; this module only supplies TensorF
 
 from __future__ import annotations
 
-from typing import Any
-
 import tensorflow as tf
 
-from spark_hvd.core import compression as _core
-from spark_hvd.core.compression import Compressor, NoneCompressor
+from spark_hvd.core.compression import Compressor, NoneCompressor, framework_compression
 
-
-class FP16Compressor(_core.FP16Compressor):
-    """Sends floating-point tensors as float16 (half the bytes), restoring the dtype afterwards."""
-
-    half = tf.float16
-
-    @staticmethod
-    def is_floating(dtype: tf.DType) -> bool:
-        return dtype.is_floating
-
-    @staticmethod
-    def cast(tensor: tf.Tensor, dtype: Any) -> tf.Tensor:
-        return tf.cast(tensor, dtype)
-
-
-class Compression(_core.Compression):
-    """``Compression.none`` and ``Compression.fp16``, as in Horovod."""
-
-    fp16 = FP16Compressor
-
+FP16Compressor, Compression = framework_compression(
+    __name__, half=tf.float16, is_floating=lambda dtype: dtype.is_floating, cast=tf.cast)
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]

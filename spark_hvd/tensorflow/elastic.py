@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from spark_hvd import _binding_common as common
-from spark_hvd._keras_common.state import KerasState
+from spark_hvd._keras_common.state import KerasState, VariablesState
 from spark_hvd.core.elastic import ElasticSampler, HostsUpdatedInterrupt, ObjectState, State, run_fn
 from spark_hvd.tensorflow.functions import broadcast_variables
 
@@ -30,7 +30,7 @@ class TensorFlowKerasState(KerasState):
         super().__init__(model, optimizer, **objects)
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(VariablesState):
     """Elastic state of a list of ``tf.Variable`` (Horovod's; eager only, ``session`` must be None).
 
     Args:
@@ -42,34 +42,16 @@ class TensorFlowState(ObjectState):
         if session is not None:
             raise NotImplementedError("TensorFlowState(session=...): TF1 sessions are not supported; run eagerly")
         self.variables = list(variables or [])
-        self._saved_vars = self._values()
         super().__init__(**objects)
+
+    def _variables(self) -> list[Any]:
+        return self.variables
 
     def _values(self) -> list[np.ndarray]:
         return [np.array(tf.convert_to_tensor(v).numpy(), copy=True) for v in self.variables]
 
-    def save(self) -> None:
-        self._saved_vars = self._values()
-        super().save()
-
-    def restore(self) -> None:
-        for var, value in zip(self.variables, self._saved_vars, strict=True):
-            var.assign(value)
-        super().restore()
-
-    def sync(self) -> None:
-        self.sync_from_driver()
-        if common.core().size() > 1 and self.variables:
-            broadcast_variables(self.variables, root_rank=0)
-        self._saved_vars = self._values()
-        super().sync()
-
-    def snapshot(self) -> Any:
-        return {**super().snapshot(), "variables": self._saved_vars}
-
-    def load_snapshot(self, value: Any) -> None:
-        super().load_snapshot(value)
-        self._saved_vars = list(value["variables"])
+    def _broadcast(self, variables: list[Any]) -> None:
+        broadcast_variables(variables, root_rank=0)
 
 
 def _reset() -> None:

@@ -28,6 +28,7 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet
 from spark_hvd.torch import mpi_ops
 from spark_hvd.torch.compression import Compressor
+from spark_hvd.torch.passes import count_pass
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):
@@ -67,13 +68,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         pid = id(p)
         if pid not in self._hvd_delay:
             return
-        if self._hvd_delay[pid] <= 0:
-            raise AssertionError(
-                f"gradient of parameter {self._hvd_names[pid]!r} was computed more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} times before optimizer.step(); increase backward_passes_per_step "
-                "to accumulate gradients locally")
-        self._hvd_delay[pid] -= 1
-        if self._hvd_delay[pid] == 0:
+        if count_pass(self, pid, "optimizer.step()"):
             self._hvd_step_and_submit(p)
 
     def _hvd_local_step(self, p: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ The allgather and broadcast gradients are averages, not sums: Horovod's conventi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +44,28 @@ def _row_offset(rows: int, process_set: ProcessSet) -> int:
     counts = mpi_ops.synchronize(mpi_ops.allgather_async(torch.tensor([rows], dtype=torch.int64),
                                                          process_set=process_set))
     return int(counts[:mpi_ops.set_rank(process_set)].sum())
+
+
+def _submit_grouped(submit: Callable[..., mpi_ops.Handle], tensors: Sequence[torch.Tensor], name: str | None,
+                    op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet) -> list[torch.Tensor]:
+    """``submit`` (``mpi_ops.grouped_allreduce_async`` or ``grouped_reducescatter_async``) of ``tensors``, waited
+    for."""
+    return list(mpi_ops.synchronize(submit(list(tensors), name=name, op=op, prescale_factor=prescale,
+                                           postscale_factor=postscale, process_set=process_set)))
+
+
+def _grouped_reduction(function: type[torch.autograd.Function], submit: Callable[..., mpi_ops.Handle],
+                       tensors: Sequence[torch.Tensor], compression: type[Compressor], name: str | None,
+                       op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet) -> list[torch.Tensor]:
+    """A grouped allreduce or reducescatter: ``tensors`` compressed, reduced through the autograd ``function``
+    where a gradient is wanted (else by ``submit`` alone), and the results decompressed."""
+    pairs = [compression.compress(t) for t in tensors]
+    compressed = [p[0] for p in pairs]
+    if compressed and _wants_grad(*compressed):
+        outs = list(function.apply(name, op, prescale, postscale, process_set, *compressed))
+    else:
+        outs = _submit_grouped(submit, compressed, name, op, prescale, postscale, process_set)
+    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -92,19 +114,15 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
-        return tuple(mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(tensors), name=name, op=op,
-                                                                         prescale_factor=prescale,
-                                                                         postscale_factor=postscale,
-                                                                         process_set=process_set)))
+        return tuple(_submit_grouped(mpi_ops.grouped_allreduce_async, tensors, name, op, prescale, postscale,
+                                     process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         if ctx.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise RuntimeError(f"grouped_allreduce with op {ctx.op.name.title()} is not differentiable")
-        outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(list(grads), op=ctx.op,
-                                                                   prescale_factor=ctx.prescale,
-                                                                   postscale_factor=ctx.postscale,
-                                                                   process_set=ctx.ps))
+        outs = _submit_grouped(mpi_ops.grouped_allreduce_async, grads, None, ctx.op, ctx.prescale, ctx.postscale,
+                               ctx.ps)
         return (None, None, None, None, None, *outs)
 
 
@@ -114,17 +132,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Reduce several tensors as one collective; returns new tensors. Differentiable."""
     common.require_init("grouped_allreduce()")
-    rop = common.resolve_op(op, average)
-    pairs = [compression.compress(t) for t in tensors]
-    compressed = [p[0] for p in pairs]
-    if compressed and _wants_grad(*compressed):
-        outs = list(_GroupedAllreduce.apply(name, rop, prescale_factor, postscale_factor, process_set, *compressed))
-    else:
-        outs = mpi_ops.synchronize(mpi_ops.grouped_allreduce_async(compressed, name=name, op=rop,
-                                                                   prescale_factor=prescale_factor,
-                                                                   postscale_factor=postscale_factor,
-                                                                   process_set=process_set))
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
+    return _grouped_reduction(_GroupedAllreduce, mpi_ops.grouped_allreduce_async, tensors, compression, name,
+                              common.resolve_op(op, average), prescale_factor, postscale_factor, process_set)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -246,6 +255,12 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
 # reducescatter
 # --------------------------------------------------------------------------------------------------------------
 
+def _check_differentiable(op: ReduceOp) -> None:
+    """A reducescatter that takes part in autograd reduces by Average or Sum (its backward: a scaled allgather)."""
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"reducescatter with op {op.name.title()} is not differentiable; use Average or Sum")
+
+
 def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, prescale: float, postscale: float,
                         process_set: ProcessSet) -> torch.Tensor:
     factor = (mpi_ops.set_size(process_set) if op is ReduceOp.SUM else 1) * prescale * postscale
@@ -277,8 +292,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     rop = common.resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
     if _wants_grad(compressed):
-        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
+        _check_differentiable(rop)
         out = _Reducescatter.apply(compressed, name, rop, prescale_factor, postscale_factor, process_set)
     else:
         out = mpi_ops.synchronize(mpi_ops.reducescatter_async(compressed, name, rop, prescale_factor=prescale_factor,
@@ -291,9 +305,10 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        _check_differentiable(op)
         ctx.op, ctx.prescale, ctx.postscale, ctx.ps = op, prescale, postscale, process_set
-        return tuple(mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
-            list(tensors), name, op, prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)))
+        return tuple(_submit_grouped(mpi_ops.grouped_reducescatter_async, tensors, name, op, prescale, postscale,
+                                     process_set))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -309,16 +324,5 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """:func:`reducescatter` of several tensors submitted together; returns the list. Differentiable."""
     common.require_init("grouped_reducescatter()")
-    rop = common.resolve_op(op, average)
-    pairs = [compression.compress(t) for t in tensors]
-    compressed = [p[0] for p in pairs]
-    if compressed and _wants_grad(*compressed):
-        if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"reducescatter with op {rop.name.title()} is not differentiable; use Average or Sum")
-        outs = list(_GroupedReducescatter.apply(name, rop, prescale_factor, postscale_factor, process_set,
-                                                *compressed))
-    else:
-        outs = mpi_ops.synchronize(mpi_ops.grouped_reducescatter_async(
-            compressed, name, rop, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-            process_set=process_set))
-    return [compression.decompress(o, c) for o, (_, c) in zip(outs, pairs, strict=True)]
+    return _grouped_reduction(_GroupedReducescatter, mpi_ops.grouped_reducescatter_async, tensors, compression,
+                              name, common.resolve_op(op, average), prescale_factor, postscale_factor, process_set)

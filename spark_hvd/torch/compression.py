@@ -5,32 +5,12 @@ The logic is ``spark_hvd.core.compression``'s; this module only supplies torch's
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from spark_hvd.core import compression as _core
-from spark_hvd.core.compression import Compressor, NoneCompressor
+from spark_hvd.core.compression import Compressor, NoneCompressor, framework_compression
 
-
-class FP16Compressor(_core.FP16Compressor):
-    """Sends floating-point tensors as float16 (half the bytes), restoring the dtype afterwards."""
-
-    half = torch.float16
-
-    @staticmethod
-    def is_floating(dtype: torch.dtype) -> bool:
-        return dtype.is_floating_point
-
-    @staticmethod
-    def cast(tensor: torch.Tensor, dtype: Any) -> torch.Tensor:
-        return tensor.to(dtype)
-
-
-class Compression(_core.Compression):
-    """``Compression.none`` and ``Compression.fp16``, as in Horovod."""
-
-    fp16 = FP16Compressor
-
+FP16Compressor, Compression = framework_compression(
+    __name__, half=torch.float16, is_floating=lambda dtype: dtype.is_floating_point,
+    cast=lambda tensor, dtype: tensor.to(dtype))
 
 __all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]

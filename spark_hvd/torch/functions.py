@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,30 +55,31 @@ class _TensorSlot:
     dtype: torch.dtype
 
 
+def _map_leaves(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` (nested dicts, lists and tuples, as a ``state_dict``) with every other value ``v`` as ``leaf(v)``."""
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_leaves(v, leaf) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_leaves(v, leaf) for v in obj)
+    return leaf(obj)
+
+
 def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with every tensor replaced by a :class:`_TensorSlot`, the tensors appended to ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_strip(v, tensors) for v in obj)
-    return obj
+    def slot(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
+
+    return _map_leaves(obj, slot)
 
 
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
+    """``obj`` with every :class:`_TensorSlot` replaced by its tensor of ``tensors``."""
+    return _map_leaves(obj, lambda value: tensors[value.index] if isinstance(value, _TensorSlot) else value)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,

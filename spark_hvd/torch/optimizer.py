@@ -21,6 +21,7 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
 from spark_hvd.torch import adasum_optimizer, mpi_ops
 from spark_hvd.torch.compression import Compression, Compressor
+from spark_hvd.torch.passes import count_pass
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gi = self._hvd_group_of.get(pid)
         if gi is None:
             return
-        if self._hvd_delay[pid] <= 0:
-            raise AssertionError(
-                f"gradient of parameter {self._hvd_names[pid]!r} was computed more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} times before optimizer.step() / synchronize(); increase "
-                "backward_passes_per_step to accumulate gradients locally")
-        self._hvd_delay[pid] -= 1
-        if self._hvd_delay[pid] == 0:
+        if count_pass(self, pid, "optimizer.step() / synchronize()"):
             ready = self._hvd_ready.setdefault(gi, set())
             ready.add(pid)
             if len(ready) == len(self._hvd_groups[gi]):

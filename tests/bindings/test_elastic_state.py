@@ -1,6 +1,6 @@
-"""Elastic state in one process: TorchState / ObjectState / KerasState commit-restore round trips (bit-exact),
-the snapshot the driver keeps, ElasticSampler's re-partition over 3 -> 2 -> 3 ranks, the size cap, and
-``hvd.elastic.run``'s reset loop. The multi-rank path on Spark is tests/runner/test_elastic_spark.py."""
+"""Elastic state in one process: TorchState / ObjectState / KerasState / TensorFlowState commit-restore round
+trips (bit-exact), the snapshot the driver keeps, ElasticSampler's re-partition over 3 -> 2 -> 3 ranks, the size
+cap, and ``hvd.elastic.run``'s reset loop. The multi-rank path on Spark is tests/runner/test_elastic_spark.py."""
 
 from __future__ import annotations
 
@@ -283,6 +283,25 @@ def test_keras_state_restores_model_and_optimizer_variables_bit_exact():
     other.restore()
     again = [np.array(v) for v in model.variables + model.optimizer.variables]
     assert all(np.array_equal(a, b) for a, b in zip(committed, again, strict=True)) and other.epoch == 1
+
+
+@pytest.mark.slow
+def test_tensorflow_state_restores_its_variables_bit_exact_and_names_a_changed_count():
+    tf = pytest.importorskip("tensorflow")
+    from spark_hvd.tensorflow.elastic import TensorFlowState
+
+    v, w = tf.Variable(np.linspace(-1, 1, 6, dtype="float32").reshape(2, 3)), tf.Variable(np.arange(4, dtype="int64"))
+    state = TensorFlowState([v, w], epoch=2)
+    state.commit()
+    committed = [v.numpy().copy(), w.numpy().copy()]
+    v.assign(v * 3.5)
+    w.assign_add(tf.ones(4, "int64"))
+    state.epoch = 9
+    state.restore()
+    assert np.array_equal(v.numpy(), committed[0]) and np.array_equal(w.numpy(), committed[1]) and state.epoch == 2
+    state.variables.append(tf.Variable(1.0))  # the snapshot no longer matches the state's variables
+    with pytest.raises(ValueError, match=r"TensorFlowState.restore: the snapshot has 2 variables, the state now has 3"):
+        state.restore()
 
 
 @pytest.mark.slow

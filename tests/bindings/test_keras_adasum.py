@@ -256,6 +256,7 @@ def _errors_job() -> dict:
         hvd.shutdown()
 
 
+@pytest.mark.slow  # a rank process that imports Keras and TensorFlow
 @pytest.mark.timeout(200)
 def test_keras_adasum_refusals():
     out = run_ranks(_errors_job, 1, env=ENV, timeout=150)[0]

@@ -18,6 +18,7 @@ def two_ranks(tmp_path_factory):
     return launch_worker("jax_worker.py", 2, tmp_path_factory.mktemp("jax2"), timeout_s=300)
 
 
+@pytest.mark.slow  # two Keras-on-JAX ranks
 @pytest.mark.timeout(320)
 @pytest.mark.parametrize("name", CHECKS)
 def test_keras_jax_np2(two_ranks, name):

@@ -40,12 +40,14 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.compat
+@pytest.mark.slow  # two TensorFlow ranks
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", CHECKS)
 def test_tensorflow_np2(two_ranks, name):
     assert_check(two_ranks, name)
 
 
+@pytest.mark.slow  # a fresh interpreter imports TensorFlow
 def test_import_loads_no_keras_binding():
     """``import spark_hvd.tensorflow`` loads no ``spark_hvd.keras`` (its backend switch could import torch or raise
     ImportError): what the two bindings share is in ``spark_hvd._keras_common``."""

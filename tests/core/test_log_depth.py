@@ -96,7 +96,7 @@ def _every_op_and_dtype(seed: int) -> dict:
         be.close()
 
 
-@pytest.mark.parametrize("n", [3, 4, 5, 8])
+@pytest.mark.parametrize("n", [3, 4, 5, pytest.param(8, marks=pytest.mark.slow)])  # 8 ranks: slow
 def test_recursive_doubling_matches_numpy_and_is_bit_identical_on_every_rank(n):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     results = run_ranks(_every_op_and_dtype, n, env=LOG_DEPTH, timeout=300, args=(seed,))
@@ -196,7 +196,7 @@ def test_halving_doubling_in_threads_matches_numpy_for_every_op(n):
                 assert buf.tobytes() == bufs[0].tobytes()  # bit-identical on every member
 
 
-@pytest.mark.parametrize("n", [3, 5, 8])
+@pytest.mark.parametrize("n", [3, 5, pytest.param(8, marks=pytest.mark.slow)])  # 8 ranks: slow
 def test_halving_doubling_over_tcp_matches_numpy_and_is_bit_identical_on_every_rank(n):
     seed = int(np.random.SeedSequence().entropy % (1 << 32))
     results = run_ranks(_every_op_and_dtype, n, env=HALVING, timeout=300, args=(seed,))

@@ -899,8 +899,7 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
     # with ``cryptography`` under the GIL or with the system's libcrypto without it (``ringloop.MAC_MODE``): the
     # same tags
     monkeypatch.setattr(ringloop, "MAC_MODE", mac_mode)
-    for module in (tcp.loop, ringloop):
-        monkeypatch.setattr(module, "RUN_AHEAD_BYTES", 64 * 1024)
+    monkeypatch.setattr(tcp.loop, "RUN_AHEAD_BYTES", 64 * 1024)  # both loops' (``tcp.loop.run_ahead_bytes``)
     monkeypatch.setattr(tcp.peer, "LOSS_BASED_CONGESTION", frozenset())
     secret = make_secret()
     to_rank_1, to_rank_0 = _peer_pair(secret, secret, tcp=True)  # rank 0's socket to rank 1, rank 1's to rank 0

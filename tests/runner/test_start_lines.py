@@ -23,6 +23,7 @@ print("stdout untouched")
 """
 
 
+@pytest.mark.slow  # fresh interpreters import TensorFlow
 def test_tensorflow_start_lines_are_dropped_and_the_rest_passes():
     import spark_hvd
 
@@ -47,6 +48,7 @@ print(os.environ["TF_CPP_MIN_LOG_LEVEL"], os.environ["GRPC_VERBOSITY"])
 """
 
 
+@pytest.mark.slow  # fresh interpreters import TensorFlow
 @pytest.mark.parametrize("user_level", [None, "0"])
 def test_an_estimator_rank_imports_tensorflow_quietly_unless_the_user_set_the_level(user_level):
     import spark_hvd

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,13 +30,11 @@ import numpy as np
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.transport.tcp.loop import (
-    RECV_LOWAT_BYTES,
     RECV_LOWAT_MIN_BYTES,
     RECV_LOWAT_TAIL_BYTES,
-    RUN_AHEAD_BYTES,
-    RUN_AHEAD_LOWAT,
     RUN_AHEAD_WAIT_MS,
-    RUN_AHEAD_WINDOW,
+    recv_lowat_cap,
+    run_ahead_bytes,
 )
 from spark_hvd.core.transport.tcp.peer import PeerSocket, ProtocolError
 from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE
@@ -93,16 +90,8 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
     assert _ringloop is not None
     spans = np.array(first, dtype=np.int64).reshape(-1, 2)
     frames = np.array(plan, dtype=np.int64).reshape(-1, 3)
-    same = out.sock.fileno() == recv.sock.fileno()
-    ahead = RUN_AHEAD_BYTES if same and out.couples_directions() else 0
-    rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-    lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
-    if ahead:  # ``tcp.loop.RUN_AHEAD_LOWAT``, ``tcp.loop.RUN_AHEAD_WINDOW``
-        lowat_cap = min(lowat_cap, ahead * RUN_AHEAD_LOWAT[0] // RUN_AHEAD_LOWAT[1])
-        try:
-            recv.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, RUN_AHEAD_WINDOW * ahead)
-        except OSError:  # not TCP (a Unix socket pair)
-            pass
+    ahead = run_ahead_bytes(out, recv)
+    lowat_cap = recv_lowat_cap(recv, ahead)
     code = _BYTES if reduce_steps == 0 else _BF16 if bfloat16 else _DTYPES[flat.dtype]
     # AVERAGE (1) only where this ring divides: a reduce-scatter of an average leaves the division to its caller
     if average is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BestPolicy", "TrainSpec", "built_loss", "model_metadata"]
+__all__ = ["BestPolicy", "CompiledSpec", "TrainSpec", "built_loss", "model_metadata"]
 
 #: metric names for which bigger is better when a best-epoch mode is "auto"
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1")
@@ -87,6 +87,18 @@ class TrainSpec:
     checkpoint_every_steps: int | None = None  #: step checkpoints (``step_checkpoint``) every N optimizer steps
     checkpoint_every_seconds: float | None = None  #: ... or every N seconds
     elastic: bool = False  #: trained on ``run_elastic`` (the history records each epoch's number of ranks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompiledSpec(TrainSpec):
+    """``TrainSpec`` plus what a framework that compiles the model with an optimizer and a loss is given (torch and
+    Keras; a LightningModule brings its own)."""
+
+    optimizer: dict  #: as the framework's ``optimizer_spec`` describes it
+    loss: Any
+    loss_constructors: tuple = ()  #: zero-argument callables building the losses on the rank (``built_loss``)
+    loss_weights: tuple[float, ...] | None = None
+    metrics: tuple = ()
 
 
 def built_loss(loss: Any, constructors: tuple = ()) -> Any:

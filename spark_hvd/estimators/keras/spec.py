@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from spark_hvd.estimators.common.spec import TrainSpec
+from spark_hvd.estimators.common.spec import CompiledSpec
 
 __all__ = ["KerasSpec"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class KerasSpec(TrainSpec):
-    """``TrainSpec`` plus Keras's compile arguments (the optimizer as ``keras.optimizer_spec`` describes it)."""
+class KerasSpec(CompiledSpec):
+    """``CompiledSpec`` (the optimizer as ``keras.optimizer_spec`` describes it) plus the Keras backend."""
 
-    optimizer: dict
-    loss: Any
-    loss_constructors: tuple = ()  #: zero-argument callables building the losses on the rank (``built_loss``)
-    loss_weights: tuple[float, ...] | None = None
-    metrics: tuple = ()
     backend: str | None = None  # Keras's backend on the ranks (None: as the rank's process has it)

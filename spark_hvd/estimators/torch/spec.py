@@ -5,20 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from spark_hvd.estimators.common.spec import TrainSpec
+from spark_hvd.estimators.common.spec import CompiledSpec
 
 __all__ = ["TorchSpec"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class TorchSpec(TrainSpec):
-    """``TrainSpec`` plus the torch loop's settings (the optimizer as ``torch.optimizer_spec`` describes it)."""
+class TorchSpec(CompiledSpec):
+    """``CompiledSpec`` (the optimizer as ``torch.optimizer_spec`` describes it) plus the torch loop's settings."""
 
-    optimizer: dict
-    loss: Any
-    loss_constructors: tuple = ()  #: zero-argument callables building the losses on the rank (``built_loss``)
-    loss_weights: tuple[float, ...] | None = None
-    metrics: tuple = ()
     input_shapes: tuple | None = None
     train_minibatch_fn: Any = None
     lr_scheduler: Any = None

@@ -163,9 +163,7 @@ class RingExchange:
         self.received_bytes, self.can_recv = 0, True
         self.out_fd, self.in_fd = out.sock.fileno(), recv.sock.fileno()
         self.same = self.out_fd == self.in_fd
-        # two ranks on one connection: hand the kernel at most ``ahead`` bytes more than have arrived from the
-        # peer while more is expected (``RUN_AHEAD_BYTES``), so neither direction runs ahead of the other
-        self.ahead = RUN_AHEAD_BYTES if self.same and out.couples_directions() else 0
+        self.ahead = run_ahead_bytes(out, recv)
         self.released = -1  # ``received_bytes`` when a hold last ran out (``RUN_AHEAD_WAIT_MS``): none until more
         self.lowat, self.lowat_cap = 1, 0
         self.last = time.monotonic()
@@ -434,16 +432,8 @@ class RingExchange:
         if wanted < RECV_LOWAT_MIN_BYTES:  # no system call on a small collective's path
             wanted = 1
         else:
-            if not self.lowat_cap:  # a quarter of the receive buffer (autotuned: read once per run)
-                rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                self.lowat_cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
-                ahead = self.ahead
-                if ahead:  # ``RUN_AHEAD_LOWAT``, ``RUN_AHEAD_WINDOW``
-                    self.lowat_cap = min(self.lowat_cap, ahead * RUN_AHEAD_LOWAT[0] // RUN_AHEAD_LOWAT[1])
-                    try:
-                        recv.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, RUN_AHEAD_WINDOW * ahead)
-                    except OSError:  # not TCP (a Unix socket pair)
-                        pass
+            if not self.lowat_cap:  # read once per run
+                self.lowat_cap = recv_lowat_cap(recv, self.ahead)
             wanted = min(wanted, self.lowat_cap if self.index + 1 < self.n_recv else RECV_LOWAT_TAIL_BYTES)
         if wanted != self.lowat:
             recv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, wanted)
@@ -492,6 +482,28 @@ class RingExchange:
                 self.can_send = True
             if fd == in_fd and ev & _POLL_IN:
                 self.can_recv = True
+
+
+def run_ahead_bytes(out: PeerSocket, recv: PeerSocket) -> int:
+    """How far an exchange sending on ``out`` and receiving on ``recv`` may run ahead of its peer: where two ranks
+    share one connection, at most ``RUN_AHEAD_BYTES`` more handed to the kernel than have arrived from the peer while
+    more is expected, so neither direction runs ahead of the other; 0 (no limit) otherwise. Both loops' rule."""
+    return RUN_AHEAD_BYTES if out.sock.fileno() == recv.sock.fileno() and out.couples_directions() else 0
+
+
+def recv_lowat_cap(recv: PeerSocket, ahead: int) -> int:
+    """The most a read on ``recv`` asks the kernel to wait for (SO_RCVLOWAT): a quarter of its receive buffer (as
+    autotuned now) up to ``RECV_LOWAT_BYTES``; with a run-ahead allowance ``ahead``, at most ``RUN_AHEAD_LOWAT`` of
+    it, and the connection's receive window clamped (``RUN_AHEAD_WINDOW``). Both loops' rule."""
+    rcvbuf = recv.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    cap = max(1, min(RECV_LOWAT_BYTES, rcvbuf // 4))
+    if ahead:
+        cap = min(cap, ahead * RUN_AHEAD_LOWAT[0] // RUN_AHEAD_LOWAT[1])
+        try:
+            recv.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, RUN_AHEAD_WINDOW * ahead)
+        except OSError:  # not TCP (a Unix socket pair)
+            pass
+    return cap
 
 
 def tcp_state(sock: socket.socket) -> dict[str, int]:
