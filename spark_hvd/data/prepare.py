@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -24,16 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from spark_hvd.data.errors import (
-    ColumnNotFoundError,
-    EmptyDataFrameError,
-    InconsistentShapeError,
-    InvalidParamError,
-    NullValuesError,
-    TooFewRowsError,
-    UnsupportedColumnTypeError,
-    ValidationParamError,
-)
+from spark_hvd.data import errors
 from spark_hvd.data.fingerprint import plan_key
 from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
 
@@ -72,7 +64,7 @@ def _one_at_a_time_per_store(fn: Callable[..., DatasetInfo]) -> Callable[..., Da
         with _STORE_LOCKS_GUARD:
             lock = _STORE_LOCKS.setdefault(str(store.url), threading.Lock())
         if not lock.acquire(timeout=PREPARE_WAIT_S):
-            raise InvalidParamError(f"another preparation into {store!r} in this process did not end within "
+            raise errors.InvalidParamError(f"another preparation into {store!r} in this process did not end within "
                                     f"{PREPARE_WAIT_S:.0f} s (SPARK_HVD_PREPARE_WAIT)")
         try:
             return fn(df, store, *args, **kwargs)
@@ -94,7 +86,7 @@ class _Plan:
     depth: int = 0  # nesting depth of an array (array<float>: 1, array<array<float>>: 2)
 
 
-#: What a used column may be (the message of ``UnsupportedColumnTypeError``).
+#: What a used column may be (the message of ``errors.UnsupportedColumnTypeError``).
 _SUPPORTED = ("a numeric or boolean scalar, a pyspark.ml.linalg.Vector, binary (encoded images, audio ...), string, "
               "or an array (possibly nested, e.g. array<array<float>>) of numbers; token-id arrays may differ in "
               "length")
@@ -112,21 +104,21 @@ def _as_list(cols: str | Sequence[str] | None, what: str) -> list[str]:
     out = list(cols)
     for c in out:
         if not isinstance(c, str):
-            raise InvalidParamError(f"{what} must be column names (strings), got {c!r}")
+            raise errors.InvalidParamError(f"{what} must be column names (strings), got {c!r}")
     return out
 
 
 def _check_validation(validation: float | str | None) -> None:
     if validation is None or isinstance(validation, str):
         if isinstance(validation, str) and not validation:
-            raise ValidationParamError("validation column name is empty")
+            raise errors.ValidationParamError("validation column name is empty")
         return
     if isinstance(validation, bool) or not isinstance(validation, (int, float)):
-        raise ValidationParamError(
+        raise errors.ValidationParamError(
             f"validation must be a fraction in (0, 1), a column name or None, got {validation!r}"
         )
     if not 0.0 < float(validation) < 1.0:
-        raise ValidationParamError(f"validation fraction must be in (0, 1), got {validation}")
+        raise errors.ValidationParamError(f"validation fraction must be in (0, 1), got {validation}")
 
 
 def _plan_column(name: str, dtype: Any, role: str, sparse_vectors: str = "dense") -> _Plan:
@@ -163,7 +155,7 @@ def _plan_column(name: str, dtype: Any, role: str, sparse_vectors: str = "dense"
     if isinstance(dtype, T.MapType | T.StructType):
         needed += (f"; select the fields the model needs as columns of their own (df.select('{name}.field') or "
                    "explode the map) first")
-    raise UnsupportedColumnTypeError(name, simple, role, needed=needed)
+    raise errors.UnsupportedColumnTypeError(name, simple, role, needed=needed)
 
 
 def _fingerprint(df: DataFrame, params: dict[str, Any]) -> str:
@@ -183,13 +175,13 @@ def _normalize(
     features = _as_list(feature_cols, "feature_cols")
     labels = _as_list(label_cols, "label_cols")
     if not features:
-        raise InvalidParamError("feature_cols is empty: name at least one input column")
+        raise errors.InvalidParamError("feature_cols is empty: name at least one input column")
     if sample_weight_col is not None and not isinstance(sample_weight_col, str):
-        raise InvalidParamError(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
+        raise errors.InvalidParamError(f"sample_weight_col must be a column name, got {sample_weight_col!r}")
     if int(num_proc) < 1:
-        raise InvalidParamError(f"num_proc must be >= 1, got {num_proc}")
+        raise errors.InvalidParamError(f"num_proc must be >= 1, got {num_proc}")
     if int(partitions_per_process) < 1:
-        raise InvalidParamError(f"partitions_per_process must be >= 1, got {partitions_per_process}")
+        raise errors.InvalidParamError(f"partitions_per_process must be >= 1, got {partitions_per_process}")
     _check_validation(validation)
     return features, labels, int(num_proc), int(partitions_per_process), int(seed)
 
@@ -223,26 +215,30 @@ def _params(
     }
 
 
-def dataset_key(
-    df: DataFrame,
-    feature_cols: str | Sequence[str],
-    label_cols: str | Sequence[str] | None = None,
-    sample_weight_col: str | None = None,
-    validation: float | str | None = None,
-    num_proc: int = 1,
-    partitions_per_process: int = 10,
-    seed: int = 0,
-    compression: str = "snappy",
-    sparse_vectors: str = "dense",
-    row_group_bytes: int | None = None,
-) -> str:
-    """The key :func:`prepare_data` gives the dataset of ``df`` with these settings (nothing runs on Spark)."""
+def dataset_key(df: DataFrame, feature_cols: str | Sequence[str], label_cols: str | Sequence[str] | None = None,
+                **settings: Any) -> str:
+    """The key :func:`prepare_data` gives the dataset of ``df`` with these settings: ``settings`` are its keyword
+    arguments (``sample_weight_col``, ``validation``, ``num_proc``, ``partitions_per_process``, ``seed``,
+    ``compression``, ``sparse_vectors``, ``row_group_bytes``; the others key nothing), with its defaults. Nothing
+    runs on Spark; an argument ``prepare_data`` does not take raises ``TypeError``."""
+    bound = inspect.signature(prepare_data.__wrapped__).bind(df, None, feature_cols, label_cols, **settings)
+    bound.apply_defaults()
+    return "ds-" + _fingerprint(df, _keyed_params(**{k: v for k, v in bound.arguments.items()
+                                                      if k in _KEYED}))[:20]
+
+
+#: ``prepare_data``'s arguments that the dataset key depends on
+_KEYED = ("feature_cols", "label_cols", "sample_weight_col", "validation", "num_proc", "partitions_per_process",
+          "seed", "compression", "sparse_vectors", "row_group_bytes")
+
+
+def _keyed_params(**settings: Any) -> dict[str, Any]:
+    """The settings of ``_KEYED`` checked (``_normalize``) and as the key hashes them (``_params``)."""
     features, labels, num_proc, ppp, seed = _normalize(
-        feature_cols, label_cols, sample_weight_col, validation, num_proc, partitions_per_process, seed
-    )
-    params = _params(features, labels, sample_weight_col, validation, num_proc * ppp, seed, compression,
-                     sparse_vectors, row_group_bytes)
-    return "ds-" + _fingerprint(df, params)[:20]
+        settings["feature_cols"], settings["label_cols"], settings["sample_weight_col"], settings["validation"],
+        settings["num_proc"], settings["partitions_per_process"], settings["seed"])
+    return _params(features, labels, settings["sample_weight_col"], settings["validation"], num_proc * ppp, seed,
+                   settings["compression"], settings["sparse_vectors"], settings["row_group_bytes"])
 
 
 @_one_at_a_time_per_store
@@ -297,7 +293,9 @@ def prepare_data(
     in the store.
 
     Returns:
-        The :class:`~spark_hvd.data.metadata.DatasetInfo` (also at ``store.metadata_path(info.key)``).
+        The :class:`~spark_hvd.data.metadata.DatasetInfo` (also at ``store.metadata_path(info.key)``); its
+        ``extra["label_max"]`` holds the largest value of each numeric scalar label column (from the checks' pass:
+        an estimator's pre-flight takes the number of classes from it, with no Spark job of its own).
 
     Raises:
         spark_hvd.data.errors.DataError: a subclass naming the column or parameter at fault.
@@ -314,22 +312,22 @@ def prepare_data(
     fields = {f.name: f.dataType for f in df.schema.fields}
     for name, role in roles.items():
         if name not in fields:
-            raise ColumnNotFoundError(name, list(fields), role)
+            raise errors.ColumnNotFoundError(name, list(fields), role)
     if isinstance(validation, str) and validation not in fields:
-        raise ColumnNotFoundError(validation, list(fields), "validation column")
+        raise errors.ColumnNotFoundError(validation, list(fields), "validation column")
     if sparse_vectors not in ("dense", "sparse"):
-        raise InvalidParamError(f"sparse_vectors must be 'dense' or 'sparse', got {sparse_vectors!r}")
+        raise errors.InvalidParamError(f"sparse_vectors must be 'dense' or 'sparse', got {sparse_vectors!r}")
     if row_group_bytes is not None and int(row_group_bytes) < 1:
-        raise InvalidParamError(f"row_group_bytes must be a positive number of bytes, got {row_group_bytes!r}")
+        raise errors.InvalidParamError(f"row_group_bytes must be a positive number of bytes, got {row_group_bytes!r}")
     plans = [_plan_column(name, fields[name], role, sparse_vectors) for name, role in roles.items()]
     if sample_weight_col:
         w = next(p for p in plans if p.name == sample_weight_col)
         if w.kind != "scalar":
-            raise UnsupportedColumnTypeError(sample_weight_col, w.spark_type, "sample weight column")
+            raise errors.UnsupportedColumnTypeError(sample_weight_col, w.spark_type, "sample weight column")
     if isinstance(validation, str):
         vtype = fields[validation].simpleString()
         if vtype not in _SCALAR_DTYPES and not vtype.startswith("decimal"):
-            raise ValidationParamError(
+            raise errors.ValidationParamError(
                 f"validation column {validation!r} has type {fields[validation].simpleString()}; "
                 "it must be boolean or numeric (true or > 0 marks a validation row)"
             )
@@ -370,28 +368,33 @@ def prepare_data(
         aggs.append(F.sum(F.when(flag, 1).otherwise(0)).alias("nval"))
     elif validation is not None:
         flag = F.rand(seed) < float(validation)
+    # the largest value of each numeric scalar label (an estimator's pre-flight reads its number of classes)
+    maxed = [p.name for p in plans if p.name in labels and p.kind == "scalar" and p.spark_type != "boolean"]
+    aggs += [F.max(col(name)).alias(f"lmax{i}") for i, name in enumerate(maxed)]
     stats = df.agg(*aggs).collect()[0].asDict()
 
     total = int(stats["n"])
     if total == 0:
-        raise EmptyDataFrameError("the DataFrame has no rows: there is nothing to train on")
+        raise errors.EmptyDataFrameError("the DataFrame has no rows: there is nothing to train on")
     nulls = {p.name: int(stats[f"null{i}"]) for i, p in enumerate(plans) if stats[f"null{i}"]}
     if isinstance(validation, str) and stats["vnull"]:
         nulls[validation] = int(stats["vnull"])
     if nulls:
         detail = ", ".join(f"{roles.get(c, 'validation column')} {c!r}: {n} of {total} rows" for c, n in nulls.items())
-        raise NullValuesError(f"null values in used columns ({detail}); drop or fill them first (df.na.drop/fill)")
+        raise errors.NullValuesError(f"null values in used columns ({detail}); drop or fill them first "
+                                     "(df.na.drop/fill)")
     shapes: dict[str, tuple[int, ...]] = {}
     kinds: dict[str, str] = {}
     for i, p in enumerate(plans):
         shapes[p.name], kinds[p.name] = _shape(p, i, stats)
     if total < num_proc:
-        raise TooFewRowsError(f"the DataFrame has {total} rows, fewer than num_proc={num_proc}: some rank gets none")
+        raise errors.TooFewRowsError(f"the DataFrame has {total} rows, fewer than num_proc={num_proc}: some rank "
+                                     "gets none")
     if isinstance(validation, str):
         nval = int(stats["nval"] or 0)
         for split, rows in (("validation", nval), ("training", total - nval)):
             if rows < num_proc:
-                raise TooFewRowsError(
+                raise errors.TooFewRowsError(
                     f"validation column {validation!r} leaves {rows} {split} rows, fewer than num_proc={num_proc}"
                 )
 
@@ -429,12 +432,12 @@ def prepare_data(
             store.wait_until_visible(out, timeout_s=timeout)
             counts[split] = _count_rows(store, out)
         if counts["train"] < num_proc:
-            raise TooFewRowsError(
+            raise errors.TooFewRowsError(
                 f"the training split has {counts['train']} rows, fewer than num_proc={num_proc}; "
                 "use a smaller validation share or more data"
             )
         if validation is not None and counts["val"] < num_proc:
-            raise TooFewRowsError(
+            raise errors.TooFewRowsError(
                 f"the validation split ({validation!r}) has {counts['val']} rows, fewer than num_proc={num_proc}; "
                 "use a larger validation share, more data, or validation=None"
             )
@@ -450,6 +453,7 @@ def prepare_data(
             validation=validation,
             seed=seed,
             fingerprint=fingerprint,
+            extra={"label_max": {name: float(stats[f"lmax{i}"]) for i, name in enumerate(maxed)}},
         )
         store.write_bytes(posixpath.join(target, "_metadata.json"), info.dumps().encode("utf-8"))
     logger.info("prepared dataset %s: %d train rows, %d validation rows", key, info.train_rows, info.val_rows)
@@ -494,7 +498,7 @@ def _shape(p: _Plan, i: int, stats: dict[str, Any]) -> tuple[tuple[int, ...], st
     for k in range(1, depth + 1):
         if stats.get(f"elnull{i}_{k}"):
             what = "null elements" if k == depth else f"null arrays at nesting level {k + 1}"
-            raise NullValuesError(f"{p.role} {p.name!r}: {stats[f'elnull{i}_{k}']} rows hold arrays with {what}")
+            raise errors.NullValuesError(f"{p.role} {p.name!r}: {stats[f'elnull{i}_{k}']} rows hold arrays with {what}")
     dims = []
     for k in range(1, depth + 1):
         lo, hi = stats.get(f"min{i}_{k}"), stats.get(f"max{i}_{k}")
@@ -503,13 +507,13 @@ def _shape(p: _Plan, i: int, stats: dict[str, Any]) -> tuple[tuple[int, ...], st
             if p.kind == "array" and depth == 1:  # token ids, signals: kept ragged
                 return (-1,), "ragged"
             where = "" if k == 1 else f" at nesting level {k}"
-            raise InconsistentShapeError(
+            raise errors.InconsistentShapeError(
                 f"{p.role} {p.name!r} holds {p.kind}s of different lengths{where} ({lo} to {hi}); "
                 + ("every row needs the same length" if p.kind != "array" else
                    "nested arrays need one fixed shape (only 1-D arrays may differ in length)")
             )
         if lo == 0:
-            raise InconsistentShapeError(f"{p.role} {p.name!r} holds empty {p.kind}s")
+            raise errors.InconsistentShapeError(f"{p.role} {p.name!r} holds empty {p.kind}s")
         dims.append(lo)
     return tuple(dims), p.kind
 

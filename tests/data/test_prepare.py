@@ -81,6 +81,7 @@ def test_types_split_metadata_and_round_trip(df, store):
     assert (cols["x"].dtype, cols["x"].shape) == ("float64", ())
     assert cols["flag"].dtype == "bool" and cols["id"].dtype == "int64" and cols["w"].dtype == "float64"
     assert info.train_rows + info.val_rows == N and 0 < info.val_rows < N
+    assert info.extra["label_max"] == {"id": N - 1}  # from the checks' pass (an estimator's class count)
     assert DatasetInfo.load(store, info.key) == info
     assert store.read_json(store.metadata_path(info.key))["train_rows"] == info.train_rows
 
@@ -134,6 +135,8 @@ def test_cache_reuses_same_dataframe_and_settings(df, store, monkeypatch):
     assert len(keys) == 6
     # the seed draws only a fractional validation split: without one it keys nothing (a grid over random_seed)
     assert dataset_key(df, ["x"], ["id"], num_proc=2, seed=5) == info.key
+    with pytest.raises(TypeError, match="num_porc"):  # a misspelt setting, as prepare_data would refuse it
+        dataset_key(df, ["x"], ["id"], num_porc=2)
     assert store.list_datasets() == [info.key]
 
 

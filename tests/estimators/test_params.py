@@ -101,8 +101,10 @@ CASES = [  # (what, params, which frame, exception, message, whether no Spark jo
     ("too many processes", dict(num_proc=3), "df", Exception, r"num_proc=3.*free task slots", True),
     ("bad run id", dict(run_id="../escape"), "df", Exception, r"run_id", True),
     ("no store", dict(store=None), "df", ValueError, r"set store", True),
-    ("empty DataFrame", {}, "empty", ValueError, r"the DataFrame given to fit is empty", False),
-    ("null label", {}, "nulls", ValueError, r"null values in column\(s\) \{'label': 1\}", False),
+    # the rows' checks are the preparation's (spark_hvd.data.prepare: DataError, a ValueError naming the column)
+    ("empty DataFrame", {}, "empty", ValueError, r"the DataFrame has no rows", False),
+    ("null label", {}, "nulls", ValueError, r"null values in used columns \(label column 'label': 1 of 8 rows\)",
+     False),
 ]
 
 

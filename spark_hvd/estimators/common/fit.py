@@ -214,10 +214,16 @@ class BaseEstimator(Estimator, PersistableStage):
         backend = self._backend(df.sparkSession)
         num_proc = backend.num_processes()  # the one slot check of this fit (classic or Spark Connect)
         store.check_writable()  # a probe write, only once every other check passed
-        label_max = _check_rows(df, name, list(features) + list(labels) + ([weight_col] if weight_col else []),
-                                labels)  # one job
         return {"store": store, "run_id": run_id, "num_proc": num_proc, "model_bytes": model_bytes,
-                "backend": backend, "label_max": label_max}
+                "backend": backend}
+
+    def _check_rows(self, df: Any, plan: dict) -> None:
+        """The rows' checks (``_check_rows``: one Spark job) into ``plan["label_max"]``: for a DataFrame that is not
+        prepared (``fit_on_parquet``), or a dataset prepared by a version that did not record them."""
+        get = self.getOrDefault
+        labels, weight_col = list(get(self.label_cols)), get(self.sample_weight_col)
+        plan["label_max"] = _check_rows(df, type(self).__name__, list(get(self.feature_cols)) + labels
+                                        + ([weight_col] if weight_col else []), labels)
 
     def _elastic_range(self) -> tuple[int, int | None] | None:
         """``(min_num_proc, max_num_proc)`` of an ``elastic=True`` fit (min default 1; max default num_proc, None
@@ -338,7 +344,13 @@ class BaseEstimator(Estimator, PersistableStage):
 
         verbose = self.getOrDefault(self.verbose)
         phase_line(f"preparing data for {plan['num_proc']} ranks", verbose)
+        # the rows' checks (rows, nulls, the labels' largest values) are the preparation's own Spark job, or the
+        # committed dataset's record of them: no job of their own
         data = _prepare_data(self, df, plan["store"], plan["num_proc"])
+        if "label_max" in data.extra:
+            plan["label_max"] = data.extra["label_max"]
+        else:
+            self._check_rows(df, plan)
         phase_line(f"data {data.key}: {data.train_rows} training + {data.val_rows} validation rows -> "
                    f"{data.num_partitions} files per split", verbose)
         return self._train(df, plan, data)
@@ -393,6 +405,7 @@ class BaseEstimator(Estimator, PersistableStage):
         spark = SparkSession.getActiveSession() or SparkSession.builder.getOrCreate()
         df = spark.read.parquet(store.spark_url(store_path(store, path)))
         plan = self._check(df)
+        self._check_rows(df, plan)
         data = describe_parquet(plan["store"], path, list(get(self.feature_cols)), list(get(self.label_cols)),
                                 get(self.sample_weight_col), validation_path, plan["num_proc"])
         return self._train(df, plan, data)

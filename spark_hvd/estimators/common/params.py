@@ -21,6 +21,8 @@ from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
+from spark_hvd.estimators.common.spec import LOSS_NAMES
+
 __all__ = [
     "KeywordParams",
     "EstimatorParams",
@@ -57,7 +59,6 @@ OBJECT_PARAMS = frozenset(
 )
 
 #: Loss names every estimator accepts (the Keras estimator also accepts any Keras loss name).
-LOSS_NAMES = ("mse", "cross_entropy", "bce_with_logits", "l1")
 
 
 # --------------------------------------------------------------------------------------------------- converters

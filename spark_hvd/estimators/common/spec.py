@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BestPolicy", "CompiledSpec", "TrainSpec", "built_loss", "model_metadata"]
+__all__ = ["BestPolicy", "CompiledSpec", "LOSS_NAMES", "TrainSpec", "built_loss", "model_metadata"]
+
+#: the torch losses the loss param takes by name (here, not in ``params.py``: the ranks read it, and params.py
+#: imports pyspark.ml, which a rank must not pay for)
+LOSS_NAMES = ("mse", "cross_entropy", "bce_with_logits", "l1")
 
 #: metric names for which bigger is better when a best-epoch mode is "auto"
 _MAX_HINTS = ("acc", "auc", "precision", "recall", "f1")

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from spark_hvd.estimators.common.errors import param_error
-from spark_hvd.estimators.common.params import LOSS_NAMES
 from spark_hvd.estimators.common.rank_run import RankRun, RankTrainer, TrainingContext
-from spark_hvd.estimators.common.spec import built_loss
+from spark_hvd.estimators.common.spec import LOSS_NAMES, built_loss
 from spark_hvd.estimators.torch.precision import MixedPrecision
 from spark_hvd.estimators.torch.serde import build_optimizer, deserialize_module
 
