@@ -64,8 +64,8 @@ def _one_at_a_time_per_store(fn: Callable[..., DatasetInfo]) -> Callable[..., Da
         with _STORE_LOCKS_GUARD:
             lock = _STORE_LOCKS.setdefault(str(store.url), threading.Lock())
         if not lock.acquire(timeout=PREPARE_WAIT_S):
-            raise errors.InvalidParamError(f"another preparation into {store!r} in this process did not end within "
-                                    f"{PREPARE_WAIT_S:.0f} s (SPARK_HVD_PREPARE_WAIT)")
+            raise errors.InvalidParamError(f"another preparation into {store!r} in this process did not end "
+                                           f"within {PREPARE_WAIT_S:.0f} s (SPARK_HVD_PREPARE_WAIT)")
         try:
             return fn(df, store, *args, **kwargs)
         finally:
