@@ -38,9 +38,11 @@ PHASES: list[tuple[str, float, float]] = []
 _HEAVY = ("pyspark.ml", "pandas", "scipy", "torch._dynamo")
 
 
-def _timed(owner: Any, name: str, label: str) -> None:
-    """Wrap ``owner.name`` so that every call is recorded as ``label`` in PHASES."""
+def _timed(owner: Any, name: str, label: str, into: list | None = None) -> Any:
+    """Wrap ``owner.name`` so that every call is recorded as ``(label, start, end)`` in ``into`` (default PHASES);
+    return what was there (to put it back)."""
     fn = getattr(owner, name)
+    marks = PHASES if into is None else into
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -48,9 +50,10 @@ def _timed(owner: Any, name: str, label: str) -> None:
         try:
             return fn(*args, **kwargs)
         finally:
-            PHASES.append((label, t0, time.time()))
+            marks.append((label, t0, time.time()))
 
     setattr(owner, name, wrapper)
+    return fn
 
 
 def _proc_start_time() -> float:
@@ -74,30 +77,13 @@ def profiled_rank(trainer_class: Any, spec: Any) -> Any:
 
     marks: list[tuple[str, float, float]] = []
     saved = {}
-
-    def wrap(cls: Any, name: str, label: str) -> None:
-        fn = getattr(cls, name)
-        saved[(cls, name)] = fn
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t0 = _time.time()
-            try:
-                return fn(*a, **k)
-            finally:
-                marks.append((label, t0, _time.time()))
-
-        setattr(cls, name, wrapper)
-
-    from spark_hvd.data.reader import BatchReader
-
-    wrap(trainer_class, "init", "trainer.init")
-    wrap(trainer_class, "build", "trainer.build")
-    wrap(rank_run.RankRun, "_resume", "resume check + sync")
-    wrap(rank_run.ShardReaders, "__init__", "ShardReaders (footers)")
-    wrap(trainer_class, "train", "train (all epochs)")
-    wrap(rank_run.RankRun, "end_epoch", "end_epoch")
-    wrap(rank_run.RankRun, "_finish", "finish (wait upload, shapes, save model)")
-    wrap(BatchReader, "epoch", "reader.epoch generator creation")
+    for owner, name, label in ((trainer_class, "init", "trainer.init"), (trainer_class, "build", "trainer.build"),
+                               (rank_run.RankRun, "_resume", "resume check + sync"),
+                               (rank_run.ShardReaders, "__init__", "ShardReaders (footers)"),
+                               (trainer_class, "train", "train (all epochs)"),
+                               (rank_run.RankRun, "end_epoch", "end_epoch"),
+                               (rank_run.RankRun, "_finish", "finish (wait upload, shapes, save model)")):
+        saved[(owner, name)] = _timed(owner, name, label, into=marks)
     try:
         out = rank_run.train_on_rank(trainer_class, spec)
     finally:
@@ -177,8 +163,6 @@ def table(name: str, t0: float, t1: float, jobs: list[dict], phases: list, event
                     f"{prof['entered'] - t0:7.3f}, left {prof['left'] - t0:7.3f}, torch imported before fn: "
                     f"{prof['torch_imported_before_fn']}; {' '.join(prof.get('heavy_modules', []))}")
         for label, a, b in prof["marks"]:
-            if label == "reader.epoch generator creation":
-                continue
             rows.append(f"    {label:<44} {a - t0:7.3f} .. {b - t0:7.3f}  {b - a:6.3f} s")
     return rows
 
