@@ -17,24 +17,33 @@
 
 Events carry ``attempt``: with ``max_retries`` the events of failed attempts are kept too.
 
-Importing this package does not import pyspark (``run`` imports it when called).
+Importing this package does not import pyspark (``run`` imports it when called), and imports each name's
+submodule on first use.
 """
 
-from spark_hvd.runner.backend import SparkBackend
-from spark_hvd.runner.client import Event, report
-from spark_hvd.runner.elastic import ElasticError, run_elastic
-from spark_hvd.runner.errors import (
-    NotEnoughSlotsError,
-    RankFailedError,
-    RankFailure,
-    RunnerError,
-    StageNotStartedError,
-    StartTimeoutError,
-)
-from spark_hvd.runner.launch import LaunchResult, run_local
-from spark_hvd.runner.progress import ProgressDisplay, StepReporter
-from spark_hvd.runner.slots import check_slots, resolve_num_proc
-from spark_hvd.runner.spark import last_events, run
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> the submodule that defines it, imported on first use: a rank's task imports only
+#: ``barrier_task`` and what it needs, not the driver's half (launch, elastic, multihost ...)
+_PUBLIC = {
+    "ElasticError": "elastic", "Event": "client", "LaunchResult": "launch", "NotEnoughSlotsError": "errors",
+    "ProgressDisplay": "progress", "RankFailedError": "errors", "RankFailure": "errors", "RunnerError": "errors",
+    "SparkBackend": "backend", "StageNotStartedError": "errors", "StartTimeoutError": "errors",
+    "StepReporter": "progress", "check_slots": "slots", "last_events": "spark", "report": "client",
+    "resolve_num_proc": "slots", "run": "spark", "run_elastic": "elastic", "run_local": "launch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value  # once: later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ElasticError",
