@@ -3,8 +3,10 @@
 The module's Spark standalone cluster (three one-core worker hosts), an elastic ``TorchEstimator`` fit at 3 ranks
 (``min_num_proc=1``) paced to ~0.3 s a batch, for ``SPARK_HVD_SOAK_S`` seconds (default 600). Every 30-90 s a fault
 drawn from a list seeded by ``SPARK_HVD_SOAK_SEED`` (default 1) hits a host running a rank: its rank process
-killed, its executor JVM killed (``kill -9``; its worker starts another), its link down for 5-30 s, or its link
-slowed to 100 Mbit/s for 30 s. Then the fit is told to stop at the end of its epoch and, while the application
+killed, its executor JVM killed (``kill -9``; its worker starts another), its link down for 5-30 s, its link
+slowed to 100 Mbit/s for 30 s, or the store made to fail its uploads for 2-5 s (every directory of the store made
+immutable, ``chattr +i``: even root creates nothing there; the rank's upload fails and its writer retries after
+1, 2 and 4 s). Then the fit is told to stop at the end of its epoch and, while the application
 still runs:
 
 * its weights equal a one-process replay of exactly the committed batches at each size;
@@ -15,7 +17,7 @@ still runs:
 
 It prints the table: faults by kind, recovery time each (training stopped for: the longest gap between batches
 around the fault; median, max), steps lost (batches trained after the last checkpoint and trained again). A store
-failing an upload is not injected.
+fault during which no upload failed (no retry logged by a rank) is counted as ``store (no upload during it)``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ DRIVER = str(Path(__file__).with_name("lost_host_driver.py"))
 SOAK_S = float(os.environ.get("SPARK_HVD_SOAK_S", "600"))
 SEED = int(os.environ.get("SPARK_HVD_SOAK_SEED", "1"))
 EVERY = 3
-KINDS = ("rank", "executor", "linkdown", "slow")
+KINDS = ("rank", "executor", "linkdown", "slow", "store")
 
 
 def _log(marks: Path) -> list[tuple[int, int, int, int, float]]:
@@ -65,6 +67,19 @@ def _shape(cluster: Standalone, k: int, rate: str) -> None:
     for ns, dev in ((host.name, "eth0"), (cluster.sim.bridges[0], f"p{k}eth0"[:15])):
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root", "tbf", "rate", rate,
                         "burst", "262144", "latency", "50ms"], check=True, capture_output=True, timeout=30)
+
+
+def _immutable(dirs: list[Path], on: bool) -> None:
+    """``chattr +i`` (``on``) or ``-i`` on each directory: nothing can be created, renamed or removed in them."""
+    for d in dirs:
+        subprocess.run(["chattr", "+i" if on else "-i", str(d)], capture_output=True, timeout=30)
+
+
+def _upload_retries(cluster: Standalone) -> int:
+    """How many failed uploads the ranks have logged (``BackgroundWriter``'s retry warnings in the executors'
+    stderr)."""
+    return sum(p.read_text(errors="replace").count("failed (try") for k in cluster.tmpdirs
+               for p in (cluster.logs / f"work{k}").glob("*/*/stderr"))
 
 
 def _ranks_now(marks: Path, cluster: Standalone) -> dict[int, tuple[int, int]]:
@@ -108,6 +123,7 @@ def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalo
                     tmp_path / "driver.log")
     driver.row(300)  # started
     faults: list[dict] = []
+    frozen: list[Path] = []
     try:
         deadline = time.monotonic() + SOAK_S
         while True:
@@ -143,6 +159,17 @@ def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalo
                 time.sleep(seconds)
                 cluster.sim.hosts[k].link(True)
                 fault["end"] = time.time()
+            elif kind == "store":
+                seconds, before = rng.uniform(2, 5), _upload_retries(cluster)
+                frozen = [Path(d) for d, _, _ in os.walk(tmp_path / "store")]
+                _immutable(frozen, True)
+                time.sleep(seconds)
+                _immutable(frozen, False)
+                frozen = []
+                fault["end"] = time.time()
+                time.sleep(10)  # the writer's last retry is 7 s after the first failure
+                if _upload_retries(cluster) == before:
+                    fault["kind"] = "store (no upload during it)"
             else:
                 _shape(cluster, k, "100mbit")
                 time.sleep(30)
@@ -161,6 +188,7 @@ def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalo
         run_id = re.search(r"run_elastic (\w+):", driver.log.read_text()).group(1)
         temps = _spark_hvd_temps(cluster, run_id)
     finally:
+        _immutable(frozen, False)
         for h in cluster.sim.hosts:
             h.link(True)
         (marks / "done").touch()
