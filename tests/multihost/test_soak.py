@@ -112,6 +112,7 @@ def _python_threads(host) -> dict[int, int]:
     return out
 
 
+@pytest.mark.timeout(SOAK_S + 900)  # the cluster's start, the soak, the last epoch and the replay
 def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalone_cluster, tmp_path):
     cluster = standalone_cluster
     rng = random.Random(SEED)
