@@ -3,8 +3,9 @@
 ``run_attempt(spark, Attempt(...), on_event)`` starts the attempt's driver service (output, progress, failures),
 submits a barrier ``mapInArrow`` over ``num_proc`` partitions of ``spark.range`` (DataFrame APIs only, so a classic
 session and a Spark Connect one take the same path; ``spark_hvd.runner.cluster``) under a job tag of its own, and
-watches it: the first failure reported by any rank (or a rank whose process disappears) cancels the stage at once,
-so the other ranks stop; the error raised names the rank and carries its remote type, message and traceback. The
+watches it: the first failure reported by any rank (or a rank whose process disappears, or one that has sent
+nothing for ``SPARK_HVD_LIVENESS_TIMEOUT`` seconds: its host unreachable) cancels the stage at once, so the other
+ranks stop; the error raised names the rank and carries its remote type, message and traceback. The
 results come back as the stage's rows (cloudpickled, one per rank; ``barrier_task`` is the task's side).
 
 Spark Connect cannot tell the driver its free task slots: when no rank has connected within
