@@ -209,12 +209,15 @@ def test_a_long_fit_under_random_faults_recovers_each_and_leaks_nothing(standalo
 
 
 def _table(faults: list[dict], log: list, cuts: dict) -> str:
-    """Faults by kind: count, resets, recovery (median, max), steps lost. A fault caused a reset when a later
-    attempt started after it and before the next fault; its steps lost are the batches its attempt trained after
-    its last checkpoint."""
+    """Faults by kind: count, resets, grows, recovery (median, max), steps lost. A fault caused a reset when a later
+    attempt started after it and before the next fault on no more ranks than the fault's attempt (a later attempt
+    on more ranks is the fit growing back, counted apart: it stops training too, for a relaunch); its steps lost are
+    the batches its attempt trained after its last checkpoint."""
     first: dict[int, float] = {}
-    for a, *_, t in log:
+    size: dict[int, int] = {}
+    for a, _, _, n, t in log:
         first.setdefault(a, t)
+        size.setdefault(a, n)
     by_kind: dict[str, list[dict]] = {}
     for i, f in enumerate(faults):
         times = [r[4] for r in log]
@@ -225,15 +228,17 @@ def _table(faults: list[dict], log: list, cuts: dict) -> str:
         # after its end (a slowed link that training went through barely shows)
         f["recovery_s"] = max((b - a for a, b in zip(around[:-1], around[1:], strict=True)), default=float("nan"))
         upto = faults[i + 1]["at"] if i + 1 < len(faults) else float("inf")
-        f["reset"] = any(a > f["attempt"] and f["at"] < t <= upto for a, t in first.items())
+        later = [a for a, t in first.items() if a > f["attempt"] and f["at"] < t <= upto]
+        f["reset"] = any(size[a] <= size[f["attempt"]] for a in later)
+        f["grow"] = sum(size[a] > size.get(a - 1, size[a]) for a in later)
         rows, kept = cuts.get(f["attempt"], ([], 0))
         f["lost"] = len(rows) - kept if f["reset"] else 0
         by_kind.setdefault(f["kind"], []).append(f)
     lines = [f"soak {SOAK_S:g} s, seed {SEED}: {len(faults)} faults, {len(first)} attempts, {len(log)} batches "
              "trained",
-             f"{'fault':<24}{'n':>3}{'resets':>8}{'recovery median':>17}{'max':>8}{'steps lost':>12}"]
+             f"{'fault':<24}{'n':>3}{'resets':>8}{'grows':>7}{'recovery median':>17}{'max':>8}{'steps lost':>12}"]
     for kind, items in sorted(by_kind.items()):
         rec = [f["recovery_s"] for f in items]
-        lines.append(f"{kind:<24}{len(items):>3}{sum(f['reset'] for f in items):>8}"
+        lines.append(f"{kind:<24}{len(items):>3}{sum(f['reset'] for f in items):>8}{sum(f['grow'] for f in items):>7}"
                      f"{statistics.median(rec):>16.1f}s{max(rec):>7.1f}s{sum(f['lost'] for f in items):>12}")
     return "\n".join(lines)
