@@ -15,9 +15,10 @@ still runs:
   ``/dev/shm`` and no ``spark_hvd`` temporary in any host's ``TMPDIR`` (each host's own, so that other processes
   of the machine do not count).
 
-It prints the table: faults by kind, recovery time each (training stopped for: the longest gap between batches
-around the fault; median, max), steps lost (batches trained after the last checkpoint and trained again). A store
-fault during which no upload failed (no retry logged by a rank) is counted as ``store (no upload during it)``.
+It prints the table: faults by kind, the resets they caused and the growths back after them, recovery time each
+(training stopped for: the longest gap between batches around the fault; median, max), steps lost (batches
+trained after the last checkpoint and trained again). A store fault during which no upload failed (no retry logged
+by a rank) is counted as ``store (no upload during it)``.
 """
 
 from __future__ import annotations
