@@ -218,6 +218,7 @@ def _worker(name: str) -> None:
     else:
         from spark_hvd.core.backend import ReduceOp
         from spark_hvd.core.backends.ring import RingBackend
+        from spark_hvd.core.jobenv import JobEnv
         from spark_hvd.core.settings import Settings
         from spark_hvd.core.transport.rendezvous import KVRendezvous
         from spark_hvd.core.transport.wire import secret_from_env
@@ -227,7 +228,8 @@ def _worker(name: str) -> None:
         settings = Settings.from_env()
         rdzv = KVRendezvous(os.environ["SPARK_HVD_RENDEZVOUS"], secret, os.environ["SPARK_HVD_JOB_ID"],
                             settings.timeout_s)
-        backend = RingBackend(rank, size, rdzv, secret, settings, os.environ["SPARK_HVD_JOB_ID"])
+        backend = RingBackend(rank, size, rdzv, secret, settings, os.environ["SPARK_HVD_JOB_ID"],
+                              job=JobEnv.from_env())  # its SPARK_HVD_ENCRYPT (benchmarks/encryption.py)
 
         sync = np.zeros(4, np.float32)
 
@@ -241,7 +243,8 @@ def _worker(name: str) -> None:
 
         barrier = backend.barrier
         close = backend.close
-        transport = backend.transport
+        transport = (f"{backend.transport}, {'encrypted' if backend.encrypt else 'authenticated'}, "
+                     f"{'compiled' if backend._compiled else 'Python'} loop")
     counting = bool(os.environ.get("BENCH_STATS")) and carried is not None
     control = _connect_control()
     control.send_object(("hello", name, rank, transport))

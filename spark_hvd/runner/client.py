@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 SERVICE_ENV = "SPARK_HVD_DRIVER_SERVICE"
 #: the largest frame either end of the connection accepts
 MAX_FRAME = 64 << 20
+#: a rank's connection sends ``("alive",)`` this often (seconds), so the driver tells a rank whose host went
+#: unreachable from one that is merely busy (``DriverService.check_liveness``)
+ALIVE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ def _plain(value: Any) -> Any:
 class ServiceClient:
     """A rank's connection to the driver service (thread-safe; silently disabled if the driver goes away).
 
-    ``role="rank"`` is the rank's own connection, whose end (done, error, or closed) the driver tracks;
-    ``role="aux"`` only carries ``report()`` events (a launched process, or a helper process of a rank).
+    ``role="rank"`` is the rank's own connection, whose end (done, error, or closed) the driver tracks, and which
+    a thread keeps saying ``("alive",)`` on every ``ALIVE_EVERY_S`` until ``close()``; ``role="aux"`` only carries
+    ``report()`` events (a launched process, or a helper process of a rank).
     ``encrypt``: as the service does (``JobEnv.encrypt``).
     """
 
@@ -76,8 +80,27 @@ class ServiceClient:
             raise
         self._lock = threading.Lock()
         self._alive = True
+        self._closed = threading.Event()
         self.pid = os.getpid()
         self._send(("hello", job_id, rank, role))
+        if role == "rank":
+            threading.Thread(target=self._keep_alive, name="spark_hvd-alive", daemon=True).start()
+
+    def _keep_alive(self) -> None:
+        """Say ``("alive",)`` every ``ALIVE_EVERY_S`` until closed (skipped while another message is being sent or
+        a request awaits its answer: the driver counts those as signs of life too)."""
+        while not self._closed.wait(ALIVE_EVERY_S):
+            if not self._alive:
+                return
+            if self._lock.acquire(timeout=ALIVE_EVERY_S):
+                try:
+                    if self._alive:
+                        self._conn.send_object(("alive",))
+                except PeerFailureError as exc:
+                    self._alive = False
+                    logger.warning("rank %d lost its connection to the driver service: %s", self.rank, exc)
+                finally:
+                    self._lock.release()
 
     def _send(self, msg: tuple) -> None:
         with self._lock:
@@ -120,6 +143,7 @@ class ServiceClient:
         self._send(("done",))
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             self._alive = False
             self._conn.close()

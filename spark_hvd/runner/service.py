@@ -8,7 +8,10 @@ as HMAC-authenticated frames (``spark_hvd.core.transport.wire.FramedSocket``, ch
 - ``("event", Event)``: progress from ``report(epoch=..., step=..., **metrics)``;
 - ``("error", type, message, traceback)`` when its function raised, ``("done",)`` when it finished;
 - ``("req", name, payload)``, answered on the same connection by ``("ok", value)`` or ``("error", message)``: a
-  request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks).
+  request to one of the service's ``handlers`` (``run_elastic``'s committed state and resize checks);
+- ``("alive",)`` every second (``client.ALIVE_EVERY_S``): ``check_liveness(timeout_s)`` blames a rank that has
+  sent nothing for ``timeout_s`` (and is not waiting for an answer) as unreachable, the way a host whose link was
+  cut shows, long before its peers' collective times out (``SPARK_HVD_TIMEOUT``).
 
 A connection whose hello ends in ``"kv"`` is a rank's torch.distributed rendezvous
 (``spark_hvd.core.backends.torch_store``): it is served the KV operations of
@@ -86,6 +89,11 @@ class DriverService:
         self.finished: set[int] = set()
         #: each started rank's host, as its connection to the service came from
         self.hosts: dict[int, str] = {}
+        #: when each started rank's last frame arrived (``time.monotonic``), and the ranks awaiting an answer
+        self._seen: dict[int, float] = {}
+        self._asking: set[int] = set()
+        #: ranks ``check_liveness`` blamed (counted as finished: nobody waits for them any more)
+        self.unreachable: set[int] = set()
         self.changed = threading.Event()
         self._lock = threading.Lock()
         self.display = ProgressDisplay(verbose)
@@ -174,6 +182,27 @@ class DriverService:
         self._add_failure(failure)
         return failure
 
+    def check_liveness(self, timeout_s: float) -> list[RankFailure]:
+        """Blame, as ``lost`` failures (``ProcessUnreachable``), the started ranks that have sent nothing for
+        ``timeout_s`` seconds though they neither finished nor await an answer; they count as finished from now
+        on. Returns the new failures (the first one calls ``on_failure``)."""
+        now = time.monotonic()
+        with self._lock:
+            quiet = sorted(r for r in self.started - self.finished - self._asking
+                           if now - self._seen.get(r, now) > timeout_s)
+            self.unreachable.update(quiet)
+            self.finished.update(quiet)
+        found = []
+        for rank in quiet:
+            failure = RankFailure(rank, "lost", "ProcessUnreachable",
+                                  f"rank {rank}'s process on host {self.hosts.get(rank, '?')} stopped answering: it "
+                                  f"sent nothing to the driver for {timeout_s:g} s (SPARK_HVD_LIVENESS_TIMEOUT) and "
+                                  "neither finished nor closed its connection (its host is unreachable, e.g. its "
+                                  "link is down, or the process is frozen)", time=time.time())
+            self._add_failure(failure)
+            found.append(failure)
+        return found
+
     def sorted_failures(self) -> list[RankFailure]:
         root = self.root_failure()
         with self._lock:
@@ -210,10 +239,14 @@ class DriverService:
             with self._lock:
                 self.started.add(rank)
                 self.hosts[rank] = address.rsplit(":", 1)[0]
+                self._seen[rank] = time.monotonic()
             self.changed.set()
             while True:
                 msg = conn.recv_object(max_size=MAX_FRAME)
+                self._seen[rank] = time.monotonic()
                 kind = msg[0]
+                if kind == "alive":
+                    continue
                 if kind == "out":
                     self._print_lines(rank, msg[1], msg[2])
                 elif kind == "event":
@@ -227,7 +260,14 @@ class DriverService:
                     finished = True
                     return
                 elif kind == "req":
-                    conn.send_object(self._answer(rank, msg[1], msg[2]))
+                    with self._lock:
+                        self._asking.add(rank)
+                    try:
+                        conn.send_object(self._answer(rank, msg[1], msg[2]))
+                    finally:
+                        with self._lock:
+                            self._asking.discard(rank)
+                            self._seen[rank] = time.monotonic()
                 else:
                     logger.warning("driver service: unknown message %r from rank %s", kind, rank)
         except AuthenticationError:

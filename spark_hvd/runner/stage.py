@@ -3,8 +3,9 @@
 ``run_attempt(spark, Attempt(...), on_event)`` starts the attempt's driver service (output, progress, failures),
 submits a barrier ``mapInArrow`` over ``num_proc`` partitions of ``spark.range`` (DataFrame APIs only, so a classic
 session and a Spark Connect one take the same path; ``spark_hvd.runner.cluster``) under a job tag of its own, and
-watches it: the first failure reported by any rank (or a rank whose process disappears) cancels the stage at once,
-so the other ranks stop; the error raised names the rank and carries its remote type, message and traceback. The
+watches it: the first failure reported by any rank (or a rank whose process disappears, or one that has sent
+nothing for ``SPARK_HVD_LIVENESS_TIMEOUT`` seconds: its host unreachable) cancels the stage at once, so the other
+ranks stop; the error raised names the rank and carries its remote type, message and traceback. The
 results come back as the stage's rows (cloudpickled, one per rank; ``barrier_task`` is the task's side).
 
 Spark Connect cannot tell the driver its free task slots: when no rank has connected within
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 #: Spark Connect (slots unknown): seconds for the first rank to connect before the stage is given up as one that
 #: cannot get its slots (Spark would otherwise retry the barrier stage's slot check for up to 10 minutes).
 CONNECT_START_WAIT_S = float(os.environ.get("SPARK_HVD_CONNECT_START_WAIT", "60"))
+#: Seconds a rank may send nothing to the driver service (it says it is alive every second) before it is blamed as
+#: unreachable and the stage cancelled: a host whose link is cut is named in this time instead of after its peers'
+#: collective timeout (``SPARK_HVD_TIMEOUT``); 0 turns the check off. Read at each attempt.
+LIVENESS_ENV = "SPARK_HVD_LIVENESS_TIMEOUT"
+LIVENESS_TIMEOUT_S = 10.0
+#: Seconds a failed attempt waits for the reports of its other ranks, so that it blames the cause.
+REPORTS_WAIT_S = 10.0
 #: Seconds to wait for the Spark job to end after it was cancelled.
 CANCEL_WAIT_S = 120.0
 #: Seconds a failed run waits for its killed tasks to leave their slots.
@@ -107,6 +115,7 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
     from pyspark import InheritableThread
 
     num_proc, job_id, start_timeout = attempt.num_proc, attempt.job_id, attempt.start_timeout
+    liveness_s = liveness_timeout_s()
     stage = Stage(spark, job_id)
     cancelled = threading.Event()
 
@@ -159,6 +168,8 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
                 stage.wait_gone(TASKS_GONE_WAIT_S)
                 raise
             service.changed.clear()
+            if liveness_s and not cancelled.is_set():
+                service.check_liveness(liveness_s)  # a failure found cancels the stage (on_failure)
             if service.failures and not cancelled.is_set():
                 cancel()
             if not cancelled.is_set() and len(service.started) < num_proc:
@@ -182,11 +193,12 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
             service.wait_finished(30.0)  # let the last output lines reach the console
             by_rank = dict(outcome["results"])
             return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
-        service.wait_finished(10.0, only_started=True)
+        service.wait_finished(REPORTS_WAIT_S, only_started=True)  # the ranks found unreachable are not waited for
         # a rank still silent now is on a host that cannot be reached (or stuck): it is blamed, and its task,
         # which Spark cannot kill until the host answers or is declared lost, is not waited for (its slot stays busy)
         unreachable = service.blame_silent()
-        stage.wait_gone(TASKS_GONE_WAIT_S, leave=len(service.silent()) if unreachable else 0)
+        stage.wait_gone(TASKS_GONE_WAIT_S,
+                        leave=len(service.unreachable) + (len(service.silent()) if unreachable else 0))
         root = service.root_failure()
         detail = spark_message(outcome.get("error"))
         if root is not None:
@@ -195,6 +207,18 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
     finally:
         quiet.stop()
         service.stop()
+
+
+def liveness_timeout_s() -> float:
+    """``SPARK_HVD_LIVENESS_TIMEOUT`` from the driver's environment (default ``LIVENESS_TIMEOUT_S``; 0: off)."""
+    raw = os.environ.get(LIVENESS_ENV, "").strip()
+    try:
+        value = float(raw) if raw else LIVENESS_TIMEOUT_S
+    except ValueError:
+        raise RunnerError(f"{LIVENESS_ENV}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise RunnerError(f"{LIVENESS_ENV}={raw!r} must be >= 0 (0 turns the check off)")
+    return value
 
 
 def spark_message(exc: BaseException | None, limit: int = 2000) -> str:

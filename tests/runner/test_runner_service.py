@@ -12,6 +12,7 @@ from helpers.net import RecordingRelay, wait_until
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import topology
 from spark_hvd.core.transport.wire import FramedSocket, make_secret
+from spark_hvd.runner import client as client_module
 from spark_hvd.runner.barrier_task import BarrierRendezvous, assigned_gpu, task_gpus
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError
@@ -84,6 +85,42 @@ def test_a_silent_rank_is_blamed_when_every_failure_is_a_consequence():
         assert (blamed.rank, blamed.kind, blamed.type_name) == (2, "lost", "ProcessUnreachable")
         assert "rank 2's process on host 127.0.0.1 stopped answering" in blamed.message
     finally:
+        for c in clients:
+            c.close()
+        service.stop()
+
+
+def test_a_rank_that_stops_saying_it_is_alive_is_blamed_and_not_waited_for(monkeypatch):
+    """Every rank's connection says ``("alive",)`` every ``ALIVE_EVERY_S``; rank 2's stops while its connection
+    stays open (what the driver sees of a host whose link is cut), rank 1 waits for the answer of a slow handler:
+    ``check_liveness`` blames rank 2 alone, with its host, as unreachable, and nobody waits for it any more."""
+    monkeypatch.setattr(client_module, "ALIVE_EVERY_S", 0.05)
+    secret = make_secret()
+    failures: list = []
+    release = threading.Event()
+    service = DriverService(secret, 3, job_id="job9", verbose=0, bind_host="127.0.0.1", on_failure=failures.append,
+                            handlers={"slow": lambda rank, payload: release.wait(30)})
+    _, port = service.start()
+    clients = [ServiceClient(f"127.0.0.1:{port}", secret, "job9", r) for r in range(3)]
+    asking = threading.Thread(target=clients[1].request, args=("slow",), daemon=True)
+    try:
+        assert wait_until(lambda: service.started == {0, 1, 2})
+        clients[2]._closed.set()  # its keep-alive thread stops; the connection stays open
+        asking.start()
+        threading.Event().wait(1.3)
+        found = service.check_liveness(1.0)
+        assert [f.rank for f in found] == [2] and failures == found
+        assert (found[0].kind, found[0].type_name) == ("lost", "ProcessUnreachable")
+        assert "rank 2's process on host 127.0.0.1 stopped answering" in found[0].message
+        assert service.unreachable == {2} and 2 in service.finished
+        release.set()
+        asking.join(10)
+        for c in clients[:2]:
+            c.send_done()
+        assert service.wait_finished(10.0, only_started=True)
+        assert service.root_failure() is found[0]
+    finally:
+        release.set()
         for c in clients:
             c.close()
         service.stop()

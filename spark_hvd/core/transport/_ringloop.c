@@ -43,6 +43,7 @@
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -510,12 +511,27 @@ static int tag_frame(int mode, PyObject *mac, EVP_CTX *ctx, uint64_t counter, co
     return rc;
 }
 
-/* take the GIL back; a long wait for it (another thread runs Python) sends MAC_AUTO to libcrypto for a while */
+/* this thread's voluntary context switches so far (it slept: on the GIL here); -1 where the system cannot say */
+static long thread_sleeps(void) {
+#ifdef RUSAGE_THREAD
+    struct rusage use;
+    return getrusage(RUSAGE_THREAD, &use) == 0 ? use.ru_nvcsw : -1;
+#else
+    return -1;
+#endif
+}
+
+/* take the GIL back; a long wait for it (another thread runs Python) sends MAC_AUTO to libcrypto for a while. A
+ * long wait in which this thread did not sleep is the scheduler's (a loaded machine preempted it), not another
+ * thread's hold on the GIL: it keeps the faster ``cryptography`` (for sealing, AES-GCM at ~10 GB/s against the
+ * system libcrypto's slower one here) */
 static int take_gil(int mode, EVP_CTX *ctx, PyThreadState **thread) {
+    int check = ctx && mode == MAC_AUTO;
+    long slept = check ? thread_sleeps() : 0;
     int64_t asked = now_ns();
     PyEval_RestoreThread(*thread);
     int64_t got = now_ns();
-    if (ctx && mode == MAC_AUTO && got - asked > GIL_WAIT_NS)
+    if (check && got - asked > GIL_WAIT_NS && (slept < 0 || thread_sleeps() != slept))
         __atomic_store_n(&gil_free_until, got + GIL_FREE_NS, __ATOMIC_RELAXED);
     return 0;
 }
@@ -834,12 +850,14 @@ done:
 PyDoc_STRVAR(ring_doc,
 "ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
 "     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
-"     lowat_min, mac_mode, encrypt)\n"
+"     lowat_min, mac_mode, encrypt[, out_stage, in_stage])\n"
 "-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
 "(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
 "32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function;\n"
-"``encrypt``: frames are encrypted, ``out_mac``/``in_mac`` then each direction's ``seal_into``/``open_into``.");
+"``encrypt``: frames are encrypted, ``out_mac``/``in_mac`` then each direction's ``seal_into``/``open_into``;\n"
+"``out_stage``/``in_stage``: writable buffers of at least the largest frame + 16 bytes to seal into and receive\n"
+"into, kept by the caller between calls (else allocated per call).");
 
 static PyObject *ring(PyObject *self, PyObject *args) {
     (void)self;
@@ -848,16 +866,17 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     long ranks;
     long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
     PyObject *out_mac, *in_mac;
-    Py_buffer out_key, in_key, buf, scratch, first, plan;
+    Py_buffer out_key, in_key, buf, scratch, first, plan, out_given = {0}, in_given = {0};
     int mac_mode, encrypt;
-    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii", &out_fd, &in_fd, &out_mac, &out_key, &out_counter,
-                          &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps, &total_steps,
-                          &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail,
-                          &lowat_min, &mac_mode, &encrypt))
+    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii|w*w*", &out_fd, &in_fd, &out_mac, &out_key,
+                          &out_counter, &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps,
+                          &total_steps, &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap,
+                          &lowat_tail, &lowat_min, &mac_mode, &encrypt, &out_given, &in_given))
         return NULL;
     PyObject *result = NULL;
     EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
     unsigned char *out_stage = NULL, *in_stage = NULL;
+    int own_stages = 0;
     if (out_key.len != 32 || in_key.len != 32) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
         goto out;
@@ -893,8 +912,15 @@ static PyObject *ring(PyObject *self, PyObject *args) {
             if (f[2 * i + 1] - f[2 * i] > largest) largest = f[2 * i + 1] - f[2 * i];
         for (Py_ssize_t i = 0; i < n_recv; i++)
             if (p[3 * i + 2] - p[3 * i + 1] > largest) largest = p[3 * i + 2] - p[3 * i + 1];
-        out_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
-        in_stage = PyMem_RawMalloc((size_t)largest + TAG_SIZE);
+        Py_ssize_t need = (Py_ssize_t)largest + TAG_SIZE;
+        if (out_given.buf && in_given.buf && out_given.len >= need && in_given.len >= need) {
+            out_stage = out_given.buf; /* the caller's, kept between calls: no pages mapped and zeroed per call */
+            in_stage = in_given.buf;
+        } else {
+            own_stages = 1;
+            out_stage = PyMem_RawMalloc((size_t)need);
+            in_stage = PyMem_RawMalloc((size_t)need);
+        }
         if (!out_stage || !in_stage) {
             PyErr_NoMemory();
             goto out;
@@ -917,8 +943,12 @@ static PyObject *ring(PyObject *self, PyObject *args) {
                            (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
                            r.mid_send ? Py_True : Py_False);
 out:
-    PyMem_RawFree(out_stage);
-    PyMem_RawFree(in_stage);
+    if (own_stages) {
+        PyMem_RawFree(out_stage);
+        PyMem_RawFree(in_stage);
+    }
+    if (out_given.obj) PyBuffer_Release(&out_given);
+    if (in_given.obj) PyBuffer_Release(&in_given);
     if (out_ctx) crypto.ctx_free(out_ctx);
     if (in_ctx) crypto.ctx_free(in_ctx);
     PyBuffer_Release(&out_key);

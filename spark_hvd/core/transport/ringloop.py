@@ -37,7 +37,7 @@ from spark_hvd.core.transport.tcp.loop import (
     run_ahead_bytes,
 )
 from spark_hvd.core.transport.tcp.peer import PeerSocket, ProtocolError
-from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE
+from spark_hvd.core.transport.wire import _LENGTH, HEADER_SIZE, TAG_SIZE
 
 try:
     from spark_hvd.core.transport import _ringloop
@@ -102,6 +102,11 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
         raise ValueError("a ring encrypts on both of its connections or on neither")
     # encrypted: each direction's seal_into / open_into (``wire``), else its GMAC
     out_fn, in_fn = (sending.seal_into, receiving.open_into) if out.encrypt else (sending.gmac, receiving.gmac)
+    stages: tuple = ()
+    if out.encrypt:  # the peers' staging buffers, kept between calls (the loop would map fresh pages every call)
+        largest = max(int((spans[:, 1] - spans[:, 0]).max(initial=0)),
+                      int((frames[:, 2] - frames[:, 1]).max(initial=0)))
+        stages = (out.stage("send", largest + TAG_SIZE), recv.stage("recv", largest + TAG_SIZE))
     timeout_ms = int(max(out.timeout_s, recv.timeout_s) * 1000)
     with out.send_lock:
         try:
@@ -109,7 +114,8 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
                 out.sock.fileno(), recv.sock.fileno(), out_fn, sending.data_key(), sending.counter,
                 in_fn, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
                 reduce_steps, total_steps, code, opcode, ranks, timeout_ms, ahead,
-                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE, int(out.encrypt))
+                RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE, int(out.encrypt),
+                *stages)
         except BaseException:  # a signal handler's exception (Ctrl-C), or the MAC's: the streams may stop mid-frame
             out.send_broken = recv.recv_broken = True
             raise
