@@ -271,28 +271,33 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
         choice = task_device(use_gpu)
         model, device = _cached_model(f"{key}-{choice.address}-{choice.ordinal}" if use_gpu else key,
                                       lambda: _load_recording_device(model_cls, bc.value, use_gpu))
-        _set_task_device(device)  # a module function: this closure travels by value, with copies of its globals
         transformation_fn, collate_fn = (None, None)
         if preprocessing is not None:
             from spark_hvd import pickling
 
             transformation_fn, collate_fn = pickling.loads(preprocessing)
-        names = None
-        for rb in batches:
-            if names is None:
-                names = [rb.schema.names[i] for i in keep_idx] + out_cols
-            n = rb.num_rows
-            if n == 0:
-                empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
-                yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
-                continue
-            inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn, ragged)
-            outs = model_cls._predict_batches(model, inputs, batch_size)
-            if len(outs) != len(out_cols):
-                raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
-                                 f"{out_cols}")
-            outputs = [output_to_arrow(o, n) for o in outs]
-            yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
+        # what inference_device() reports while this function runs; restored when it ends (exhausted, closed or
+        # failed), so an in-process call (the pyfunc's predict) leaves no task device behind in the process
+        previous = _swap_task_device([device])  # module functions: this closure travels with copies of its globals
+        try:
+            names = None
+            for rb in batches:
+                if names is None:
+                    names = [rb.schema.names[i] for i in keep_idx] + out_cols
+                n = rb.num_rows
+                if n == 0:
+                    empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
+                    yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
+                    continue
+                inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn, ragged)
+                outs = model_cls._predict_batches(model, inputs, batch_size)
+                if len(outs) != len(out_cols):
+                    raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
+                                     f"{out_cols}")
+                outputs = [output_to_arrow(o, n) for o in outs]
+                yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
+        finally:
+            _swap_task_device(previous)
 
     return transform_batches
 
@@ -468,8 +473,11 @@ def _load_recording_device(model_cls: type, data: bytes, use_gpu: bool) -> tuple
                           "process")
 
 
-def _set_task_device(device: TaskDevice) -> None:
-    _TASK_DEVICE[:] = [device]
+def _swap_task_device(devices: list[TaskDevice]) -> list[TaskDevice]:
+    """Make ``devices`` (one or none) what ``inference_device()`` reports; returns what it reported before."""
+    previous = list(_TASK_DEVICE)
+    _TASK_DEVICE[:] = devices
+    return previous
 
 
 def inference_device() -> TaskDevice | None:
