@@ -297,14 +297,17 @@ def _log_network(stage: Any, name: str) -> None:
 
 
 def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
-               log_network: bool = True, **kwargs: Any) -> Any:
+               log_network: bool = True, check_input: bool = True, **kwargs: Any) -> Any:
     """``<Model>.log_mlflow``: log ``stage`` as a pyfunc (see the module docstring) in the active MLflow run (one
     is started, and ended, if none is active), with a signature and an input example from ``input_example`` (a
     Spark or pandas DataFrame of raw rows: its first rows), requirements as ranges, registered under
-    ``registered_model_name`` if given; the framework flavour beside it (``log_network``). ``kwargs`` go to
-    ``mlflow.pyfunc.log_model``. Returns the pyfunc's ``ModelInfo`` (``.model_uri`` loads it)."""
+    ``registered_model_name`` if given; the framework flavour beside it (``log_network``). ``check_input=False``
+    logs the signature's outputs only, so that MLflow checks no input schema at ``predict`` (its check of an array
+    column runs per row, and is most of ``spark_udf``'s time: docs/serving.md); the input example is logged all the
+    same. ``kwargs`` go to ``mlflow.pyfunc.log_model``. Returns the pyfunc's ``ModelInfo`` (``.model_uri`` loads
+    it)."""
     import mlflow
-    from mlflow.models import infer_signature
+    from mlflow.models import ModelSignature, infer_signature
 
     _pyfunc_log_model.__wrapped__ = mlflow.pyfunc.log_model  # compat.log_model reads the pyfunc's keywords
     with tempfile.TemporaryDirectory(prefix="spark_hvd_pyfunc_") as tmp:
@@ -315,7 +318,8 @@ def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, regis
             local = StagePyfunc()
             local.load_directory(stage_dir)
             kwargs.setdefault("input_example", example)
-            kwargs.setdefault("signature", infer_signature(example, local.predict(None, example)))
+            signature = infer_signature(example, local.predict(None, example))
+            kwargs.setdefault("signature", signature if check_input else ModelSignature(outputs=signature.outputs))
         if registered_model_name:
             kwargs["registered_model_name"] = registered_model_name
         kwargs.setdefault("pip_requirements", requirements(stage))
