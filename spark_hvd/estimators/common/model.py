@@ -252,9 +252,10 @@ class BaseModel(Model, PersistableStage):
                                 classifier)
         return prepared.mapInArrow(fn, schema)
 
-    def _classifier(self, columns: list[str], vector: bool = True) -> tuple[str, str, str, bool] | None:
-        """``(kind, prediction column, probability column, as a Vector)`` for a classifier's columns beside its
-        single raw output (``classifier.py``; an empty name leaves that one out), or None for another model."""
+    def _classifier(self, columns: list[str]) -> tuple[str, str, str, bool] | None:
+        """``(kind, prediction column, probability column, True: as a Vector)`` for a classifier's columns beside
+        its single raw output (``classifier.py``; an empty name leaves that one out), or None for another model;
+        ``columns``: the names already taken."""
         kind = (self.getOrDefault(self.metadata) or {}).get("classifier")
         if not kind or len(self.getOutputCols()) != 1:
             return None
@@ -267,7 +268,7 @@ class BaseModel(Model, PersistableStage):
 
         if kind not in KINDS:
             raise param_error(self, f"metadata 'classifier' is {kind!r}; one of {list(KINDS)}")
-        return kind, names[0], names[1], vector
+        return kind, names[0], names[1], True
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
