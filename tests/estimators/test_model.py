@@ -234,3 +234,37 @@ def test_classifier_columns_feed_spark_evaluators(spark):
     np.testing.assert_allclose(first.probability.toArray(), [1.0 - p1, p1], rtol=1e-6)
     assert first.prediction == float(first.label__output > 0)
     assert 0.0 <= BinaryClassificationEvaluator(rawPredictionCol="probability").evaluate(out) <= 1.0
+
+
+def test_classifier_columns_in_numpy_equal_the_spark_sql_ones(spark):
+    """``transform`` computes prediction and probability in numpy inside its Arrow function; they equal the Spark
+    SQL expressions (``add_classifier_columns``) on the same output column, for each kind: ties (the first
+    class), large logits, one value per row (a double column) and per-class arrays (``array<float>``)."""
+    from spark_hvd.estimators.common.classifier import KINDS, add_classifier_columns, classifier_arrays
+
+    rng = np.random.default_rng(6)
+    multi = rng.standard_normal((20, 4)).astype(np.float32) * 30
+    multi[0] = [1.0, 3.0, 3.0, -2.0]  # a tie: the first of the two
+    multi[1] = [500.0, 499.0, -500.0, 0.0]  # exp would overflow without the shift
+    probs = rng.random((20, 4)).astype(np.float32) + 0.01
+    single = rng.standard_normal(20) * 3
+    single[2] = 0.0
+    unit = rng.random(20)
+    unit[3] = 0.5
+    df = spark.createDataFrame([(i, multi[i].tolist(), probs[i].tolist(), float(single[i]), float(unit[i]))
+                                for i in range(20)],
+                               "id long, logits array<float>, probs array<float>, bl double, bp double")
+    cases = {"logits": ("logits", multi), "probabilities": ("probs", probs),
+             "binary_logits": ("bl", single), "binary_probabilities": ("bp", unit)}
+    assert set(cases) == set(KINDS)
+    for kind, (col, _) in cases.items():
+        df = add_classifier_columns(df, col, kind, f"{kind}_pred", f"{kind}_prob")
+    rows = sorted(df.collect(), key=lambda r: r.id)
+    for kind, (_, out) in cases.items():
+        for vector in (True, False):
+            prediction, probability = classifier_arrays(out, kind, vector)
+            probability = probability.field("values") if vector else probability
+            np.testing.assert_array_equal(prediction.to_numpy(), [r[f"{kind}_pred"] for r in rows], err_msg=kind)
+            np.testing.assert_allclose(np.array(probability.to_pylist()),
+                                       np.array([r[f"{kind}_prob"].toArray() for r in rows]), rtol=1e-13,
+                                       atol=0, err_msg=kind)

@@ -88,19 +88,30 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
 
 
 def test_torch_spark_udf_equals_transform(spark, mlflow_tracking, classifier_model):
+    """With the full signature, and logged with ``check_input=False`` (the signature's outputs only: MLflow
+    checks no input schema, which is most of ``spark_udf``'s time); both in one Spark job."""
     spark_udf = _spark_udf_or_skip()
+    import mlflow.models
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F  # noqa: N812
 
     df = _vector_df(spark, n=30, seed=2)
-    info = classifier_model.log_mlflow(input_example=df)
+    info = classifier_model.log_mlflow(input_example=df, log_network=False)  # the flavour: the test above
+    unchecked = classifier_model.log_mlflow(name="unchecked", input_example=df, check_input=False,
+                                            log_network=False)
+    signature = mlflow.models.get_model_info(unchecked.model_uri).signature
+    assert signature.inputs is None
+    assert signature.outputs.input_names() == ["label__output", "prediction", "probability"]
     expect = _sorted(classifier_model.transform(df))
-    udf = spark_udf(spark, info.model_uri, env_manager="local",
-                    result_type="label__output array<float>, prediction double, "
-                                "probability array<double>")
+    result_type = "label__output array<float>, prediction double, probability array<double>"
+    udf, udf_unchecked = (spark_udf(spark, i.model_uri, env_manager="local", result_type=result_type)
+                          for i in (info, unchecked))
     arrays = df.withColumn("features", vector_to_array("features"))
-    scored = arrays.withColumn("out", udf(F.struct("features"))).select("id", "out.*")
-    _assert_frames_equal(_sorted(scored), expect, ["label__output", "prediction", "probability"])
+    both = _sorted(arrays.select("id", udf(F.struct("features")).alias("a"),
+                                 udf_unchecked(F.struct("features")).alias("b")).select("id", "a.*", "b.*"))
+    names = ["label__output", "prediction", "probability"]
+    for half in (both.iloc[:, 1:4], both.iloc[:, 4:7]):
+        _assert_frames_equal(half, expect, names)
 
 
 def test_text_preprocessing_travels_inside(spark, mlflow_tracking):

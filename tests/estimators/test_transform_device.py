@@ -84,7 +84,6 @@ class _DeviceProbe(torch.nn.Module):
         self.lin = torch.nn.Linear(3, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-
         d = inference_device()  # None on the driver (the output shapes are taken there)
         code = [-2.0] * 3 if d is None else [-1.0 if d.ordinal is None else float(d.ordinal),
                                              1.0 if d.device == "cpu" else 0.0,
@@ -110,3 +109,28 @@ def test_transform_records_the_device_of_each_task(spark):
         got = np.array([r.t__output for r in rows])
         np.testing.assert_allclose(got[:, 0], expect, rtol=1e-5, atol=1e-6)
         assert (got[:, 1:] == want).all(), (use_gpu, np.unique(got[:, 1:], axis=0))
+    assert inference_device() is None  # the driver ran no task
+
+
+def test_in_process_batches_leave_no_task_device_behind():
+    """The per-batch function run in this process (as the MLflow pyfunc runs it) reports its device to the module
+    while it runs, and restores what was there before when it ends, failed or not: no stale device afterwards."""
+    import pyarrow as pa
+
+    from spark_hvd.estimators.common.pyfunc import _Shared
+
+    net = _DeviceProbe()
+    data = TorchModel._serialize_model(net)
+    x = np.random.default_rng(5).standard_normal((6, 3)).astype(np.float32)
+    rb = pa.RecordBatch.from_arrays([pa.array(list(x), type=pa.list_(pa.float32()))], names=["arr"])
+    spec = [{"name": "arr", "dtype": "float32", "shape": [3], "kind": "array"}]
+    fn = model_mod._make_transform_fn(TorchModel, "device-probe", _Shared(data), spec, [0], [], ["t__output"],
+                                      [[4]], 4)
+    assert inference_device() is None
+    got = pa.Table.from_batches(list(fn(iter([rb])))).column("t__output").to_pylist()
+    assert np.array(got)[:, 1:].tolist() == [[-1.0, 1.0, -1.0]] * 6  # set while it ran: use_gpu off, the CPU
+    assert inference_device() is None
+    with pytest.raises(ValueError, match="values per row"):
+        bad = pa.RecordBatch.from_arrays([pa.array([[1.0, 2.0]], type=pa.list_(pa.float32()))], names=["arr"])
+        list(fn(iter([bad])))
+    assert inference_device() is None

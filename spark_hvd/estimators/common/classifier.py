@@ -15,14 +15,20 @@ kind                     loss                                   probability     
 =======================  =====================================  =======================  ==========================
 
 ``nll_loss`` takes log-probabilities; their softmax is the probabilities as well, so it counts as ``logits``.
-The columns are plain Spark SQL expressions on the raw output column, which stays as it was.
+``transform`` (and the MLflow pyfunc) compute the two columns in numpy inside the same Arrow function that runs the
+model (:func:`classifier_arrays`), one pass over each batch; :func:`add_classifier_columns` computes the same
+values as Spark SQL expressions on a raw output column (for a DataFrame scored elsewhere). The raw output column
+stays as it was.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KINDS", "add_classifier_columns", "keras_kind", "torch_kind"]
+import numpy as np
+
+__all__ = ["KINDS", "add_classifier_columns", "classifier_arrays", "classifier_columns", "keras_kind",
+           "torch_kind"]
 
 KINDS = ("logits", "probabilities", "binary_logits", "binary_probabilities")
 
@@ -92,3 +98,43 @@ def add_classifier_columns(df: Any, output_col: str, kind: str, prediction_col: 
         cols[prediction_col] = argmax.cast("double")
         cols[probability_col] = array_to_vector(F.transform(weights, lambda x: x / total))
     return df.withColumns({name: col for name, col in cols.items() if name})
+
+
+def classifier_columns(output: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(prediction, probability)`` of a classifier's raw output for ``n`` rows, as float64 arrays of shape
+    ``(n,)`` and ``(n, classes)``: the values :func:`add_classifier_columns` computes on the output column as
+    ``transform`` writes it (``array<float>``: float32 values, the logits' shift by their maximum in float32 as Spark
+    subtracts two floats; a double where the model gives one value per row)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown classifier kind {kind!r}; one of {list(KINDS)}")
+    out = np.asarray(output)
+    per_row = out.reshape(len(out), -1)
+    # the output column's own dtype: one value per row is a double column, several an array<float>
+    x = per_row.astype(np.float64 if per_row.shape[1] == 1 else np.float32, copy=False)
+    if kind.startswith("binary"):
+        value = x[:, 0].astype(np.float64)
+        p1 = 1.0 / (1.0 + np.exp(-value)) if kind == "binary_logits" else value
+        prediction = (value > (0.0 if kind == "binary_logits" else 0.5)).astype(np.float64)
+        return prediction, np.stack([1.0 - p1, p1], axis=1)
+    if kind == "logits":
+        weights = np.exp((x - x.max(axis=1, keepdims=True)).astype(np.float64)) if x.size else x.astype(np.float64)
+    else:
+        weights = x.astype(np.float64)
+    return x.argmax(axis=1).astype(np.float64), weights / weights.sum(axis=1, keepdims=True)
+
+
+def classifier_arrays(output: np.ndarray, kind: str, vector: bool) -> tuple[Any, Any]:
+    """:func:`classifier_columns` as Arrow arrays: ``prediction`` (double) and ``probability``, as the struct of
+    Spark's ``VectorUDT`` (a dense Vector: what ``transform``'s ``mapInArrow`` declares) with ``vector``, else as
+    ``list<double>`` (the pyfunc: no Spark there)."""
+    import pyarrow as pa
+
+    prediction, probability = classifier_columns(output, kind)
+    n, k = probability.shape
+    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * k)
+    values = pa.ListArray.from_arrays(offsets, pa.array(probability.reshape(-1)))
+    if vector:  # VectorUDT.sqlType(): type 1 = dense, size and indices null
+        values = pa.StructArray.from_arrays(
+            [pa.array(np.ones(n, np.int8)), pa.nulls(n, pa.int32()), pa.nulls(n, pa.list_(pa.int32())), values],
+            names=["type", "size", "indices", "values"])
+    return pa.array(prediction), values

@@ -239,30 +239,53 @@ class BaseModel(Model, PersistableStage):
         schema = StructType(list(df.schema.fields) +
                             [StructField(c, output_spark_type(s), True) for c, s in zip(out_cols, out_shapes,
                                                                                           strict=True)])
-        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
-                                bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes(), self._ragged())
-        return self._classifier_columns(prepared.mapInArrow(fn, schema), out_cols)
+        classifier = self._classifier(schema.fieldNames())
+        if classifier is not None:
+            from pyspark.ml.linalg import VectorUDT
+            from pyspark.sql.types import DoubleType
 
-    def _classifier_columns(self, out: Any, out_cols: list[str]) -> Any:
-        """A classifier's ``prediction`` and ``probability`` columns beside its raw output (``classifier.py``)."""
+            for name, dtype in zip(classifier[1:3], (DoubleType(), VectorUDT()), strict=True):
+                if name:
+                    schema.add(StructField(name, dtype, True))
+        fn = _make_transform_fn(type(self), key, bc, specs, feature_idx, keep_idx, out_cols, out_shapes, batch_size,
+                                bool(self.getOrDefault(self.use_gpu)), self._preprocessing_bytes(), self._ragged(),
+                                classifier)
+        return prepared.mapInArrow(fn, schema)
+
+    def _classifier(self, columns: list[str]) -> tuple[str, str, str, bool] | None:
+        """``(kind, prediction column, probability column, True: as a Vector)`` for a classifier's columns beside
+        its single raw output (``classifier.py``; an empty name leaves that one out), or None for another model;
+        ``columns``: the names already taken."""
         kind = (self.getOrDefault(self.metadata) or {}).get("classifier")
-        if not kind or len(out_cols) != 1:
-            return out
+        if not kind or len(self.getOutputCols()) != 1:
+            return None
         names = [self.getOrDefault(self.prediction_col), self.getOrDefault(self.probability_col)]
-        clash = [c for c in names if c and c in out.columns]
+        clash = [c for c in names if c and c in columns]
         if clash:
             raise param_error(self, f"column(s) {clash} already exist in the DataFrame; choose others with "
                               "setPredictionCol / setProbabilityCol ('' leaves one out)")
-        from spark_hvd.estimators.common.classifier import add_classifier_columns
+        from spark_hvd.estimators.common.classifier import KINDS
 
-        return add_classifier_columns(out, out_cols[0], kind, *names)
+        if kind not in KINDS:
+            raise param_error(self, f"metadata 'classifier' is {kind!r}; one of {list(KINDS)}")
+        return kind, names[0], names[1], True
 
 
 def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], feature_idx: list[int],
                        keep_idx: list[int], out_cols: list[str], out_shapes: list[list[int]],
                        batch_size: int, use_gpu: bool = False, preprocessing: bytes | None = None,
-                       ragged: str = "pad") -> Callable:
-    """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage."""
+                       ragged: str = "pad", classifier: tuple[str, str, str, bool] | None = None) -> Callable:
+    """The ``mapInArrow`` function: picklable, holds no reference to the driver-side stage. ``classifier``
+    (``BaseModel._classifier``): the prediction and probability columns of the single output, appended in the same
+    pass (``classifier.classifier_arrays``)."""
+    extra = [c for c in classifier[1:3] if c] if classifier is not None else []
+
+    def classifier_columns(out: np.ndarray) -> list[Any]:
+        from spark_hvd.estimators.common.classifier import classifier_arrays
+
+        kind, prediction_col, probability_col, vector = classifier
+        prediction, probability = classifier_arrays(out, kind, vector)
+        return [a for c, a in ((prediction_col, prediction), (probability_col, probability)) if c]
 
     def transform_batches(batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
@@ -271,28 +294,34 @@ def _make_transform_fn(model_cls: type, key: str, bc: Any, specs: list[dict], fe
         choice = task_device(use_gpu)
         model, device = _cached_model(f"{key}-{choice.address}-{choice.ordinal}" if use_gpu else key,
                                       lambda: _load_recording_device(model_cls, bc.value, use_gpu))
-        _set_task_device(device)  # a module function: this closure travels by value, with copies of its globals
         transformation_fn, collate_fn = (None, None)
         if preprocessing is not None:
             from spark_hvd import pickling
 
             transformation_fn, collate_fn = pickling.loads(preprocessing)
-        names = None
-        for rb in batches:
-            if names is None:
-                names = [rb.schema.names[i] for i in keep_idx] + out_cols
-            n = rb.num_rows
-            if n == 0:
-                empty = [output_to_arrow(np.zeros((0, *s), np.float32), 0) for s in out_shapes]
-                yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
-                continue
-            inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn, ragged)
-            outs = model_cls._predict_batches(model, inputs, batch_size)
-            if len(outs) != len(out_cols):
-                raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
-                                 f"{out_cols}")
-            outputs = [output_to_arrow(o, n) for o in outs]
-            yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
+        # what inference_device() reports while this function runs; restored when it ends (exhausted, closed or
+        # failed), so an in-process call (the pyfunc's predict) leaves no task device behind in the process
+        previous = _swap_task_device([device])  # module functions: this closure travels with copies of its globals
+        try:
+            names = None
+            for rb in batches:
+                if names is None:
+                    names = [rb.schema.names[i] for i in keep_idx] + out_cols + extra
+                n = rb.num_rows
+                if n == 0:
+                    zeros = [np.zeros((0, *s), np.float32) for s in out_shapes]
+                    empty = [output_to_arrow(z, 0) for z in zeros] + (classifier_columns(zeros[0]) if extra else [])
+                    yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + empty, names=names)
+                    continue
+                inputs = model_inputs(rb, feature_idx, specs, transformation_fn, collate_fn, ragged)
+                outs = model_cls._predict_batches(model, inputs, batch_size)
+                if len(outs) != len(out_cols):
+                    raise ValueError(f"the model returned {len(outs)} outputs for {len(out_cols)} output columns "
+                                     f"{out_cols}")
+                outputs = [output_to_arrow(o, n) for o in outs] + (classifier_columns(outs[0]) if extra else [])
+                yield pa.RecordBatch.from_arrays([rb.column(i) for i in keep_idx] + outputs, names=names)
+        finally:
+            _swap_task_device(previous)
 
     return transform_batches
 
@@ -468,8 +497,11 @@ def _load_recording_device(model_cls: type, data: bytes, use_gpu: bool) -> tuple
                           "process")
 
 
-def _set_task_device(device: TaskDevice) -> None:
-    _TASK_DEVICE[:] = [device]
+def _swap_task_device(devices: list[TaskDevice]) -> list[TaskDevice]:
+    """Make ``devices`` (one or none) what ``inference_device()`` reports; returns what it reported before."""
+    previous = list(_TASK_DEVICE)
+    _TASK_DEVICE[:] = devices
+    return previous
 
 
 def inference_device() -> TaskDevice | None:

@@ -6,8 +6,8 @@ columns, and for a classifier ``prediction`` and ``probability`` (an array of do
 Spark ``Vector``). It runs the very function that ``transform``'s ``mapInArrow`` runs on each Arrow batch
 (``model._make_transform_fn``: model loading and cache, ``transformation_fn``/``collate_fn``, the reshape of
 array columns, the padding of ragged ones, batching, the network, the outputs to Arrow), on an Arrow batch made
-from the pandas frame: one code path for both. Only the classifier columns, which ``transform`` computes as
-Spark SQL expressions, are computed here in numpy (:func:`classifier_columns`).
+from the pandas frame: one code path for both, the classifier columns included (``probability`` as an array of
+doubles here, a Vector in ``transform``).
 
 What travels inside the logged model (``artifacts/stage/``): the network's bytes as ``transform`` broadcasts
 them, ``stage.json`` (the model class, the feature specs, output columns and shapes, batch size, classifier
@@ -32,7 +32,7 @@ import numpy as np
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import EstimatorError
 
-__all__ = ["StagePyfunc", "classifier_columns", "frame_to_table", "log_mlflow", "requirements", "save_stage"]
+__all__ = ["StagePyfunc", "frame_to_table", "log_mlflow", "requirements", "save_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -206,27 +206,6 @@ def _flat_list_array(cells: list) -> Any:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
 
 
-# ------------------------------------------------------------------------------------------------ classifier columns
-
-
-def classifier_columns(output: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(prediction, probability)`` of a classifier's raw output as ``classifier.add_classifier_columns``
-    computes them in Spark SQL (see its table): the class as a double, the per-class probabilities as doubles."""
-    from spark_hvd.estimators.common.classifier import KINDS
-
-    if kind not in KINDS:
-        raise ValueError(f"unknown classifier kind {kind!r}; one of {list(KINDS)}")
-    out = np.asarray(output, dtype=np.float64)
-    if kind.startswith("binary"):
-        value = out.reshape(len(out), -1)[:, 0]
-        p1 = 1.0 / (1.0 + np.exp(-value)) if kind == "binary_logits" else value
-        prediction = (value > (0.0 if kind == "binary_logits" else 0.5)).astype(np.float64)
-        return prediction, np.stack([1.0 - p1, p1], axis=1)
-    out = out.reshape(len(out), -1)
-    weights = np.exp(out - out.max(axis=1, keepdims=True)) if kind == "logits" else out
-    return out.argmax(axis=1).astype(np.float64), weights / weights.sum(axis=1, keepdims=True)
-
-
 # ------------------------------------------------------------------------------------------------ the pyfunc
 
 
@@ -267,9 +246,12 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
         specs = config["specs"]
         key = f"pyfunc-{stage_cls.__name__}-{hashlib.sha256(data).hexdigest()[:24]}"
         self.config = config
+        kind = config.get("classifier")
+        classifier = (kind, config.get("prediction_col") or "", config.get("probability_col") or "", False) \
+            if kind else None
         self._fn = _make_transform_fn(stage_cls, key, _Shared(data), specs, list(range(len(specs))), [],
                                       config["output_cols"], config["output_shapes"], config["batch_size"], False,
-                                      pre.read_bytes() if pre.exists() else None, config["ragged"])
+                                      pre.read_bytes() if pre.exists() else None, config["ragged"], classifier)
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201 - MLflow reads hints as a schema
         """The columns ``transform`` adds for the rows of ``model_input`` (a pandas DataFrame of raw feature
@@ -285,20 +267,6 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
         if len(batches) > 1:
             batches = [pa.RecordBatch.from_arrays(table.combine_chunks().columns, names=table.column_names)]
         result = pa.Table.from_batches(list(self._fn(iter(batches))))
-        if config.get("classifier"):  # the columns added in Arrow: one pandas conversion, no insert per column
-            column = result.column(config["output_cols"][0]).combine_chunks()
-            if pa.types.is_list(column.type):  # an array per row
-                width = int(np.prod(config["output_shapes"][0])) or 1
-                raw = column.flatten().to_numpy(zero_copy_only=False).reshape(len(column), width)
-            else:
-                raw = column.to_numpy(zero_copy_only=False)
-            prediction, probability = classifier_columns(raw, config["classifier"])
-            if config.get("prediction_col"):
-                result = result.append_column(config["prediction_col"], pa.array(prediction))
-            if config.get("probability_col"):
-                offsets = np.arange(len(probability) + 1, dtype=np.int32) * probability.shape[1]
-                result = result.append_column(config["probability_col"], pa.ListArray.from_arrays(
-                    pa.array(offsets), pa.array(probability.ravel())))
         out = result.to_pandas()
         out.index = model_input.index
         return out
@@ -329,14 +297,17 @@ def _log_network(stage: Any, name: str) -> None:
 
 
 def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
-               log_network: bool = True, **kwargs: Any) -> Any:
+               log_network: bool = True, check_input: bool = True, **kwargs: Any) -> Any:
     """``<Model>.log_mlflow``: log ``stage`` as a pyfunc (see the module docstring) in the active MLflow run (one
     is started, and ended, if none is active), with a signature and an input example from ``input_example`` (a
     Spark or pandas DataFrame of raw rows: its first rows), requirements as ranges, registered under
-    ``registered_model_name`` if given; the framework flavour beside it (``log_network``). ``kwargs`` go to
-    ``mlflow.pyfunc.log_model``. Returns the pyfunc's ``ModelInfo`` (``.model_uri`` loads it)."""
+    ``registered_model_name`` if given; the framework flavour beside it (``log_network``). ``check_input=False``
+    logs the signature's outputs only, so that MLflow checks no input schema at ``predict`` (its check of an array
+    column runs per row, and is most of ``spark_udf``'s time: docs/serving.md); the input example is logged all the
+    same. ``kwargs`` go to ``mlflow.pyfunc.log_model``. Returns the pyfunc's ``ModelInfo`` (``.model_uri`` loads
+    it)."""
     import mlflow
-    from mlflow.models import infer_signature
+    from mlflow.models import ModelSignature, infer_signature
 
     _pyfunc_log_model.__wrapped__ = mlflow.pyfunc.log_model  # compat.log_model reads the pyfunc's keywords
     with tempfile.TemporaryDirectory(prefix="spark_hvd_pyfunc_") as tmp:
@@ -347,7 +318,8 @@ def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, regis
             local = StagePyfunc()
             local.load_directory(stage_dir)
             kwargs.setdefault("input_example", example)
-            kwargs.setdefault("signature", infer_signature(example, local.predict(None, example)))
+            signature = infer_signature(example, local.predict(None, example))
+            kwargs.setdefault("signature", signature if check_input else ModelSignature(outputs=signature.outputs))
         if registered_model_name:
             kwargs["registered_model_name"] = registered_model_name
         kwargs.setdefault("pip_requirements", requirements(stage))
