@@ -165,14 +165,14 @@ def test_label_shapes_reshape_every_label_batch(dataset):
 
 
 def test_label_shapes_are_checked_on_the_driver(dataset):
-    from spark_hvd.estimators.common.fit import _label_shapes
+    from spark_hvd.estimators.common.preflight import checked_label_shapes
 
     assert TorchEstimator(label_shapes=[[-1, 2, 2], [1]]).getLabelShapes() == [[2, 2], [1]]  # Horovod's form too
     _, info = dataset
-    assert _label_shapes("TorchEstimator", [[1], [2, 2]], info) == ((1,), (2, 2))
+    assert checked_label_shapes("TorchEstimator", [[1], [2, 2]], info) == ((1,), (2, 2))
     with pytest.raises(ValueError, match=r"label_shapes: label column 'y4' holds 4 values per row \(shape \[4\]\), "
                                          r"which shape \[3\] does not fit"):
-        _label_shapes("TorchEstimator", [[1], [3]], info)
+        checked_label_shapes("TorchEstimator", [[1], [3]], info)
 
 
 # ------------------------------------------------------------------------------ driver: backend, encrypt, losses

@@ -20,7 +20,13 @@ from spark_hvd.estimators.common.errors import param_error
 from spark_hvd.estimators.common.model import BaseModel
 from spark_hvd.estimators.common.params import OBJECT_PARAMS
 from spark_hvd.estimators.common.persistence import PersistableStage
-from spark_hvd.estimators.common.preflight import check_not_classes
+from spark_hvd.estimators.common.preflight import (
+    check_batch_functions_on_driver,
+    check_columns,
+    check_not_classes,
+    check_rows,
+    checked_label_shapes,
+)
 from spark_hvd.estimators.common.rank_run import RankTrainer, train_on_rank
 from spark_hvd.estimators.common.spec import BestPolicy, TrainSpec, built_loss, model_metadata
 from spark_hvd.store.run_dir import RunDir
@@ -186,7 +192,7 @@ class BaseEstimator(Estimator, PersistableStage):
             wanted.append(("sample_weight_col", weight_col))
         if isinstance(validation, str):
             wanted.append(("validation", validation))
-        _check_columns(df, wanted)
+        check_columns(df, wanted)
         if len(set(features) | set(labels)) != len(features) + len(labels):
             raise param_error(name, f"a column is both a feature and a label: {sorted(set(features) & set(labels))}")
         model = self._opt(self.model)
@@ -218,11 +224,11 @@ class BaseEstimator(Estimator, PersistableStage):
                 "backend": backend}
 
     def _check_rows(self, df: Any, plan: dict) -> None:
-        """The rows' checks (``_check_rows``: one Spark job) into ``plan["label_max"]``: for a DataFrame that is not
-        prepared (``fit_on_parquet``), or a dataset prepared by a version that did not record them."""
+        """The rows' checks (``preflight.check_rows``: one Spark job) into ``plan["label_max"]``: for a DataFrame
+        that is not prepared (``fit_on_parquet``), or a dataset prepared by a version that did not record them."""
         get = self.getOrDefault
         labels, weight_col = list(get(self.label_cols)), get(self.sample_weight_col)
-        plan["label_max"] = _check_rows(df, type(self).__name__, list(get(self.feature_cols)) + labels
+        plan["label_max"] = check_rows(df, type(self).__name__, list(get(self.feature_cols)) + labels
                                         + ([weight_col] if weight_col else []), labels)
 
     def _elastic_range(self) -> tuple[int, int | None] | None:
@@ -426,7 +432,7 @@ class BaseEstimator(Estimator, PersistableStage):
             reader_pool_type=get(self.reader_pool_type), reader_num_workers=get(self.train_reader_num_workers),
             val_reader_num_workers=get(self.val_reader_num_workers), shuffle_buffer_size=get(self.shuffle_buffer_size),
             inmemory_cache_all=get(self.inmemory_cache_all),
-            label_shapes=_label_shapes(type(self).__name__, get(self.label_shapes), data),
+            label_shapes=checked_label_shapes(type(self).__name__, get(self.label_shapes), data),
             ragged=get(self.ragged),
             backward_passes_per_step=get(self.backward_passes_per_step),
             gradient_compression=self._opt(self.gradient_compression), use_gpu=get(self.use_gpu),
@@ -443,7 +449,7 @@ class BaseEstimator(Estimator, PersistableStage):
         get = self.getOrDefault
         store, run_id, num_proc = plan["store"], plan["run_id"], plan["num_proc"]
         spec = self._spec(store, run_id, data, plan["model_bytes"])
-        _check_batch_functions(spec)
+        check_batch_functions_on_driver(spec)
         self._preflight(spec, plan.get("label_max", {}))
         log.info("%s: training run %s on %d processes", type(self).__name__, run_id, num_proc)
         from spark_hvd.runner.progress import phase_line
@@ -504,63 +510,6 @@ class BaseEstimator(Estimator, PersistableStage):
         return MlflowRun(mlflow_options(setting), run_id).start(params, earlier)
 
 
-def _label_shapes(name: str, shapes: list[list[int]] | None, data: Any) -> tuple | None:
-    """``label_shapes`` as the ranks take them, each checked against its label's stored size per row (the
-    prepared data's metadata) before anything runs."""
-    if shapes is None:
-        return None
-    import math
-
-    for col, shape in zip(data.label_cols, shapes, strict=True):
-        stored = list(data.columns[col].shape)
-        if math.prod(stored) != math.prod(shape):
-            raise param_error(name, f"label_shapes: label column {col!r} holds {math.prod(stored)} values per row "
-                              f"(shape {stored}), which shape {list(shape)} does not fit")
-    return tuple(tuple(s) for s in shapes)
-
-
-def _check_batch_functions(spec: TrainSpec) -> None:
-    """``transformation_fn`` / ``collate_fn`` tried on the driver on the first rows, before any task starts: a
-    decoder that drops a column or returns rows of different shapes fails here, naming the column."""
-    from spark_hvd.data.transform_check import TransformationFnError, check_batch_functions
-
-    if spec.transformation_fn is None and spec.collate_fn is None:
-        for col in list(spec.feature_cols) + list(spec.label_cols):
-            kind = spec.dataset.columns[col].kind
-            if kind in ("binary", "string", "sparse"):
-                raise TransformationFnError(
-                    f"column {col!r} is {kind}: the model needs numbers, so set transformation_fn to decode it "
-                    "on the ranks (e.g. spark_hvd.data.decode.ImageDecoder for images, a tokenizer for text) or "
-                    "collate_fn to turn each batch into arrays; string categories go through "
-                    "pyspark.ml.feature.StringIndexer in the Pipeline")
-        return
-
-    cols = list(spec.feature_cols) + list(spec.label_cols)
-    if spec.sample_weight_col:
-        cols.append(spec.sample_weight_col)
-    check_batch_functions(spec.store, spec.dataset, cols, cols, spec.transformation_fn, spec.collate_fn)
-
-
-def _check_rows(df: Any, name: str, cols: list[str], labels: list[str] = ()) -> dict[str, float]:
-    """One Spark job, before anything is written: the DataFrame has rows and no nulls in the columns training reads.
-    Returns the largest value of each numeric scalar label column (the pre-flight's number of classes)."""
-    from pyspark.sql import functions as F  # noqa: N812
-    from pyspark.sql.types import NumericType
-
-    numeric = [c for c in labels if isinstance(df.schema[c].dataType, NumericType)]
-    aggs = [F.count(F.lit(1)).alias("rows")] + [F.sum(F.col(c).isNull().cast("long")).alias(f"n{i}")
-                                                 for i, c in enumerate(cols)]
-    aggs += [F.max(F.col(c)).alias(f"max{i}") for i, c in enumerate(numeric)]
-    counts = df.agg(*aggs).collect()[0]
-    if not counts["rows"]:
-        raise param_error(name, "the DataFrame given to fit is empty")
-    nulls = {c: counts[f"n{i}"] for i, c in enumerate(cols) if counts[f"n{i}"]}
-    if nulls:
-        raise param_error(name, f"null values in column(s) {nulls} (column: rows); drop or fill them before fit "
-                          "(df.na.drop(subset=[...]) or df.na.fill(...))")
-    return {c: float(counts[f"max{i}"]) for i, c in enumerate(numeric)}
-
-
 def interrupted_message(name: str, run_id: str, epochs: list[int]) -> str:
     """The one line a Ctrl-C during ``fit`` prints: the run, its last committed checkpoint, how to resume."""
     if not epochs:
@@ -580,18 +529,6 @@ def _interrupted(name: str, store: Any, run_id: str) -> KeyboardInterrupt:
     exc = KeyboardInterrupt(interrupted_message(name, run_id, epochs))
     exc.run_id = run_id  # type: ignore[attr-defined]
     return exc
-
-
-def _check_columns(df: Any, wanted: list[tuple[str, str]]) -> None:
-    """Every (param, column) must name a column of ``df``; the error suggests the nearest existing names."""
-    import difflib
-
-    names = df.columns
-    for param, col in wanted:
-        if col not in names:
-            near = difflib.get_close_matches(col, names, n=3)
-            hint = f"; did you mean {near}?" if near else ""
-            raise ValueError(f"{param}: column {col!r} is not in the DataFrame (columns: {names}){hint}")
 
 
 def _prepare_data(est: BaseEstimator, df: Any, store: Any, num_proc: int) -> Any:
