@@ -62,11 +62,14 @@ NO_IMPORT_MARK = "\x1fspark-hvd-run: cannot import spark_hvd\x1f"
 #: Names the interpreter a host runs the remote end with when ``--remote-python`` is not given.
 REMOTE_PYTHON_ENV = "SPARK_HVD_REMOTE_PYTHON"
 
+#: The remote end's first code: it imports ``spark_hvd.core`` too, so that an interpreter lacking spark_hvd's
+#: dependencies (numpy ...) is named here rather than in the rank (``spark_hvd.runner`` itself imports them lazily).
 _BOOTSTRAP = """import json,sys
 sys.stderr.write("\\x1fspark-hvd-run: remote shell answered\\x1f\\n");sys.stderr.flush()
 c=json.loads(sys.stdin.readline());sys.path[:0]=c["path"]
 try:
     from spark_hvd.runner.remote import serve
+    import spark_hvd.core
 except Exception as e:
     m="\\x1fspark-hvd-run: cannot import spark_hvd\\x1f %s: %s: %s\\n"
     sys.stderr.write(m % (sys.executable, type(e).__name__, e));sys.stderr.flush();sys.exit(127)
