@@ -23,7 +23,7 @@ import numpy as np
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.engine.checks import BARRIER_META, in_place_ok
 from spark_hvd.core.engine.fresh import FreshSpec, Layout
-from spark_hvd.core.engine.negotiation import ResponseCache, noname
+from spark_hvd.core.engine.negotiation import MADE_UP_ALLREDUCE, ResponseCache, noname
 from spark_hvd.core.engine.speculation import Predictor, Spec
 
 if TYPE_CHECKING:
@@ -180,7 +180,8 @@ class BlockingCalls:
         if not self._executor.fresh_one(spec, name, buf):
             self._fresh = self._new_layout = None
             return False, False
-        self._fresh_hit([name])
+        if name.startswith(MADE_UP_ALLREDUCE):  # the engine made it up: ``Engine._fresh_hit``
+            self._fresh_hit([name])
         stats = self.stats
         stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         stats["full_requests"] += 1

@@ -72,7 +72,15 @@ from spark_hvd.core.engine.device import DeviceGroup, GroupScope
 from spark_hvd.core.engine.executor import Executor, Request
 from spark_hvd.core.engine.fresh import FreshSpec, Layout, build_fresh, fresh_layout
 from spark_hvd.core.engine.handle import GroupHandle, Handle, copy_error, finish_all  # noqa: F401 - GroupHandle re-exported
-from spark_hvd.core.engine.negotiation import CACHEABLE, KINDS, ResponseCache, TableEntry, made_up, noname
+from spark_hvd.core.engine.negotiation import (
+    CACHEABLE,
+    KINDS,
+    MADE_UP_ALLREDUCE,
+    ResponseCache,
+    TableEntry,
+    made_up,
+    noname,
+)
 from spark_hvd.core.engine.pacing import Pacer
 from spark_hvd.core.engine.speculation import Predictor, Spec
 from spark_hvd.core.engine.table import (
@@ -590,7 +598,7 @@ class Engine(BlockingCalls):
     def _fresh_hit(self, names: Sequence[str] | None) -> None:
         """A round of new names was agreed in one collective: when the engine made them up, the predictor learns
         it as ``NEW`` (what follows it, a barrier, is speculated on), as when the round was negotiated."""
-        if names and all(made_up(name, "allreduce") for name in names):
+        if names and names[0].startswith(MADE_UP_ALLREDUCE) and all(made_up(name, "allreduce") for name in names):
             self._spec = self._predictor.followed_by_new()
 
     def _fresh_spec(self, layout: Layout) -> FreshSpec:

@@ -24,6 +24,11 @@ def noname(kind: str, n: int) -> str:
     return f"{kind}.noname.{n}"
 
 
+#: How the names the engine makes up for allreduces begin (``noname("allreduce", n)``): a named call on the path of
+#: every round of new names pays one ``startswith`` against it.
+MADE_UP_ALLREDUCE = "allreduce.noname."
+
+
 def made_up(name: str, kind: str) -> bool:
     """Whether ``name`` is one the engine made up (``noname``): a per-rank counter's, never submitted again."""
     return name.startswith(kind) and name.startswith(".noname.", len(kind))
