@@ -321,8 +321,10 @@ def assert_same_history(got: list[list[np.ndarray]], want: list[list[np.ndarray]
 
 @check("trainer_matches_single_process_on_combined_batches")
 def _trainer() -> None:
-    """Also: every gradient lives in one buffer that each step reduces with one allreduce in place, and a
-    re-initialisation of the gradients after the trainer was made (``cast``) moves them into a new one."""
+    """SGD: the default, the sharded update (reduce-scatter, allgather, no allreduce: spark_hvd/mxnet/zero.py).
+    Adam, with ``sharded_update=False``: every gradient lives in one buffer that each step reduces with one
+    allreduce in place, and a re-initialisation of the gradients after the trainer was made (``cast``) moves them
+    into a new one."""
     import spark_hvd.core as core
 
     seen: list[int] = []
@@ -336,7 +338,7 @@ def _trainer() -> None:
         want = single_process(opt, params)
         net = mlp(7 + R)  # different weights on each rank until the broadcast
         hvd.broadcast_parameters(net.collect_params(), root_rank=0)
-        trainer = hvd.DistributedTrainer(net.collect_params(), opt, dict(params))
+        trainer = hvd.DistributedTrainer(net.collect_params(), opt, dict(params), sharded_update=opt == "sgd")
         if opt == "adam":
             net.cast("float32")  # new data and gradient arrays (same values): the trainer's buffer is rebuilt
         core.allreduce, seen[:] = spy, []
@@ -344,6 +346,9 @@ def _trainer() -> None:
             assert_same_history(train(net, trainer, [R]), want, 1e-5)
         finally:
             core.allreduce = real
+        if opt == "sgd":
+            assert trainer._zero is not None and not seen, f"not sharded: {trainer._unsharded_why}, {len(seen)}"
+            continue
         (flat,) = trainer._flat.buffers
         start = pointer(flat)
         assert seen == [start] * STEPS, f"{len(seen)} allreduces of {seen} for {STEPS} steps, buffer at {start}"
@@ -397,7 +402,8 @@ def _queued_reads() -> None:
     """A read of a gradient queued before ``step`` (behind a slow product) sees this rank's own gradient: the
     trainer's allreduce waits for it before it writes the average into the gradient's memory."""
     net = mlp(7)
-    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reads.")
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reads.",
+                                     sharded_update=False)  # the whole gradient averaged in place (checked below)
     xs, ys = batches(R, 0)
     with mx.autograd.record():
         loss = LOSS(net(gluon_array(xs)), gluon_array(ys))
