@@ -15,10 +15,12 @@
   ``spark_hvd.mxnet.DistributedTrainer`` (``spark-hvd-run -np 2``) vs MXNet's own ``kvstore="dist_sync"`` (a
   scheduler, one server and two workers on localhost, ps-lite; Gluon's default there updates the weights on the
   server, once per step, and ``update_on_kvstore=False`` on every worker, as Horovod does), and one process alone
-  (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd_each`` is ``DistributedTrainer`` reducing
-  each gradient's own array as it did before its gradients shared one buffer (``_fuse`` off): one allreduce per
-  gradient, submitted as backward finishes it. With the samples/s, the job's CPU time per step (every thread of
-  the workers, and of dist_sync's server and scheduler) and that of the workers' Python threads.
+  (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd`` is ``DistributedTrainer``'s default (one
+  allreduce of the gradient buffer, every rank updating every weight); ``hvd_zero`` is ``sharded_update=True``
+  (reduce-scatter of the buffer, each rank updating its half of the weights, allgather: ``spark_hvd/mxnet/zero.py``);
+  ``hvd_each`` (with ``--kinds``) reduces each gradient's own array as before the buffer (``_fuse`` off). With the
+  samples/s, the job's CPU time per step (every thread of the workers, and of dist_sync's server and scheduler) and
+  that of the workers' Python threads.
 """
 
 from __future__ import annotations
@@ -129,12 +131,12 @@ def loop_worker(kind: str, steps: int) -> None:
     net.hybridize(static_alloc=True)
     params = net.collect_params()
     opt = {"learning_rate": 0.01, "momentum": 0.9}
-    if kind in ("hvd", "hvd_each"):
+    if kind.startswith("hvd"):
         import spark_hvd.mxnet as hvd
 
         hvd.init()
         hvd.broadcast_parameters(params)
-        trainer = hvd.DistributedTrainer(params, "sgd", opt)
+        trainer = hvd.DistributedTrainer(params, "sgd", opt, sharded_update=kind == "hvd_zero")
         if kind == "hvd_each":  # the trainer before its gradients shared one buffer: one allreduce per gradient
             trainer._fuse, trainer._flat = False, None
         rank = hvd.rank()
@@ -165,7 +167,9 @@ def loop_worker(kind: str, steps: int) -> None:
     cpu = (time.process_time() - start_cpu) / steps * 1e3
     main_cpu = (time.thread_time() - start_main) / steps * 1e3
     print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank} MAIN {main_cpu:.3f}", flush=True)
-    if kind in ("hvd", "hvd_each"):
+    if kind == "hvd_zero":
+        assert trainer._zero is not None, f"the default did not shard: {trainer._unsharded_why}"
+    if kind.startswith("hvd"):
         hvd.shutdown()
 
 
@@ -190,7 +194,7 @@ def loop_round(kind: str, steps: int) -> tuple[float, float, float]:
     and the workers' Python threads alone (forward and backward queued, the trainer's step; MXNet's worker thread
     computes)."""
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
-    if kind in ("hvd", "hvd_each"):
+    if kind.startswith("hvd"):
         out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", *me], env=ENV,
                              capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
@@ -257,8 +261,10 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def loop(rounds: int, steps: int) -> None:
-    kinds = ("hvd", "hvd_each", "dist", "dist_local", "single")
+KINDS = ("hvd", "hvd_zero", "dist", "dist_local", "single")
+
+
+def loop(rounds: int, steps: int, kinds: tuple[str, ...] = KINDS) -> None:
     rates: dict[str, list[float]] = {k: [] for k in kinds}
     cpus: dict[str, list[float]] = {k: [] for k in kinds}
     mains: dict[str, list[float]] = {k: [] for k in kinds}
@@ -273,11 +279,10 @@ def loop(rounds: int, steps: int) -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     print("the job's CPU ms per step, all processes (median; the workers' Python threads'): " + ", ".join(
         f"{k} {statistics.median(cpus[k]):.2f} ({statistics.median(mains[k]):.2f})" for k in kinds), flush=True)
-    print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
-          f"{med['hvd']:.1f} (one allreduce per gradient, as before: {med['hvd_each']:.1f}, hvd/that "
-          f"{med['hvd'] / med['hvd_each']:.2f}x), kvstore dist_sync at 2 {med['dist']:.1f} (update on the server; "
-          f"hvd/dist {med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
-          f"(hvd/dist_local {med['hvd'] / med['dist_local']:.2f}x), one process alone {med['single']:.1f}",
+    print(f"Gluon loop, samples/s per process (median of {rounds}): " + ", ".join(f"{k} {med[k]:.1f}" for k in kinds)
+          + "; " + ", ".join(f"hvd/{k} {med['hvd'] / med[k]:.2f}x" for k in kinds if k != "hvd" and "hvd" in med)
+          + " (hvd: DistributedTrainer's default, one allreduce; hvd_zero: sharded_update=True; dist: "
+          "kvstore dist_sync, the update on the server; dist_local: dist_sync with update_on_kvstore=False)",
           flush=True)
 
 
@@ -287,8 +292,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--only", choices=["allreduce", "loop"], help="run one of the measurements")
-    p.add_argument("--worker", choices=["allreduce", "hvd", "hvd_each", "dist", "dist_local", "single"],
-                   help=argparse.SUPPRESS)
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"the loop's contenders, comma-separated (of {', '.join(KINDS)}, hvd_each)")
+    p.add_argument("--worker", choices=["allreduce", *KINDS, "hvd_each"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker == "allreduce":
         allreduce_worker(args.calls)
@@ -300,7 +306,7 @@ def main() -> None:
     if args.only in (None, "allreduce"):
         allreduce(args.calls)
     if args.only in (None, "loop"):
-        loop(args.rounds, args.steps)
+        loop(args.rounds, args.steps, tuple(args.kinds.split(",")))
     print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
 
 

@@ -160,16 +160,19 @@ class DistributedTrainer(mx.gluon.Trainer):
     core's engine instead of a kvstore, then updates as ``Trainer`` does.
 
     The parameters' gradients become slices of one flat NDArray per dtype (``spark_hvd.mxnet.flat_grads``: built
-    here when the parameters are initialised, else at the first step). Where the update is exact that way (one
-    buffer, SGD or Adam, dense host weights: ``spark_hvd.mxnet.zero``), a step shards it: the buffer is
+    here when the parameters are initialised, else at the first step), and a step reduces each buffer in place with
+    one allreduce, every rank updating every weight; with ``num_groups`` > 0, or where a buffer cannot hold them,
+    the gradients go one by one. With ``sharded_update=True``, where that is exact (one buffer, SGD or Adam, dense
+    host weights: ``spark_hvd.mxnet.zero``), a step shards the update instead (ZeRO stage 1): the buffer is
     reduce-scattered, each rank updates its 1/N of the weights with its 1/N of the optimizer state, and the
-    weights are allgathered; otherwise a step reduces each buffer in place with one allreduce and every rank
-    updates every weight; with ``num_groups`` > 0, or where a buffer cannot hold them, the gradients go one by one.
+    weights are allgathered (elsewhere the allreduce path, with a debug log saying why). It is not the default:
+    on the core's transports measured (docs/mxnet.md) its reduce-scatter and allgather cost more than the
+    allreduce, more than half the update saves.
 
     With the sharded update, ``param.grad()`` after a step holds the average only in this rank's shard (the rest
     is this rank's own gradient), and ``save_states`` is a collective: every rank of the set calls it (the states
-    are gathered; each rank writes the file it names). ``allreduce_grads()`` / ``update()`` called apart leave
-    the sharded update for good (also a collective, at the first of them).
+    are gathered; each rank writes the file it names, in Gluon's format). ``allreduce_grads()`` / ``update()``
+    called apart leave the sharded update for good (also a collective, at the first of them).
 
     Args:
         params: the parameters to train (``net.collect_params()``, a dict, or a list), in the same order on every
@@ -184,14 +187,13 @@ class DistributedTrainer(mx.gluon.Trainer):
         num_groups: > 0 splits the gradients into this many named groups (Horovod's option), each gradient in its
             own array (no flat buffer).
         process_set: average over the ranks of this process set only.
-        sharded_update: None (the default): shard the update where it is exact (see above); False: never; True:
-            shard where possible, with a warning where not.
+        sharded_update: shard the update across the ranks where it is exact (see above).
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict[str, Any] | None = None,
                  compression: type[Compressor] = Compression.none, gradient_predivide_factor: float = 1.0,
                  prefix: str | None = None, num_groups: int = 0,
-                 process_set: ProcessSet = global_process_set, sharded_update: bool | None = None) -> None:
+                 process_set: ProcessSet = global_process_set, sharded_update: bool = False) -> None:
         common.gradient_scales(ReduceOp.AVERAGE, gradient_predivide_factor)  # checks the factor
         if prefix is not None and not isinstance(prefix, str):
             raise ValueError(f"DistributedTrainer: prefix must be a str, got {type(prefix).__name__}")
@@ -209,7 +211,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._process_set = process_set
         self._fuse = True
         self._flat: FlatGrads | None = None
-        self._shard_mode = sharded_update
+        self._shard_mode = bool(sharded_update)
         self._zero: zero.ShardedUpdate | None = None
         self._unsharded_why: str | None = None
         params = [p for p in self._params if p.grad_req != "null"]
@@ -237,14 +239,13 @@ class DistributedTrainer(mx.gluon.Trainer):
     def _not_sharded(self, why: str) -> None:
         if why != self._unsharded_why:
             self._unsharded_why = why
-            (log.warning if self._shard_mode else log.debug)("DistributedTrainer%s: the allreduce path, not the "
-                                                             "sharded update: %s", f" {self._prefix!r}", why)
+            log.debug("DistributedTrainer %r: the allreduce path, not the sharded update: %s", self._prefix, why)
 
     def _sharded(self) -> zero.ShardedUpdate | None:
         """This step's sharded update, or None for the allreduce path (building the flat buffer as
         ``_allreduce_grads`` would, and leaving a sharded update whose buffer is gone)."""
         ps = self._process_set
-        if self._shard_mode is False:
+        if not self._shard_mode:
             return None
         if not ps.included() or common.set_size(ps) == 1:
             self._not_sharded("a job (process set) of one rank")

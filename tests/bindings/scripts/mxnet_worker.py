@@ -321,10 +321,9 @@ def assert_same_history(got: list[list[np.ndarray]], want: list[list[np.ndarray]
 
 @check("trainer_matches_single_process_on_combined_batches")
 def _trainer() -> None:
-    """SGD: the default, the sharded update (reduce-scatter, allgather, no allreduce: spark_hvd/mxnet/zero.py).
-    Adam, with ``sharded_update=False``: every gradient lives in one buffer that each step reduces with one
-    allreduce in place, and a re-initialisation of the gradients after the trainer was made (``cast``) moves them
-    into a new one."""
+    """SGD with ``sharded_update=True``: reduce-scatter, allgather, no allreduce (spark_hvd/mxnet/zero.py). Adam,
+    the default: every gradient lives in one buffer that each step reduces with one allreduce in place, and a
+    re-initialisation of the gradients after the trainer was made (``cast``) moves them into a new one."""
     import spark_hvd.core as core
 
     seen: list[int] = []
@@ -402,8 +401,7 @@ def _queued_reads() -> None:
     """A read of a gradient queued before ``step`` (behind a slow product) sees this rank's own gradient: the
     trainer's allreduce waits for it before it writes the average into the gradient's memory."""
     net = mlp(7)
-    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reads.",
-                                     sharded_update=False)  # the whole gradient averaged in place (checked below)
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reads.")
     xs, ys = batches(R, 0)
     with mx.autograd.record():
         loss = LOSS(net(gluon_array(xs)), gluon_array(ys))

@@ -110,14 +110,14 @@ class Spy:
 def _matches() -> None:
     for opt in ("sgd", "adam"):
         want = single(opt, range(5))
-        for mode in (None, False):
+        for mode in (True, False):
             net = mlp()
             trainer = hvd.DistributedTrainer(net.collect_params(), opt, options(opt), sharded_update=mode,
                                              prefix=f"{opt}.{mode}.")
             with Spy() as spy:
                 same(train(net, trainer, [R], range(5)), want)
-            if mode is None:
-                assert trainer._zero is not None, "the default did not shard the update"
+            if mode:
+                assert trainer._zero is not None, f"not sharded: {trainer._unsharded_why}"
                 assert spy.calls == ["reducescatter", "allgather"] * 5, spy.calls
                 assert sum(s.stop - s.start for s in trainer._zero.segments) == (74, 73)[R]
             else:
@@ -133,7 +133,8 @@ def _states() -> None:
         want = single(opt, range(5))
         # sharded for 3 steps, saved (every rank), then a plain Trainer in one process goes on from the file
         net = mlp()
-        trainer = hvd.DistributedTrainer(net.collect_params(), opt, options(opt), prefix=f"save.{opt}.")
+        trainer = hvd.DistributedTrainer(net.collect_params(), opt, options(opt), prefix=f"save.{opt}.",
+                                         sharded_update=True)
         train(net, trainer, [R], range(3))
         path = os.path.join(OUT_DIR, f"{opt}-rank{R}.states")
         trainer.save_states(path)
@@ -142,7 +143,8 @@ def _states() -> None:
         plain = os.path.join(OUT_DIR, f"{opt}-plain-rank{R}.states")
         single(opt, range(3), save=plain)
         net = mlp()
-        trainer = hvd.DistributedTrainer(net.collect_params(), opt, options(opt), prefix=f"load.{opt}.")
+        trainer = hvd.DistributedTrainer(net.collect_params(), opt, options(opt), prefix=f"load.{opt}.",
+                                         sharded_update=True)
         train(net, trainer, [R], range(3))
         trainer.load_states(plain)
         same(train(net, trainer, [R], range(3, 5)), want[3:])
@@ -156,13 +158,15 @@ def _fallback() -> None:
     want = train(net, mx.gluon.Trainer(net.collect_params(), "rmsprop", dict(params), kvstore=None),
                  list(range(N)), range(3))
     net = mlp()
-    trainer = hvd.DistributedTrainer(net.collect_params(), "rmsprop", dict(params), prefix="rms.")
+    trainer = hvd.DistributedTrainer(net.collect_params(), "rmsprop", dict(params), prefix="rms.",
+                                     sharded_update=True)
     same(train(net, trainer, [R], range(3)), want)
     assert trainer._zero is None and "RMSProp" in trainer._unsharded_why, trainer._unsharded_why
     # allreduce_grads() + update() apart: leave the sharded update, with the whole states
     want = single("sgd", range(5))
     net = mlp()
-    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", options("sgd"), prefix="apart.")
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", options("sgd"), prefix="apart.",
+                                     sharded_update=True)
     got = train(net, trainer, [R], range(3))
     assert trainer._zero is not None
     for step in range(3, 5):
@@ -179,7 +183,8 @@ def _fallback() -> None:
 @check("stale_gradients_as_gluon")
 def _stale() -> None:
     net = mlp()
-    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", options("sgd"), prefix="stale.")
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", options("sgd"), prefix="stale.",
+                                     sharded_update=True)
     train(net, trainer, [R], range(1))
     try:
         trainer.step(BATCH)  # no backward since the last step
