@@ -280,7 +280,8 @@ def loop(rounds: int, steps: int, kinds: tuple[str, ...] = KINDS) -> None:
     print("the job's CPU ms per step, all processes (median; the workers' Python threads'): " + ", ".join(
         f"{k} {statistics.median(cpus[k]):.2f} ({statistics.median(mains[k]):.2f})" for k in kinds), flush=True)
     print(f"Gluon loop, samples/s per process (median of {rounds}): " + ", ".join(f"{k} {med[k]:.1f}" for k in kinds)
-          + "; " + ", ".join(f"hvd/{k} {med['hvd'] / med[k]:.2f}x" for k in kinds if k != "hvd" and "hvd" in med)
+          + "; " + ", ".join(f"{h}/{k} {med[h] / med[k]:.2f}x" for h in kinds if h.startswith("hvd")
+                             for k in kinds if k != h and (k == "hvd" or not k.startswith("hvd")))
           + " (hvd: DistributedTrainer's default, one allreduce; hvd_zero: sharded_update=True; dist: "
           "kvstore dist_sync, the update on the server; dist_local: dist_sync with update_on_kvstore=False)",
           flush=True)
