@@ -1,9 +1,9 @@
 """spark_hvd.mxnet against its peers on this machine, interleaved (issue 41)::
 
     /work/venvs/mxnet/bin/python benchmarks/mxnet_binding.py [--calls 200] [--rounds 3] [--steps 60]
-        [--only allreduce|loop]
+        [--only allreduce|loop|phases] [--kinds hvd,hvd_zero,dist,dist_local,single]
 
-(an environment with MXNet 1.9.1, numpy < 1.24 and torch: docs/mxnet.md). Two measurements:
+(an environment with MXNet 1.9.1, numpy < 1.24 and torch: docs/mxnet.md). Two measurements, and a profile:
 
 - allreduce (Sum) of one float32 array at 4 KiB and 16 MiB at 2 ranks, one ``spark-hvd-run -np 2`` job:
   ``spark_hvd.mxnet.allreduce`` (a new NDArray) and ``allreduce_`` (in place) on an ``mx.nd.NDArray`` vs
@@ -21,6 +21,10 @@
   ``hvd_each`` (with ``--kinds``) reduces each gradient's own array as before the buffer (``_fuse`` off). With the
   samples/s, the job's CPU time per step (every thread of the workers, and of dist_sync's server and scheduler) and
   that of the workers' Python threads.
+- ``--only phases`` (not in the default run): where the loop's step goes at 2 ranks, over shared memory and over
+  TCP (``SPARK_HVD_SHM=0``), for the default trainer and the sharded update: wall ms a step in forward + backward,
+  ``trainer.step`` and the update MXNet runs after it; the core's collectives inside the step; the same
+  collectives alone on the 2.7 MB gradient buffer; the SGD-with-momentum update alone.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MXNET_CPU_WORKER_NTHREADS="1", PYTHONPATH=str(ROOT),
@@ -113,6 +118,19 @@ def allreduce(calls: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- Gluon loop
 
+def mlp() -> Any:
+    """The loop's model, the same on every rank: an MLP 784-512-512-10 (2.7 MB of float32 weights), hybridized."""
+    import mxnet as mx
+
+    mx.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(512, activation="relu", in_units=784),
+            mx.gluon.nn.Dense(512, activation="relu", in_units=512), mx.gluon.nn.Dense(10, in_units=512))
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True)
+    return net
+
+
 def loop_worker(kind: str, steps: int) -> None:
     """One process of the loop: ``hvd`` (spark_hvd), ``dist`` / ``dist_local`` (a dist_sync worker, the update on
     the server / on the worker) or ``single``."""
@@ -123,12 +141,7 @@ def loop_worker(kind: str, steps: int) -> None:
     rng = np.random.default_rng(0)
     x = mx.nd.array(rng.standard_normal((BATCH, 784)).astype(np.float32))
     y = mx.nd.array(rng.integers(0, 10, BATCH).astype(np.float32))
-    mx.random.seed(0)
-    net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(512, activation="relu", in_units=784),
-            mx.gluon.nn.Dense(512, activation="relu", in_units=512), mx.gluon.nn.Dense(10, in_units=512))
-    net.initialize(mx.init.Xavier())
-    net.hybridize(static_alloc=True)
+    net = mlp()
     params = net.collect_params()
     opt = {"learning_rate": 0.01, "momentum": 0.9}
     if kind.startswith("hvd"):
@@ -287,18 +300,120 @@ def loop(rounds: int, steps: int, kinds: tuple[str, ...] = KINDS) -> None:
           flush=True)
 
 
+# ---------------------------------------------------------------------------------- where a step's time goes
+
+def phases_worker(steps: int) -> None:
+    """One rank of ``--only phases``: the loop's step taken apart for the default trainer and the sharded update
+    (wall ms per step: forward + backward waited for, ``trainer.step``, the update MXNet still runs after it), the
+    core's collectives inside the sharded step, the same collectives alone on the 2.7 MB buffer, and the
+    SGD-with-momentum update alone."""
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    import numpy as np
+
+    import spark_hvd.core as core
+    import spark_hvd.mxnet as hvd
+
+    hvd.init()
+    rng = np.random.default_rng(0)
+    x = mx.nd.array(rng.standard_normal((BATCH, 784)).astype(np.float32))
+    y = mx.nd.array(rng.integers(0, 10, BATCH).astype(np.float32))
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    inside: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[name] = inside.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    real = {k: getattr(core, k) for k in ("allreduce", "reducescatter", "allgather")}
+    for sharded in (False, True):
+        net = mlp()
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                         prefix=f"phases{int(sharded)}.", sharded_update=sharded)
+        spent = {"forward+backward": 0.0, "trainer.step": 0.0, "update after step": 0.0}
+        for i in range(5 + steps):
+            if i == 5:
+                spent = dict.fromkeys(spent, 0.0)
+                inside.clear()
+                for k, fn in real.items():
+                    setattr(core, k, timed(k, fn))
+            t0 = time.perf_counter()
+            with mx.autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            mx.nd.waitall()
+            t1 = time.perf_counter()
+            trainer.step(BATCH)
+            t2 = time.perf_counter()
+            mx.nd.waitall()
+            t3 = time.perf_counter()
+            for k, v in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                spent[k] += v
+        for k, fn in real.items():
+            setattr(core, k, fn)
+        print(f"PHASES rank {hvd.rank()} {'sharded' if sharded else 'default'}: "
+              + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in {**spent, **inside}.items()) + " ms a step",
+              flush=True)
+    buf = np.ones(trainer._flat.buffers[0].size, np.float32)
+    alone = {"allreduce": lambda: core.allreduce(buf, name="p.a"),
+             "reducescatter": lambda: core.reducescatter(buf, name="p.r"),
+             "allgather of half": lambda: core.allgather(buf[:buf.size // 2], name="p.g")}
+    out = {}
+    for k, fn in alone.items():
+        for _ in range(3):
+            fn()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        out[k] = (time.perf_counter() - t) / steps * 1e3
+    params = list(net.collect_params().values())
+    opt = trainer._optimizer
+    states = [opt.create_state(i, p.data()) for i, p in enumerate(params)]
+    t = time.perf_counter()
+    for _ in range(steps):
+        for i, p in enumerate(params):
+            opt.update(i, p.data(), p.grad(), states[i])
+        mx.nd.waitall()
+    out["SGD-momentum update of every weight"] = (time.perf_counter() - t) / steps * 1e3
+    print(f"PHASES rank {hvd.rank()} alone on the {buf.nbytes / 1e6:.1f} MB buffer: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in out.items()) + " ms", flush=True)
+    hvd.shutdown()
+
+
+def phases(steps: int) -> None:
+    for shm in ("1", "0"):
+        out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", sys.executable,
+                              str(Path(__file__).resolve()), "--worker", "phases", "--steps", str(steps)],
+                             env=dict(ENV, SPARK_HVD_SHM=shm), capture_output=True, text=True, timeout=900)
+        for line in out.stdout.splitlines():
+            if "PHASES" in line:
+                print(("shared memory: " if shm == "1" else "TCP (SPARK_HVD_SHM=0): ")
+                      + line.split("PHASES", 1)[1].strip(), flush=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--only", choices=["allreduce", "loop"], help="run one of the measurements")
+    p.add_argument("--only", choices=["allreduce", "loop", "phases"],
+                   help="run one of the measurements (phases: where a step's time goes, default vs sharded)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"the loop's contenders, comma-separated (of {', '.join(KINDS)}, hvd_each)")
-    p.add_argument("--worker", choices=["allreduce", *KINDS, "hvd_each"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["allreduce", "phases", *KINDS, "hvd_each"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker == "allreduce":
         allreduce_worker(args.calls)
+        return
+    if args.worker == "phases":
+        phases_worker(args.steps)
         return
     if args.worker:
         loop_worker(args.worker, args.steps)
@@ -308,6 +423,8 @@ def main() -> None:
         allreduce(args.calls)
     if args.only in (None, "loop"):
         loop(args.rounds, args.steps, tuple(args.kinds.split(",")))
+    if args.only == "phases":
+        phases(args.steps)
     print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
 
 

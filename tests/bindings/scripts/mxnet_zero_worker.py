@@ -6,28 +6,17 @@ compares the weights after each step with one process training a plain Gluon ``T
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)  # MXNet 1.9 reads np.bool and friends
+# isort: split
+from mxnet_job import BATCH, LOSS, OUT_DIR, N, R, batches, check, finish, hvd  # first: MXNet's warnings off
+from mxnet_job import train as job_train
 
-import mxnet as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from checks import make_check  # noqa: E402 - the scripts' directory is on sys.path
+# isort: split
+import mxnet as mx
+import numpy as np
 
-import spark_hvd.core as core  # noqa: E402
-import spark_hvd.mxnet as hvd  # noqa: E402
-
-RESULTS: dict[str, str] = {}
-OUT_DIR = sys.argv[1] if len(sys.argv) > 1 else "."
-check = make_check(RESULTS, after=lambda: hvd.barrier())
-
-hvd.init()
-R, N = hvd.rank(), hvd.size()
-BATCH = 6
-LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+import spark_hvd.core as core
 
 
 def mlp() -> mx.gluon.nn.HybridSequential:
@@ -49,26 +38,12 @@ def options(opt: str) -> dict:
     return {**base, "wd": 1e-2, "clip_gradient": 0.05, "lr_scheduler": sched}
 
 
-def batches(r: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(500 + 10 * step + r)
-    return rng.standard_normal((BATCH, 5)).astype(np.float32), rng.integers(0, 3, BATCH).astype(np.float32)
-
-
 def weights(net: mx.gluon.Block) -> list[np.ndarray]:
     return [p.data().asnumpy() for p in net.collect_params().values()]
 
 
 def train(net: mx.gluon.Block, trainer: mx.gluon.Trainer, shards: list[int], steps: range) -> list[list[np.ndarray]]:
-    history = []
-    for step in steps:
-        xs, ys = zip(*[batches(r, step) for r in shards], strict=True)
-        x, y = mx.nd.array(np.concatenate(xs)), mx.nd.array(np.concatenate(ys))
-        with mx.autograd.record():
-            loss = LOSS(net(x), y)
-        loss.backward()
-        trainer.step(x.shape[0])
-        history.append(weights(net))
-    return history
+    return job_train(net, trainer, shards, steps, weights)
 
 
 def single(opt: str, steps: range, states: str | None = None, save: str | None = None) -> list[list[np.ndarray]]:
@@ -198,6 +173,4 @@ def _stale() -> None:
         np.testing.assert_array_equal(a, b)
 
 
-with open(os.path.join(OUT_DIR, f"mxnet-rank{R}.json"), "w") as f:
-    json.dump({"rank": R, "size": N, "results": RESULTS}, f)
-hvd.shutdown()
+finish()
