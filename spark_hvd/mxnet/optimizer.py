@@ -222,16 +222,18 @@ class DistributedTrainer(mx.gluon.Trainer):
             self._flat = FlatGrads(params)
 
     def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
-        """``Trainer.step``: with the sharded update, reduce-scatter, update this rank's shard, allgather."""
+        """``Trainer.step``; with the sharded update: reduce-scatter, update this rank's shard, allgather."""
+        if not self._shard_mode:
+            super().step(batch_size, ignore_stale_grad)
+            return
         self._check_and_rescale_grad(self._scale / batch_size)
         if not self._kv_initialized:
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
         sharded = self._sharded()
-        if sharded is None:
-            self._allreduce_grads()
-            self._update(ignore_stale_grad)
+        if sharded is None:  # Gluon's own step (what it did above again, then the allreduce path)
+            super().step(batch_size, ignore_stale_grad)
             return
         prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, self._gradient_predivide_factor)
         sharded.step(prescale, postscale, ignore_stale_grad)
