@@ -23,8 +23,10 @@
   that of the workers' Python threads.
 - ``--only phases`` (not in the default run): where the loop's step goes at 2 ranks, over shared memory and over
   TCP (``SPARK_HVD_SHM=0``), for the default trainer and the sharded update: wall ms a step in forward + backward,
-  ``trainer.step`` and the update MXNet runs after it; the core's collectives inside the step; the same
-  collectives alone on the 2.7 MB gradient buffer; the SGD-with-momentum update alone.
+  ``trainer.step`` and the update MXNet runs after it; the core's collectives inside the step; the loop's own step
+  time of the default, the sharded update, and the sharded update with its reduce-scatter and allgather replaced by
+  one in-place allreduce of the buffer (a timing proxy of ideal collectives: the same bytes; its weights are
+  wrong); the same collectives alone on the 2.7 MB gradient buffer; the SGD-with-momentum update alone.
 """
 
 from __future__ import annotations
@@ -305,8 +307,9 @@ def loop(rounds: int, steps: int, kinds: tuple[str, ...] = KINDS) -> None:
 def phases_worker(steps: int) -> None:
     """One rank of ``--only phases``: the loop's step taken apart for the default trainer and the sharded update
     (wall ms per step: forward + backward waited for, ``trainer.step``, the update MXNet still runs after it), the
-    core's collectives inside the sharded step, the same collectives alone on the 2.7 MB buffer, and the
-    SGD-with-momentum update alone."""
+    core's collectives inside the sharded step; the loop's own step time (nothing waited for inside) of the default,
+    the sharded update and a timing proxy of the sharded update over ideal collectives; the same collectives alone
+    on the 2.7 MB buffer, and the SGD-with-momentum update alone."""
     warnings.simplefilter("ignore", DeprecationWarning)
     import mxnet as mx
     import numpy as np
@@ -359,6 +362,39 @@ def phases_worker(steps: int) -> None:
         print(f"PHASES rank {hvd.rank()} {'sharded' if sharded else 'default'}: "
               + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in {**spent, **inside}.items()) + " ms a step",
               flush=True)
+    # the loop's own step (nothing waited for inside it), 3 rounds alternated; the proxy is the sharded step with its
+    # reduce-scatter and allgather replaced by one in-place allreduce of the buffer (the same bytes), the shard a
+    # view of it and the allgather's result a ready array: a timing bound for ideal collectives, its weights wrong
+    walls: dict[str, list[float]] = {"default": [], "sharded": [], "sharded with one allreduce (proxy)": []}
+    ready: dict[str, Any] = {}
+
+    def proxy_scatter(buf: Any, **_: Any) -> Any:
+        core.allreduce(buf, name="p.proxy")
+        ready.setdefault("full", np.empty_like(buf))
+        lo, hi = ready["trainer"]._zero.bounds[hvd.rank()], ready["trainer"]._zero.bounds[hvd.rank() + 1]
+        return buf[lo:hi]
+
+    for r in range(3):
+        for kind in walls:
+            net = mlp()
+            trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                             prefix=f"wall{r}{kind[:3]}.", sharded_update=kind != "default")
+            ready["trainer"] = trainer
+            if "proxy" in kind:
+                core.reducescatter, core.allgather = proxy_scatter, lambda *_, **__: ready["full"]
+            for i in range(5 + steps):
+                if i == 5:
+                    mx.nd.waitall()
+                    start = time.perf_counter()
+                with mx.autograd.record():
+                    loss = loss_fn(net(x), y)
+                loss.backward()
+                trainer.step(BATCH)
+            mx.nd.waitall()
+            walls[kind].append((time.perf_counter() - start) / steps * 1e3)
+            core.reducescatter, core.allgather = real["reducescatter"], real["allgather"]
+    print(f"PHASES rank {hvd.rank()} the loop's wall ms a step, 3 rounds alternated: " + ", ".join(
+        f"{k} {'/'.join(f'{v:.2f}' for v in vs)}" for k, vs in walls.items()), flush=True)
     buf = np.ones(trainer._flat.buffers[0].size, np.float32)
     alone = {"allreduce": lambda: core.allreduce(buf, name="p.a"),
              "reducescatter": lambda: core.reducescatter(buf, name="p.r"),
