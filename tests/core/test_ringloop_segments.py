@@ -15,25 +15,15 @@ import pytest
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.backends.ring import SEGMENT_CUT_BYTES, frame_spans, segment_cuts
 from spark_hvd.core.errors import AuthenticationError
-from spark_hvd.core.reduce import divide_average, reduce_into
 from spark_hvd.core.transport import ringloop
-from spark_hvd.core.transport.tcp import PeerSocket, RingExchange
+from spark_hvd.core.transport.tcp import PeerSocket
 from spark_hvd.core.transport.wire import make_secret
+from tests.helpers.ranks import on_threads
+from tests.helpers.ring_loops import python_loop, socket_pair
 
 pytestmark = pytest.mark.skipif(not ringloop.BUILT, reason="the compiled ring loop is not built here")
 
 SUB = 16 * 1024  # bytes per frame: many frames across the small arrays
-
-
-def _pair(encrypt: bool = False) -> list[PeerSocket]:
-    a, b = socket.socketpair()
-    secret = make_secret()
-    peers = [PeerSocket(a, secret, 1, 30, encrypt), PeerSocket(b, secret, 0, 30, encrypt)]
-    server = threading.Thread(target=peers[1].handshake, args=("server", 10))
-    server.start()
-    peers[0].handshake("client", 10)
-    server.join(20)
-    return peers
 
 
 def _counts(itemsize: int, rng: np.random.Generator) -> list[int]:
@@ -63,40 +53,12 @@ def _plan(p: int, bounds: list[int], cuts: list[int]) -> tuple[list[tuple[int, i
     return pieces((p - 1) % 2), [(t, lo, hi) for t in range(2) for lo, hi in pieces((p - t - 2) % 2)]
 
 
-def _python_loop(peer: PeerSocket, flat: np.ndarray, first: list, plan: list, op: ReduceOp, bfloat16: bool) -> None:
-    """``RingBackend._ring``'s Python loop for this plan on one packed array."""
-    item, raw = flat.itemsize, flat.view(np.uint8)
-    scratch = memoryview(np.empty(SUB, np.uint8))
-    receives = [scratch[:hi - lo] if t < 1 else memoryview(raw[lo:hi]) for t, lo, hi in plan]
-
-    def received(i: int) -> memoryview | None:
-        t, lo, hi = plan[i]
-        if t < 1:
-            part = flat[lo // item:hi // item]
-            reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
-            if op is ReduceOp.AVERAGE:
-                divide_average(part, 2, bfloat16)
-        return memoryview(raw[lo:hi]) if t + 1 < 2 else None
-
-    RingExchange(peer, peer, "test").run([memoryview(raw[lo:hi]) for lo, hi in first], receives, received)
-
-
 def _on_two(call) -> None:
-    errors: list[BaseException] = []
+    def quiet(r: int) -> None:
+        with np.errstate(all="ignore"):  # products and sums of random values overflow
+            call(r)
 
-    def rank(r: int) -> None:
-        try:
-            with np.errstate(all="ignore"):  # products and sums of random values overflow
-                call(r)
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors
+    on_threads(2, quiet)
 
 
 _OPS = [("float32", ReduceOp.SUM), ("float32", ReduceOp.AVERAGE), ("float16", ReduceOp.AVERAGE),
@@ -123,9 +85,9 @@ def test_segments_reduce_where_they_lie_as_the_python_loop_packed(monkeypatch, d
     ends = (np.cumsum(counts) * item).tolist()
     assert sum(any(lo < e < hi for e in ends) for _, lo, hi in plans[0][1] + plans[1][1]) >= 4  # across arrays
     packed = [np.concatenate(arrays) for arrays in ranks]
-    peers = _pair(tags == "encrypted")
+    peers = socket_pair(tags == "encrypted")
     try:
-        _on_two(lambda r: _python_loop(peers[r], packed[r], *plans[r], op, bfloat16))
+        _on_two(lambda r: python_loop(peers[r], packed[r], *plans[r], op, bfloat16, SUB))
         scratch = [np.empty(2 * SUB, np.uint8) for _ in range(2)]
         _on_two(lambda r: ringloop.run(peers[r], peers[r], "test", np.empty(0, ranks[r][0].dtype), scratch[r][:SUB],
                                        *plans[r], 1, 2, op, 2, bfloat16=bfloat16, segments=ranks[r],

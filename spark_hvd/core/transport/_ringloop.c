@@ -2,10 +2,13 @@
  * RingExchange running a ring of spark_hvd.core.backends.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
  *
  * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
- * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC
- * tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in place (allgather
- * steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is ~20-30 us) frames
- * can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to 2 MiB (ringloop.py).
+ * the same socket at two ranks), or on several arrays that stand for one (a segment table: a fused allreduce reduces
+ * each where it lies; a frame across two of them is gathered into one frame to send, or received into the scratch
+ * frame and reduced or copied piece by piece into them): it sends the first chunk's frames, receives every planned
+ * frame, checks its GMAC tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in
+ * place (allgather steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is
+ * ~20-30 us) frames can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to
+ * 2 MiB (ringloop.py).
  *
  * Tags, two ways to the same AES-256-GCM tag:
  * - the caller's MAC function, ``cryptography``'s ``AESGCM.encrypt`` (its bundled OpenSSL hashes with the widest
@@ -998,7 +1001,7 @@ static PyObject *ring(PyObject *self, PyObject *args, PyObject *kwargs) {
         int64_t step = p[3 * i], lo = p[3 * i + 1], hi = p[3 * i + 2];
         if (!frame_ok(segs, n_segs, total, lo, hi, step < reduce_steps, 0, scratch.len, gather.len)
             || (step + 1 < total_steps && !frame_ok(segs, n_segs, total, lo, hi, 0, 1, scratch.len, gather.len))) {
-            PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer, the scratch or the gather buffer");
+            PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer, scratch or gather buffer");
             goto out;
         }
     }
@@ -1027,7 +1030,8 @@ static PyObject *ring(PyObject *self, PyObject *args, PyObject *kwargs) {
     r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
     if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
     r.out_counter = out_counter; r.in_counter = in_counter;
-    r.segs = segs; r.n_segs = n_segs; r.gather = gather.buf; r.scratch = scratch.buf; r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
+    r.segs = segs; r.n_segs = n_segs; r.gather = gather.buf; r.scratch = scratch.buf;
+    r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
     r.reduce_steps = reduce_steps; r.total_steps = total_steps; r.dtype = dtype; r.op = op; r.ranks = ranks;
     r.timeout_ms = timeout_ms; r.ahead = ahead; r.ahead_wait_ms = ahead_wait_ms;
     r.lowat_cap = lowat_cap; r.lowat_tail = lowat_tail; r.lowat_min = lowat_min;

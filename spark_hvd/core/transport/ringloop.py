@@ -14,7 +14,9 @@ The compiled loop reduces every element-wise op (SUM, AVERAGE, MIN, MAX, PRODUCT
 (float16/32/64, bfloat16, int8/16/32/64, uint8/16/32/64) with the same bits as the Python loop's numpy ufuncs
 (float16 and bfloat16 widened to float32 and rounded back once, as ``spark_hvd.core.reduce`` does; checked bit for
 bit in ``tests/core/test_ringloop_ops.py``), and runs any allgather step. ``SPARK_HVD_COMPILED_RING=false`` turns
-it off on a rank (then its whole job uses the Python loop's frame size). With encryption (``SPARK_HVD_ENCRYPT``) it
+it off on a rank (then its whole job uses the Python loop's frame size). It also runs a ring over several arrays as
+one buffer (``segments``: ``RingBackend.allreduce_fused`` over TCP reduces a round's tensors where they lie, with no
+fusion buffer; ``tests/core/test_ringloop_segments.py``). With encryption (``SPARK_HVD_ENCRYPT``) it
 seals and opens frames as the Python loop does (``_ringloop.c``), by ``cryptography``'s ``encrypt_into`` /
 ``decrypt_into`` under the GIL (or, after a wait for the GIL, the system's libcrypto without it).
 """
