@@ -377,7 +377,7 @@ class RingBackend(Backend):
 
     def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
               *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
-              average: bool = False, segments: list[np.ndarray] | None = None) -> None:
+              average: bool = False, segments: list[np.ndarray] | None = None, cuts: Sequence[int] = ()) -> None:
         """Pipelined ring steps on ``flat`` split at ``bounds`` (elements): ``reduce_steps`` reduce-scatter steps,
         then ``gather_steps`` allgather steps.
 
@@ -394,7 +394,9 @@ class RingBackend(Backend):
 
         ``segments``: the arrays ``flat`` (then empty, of their dtype) stands for, their elements one after the
         other (``bounds`` count them): the compiled loop reduces each where it lies (the caller checked it runs:
-        ``_ring_runs_compiled``); no frame crosses an end of one from ``SEGMENT_CUT_BYTES``.
+        ``_tcp_allreduce_fused``); no frame crosses an end of one from ``SEGMENT_CUT_BYTES``. ``cuts``: the same
+        cuts (``segment_cuts``) of arrays packed into ``flat`` (a rank tracing frames runs the Python loop on the
+        frames its peers run the segments in).
         """
         p, n, right, left = self._neighbours(members)
         total = reduce_steps + gather_steps
@@ -405,7 +407,7 @@ class RingBackend(Backend):
         compiled = self._compiled and ringloop.supports(flat.dtype, op, bfloat16, reduce_steps)
         sub = self._sub_bytes(bounds, item, min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
         shift = 1 if reduce_steps else 0
-        cuts = segment_cuts(segments) if segments else []
+        cuts = segment_cuts(segments) if segments else cuts
 
         def pieces(chunk: int) -> list[tuple[int, int]]:
             return frame_spans(bounds[chunk] * item, bounds[chunk + 1] * item, sub, cuts)
@@ -481,12 +483,21 @@ class RingBackend(Backend):
         else:
             runs_ring = nbytes > self.settings.log_depth_bytes and not (
                 0 < self.settings.halving_doubling_bytes <= nbytes)
-        if not (runs_ring and self._compiled and tcp.loop.TRACE is None
-                and ringloop.supports(flats[0].dtype, op, bfloat16, n - 1)):
+        if not (runs_ring and self._compiled and ringloop.supports(flats[0].dtype, op, bfloat16, n - 1)):
             return False
-        self._ring(np.empty(0, flats[0].dtype), even_bounds(nbytes // flats[0].itemsize, n), operation,
-                   reduce_steps=n - 1, gather_steps=n - 1, op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE,
-                   segments=list(flats))
+        bounds = even_bounds(nbytes // flats[0].itemsize, n)
+        steps = {"reduce_steps": n - 1, "gather_steps": n - 1, "op": op, "bfloat16": bfloat16,
+                 "average": op is ReduceOp.AVERAGE}
+        if tcp.loop.TRACE is None:
+            self._ring(np.empty(0, flats[0].dtype), bounds, operation, segments=list(flats), **steps)
+            return True
+        # a rank tracing frames: the Python loop on the arrays packed, in the frames its peers run the segments in
+        packed = np.concatenate(flats)
+        self._ring(packed, bounds, operation, cuts=segment_cuts(flats), **steps)
+        at = 0
+        for f in flats:
+            f[...] = packed[at:at + f.size]
+            at += f.size
         return True
 
     def _pair_exchange(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
