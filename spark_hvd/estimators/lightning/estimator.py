@@ -75,10 +75,15 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
 
     def _check_model(self, model: Any) -> bytes:
         import lightning.pytorch as pl
+        import torch
 
         if not isinstance(model, pl.LightningModule):
-            raise param_type_error("LightningEstimator", f"model must be a lightning LightningModule, got "
-                                   f"{type(model).__name__}")
+            if not isinstance(model, torch.nn.Module):
+                raise param_type_error("LightningEstimator", f"model must be a lightning LightningModule (or a "
+                                       f"torch.nn.Module with optimizer and loss), got {type(model).__name__}")
+            legacy = self._legacy_module(model)
+            check_trainer_settings(self, legacy)
+            return super()._check_model(legacy)
         for hook in ("training_step", "configure_optimizers"):
             if getattr(type(model), hook) is getattr(pl.LightningModule, hook):
                 raise param_type_error("LightningEstimator", f"{type(model).__name__} does not define {hook}")
@@ -89,6 +94,33 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   ", training_step, self.log); leave the {param} param unset")
         check_trainer_settings(self, model)
         return super()._check_model(model)
+
+    def _legacy_module(self, model: Any) -> Any:
+        """A plain torch module as Horovod's legacy Lightning estimator takes it: wrapped with the estimator's
+        optimizer, loss, loss_weights, metrics and sample_weight_col (``lightning/legacy.py``)."""
+        from spark_hvd.estimators.lightning.legacy import LegacyModule
+        from spark_hvd.estimators.torch.rank import resolve_losses, resolve_metric
+        from spark_hvd.estimators.torch.serde import optimizer_spec
+
+        name = type(model).__name__
+        opt, loss = self._opt(self.optimizer), self._opt(self.loss)
+        if opt is None or loss is None:
+            raise param_error("LightningEstimator", f"model {name} is a plain torch.nn.Module: set optimizer and "
+                              "loss (it is trained as TorchEstimator trains it), or give a LightningModule")
+        labels = list(self.getOrDefault(self.label_cols))
+        resolve_losses(loss, len(labels))
+        for m in self._metrics():
+            resolve_metric(m)
+        return LegacyModule(model, optimizer_spec(opt, model), loss, self.getOrDefault(self.loss_weights),
+                            tuple(self._metrics()), list(self.getOrDefault(self.feature_cols)), labels,
+                            self._opt(self.sample_weight_col))
+
+    def _load_trained_model(self, store: Any, run_id: str, model_bytes: bytes) -> Any:
+        """The trained module; for a plain torch module (``LegacyModule``), that module, as Horovod returns it."""
+        from spark_hvd.estimators.lightning.legacy import LegacyModule
+
+        model = super()._load_trained_model(store, run_id, model_bytes)
+        return model.model if isinstance(model, LegacyModule) else model
 
     def _check(self, df: Any) -> dict:
         """First (before any Spark job): a run to resume must hold Lightning checkpoints (a run of the earlier
