@@ -2,8 +2,9 @@
 (Horovod's legacy Lightning estimator, its ``test_legacy_fit_model``), each compared with the weighted binary cross
 entropy written out by hand and plain SGD on the same batches: ``LegacyModule`` trained by Lightning's Trainer in
 this process (no Spark: in ``make test``); the two-rank fit on local[2], whose ``getModel()`` is the trained plain
-module (marker ``horovodfit``, ~15-60 s: not in ``make test``, ``make horovod-fits``); a plain module without an
-optimizer refused on the driver before any Spark job."""
+module and whose ``profiler="simple"`` left each rank's report in the run's logs (marker ``horovodfit``, ~15-60 s:
+not in ``make test``, ``make horovod-fits``); a plain module without an optimizer, and an unknown profiler, refused
+on the driver before any Spark job."""
 
 from __future__ import annotations
 
@@ -100,8 +101,12 @@ def test_plain_module_fit_equals_single_process_replay(spark, df, tmp_path):
     est = LightningEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
                              loss=torch.nn.functional.binary_cross_entropy, feature_cols=["features"],
                              label_cols=["y"], sample_weight_col="weight", batch_size=16, epochs=2, random_seed=1,
-                             partitions_per_process=1, verbose=0)
+                             partitions_per_process=1, verbose=0, profiler="simple")
     fitted = est.fit(df)
+    for rank in (0, 1):  # Lightning's SimpleProfiler report of each rank's fit, as Horovod keeps it in the logs
+        logs = store.path("runs", fitted.getRunId(), "logs", "profiler", f"rank{rank}")
+        reports = [f for f in store.listdir(logs) if f.startswith("fit-profile")]
+        assert reports and "run_training_epoch" in store.read_bytes(f"{logs}/{reports[0]}").decode()
     trained = fitted.getModel()
     assert type(trained) is XOR  # the plain module, as Horovod returns it
     assert trained(torch.ones([1, 2], dtype=torch.int32)).dtype == torch.float32
@@ -122,3 +127,10 @@ def test_plain_module_without_optimizer_is_refused_on_the_driver(spark, df, tmp_
                              label_cols=["y"], epochs=1)
     assert_fit_fails_before_anything_runs(spark, est, df, tmp_path / "store", "plain module, no optimizer",
                                           ValueError, "XOR is a plain torch.nn.Module: set optimizer and loss")
+    net = XOR()
+    est = LightningEstimator(num_proc=2, store=Store.create(str(tmp_path / "store")), model=net,
+                             optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
+                             loss=torch.nn.functional.binary_cross_entropy, feature_cols=["features"],
+                             label_cols=["y"], epochs=1, profiler="simpel")
+    assert_fit_fails_before_anything_runs(spark, est, df, tmp_path / "store", "unknown profiler", ValueError,
+                                          r"profiler must be one of \('simple', 'advanced', 'pytorch'\)")

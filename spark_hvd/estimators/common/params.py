@@ -53,6 +53,7 @@ OBJECT_PARAMS = frozenset(
         "gradient_compression",
         "lr_scheduler",
         "logger",
+        "profiler",
         "trainer_args",
         "loss_constructors",
     }
@@ -285,7 +286,6 @@ HOROVOD_ONLY = {
     "tensorflow_dataset_prefetch_buffer_size": "the rank's reader reads ahead on its own (train_reader_num_workers "
                                                "row groups at once); there is no tf.data pipeline to tune",
     "num_gpus": "each rank uses one GPU where its Spark task has one: set use_gpu (and Spark's task GPU amount)",
-    "profiler": "pass it to Lightning's Trainer: trainer_args={'profiler': 'simple'}",
     "loader_num_epochs": "the reader makes exactly one pass per epoch; set train_steps_per_epoch for more or "
                          "fewer steps",
     "debug_data_loader": "set verbose=2",

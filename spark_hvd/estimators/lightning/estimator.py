@@ -169,5 +169,6 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
         return {"input_shapes": get(self.input_shapes), "trainer_args": dict(self._opt(self.trainer_args) or {}),
                 "logger": self._opt(self.logger), "log_every_n_steps": get(self.log_every_n_steps),
                 "precision": get(self.precision), "gradient_clip_val": get(self.gradient_clip_val),
+                "profiler": self._opt(self.profiler),
                 "checkpoint_every_steps": get(self.checkpoint_every_steps),
                 "checkpoint_every_seconds": get(self.checkpoint_every_seconds), "elastic": get(self.elastic)}
