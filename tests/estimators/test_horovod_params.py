@@ -68,6 +68,25 @@ def test_every_horovod_param_works_or_is_refused_with_a_pointer(cls):
             cls(**{name: None})
 
 
+def test_lightning_num_gpus_is_use_gpu():
+    """Horovod's Lightning ``num_gpus`` (GPUs per rank): 1 / 0 are ``use_gpu`` True / False for the fit, more (or a
+    ``use_gpu`` meaning the other) is refused naming both; unset, ``use_gpu``'s own default again."""
+    est = LightningEstimator(num_gpus=0)
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is False
+    est.setNumGPUs(1)  # Horovod's spelling
+    assert est.getNumGPUs() == est.getNumGpus() == 1
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is True
+    est.setNumGpus(None)
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is None
+    with pytest.raises(ValueError, match="num_gpus=2: each rank trains on one device"):
+        LightningEstimator(num_gpus=2)._apply_num_gpus()
+    with pytest.raises(ValueError, match="num_gpus=1 and use_gpu=False disagree"):
+        LightningEstimator(num_gpus=1, use_gpu=False)._apply_num_gpus()
+
+
 # ------------------------------------------------------------------------------ the rank's data loop, no Spark job
 def _write(path: pathlib.Path, rows: int, seed: int) -> None:
     rng = np.random.default_rng(seed)

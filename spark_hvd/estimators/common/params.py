@@ -285,7 +285,6 @@ HOROVOD_ONLY = {
     "backend_env": "pass env to the backend: backend=spark_hvd.runner.SparkBackend(spark, num_proc, env={...})",
     "tensorflow_dataset_prefetch_buffer_size": "the rank's reader reads ahead on its own (train_reader_num_workers "
                                                "row groups at once); there is no tf.data pipeline to tune",
-    "num_gpus": "each rank uses one GPU where its Spark task has one: set use_gpu (and Spark's task GPU amount)",
     "loader_num_epochs": "the reader makes exactly one pass per epoch; set train_steps_per_epoch for more or "
                          "fewer steps",
     "debug_data_loader": "set verbose=2",

@@ -66,7 +66,9 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
     ``checkpoint_every_steps`` / ``_seconds``: a resume continues at the exact batch), resume by ``run_id``, retries,
     ``elastic``, ``terminate_on_nan``, ``scale_lr_by_num_proc``, MLflow and progress work as for ``TorchEstimator``.
     ``optimizer``, ``loss`` and ``metrics`` are not params here (the module defines them), nor
-    ``gradient_compression`` (DDP averages). docs/estimators.md lists what the Trainer is given.
+    ``gradient_compression`` (DDP averages); except for a plain ``torch.nn.Module`` (Horovod's legacy estimator),
+    which they train with ``TorchEstimator``'s step on Lightning's Trainer (``lightning/legacy.py``; ``getModel()``
+    is then the plain module). docs/estimators.md lists what the Trainer is given (``profiler`` included).
     """
 
     _model_class = LightningModel
@@ -140,7 +142,24 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   "run_id")
             if self.getOrDefault(self.checkpoint_every_steps) or self.getOrDefault(self.checkpoint_every_seconds):
                 self._check_step_checkpoint(run_dir, (epochs[-1] + 1, 0) if epochs else (0, 0))
+        self._apply_num_gpus()
         return super()._check(df)
+
+    def _apply_num_gpus(self) -> None:
+        """Horovod's ``num_gpus`` (GPUs per rank) as ``use_gpu``'s default for this fit: 1 -> True, 0 -> False;
+        more, or a ``use_gpu`` set to the other meaning, is refused naming both."""
+        num_gpus = self.getOrDefault(self.num_gpus)
+        if num_gpus is None:
+            self._setDefault(use_gpu=None)  # the shared default (a num_gpus of an earlier fit is gone)
+            return
+        if num_gpus not in (0, 1):
+            raise param_error(self, f"num_gpus={num_gpus}: each rank trains on one device (its Spark task's GPU, or "
+                              "the CPU); give 1 or 0, and more ranks (num_proc) for more GPUs")
+        if self.isSet(self.use_gpu) and self.getOrDefault(self.use_gpu) is not None \
+                and bool(self.getOrDefault(self.use_gpu)) != bool(num_gpus):
+            raise param_error(self, f"num_gpus={num_gpus} and use_gpu={self.getOrDefault(self.use_gpu)} disagree; "
+                              "give one of them")
+        self._setDefault(use_gpu=bool(num_gpus))
 
     def _check_step_checkpoint(self, run_dir: RunDir, after: tuple[int, int]) -> None:
         """The newest committed step checkpoint later than ``after`` (the one a resume would take) must be
