@@ -275,7 +275,6 @@ HOROVOD_ONLY = {
     "continuous_cols": "list every input column in feature_cols",
     "categorical_cols": "list every input column in feature_cols (index strings with StringIndexer first)",
     "compress_sparse_cols": "sparse Vectors are stored dense unless sparse_vectors='sparse'; nothing to set",
-    "mp_start_method": "not needed: reader_pool_type='process' starts its own workers",
     "transformation_edit_fields": "transformation_fn returns the columns it changes; no field list is needed",
     "transformation_removed_fields": "transformation_fn returns the columns it keeps; no field list is needed",
     "feature_columns": "the param is feature_cols",
@@ -450,6 +449,10 @@ class EstimatorParams(Params):
                               "gradient compression (spark_hvd Compression.none / .fp16); default none")
     use_gpu = _p("use_gpu", "train on GPUs where the Spark tasks have them; default: when available",
                  _to_optional(TypeConverters.toBoolean))
+    mp_start_method = _p("mp_start_method", "the rank's multiprocessing start method during the fit (Horovod's): "
+                         "'fork', 'spawn' or 'forkserver', for processes the user's code starts (torch DataLoader "
+                         "workers, pools in callbacks); the reader's own workers always use forkserver; default "
+                         "None (Python's)", _to_optional(_to_choice("fork", "spawn", "forkserver")))
     partitions_per_process = _p("partitions_per_process", "Parquet row groups written per training process",
                                 _to_strict_int)
     verbose = _p("verbose", "0: quiet, 1: progress per epoch, 2: more", _to_strict_int)
@@ -496,6 +499,7 @@ class EstimatorParams(Params):
             monitor_mode="auto", final_model="last", reader_pool_type="auto",
             train_reader_num_workers=None, sparse_vectors="dense", ragged="pad", val_reader_num_workers=None,
             shuffle_buffer_size=None, inmemory_cache_all=False, label_shapes=None, encrypt=None,
+            mp_start_method=None,
         )
 
     # Horovod's accessor names where they differ from the generated ones
