@@ -2,9 +2,9 @@
 (Horovod's legacy Lightning estimator, its ``test_legacy_fit_model``), each compared with the weighted binary cross
 entropy written out by hand and plain SGD on the same batches: ``LegacyModule`` trained by Lightning's Trainer in
 this process (no Spark: in ``make test``); the two-rank fit on local[2], whose ``getModel()`` is the trained plain
-module and whose ``profiler="simple"`` left each rank's report in the run's logs (marker ``horovodfit``, ~15-60 s:
-not in ``make test``, ``make horovod-fits``); a plain module without an optimizer, and an unknown profiler, refused
-on the driver before any Spark job."""
+module and whose ``profiler="simple"`` left each rank's report in the run's logs (``mp_start_method`` set too;
+marker ``horovodfit``, 30-60 s at load 6-18: not in ``make test``, ``make horovod-fits``); a plain module without an
+optimizer, and an unknown profiler, refused on the driver before any Spark job."""
 
 from __future__ import annotations
 
@@ -101,7 +101,8 @@ def test_plain_module_fit_equals_single_process_replay(spark, df, tmp_path):
     est = LightningEstimator(num_proc=2, store=store, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.5),
                              loss=torch.nn.functional.binary_cross_entropy, feature_cols=["features"],
                              label_cols=["y"], sample_weight_col="weight", batch_size=16, epochs=2, random_seed=1,
-                             partitions_per_process=1, verbose=0, profiler="simple")
+                             partitions_per_process=1, verbose=0, profiler="simple",
+                             mp_start_method="spawn")
     fitted = est.fit(df)
     for rank in (0, 1):  # Lightning's SimpleProfiler report of each rank's fit, as Horovod keeps it in the logs
         logs = store.path("runs", fitted.getRunId(), "logs", "profiler", f"rank{rank}")
