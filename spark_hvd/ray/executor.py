@@ -48,7 +48,7 @@ from typing import Any
 from spark_hvd.core.jobenv import JobEnv, topology
 from spark_hvd.core.transport.addresses import IFACE_ENV, NETWORK_INTERFACE_ENV
 from spark_hvd.core.transport.wire import make_secret
-from spark_hvd.ray import placement
+from spark_hvd.ray import checkpoints, placement
 from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode
 from spark_hvd.ray.reports import RankZeroReports, then_mark
 from spark_hvd.ray.secret import SecretHandout
@@ -295,7 +295,8 @@ class RayExecutor:
         kv_host, kv_port = self._kv.start()
         # the runner's driver service: report(...) events, and the elastic driver's requests
         self._service = DriverService(secret, size, job_id=job_id, verbose=0, attempt=attempt, bind_host=host,
-                                      handlers=handlers, on_event=self._on_event)
+                                      handlers={checkpoints.REQUEST: self._reports.on_checkpoint, **(handlers or {})},
+                                      on_event=self._on_event)
         service_port = self._service.start()[1]
         self._handout = SecretHandout(secret, job_id, host=host)
         del secret  # the driver's services hold it; nothing below may hand it to Ray

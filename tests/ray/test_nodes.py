@@ -108,6 +108,30 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_tune_checkpoint_of_another_node_is_copied_here(nodes, tmp_path):
+    """``NodeCheckpoint.local`` (a Tune trial and its rank 0 on different Ray nodes): a checkpoint made on the other
+    node is packed there by a task and unpacked here, removed after; one of this node is used where it is."""
+    ray, _ = nodes
+    tune = pytest.importorskip("ray.tune")
+    from spark_hvd.ray.checkpoints import NodeCheckpoint, node_id
+
+    made = tmp_path / "made"
+    (made / "sub").mkdir(parents=True)
+    (made / "weights.bin").write_bytes(bytes(range(256)) * 40)
+    (made / "sub" / "meta.json").write_text('{"step": 3}')
+    here = node_id()
+    other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    checkpoint = tune.Checkpoint.from_directory(str(made))
+    with NodeCheckpoint(checkpoint, here).local() as same:
+        assert same is checkpoint
+    with NodeCheckpoint(checkpoint, other).local() as copy:
+        assert copy.path != str(made)
+        assert open(os.path.join(copy.path, "weights.bin"), "rb").read() == bytes(range(256)) * 40
+        assert open(os.path.join(copy.path, "sub", "meta.json")).read() == '{"step": 3}'
+        copied = copy.path
+    assert not os.path.exists(copied)
+
+
 def _elastic_nodes(marks: str, wait_s: float = 60.0) -> dict:
     """The elastic job of this test and of ``tests/multihost/test_ray_hosts.py``: rank 0 logs each step's size and
     time to ``marks/steps.log``; the job asks for a node's removal (``remove``) and addition (``add``) and waits up

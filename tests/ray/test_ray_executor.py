@@ -8,6 +8,7 @@ and an elastic job shrunk by a killed worker and grown back."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -452,33 +453,66 @@ def test_callbacks_get_rank_0_reports_in_order_on_the_callers_thread(executor):
     assert seen == [{"value": 0, "step": 0}, {"value": 10, "step": 1}]
 
 
-def _trial(config: dict) -> dict:
+def _trial(config: dict) -> float:
+    """4 steps of a running sum of allreduced values over the trial's ranks; rank 0 reports each step's state as a
+    Tune checkpoint, and both ranks fail once after step 1 (the first attempt); a restored trial goes on from its
+    checkpoint."""
+    import tempfile
+
+    from ray import tune
+
     import spark_hvd.core as core
-    from spark_hvd.runner import report
+    from spark_hvd.ray import tune as hvd_tune
 
-    for step in range(3):
-        value = float(core.allreduce(np.array([config["x"] * (step + 1)]), op=core.Sum, name=f"s{step}")[0])
-        report(step=step, loss=value, size=core.size())
-    return {"final": value}
+    resumed_from, total = 0, 0.0
+    restored = hvd_tune.get_checkpoint()
+    if restored is not None:
+        with open(os.path.join(restored.path, "state.json")) as f:
+            state = json.load(f)
+        resumed_from, total = state["step"] + 1, state["total"]
+    for step in range(resumed_from, 4):
+        total += float(core.allreduce(np.array([config["x"] * (step + 1)]), op=core.Sum, name=f"s{step}")[0])
+        with tempfile.TemporaryDirectory() as d:  # gone once report returned: Tune has its copy by then
+            with open(os.path.join(d, "state.json"), "w") as f:
+                json.dump({"step": step, "total": total}, f)
+            hvd_tune.report({"step": step, "total": total, "size": core.size(), "resumed_from": resumed_from},
+                            checkpoint=tune.Checkpoint.from_directory(d))
+        mark = os.path.join(config["marks"], f"{config['x']}-failed-{core.rank()}")
+        if step == 1 and not os.path.exists(mark):
+            open(mark, "w").close()
+            raise RuntimeError("a planned failure after step 1")
+    return total
 
 
-def test_tune_trials_are_distributed_jobs_reporting_rank_0s_results(ray_cluster, tmp_path):
+def test_tune_trials_are_distributed_jobs_whose_checkpoints_go_through_tune(ray_cluster, tmp_path):
     """Two Tune trials, each a 2-rank job (0.5 CPU a worker: both fit beside the module's executor): Tune sees
-    every report of each trial's rank 0, computed by allreduce over the trial's own two ranks."""
+    every report of each trial's rank 0, computed by allreduce over the trial's own two ranks, with rank 0's
+    checkpoints (``result.checkpoint``). Each trial fails after step 1; Tune restarts it (``max_failures=1``) and
+    both ranks resume from step 1's checkpoint (``get_checkpoint()``): steps 2 and 3 reported after it, and the
+    sum equal to an uninterrupted run's."""
     tune = pytest.importorskip("ray.tune")
     from spark_hvd.ray.tune import DistributedTrainableCreator
 
+    marks = tmp_path / "marks"
+    marks.mkdir()
     trainable = DistributedTrainableCreator(_trial, num_workers=2, cpus_per_worker=0.5, timeout_s=60)
-    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1.0, 2.0])},
-                       tune_config=tune.TuneConfig(metric="loss", mode="min"),
-                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="trials", verbose=0))
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1.0, 2.0]), "marks": str(marks)},
+                       tune_config=tune.TuneConfig(metric="total", mode="max"),
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="trials", verbose=0,
+                                                 failure_config=tune.FailureConfig(max_failures=1)))
     grid = tuner.fit()
     assert not grid.errors
     assert len(grid) == 2
+    assert len(os.listdir(marks)) == 4  # each rank of each trial failed once
     for result in grid:
         x = result.config["x"]
         rows = result.metrics_dataframe
-        reported = rows[rows["loss"].notna()]
-        assert list(reported["loss"]) == [2 * x, 4 * x, 6 * x]  # x * (step + 1) summed over 2 ranks
-        assert list(reported["size"]) == [2, 2, 2] and list(reported["step"]) == [0, 1, 2]
-        assert result.metrics["loss"] == 6 * x
+        reported = rows[rows["total"].notna()]
+        sums = [2 * x * (s + 1) for s in range(4)]  # x * (step + 1) summed over 2 ranks
+        after = reported[reported["step"] >= 2]  # (Tune keeps the rows of the attempt since the restart)
+        assert list(after["step"]) == [2, 3] and list(after["size"]) == [2, 2]
+        assert list(after["total"]) == [sum(sums[:3]), sum(sums)]
+        assert list(after["resumed_from"]) == [2, 2]  # the restart went on from step 1's checkpoint
+        assert result.metrics["total"] == sum(sums)
+        with result.checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            assert json.load(f) == {"step": 3, "total": sum(sums)}
