@@ -17,6 +17,11 @@ ours / theirs for bandwidth) and their medians are printed with every figure.
 
 Ray runs with 4 CPUs, an 80 MiB object store, no dashboard, on loopback, as ``tests/ray`` does (the benchmark
 stops if Ray Train's ``MASTER_ADDR`` is not 127.0.0.1).
+
+``--worker-niceness N`` starts Ray's workers (both sides' ranks) at niceness N (``RAY_worker_niceness``); Ray's
+default is 15, which on a machine shared with other work at niceness 0 gives both sides' ranks a small share of
+the CPUs, so that at load the bandwidths measure the scheduler more than the allreduces. The niceness the ranks
+ran at is printed (``nice``).
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ def hvd_side(sizes: list[float], steps: int) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         assert float(t[0]) == 2.0 ** (steps + 1), float(t[0])  # 2 ranks, SUM, steps + 1 times
         busbw[str(mib)] = t.numel() * 4 * steps / seconds / 1e9
-    return {"rank": hvd.rank(), "first_allreduce": first_allreduce, "first_step": first_step, "busbw": busbw}
+    return {"rank": hvd.rank(), "first_allreduce": first_allreduce, "first_step": first_step, "busbw": busbw,
+            "nice": os.nice(0)}
 
 
 def gloo_side(config: dict[str, Any]) -> None:
@@ -102,7 +108,8 @@ def gloo_side(config: dict[str, Any]) -> None:
         busbw[str(mib)] = t.numel() * 4 * config["steps"] / seconds / 1e9
     if dist.get_rank() == 0:
         with open(config["out"], "w") as f:
-            json.dump({"first_step": first_step, "busbw": busbw, "master": os.environ.get("MASTER_ADDR")}, f)
+            json.dump({"first_step": first_step, "busbw": busbw, "master": os.environ.get("MASTER_ADDR"),
+                       "nice": os.nice(0)}, f)
 
 
 def main() -> None:
@@ -110,8 +117,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", default="16,64", help="MiB, comma-separated")
     parser.add_argument("--steps", type=int, default=10, help="timed allreduces per size (<= 100)")
+    parser.add_argument("--worker-niceness", type=int, default=None,
+                        help="niceness of Ray's workers (RAY_worker_niceness; Ray's default: 15)")
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
+    if args.worker_niceness is not None:  # read by the raylet ray.init starts; its workers inherit it
+        os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
 
     import ray
     import ray.train.torch as ray_torch
@@ -140,6 +151,7 @@ def main() -> None:
             add("ray_executor.first_step_s", out["first_step"] - t0)
             for mib, bw in out["busbw"].items():
                 add(f"ray_executor.busbw_GBps.{mib}MiB", bw)
+            add("ray_executor.nice", out["nice"])
 
             path = os.path.join(temp_dir, "gloo_side.json")
             trainer = ray_torch.TorchTrainer(
@@ -156,6 +168,7 @@ def main() -> None:
             add("torch_trainer.first_step_s", theirs["first_step"] - t0)
             for mib, bw in theirs["busbw"].items():
                 add(f"torch_trainer.busbw_GBps.{mib}MiB", bw)
+            add("torch_trainer.nice", theirs["nice"])
             add("ratio.first_allreduce_vs_ddp_step", res["ray_executor.first_allreduce_s"][-1]
                 / res["torch_trainer.first_step_s"][-1])
             add("ratio.first_step_vs_ddp_step", res["ray_executor.first_step_s"][-1]

@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 #: Seconds ``run`` keeps collecting other ranks' failures after the first, to name the cause rather than a
 #: consequence (a peer that failed because the dead rank's sockets closed).
 FAILURE_SETTLE_S = 2.0
+#: Seconds between two deliveries of rank 0's reports to a run's callbacks (a checkpoint of rank 0 waits for one).
+POLL_S = 0.05
 #: Seconds a run with callbacks waits, after the ranks finished, for rank 0's last reports.
 LAST_REPORT_WAIT_S = 10.0
 #: Seconds ``shutdown`` gives an idle worker to clean up before it is killed.
@@ -391,7 +393,7 @@ class RayExecutor:
                   poll: Callable[[], None] | None = None) -> list[Any]:
         """Every rank's result; the first failure raises ``RayWorkerFailedError`` (see the module docstring).
         ``timeout_s``: how long all may take (None: no limit; failures still surface at once); ``poll``: called
-        about twice a second while waiting, on this thread."""
+        every ``POLL_S`` while waiting, on this thread."""
         ray = _ray()
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -406,7 +408,7 @@ class RayExecutor:
                 missing = sorted(rank_of[r] for r in pending)
                 raise RayExecutorError(f"RayExecutor {what}: ranks {missing} did not finish within {timeout_s:g} s "
                                        f"(on Ray nodes {[self.nodes[r].where() for r in missing]})")
-            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5 if poll is None else POLL_S)
             if poll is not None:
                 poll()
             for ref in ready:
