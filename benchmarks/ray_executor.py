@@ -22,6 +22,15 @@ stops if Ray Train's ``MASTER_ADDR`` is not 127.0.0.1).
 default is 15, which on a machine shared with other work at niceness 0 gives both sides' ranks a small share of
 the CPUs, so that at load the bandwidths measure the scheduler more than the allreduces. The niceness the ranks
 ran at is printed (``nice``).
+
+``--outside`` compares instead the allreduce inside the executor's actors with the same ranks outside Ray
+(``spark_hvd.runner.launch.run_local``), interleaved: each round runs the bandwidth loops in the 2 actors as Ray
+runs them, in the same actors with every thread reniced to 0 (``--renice``; root only: Linux lets no one else
+lower a niceness), and in 2 ranks launched outside Ray; each side prints what its rank 0 sees (the ring's
+shared-memory plan and whether it reads its peer's memory directly, ``cma``; the compiled loop, spinning, CPU
+affinity, ``OMP_NUM_THREADS``, torch's threads, niceness, host id).
+
+    python benchmarks/ray_executor.py --outside --renice --rounds 3 --sizes 16,64 --steps 20
 """
 
 from __future__ import annotations
@@ -112,13 +121,118 @@ def gloo_side(config: dict[str, Any]) -> None:
                        "nice": os.nice(0)}, f)
 
 
+def _renice(value: int) -> None:
+    """Every thread of this process to niceness ``value`` (Linux keeps a niceness per thread)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+        except OSError:  # a thread that ended
+            pass
+
+
+def seen_by_rank(sizes: list[float], steps: int, nice: int | None = None) -> dict[str, Any]:
+    """On a rank, inside or outside Ray: what it runs with, then the bandwidth loops (at niceness ``nice`` if
+    given, restored after)."""
+    import torch
+
+    import spark_hvd.core as core
+    import spark_hvd.torch as hvd
+
+    hvd.init()
+    before = os.nice(0)
+    if nice is not None:
+        _renice(nice)
+    backend = core.get_engine().backend
+    plan = getattr(backend, "plan", None)
+    seen = {"plan": type(plan).__name__, "cma": getattr(plan, "cma", None) is not None,
+            "compiled": getattr(backend, "_compiled", None),
+            "spin": getattr(backend, "_spin", None), "affinity": sorted(os.sched_getaffinity(0)),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
+            "nice": os.nice(0), "host_id": os.environ.get("SPARK_HVD_HOST_ID"), "local_size": hvd.local_size()}
+    busbw = {}
+    for mib in sizes:
+        t = torch.ones(int(mib * 2**18))
+        hvd.allreduce_(t, op=hvd.Sum, name=f"seen{mib}")
+        start = time.perf_counter()
+        for _ in range(steps):
+            hvd.allreduce_(t, op=hvd.Sum, name=f"seen{mib}")
+        seconds = time.perf_counter() - start
+        assert float(t[0]) == 2.0 ** (steps + 1), float(t[0])
+        busbw[str(mib)] = round(t.numel() * 4 * steps / seconds / 1e9, 4)
+    if nice is not None:
+        _renice(before)
+    seen["memory"] = _memory()
+    return {**seen, "busbw": busbw}
+
+
+def _memory() -> dict[str, str]:
+    """This process's huge pages in use and whether it may have them, and its malloc preload (Linux)."""
+    out = {"LD_PRELOAD": os.environ.get("LD_PRELOAD", "")}
+    for path, names in (("/proc/self/smaps_rollup", ("AnonHugePages",)), ("/proc/self/status", ("THP_enabled",))):
+        try:
+            with open(path) as f:
+                out.update({k: v.strip() for k, _, v in (line.partition(":") for line in f) if k in names})
+        except OSError:
+            pass
+    return out
+
+
+def compare_outside(args: argparse.Namespace, sizes: list[float], temp_dir: str) -> None:
+    """``--outside``: see the module docstring."""
+    from spark_hvd.ray import RayExecutor
+    from spark_hvd.runner.launch import run_local
+
+    sides = ["ray", "ray_nice0", "outside"] if args.renice else ["ray", "outside"]
+    res: dict[str, list[float]] = {}
+    seen: dict[str, dict[str, Any]] = {}
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
+    executor.start()
+    try:
+        for _ in range(args.rounds):
+            for side in sides:
+                if side == "outside":
+                    path = os.path.join(temp_dir, "outside.json")
+                    result = run_local([sys.executable, os.path.abspath(__file__), "--rank-outside", path,
+                                        args.sizes, str(args.steps)], 2, capture=True, verbose=0, timeout=600)
+                    if result.returncode:
+                        raise RuntimeError(f"the ranks outside Ray failed: {result.stderr[-20:]}")
+                    with open(path) as f:
+                        out = json.load(f)
+                else:
+                    out = executor.run(seen_by_rank, args=[sizes, args.steps, 0 if side == "ray_nice0" else None])[0]
+                seen[side] = {k: v for k, v in out.items() if k != "busbw"}
+                for mib, bw in out["busbw"].items():
+                    res.setdefault(f"{side}.busbw_GBps.{mib}MiB", []).append(bw)
+            for side in sides[:-1]:
+                for mib in out["busbw"]:
+                    res.setdefault(f"ratio.{side}_vs_outside.{mib}MiB", []).append(round(
+                        res[f"{side}.busbw_GBps.{mib}MiB"][-1] / res[f"outside.busbw_GBps.{mib}MiB"][-1], 4))
+    finally:
+        executor.shutdown()
+    print(json.dumps({"rounds": args.rounds, "sizes_MiB": sizes, "steps": args.steps, "seen_by_rank_0": seen,
+                      "median": {k: round(statistics.median(v), 4) for k, v in res.items()}, "all": res},
+                     indent=1), file=sys.stdout)
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--rank-outside":  # a rank of --outside's job outside Ray
+        out = seen_by_rank([float(s) for s in sys.argv[3].split(",")], int(sys.argv[4]))
+        import spark_hvd.core as core
+
+        if core.rank() == 0:
+            with open(sys.argv[2], "w") as f:
+                json.dump(out, f)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sizes", default="16,64", help="MiB, comma-separated")
     parser.add_argument("--steps", type=int, default=10, help="timed allreduces per size (<= 100)")
     parser.add_argument("--worker-niceness", type=int, default=None,
                         help="niceness of Ray's workers (RAY_worker_niceness; Ray's default: 15)")
+    parser.add_argument("--outside", action="store_true",
+                        help="compare the allreduce in the executor's actors with the same ranks outside Ray")
+    parser.add_argument("--renice", action="store_true", help="with --outside: also in the actors at niceness 0 "
+                        "(root only)")
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
     if args.worker_niceness is not None:  # read by the raylet ray.init starts; its workers inherit it
@@ -133,6 +247,13 @@ def main() -> None:
     temp_dir = tempfile.mkdtemp(prefix="shvd-ray-bench-")
     ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
              _node_ip_address="127.0.0.1", _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
+    if args.outside:
+        try:
+            compare_outside(args, sizes, temp_dir)
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        return
     res: dict[str, list[float]] = {}
 
     def add(key: str, value: float) -> None:
