@@ -31,6 +31,13 @@ shared-memory plan and whether it reads its peer's memory directly, ``cma``; the
 affinity, ``OMP_NUM_THREADS``, torch's threads, niceness, host id).
 
     python benchmarks/ray_executor.py --outside --renice --rounds 3 --sizes 16,64 --steps 20
+
+``--simhosts RATE`` runs the same rounds across 2 simulated hosts (root; ``tests/multihost/test_ray_hosts.py``'s
+cluster: ``ray start --head`` on host 0, a 2-CPU Ray node on each of hosts 1 and 2, links shaped to ``RATE``), the
+driver on host 0: ``RayExecutor(num_hosts=2, num_workers_per_host=1)`` against ``TorchTrainer`` with one worker a
+host (``STRICT_SPREAD``, gloo on ``eth0``); ``link_fraction`` is the bus bandwidth over the link's rate.
+
+    sudo -E env PATH=$PATH PYTHONPATH=$PWD python benchmarks/ray_executor.py --simhosts 2gbit --rounds 2
 """
 
 from __future__ import annotations
@@ -78,6 +85,18 @@ def hvd_side(sizes: list[float], steps: int) -> dict[str, Any]:
     model(torch.ones(8, 32)).pow(2).mean().backward()
     opt.step()
     first_step = time.time()
+    busbw = _busbw(sizes, steps)
+    return {"rank": hvd.rank(), "first_allreduce": first_allreduce, "first_step": first_step, "busbw": busbw,
+            "nice": os.nice(0)}
+
+
+def _busbw(sizes: list[float], steps: int) -> dict[str, float]:
+    """On each of the 2 ranks: GB/s of ``steps`` in-place float32 SUM allreduces of each size (MiB) after one
+    warm-up (``spark_hvd.torch``; 2 ranks: bus bandwidth = bytes / seconds)."""
+    import torch
+
+    import spark_hvd.torch as hvd
+
     busbw = {}
     for mib in sizes:
         t = torch.ones(int(mib * 2**18))
@@ -87,9 +106,8 @@ def hvd_side(sizes: list[float], steps: int) -> dict[str, Any]:
             hvd.allreduce_(t, op=hvd.Sum, name=f"bw{mib}")
         seconds = time.perf_counter() - start
         assert float(t[0]) == 2.0 ** (steps + 1), float(t[0])  # 2 ranks, SUM, steps + 1 times
-        busbw[str(mib)] = t.numel() * 4 * steps / seconds / 1e9
-    return {"rank": hvd.rank(), "first_allreduce": first_allreduce, "first_step": first_step, "busbw": busbw,
-            "nice": os.nice(0)}
+        busbw[str(mib)] = round(t.numel() * 4 * steps / seconds / 1e9, 4)
+    return busbw
 
 
 def gloo_side(config: dict[str, Any]) -> None:
@@ -149,16 +167,7 @@ def seen_by_rank(sizes: list[float], steps: int, nice: int | None = None) -> dic
             "spin": getattr(backend, "_spin", None), "affinity": sorted(os.sched_getaffinity(0)),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
             "nice": os.nice(0), "host_id": os.environ.get("SPARK_HVD_HOST_ID"), "local_size": hvd.local_size()}
-    busbw = {}
-    for mib in sizes:
-        t = torch.ones(int(mib * 2**18))
-        hvd.allreduce_(t, op=hvd.Sum, name=f"seen{mib}")
-        start = time.perf_counter()
-        for _ in range(steps):
-            hvd.allreduce_(t, op=hvd.Sum, name=f"seen{mib}")
-        seconds = time.perf_counter() - start
-        assert float(t[0]) == 2.0 ** (steps + 1), float(t[0])
-        busbw[str(mib)] = round(t.numel() * 4 * steps / seconds / 1e9, 4)
+    busbw = _busbw(sizes, steps)
     if nice is not None:
         _renice(before)
     seen["memory"] = _memory()
@@ -214,6 +223,110 @@ def compare_outside(args: argparse.Namespace, sizes: list[float], temp_dir: str)
                      indent=1), file=sys.stdout)
 
 
+def rounds(args: argparse.Namespace, sizes: list[float], temp_dir: str, executor_kwargs: dict[str, Any],
+           scaling: dict[str, Any], master: str | None) -> dict[str, list[float]]:
+    """The interleaved rounds (see the module docstring); ``master``: the ``MASTER_ADDR`` Ray Train must use (None:
+    any)."""
+    import ray.train.torch as ray_torch
+    from ray.train import RunConfig, ScalingConfig
+
+    from spark_hvd.ray import RayExecutor
+
+    res: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        res.setdefault(key, []).append(round(value, 4))
+
+    for _ in range(args.rounds):
+        executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), **executor_kwargs)
+        t0 = time.time()
+        executor.start()
+        try:
+            out = executor.run(hvd_side, args=[sizes, args.steps])[0]
+        finally:
+            executor.shutdown()
+        add("ray_executor.first_allreduce_s", out["first_allreduce"] - t0)
+        add("ray_executor.first_step_s", out["first_step"] - t0)
+        for mib, bw in out["busbw"].items():
+            add(f"ray_executor.busbw_GBps.{mib}MiB", bw)
+        add("ray_executor.nice", out["nice"])
+
+        path = os.path.join(temp_dir, "gloo_side.json")
+        trainer = ray_torch.TorchTrainer(
+            gloo_side, train_loop_config={"sizes": sizes, "steps": args.steps, "out": path},
+            scaling_config=ScalingConfig(num_workers=2, use_gpu=False, **scaling),
+            torch_config=ray_torch.TorchConfig(backend="gloo"), run_config=RunConfig(storage_path=temp_dir))
+        t0 = time.time()
+        trainer.fit()
+        with open(path) as f:
+            theirs = json.load(f)
+        os.unlink(path)
+        if master is not None and theirs["master"] != master:
+            raise RuntimeError(f"Ray Train's MASTER_ADDR is {theirs['master']}, not {master}")
+        add("torch_trainer.first_step_s", theirs["first_step"] - t0)
+        for mib, bw in theirs["busbw"].items():
+            add(f"torch_trainer.busbw_GBps.{mib}MiB", bw)
+        add("torch_trainer.nice", theirs["nice"])
+        add("ratio.first_allreduce_vs_ddp_step", res["ray_executor.first_allreduce_s"][-1]
+            / res["torch_trainer.first_step_s"][-1])
+        add("ratio.first_step_vs_ddp_step", res["ray_executor.first_step_s"][-1]
+            / res["torch_trainer.first_step_s"][-1])
+        for mib in out["busbw"]:
+            add(f"ratio.busbw.{mib}MiB", out["busbw"][mib] / theirs["busbw"][mib])
+    return res
+
+
+def _summary(args: argparse.Namespace, sizes: list[float], res: dict[str, list[float]], **extra: Any) -> str:
+    return json.dumps({"rounds": args.rounds, "sizes_MiB": sizes, "steps": args.steps, **extra,
+                       "median": {k: round(statistics.median(v), 4) for k, v in res.items()}, "all": res}, indent=1)
+
+
+def on_simhosts(args: argparse.Namespace, sizes: list[float]) -> None:
+    """``--simhosts RATE``: the cluster of ``tests/multihost/test_ray_hosts.py`` with links at ``RATE``, this file
+    as the driver on host 0 (``--cluster``); prints its figures with the link fractions."""
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parents[1] / "tests" / "multihost"
+    sys.path.insert(0, str(here))
+    import simhosts
+
+    spec = importlib.util.spec_from_file_location("test_ray_hosts", here / "test_ray_hosts.py")
+    assert spec is not None and spec.loader is not None
+    ray_hosts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ray_hosts)
+    reason = simhosts.unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"--simhosts: {reason}")
+    simhosts.sweep_stale()
+    simhosts.install_teardown()
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # each simulated host's link (the Ray nodes' workers inherit it)
+    os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # set for loopback above: it refuses a multi-node cluster
+    sim = simhosts.SimHosts(3, rate=args.simhosts)
+    try:
+        logs = Path(sim.tmp) / "logs"
+        logs.mkdir()
+        hosts = ray_hosts.RayHosts(sim, logs)
+        out = logs / "result.json"
+        with open(logs / "driver.log", "w") as log:
+            proc = hosts.head.popen([sys.executable, __file__, "--cluster", hosts.address, str(out), "--rounds",
+                                     str(args.rounds), "--sizes", args.sizes, "--steps", str(args.steps)],
+                                    env=hosts.env, stdout=log, stderr=subprocess.STDOUT)
+            rc = proc.wait(1800)
+        if rc != 0:
+            raise RuntimeError(f"the driver on host 0 exited {rc}:\n{(logs / 'driver.log').read_text()[-6000:]}")
+        res = json.loads(out.read_text())
+    finally:
+        sim.close()
+    link = simhosts._rate_bits(args.simhosts) / 8 / 1e9  # GB/s
+    for side in ("ray_executor", "torch_trainer"):
+        for mib in sizes:
+            res[f"{side}.link_fraction.{mib}MiB"] = [
+                round(bw / link, 4) for bw in res[f"{side}.busbw_GBps.{mib}MiB"]]
+    print(_summary(args, sizes, res, link_GBps=link))
+
+
 def main() -> None:
     if len(sys.argv) == 5 and sys.argv[1] == "--rank-outside":  # a rank of --outside's job outside Ray
         out = seen_by_rank([float(s) for s in sys.argv[3].split(",")], int(sys.argv[4]))
@@ -233,75 +346,41 @@ def main() -> None:
                         help="compare the allreduce in the executor's actors with the same ranks outside Ray")
     parser.add_argument("--renice", action="store_true", help="with --outside: also in the actors at niceness 0 "
                         "(root only)")
+    parser.add_argument("--simhosts", metavar="RATE", help="across 2 simulated hosts with links at RATE (root)")
+    parser.add_argument("--cluster", nargs=2, metavar=("ADDRESS", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
+    if args.simhosts:
+        on_simhosts(args, sizes)
+        return
     if args.worker_niceness is not None:  # read by the raylet ray.init starts; its workers inherit it
         os.environ["RAY_worker_niceness"] = str(args.worker_niceness)
 
     import ray
-    import ray.train.torch as ray_torch
-    from ray.train import RunConfig, ScalingConfig
-
-    from spark_hvd.ray import RayExecutor
 
     temp_dir = tempfile.mkdtemp(prefix="shvd-ray-bench-")
-    ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
-             _node_ip_address="127.0.0.1", _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
-    if args.outside:
+    if args.cluster:  # --simhosts's driver, on host 0: one worker on each of the 2 worker hosts
+        ray.init(address=args.cluster[0], configure_logging=False, log_to_driver=False)
         try:
-            compare_outside(args, sizes, temp_dir)
+            res = rounds(args, sizes, temp_dir, {"num_hosts": 2, "num_workers_per_host": 1, "cpus_per_worker": 1},
+                         {"resources_per_worker": {"CPU": 1}, "placement_strategy": "STRICT_SPREAD"}, None)
         finally:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+        with open(args.cluster[1], "w") as f:
+            json.dump(res, f)
         return
-    res: dict[str, list[float]] = {}
-
-    def add(key: str, value: float) -> None:
-        res.setdefault(key, []).append(round(value, 4))
-
+    ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
+             _node_ip_address="127.0.0.1", _temp_dir=temp_dir, log_to_driver=False, configure_logging=False)
     try:
-        for _ in range(args.rounds):
-            executor = RayExecutor(RayExecutor.create_settings(timeout_s=120), num_workers=2, cpus_per_worker=1)
-            t0 = time.time()
-            executor.start()
-            try:
-                out = executor.run(hvd_side, args=[sizes, args.steps])[0]
-            finally:
-                executor.shutdown()
-            add("ray_executor.first_allreduce_s", out["first_allreduce"] - t0)
-            add("ray_executor.first_step_s", out["first_step"] - t0)
-            for mib, bw in out["busbw"].items():
-                add(f"ray_executor.busbw_GBps.{mib}MiB", bw)
-            add("ray_executor.nice", out["nice"])
-
-            path = os.path.join(temp_dir, "gloo_side.json")
-            trainer = ray_torch.TorchTrainer(
-                gloo_side, train_loop_config={"sizes": sizes, "steps": args.steps, "out": path},
-                scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                torch_config=ray_torch.TorchConfig(backend="gloo"), run_config=RunConfig(storage_path=temp_dir))
-            t0 = time.time()
-            trainer.fit()
-            with open(path) as f:
-                theirs = json.load(f)
-            os.unlink(path)
-            if theirs["master"] != "127.0.0.1":
-                raise RuntimeError(f"Ray Train's MASTER_ADDR is {theirs['master']}, not loopback")
-            add("torch_trainer.first_step_s", theirs["first_step"] - t0)
-            for mib, bw in theirs["busbw"].items():
-                add(f"torch_trainer.busbw_GBps.{mib}MiB", bw)
-            add("torch_trainer.nice", theirs["nice"])
-            add("ratio.first_allreduce_vs_ddp_step", res["ray_executor.first_allreduce_s"][-1]
-                / res["torch_trainer.first_step_s"][-1])
-            add("ratio.first_step_vs_ddp_step", res["ray_executor.first_step_s"][-1]
-                / res["torch_trainer.first_step_s"][-1])
-            for mib in out["busbw"]:
-                add(f"ratio.busbw.{mib}MiB", out["busbw"][mib] / theirs["busbw"][mib])
+        if args.outside:
+            compare_outside(args, sizes, temp_dir)
+            return
+        res = rounds(args, sizes, temp_dir, {"num_workers": 2, "cpus_per_worker": 1}, {}, "127.0.0.1")
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-    print(json.dumps({"rounds": args.rounds, "sizes_MiB": sizes, "steps": args.steps,
-                      "median": {k: round(statistics.median(v), 4) for k, v in res.items()}, "all": res},
-                     indent=1), file=sys.stdout)
+    print(_summary(args, sizes, res), file=sys.stdout)
 
 
 if __name__ == "__main__":
