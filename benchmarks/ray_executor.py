@@ -28,7 +28,8 @@ ran at is printed (``nice``).
 runs them, in the same actors with every thread reniced to 0 (``--renice``; root only: Linux lets no one else
 lower a niceness), and in 2 ranks launched outside Ray; each side prints what its rank 0 sees (the ring's
 shared-memory plan and whether it reads its peer's memory directly, ``cma``; the compiled loop, spinning, CPU
-affinity, ``OMP_NUM_THREADS``, torch's threads, niceness, host id).
+affinity, ``OMP_NUM_THREADS``, torch's threads, niceness, host id; its session and scheduler autogroup; the CPU
+seconds of each of its threads during the loops).
 
     python benchmarks/ray_executor.py --outside --renice --rounds 3 --sizes 16,64 --steps 20
 
@@ -167,11 +168,44 @@ def seen_by_rank(sizes: list[float], steps: int, nice: int | None = None) -> dic
             "spin": getattr(backend, "_spin", None), "affinity": sorted(os.sched_getaffinity(0)),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "torch_threads": torch.get_num_threads(),
             "nice": os.nice(0), "host_id": os.environ.get("SPARK_HVD_HOST_ID"), "local_size": hvd.local_size()}
+    cpu_before = _thread_cpu()
     busbw = _busbw(sizes, steps)
+    cpu_after = _thread_cpu()
     if nice is not None:
         _renice(before)
     seen["memory"] = _memory()
+    seen["session"] = _session()
+    # the CPU seconds each thread used during the loops, busiest first: the allreduce's, and any of Ray's
+    used = {tid: round(cpu_after[tid][1] - cpu_before[tid][1], 3) for tid in cpu_after if tid in cpu_before}
+    seen["threads"] = len(cpu_after)
+    seen["thread_cpu_s"] = sorted(([cpu_after[t][0], s] for t, s in used.items() if s > 0), key=lambda x: -x[1])
     return {**seen, "busbw": busbw}
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """This process's threads: native id -> (name, CPU seconds used so far) (Linux ``/proc/self/task``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # a thread that ended
+            continue
+        name, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def _session() -> dict[str, Any]:
+    """This process's session and its scheduler autogroup (Linux ``sched_autogroup``: with it on, the CPUs are
+    shared fairly between sessions before processes, and a group's niceness weighs it against the others)."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            group = f.read().strip()
+    except OSError:
+        group = None
+    return {"sid": os.getsid(0), "pid": os.getpid(), "autogroup": group}
 
 
 def _memory() -> dict[str, str]:
