@@ -47,11 +47,13 @@ hostloss: setup
 
 # RayExecutor on real Ray clusters started with `ray start`: on three simulated hosts, one of them lost mid-training
 # and started again (tests/multihost/test_ray_hosts.py, ~3 min; root), and Ray on Spark on a local[2] session
-# (tests/ray/test_ray_on_spark.py, ~4 min), at load ~30-50 on 2 cores. Marker raycluster for their time: not in
+# (tests/ray/test_ray_on_spark.py, ~4 min), at load ~30-50 on 2 cores; a Tune trial restored from its checkpoints
+# (tests/ray/test_ray_executor.py, ~1 min at load ~15). Marker raycluster for their time: not in
 # `make test`.
 .PHONY: ray-clusters
 ray-clusters: setup
-	$(PY) -m pytest -m raycluster -s --durations=0 tests/multihost/test_ray_hosts.py tests/ray/test_ray_on_spark.py
+	$(PY) -m pytest -m raycluster -s --durations=0 tests/multihost/test_ray_hosts.py tests/ray/test_ray_on_spark.py \
+		tests/ray/test_ray_executor.py
 
 # Horovod-compat estimator fits on local[2] (marker horovodfit, tens of seconds each at load): not in `make test`.
 .PHONY: horovod-fits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError
 
@@ -39,3 +40,16 @@ class RayWorkerFailedError(RankFailedError):
         super().__init__(failure, failures)
         self.node = node
         self.args = (f"RayExecutor.{what}: {self.args[0]}",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Copied and pickled as it is (Ray Tune copies a trial's error, and sends it to its driver): the
+        constructor's arguments are not its ``args``."""
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``args`` and the attributes ``state``, its constructor not called."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

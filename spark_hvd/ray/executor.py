@@ -39,16 +39,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_hvd.core.jobenv import JobEnv, topology
+from spark_hvd.core.jobenv import ENCRYPT, JobEnv, encrypt_requested, topology
 from spark_hvd.core.transport.addresses import IFACE_ENV, NETWORK_INTERFACE_ENV
 from spark_hvd.core.transport.wire import make_secret
-from spark_hvd.ray import placement
+from spark_hvd.ray import checkpoints, placement
 from spark_hvd.ray.errors import PlacementTimeoutError, RayExecutorError, RayWorkerFailedError, WorkerNode
 from spark_hvd.ray.reports import RankZeroReports, then_mark
 from spark_hvd.ray.secret import SecretHandout
@@ -59,6 +60,8 @@ logger = logging.getLogger(__name__)
 #: Seconds ``run`` keeps collecting other ranks' failures after the first, to name the cause rather than a
 #: consequence (a peer that failed because the dead rank's sockets closed).
 FAILURE_SETTLE_S = 2.0
+#: Seconds between two deliveries of rank 0's reports to a run's callbacks (a checkpoint of rank 0 waits for one).
+POLL_S = 0.05
 #: Seconds a run with callbacks waits, after the ranks finished, for rank 0's last reports.
 LAST_REPORT_WAIT_S = 10.0
 #: Seconds ``shutdown`` gives an idle worker to clean up before it is killed.
@@ -81,12 +84,15 @@ class RaySettings:
 
     ``timeout_s``: seconds for the workers to start, fetch the secret and meet at the rendezvous;
     ``placement_group_timeout_s``: seconds for Ray to place the workers; ``nics``: network interfaces the ranks
-    use (``SPARK_HVD_NETWORK_INTERFACE``); ``verbose``: kept for Horovod's signature.
+    use (``SPARK_HVD_NETWORK_INTERFACE``); ``encrypt``: encrypt every frame between the ranks and with the driver's
+    services (None: ``SPARK_HVD_ENCRYPT`` of ``start``'s ``extra_env_vars`` or of the driver's environment);
+    ``verbose``: kept for Horovod's signature.
     """
 
     timeout_s: float = 30.0
     placement_group_timeout_s: float = 100.0
     nics: frozenset[str] | None = None
+    encrypt: bool | None = None
     verbose: int = 1
     elastic: bool = field(default=False)
 
@@ -149,15 +155,16 @@ class RayExecutor:
     @classmethod
     def create_settings(cls, timeout_s: float = 30, ssh_identity_file: str | None = None,
                         ssh_str: str | None = None, placement_group_timeout_s: float = 100,
-                        nics: set[str] | None = None) -> RaySettings:
+                        nics: set[str] | None = None, encrypt: bool | None = None) -> RaySettings:
         """Horovod's settings for Ray: ``timeout_s`` (start and rendezvous), ``placement_group_timeout_s``,
-        ``nics``. ``ssh_identity_file`` / ``ssh_str`` are accepted for Horovod's signature and ignored: actors
-        start through Ray, not ssh (no private key is written anywhere)."""
+        ``nics``; and spark_hvd's ``encrypt`` (``RaySettings``). ``ssh_identity_file`` / ``ssh_str`` are accepted
+        for Horovod's signature and ignored: actors start through Ray, not ssh (no private key is written
+        anywhere)."""
         if ssh_identity_file or ssh_str:
             logger.info("RayExecutor.create_settings: ssh_identity_file/ssh_str are not used (workers start "
                         "through Ray)")
         return RaySettings(timeout_s=float(timeout_s), placement_group_timeout_s=float(placement_group_timeout_s),
-                           nics=frozenset(nics) if nics else None)
+                           nics=frozenset(nics) if nics else None, encrypt=encrypt)
 
     def __init__(self, settings: RaySettings | None = None, num_workers: int | None = None,
                  num_hosts: int | None = None, num_workers_per_host: int | None = 1, cpus_per_worker: float = 1,
@@ -207,6 +214,8 @@ class RayExecutor:
         #: called with every ``report(...)`` event of the ranks (``spark_hvd.runner.Event``), on a service thread
         self.on_event: Callable[[Any], None] | None = None
         self._reports = RankZeroReports()
+        #: every frame between the ranks and with the driver's services is encrypted (decided in ``start``)
+        self.encrypt = False
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(self, executable_cls: type | None = None, executable_args: list[Any] | None = None,
@@ -219,6 +228,8 @@ class RayExecutor:
         if self.workers:
             raise RayExecutorError("this RayExecutor is already started; shutdown() first")
         self._start_args = (executable_cls, executable_args, executable_kwargs, dict(extra_env_vars or {}))
+        self.encrypt = (encrypt_requested({**os.environ, **self._start_args[3]}) if self.settings.encrypt is None
+                        else bool(self.settings.encrypt))
         if self.elastic is not None:  # each attempt of run() starts its own workers
             _ray()
             return
@@ -291,11 +302,12 @@ class RayExecutor:
         secret = make_secret()
         self.job_id = job_id = secrets.token_hex(4)
         host = self._driver_address(ray)
-        self._kv = KVStoreServer(secret, host=host)
+        self._kv = KVStoreServer(secret, host=host, encrypt=self.encrypt)
         kv_host, kv_port = self._kv.start()
         # the runner's driver service: report(...) events, and the elastic driver's requests
         self._service = DriverService(secret, size, job_id=job_id, verbose=0, attempt=attempt, bind_host=host,
-                                      handlers=handlers, on_event=self._on_event)
+                                      handlers={checkpoints.REQUEST: self._reports.on_checkpoint, **(handlers or {})},
+                                      on_event=self._on_event, encrypt=self.encrypt)
         service_port = self._service.start()[1]
         self._handout = SecretHandout(secret, job_id, host=host)
         del secret  # the driver's services hold it; nothing below may hand it to Ray
@@ -324,7 +336,7 @@ class RayExecutor:
             job = JobEnv(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                          cross_rank=cross_rank, cross_size=cross_size, job_id=job_id,
                          rendezvous=f"{kv_host}:{kv_port}", service_address=f"{host}:{service_port}",
-                         attempt=attempt, gpu=gpu)
+                         attempt=attempt, gpu=gpu, encrypt=self.encrypt)
             env = torchrun.torchrun_env(job, *master)
             if self.settings.nics:
                 env[NETWORK_INTERFACE_ENV] = ",".join(sorted(self.settings.nics))
@@ -333,6 +345,7 @@ class RayExecutor:
             if visible is not None:
                 env["CUDA_VISIBLE_DEVICES"] = visible
             env.update({k: str(v) for k, v in extra_env.items()})
+            env[ENCRYPT] = "1" if self.encrypt else "0"  # what the services do, whatever extra_env_vars said
             calls.append(actor.setup.remote(job, env, timeout_s, executable_cls, executable_args,
                                              executable_kwargs))
         try:
@@ -380,7 +393,7 @@ class RayExecutor:
                   poll: Callable[[], None] | None = None) -> list[Any]:
         """Every rank's result; the first failure raises ``RayWorkerFailedError`` (see the module docstring).
         ``timeout_s``: how long all may take (None: no limit; failures still surface at once); ``poll``: called
-        about twice a second while waiting, on this thread."""
+        every ``POLL_S`` while waiting, on this thread."""
         ray = _ray()
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending = list(refs)
@@ -395,7 +408,7 @@ class RayExecutor:
                 missing = sorted(rank_of[r] for r in pending)
                 raise RayExecutorError(f"RayExecutor {what}: ranks {missing} did not finish within {timeout_s:g} s "
                                        f"(on Ray nodes {[self.nodes[r].where() for r in missing]})")
-            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=0.5 if poll is None else POLL_S)
             if poll is not None:
                 poll()
             for ref in ready:

@@ -109,13 +109,14 @@ class RayWorker:
             from spark_hvd.runner import client as service_client
 
             self._client = service_client.ServiceClient(job.service_address, secret, job.job_id, job.rank,
-                                                        attempt=job.attempt, timeout_s=timeout_s)
+                                                        attempt=job.attempt, timeout_s=timeout_s,
+                                                        encrypt=job.encrypt)
             service_client.set_client(self._client)
         import spark_hvd.core as core
 
         assert job.rendezvous is not None
-        core.init(rendezvous=KVRendezvous(job.rendezvous, secret, job.job_id, timeout_s), rank=job.rank,
-                  size=job.size, secret=secret, job_id=job.job_id)
+        core.init(rendezvous=KVRendezvous(job.rendezvous, secret, job.job_id, timeout_s, encrypt=job.encrypt),
+                  rank=job.rank, size=job.size, secret=secret, job_id=job.job_id)
         torchrun.install()  # dist.init_process_group() meets over the job's authenticated store
         if executable_cls is not None:
             self.executable = executable_cls(*(executable_args or []), **(executable_kwargs or {}))

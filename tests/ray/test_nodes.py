@@ -61,8 +61,11 @@ def nodes(request):
 def _topology() -> dict:
     import spark_hvd.core as core
     from spark_hvd.core.jobenv import JobEnv
+    from spark_hvd.runner import report
 
     job = JobEnv.from_env()
+    ring = core.get_engine().backend
+    report(rank=core.rank(), encrypt=job.encrypt)  # over the (encrypted) connection to the driver service
     rng = np.random.default_rng(100 + core.rank())
     x = rng.standard_normal(1000).astype(np.float32)
     rows = rng.standard_normal((1 + core.rank(), 3))
@@ -71,19 +74,31 @@ def _topology() -> dict:
             "job": (job.rank, job.local_rank, job.local_size, job.cross_rank, job.cross_size),
             "group": (os.environ["GROUP_RANK"], os.environ["GROUP_WORLD_SIZE"]),
             "host": os.environ["SPARK_HVD_HOST_ID"],
+            "encrypt": (job.encrypt, os.environ["SPARK_HVD_ENCRYPT"], ring.encrypt),
+            "peers": (sorted(ring.peers), sorted(j for j, peer in ring.peers.items() if peer.encrypt)),
             "sum": core.allreduce(x, op=core.Sum, name="x"), "gather": core.allgather(rows, name="rows")}
 
 
-def test_ranks_node_by_node_and_collectives_across_nodes(nodes):
+def test_ranks_node_by_node_and_collectives_across_nodes_encrypted(nodes):
+    """Also encryption in transit (issue 43): ``SPARK_HVD_ENCRYPT=1`` in ``extra_env_vars`` reaches every rank's
+    launch contract, the driver's KV and report services and every ring connection; the collectives across the
+    nodes (TCP) agree with numpy and rank 0's report arrives through the encrypted service."""
     from spark_hvd.ray import RayExecutor
 
     executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_hosts=2, num_workers_per_host=2)
+    seen = []
     try:
-        executor.start()
-        got = executor.run(_topology)
+        executor.start(extra_env_vars={"SPARK_HVD_ENCRYPT": "1"})
+        assert executor.encrypt and executor._kv.encrypt and executor._service.encrypt
+        got = executor.run(_topology, callbacks=[seen.append])
         placed = executor.nodes
     finally:
         executor.shutdown()
+    assert seen == [{"rank": 0, "encrypt": True}]
+    for rank, g in enumerate(got):  # every rank's TCP peers (the other node's ranks among them) encrypt
+        peers, encrypted = g["peers"]
+        assert g["encrypt"] == (True, "1", True)
+        assert peers == encrypted and ({2, 3} if rank < 2 else {0, 1}) <= set(peers)
     assert len({n.node_id for n in placed}) == 2
     assert placed[0].node_id == placed[1].node_id != placed[2].node_id == placed[3].node_id
     for rank, g in enumerate(got):
@@ -106,6 +121,30 @@ def _wait_for(path: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_tune_checkpoint_of_another_node_is_copied_here(nodes, tmp_path):
+    """``NodeCheckpoint.local`` (a Tune trial and its rank 0 on different Ray nodes): a checkpoint made on the other
+    node is packed there by a task and unpacked here, removed after; one of this node is used where it is."""
+    ray, _ = nodes
+    tune = pytest.importorskip("ray.tune")
+    from spark_hvd.ray.checkpoints import NodeCheckpoint, node_id
+
+    made = tmp_path / "made"
+    (made / "sub").mkdir(parents=True)
+    (made / "weights.bin").write_bytes(bytes(range(256)) * 40)
+    (made / "sub" / "meta.json").write_text('{"step": 3}')
+    here = node_id()
+    other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != here)
+    checkpoint = tune.Checkpoint.from_directory(str(made))
+    with NodeCheckpoint(checkpoint, here).local() as same:
+        assert same is checkpoint
+    with NodeCheckpoint(checkpoint, other).local() as copy:
+        assert copy.path != str(made)
+        assert open(os.path.join(copy.path, "weights.bin"), "rb").read() == bytes(range(256)) * 40
+        assert open(os.path.join(copy.path, "sub", "meta.json")).read() == '{"step": 3}'
+        copied = copy.path
+    assert not os.path.exists(copied)
 
 
 def _elastic_nodes(marks: str, wait_s: float = 60.0) -> dict:

@@ -8,6 +8,7 @@ and an elastic job shrunk by a killed worker and grown back."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -452,25 +453,48 @@ def test_callbacks_get_rank_0_reports_in_order_on_the_callers_thread(executor):
     assert seen == [{"value": 0, "step": 0}, {"value": 10, "step": 1}]
 
 
-def _trial(config: dict) -> dict:
+def _trial(config: dict) -> float:
+    """4 steps of a running sum of allreduced values over the trial's ranks; rank 0 reports each step's state as a
+    Tune checkpoint; both ranks fail once after each step of ``config["fail_after"]``; a restored trial goes on
+    from its checkpoint."""
+    import tempfile
+
+    from ray import tune
+
     import spark_hvd.core as core
-    from spark_hvd.runner import report
+    from spark_hvd.ray import tune as hvd_tune
 
-    for step in range(3):
-        value = float(core.allreduce(np.array([config["x"] * (step + 1)]), op=core.Sum, name=f"s{step}")[0])
-        report(step=step, loss=value, size=core.size())
-    return {"final": value}
+    resumed_from, total = 0, 0.0
+    restored = hvd_tune.get_checkpoint()
+    if restored is not None:
+        with open(os.path.join(restored.path, "state.json")) as f:
+            state = json.load(f)
+        resumed_from, total = state["step"] + 1, state["total"]
+    for step in range(resumed_from, 4):
+        total += float(core.allreduce(np.array([config["x"] * (step + 1)]), op=core.Sum, name=f"s{step}")[0])
+        with tempfile.TemporaryDirectory() as d:  # gone once report returned: Tune has its copy by then
+            with open(os.path.join(d, "state.json"), "w") as f:
+                json.dump({"step": step, "total": total}, f)
+            hvd_tune.report({"step": step, "total": total, "size": core.size(), "resumed_from": resumed_from},
+                            checkpoint=tune.Checkpoint.from_directory(d))
+        mark = os.path.join(config["marks"], f"failed-after-{step}-{core.rank()}")
+        if step in config["fail_after"] and not os.path.exists(mark):
+            open(mark, "w").close()
+            raise RuntimeError(f"a planned failure after step {step}")
+    return total
 
 
-def test_tune_trials_are_distributed_jobs_reporting_rank_0s_results(ray_cluster, tmp_path):
+def test_tune_trials_are_distributed_jobs_whose_checkpoints_go_through_tune(ray_cluster, tmp_path):
     """Two Tune trials, each a 2-rank job (0.5 CPU a worker: both fit beside the module's executor): Tune sees
-    every report of each trial's rank 0, computed by allreduce over the trial's own two ranks."""
+    every report of each trial's rank 0, computed by allreduce over the trial's own two ranks, and rank 0's
+    checkpoints are the trial's (``result.checkpoint``). (A trial restored from them: ``test_ray_tune_restore``.)"""
     tune = pytest.importorskip("ray.tune")
     from spark_hvd.ray.tune import DistributedTrainableCreator
 
     trainable = DistributedTrainableCreator(_trial, num_workers=2, cpus_per_worker=0.5, timeout_s=60)
-    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1.0, 2.0])},
-                       tune_config=tune.TuneConfig(metric="loss", mode="min"),
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([1.0, 2.0]), "marks": str(tmp_path),
+                                               "fail_after": []},
+                       tune_config=tune.TuneConfig(metric="total", mode="max"),
                        run_config=tune.RunConfig(storage_path=str(tmp_path), name="trials", verbose=0))
     grid = tuner.fit()
     assert not grid.errors
@@ -478,7 +502,39 @@ def test_tune_trials_are_distributed_jobs_reporting_rank_0s_results(ray_cluster,
     for result in grid:
         x = result.config["x"]
         rows = result.metrics_dataframe
-        reported = rows[rows["loss"].notna()]
-        assert list(reported["loss"]) == [2 * x, 4 * x, 6 * x]  # x * (step + 1) summed over 2 ranks
-        assert list(reported["size"]) == [2, 2, 2] and list(reported["step"]) == [0, 1, 2]
-        assert result.metrics["loss"] == 6 * x
+        reported = rows[rows["total"].notna()]
+        sums = [2 * x * (s + 1) for s in range(4)]  # x * (step + 1) summed over 2 ranks
+        assert list(reported["step"]) == [0, 1, 2, 3] and list(reported["size"]) == [2, 2, 2, 2]
+        assert list(reported["total"]) == [sum(sums[:s + 1]) for s in range(4)]
+        assert list(reported["resumed_from"]) == [0, 0, 0, 0]
+        with result.checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            assert json.load(f) == {"step": 3, "total": sum(sums)}
+
+
+@pytest.mark.raycluster  # ~1 min on 2 cores (three starts of a trial's job): `make ray-clusters`
+def test_ray_tune_restore_a_trial_resumes_from_its_checkpoint_on_every_rank(ray_cluster, tmp_path):
+    """A trial that fails after step 1 is restarted by Tune (``FailureConfig(max_failures=1)``) and both ranks go
+    on from step 1's checkpoint (``get_checkpoint()``); it fails again after step 2, and ``Tuner.restore(...,
+    resume_errored=True)`` goes on from step 2's: the sum equals an uninterrupted run's."""
+    tune = pytest.importorskip("ray.tune")
+    from spark_hvd.ray.tune import DistributedTrainableCreator
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    trainable = DistributedTrainableCreator(_trial, num_workers=2, cpus_per_worker=0.5, timeout_s=60)
+    tuner = tune.Tuner(trainable, param_space={"x": 3.0, "marks": str(marks), "fail_after": [1, 2]},
+                       tune_config=tune.TuneConfig(metric="total", mode="max"),
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="restore", verbose=0,
+                                                 failure_config=tune.FailureConfig(max_failures=1)))
+    first = tuner.fit()
+    assert len(first.errors) == 1 and "a planned failure after step 2" in str(first.errors[0])
+    assert first[0].metrics["step"] == 2 and first[0].metrics["resumed_from"] == 2  # Tune's restart, from step 1
+    grid = tune.Tuner.restore(str(tmp_path / "restore"), trainable, resume_errored=True).fit()
+    assert not grid.errors
+    assert sorted(os.listdir(marks)) == [f"failed-after-{s}-{r}" for s in (1, 2) for r in (0, 1)]
+    result = grid[0]
+    expected = sum(2 * 3.0 * (s + 1) for s in range(4))
+    assert result.metrics["step"] == 3 and result.metrics["total"] == expected
+    assert result.metrics["resumed_from"] == 3  # Tuner.restore, from step 2's checkpoint
+    with result.checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+        assert json.load(f) == {"step": 3, "total": expected}
