@@ -14,6 +14,8 @@
 - The pyfunc is logged as ``log_mlflow`` logs it (a numeric array column: an MLflow tensor signature), and beside it
   with MLflow's column schema (``Array(double)``, checked per row: the signature before; ``--skip columns`` leaves
   it out) and with ``check_input=False`` (no input schema), for ``spark_udf`` and the server's handler.
+- Where a ``spark_udf`` batch of 10,000 rows goes, in the driver process: Arrow to pandas, MLflow's input check,
+  the pyfunc's ``predict``, MLflow's conversion of the result, pyspark's pandas to Arrow (``--skip parts``).
 - ONNX through onnxruntime on the CPU vs the torch module, rows/s on in-memory batches (target: >= 1.0x); only where
   onnxruntime imports (the ``export`` extra), else recorded as skipped.
 
@@ -153,6 +155,46 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
             **({} if udf_only else {
                 "transform_vs_sql_classifier": rate["transform"] / rate["transform_sql_classifier"],
                 "transform_raw_vs_arrow_floor (>= 1.0)": rate["transform_raw"] / rate["arrow_floor"]})}
+
+
+def bench_udf_parts(uri: str, rows: int, repeats: int) -> dict:
+    """Where a ``spark_udf`` batch's time goes, in this process on one batch of ``rows`` rows (no Spark job): the
+    Arrow batch to pandas as Spark hands a struct column over, MLflow's ``PyFuncModel.predict`` (its input check,
+    then the pyfunc's ``predict``), the pyfunc's ``predict`` alone, MLflow's conversion of the result to the
+    ``result_type`` (``_convert_struct_values``: a call per array cell) and pyspark's pandas-to-Arrow of that result
+    (where this pyspark has ``PandasToArrowConversion``, 4.x). Median ms of ``repeats`` calls each, in turn."""
+    import mlflow.pyfunc
+    import numpy as np
+    import pyarrow as pa
+    from mlflow.models.utils import _enforce_schema
+    from mlflow.pyfunc import _convert_struct_values
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
+
+    loaded = mlflow.pyfunc.load_model(uri)
+    x = np.random.default_rng(5).random((rows, WIDTH), dtype=np.float32)
+    column = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * WIDTH + 1, WIDTH, dtype=np.int32)),
+                                      pa.array(x.reshape(-1)))
+    result_type = StructType([StructField("label__output", ArrayType(FloatType())),
+                              StructField("prediction", DoubleType()),
+                              StructField("probability", ArrayType(DoubleType()))])
+    pdf = pa.table({"features": column}).to_pandas()
+    result = loaded.predict(pdf)
+    converted = _convert_struct_values(result, result_type)
+    fns = {"arrow_to_pandas": lambda: pa.table({"features": column}).to_pandas(),
+           "pyfunc_predict": lambda: loaded.predict(pdf),
+           "input_check": lambda: _enforce_schema(pdf, loaded.metadata.get_input_schema()),
+           "spark_hvd_predict": lambda: loaded.unwrap_python_model().predict(None, pdf),
+           "mlflow_result_conversion": lambda: _convert_struct_values(result, result_type)}
+    try:
+        from pyspark.sql.conversion import PandasToArrowConversion
+
+        outer = StructType([StructField("out", result_type)])
+        fns["pandas_to_arrow"] = lambda: PandasToArrowConversion.convert([converted], outer, timezone="UTC")
+    except ImportError:  # pyspark 3.5: another serializer
+        pass
+    t = _in_turn(fns, repeats)
+    return {"rows": rows, "signature": str(loaded.metadata.get_input_schema()),
+            **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
 
 
 def _free_port() -> int:
@@ -296,8 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--skip", choices=["spark", "server", "onnx", "columns"], action="append", default=[],
-                        help="columns: leave out the pyfunc logged with the column schema (the per-row check)")
+    parser.add_argument("--skip", choices=["spark", "server", "onnx", "columns", "parts"], action="append",
+                        default=[], help="columns: leave out the pyfunc logged with the column schema (the per-row "
+                                         "check); parts: the in-process split of a spark_udf batch")
     parser.add_argument("--udf-only", action="store_true",
                         help="time transform and the spark_udf items only (not the raw output, the SQL classifier "
                              "columns, the Arrow floor)")
@@ -334,6 +377,10 @@ def main(argv: list[str] | None = None) -> dict:
         unchecked = model.log_mlflow(name="unchecked", input_example=example, check_input=False, log_network=False)
         results["spark"] = bench_spark(spark, model, info.model_uri, args.rows, args.repeats, unchecked.model_uri,
                                        uri_columns, args.udf_only)
+    if "parts" not in args.skip:
+        results["udf_parts"] = {"tensor": bench_udf_parts(info.model_uri, 10_000, args.repeats)}
+        if uri_columns:
+            results["udf_parts"]["columns"] = bench_udf_parts(uri_columns, 10_000, args.repeats)
     if "server" not in args.skip:
         results["server"] = bench_server(info.model_uri, tracking, args.requests, uri_columns)
     if "onnx" not in args.skip:
