@@ -82,7 +82,7 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
     # the signature names the raw input column and the transform's output columns; the network is beside it
     signature = loaded.metadata.get_input_schema().input_names(), loaded.metadata.get_output_schema().input_names()
     assert signature == (["features"], ["label__output", "prediction", "probability"])
-    # a numeric array column is a tensor (MLflow checks it with one np.vstack, not per row), and still checked
+    # a float array column is a tensor (MLflow checks it with one np.vstack, not per row), and still checked
     assert repr(loaded.metadata.get_input_schema()) == "['features': Tensor('float64', (-1, 4))]"
     with pytest.raises(mlflow.exceptions.MlflowException, match="shape"):
         loaded.predict(pd.DataFrame({"features": [[0.5, 0.5, 0.5]] * 4}))  # 3 values a row for 4
@@ -234,9 +234,10 @@ def test_array_cells_become_the_arrow_list_column_of_the_slow_path():
 
 
 def test_tensor_schema_for_numeric_columns_only():
-    """``log_mlflow``'s signature: numeric scalars and fixed-shape arrays as MLflow tensors (floats as float64,
-    integers as int64); bytes, strings, ragged or mixed columns keep MLflow's column schema (None here). The dict of
-    arrays MLflow then hands ``predict`` makes the same model inputs as the frame it came from."""
+    """``log_mlflow``'s signature: float scalars and fixed-shape float arrays as MLflow tensors (float64); bytes,
+    strings, integers (MLflow would cast a float given for them), ragged or mixed columns keep MLflow's column
+    schema (None here). The dict of arrays MLflow then hands ``predict`` makes the same model inputs as the frame
+    it came from."""
     from spark_hvd.estimators.common.arrow import feature_to_numpy
     from spark_hvd.estimators.common.pyfunc import arrays_to_table, frame_to_table, tensor_schema
 
@@ -244,10 +245,10 @@ def test_tensor_schema_for_numeric_columns_only():
     specs = [{"name": "x", "kind": "vector"}, {"name": "img", "kind": "array", "shape": [2, 3]},
              {"name": "n", "kind": "scalar"}]
     frame = pd.DataFrame({"x": list(rng.random((3, 4), dtype=np.float32)), "img": [rng.random((2, 3))] * 3,
-                          "n": np.arange(3)})
+                          "n": np.arange(3.0)})
     schema = tensor_schema(specs, frame)
     assert repr(schema) == ("['x': Tensor('float64', (-1, 4)), 'img': Tensor('float64', (-1, 2, 3)), "
-                            "'n': Tensor('int64', (-1,))]")
+                            "'n': Tensor('float64', (-1,))]")
     arrays = {"x": np.stack(frame["x"].to_list()), "img": np.stack(frame["img"].to_list()), "n": frame["n"].to_numpy()}
     by_frame, by_arrays = frame_to_table(specs, frame), arrays_to_table(specs, arrays)
     for s in specs:
@@ -255,7 +256,8 @@ def test_tensor_schema_for_numeric_columns_only():
                                       feature_to_numpy(by_frame[s["name"]], s["name"], None, s.get("shape")))
     for name, column, kind in (("b", [b"ab", b"cd"], "binary"), ("t", ["a", "b"], "string"),
                                ("r", [np.arange(2.0), np.arange(3.0)], "array"), ("s", ["a", "b"], "scalar"),
-                               ("o", [[1.0, 2.0], ["a", "b"]], "array"), ("g", [[1.0], [2.0]], "ragged")):
+                               ("o", [[1.0, 2.0], ["a", "b"]], "array"), ("g", [[1.0], [2.0]], "ragged"),
+                               ("i", [np.arange(2), np.arange(2)], "array"), ("k", np.arange(2), "scalar")):
         assert tensor_schema([{"name": name, "kind": kind}], pd.DataFrame({name: column})) is None, name
     # one column that is not numeric keeps the whole signature as columns
     mixed = pd.DataFrame({"x": list(rng.random((2, 4))), "t": ["a", "b"]})

@@ -209,10 +209,11 @@ def _flat_list_array(cells: list) -> Any:
 
 def tensor_schema(stage_or_specs: Any, example: Any) -> Any:
     """The input schema as MLflow tensors, one named ``TensorSpec`` of shape ``(-1, *row shape)`` per feature
-    column, where every feature column of ``example`` (a pandas frame of raw rows) is numeric with one shape per
-    row: numeric scalars, or arrays / lists of numbers (floats declared float64, integers int64, as JSON numbers
-    and a Vector's doubles arrive). None where a column is anything else (bytes, strings, ragged or sparse
-    columns, cells of different shapes), which keep MLflow's column schema.
+    column, where every feature column of ``example`` (a pandas frame of raw rows) holds floats with one shape per
+    row: float scalars, or arrays / lists of floats (declared float64, as JSON numbers and a Vector's doubles
+    arrive). None where a column is anything else (bytes, strings, ragged or sparse columns, cells of different
+    shapes; integers and booleans too, since MLflow casts a tensor's values to its type, which would truncate a
+    float given for an integer silently), which keep MLflow's column schema.
 
     MLflow checks a tensor column of a pandas frame with one ``np.vstack`` and a reshape (and a cast of list
     cells): a wrong width, a ragged row or a non-numeric cell still fails its check, but the check costs one numpy
@@ -237,10 +238,9 @@ def tensor_schema(stage_or_specs: Any, example: Any) -> Any:
             if len(shapes) != 1 or len(kinds) != 1 or not next(iter(shapes)):
                 return None
             kind, row_shape = kinds.pop(), shapes.pop()
-        if kind not in "biuf":
+        if kind != "f":
             return None
-        dtype = np.float64 if kind == "f" else np.int64 if kind in "iu" else np.bool_
-        tensors.append(TensorSpec(np.dtype(dtype), (-1, *row_shape), s["name"]))
+        tensors.append(TensorSpec(np.dtype(np.float64), (-1, *row_shape), s["name"]))
     return Schema(tensors)
 
 
@@ -386,7 +386,7 @@ def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, regis
             kwargs.setdefault("input_example", example)
             signature = infer_signature(example, local.predict(None, example))
             tensors = tensor_schema(stage, example) if check_input else None
-            if not check_input or tensors is not None:  # numeric columns: MLflow's tensor check, one numpy call
+            if not check_input or tensors is not None:  # float columns: MLflow's tensor check, one numpy call
                 signature = ModelSignature(inputs=tensors, outputs=signature.outputs)
             kwargs.setdefault("signature", signature)
         if registered_model_name:
