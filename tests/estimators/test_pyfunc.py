@@ -233,7 +233,7 @@ def test_array_cells_become_the_arrow_list_column_of_the_slow_path():
         assert _flat_list_array(cells) is None
 
 
-def test_tensor_schema_for_numeric_columns_only():
+def test_tensor_schema_for_float_columns_only():
     """``log_mlflow``'s signature: float scalars and fixed-shape float arrays as MLflow tensors (float64); bytes,
     strings, integers (MLflow would cast a float given for them), ragged or mixed columns keep MLflow's column
     schema (None here). The dict of arrays MLflow then hands ``predict`` makes the same model inputs as the frame
@@ -259,6 +259,6 @@ def test_tensor_schema_for_numeric_columns_only():
                                ("o", [[1.0, 2.0], ["a", "b"]], "array"), ("g", [[1.0], [2.0]], "ragged"),
                                ("i", [np.arange(2), np.arange(2)], "array"), ("k", np.arange(2), "scalar")):
         assert tensor_schema([{"name": name, "kind": kind}], pd.DataFrame({name: column})) is None, name
-    # one column that is not numeric keeps the whole signature as columns
+    # one column that is not floats keeps the whole signature as columns
     mixed = pd.DataFrame({"x": list(rng.random((2, 4))), "t": ["a", "b"]})
     assert tensor_schema([{"name": "x", "kind": "vector"}, {"name": "t", "kind": "string"}], mixed) is None
