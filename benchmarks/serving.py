@@ -5,10 +5,17 @@
   (``_timing.arrow_floor_run``; target: >= 1.0x); ``transform`` of the classifier (its columns in numpy inside the
   Arrow function) vs the raw output plus the same columns as Spark SQL expressions (``add_classifier_columns``, how
   ``transform`` made them before), and ``spark_udf`` over the same pyfunc logged with ``check_input=False`` (MLflow
-  then checks no input schema: its per-row check of an array column is most of ``spark_udf``'s time). All are
+  then checks no input schema) and with the column schema (below). All are
   timed in turn (a, b, c, a, b, c, ...) so that a load that changes during the run weighs on all alike.
 - MLflow's scoring server (``mlflow models serve``, loopback) answering a 64-row JSON batch vs the same pyfunc
-  called in process on the same 64 rows: median latency of ``--requests`` each, in turn (target: <= 2x).
+  called in process on the same 64 rows: median latency of ``--requests`` each, in turn (target: <= 2x); a new
+  connection per request (``urllib``) and one kept alive (``http.client``); and where the difference goes: MLflow's
+  request handler in process (no HTTP), its JSON parse and its JSON writing alone.
+- The pyfunc is logged as ``log_mlflow`` logs it (a numeric array column: an MLflow tensor signature), and beside it
+  with MLflow's column schema (``Array(double)``, checked per row: the signature before; ``--skip columns`` leaves
+  it out) and with ``check_input=False`` (no input schema), for ``spark_udf`` and the server's handler.
+- Where a ``spark_udf`` batch of 10,000 rows goes, in the driver process: Arrow to pandas, MLflow's input check,
+  the pyfunc's ``predict``, MLflow's conversion of the result, pyspark's pandas to Arrow (``--skip parts``).
 - ONNX through onnxruntime on the CPU vs the torch module, rows/s on in-memory batches (target: >= 1.0x); only where
   onnxruntime imports (the ``export`` extra), else recorded as skipped.
 
@@ -16,12 +23,15 @@ The model is the digits MLP of ``examples/demo.py`` (64 -> 64 -> 10, a classifie
 ``probability`` beside the logits), trained a few steps in process on sklearn's digits; the scored rows are
 random 64-wide float arrays in [0, 1) made in Spark.
 
-Run: ``python benchmarks/serving.py [--rows 200000] [--repeats 5] [--requests 100] [--out results.json]``.
+Run: ``python benchmarks/serving.py [--rows 200000] [--repeats 5] [--requests 100] [--udf-only] [--skip ...]
+[--out results.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
+import io
 import json
 import os
 import signal
@@ -76,10 +86,13 @@ def _in_turn(fns: dict[str, Any], repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_unchecked: str | None = None) -> dict:
+def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_unchecked: str | None = None,
+                uri_columns: str | None = None, udf_only: bool = False) -> dict:
     """spark_udf over the logged pyfunc vs transform (both with the classifier's prediction and probability), and
     transform of the raw network output (one column, as the floor adds one) vs the Arrow round trip with no model,
-    rows/s on the same DataFrame."""
+    rows/s on the same DataFrame. ``uri_columns``: the same pyfunc logged with MLflow's column schema (an
+    ``Array(double)`` column, checked per row: the signature before the tensor one). ``udf_only``: transform and
+    the spark_udf items only."""
     import mlflow.pyfunc
     from pyspark.sql import functions as F  # noqa: N812
 
@@ -93,6 +106,8 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
     udf = mlflow.pyfunc.spark_udf(spark, uri, env_manager="local", result_type=result_type)
     unchecked = mlflow.pyfunc.spark_udf(spark, uri_unchecked, env_manager="local", result_type=result_type) \
         if uri_unchecked else None
+    columns = mlflow.pyfunc.spark_udf(spark, uri_columns, env_manager="local", result_type=result_type) \
+        if uri_columns else None
     raw = TorchModel(model=model.getModel(), feature_cols=["features"], label_cols=["label"], batch_size=1024)
 
     def run_transform() -> None:
@@ -106,6 +121,10 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
         df.withColumn("out", unchecked(F.struct("features"))).select("id", "features", "out.*") \
             .write.format("noop").mode("overwrite").save()
 
+    def run_udf_columns() -> None:  # the pyfunc logged with the column schema: MLflow checks each row's array
+        df.withColumn("out", columns(F.struct("features"))).select("id", "features", "out.*") \
+            .write.format("noop").mode("overwrite").save()
+
     def run_raw() -> None:
         raw.transform(df).write.format("noop").mode("overwrite").save()
 
@@ -113,10 +132,14 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
         add_classifier_columns(raw.transform(df), "label__output", "logits", "prediction", "probability") \
             .write.format("noop").mode("overwrite").save()
 
-    fns = {"transform": run_transform, "spark_udf": run_udf, "transform_raw": run_raw,
-           "transform_sql_classifier": run_sql_classifier, "arrow_floor": arrow_floor_run(df, "label__output")}
+    fns = {"transform": run_transform, "spark_udf": run_udf}
+    if not udf_only:
+        fns.update({"transform_raw": run_raw, "transform_sql_classifier": run_sql_classifier,
+                    "arrow_floor": arrow_floor_run(df, "label__output")})
     if unchecked is not None:
         fns["spark_udf_unchecked"] = run_udf_unchecked
+    if columns is not None:
+        fns["spark_udf_columns"] = run_udf_columns
     for fn in fns.values():
         fn()  # warm: Python workers, the model in each worker's cache
     t = _in_turn(fns, repeats)
@@ -125,10 +148,53 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
     return {"rows": rows, "partitions": cores, "repeats": repeats,
             **{f"{k}_rows_per_s": v for k, v in rate.items()},
             "spark_udf_vs_transform (>= 0.8)": rate["spark_udf"] / rate["transform"],
-            "transform_vs_sql_classifier": rate["transform"] / rate["transform_sql_classifier"],
             **({"spark_udf_unchecked_vs_transform": rate["spark_udf_unchecked"] / rate["transform"]}
                if unchecked is not None else {}),
-            "transform_raw_vs_arrow_floor (>= 1.0)": rate["transform_raw"] / rate["arrow_floor"]}
+            **({"spark_udf_columns_vs_transform": rate["spark_udf_columns"] / rate["transform"]}
+               if columns is not None else {}),
+            **({} if udf_only else {
+                "transform_vs_sql_classifier": rate["transform"] / rate["transform_sql_classifier"],
+                "transform_raw_vs_arrow_floor (>= 1.0)": rate["transform_raw"] / rate["arrow_floor"]})}
+
+
+def bench_udf_parts(uri: str, rows: int, repeats: int) -> dict:
+    """Where a ``spark_udf`` batch's time goes, in this process on one batch of ``rows`` rows (no Spark job): the
+    Arrow batch to pandas as Spark hands a struct column over, MLflow's ``PyFuncModel.predict`` (its input check,
+    then the pyfunc's ``predict``), the pyfunc's ``predict`` alone, MLflow's conversion of the result to the
+    ``result_type`` (``_convert_struct_values``: a call per array cell) and pyspark's pandas-to-Arrow of that result
+    (where this pyspark has ``PandasToArrowConversion``, 4.x). Median ms of ``repeats`` calls each, in turn."""
+    import mlflow.pyfunc
+    import numpy as np
+    import pyarrow as pa
+    from mlflow.models.utils import _enforce_schema
+    from mlflow.pyfunc import _convert_struct_values
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
+
+    loaded = mlflow.pyfunc.load_model(uri)
+    x = np.random.default_rng(5).random((rows, WIDTH), dtype=np.float32)
+    column = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * WIDTH + 1, WIDTH, dtype=np.int32)),
+                                      pa.array(x.reshape(-1)))
+    result_type = StructType([StructField("label__output", ArrayType(FloatType())),
+                              StructField("prediction", DoubleType()),
+                              StructField("probability", ArrayType(DoubleType()))])
+    pdf = pa.table({"features": column}).to_pandas()
+    result = loaded.predict(pdf)
+    converted = _convert_struct_values(result, result_type)
+    fns = {"arrow_to_pandas": lambda: pa.table({"features": column}).to_pandas(),
+           "pyfunc_predict": lambda: loaded.predict(pdf),
+           "input_check": lambda: _enforce_schema(pdf, loaded.metadata.get_input_schema()),
+           "spark_hvd_predict": lambda: loaded.unwrap_python_model().predict(None, pdf),
+           "mlflow_result_conversion": lambda: _convert_struct_values(result, result_type)}
+    try:
+        from pyspark.sql.conversion import PandasToArrowConversion
+
+        outer = StructType([StructField("out", result_type)])
+        fns["pandas_to_arrow"] = lambda: PandasToArrowConversion.convert([converted], outer, timezone="UTC")
+    except ImportError:  # pyspark 3.5: another serializer
+        pass
+    t = _in_turn(fns, repeats)
+    return {"rows": rows, "signature": str(loaded.metadata.get_input_schema()),
+            **{f"{k}_ms": v * 1e3 for k, v in t.items()}}
 
 
 def _free_port() -> int:
@@ -143,11 +209,15 @@ def _post(url: str, body: bytes) -> dict:
         return json.loads(response.read())
 
 
-def bench_server(uri: str, tracking: str, requests: int) -> dict:
-    """The scoring server's latency for a 64-row JSON batch vs the pyfunc in process (median of ``requests``)."""
+def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None = None) -> dict:
+    """The scoring server's latency for a 64-row JSON batch vs the pyfunc in process (median of ``requests``), and
+    where the difference goes: MLflow's request handler called in process on the same body (``invocations``: JSON
+    parsing, the cast to the signature, ``predict`` with its check, the answer's JSON; no HTTP), and its parse and
+    its JSON writing alone. ``uri_columns``: the handler on the pyfunc logged with the column schema too."""
     import mlflow.pyfunc
     import numpy as np
     import pandas as pd
+    from mlflow.pyfunc import scoring_server
 
     cli = os.path.join(os.path.dirname(sys.executable), "mlflow")
     if not os.path.exists(cli):
@@ -157,6 +227,22 @@ def bench_server(uri: str, tracking: str, requests: int) -> dict:
     body = json.dumps({"dataframe_split": {"columns": ["features"],
                                            "data": [[row.tolist()] for row in x]}}).encode()
     loaded = mlflow.pyfunc.load_model(uri)
+    schema = loaded.metadata.get_input_schema()
+    columns = mlflow.pyfunc.load_model(uri_columns) if uri_columns else None
+
+    def handler(model: Any) -> Any:
+        answer = scoring_server.invocations(body, "application/json", model, model.metadata.get_input_schema())
+        assert answer.status == 200, answer.response
+        return answer
+
+    def parse() -> Any:
+        return scoring_server._parse_json_data(body, loaded.metadata, schema).data
+
+    predictions = loaded.predict(parse())
+
+    def write() -> None:
+        scoring_server.predictions_to_json(predictions, io.StringIO())
+
     port = _free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking,
            "PATH": os.pathsep.join([os.path.dirname(cli), os.environ.get("PATH", "")])}
@@ -182,16 +268,30 @@ def bench_server(uri: str, tracking: str, requests: int) -> dict:
         for _ in range(5):  # warm both
             _post(f"{url}/invocations", body)
             loaded.predict(pdf)
-        t = _in_turn({"server": lambda: _post(f"{url}/invocations", body), "in_process": lambda: loaded.predict(pdf)},
-                     requests)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # one connection, kept alive
+
+        def keepalive() -> Any:
+            connection.request("POST", "/invocations", body, {"Content-Type": "application/json"})
+            return json.loads(connection.getresponse().read())
+
+        fns = {"server": lambda: _post(f"{url}/invocations", body), "server_keepalive": keepalive,
+               "in_process": lambda: loaded.predict(pdf),
+               "handler": lambda: handler(loaded), "parse": parse, "write": write}
+        if columns is not None:
+            fns["handler_columns"] = lambda: handler(columns)
+        t = _in_turn(fns, requests)
+        connection.close()
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
         log.close()
-    return {"batch_rows": 64, "requests": requests, "server_median_ms": t["server"] * 1e3,
-            "in_process_median_ms": t["in_process"] * 1e3,
-            "server_vs_in_process (<= 2.0)": t["server"] / t["in_process"]}
+    return {"batch_rows": 64, "requests": requests, "signature": "tensor" if schema.is_tensor_spec() else "columns",
+            **{f"{k}_median_ms": v * 1e3 for k, v in t.items()},
+            "server_vs_in_process (<= 2.0)": t["server"] / t["in_process"],
+            "server_keepalive_vs_in_process": t["server_keepalive"] / t["in_process"],
+            "handler_vs_in_process": t["handler"] / t["in_process"],
+            **({"handler_columns_vs_in_process": t["handler_columns"] / t["in_process"]} if columns else {})}
 
 
 def bench_onnx(model: Any, rows: int, repeats: int) -> dict:
@@ -238,7 +338,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--skip", choices=["spark", "server", "onnx"], action="append", default=[])
+    parser.add_argument("--skip", choices=["spark", "server", "onnx", "columns", "parts"], action="append",
+                        default=[], help="columns: leave out the pyfunc logged with the column schema (the per-row "
+                                         "check); parts: the in-process split of a spark_udf batch")
+    parser.add_argument("--udf-only", action="store_true",
+                        help="time transform and the spark_udf items only (not the raw output, the SQL classifier "
+                             "columns, the Arrow floor)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -258,11 +363,26 @@ def main(argv: list[str] | None = None) -> dict:
     info = model.log_mlflow(input_example=example)
     results["log_mlflow_s"] = time.perf_counter() - t0
     results["mlflow"] = mlflow.__version__
+    logged = mlflow.models.get_model_info(info.model_uri).signature
+    results["signature"] = str(logged.inputs)
+    uri_columns = None
+    if "columns" not in args.skip:  # the signature log_mlflow gave before the tensor one: MLflow's column schema
+        from mlflow.models import ModelSignature, infer_signature
+
+        frame = example.selectExpr("transform(features, x -> cast(x as double)) as features").toPandas()
+        signature = ModelSignature(inputs=infer_signature(frame).inputs, outputs=logged.outputs)
+        uri_columns = model.log_mlflow(name="columns", input_example=example, log_network=False,
+                                       signature=signature).model_uri
     if "spark" not in args.skip:
         unchecked = model.log_mlflow(name="unchecked", input_example=example, check_input=False, log_network=False)
-        results["spark"] = bench_spark(spark, model, info.model_uri, args.rows, args.repeats, unchecked.model_uri)
+        results["spark"] = bench_spark(spark, model, info.model_uri, args.rows, args.repeats, unchecked.model_uri,
+                                       uri_columns, args.udf_only)
+    if "parts" not in args.skip:
+        results["udf_parts"] = {"tensor": bench_udf_parts(info.model_uri, 10_000, args.repeats)}
+        if uri_columns:
+            results["udf_parts"]["columns"] = bench_udf_parts(uri_columns, 10_000, args.repeats)
     if "server" not in args.skip:
-        results["server"] = bench_server(info.model_uri, tracking, args.requests)
+        results["server"] = bench_server(info.model_uri, tracking, args.requests, uri_columns)
     if "onnx" not in args.skip:
         results["onnx"] = bench_onnx(model, args.rows, args.repeats)
     finish(results, args.out)

@@ -5,6 +5,8 @@ the model. The framework flavour is logged beside it."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -80,6 +82,20 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
     # the signature names the raw input column and the transform's output columns; the network is beside it
     signature = loaded.metadata.get_input_schema().input_names(), loaded.metadata.get_output_schema().input_names()
     assert signature == (["features"], ["label__output", "prediction", "probability"])
+    # a float array column is a tensor (MLflow checks it with one np.vstack, not per row), and still checked
+    assert repr(loaded.metadata.get_input_schema()) == "['features': Tensor('float64', (-1, 4))]"
+    with pytest.raises(mlflow.exceptions.MlflowException, match="shape"):
+        loaded.predict(pd.DataFrame({"features": [[0.5, 0.5, 0.5]] * 4}))  # 3 values a row for 4
+    try:  # MLflow's scoring server's handler in process (parse, cast, check, predict, JSON): no HTTP
+        from mlflow.pyfunc import scoring_server
+    except ImportError:  # mlflow-skinny 2.x: no flask (test_serving.py has the whole server)
+        scoring_server = None
+    if scoring_server is not None:
+        body = json.dumps({"dataframe_split": {"columns": ["features"], "data": [[r] for r in arrays["features"]]}})
+        answer = scoring_server.invocations(body, "application/json", loaded, loaded.metadata.get_input_schema())
+        assert answer.status == 200, answer.response
+        _assert_frames_equal(pd.DataFrame(json.loads(answer.response)["predictions"]), expect,
+                             ["label__output", "prediction", "probability"])
     network = mlflow.pytorch.load_model(info.model_uri.rsplit("/", 1)[0] + "/model_network"
                                         if info.model_uri.startswith("runs:/") else
                                         f"runs:/{info.run_id}/model_network")
@@ -128,7 +144,9 @@ def test_text_preprocessing_travels_inside(spark, mlflow_tracking):
                        transformation_fn=featurize, batch_size=4)
     expect = _sorted(model.transform(df))
     info = model.log_mlflow(input_example=df)
-    got = mlflow.pyfunc.load_model(info.model_uri).predict(pd.DataFrame({"text": texts}))
+    loaded = mlflow.pyfunc.load_model(info.model_uri)
+    assert repr(loaded.metadata.get_input_schema()) == "['text': string (required)]"  # strings: MLflow's columns
+    got = loaded.predict(pd.DataFrame({"text": texts}))
     assert list(got.columns) == ["score__output"]
     np.testing.assert_allclose(got["score__output"].to_numpy(), expect["score__output"].to_numpy(), rtol=1e-5,
                                atol=1e-6)
@@ -213,3 +231,34 @@ def test_array_cells_become_the_arrow_list_column_of_the_slow_path():
         assert fast is not None and fast.equals(pa.array([_as_list(v) for v in cells])), (fast, cells)
     for cells in ([np.zeros((2, 2))], [[1.0], [2.0]], [np.arange(2), np.arange(2.0)], [np.arange(2), None], []):
         assert _flat_list_array(cells) is None
+
+
+def test_tensor_schema_for_float_columns_only():
+    """``log_mlflow``'s signature: float scalars and fixed-shape float arrays as MLflow tensors (float64); bytes,
+    strings, integers (MLflow would cast a float given for them), ragged or mixed columns keep MLflow's column
+    schema (None here). The dict of arrays MLflow then hands ``predict`` makes the same model inputs as the frame
+    it came from."""
+    from spark_hvd.estimators.common.arrow import feature_to_numpy
+    from spark_hvd.estimators.common.pyfunc import arrays_to_table, frame_to_table, tensor_schema
+
+    rng = np.random.default_rng(0)
+    specs = [{"name": "x", "kind": "vector"}, {"name": "img", "kind": "array", "shape": [2, 3]},
+             {"name": "n", "kind": "scalar"}]
+    frame = pd.DataFrame({"x": list(rng.random((3, 4), dtype=np.float32)), "img": [rng.random((2, 3))] * 3,
+                          "n": np.arange(3.0)})
+    schema = tensor_schema(specs, frame)
+    assert repr(schema) == ("['x': Tensor('float64', (-1, 4)), 'img': Tensor('float64', (-1, 2, 3)), "
+                            "'n': Tensor('float64', (-1,))]")
+    arrays = {"x": np.stack(frame["x"].to_list()), "img": np.stack(frame["img"].to_list()), "n": frame["n"].to_numpy()}
+    by_frame, by_arrays = frame_to_table(specs, frame), arrays_to_table(specs, arrays)
+    for s in specs:
+        np.testing.assert_array_equal(feature_to_numpy(by_arrays[s["name"]], s["name"], None, s.get("shape")),
+                                      feature_to_numpy(by_frame[s["name"]], s["name"], None, s.get("shape")))
+    for name, column, kind in (("b", [b"ab", b"cd"], "binary"), ("t", ["a", "b"], "string"),
+                               ("r", [np.arange(2.0), np.arange(3.0)], "array"), ("s", ["a", "b"], "scalar"),
+                               ("o", [[1.0, 2.0], ["a", "b"]], "array"), ("g", [[1.0], [2.0]], "ragged"),
+                               ("i", [np.arange(2), np.arange(2)], "array"), ("k", np.arange(2), "scalar")):
+        assert tensor_schema([{"name": name, "kind": kind}], pd.DataFrame({name: column})) is None, name
+    # one column that is not floats keeps the whole signature as columns
+    mixed = pd.DataFrame({"x": list(rng.random((2, 4))), "t": ["a", "b"]})
+    assert tensor_schema([{"name": "x", "kind": "vector"}, {"name": "t", "kind": "string"}], mixed) is None

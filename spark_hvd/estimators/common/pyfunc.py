@@ -32,7 +32,8 @@ import numpy as np
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import EstimatorError
 
-__all__ = ["StagePyfunc", "frame_to_table", "log_mlflow", "requirements", "save_stage"]
+__all__ = ["StagePyfunc", "arrays_to_table", "frame_to_table", "log_mlflow", "requirements", "save_stage",
+           "tensor_schema"]
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,65 @@ def _flat_list_array(cells: list) -> Any:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
 
 
+def tensor_schema(stage_or_specs: Any, example: Any) -> Any:
+    """The input schema as MLflow tensors, one named ``TensorSpec`` of shape ``(-1, *row shape)`` per feature
+    column, where every feature column of ``example`` (a pandas frame of raw rows) holds floats with one shape per
+    row: float scalars, or arrays / lists of floats (declared float64, as JSON numbers and a Vector's doubles
+    arrive). None where a column is anything else (bytes, strings, ragged or sparse columns, cells of different
+    shapes; integers and booleans too, since MLflow casts a tensor's values to its type, which would truncate a
+    float given for an integer silently), which keep MLflow's column schema.
+
+    MLflow checks a tensor column of a pandas frame with one ``np.vstack`` and a reshape (and a cast of list
+    cells): a wrong width, a ragged row or a non-numeric cell still fails its check, but the check costs one numpy
+    call per batch, where the column schema's ``Array(double)`` costs a pandas Series and a cast per row
+    (``mlflow.models.utils._enforce_array``: 84% of a ``spark_udf`` batch, docs/serving.md). ``predict`` then gets
+    a dict of 2-D arrays (:func:`arrays_to_table`)."""
+    from mlflow.types.schema import Schema, TensorSpec
+
+    specs = stage_or_specs if isinstance(stage_or_specs, list) else stage_or_specs._feature_specs()
+    tensors = []
+    for s in specs:
+        shape = s.get("shape")
+        if s.get("kind", "scalar") not in ("scalar", "vector", "array") or (shape and -1 in list(shape)):
+            return None
+        column = example[s["name"]]
+        if column.dtype != object:
+            kind, row_shape = column.dtype.kind, ()
+        else:
+            cells = [np.asarray(v) for v in column]
+            shapes = {c.shape for c in cells}
+            kinds = {c.dtype.kind for c in cells}
+            if len(shapes) != 1 or len(kinds) != 1 or not next(iter(shapes)):
+                return None
+            kind, row_shape = kinds.pop(), shapes.pop()
+        if kind != "f":
+            return None
+        tensors.append(TensorSpec(np.dtype(np.float64), (-1, *row_shape), s["name"]))
+    return Schema(tensors)
+
+
+def arrays_to_table(stage_or_specs: Any, arrays: dict[str, Any]) -> Any:
+    """The feature columns given as arrays of ``(rows, *row shape)`` (what MLflow hands ``predict`` after checking
+    a tensor schema) as a pyarrow Table, one column per feature in the stage's order: 1-D arrays as Arrow numbers,
+    the others as fixed-size lists of each row's flattened values, without a copy (``transform``'s conversion
+    reshapes them to the recorded shape, as it does Spark's list columns)."""
+    import pyarrow as pa
+
+    specs = stage_or_specs if isinstance(stage_or_specs, list) else stage_or_specs._feature_specs()
+    columns = {}
+    for s in specs:
+        name = s["name"]
+        if name not in arrays:
+            raise EstimatorError(f"predict: the input has no feature column {name!r} (inputs: {list(arrays)})")
+        value = np.asarray(arrays[name])
+        if value.ndim <= 1:
+            columns[name] = pa.array(value.reshape(-1))
+            continue
+        flat = np.ascontiguousarray(value).reshape(len(value), -1)
+        columns[name] = pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), flat.shape[1])
+    return pa.table(columns)
+
+
 # ------------------------------------------------------------------------------------------------ the pyfunc
 
 
@@ -255,20 +315,26 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
 
     def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201 - MLflow reads hints as a schema
         """The columns ``transform`` adds for the rows of ``model_input`` (a pandas DataFrame of raw feature
-        columns), as a pandas DataFrame with the same index."""
+        columns, or a dict of arrays per feature column as MLflow hands them over after checking a tensor
+        schema), as a pandas DataFrame with the same index (a new one for a dict)."""
         import pandas as pd
         import pyarrow as pa
 
         config = self.config
-        if not isinstance(model_input, pd.DataFrame):
-            model_input = pd.DataFrame(model_input)
-        table = frame_to_table(config["specs"], model_input)
+        if isinstance(model_input, dict) and all(isinstance(v, np.ndarray) for v in model_input.values()):
+            table = arrays_to_table(config["specs"], model_input)
+            index = pd.RangeIndex(table.num_rows)
+        else:
+            if not isinstance(model_input, pd.DataFrame):
+                model_input = pd.DataFrame(model_input)
+            table = frame_to_table(config["specs"], model_input)
+            index = model_input.index
         batches = table.to_batches() or [pa.RecordBatch.from_pylist([], schema=table.schema)]
         if len(batches) > 1:
             batches = [pa.RecordBatch.from_arrays(table.combine_chunks().columns, names=table.column_names)]
         result = pa.Table.from_batches(list(self._fn(iter(batches))))
         out = result.to_pandas()
-        out.index = model_input.index
+        out.index = index
         return out
 
 
@@ -319,7 +385,10 @@ def log_mlflow(stage: Any, name: str = "model", input_example: Any = None, regis
             local.load_directory(stage_dir)
             kwargs.setdefault("input_example", example)
             signature = infer_signature(example, local.predict(None, example))
-            kwargs.setdefault("signature", signature if check_input else ModelSignature(outputs=signature.outputs))
+            tensors = tensor_schema(stage, example) if check_input else None
+            if not check_input or tensors is not None:  # float columns: MLflow's tensor check, one numpy call
+                signature = ModelSignature(inputs=tensors, outputs=signature.outputs)
+            kwargs.setdefault("signature", signature)
         if registered_model_name:
             kwargs["registered_model_name"] = registered_model_name
         kwargs.setdefault("pip_requirements", requirements(stage))
