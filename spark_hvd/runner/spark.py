@@ -199,7 +199,9 @@ def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any] | str | os.Pat
 
 
 class _Launch:
-    """``run``'s arguments checked (before any slot check or Spark job), and its loop of attempts."""
+    """``run``'s arguments checked (before any slot check or Spark job; ``fn`` is checked and pickled when the
+    attempts start, after the slot check, as Horovod's ``run(None, ...)`` with too few slots times out), and its
+    loop of attempts."""
 
     def __init__(self, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any], kwargs: dict[str, Any] | None,
                  env: dict[str, str] | None, start_timeout: float | None, max_retries: int,
@@ -211,12 +213,13 @@ class _Launch:
         self.max_retries = max_retries
         self.env = checked_env(env)
         self.encrypt = job_encrypts(encrypt, self.env)
-        self.payload = pickled(*as_callable(fn, args, kwargs))
+        self.call = (fn, args, kwargs)
 
     def run(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
             on_event: Callable[[Event], None] | None) -> list[Any]:
         """The attempts, holding ``num_proc`` of the session's slots (``slot_ledger``: concurrent runs of this
         process wait their turn instead of failing or oversubscribing)."""
+        self.payload = pickled(*as_callable(*self.call))
         run_id = secrets.token_hex(4)
         total = session_total_slots(spark)
         if total is None:  # a Connect session that cannot tell its slots: the stage itself is the check
