@@ -260,13 +260,15 @@ def test_on_local_n_an_exception_of_fn_fails_the_run_without_a_relaunch(spark):
 
 
 def _raises_once(marker_dir: str) -> dict:
-    """Horovod's test_happy_run_elastic_fault_tolerant in small: rank 1 raises (once, a marker file) at step 2."""
-    import spark_hvd.torch as hvd
+    """Horovod's test_happy_run_elastic_fault_tolerant in small (the core's API: no framework to import): rank 1
+    raises (once, a marker file) at step 2."""
+    import spark_hvd.core as hvd
+    from spark_hvd.core.backend import ReduceOp
+    from spark_hvd.core.elastic import ObjectState, run_fn
 
-    hvd.init()
-    state = hvd.elastic.ObjectState(step=0, rendezvous=0, total=0.0)
+    state = ObjectState(step=0, rendezvous=0, total=0.0)
 
-    @hvd.elastic.run
+    @run_fn
     def loop(state):
         state.rendezvous += 1
         while state.step < 4:
@@ -274,7 +276,9 @@ def _raises_once(marker_dir: str) -> dict:
             if os.path.exists(marker):
                 os.unlink(marker)
                 raise ValueError(f"training failed at step {state.step}, restart the task")
-            state.total += float(hvd.allreduce(torch.tensor([state.step + 1.0]), op=hvd.Sum).item())
+            summed = np.array([state.step + 1.0])
+            hvd.allreduce(summed, op=ReduceOp.SUM)
+            state.total += float(summed[0])
             state.step += 1
             state.commit()
 
