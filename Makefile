@@ -53,6 +53,11 @@ hostloss: setup
 ray-clusters: setup
 	$(PY) -m pytest -m raycluster -s --durations=0 tests/multihost/test_ray_hosts.py tests/ray/test_ray_on_spark.py
 
+# Horovod-compat estimator fits on local[2] (marker horovodfit, tens of seconds each at load): not in `make test`.
+.PHONY: horovod-fits
+horovod-fits: setup
+	$(PY) -m pytest -m horovodfit --durations=0 tests/estimators
+
 # The runtime legs (tools/leg.py; CI runs them after `make test`): each builds .venv-<leg> from runtimes/<leg>.txt,
 # installs spark_hvd into it as a user would, fails if that changed a runtime package, then runs `pytest -m compat`.
 leg-floor:

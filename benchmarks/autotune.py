@@ -1,9 +1,10 @@
 """Autotune on against off, in one invocation, for a starting setting that is not the best and for the defaults.
 
-Each rank of ``spark-hvd-run -np N`` (TCP between the ranks, ``SPARK_HVD_SHM=0``, where the fusion threshold
-decides how many collectives a round takes) trains a made-up model: every step computes (a few numpy matmuls),
-submits ``--tensors`` gradients of ``--tensor-kib`` KiB asynchronously, as a ``DistributedOptimizer``'s hooks do,
-and waits for them. Cases (``--cases``):
+Each rank of ``spark-hvd-run -np N`` (TCP between the ranks, ``SPARK_HVD_SHM=0``, and the Python ring loop,
+``SPARK_HVD_COMPILED_RING=0``: where the fusion threshold decides how many collectives a round takes; two ranks that
+both run the compiled loop reduce a round's tensors in one collective whatever the threshold) trains a made-up
+model: every step computes (a few numpy matmuls), submits ``--tensors`` gradients of ``--tensor-kib`` KiB
+asynchronously, as a ``DistributedOptimizer``'s hooks do, and waits for them. Cases (``--cases``):
 
 - ``small-fusion``: the user set ``SPARK_HVD_FUSION_THRESHOLD`` to one gradient's size, so every gradient is its own
   collective; the defaults (64 MiB) fuse a step's gradients into one. What autotune should find.
@@ -66,7 +67,7 @@ def run(case: str, autotune: bool, args: argparse.Namespace, tmp: str) -> dict:
     out, log = os.path.join(tmp, tag + ".json"), os.path.join(tmp, tag + ".csv")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--result", out, "--steps", str(args.steps),
             "--tensors", str(args.tensors), "--tensor-kib", str(args.tensor_kib), "--compute", str(args.compute)]
-    env = {"OMP_NUM_THREADS": "1", "SPARK_HVD_SHM": "0", **CASES[case](args)}
+    env = {"OMP_NUM_THREADS": "1", "SPARK_HVD_SHM": "0", "SPARK_HVD_COMPILED_RING": "0", **CASES[case](args)}
     if args.backend:
         env["SPARK_HVD_BACKEND"] = args.backend
     if autotune:

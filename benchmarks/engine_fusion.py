@@ -10,6 +10,11 @@ It prints the median time of each and their ratio (target: tensors / single <= 1
 
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 [--backend ring|torch] [--fusion-mib 64]
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --pages huge   # numpy's default memory
+    .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --bare         # the backend alone too
+
+``--bare`` also times the backend without the engine, interleaved with the rest: ``allreduce_fused`` of the 161
+arrays against ``allreduce`` of the one, wall time and the calling thread's CPU (on a loaded machine the CPU tells
+the backend's own cost apart from waiting for the peer).
 
 ``--pages``: the memory every array of the benchmark lives in. ``small`` (the default) allocates them as torch
 allocates tensors, in 4 KiB pages (torch asks for transparent huge pages only with ``THP_MEM_ALLOC_ENABLE=1``);
@@ -47,13 +52,14 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
-def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, queue: multiprocessing.Queue) -> None:
+def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, queue: multiprocessing.Queue) -> None:
     os.environ.update(env)
     if pages == "small":  # as torch allocates: no madvise(MADV_HUGEPAGE) on large arrays
         from numpy._core.multiarray import _set_madvise_hugepage
 
         _set_madvise_hugepage(False)
     import spark_hvd.core as core
+    from spark_hvd.core.backend import ReduceOp
 
     core.init()
     try:
@@ -64,7 +70,21 @@ def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, queue: multi
         order = list(reversed(range(len(grads))))
         flat = np.concatenate([g.reshape(-1) for g in grads])
         times: dict[str, list[float]] = {"tensors": [], "single": []}
+        if bare:
+            times.update({"bare fused": [], "bare single": [], "bare fused cpu": [], "bare single cpu": []})
+        backend = core.get_engine().backend  # (--bare: the engine is idle between its collectives)
+        backward = [grads[i] for i in order]
         for it in range(warmup + iters):
+            if bare:
+                for key, call in (("bare fused", lambda: backend.allreduce_fused(backward, ReduceOp.SUM)),
+                                  ("bare single", lambda: backend.allreduce(flat, ReduceOp.SUM))):
+                    core.barrier()
+                    w0, c0 = time.perf_counter(), time.thread_time()
+                    call()
+                    w1, c1 = time.perf_counter(), time.thread_time()
+                    if it >= warmup:
+                        times[key].append(w1 - w0)
+                        times[key + " cpu"].append(c1 - c0)
             core.barrier()
             t0 = time.perf_counter()
             handles = [core.allreduce_async(grads[i], name=f"grad.{i}") for i in order]
@@ -94,6 +114,8 @@ def main() -> int:
     parser.add_argument("--pages", default="small", choices=["small", "huge"],
                         help="the arrays' memory: 4 KiB pages as torch's tensors (default), or numpy's transparent "
                              "huge pages from 4 MiB")
+    parser.add_argument("--bare", action="store_true",
+                        help="also time the backend alone: allreduce_fused of the arrays against allreduce of one")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -115,7 +137,8 @@ def main() -> int:
                    "SPARK_HVD_BACKEND": args.backend, "OMP_NUM_THREADS": "1", "SPARK_HVD_TIMEOUT": "120"}
             if args.fusion_mib is not None:
                 env["SPARK_HVD_FUSION_THRESHOLD"] = str(int(args.fusion_mib * 1024 * 1024))
-            p = ctx.Process(target=_rank, args=(env, args.iters, args.warmup, args.pages, queue), daemon=True)
+            p = ctx.Process(target=_rank, args=(env, args.iters, args.warmup, args.pages, args.bare, queue),
+                            daemon=True)
             p.start()
             procs.append(p)
         results = [queue.get(timeout=900) for _ in procs]
@@ -135,12 +158,18 @@ def main() -> int:
           f"{total:,} float32 values ({total * 4 / 1e6:.1f} MB), {args.iters} iterations after {args.warmup} warm-up, "
           f"fusion threshold {args.fusion_mib if args.fusion_mib is not None else 64} MiB, {args.pages} pages")
     print(f"{'variant':<34}{'median ms':>12}{'min ms':>10}{'max ms':>10}")
-    for key, label in (("tensors", "161 tensors, enqueued one by one"), ("single", "one allreduce, same bytes")):
+    labels = {"tensors": "161 tensors, enqueued one by one", "single": "one allreduce, same bytes",
+              "bare fused": "backend: allreduce_fused of 161", "bare single": "backend: allreduce of one",
+              "bare fused cpu": "  fused: calling thread's CPU", "bare single cpu": "  one: calling thread's CPU"}
+    for key in times:
         v = per_iter[key]
-        print(f"{label:<34}{med[key] * 1e3:>12.1f}{min(v) * 1e3:>10.1f}{max(v) * 1e3:>10.1f}")
+        print(f"{labels[key]:<34}{med[key] * 1e3:>12.1f}{min(v) * 1e3:>10.1f}{max(v) * 1e3:>10.1f}")
     ratio = med["tensors"] / med["single"]
     print(f"ratio tensors/single: {ratio:.3f} of medians (target <= 1.1), "
           f"{min(per_iter['tensors']) / min(per_iter['single']):.3f} of minimums")
+    if args.bare:
+        print(f"backend alone, fused/single: wall {med['bare fused'] / med['bare single']:.3f}, calling thread's "
+              f"CPU {med['bare fused cpu'] / med['bare single cpu']:.3f} (medians)")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"rank 0 engine stats: rounds={stats.get('rounds', 0)}, allreduce collectives="
           f"{stats.get('allreduce_collectives', 0)} for {stats.get('allreduce_tensors', 0)} tensors, "

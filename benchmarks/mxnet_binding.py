@@ -1,9 +1,9 @@
 """spark_hvd.mxnet against its peers on this machine, interleaved (issue 41)::
 
     /work/venvs/mxnet/bin/python benchmarks/mxnet_binding.py [--calls 200] [--rounds 3] [--steps 60]
-        [--only allreduce|loop]
+        [--only allreduce|loop|phases] [--kinds hvd,hvd_zero,dist,dist_local,single]
 
-(an environment with MXNet 1.9.1, numpy < 1.24 and torch: docs/mxnet.md). Two measurements:
+(an environment with MXNet 1.9.1, numpy < 1.24 and torch: docs/mxnet.md). Two measurements, and a profile:
 
 - allreduce (Sum) of one float32 array at 4 KiB and 16 MiB at 2 ranks, one ``spark-hvd-run -np 2`` job:
   ``spark_hvd.mxnet.allreduce`` (a new NDArray) and ``allreduce_`` (in place) on an ``mx.nd.NDArray`` vs
@@ -15,10 +15,18 @@
   ``spark_hvd.mxnet.DistributedTrainer`` (``spark-hvd-run -np 2``) vs MXNet's own ``kvstore="dist_sync"`` (a
   scheduler, one server and two workers on localhost, ps-lite; Gluon's default there updates the weights on the
   server, once per step, and ``update_on_kvstore=False`` on every worker, as Horovod does), and one process alone
-  (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd_each`` is ``DistributedTrainer`` reducing
-  each gradient's own array as it did before its gradients shared one buffer (``_fuse`` off): one allreduce per
-  gradient, submitted as backward finishes it. With the samples/s, the job's CPU time per step (every thread of
-  the workers, and of dist_sync's server and scheduler) and that of the workers' Python threads.
+  (``kvstore=None``), rounds rotating; the median of the rounds. ``hvd`` is ``DistributedTrainer``'s default (one
+  allreduce of the gradient buffer, every rank updating every weight); ``hvd_zero`` is ``sharded_update=True``
+  (reduce-scatter of the buffer, each rank updating its half of the weights, allgather: ``spark_hvd/mxnet/zero.py``);
+  ``hvd_each`` (with ``--kinds``) reduces each gradient's own array as before the buffer (``_fuse`` off). With the
+  samples/s, the job's CPU time per step (every thread of the workers, and of dist_sync's server and scheduler) and
+  that of the workers' Python threads.
+- ``--only phases`` (not in the default run): where the loop's step goes at 2 ranks, over shared memory and over
+  TCP (``SPARK_HVD_SHM=0``), for the default trainer and the sharded update: wall ms a step in forward + backward,
+  ``trainer.step`` and the update MXNet runs after it; the core's collectives inside the step; the loop's own step
+  time of the default, the sharded update, and the sharded update with its reduce-scatter and allgather replaced by
+  one in-place allreduce of the buffer (a timing proxy of ideal collectives: the same bytes; its weights are
+  wrong); the same collectives alone on the 2.7 MB gradient buffer; the SGD-with-momentum update alone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MXNET_CPU_WORKER_NTHREADS="1", PYTHONPATH=str(ROOT),
@@ -111,6 +120,19 @@ def allreduce(calls: int) -> None:
 
 # ----------------------------------------------------------------------------------------------- Gluon loop
 
+def mlp() -> Any:
+    """The loop's model, the same on every rank: an MLP 784-512-512-10 (2.7 MB of float32 weights), hybridized."""
+    import mxnet as mx
+
+    mx.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(512, activation="relu", in_units=784),
+            mx.gluon.nn.Dense(512, activation="relu", in_units=512), mx.gluon.nn.Dense(10, in_units=512))
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True)
+    return net
+
+
 def loop_worker(kind: str, steps: int) -> None:
     """One process of the loop: ``hvd`` (spark_hvd), ``dist`` / ``dist_local`` (a dist_sync worker, the update on
     the server / on the worker) or ``single``."""
@@ -121,20 +143,15 @@ def loop_worker(kind: str, steps: int) -> None:
     rng = np.random.default_rng(0)
     x = mx.nd.array(rng.standard_normal((BATCH, 784)).astype(np.float32))
     y = mx.nd.array(rng.integers(0, 10, BATCH).astype(np.float32))
-    mx.random.seed(0)
-    net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(512, activation="relu", in_units=784),
-            mx.gluon.nn.Dense(512, activation="relu", in_units=512), mx.gluon.nn.Dense(10, in_units=512))
-    net.initialize(mx.init.Xavier())
-    net.hybridize(static_alloc=True)
+    net = mlp()
     params = net.collect_params()
     opt = {"learning_rate": 0.01, "momentum": 0.9}
-    if kind in ("hvd", "hvd_each"):
+    if kind.startswith("hvd"):
         import spark_hvd.mxnet as hvd
 
         hvd.init()
         hvd.broadcast_parameters(params)
-        trainer = hvd.DistributedTrainer(params, "sgd", opt)
+        trainer = hvd.DistributedTrainer(params, "sgd", opt, sharded_update=kind == "hvd_zero")
         if kind == "hvd_each":  # the trainer before its gradients shared one buffer: one allreduce per gradient
             trainer._fuse, trainer._flat = False, None
         rank = hvd.rank()
@@ -165,7 +182,9 @@ def loop_worker(kind: str, steps: int) -> None:
     cpu = (time.process_time() - start_cpu) / steps * 1e3
     main_cpu = (time.thread_time() - start_main) / steps * 1e3
     print(f"RATE {rate:.1f} CPU {cpu:.3f} RANK {rank} MAIN {main_cpu:.3f}", flush=True)
-    if kind in ("hvd", "hvd_each"):
+    if kind == "hvd_zero":
+        assert trainer._zero is not None, f"the default did not shard: {trainer._unsharded_why}"
+    if kind.startswith("hvd"):
         hvd.shutdown()
 
 
@@ -190,7 +209,7 @@ def loop_round(kind: str, steps: int) -> tuple[float, float, float]:
     and the workers' Python threads alone (forward and backward queued, the trainer's step; MXNet's worker thread
     computes)."""
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--steps", str(steps)]
-    if kind in ("hvd", "hvd_each"):
+    if kind.startswith("hvd"):
         out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", *me], env=ENV,
                              capture_output=True, text=True, timeout=900)
         if out.returncode != 0:
@@ -257,8 +276,10 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def loop(rounds: int, steps: int) -> None:
-    kinds = ("hvd", "hvd_each", "dist", "dist_local", "single")
+KINDS = ("hvd", "hvd_zero", "dist", "dist_local", "single")
+
+
+def loop(rounds: int, steps: int, kinds: tuple[str, ...] = KINDS) -> None:
     rates: dict[str, list[float]] = {k: [] for k in kinds}
     cpus: dict[str, list[float]] = {k: [] for k in kinds}
     mains: dict[str, list[float]] = {k: [] for k in kinds}
@@ -273,12 +294,144 @@ def loop(rounds: int, steps: int) -> None:
     med = {k: statistics.median(v) for k, v in rates.items()}
     print("the job's CPU ms per step, all processes (median; the workers' Python threads'): " + ", ".join(
         f"{k} {statistics.median(cpus[k]):.2f} ({statistics.median(mains[k]):.2f})" for k in kinds), flush=True)
-    print(f"Gluon loop, samples/s per process (median of {rounds}): spark_hvd.mxnet.DistributedTrainer at 2 "
-          f"{med['hvd']:.1f} (one allreduce per gradient, as before: {med['hvd_each']:.1f}, hvd/that "
-          f"{med['hvd'] / med['hvd_each']:.2f}x), kvstore dist_sync at 2 {med['dist']:.1f} (update on the server; "
-          f"hvd/dist {med['hvd'] / med['dist']:.2f}x), dist_sync with update_on_kvstore=False {med['dist_local']:.1f} "
-          f"(hvd/dist_local {med['hvd'] / med['dist_local']:.2f}x), one process alone {med['single']:.1f}",
+    print(f"Gluon loop, samples/s per process (median of {rounds}): " + ", ".join(f"{k} {med[k]:.1f}" for k in kinds)
+          + "; " + ", ".join(f"{h}/{k} {med[h] / med[k]:.2f}x" for h in kinds if h.startswith("hvd")
+                             for k in kinds if k != h and (k == "hvd" or not k.startswith("hvd")))
+          + " (hvd: DistributedTrainer's default, one allreduce; hvd_zero: sharded_update=True; dist: "
+          "kvstore dist_sync, the update on the server; dist_local: dist_sync with update_on_kvstore=False)",
           flush=True)
+
+
+# ---------------------------------------------------------------------------------- where a step's time goes
+
+def phases_worker(steps: int) -> None:
+    """One rank of ``--only phases``: the loop's step taken apart for the default trainer and the sharded update
+    (wall ms per step: forward + backward waited for, ``trainer.step``, the update MXNet still runs after it), the
+    core's collectives inside the sharded step; the loop's own step time (nothing waited for inside) of the default,
+    the sharded update and a timing proxy of the sharded update over ideal collectives; the same collectives alone
+    on the 2.7 MB buffer, and the SGD-with-momentum update alone."""
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    import numpy as np
+
+    import spark_hvd.core as core
+    import spark_hvd.mxnet as hvd
+
+    hvd.init()
+    rng = np.random.default_rng(0)
+    x = mx.nd.array(rng.standard_normal((BATCH, 784)).astype(np.float32))
+    y = mx.nd.array(rng.integers(0, 10, BATCH).astype(np.float32))
+    loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+    inside: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[name] = inside.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    real = {k: getattr(core, k) for k in ("allreduce", "reducescatter", "allgather")}
+    for sharded in (False, True):
+        net = mlp()
+        trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                         prefix=f"phases{int(sharded)}.", sharded_update=sharded)
+        spent = {"forward+backward": 0.0, "trainer.step": 0.0, "update after step": 0.0}
+        for i in range(5 + steps):
+            if i == 5:
+                spent = dict.fromkeys(spent, 0.0)
+                inside.clear()
+                for k, fn in real.items():
+                    setattr(core, k, timed(k, fn))
+            t0 = time.perf_counter()
+            with mx.autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            mx.nd.waitall()
+            t1 = time.perf_counter()
+            trainer.step(BATCH)
+            t2 = time.perf_counter()
+            mx.nd.waitall()
+            t3 = time.perf_counter()
+            for k, v in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                spent[k] += v
+        for k, fn in real.items():
+            setattr(core, k, fn)
+        print(f"PHASES rank {hvd.rank()} {'sharded' if sharded else 'default'}: "
+              + ", ".join(f"{k} {v / steps * 1e3:.2f}" for k, v in {**spent, **inside}.items()) + " ms a step",
+              flush=True)
+    # the loop's own step (nothing waited for inside it), 3 rounds alternated; the proxy is the sharded step with its
+    # reduce-scatter and allgather replaced by one in-place allreduce of the buffer (the same bytes), the shard a
+    # view of it and the allgather's result a ready array: a timing bound for ideal collectives, its weights wrong
+    walls: dict[str, list[float]] = {"default": [], "sharded": [], "sharded with one allreduce (proxy)": []}
+    ready: dict[str, Any] = {}
+
+    def proxy_scatter(buf: Any, **_: Any) -> Any:
+        core.allreduce(buf, name="p.proxy")
+        ready.setdefault("full", np.empty_like(buf))
+        lo, hi = ready["trainer"]._zero.bounds[hvd.rank()], ready["trainer"]._zero.bounds[hvd.rank() + 1]
+        return buf[lo:hi]
+
+    for r in range(3):
+        for kind in walls:
+            net = mlp()
+            trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                             prefix=f"wall{r}{kind[:3]}.", sharded_update=kind != "default")
+            ready["trainer"] = trainer
+            if "proxy" in kind:
+                core.reducescatter, core.allgather = proxy_scatter, lambda *_, **__: ready["full"]
+            for i in range(5 + steps):
+                if i == 5:
+                    mx.nd.waitall()
+                    start = time.perf_counter()
+                with mx.autograd.record():
+                    loss = loss_fn(net(x), y)
+                loss.backward()
+                trainer.step(BATCH)
+            mx.nd.waitall()
+            walls[kind].append((time.perf_counter() - start) / steps * 1e3)
+            core.reducescatter, core.allgather = real["reducescatter"], real["allgather"]
+    print(f"PHASES rank {hvd.rank()} the loop's wall ms a step, 3 rounds alternated: " + ", ".join(
+        f"{k} {'/'.join(f'{v:.2f}' for v in vs)}" for k, vs in walls.items()), flush=True)
+    buf = np.ones(trainer._flat.buffers[0].size, np.float32)
+    alone = {"allreduce": lambda: core.allreduce(buf, name="p.a"),
+             "reducescatter": lambda: core.reducescatter(buf, name="p.r"),
+             "allgather of half": lambda: core.allgather(buf[:buf.size // 2], name="p.g")}
+    out = {}
+    for k, fn in alone.items():
+        for _ in range(3):
+            fn()
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        out[k] = (time.perf_counter() - t) / steps * 1e3
+    params = list(net.collect_params().values())
+    opt = trainer._optimizer
+    states = [opt.create_state(i, p.data()) for i, p in enumerate(params)]
+    t = time.perf_counter()
+    for _ in range(steps):
+        for i, p in enumerate(params):
+            opt.update(i, p.data(), p.grad(), states[i])
+        mx.nd.waitall()
+    out["SGD-momentum update of every weight"] = (time.perf_counter() - t) / steps * 1e3
+    print(f"PHASES rank {hvd.rank()} alone on the {buf.nbytes / 1e6:.1f} MB buffer: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in out.items()) + " ms", flush=True)
+    hvd.shutdown()
+
+
+def phases(steps: int) -> None:
+    for shm in ("1", "0"):
+        out = subprocess.run([sys.executable, "-m", "spark_hvd.runner", "-np", "2", sys.executable,
+                              str(Path(__file__).resolve()), "--worker", "phases", "--steps", str(steps)],
+                             env=dict(ENV, SPARK_HVD_SHM=shm), capture_output=True, text=True, timeout=900)
+        for line in out.stdout.splitlines():
+            if "PHASES" in line:
+                print(("shared memory: " if shm == "1" else "TCP (SPARK_HVD_SHM=0): ")
+                      + line.split("PHASES", 1)[1].strip(), flush=True)
+        if out.returncode != 0:
+            print(out.stderr[-3000:], file=sys.stderr)
 
 
 def main() -> None:
@@ -286,12 +439,17 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--only", choices=["allreduce", "loop"], help="run one of the measurements")
-    p.add_argument("--worker", choices=["allreduce", "hvd", "hvd_each", "dist", "dist_local", "single"],
-                   help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=["allreduce", "loop", "phases"],
+                   help="run one of the measurements (phases: where a step's time goes, default vs sharded)")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"the loop's contenders, comma-separated (of {', '.join(KINDS)}, hvd_each)")
+    p.add_argument("--worker", choices=["allreduce", "phases", *KINDS, "hvd_each"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker == "allreduce":
         allreduce_worker(args.calls)
+        return
+    if args.worker == "phases":
+        phases_worker(args.steps)
         return
     if args.worker:
         loop_worker(args.worker, args.steps)
@@ -300,7 +458,9 @@ def main() -> None:
     if args.only in (None, "allreduce"):
         allreduce(args.calls)
     if args.only in (None, "loop"):
-        loop(args.rounds, args.steps)
+        loop(args.rounds, args.steps, tuple(args.kinds.split(",")))
+    if args.only == "phases":
+        phases(args.steps)
     print(f"load average at end {os.getloadavg()[0]:.1f}", flush=True)
 
 

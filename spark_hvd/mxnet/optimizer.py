@@ -14,6 +14,8 @@ submitted whole.
 
 from __future__ import annotations
 
+import logging
+import pickle
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -23,10 +25,12 @@ import mxnet as mx
 from spark_hvd import _binding_common as common
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.process_sets import ProcessSet, global_process_set
-from spark_hvd.mxnet import mpi_ops
+from spark_hvd.mxnet import mpi_ops, zero
 from spark_hvd.mxnet import ndarray as nda
 from spark_hvd.mxnet.compression import Compression, Compressor
 from spark_hvd.mxnet.flat_grads import FlatGrads
+
+log = logging.getLogger(__name__)
 
 
 def split_groups(items: Sequence[Any], num_groups: int) -> list[list[Any]]:
@@ -157,7 +161,18 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     The parameters' gradients become slices of one flat NDArray per dtype (``spark_hvd.mxnet.flat_grads``: built
     here when the parameters are initialised, else at the first step), and a step reduces each buffer in place with
-    one allreduce; with ``num_groups`` > 0, or where a buffer cannot hold them, the gradients go one by one.
+    one allreduce, every rank updating every weight; with ``num_groups`` > 0, or where a buffer cannot hold them,
+    the gradients go one by one. With ``sharded_update=True``, where that is exact (one buffer, SGD or Adam, dense
+    host weights: ``spark_hvd.mxnet.zero``), a step shards the update instead (ZeRO stage 1): the buffer is
+    reduce-scattered, each rank updates its 1/N of the weights with its 1/N of the optimizer state, and the
+    weights are allgathered (elsewhere the allreduce path, with a debug log saying why). It is not the default:
+    on the core's transports measured (docs/mxnet.md) its reduce-scatter and allgather cost more than the
+    allreduce, more than half the update saves.
+
+    With the sharded update, ``param.grad()`` after a step holds the average only in this rank's shard (the rest
+    is this rank's own gradient), and ``save_states`` is a collective: every rank of the set calls it (the states
+    are gathered; each rank writes the file it names, in Gluon's format). ``allreduce_grads()`` / ``update()``
+    called apart leave the sharded update for good (also a collective, at the first of them).
 
     Args:
         params: the parameters to train (``net.collect_params()``, a dict, or a list), in the same order on every
@@ -172,12 +187,13 @@ class DistributedTrainer(mx.gluon.Trainer):
         num_groups: > 0 splits the gradients into this many named groups (Horovod's option), each gradient in its
             own array (no flat buffer).
         process_set: average over the ranks of this process set only.
+        sharded_update: shard the update across the ranks where it is exact (see above).
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict[str, Any] | None = None,
                  compression: type[Compressor] = Compression.none, gradient_predivide_factor: float = 1.0,
                  prefix: str | None = None, num_groups: int = 0,
-                 process_set: ProcessSet = global_process_set) -> None:
+                 process_set: ProcessSet = global_process_set, sharded_update: bool = False) -> None:
         common.gradient_scales(ReduceOp.AVERAGE, gradient_predivide_factor)  # checks the factor
         if prefix is not None and not isinstance(prefix, str):
             raise ValueError(f"DistributedTrainer: prefix must be a str, got {type(prefix).__name__}")
@@ -195,12 +211,114 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._process_set = process_set
         self._fuse = True
         self._flat: FlatGrads | None = None
+        self._shard_mode = bool(sharded_update)
+        self._zero: zero.ShardedUpdate | None = None
+        self._unsharded_why: str | None = None
         params = [p for p in self._params if p.grad_req != "null"]
         if (num_groups == 0 and all(p._grad for p in params) and common.is_initialized() and process_set.included()
                 and common.set_size(process_set) > 1):
             # built now, before a backward binds the gradient arrays (FlatGrads' docstring); else at the first step
             # that reduces (none in a job of one: the gradients stay Gluon's)
             self._flat = FlatGrads(params)
+
+    def step(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        """``Trainer.step``; with the sharded update: reduce-scatter, update this rank's shard, allgather."""
+        if not self._shard_mode:
+            super().step(batch_size, ignore_stale_grad)
+            return
+        self._check_and_rescale_grad(self._scale / batch_size)
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        sharded = self._sharded()
+        if sharded is None:  # Gluon's own step (what it did above again, then the allreduce path)
+            super().step(batch_size, ignore_stale_grad)
+            return
+        prescale, postscale = common.gradient_scales(ReduceOp.AVERAGE, self._gradient_predivide_factor)
+        sharded.step(prescale, postscale, ignore_stale_grad)
+
+    def _not_sharded(self, why: str) -> None:
+        if why != self._unsharded_why:
+            self._unsharded_why = why
+            log.debug("DistributedTrainer %r: the allreduce path, not the sharded update: %s", self._prefix, why)
+
+    def _sharded(self) -> zero.ShardedUpdate | None:
+        """This step's sharded update, or None for the allreduce path (building the flat buffer as
+        ``_allreduce_grads`` would, and leaving a sharded update whose buffer is gone)."""
+        ps = self._process_set
+        if not self._shard_mode:
+            return None
+        if not ps.included() or common.set_size(ps) == 1:
+            self._not_sharded("a job (process set) of one rank")
+            return None
+        if self._num_groups > 0 or self._compression is not Compression.none:
+            self._not_sharded("num_groups > 0" if self._num_groups > 0 else "compression")
+            return None
+        common.require_init("DistributedTrainer.step()")
+        params = [p for p in self._params if p.grad_req != "null"]
+        flat = self._flat
+        if flat is None or not flat.current(params):
+            self._leave_sharded()
+            if not self._fuse:
+                self._not_sharded("the gradients are reduced one by one (a static_shape block)")
+                return None
+            flat = self._flat = FlatGrads(params)
+        elif not flat.verify():
+            self._leave_sharded()
+            self._fuse, self._flat = False, None
+            self._not_sharded("a static_shape block writes the gradient arrays it was bound to")
+            return None
+        if self._zero is not None and self._zero.flat is flat:
+            return self._zero
+        why = zero.why_not(self, params, flat)
+        if why is not None:
+            self._not_sharded(why)
+            return None
+        self._zero = zero.ShardedUpdate(self, params, flat, ps)
+        updater = self._updaters[0]
+        self._zero.load_states(updater.states)  # states made (or loaded) before: this rank's shard of them
+        updater.states, updater.states_synced = {}, {}
+        return self._zero
+
+    def _leave_sharded(self) -> None:
+        """Back to Gluon's updater with every parameter's whole state (a collective)."""
+        if self._zero is None:
+            return
+        states = self._zero.gather_states()
+        self._zero = None
+        updater = self._updaters[0]
+        updater.states, updater.states_synced = states, dict.fromkeys(states, True)
+
+    def allreduce_grads(self) -> None:
+        """``Trainer.allreduce_grads``: averages every gradient in place (and leaves the sharded update)."""
+        self._shard_mode = False
+        self._leave_sharded()
+        super().allreduce_grads()
+
+    def update(self, batch_size: int, ignore_stale_grad: bool = False) -> None:
+        """``Trainer.update`` (leaves the sharded update)."""
+        self._shard_mode = False
+        self._leave_sharded()
+        super().update(batch_size, ignore_stale_grad)
+
+    def save_states(self, fname: str) -> None:
+        """``Trainer.save_states``; with the sharded update a collective (every rank gathers the whole states and
+        writes ``fname``), in Gluon's format."""
+        if self._zero is None:
+            super().save_states(fname)
+            return
+        states = self._zero.gather_states()
+        with open(fname, "wb") as f:
+            f.write(pickle.dumps((states, self._optimizer)))
+
+    def load_states(self, fname: str) -> None:
+        """``Trainer.load_states`` (a file of any ``Trainer``); with the sharded update this rank keeps its shard."""
+        super().load_states(fname)
+        if self._zero is not None:
+            updater = self._updaters[0]
+            self._zero.load_states(updater.states)
+            updater.states, updater.states_synced = {}, {}
 
     def _allreduce_grads(self) -> None:
         ps = self._process_set

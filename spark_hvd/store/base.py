@@ -12,6 +12,10 @@ A store is a root (a *prefix*) on some filesystem. Every store, whatever its URL
     <prefix>/data/<dataset_key>/_metadata.json          columns, dtypes, shapes, row counts
     <prefix>/runs/<run_id>/...                          a training run: :class:`~spark_hvd.store.run_dir.RunDir`
 
+Horovod's constructor arguments move two of these (``Store._place``): ``train_path`` the ``data`` directory (both
+splits of a dataset stay in its one directory), ``runs_path`` the ``runs`` directory; Horovod's other Store methods
+are :class:`~spark_hvd.store.horovod_api.HorovodStoreAPI`'s.
+
 Paths. Every ``*_path`` method returns a *store path*: the filesystem's own absolute path (``/abs/dir/...`` for a
 local or DBFS store, ``bucket/prefix/...`` for S3, ``/user/x/...`` for HDFS). The same string is understood by
 
@@ -32,11 +36,11 @@ checksums written last (``_MANIFEST.json``); a committed version is replaced onl
 checkpoints (``RunDir.write_checkpoint``; ``RunDir.latest_checkpoint`` gives the newest that verifies) and prepared
 datasets are written this way.
 
-Pickling. A store pickles as its URL and storage options (no open connection), so it can be shipped to Spark
-executors and training processes; the filesystem is opened again lazily on first use there. A ``memory://`` store
-is per process: its files are not visible to other processes. A store written into a saved stage goes through
-:meth:`Store.without_secrets` first: its pickle keeps the URL and non-secret options only (see
-:mod:`spark_hvd.store.secrets` for how the secrets come back at load time).
+Pickling. A store pickles as its URL, storage options and Horovod layout arguments (no open connection), so it
+can be shipped to Spark executors and training processes; the filesystem is opened again lazily on first use
+there. A ``memory://`` store is per process: its files are not visible to other processes. A store written into a
+saved stage goes through :meth:`Store.without_secrets` first: its pickle keeps the URL and non-secret options only
+(see :mod:`spark_hvd.store.secrets` for how the secrets come back at load time).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from spark_hvd.store import atomic
 from spark_hvd.store.atomic import TMP_PREFIX
 from spark_hvd.store.errors import StoreError, StoreTimeoutError, StoreURLError
+from spark_hvd.store.horovod_api import HorovodStoreAPI
 from spark_hvd.store.manifest import LEGACY_MARKER, MANIFEST, Manifest, sha256_of
 from spark_hvd.store.registry import class_name, store_class
 
@@ -83,11 +88,23 @@ def scheme_of(url: str) -> str:
     return m.group(1).lower()
 
 
-def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any]) -> Store:
-    return cls(url, **storage_options)
+def _restore_store(cls: type[Store], url: str, storage_options: dict[str, Any],
+                   layout: dict[str, str] | None = None) -> Store:
+    return cls(url, **storage_options, **(layout or {}))
 
 
-class Store(ABC):
+#: Horovod's Store constructor arguments that place the store's directories (see :meth:`Store._place`); every
+#: store's constructor takes them besides its storage options
+LAYOUT_ARGS = ("train_path", "val_path", "test_path", "runs_path")
+
+
+def split_layout(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A constructor's keywords as (storage options, the ``LAYOUT_ARGS`` given)."""
+    return ({k: v for k, v in options.items() if k not in LAYOUT_ARGS},
+            {k: v for k, v in options.items() if k in LAYOUT_ARGS and v is not None})
+
+
+class Store(HorovodStoreAPI, ABC):
     """Root of a job's files on a local disk, DBFS, HDFS or any fsspec filesystem (see the module docstring).
 
     Create one with :meth:`Store.create`; the subclass is chosen by URL scheme from
@@ -108,6 +125,8 @@ class Store(ABC):
         self._pa_fs: pyarrow.fs.FileSystem | None = None
         self._recorded: dict[str, tuple[int, str]] = {}  # path -> (size, sha256) of files this process wrote
         self._dropped_secrets: list[str] | None = None  # set by without_secrets
+        self._layout: dict[str, str] = {}  # the LAYOUT_ARGS given, as given (set by _place)
+        self._roots: dict[str, str] = {}  # "data", "runs", "test": the store paths they name
 
     # ------------------------------------------------------------------ construction
     @staticmethod
@@ -136,8 +155,9 @@ class Store(ABC):
         if self._dropped_secrets is not None:
             from spark_hvd.store.secrets import restore_without_secrets
 
-            return (restore_without_secrets, (type(self), self.url, self.storage_options, self._dropped_secrets))
-        return (_restore_store, (type(self), self.url, self.storage_options))
+            return (restore_without_secrets, (type(self), self.url, self.storage_options, self._dropped_secrets,
+                                              self._layout))
+        return (_restore_store, (type(self), self.url, self.storage_options, self._layout))
 
     def without_secrets(self) -> Store:
         """This store, minus its secret storage options (keys, secrets, tokens, passwords, credential objects),
@@ -146,7 +166,7 @@ class Store(ABC):
         from spark_hvd.store.secrets import split_secrets
 
         public, dropped = split_secrets(self.storage_options)
-        clone = type(self)(self.url, **public)
+        clone = type(self)(self.url, **public, **self._layout)
         clone._dropped_secrets = dropped
         return clone
 
@@ -156,13 +176,14 @@ class Store(ABC):
         secret=...))``."""
         from spark_hvd.store.secrets import merge_options
 
-        return type(self)(self.url, **merge_options(self.storage_options, storage_options))
+        return type(self)(self.url, **merge_options(self.storage_options, storage_options), **self._layout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.url == other.url and self.storage_options == other.storage_options
+        return type(self) is type(other) and self.url == other.url and \
+            self.storage_options == other.storage_options and self._layout == other._layout
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.url))
@@ -231,12 +252,12 @@ class Store(ABC):
         return posixpath.join(self.prefix_path, *parts) if parts else self.prefix_path
 
     def data_root(self) -> str:
-        """``<prefix>/data``: where prepared datasets live."""
-        return self.path("data")
+        """``<prefix>/data`` (or the constructor's ``train_path``): where prepared datasets live."""
+        return self._roots.get("data") or self.path("data")
 
     def data_path(self, key: str) -> str:
         """``<prefix>/data/<key>``: the directory of one prepared dataset."""
-        return self._entry("data", key, "dataset key")
+        return self._entry(self.data_root(), key, "dataset key")
 
     def train_data_path(self, key: str) -> str:
         """``<prefix>/data/<key>/train``: the training Parquet files of a dataset."""
@@ -251,16 +272,47 @@ class Store(ABC):
         return posixpath.join(self.data_path(key), "_metadata.json")
 
     def runs_root(self) -> str:
-        """``<prefix>/runs``."""
-        return self.path("runs")
+        """``<prefix>/runs`` (or the constructor's ``runs_path``)."""
+        return self._roots.get("runs") or self.path("runs")
 
     def run_path(self, run_id: str) -> str:
         """``<prefix>/runs/<run_id>``: everything of one training run."""
-        return self._entry("runs", run_id, "run_id")
+        return self._entry(self.runs_root(), run_id, "run_id")
 
-    def _entry(self, folder: str, name: str, what: str) -> str:
+    def _entry(self, root: str, name: str, what: str) -> str:
         _check_name(name, what)
-        return self.path(folder, name)
+        return posixpath.join(root, name)
+
+    def _place(self, train_path: str | None = None, val_path: str | None = None, test_path: str | None = None,
+               runs_path: str | None = None) -> None:
+        """Horovod's constructor arguments that move the store's directories (each a path relative to the prefix,
+        an absolute path in the store's filesystem, or a URL under the store's root). ``train_path``: where the
+        prepared datasets go (``data_root``); both splits of one dataset live in its one directory, committed
+        together, so ``val_path`` may only repeat ``train_path``. ``runs_path``: where the runs go
+        (``runs_root``). ``test_path``: what ``get_test_data_path`` returns (Horovod's estimators never write test
+        data either). Raises ``StoreURLError`` naming the argument."""
+        given = {k: v for k, v in (("train_path", train_path), ("val_path", val_path), ("test_path", test_path),
+                                   ("runs_path", runs_path)) if v is not None}
+        roots = {name: self._layout_path(name, value) for name, value in given.items()}
+        if "val_path" in roots and roots["val_path"] != roots.get("train_path"):
+            raise StoreURLError(f"val_path={val_path!r}: a prepared dataset keeps its training and validation "
+                                "splits in one directory, committed together; give train_path (the datasets' "
+                                "directory, both splits) and leave val_path out or equal to it")
+        self._layout = given
+        self._roots = {"data": roots.get("train_path", ""), "runs": roots.get("runs_path", ""),
+                       "test": roots.get("test_path", "")}
+
+    def _layout_path(self, name: str, value: Any) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise StoreURLError(f"{name} must be a non-empty path string, got {value!r}")
+        if scheme_of(value):
+            try:
+                return self.get_localized_path(value)
+            except StoreURLError as e:
+                raise StoreURLError(f"{name}={value!r}: {e}; give a path relative to the store's prefix or an "
+                                    "absolute path in its filesystem") from e
+        path = value if value.startswith("/") else self.path(value)
+        return posixpath.normpath(path).rstrip("/") or "/"
 
     # ------------------------------------------------------------------ Horovod's Store names
     def get_full_path(self, path: str) -> str:

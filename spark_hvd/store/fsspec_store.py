@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from spark_hvd.store.base import Store
+from spark_hvd.store.base import Store, split_layout
 from spark_hvd.store.errors import StoreError, StoreURLError
 from spark_hvd.store.manifest import sha256_of
 
@@ -33,6 +33,7 @@ class FsspecStore(Store):
     s3_single_put_max = 1 << 30
 
     def __init__(self, url: str, **storage_options: Any) -> None:
+        storage_options, layout = split_layout(storage_options)
         if "://" not in url:
             raise StoreURLError(f"not a URL with a protocol: {url!r}")
         protocol = url.split("://", 1)[0].lower()
@@ -48,6 +49,7 @@ class FsspecStore(Store):
             raise StoreURLError(f"{url!r} names no bucket or directory to use as the store's prefix")
         self._prefix = prefix
         super().__init__(url.rstrip("/"), **storage_options)
+        self._place(**layout)
 
     @property
     def prefix_path(self) -> str:

@@ -16,7 +16,7 @@ import posixpath
 from abc import abstractmethod
 from typing import Any
 
-from spark_hvd.store.base import _poll
+from spark_hvd.store.base import _poll, split_layout
 from spark_hvd.store.errors import StoreURLError
 from spark_hvd.store.local import LocalStore
 
@@ -32,7 +32,7 @@ class FuseStore(LocalStore):
     kind = "FUSE"
 
     def __init__(self, url: str, **storage_options: Any) -> None:
-        options = dict(storage_options)
+        options, layout = split_layout(storage_options)
         self.fuse_root = str(options.pop("fuse_root", self.default_fuse_root)).rstrip("/")
         self.visibility_timeout_s = float(options.pop("visibility_timeout_s", 120.0))
         if options:
@@ -40,7 +40,8 @@ class FuseStore(LocalStore):
         rel = self._mount_path(url)
         super().__init__(self.fuse_root + (rel if rel != "/" else ""))
         self.url = self._canonical_url(rel)
-        self.storage_options = dict(storage_options)
+        self.storage_options = {k: v for k, v in storage_options.items() if k not in layout}
+        self._place(**layout)
 
     @abstractmethod
     def _mount_path(self, url: str) -> str:

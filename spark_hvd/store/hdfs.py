@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from spark_hvd.store.base import Store
+from spark_hvd.store.base import Store, split_layout
 from spark_hvd.store.errors import StoreURLError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -30,6 +30,7 @@ class HDFSStore(Store):
     supports_rename = True
 
     def __init__(self, url: str, **storage_options: Any) -> None:
+        storage_options, layout = split_layout(storage_options)
         unknown = sorted(set(storage_options) - set(HDFS_OPTIONS))
         if unknown:
             raise StoreURLError(f"unknown HDFS storage options {unknown} for {url!r}; known: {list(HDFS_OPTIONS)}")
@@ -55,6 +56,7 @@ class HDFSStore(Store):
         else:
             canonical = f"{parsed.scheme}://{path}"
         super().__init__(canonical, **storage_options)
+        self._place(**layout)
 
     @property
     def prefix_path(self) -> str:

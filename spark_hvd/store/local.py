@@ -7,7 +7,7 @@ import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from spark_hvd.store.base import Store
+from spark_hvd.store.base import Store, split_layout
 from spark_hvd.store.errors import StoreURLError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +34,7 @@ class LocalStore(Store):
     supports_rename = True
 
     def __init__(self, url: str, **storage_options: Any) -> None:
+        storage_options, layout = split_layout(storage_options)
         if storage_options:
             raise StoreURLError(f"a local store takes no storage options, got {sorted(storage_options)} for {url!r}")
         path = url[len("file://") :] if url.startswith("file://") else url
@@ -41,6 +42,7 @@ class LocalStore(Store):
             path = url[len("file:") :]
         self._prefix = os.path.abspath(os.path.expanduser(path)).rstrip("/") or "/"
         super().__init__(self._prefix)
+        self._place(**layout)
 
     @property
     def prefix_path(self) -> str:

@@ -86,7 +86,8 @@ def merge_options(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def restore_without_secrets(cls: type[Store], url: str, public: dict[str, Any], dropped: list[str]) -> Store:
+def restore_without_secrets(cls: type[Store], url: str, public: dict[str, Any], dropped: list[str],
+                            layout: dict[str, str] | None = None) -> Store:
     """Unpickle what :meth:`Store.without_secrets` pickled: the options in ``SPARK_HVD_STORAGE_OPTIONS`` are merged
     in; options that were dropped and not given back are named in a log line."""
     env = options_from_env()
@@ -95,7 +96,7 @@ def restore_without_secrets(cls: type[Store], url: str, public: dict[str, Any], 
         logger.info("the store %s was saved without its options %s; give them back with "
                     "store.with_options(...) or %s, else the filesystem's own credentials apply",
                     url, missing, STORAGE_OPTIONS_ENV)
-    return cls(url, **merge_options(public, env))
+    return cls(url, **merge_options(public, env), **(layout or {}))
 
 
 def _has_dotted(options: dict[str, Any], dotted: str) -> bool:

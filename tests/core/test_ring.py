@@ -957,6 +957,15 @@ def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> di
                    f"allreduce {dtype} {op} n={count}")
             digest.update(buf.tobytes())
 
+        # fused: one ring over the arrays where they lie (compiled), or packed in the same frames (Python)
+        sizes = [5, 20_000, 3, 1, 17_000, 700]  # two of 64 KiB and more: the frames are cut at their ends
+        mine = [_data(seed + 2, be.rank * 10 + i, n, "float32") for i, n in enumerate(sizes)]
+        be.allreduce_fused(mine, ReduceOp.AVERAGE)
+        for i, n in enumerate(sizes):
+            _close(mine[i], _expected([_data(seed + 2, k * 10 + i, n, "float32") for k in range(be.size)],
+                                      ReduceOp.AVERAGE, "float32"), "float32", f"fused array {i}")
+            digest.update(mine[i].tobytes())
+
         def rows(k: int) -> np.ndarray:
             return _data(seed + 1, k, (k + 1) * 20_001, "float32").reshape(-1, 3)
 

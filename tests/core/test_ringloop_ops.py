@@ -6,34 +6,21 @@ several frames, once with the compiled loop on both and once with the Python loo
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import numpy as np
 import pytest
 
 from spark_hvd.core.backend import ReduceOp
-from spark_hvd.core.reduce import ELEMENTWISE_OPS, divide_average, reduce_into
+from spark_hvd.core.reduce import ELEMENTWISE_OPS
 from spark_hvd.core.transport import ringloop
-from spark_hvd.core.transport.tcp import PeerSocket, RingExchange
-from spark_hvd.core.transport.wire import make_secret
+from tests.helpers.ring_loops import python_loop, socket_pair
 
 pytestmark = pytest.mark.skipif(not ringloop.BUILT, reason="the compiled ring loop is not built here")
 
 FRAME = 4096  # bytes: several frames per chunk
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
           "uint64"]
-
-
-def _pair() -> list[PeerSocket]:
-    a, b = socket.socketpair()
-    secret = make_secret()
-    peers = [PeerSocket(a, secret, 1, 30), PeerSocket(b, secret, 0, 30)]  # rank 0's socket to rank 1, and back
-    server = threading.Thread(target=peers[1].handshake, args=("server", 10))
-    server.start()
-    peers[0].handshake("client", 10)
-    server.join(20)
-    return peers
 
 
 def _plan(p: int, bounds: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
@@ -44,24 +31,6 @@ def _plan(p: int, bounds: list[int]) -> tuple[list[tuple[int, int]], list[tuple[
         return [(at, min(hi, at + FRAME)) for at in range(lo, hi, FRAME)]
 
     return pieces((p - 1) % 2), [(t, lo, hi) for t in range(2) for lo, hi in pieces((p - t - 2) % 2)]
-
-
-def _python_loop(peer: PeerSocket, flat: np.ndarray, first: list, plan: list, op: ReduceOp, bfloat16: bool) -> None:
-    """``RingBackend._ring``'s Python loop for this plan (reduce with ``reduce_into``, average at the last step)."""
-    item, raw = flat.itemsize, flat.view(np.uint8)
-    scratch = memoryview(np.empty(FRAME, np.uint8))
-    receives = [scratch[:hi - lo] if t < 1 else memoryview(raw[lo:hi]) for t, lo, hi in plan]
-
-    def received(i: int) -> memoryview | None:
-        t, lo, hi = plan[i]
-        if t < 1:
-            part = flat[lo // item:hi // item]
-            reduce_into(part, np.frombuffer(receives[i], dtype=flat.dtype), op, bfloat16)
-            if op is ReduceOp.AVERAGE:
-                divide_average(part, 2, bfloat16)
-        return memoryview(raw[lo:hi]) if t + 1 < 2 else None
-
-    RingExchange(peer, peer, "test").run([memoryview(raw[lo:hi]) for lo, hi in first], receives, received)
 
 
 def _data(dtype: str, rng: np.random.Generator, count: int) -> np.ndarray:
@@ -86,7 +55,7 @@ def test_compiled_loop_reduces_as_the_python_loop_bit_for_bit(dtype):
     item = data[0].itemsize
     bounds = [0, count // 2 * item, count * item]
     plans = [_plan(r, bounds) for r in range(2)]
-    peers = _pair()
+    peers = socket_pair()
     try:
         for op in ELEMENTWISE_OPS:
             assert ringloop.supports(data[0].dtype, op, bfloat16, 1)
@@ -103,7 +72,7 @@ def test_compiled_loop_reduces_as_the_python_loop_bit_for_bit(dtype):
                                          1, 2, op, 2, bfloat16=bfloat16)
                         else:
                             with np.errstate(all="ignore"):  # sums and products of random values overflow
-                                _python_loop(peers[r], flats[r], *plans[r], op, bfloat16)
+                                python_loop(peers[r], flats[r], *plans[r], op, bfloat16, FRAME)
                     except BaseException as exc:  # re-raised below
                         errors.append(exc)
 
@@ -128,7 +97,7 @@ def test_compiled_loop_divides_only_where_the_ring_averages():
     data = [np.arange(1, 4097, dtype=np.float32), np.full(4096, 3, np.float32)]
     bounds = [0, 2048 * 4, 4096 * 4]
     plans = [_plan(r, bounds) for r in range(2)]
-    peers = _pair()
+    peers = socket_pair()
     try:
         flats = [d.copy() for d in data]
         threads = [threading.Thread(target=ringloop.run, args=(peers[r], peers[r], "test", flats[r],

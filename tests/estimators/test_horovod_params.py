@@ -68,6 +68,47 @@ def test_every_horovod_param_works_or_is_refused_with_a_pointer(cls):
             cls(**{name: None})
 
 
+def test_mp_start_method_is_the_ranks_start_method_during_the_fit():
+    """Horovod's ``mp_start_method``: taken by every estimator (its accessors too), set in the rank around
+    training (``start_method``) and put back after; another name is refused when set."""
+    import multiprocessing
+
+    from spark_hvd.estimators.common.rank_run import start_method
+
+    for cls in ESTIMATORS:
+        est = cls(mp_start_method="spawn")
+        est.setMpStartMethod("forkserver")
+        assert est.getMpStartMethod() == "forkserver"
+        with pytest.raises(ValueError, match="expected one of"):
+            cls(mp_start_method="threads")
+    before = multiprocessing.get_start_method(allow_none=True)
+    other = "spawn" if before != "spawn" else "forkserver"
+    with start_method(other):
+        assert multiprocessing.get_start_method() == other
+    assert multiprocessing.get_start_method(allow_none=True) == before
+    with start_method(None):
+        assert multiprocessing.get_start_method(allow_none=True) == before
+
+
+def test_lightning_num_gpus_is_use_gpu():
+    """Horovod's Lightning ``num_gpus`` (GPUs per rank): 1 / 0 are ``use_gpu`` True / False for the fit, more (or a
+    ``use_gpu`` meaning the other) is refused naming both; unset, ``use_gpu``'s own default again."""
+    est = LightningEstimator(num_gpus=0)
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is False
+    est.setNumGPUs(1)  # Horovod's spelling
+    assert est.getNumGPUs() == est.getNumGpus() == 1
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is True
+    est.setNumGpus(None)
+    est._apply_num_gpus()
+    assert est.getOrDefault(est.use_gpu) is None
+    with pytest.raises(ValueError, match="num_gpus=2: each rank trains on one device"):
+        LightningEstimator(num_gpus=2)._apply_num_gpus()
+    with pytest.raises(ValueError, match="num_gpus=1 and use_gpu=False disagree"):
+        LightningEstimator(num_gpus=1, use_gpu=False)._apply_num_gpus()
+
+
 # ------------------------------------------------------------------------------ the rank's data loop, no Spark job
 def _write(path: pathlib.Path, rows: int, seed: int) -> None:
     rng = np.random.default_rng(seed)

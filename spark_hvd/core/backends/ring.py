@@ -87,6 +87,11 @@ logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: A ring over several arrays where they lie (``RingBackend._ring``'s ``segments``) never lets a frame cross an end of
+#: an array this large: the frames across the smaller ones between are copied (gathered to send, scattered from the
+#: scratch frame), an extra frame costs a few microseconds where a 64 KiB copy costs about as much.
+SEGMENT_CUT_BYTES = 64 * 1024
+
 #: Two-rank TCP allreduces up to this size exchange whole arrays (``RingBackend._pair_exchange``): one round trip
 #: instead of the ring's two; above it the ring's pipelining (a reduce overlapping the transfer) wins.
 PAIR_EXCHANGE_BYTES = 1024 * 1024
@@ -372,7 +377,7 @@ class RingBackend(Backend):
 
     def _ring(self, flat: np.ndarray, bounds: Sequence[int], operation: str, members: Sequence[int] | None = None,
               *, reduce_steps: int = 0, gather_steps: int = 0, op: ReduceOp = ReduceOp.SUM, bfloat16: bool = False,
-              average: bool = False) -> None:
+              average: bool = False, segments: list[np.ndarray] | None = None, cuts: Sequence[int] = ()) -> None:
         """Pipelined ring steps on ``flat`` split at ``bounds`` (elements): ``reduce_steps`` reduce-scatter steps,
         then ``gather_steps`` allgather steps.
 
@@ -386,22 +391,35 @@ class RingBackend(Backend):
         Where every rank has the compiled loop and it supports the dtype and op (``ringloop``), frames are at most
         ``ringloop.FRAME_BYTES`` and this rank runs the compiled loop, unless a benchmark traces frames (then the
         Python loop runs the same frames).
+
+        ``segments``: the arrays ``flat`` (then empty, of their dtype) stands for, their elements one after the
+        other (``bounds`` count them): the compiled loop reduces each where it lies (the caller checked it runs:
+        ``_tcp_allreduce_fused``); no frame crosses an end of one from ``SEGMENT_CUT_BYTES``. ``cuts``: the same
+        cuts (``segment_cuts``) of arrays packed into ``flat`` (a rank tracing frames runs the Python loop on the
+        frames its peers run the segments in).
         """
         p, n, right, left = self._neighbours(members)
         total = reduce_steps + gather_steps
-        if total == 0 or flat.size == 0:
+        if total == 0 or (flat.size == 0 and not segments):
             return
         item = flat.itemsize
         raw = flat.view(np.uint8)
         compiled = self._compiled and ringloop.supports(flat.dtype, op, bfloat16, reduce_steps)
         sub = self._sub_bytes(bounds, item, min(self._frame, ringloop.FRAME_BYTES) if compiled else 0)
         shift = 1 if reduce_steps else 0
+        cuts = segment_cuts(segments) if segments else cuts
 
         def pieces(chunk: int) -> list[tuple[int, int]]:
-            lo, hi = bounds[chunk] * item, bounds[chunk + 1] * item
-            return [(at, min(hi, at + sub)) for at in range(lo, hi, sub)]
+            return frame_spans(bounds[chunk] * item, bounds[chunk + 1] * item, sub, cuts)
 
         plan = [(t, lo, hi) for t in range(total) for lo, hi in pieces((p - t - shift - 1) % n)]
+        if segments:
+            assert compiled and tcp.loop.TRACE is None
+            both = self._scratch_bytes(2 * sub)  # the scratch frame, and the frame gathered to send
+            ringloop.run(self.peers[right], self.peers[left], operation, flat, both[:sub], pieces((p - shift) % n),
+                         plan, reduce_steps, total, op, n, average=average, bfloat16=bfloat16, segments=segments,
+                         gather=both[sub:])
+            return
         if compiled and tcp.loop.TRACE is None:
             ringloop.run(self.peers[right], self.peers[left], operation, flat,
                          self._scratch_bytes(sub) if reduce_steps else np.empty(0, np.uint8), pieces((p - shift) % n),
@@ -454,6 +472,34 @@ class RingBackend(Backend):
         self._ring(flat, even_bounds(flat.size, n), operation, members, reduce_steps=n - 1, gather_steps=n - 1,
                    op=op, bfloat16=bfloat16, average=op is ReduceOp.AVERAGE)
 
+    def _tcp_allreduce_fused(self, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str) -> bool:
+        """Allreduce several non-empty same-dtype arrays over TCP where they lie: one ring over them as one buffer
+        (``_ring``'s ``segments``), where ``_tcp_allreduce`` would run the ring on them packed and every rank runs
+        the compiled loop. False (nothing sent) otherwise: the caller packs them."""
+        n = self.size
+        nbytes = sum(f.nbytes for f in flats)
+        if n == 2:
+            runs_ring = nbytes > self._pair_bytes
+        else:
+            runs_ring = nbytes > self.settings.log_depth_bytes and not (
+                0 < self.settings.halving_doubling_bytes <= nbytes)
+        if not (runs_ring and self._compiled and ringloop.supports(flats[0].dtype, op, bfloat16, n - 1)):
+            return False
+        bounds = even_bounds(nbytes // flats[0].itemsize, n)
+        steps = {"reduce_steps": n - 1, "gather_steps": n - 1, "op": op, "bfloat16": bfloat16,
+                 "average": op is ReduceOp.AVERAGE}
+        if tcp.loop.TRACE is None:
+            self._ring(np.empty(0, flats[0].dtype), bounds, operation, segments=list(flats), **steps)
+            return True
+        # a rank tracing frames: the Python loop on the arrays packed, in the frames its peers run the segments in
+        packed = np.concatenate(flats)
+        self._ring(packed, bounds, operation, cuts=segment_cuts(flats), **steps)
+        at = 0
+        for f in flats:
+            f[...] = packed[at:at + f.size]
+            at += f.size
+        return True
+
     def _pair_exchange(self, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                        members: Sequence[int] | None) -> None:
         """Allreduce between two ranks: each sends its whole array and reduces the other's into it once every
@@ -476,9 +522,10 @@ class RingBackend(Backend):
 
     @property
     def fuses_in_place(self) -> bool:
-        """True on shared memory: ``allreduce_fused`` copies the arrays straight into the staging slots and the
-        results straight back, with no fusion buffer (over TCP it would have to pack one)."""
-        return self.plan.fuses_in_place
+        """True on shared memory (``allreduce_fused`` copies the arrays straight into the staging slots and the
+        results straight back, with no fusion buffer) and between two ranks over TCP that both run the compiled
+        loop (it reduces the arrays where they lie: ``_tcp_allreduce_fused``)."""
+        return self.plan.fuses(self)
 
     @property
     def agrees_in_band(self) -> bool:
@@ -657,6 +704,26 @@ class RingBackend(Backend):
     def __repr__(self) -> str:
         return (f"RingBackend(rank={self.rank}, size={self.size}, local={self.local_rank}/{self.local_size}, "
                 f"cross={self.cross_rank}/{self.cross_size}, transport={self.transport})")
+
+
+def frame_spans(lo: int, hi: int, sub: int, cuts: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The frames (lo, hi) of a ring's chunk of bytes ``lo:hi``: at most ``sub`` bytes each, cut at ``cuts``
+    (sorted byte offsets: ``segment_cuts``)."""
+    edges = [lo, *(c for c in cuts if lo < c < hi), hi]
+    return [(at, min(b, at + sub)) for a, b in zip(edges, edges[1:], strict=False) for at in range(a, b, sub)]
+
+
+def segment_cuts(segments: Sequence[np.ndarray]) -> list[int]:
+    """The byte offsets (sorted) where an array of ``segments`` from ``SEGMENT_CUT_BYTES`` starts or ends, in the
+    buffer they stand for: the ring's frames are cut there."""
+    cuts, at = [], 0
+    for seg in segments:
+        if seg.nbytes >= SEGMENT_CUT_BYTES:
+            if not cuts or cuts[-1] != at:
+                cuts.append(at)
+            cuts.append(at + seg.nbytes)
+        at += seg.nbytes
+    return cuts
 
 
 class _MeshPeers:

@@ -95,6 +95,10 @@ class Plan:
         """Whether ``allreduce_agreed`` may send the agreement as the data's first frame."""
         return False
 
+    def fuses(self, backend: RingBackend) -> bool:
+        """Whether ``allreduce_fused`` reduces the arrays where they lie on this backend (``fuses_in_place``)."""
+        return self.fuses_in_place
+
     def tcp_ring_size(self, backend: RingBackend) -> int:
         """How many ranks a TCP allreduce of this plan runs among (0: none)."""
         return 0
@@ -147,8 +151,20 @@ class TcpRing(Plan):
     def tcp_ring_size(self, backend: RingBackend) -> int:
         return backend.size
 
+    def fuses(self, backend: RingBackend) -> bool:
+        """Two ranks that both run the compiled loop: it reduces the arrays of a fused allreduce where they lie
+        (more ranks: the engine's fusion buffer, as the speculation of large rounds from three ranks packs)."""
+        return backend.size == 2 and backend._compiled
+
     def allreduce(self, backend: RingBackend, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         backend._tcp_allreduce(flat, op, bfloat16, operation)
+
+    def allreduce_fused(self, backend: RingBackend, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool,
+                        operation: str) -> None:
+        """One ring over the arrays where they lie where it runs (``RingBackend._tcp_allreduce_fused``), else
+        packed."""
+        if len(flats) == 1 or not backend._tcp_allreduce_fused(flats, op, bfloat16, operation):
+            super().allreduce_fused(backend, flats, op, bfloat16, operation)
 
 
 def _join_shm(setup: Setup, local_ranks: Sequence[int]) -> ShmGroup | None:

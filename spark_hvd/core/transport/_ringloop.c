@@ -2,10 +2,13 @@
  * RingExchange running a ring of spark_hvd.core.backends.ring (see spark_hvd/core/transport/ringloop.py, its only caller).
  *
  * One call runs a ring's steps on one buffer between two TCP sockets (to the right neighbour, from the left one;
- * the same socket at two ranks): it sends the first chunk's frames, receives every planned frame, checks its GMAC
- * tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in place (allgather
- * steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is ~20-30 us) frames
- * can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to 2 MiB (ringloop.py).
+ * the same socket at two ranks), or on several arrays that stand for one (a segment table: a fused allreduce reduces
+ * each where it lies; a frame across two of them is gathered into one frame to send, or received into the scratch
+ * frame and reduced or copied piece by piece into them): it sends the first chunk's frames, receives every planned
+ * frame, checks its GMAC tag, reduces it into place (reduce-scatter steps, from one scratch frame) or receives it in
+ * place (allgather steps), and queues it for the next step. At a few microseconds a frame (the Python loop's is
+ * ~20-30 us) frames can be 512 KiB, where the Python loop needs 4 MiB; 512 KiB took the least CPU of 256 KiB to
+ * 2 MiB (ringloop.py).
  *
  * Tags, two ways to the same AES-256-GCM tag:
  * - the caller's MAC function, ``cryptography``'s ``AESGCM.encrypt`` (its bundled OpenSSL hashes with the widest
@@ -560,7 +563,9 @@ typedef struct {
     uint64_t out_counter, in_counter;
     int encrypt;                              /* frames are encrypted: sealed into out_stage, opened from in_stage */
     unsigned char *out_stage, *in_stage;      /* (the largest frame + its tag each; NULL when not encrypted) */
-    unsigned char *buf, *scratch;
+    const int64_t *segs;   /* the buffer: (lo, hi, address) of each segment, in order, lo of the first 0 */
+    Py_ssize_t n_segs;
+    unsigned char *scratch, *gather; /* gather: a frame sent across segments is copied here first */
     const int64_t *first;  /* (lo, hi) byte ranges of buf sent first */
     Py_ssize_t n_first;
     const int64_t *plan;   /* per received frame: (step, lo, hi) */
@@ -584,6 +589,43 @@ static void set_lowat(Ring *r, int64_t *current, int64_t wanted) {
     }
 }
 
+/* the segment holding logical byte lo (the last one starting at or before it) */
+static Py_ssize_t seg_of(const int64_t *segs, Py_ssize_t n_segs, int64_t lo) {
+    Py_ssize_t a = 0, b = n_segs - 1;
+    while (a < b) {
+        Py_ssize_t m = (a + b + 1) / 2;
+        if (segs[3 * m] <= lo) a = m; else b = m - 1;
+    }
+    return a;
+}
+
+/* where the logical bytes lo:hi lie when one segment holds them all, else NULL */
+static unsigned char *place(const int64_t *segs, Py_ssize_t n_segs, int64_t lo, int64_t hi) {
+    const int64_t *g = segs + 3 * seg_of(segs, n_segs, lo);
+    return hi <= g[1] ? (unsigned char *)(intptr_t)g[2] + (lo - g[0]) : NULL;
+}
+
+enum piece_action { GATHER, SCATTER, REDUCE, DIVIDE };
+
+/* the logical bytes lo:hi segment by segment, against the contiguous ``flat`` (GATHER copies them into it,
+ * SCATTER out of it, REDUCE reduces it into them, DIVIDE divides them by the ranks) */
+static void pieces(const Ring *r, int action, int64_t lo, int64_t hi, unsigned char *flat) {
+    for (Py_ssize_t s = seg_of(r->segs, r->n_segs, lo); lo < hi; s++) {
+        const int64_t *g = r->segs + 3 * s;
+        int64_t end = hi < g[1] ? hi : g[1];
+        unsigned char *at = (unsigned char *)(intptr_t)g[2] + (lo - g[0]);
+        size_t n = (size_t)(end - lo);
+        switch (action) {
+        case GATHER: memcpy(flat, at, n); break;
+        case SCATTER: memcpy(at, flat, n); break;
+        case REDUCE: reduce_into(r->dtype, r->op, at, flat, n); break;
+        default: divide(r->dtype, at, r->ranks, n); break;
+        }
+        flat += n;
+        lo = end;
+    }
+}
+
 static void run_ring(Ring *r, PyThreadState **thread) {
     /* the send queue: byte ranges of buf, in order (at most every first chunk's frame and every received one) */
     Py_ssize_t cap = r->n_first + r->n_recv, q_head = 0, q_tail = 0;
@@ -600,7 +642,7 @@ static void run_ring(Ring *r, PyThreadState **thread) {
     Py_ssize_t index = 0;
     size_t got_head = 0, target_len = 0, target_got = 0;
     unsigned char *target = NULL, *dest = NULL; /* where a frame is read (in_stage if encrypted); its payload's place */
-    int have_target = 0;
+    int have_target = 0, scattered = 0; /* scattered: an allgather frame across segments, received into scratch */
     unsigned char out_length_kind[9], in_length_kind[9]; /* a frame's plaintext: length | type byte */
     unsigned char expected_tag[TAG_SIZE], tag[TAG_SIZE];
     int same = r->out_fd == r->in_fd;
@@ -620,7 +662,11 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 out_head[HEAD_SIZE - 1] = DATA_KIND;
                 memcpy(out_length_kind, out_head, 8);
                 out_length_kind[8] = DATA_KIND;
-                unsigned char *from = r->buf + lo;
+                unsigned char *from = place(r->segs, r->n_segs, lo, hi);
+                if (!from) { /* across segments: gathered into one frame */
+                    pieces(r, GATHER, lo, hi, r->gather);
+                    from = r->gather;
+                }
                 int tagged;
                 if (r->encrypt) { /* sealed into out_stage (ciphertext | tag), sent from there */
                     tagged = crypt_frame(r->mac_mode, r->out_mac, r->out_ctx, 1, r->out_counter, out_length_kind,
@@ -700,7 +746,9 @@ static void run_ring(Ring *r, PyThreadState **thread) {
                 memcpy(expected_tag, r->head + 8, TAG_SIZE);
                 memcpy(in_length_kind, r->head, 8);
                 in_length_kind[8] = DATA_KIND;
-                dest = step[0] < r->reduce_steps ? r->scratch : r->buf + step[1];
+                dest = step[0] < r->reduce_steps ? r->scratch : place(r->segs, r->n_segs, step[1], step[2]);
+                scattered = dest == NULL;
+                if (scattered) dest = r->scratch;
                 target = r->encrypt ? r->in_stage : dest;
                 target_len = expected;
                 target_got = 0;
@@ -776,9 +824,11 @@ static void run_ring(Ring *r, PyThreadState **thread) {
             r->in_counter++;
             have_target = 0;
             if (step[0] < r->reduce_steps) {
-                reduce_into(r->dtype, r->op, r->buf + step[1], r->scratch, target_len);
+                pieces(r, REDUCE, step[1], step[2], r->scratch);
                 if (r->op == OP_AVERAGE && step[0] == r->reduce_steps - 1)
-                    divide(r->dtype, r->buf + step[1], r->ranks, target_len);
+                    pieces(r, DIVIDE, step[1], step[2], r->scratch);
+            } else if (scattered) {
+                pieces(r, SCATTER, step[1], step[2], r->scratch);
             }
             if (step[0] + 1 < r->total_steps) {
                 queue[2 * q_tail] = step[1];
@@ -850,33 +900,80 @@ done:
 PyDoc_STRVAR(ring_doc,
 "ring(out_fd, in_fd, out_mac, out_key, out_counter, in_mac, in_key, in_counter, buf, scratch, first, plan,\n"
 "     reduce_steps, total_steps, dtype, op, ranks, timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail,\n"
-"     lowat_min, mac_mode, encrypt[, out_stage, in_stage])\n"
+"     lowat_min, mac_mode, encrypt[, out_stage, in_stage], *, segments=None, gather=None)\n"
 "-> (status, detail, out_counter, in_counter, frames_received, header, mid_send)\n\n"
 "Run a ring's steps on ``buf`` (see the module's C source); ``first``: int64 (lo, hi) pairs, ``plan``: int64\n"
 "(step, lo, hi) triples; ``out_mac``/``in_mac``: each direction's AESGCM.encrypt, ``out_key``/``in_key`` its\n"
 "32-byte key; ``mac_mode``: 0 either way to the tag (see the source), 1 libcrypto, 2 the MAC function;\n"
 "``encrypt``: frames are encrypted, ``out_mac``/``in_mac`` then each direction's ``seal_into``/``open_into``;\n"
 "``out_stage``/``in_stage``: writable buffers of at least the largest frame + 16 bytes to seal into and receive\n"
-"into, kept by the caller between calls (else allocated per call).");
+"into, kept by the caller between calls (else allocated per call); ``segments``: a list of writable buffers\n"
+"that stand for ``buf`` (then empty) as one logical buffer, their bytes one after the other (frames across\n"
+"them are received into ``scratch`` and sent from ``gather``, each at least as large as such a frame).");
 
-static PyObject *ring(PyObject *self, PyObject *args) {
+/* whether a frame's bytes lo:hi lie in the logical buffer of ``total`` bytes and fit where they pass through: a
+ * frame received into the scratch (``scratched``, or across segments) or sent across segments (``sent``) */
+static int frame_ok(const int64_t *segs, Py_ssize_t n_segs, int64_t total, int64_t lo, int64_t hi, int scratched,
+                    int sent, Py_ssize_t scratch_len, Py_ssize_t gather_len) {
+    if (lo < 0 || hi < lo || hi > total) return 0;
+    int across = place(segs, n_segs, lo, hi) == NULL;
+    if ((scratched || (across && !sent)) && hi - lo > scratch_len) return 0;
+    return !(across && sent && hi - lo > gather_len);
+}
+
+static PyObject *ring(PyObject *self, PyObject *args, PyObject *kwargs) {
     (void)self;
     int out_fd, in_fd, reduce_steps, total_steps, dtype, op;
     unsigned long long out_counter, in_counter;
     long ranks;
     long long timeout_ms, ahead, ahead_wait_ms, lowat_cap, lowat_tail, lowat_min;
     PyObject *out_mac, *in_mac;
-    Py_buffer out_key, in_key, buf, scratch, first, plan, out_given = {0}, in_given = {0};
+    Py_buffer out_key, in_key, buf, scratch, first, plan, out_given = {0}, in_given = {0}, gather = {0};
     int mac_mode, encrypt;
-    if (!PyArg_ParseTuple(args, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii|w*w*", &out_fd, &in_fd, &out_mac, &out_key,
-                          &out_counter, &in_mac, &in_key, &in_counter, &buf, &scratch, &first, &plan, &reduce_steps,
-                          &total_steps, &dtype, &op, &ranks, &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap,
-                          &lowat_tail, &lowat_min, &mac_mode, &encrypt, &out_given, &in_given))
+    PyObject *segments = Py_None;
+    static char *names[] = {"", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "",
+                            "", "", "", "", "", "", "segments", "gather", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiOy*KOy*Kw*w*y*y*iiiilLLLLLLii|w*w*$Ow*", names, &out_fd,
+                                     &in_fd, &out_mac, &out_key, &out_counter, &in_mac, &in_key, &in_counter, &buf,
+                                     &scratch, &first, &plan, &reduce_steps, &total_steps, &dtype, &op, &ranks,
+                                     &timeout_ms, &ahead, &ahead_wait_ms, &lowat_cap, &lowat_tail, &lowat_min,
+                                     &mac_mode, &encrypt, &out_given, &in_given, &segments, &gather))
         return NULL;
     PyObject *result = NULL;
     EVP_CTX *out_ctx = NULL, *in_ctx = NULL;
     unsigned char *out_stage = NULL, *in_stage = NULL;
     int own_stages = 0;
+    /* the segment table: ``buf`` alone, or each of ``segments`` (their buffers held until the end) */
+    int64_t one_seg[3] = {0, buf.len, (int64_t)(intptr_t)buf.buf};
+    int64_t *segs = one_seg, total = buf.len;
+    Py_ssize_t n_segs = 1;
+    Py_buffer *views = NULL;
+    if (segments != Py_None) {
+        if (!PyList_Check(segments) || PyList_GET_SIZE(segments) == 0 || buf.len) {
+            PyErr_SetString(PyExc_ValueError, "segments must be a non-empty list, with an empty buf");
+            goto out;
+        }
+        n_segs = PyList_GET_SIZE(segments);
+        segs = PyMem_Malloc(sizeof(int64_t) * 3 * (size_t)n_segs);
+        views = PyMem_Calloc((size_t)n_segs, sizeof(Py_buffer));
+        if (!segs || !views) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        total = 0;
+        for (Py_ssize_t i = 0; i < n_segs; i++) {
+            if (PyObject_GetBuffer(PyList_GET_ITEM(segments, i), &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+                goto out;
+            if (views[i].len <= 0) {
+                PyErr_SetString(PyExc_ValueError, "a segment is empty");
+                goto out;
+            }
+            segs[3 * i] = total;
+            total += views[i].len;
+            segs[3 * i + 1] = total;
+            segs[3 * i + 2] = (int64_t)(intptr_t)views[i].buf;
+        }
+    }
     if (out_key.len != 32 || in_key.len != 32) {
         PyErr_SetString(PyExc_ValueError, "keys must be 32 bytes");
         goto out;
@@ -896,16 +993,18 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     Py_ssize_t n_first = first.len / (Py_ssize_t)(2 * sizeof(int64_t)), n_recv = plan.len / (Py_ssize_t)(3 * sizeof(int64_t));
     const int64_t *f = first.buf, *p = plan.buf;
     for (Py_ssize_t i = 0; i < n_first; i++)
-        if (f[2 * i] < 0 || f[2 * i + 1] < f[2 * i] || f[2 * i + 1] > buf.len) {
-            PyErr_SetString(PyExc_ValueError, "a first range lies outside the buffer");
+        if (!frame_ok(segs, n_segs, total, f[2 * i], f[2 * i + 1], 0, 1, scratch.len, gather.len)) {
+            PyErr_SetString(PyExc_ValueError, "a first range lies outside the buffer or the gather buffer");
             goto out;
         }
-    for (Py_ssize_t i = 0; i < n_recv; i++)
-        if (p[3 * i + 1] < 0 || p[3 * i + 2] < p[3 * i + 1] || p[3 * i + 2] > buf.len
-            || (p[3 * i] < reduce_steps && p[3 * i + 2] - p[3 * i + 1] > scratch.len)) {
-            PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer or the scratch");
+    for (Py_ssize_t i = 0; i < n_recv; i++) {
+        int64_t step = p[3 * i], lo = p[3 * i + 1], hi = p[3 * i + 2];
+        if (!frame_ok(segs, n_segs, total, lo, hi, step < reduce_steps, 0, scratch.len, gather.len)
+            || (step + 1 < total_steps && !frame_ok(segs, n_segs, total, lo, hi, 0, 1, scratch.len, gather.len))) {
+            PyErr_SetString(PyExc_ValueError, "a planned frame lies outside the buffer, scratch or gather buffer");
             goto out;
         }
+    }
     if (encrypt) { /* the stages: the largest frame sent or received, and a tag */
         int64_t largest = 0;
         for (Py_ssize_t i = 0; i < n_first; i++)
@@ -931,7 +1030,8 @@ static PyObject *ring(PyObject *self, PyObject *args) {
     r.out_fd = out_fd; r.in_fd = in_fd; r.out_mac = out_mac; r.in_mac = in_mac; r.mac_mode = mac_mode;
     if (in_ctx) { r.out_ctx = out_ctx; r.in_ctx = in_ctx; } /* both or neither */
     r.out_counter = out_counter; r.in_counter = in_counter;
-    r.buf = buf.buf; r.scratch = scratch.buf; r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
+    r.segs = segs; r.n_segs = n_segs; r.gather = gather.buf; r.scratch = scratch.buf;
+    r.first = f; r.n_first = n_first; r.plan = p; r.n_recv = n_recv;
     r.reduce_steps = reduce_steps; r.total_steps = total_steps; r.dtype = dtype; r.op = op; r.ranks = ranks;
     r.timeout_ms = timeout_ms; r.ahead = ahead; r.ahead_wait_ms = ahead_wait_ms;
     r.lowat_cap = lowat_cap; r.lowat_tail = lowat_tail; r.lowat_min = lowat_min;
@@ -943,6 +1043,11 @@ static PyObject *ring(PyObject *self, PyObject *args) {
                            (unsigned long long)r.in_counter, r.index, (const char *)r.head, (Py_ssize_t)HEAD_SIZE,
                            r.mid_send ? Py_True : Py_False);
 out:
+    for (Py_ssize_t i = 0; views && i < n_segs; i++)
+        if (views[i].obj) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    if (segs != one_seg) PyMem_Free(segs);
+    if (gather.obj) PyBuffer_Release(&gather);
     if (own_stages) {
         PyMem_RawFree(out_stage);
         PyMem_RawFree(in_stage);
@@ -961,7 +1066,7 @@ out:
 }
 
 static PyMethodDef methods[] = {
-    {"ring", ring, METH_VARARGS, ring_doc},
+    {"ring", (PyCFunction)(void (*)(void))ring, METH_VARARGS | METH_KEYWORDS, ring_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,9 @@ The compiled loop reduces every element-wise op (SUM, AVERAGE, MIN, MAX, PRODUCT
 (float16/32/64, bfloat16, int8/16/32/64, uint8/16/32/64) with the same bits as the Python loop's numpy ufuncs
 (float16 and bfloat16 widened to float32 and rounded back once, as ``spark_hvd.core.reduce`` does; checked bit for
 bit in ``tests/core/test_ringloop_ops.py``), and runs any allgather step. ``SPARK_HVD_COMPILED_RING=false`` turns
-it off on a rank (then its whole job uses the Python loop's frame size). With encryption (``SPARK_HVD_ENCRYPT``) it
+it off on a rank (then its whole job uses the Python loop's frame size). It also runs a ring over several arrays as
+one buffer (``segments``: ``RingBackend.allreduce_fused`` over TCP reduces a round's tensors where they lie, with no
+fusion buffer; ``tests/core/test_ringloop_segments.py``). With encryption (``SPARK_HVD_ENCRYPT``) it
 seals and opens frames as the Python loop does (``_ringloop.c``), by ``cryptography``'s ``encrypt_into`` /
 ``decrypt_into`` under the GIL (or, after a wait for the GIL, the system's libcrypto without it).
 """
@@ -80,13 +82,17 @@ def supports(dtype: np.dtype, op: ReduceOp, bfloat16: bool, reduce_steps: int) -
 
 def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scratch: np.ndarray,
         first: Sequence[tuple[int, int]], plan: Sequence[tuple[int, int, int]], reduce_steps: int, total_steps: int,
-        op: ReduceOp, ranks: int, *, average: bool | None = None, bfloat16: bool = False) -> None:
+        op: ReduceOp, ranks: int, *, average: bool | None = None, bfloat16: bool = False,
+        segments: list[np.ndarray] | None = None, gather: np.ndarray | None = None) -> None:
     """Run a ring's steps on ``flat`` (see ``RingBackend._ring``) with the compiled loop: send the byte ranges
     ``first`` ((lo, hi) pairs) to ``out``; receive frame i from ``recv`` as planned by ``plan[i]``, (step, lo,
     hi): steps below ``reduce_steps`` into ``scratch`` and reduced by ``op`` into ``flat``'s bytes lo:hi (with
     ``average``, by default where ``op`` is AVERAGE, divided by ``ranks`` at the last of them), later ones
     straight into place; a frame of a step before the last is sent on. ``bfloat16``: ``flat`` is the uint16 view
-    of bfloat16 values. Raises what ``RingExchange.run`` raises, naming the peer at fault."""
+    of bfloat16 values. ``segments``: C-contiguous arrays that ``flat`` (then empty, of their dtype) stands for,
+    their bytes one after the other as one buffer, each reduced where it lies (a frame across two of them is
+    received into ``scratch`` and sent from ``gather``, each at least as large as such a frame). Raises what
+    ``RingExchange.run`` raises, naming the peer at fault."""
     assert _ringloop is not None
     spans = np.array(first, dtype=np.int64).reshape(-1, 2)
     frames = np.array(plan, dtype=np.int64).reshape(-1, 3)
@@ -115,7 +121,7 @@ def run(out: PeerSocket, recv: PeerSocket, operation: str, flat: np.ndarray, scr
                 in_fn, receiving.data_key(), receiving.counter, flat.view(np.uint8), scratch, spans, frames,
                 reduce_steps, total_steps, code, opcode, ranks, timeout_ms, ahead,
                 RUN_AHEAD_WAIT_MS, lowat_cap, RECV_LOWAT_TAIL_BYTES, RECV_LOWAT_MIN_BYTES, MAC_MODE, int(out.encrypt),
-                *stages)
+                *stages, **({} if segments is None else {"segments": segments, "gather": gather}))
         except BaseException:  # a signal handler's exception (Ctrl-C), or the MAC's: the streams may stop mid-frame
             out.send_broken = recv.recv_broken = True
             raise

@@ -53,6 +53,7 @@ OBJECT_PARAMS = frozenset(
         "gradient_compression",
         "lr_scheduler",
         "logger",
+        "profiler",
         "trainer_args",
         "loss_constructors",
     }
@@ -274,7 +275,6 @@ HOROVOD_ONLY = {
     "continuous_cols": "list every input column in feature_cols",
     "categorical_cols": "list every input column in feature_cols (index strings with StringIndexer first)",
     "compress_sparse_cols": "sparse Vectors are stored dense unless sparse_vectors='sparse'; nothing to set",
-    "mp_start_method": "not needed: reader_pool_type='process' starts its own workers",
     "transformation_edit_fields": "transformation_fn returns the columns it changes; no field list is needed",
     "transformation_removed_fields": "transformation_fn returns the columns it keeps; no field list is needed",
     "feature_columns": "the param is feature_cols",
@@ -284,8 +284,6 @@ HOROVOD_ONLY = {
     "backend_env": "pass env to the backend: backend=spark_hvd.runner.SparkBackend(spark, num_proc, env={...})",
     "tensorflow_dataset_prefetch_buffer_size": "the rank's reader reads ahead on its own (train_reader_num_workers "
                                                "row groups at once); there is no tf.data pipeline to tune",
-    "num_gpus": "each rank uses one GPU where its Spark task has one: set use_gpu (and Spark's task GPU amount)",
-    "profiler": "pass it to Lightning's Trainer: trainer_args={'profiler': 'simple'}",
     "loader_num_epochs": "the reader makes exactly one pass per epoch; set train_steps_per_epoch for more or "
                          "fewer steps",
     "debug_data_loader": "set verbose=2",
@@ -451,6 +449,10 @@ class EstimatorParams(Params):
                               "gradient compression (spark_hvd Compression.none / .fp16); default none")
     use_gpu = _p("use_gpu", "train on GPUs where the Spark tasks have them; default: when available",
                  _to_optional(TypeConverters.toBoolean))
+    mp_start_method = _p("mp_start_method", "the rank's multiprocessing start method during the fit (Horovod's): "
+                         "'fork', 'spawn' or 'forkserver', for processes the user's code starts (torch DataLoader "
+                         "workers, pools in callbacks); the reader's own workers always use forkserver; default "
+                         "None (Python's)", _to_optional(_to_choice("fork", "spawn", "forkserver")))
     partitions_per_process = _p("partitions_per_process", "Parquet row groups written per training process",
                                 _to_strict_int)
     verbose = _p("verbose", "0: quiet, 1: progress per epoch, 2: more", _to_strict_int)
@@ -497,6 +499,7 @@ class EstimatorParams(Params):
             monitor_mode="auto", final_model="last", reader_pool_type="auto",
             train_reader_num_workers=None, sparse_vectors="dense", ragged="pad", val_reader_num_workers=None,
             shuffle_buffer_size=None, inmemory_cache_all=False, label_shapes=None, encrypt=None,
+            mp_start_method=None,
         )
 
     # Horovod's accessor names where they differ from the generated ones

@@ -19,6 +19,7 @@ and ``output_shapes``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -26,6 +27,7 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 from spark_hvd.estimators.common.rank_data import ShardReaders, append_history
@@ -43,7 +45,8 @@ from spark_hvd.runner.start_lines import QUIET_FRAMEWORK_LOGS, quiet_imports
 from spark_hvd.store.background import BackgroundWriter, write_with_retries
 from spark_hvd.store.run_dir import RunDir
 
-__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank"]
+__all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank",
+           "start_method"]
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +203,8 @@ class RankRun:
         try:
             try:
                 if self.start < spec.epochs:
-                    trainer.train(self)
+                    with start_method(spec.mp_start_method):
+                        trainer.train(self)
             except BaseException:
                 self._drain_uploads()
                 raise
@@ -471,6 +475,24 @@ class RankRun:
             write_with_retries(lambda: self.run_dir.write_model(tmp),
                                what=f"run {self.spec.run_id}: the final model ({self.run_dir.model_path})")
         return {"history": self.history, "output_shapes": output_shapes, "final_epoch": self.final_epoch}
+
+
+@contextlib.contextmanager
+def start_method(method: str | None) -> Iterator[None]:
+    """Python's multiprocessing start method set to ``method`` (the ``mp_start_method`` param, as Horovod sets it
+    in its ranks) for the block, then the one before it again (the process may run later Spark tasks); None: as
+    it is."""
+    import multiprocessing
+
+    if method is None:
+        yield
+        return
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 def merged_progress(progress: list[dict]) -> dict:

@@ -78,6 +78,7 @@ class TrainSpec:
     backward_passes_per_step: int = 1
     gradient_compression: Any = None
     use_gpu: bool | None = None
+    mp_start_method: str | None = None  #: the rank's multiprocessing start method during the fit (None: Python's)
     verbose: int = 1
     terminate_on_nan: bool = True
     scale_lr_by_num_proc: bool = False

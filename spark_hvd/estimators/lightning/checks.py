@@ -15,7 +15,7 @@ from typing import Any, get_args
 
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 
-__all__ = ["check_trainer_settings", "RESERVED", "STRATEGIES"]
+__all__ = ["check_trainer_settings", "RESERVED", "STRATEGIES", "PROFILERS"]
 
 #: Trainer arguments the estimator sets itself, and what to use instead
 RESERVED = {
@@ -33,7 +33,10 @@ RESERVED = {
 STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
 
 #: estimator params that are also Trainer arguments: one place to set each
-_TWICE = ("precision", "gradient_clip_val", "log_every_n_steps")
+_TWICE = ("precision", "gradient_clip_val", "log_every_n_steps", "profiler")
+
+#: the profiler names the ``profiler`` param takes (Lightning's classes, writing their report to the store)
+PROFILERS = ("simple", "advanced", "pytorch")
 
 
 def _precisions() -> set:
@@ -100,6 +103,13 @@ def check_trainer_settings(est: Any, model: Any) -> None:
             raise param_error(est, f"gradient_clip_val is set but {type(model).__name__} uses manual optimization "
                               "(Lightning clips only under automatic optimization): call "
                               "self.clip_gradients(optimizer, ...) in training_step instead")
+    profiler = est._opt(est.profiler)
+    if profiler is not None and profiler not in PROFILERS:
+        from lightning.pytorch.profilers import Profiler
+
+        if not isinstance(profiler, Profiler):
+            raise param_error(est, f"profiler must be one of {PROFILERS} or a lightning Profiler object, got "
+                              f"{profiler!r}")
     if est.getOrDefault(est.log_every_n_steps) <= 0:
         raise param_error(est, f"log_every_n_steps must be a positive integer, got "
                           f"{est.getOrDefault(est.log_every_n_steps)}")

@@ -66,7 +66,9 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
     ``checkpoint_every_steps`` / ``_seconds``: a resume continues at the exact batch), resume by ``run_id``, retries,
     ``elastic``, ``terminate_on_nan``, ``scale_lr_by_num_proc``, MLflow and progress work as for ``TorchEstimator``.
     ``optimizer``, ``loss`` and ``metrics`` are not params here (the module defines them), nor
-    ``gradient_compression`` (DDP averages). docs/estimators.md lists what the Trainer is given.
+    ``gradient_compression`` (DDP averages); except for a plain ``torch.nn.Module`` (Horovod's legacy estimator),
+    which they train with ``TorchEstimator``'s step on Lightning's Trainer (``lightning/legacy.py``; ``getModel()``
+    is then the plain module). docs/estimators.md lists what the Trainer is given (``profiler`` included).
     """
 
     _model_class = LightningModel
@@ -75,10 +77,15 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
 
     def _check_model(self, model: Any) -> bytes:
         import lightning.pytorch as pl
+        import torch
 
         if not isinstance(model, pl.LightningModule):
-            raise param_type_error("LightningEstimator", f"model must be a lightning LightningModule, got "
-                                   f"{type(model).__name__}")
+            if not isinstance(model, torch.nn.Module):
+                raise param_type_error("LightningEstimator", f"model must be a lightning LightningModule (or a "
+                                       f"torch.nn.Module with optimizer and loss), got {type(model).__name__}")
+            legacy = self._legacy_module(model)
+            check_trainer_settings(self, legacy)
+            return super()._check_model(legacy)
         for hook in ("training_step", "configure_optimizers"):
             if getattr(type(model), hook) is getattr(pl.LightningModule, hook):
                 raise param_type_error("LightningEstimator", f"{type(model).__name__} does not define {hook}")
@@ -89,6 +96,33 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   ", training_step, self.log); leave the {param} param unset")
         check_trainer_settings(self, model)
         return super()._check_model(model)
+
+    def _legacy_module(self, model: Any) -> Any:
+        """A plain torch module as Horovod's legacy Lightning estimator takes it: wrapped with the estimator's
+        optimizer, loss, loss_weights, metrics and sample_weight_col (``lightning/legacy.py``)."""
+        from spark_hvd.estimators.lightning.legacy import LegacyModule
+        from spark_hvd.estimators.torch.rank import resolve_losses, resolve_metric
+        from spark_hvd.estimators.torch.serde import optimizer_spec
+
+        name = type(model).__name__
+        opt, loss = self._opt(self.optimizer), self._opt(self.loss)
+        if opt is None or loss is None:
+            raise param_error("LightningEstimator", f"model {name} is a plain torch.nn.Module: set optimizer and "
+                              "loss (it is trained as TorchEstimator trains it), or give a LightningModule")
+        labels = list(self.getOrDefault(self.label_cols))
+        resolve_losses(loss, len(labels))
+        for m in self._metrics():
+            resolve_metric(m)
+        return LegacyModule(model, optimizer_spec(opt, model), loss, self.getOrDefault(self.loss_weights),
+                            tuple(self._metrics()), list(self.getOrDefault(self.feature_cols)), labels,
+                            self._opt(self.sample_weight_col))
+
+    def _load_trained_model(self, store: Any, run_id: str, model_bytes: bytes) -> Any:
+        """The trained module; for a plain torch module (``LegacyModule``), that module, as Horovod returns it."""
+        from spark_hvd.estimators.lightning.legacy import LegacyModule
+
+        model = super()._load_trained_model(store, run_id, model_bytes)
+        return model.model if isinstance(model, LegacyModule) else model
 
     def _check(self, df: Any) -> dict:
         """First (before any Spark job): a run to resume must hold Lightning checkpoints (a run of the earlier
@@ -108,7 +142,24 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
                                   "run_id")
             if self.getOrDefault(self.checkpoint_every_steps) or self.getOrDefault(self.checkpoint_every_seconds):
                 self._check_step_checkpoint(run_dir, (epochs[-1] + 1, 0) if epochs else (0, 0))
+        self._apply_num_gpus()
         return super()._check(df)
+
+    def _apply_num_gpus(self) -> None:
+        """Horovod's ``num_gpus`` (GPUs per rank) as ``use_gpu``'s default for this fit: 1 -> True, 0 -> False;
+        more, or a ``use_gpu`` set to the other meaning, is refused naming both."""
+        num_gpus = self.getOrDefault(self.num_gpus)
+        if num_gpus is None:
+            self._setDefault(use_gpu=None)  # the shared default (a num_gpus of an earlier fit is gone)
+            return
+        if num_gpus not in (0, 1):
+            raise param_error(self, f"num_gpus={num_gpus}: each rank trains on one device (its Spark task's GPU, or "
+                              "the CPU); give 1 or 0, and more ranks (num_proc) for more GPUs")
+        if self.isSet(self.use_gpu) and self.getOrDefault(self.use_gpu) is not None \
+                and bool(self.getOrDefault(self.use_gpu)) != bool(num_gpus):
+            raise param_error(self, f"num_gpus={num_gpus} and use_gpu={self.getOrDefault(self.use_gpu)} disagree; "
+                              "give one of them")
+        self._setDefault(use_gpu=bool(num_gpus))
 
     def _check_step_checkpoint(self, run_dir: RunDir, after: tuple[int, int]) -> None:
         """The newest committed step checkpoint later than ``after`` (the one a resume would take) must be
@@ -137,5 +188,6 @@ class LightningEstimator(KeywordParams, TorchModuleEstimator, LightningEstimator
         return {"input_shapes": get(self.input_shapes), "trainer_args": dict(self._opt(self.trainer_args) or {}),
                 "logger": self._opt(self.logger), "log_every_n_steps": get(self.log_every_n_steps),
                 "precision": get(self.precision), "gradient_clip_val": get(self.gradient_clip_val),
+                "profiler": self._opt(self.profiler),
                 "checkpoint_every_steps": get(self.checkpoint_every_steps),
                 "checkpoint_every_seconds": get(self.checkpoint_every_seconds), "elastic": get(self.elastic)}

@@ -7,7 +7,8 @@ Lightning does the training itself: DDP's gradient averaging, ``configure_optimi
 optimizers, manual optimization, LR schedulers), precision plugins, gradient clipping and accumulation, the
 user's callbacks and loggers, ``self.log``. The Trainer gets (``trainer_args`` added last, overriding):
 ``max_epochs=epochs``, ``accumulate_grad_batches=backward_passes_per_step``, ``log_every_n_steps``,
-``precision``/``gradient_clip_val`` where set, ``logger`` (default none), ``enable_progress_bar=False`` and
+``precision``/``gradient_clip_val``/``profiler`` where set (a profiler by name writes its report to the run's
+``logs/profiler/rank<r>/`` in the store), ``logger`` (default none), ``enable_progress_bar=False`` and
 ``enable_model_summary=False`` (spark_hvd reports progress), ``num_sanity_val_steps=0``,
 ``use_distributed_sampler=False`` (the data is already sharded).
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import posixpath
 import shutil
 import tempfile
 import warnings
@@ -221,6 +223,8 @@ class LightningTrainer(TorchTrainer):
             args["precision"] = spec.precision
         if spec.gradient_clip_val is not None:
             args["gradient_clip_val"] = spec.gradient_clip_val
+        if spec.profiler is not None:
+            args["profiler"] = _profiler(spec.profiler, os.path.join(root, PROFILER_DIR))
         if not run.readers.has_validation:
             args["limit_val_batches"] = 0
         extra = dict(spec.trainer_args or {})
@@ -272,10 +276,29 @@ class LightningTrainer(TorchTrainer):
                     if lost is None:
                         raise
                     raise lost from exc
+                reports = os.path.join(root, PROFILER_DIR)
+                if os.path.isdir(reports) and os.listdir(reports):  # a named profiler's report, to the store
+                    run.run_dir.store.upload_dir(reports, posixpath.join(run.run_dir.logs_path, PROFILER_DIR,
+                                                                         f"rank{run.rank}"))
         finally:
             for lg, level in zip(loggers, levels, strict=True):
                 lg.setLevel(level)
             shutil.rmtree(root, ignore_errors=True)
+
+
+#: the profiler's report: ``<Trainer root>/profiler`` on the rank, then ``runs/<run_id>/logs/profiler/rank<r>``
+PROFILER_DIR = "profiler"
+
+
+def _profiler(profiler: Any, dirpath: str) -> Any:
+    """The Trainer's profiler: a name (``checks.PROFILERS``) as Lightning's class writing ``<stage>-profile*.txt``
+    reports under ``dirpath`` (Horovod's file name); an object as the user configured it."""
+    if not isinstance(profiler, str):
+        return profiler
+    from lightning.pytorch.profilers import AdvancedProfiler, PyTorchProfiler, SimpleProfiler
+
+    cls = {"simple": SimpleProfiler, "advanced": AdvancedProfiler, "pytorch": PyTorchProfiler}[profiler]
+    return cls(dirpath=dirpath, filename="profile")
 
 
 #: what torch.distributed's errors say when a peer's connection went away (gloo's TCP transport)

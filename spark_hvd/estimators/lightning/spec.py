@@ -21,3 +21,4 @@ class LightningSpec(TrainSpec):
     log_every_n_steps: int = 50
     precision: Any = None  #: Lightning's ``precision`` ("bf16-mixed", "16-mixed", 32 ...); None: its default
     gradient_clip_val: float | None = None
+    profiler: Any = None  #: a Lightning profiler's name ("simple", "advanced", "pytorch") or object; None: none

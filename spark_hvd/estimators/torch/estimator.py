@@ -176,8 +176,11 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
 
     ``loss``: a callable ``loss(output, label)``, a name (``"mse"``, ``"cross_entropy"``, ``"bce_with_logits"``,
     ``"l1"``), or a list with one per label (combined with ``loss_weights``). With ``sample_weight_col``, a callable
-    must return one loss per row. ``metrics``: names (``"accuracy"``, ``"mse"``, ``"mae"``) or callables
-    ``fn(output, label) -> scalar tensor``, computed per epoch on train and validation data, averaged over ranks.
+    is called unreduced, as Horovod calls it (a torch loss module with ``reduction="none"``, a function with a
+    ``reduction`` parameter with ``reduction="none"``; any other must return one loss per row), and each label's
+    loss is the weights' mean of its per-row losses (``sum(w * loss) / sum(w)``). ``metrics``: names
+    (``"accuracy"``, ``"mse"``, ``"mae"``) or callables ``fn(output, label) -> scalar tensor``, computed per epoch
+    on train and validation data, averaged over ranks.
     ``callbacks``: objects with any of ``on_train_begin(context)`` (a ``TrainingContext``: model, optimizer,
     scheduler, ``stop_training``), ``on_epoch_begin(epoch)``, ``on_batch_end(epoch, step, loss)``,
     ``on_epoch_end(epoch, logs)``, called on every rank (``EarlyStopping`` is one). ``lr_scheduler``:

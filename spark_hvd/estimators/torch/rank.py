@@ -27,7 +27,8 @@ from spark_hvd.estimators.common.spec import LOSS_NAMES, built_loss
 from spark_hvd.estimators.torch.precision import MixedPrecision
 from spark_hvd.estimators.torch.serde import build_optimizer, deserialize_module
 
-__all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch"]
+__all__ = ["TorchTrainer", "resolve_losses", "resolve_metric", "default_train_minibatch", "loss_fns", "combined_loss",
+           "fitted_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,33 @@ def _loss_fn(item: Any, weighted: bool) -> Callable:
         if weighted:
             return lambda o, y, _f=fn: _per_row(_f(o, y, reduction="none"))
         return fn
+    if weighted:
+        return _unreduced(item) or item
     return item
+
+
+def _unreduced(item: Any) -> Callable | None:
+    """A callable loss as Horovod calls it with sample weights, one loss per element: a torch loss module copied
+    with ``reduction="none"``, a function with a ``reduction`` parameter (``F.binary_cross_entropy``...) called with
+    ``reduction="none"``; ``None`` for any other callable (called as given: it must return one loss per row)."""
+    import copy
+    import functools
+    import inspect
+
+    import torch
+
+    if isinstance(item, torch.nn.modules.loss._Loss) and hasattr(item, "reduction"):
+        unreduced = copy.copy(item)
+        unreduced.reduction = "none"
+        return unreduced
+    try:
+        params = inspect.signature(item).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    if "reduction" in params and params["reduction"].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                              inspect.Parameter.KEYWORD_ONLY):
+        return functools.partial(item, reduction="none")
+    return None
 
 
 def _per_row(loss: Any) -> Any:
@@ -134,6 +161,36 @@ def _fit_label(output: Any, label: Any, class_index: bool) -> Any:
     if label.shape != output.shape and label.numel() == output.numel():
         label = label.reshape(output.shape)
     return label
+
+
+def loss_fns(loss: Any, n_labels: int, weighted: bool) -> tuple[list[Callable], list[bool]]:
+    """Per label, ``fn(output, label)`` (one loss per row when ``weighted``: ``sample_weight_col`` is set) and
+    whether it takes class indices, from a loss param (a callable, a name or a list)."""
+    losses = resolve_losses(loss, n_labels)
+    return [_loss_fn(item, weighted) for item in losses], [is_class_index_loss(item) for item in losses]
+
+
+def combined_loss(fns: list[Callable], weights: list[float], outputs: list, labels: list, sample_weights: Any) -> Any:
+    """The training loss: the sum over labels of ``weight * fn(output, label)``; with ``sample_weights``, each
+    label's per-row losses averaged with those weights (sum(w * loss) / sum(w))."""
+    total = 0.0
+    for fn, w, o, y in zip(fns, weights, outputs, labels, strict=True):
+        value = fn(o, y)
+        if sample_weights is not None:
+            if value.dim() == 0:
+                raise ValueError("with sample_weight_col, a callable loss must return one value per row: "
+                                 "give it a reduction parameter (called with reduction='none', as Horovod "
+                                 "does) or return the unreduced losses")
+            sw = sample_weights.reshape(-1).to(value.dtype)
+            value = (_per_row(value) * sw).sum() / sw.sum().clamp_min(1e-12)
+        total = total + w * value
+    return total
+
+
+def fitted_outputs(outputs: Any, labels: list, class_index: list[bool]) -> tuple[list, list]:
+    """The module's output(s) as a list, and each label as its loss wants it (``_fit_label``)."""
+    outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+    return outputs, [_fit_label(o, y, ci) for o, y, ci in zip(outputs, labels, class_index, strict=True)]
 
 
 def default_train_minibatch(model: Any, optimizer: Any, transform_outputs: Callable, loss_fn: Callable,
@@ -205,10 +262,9 @@ class TorchTrainer(RankTrainer):
     def _build_training(self, spec: Any) -> tuple[Any, str]:
         """The optimizer (not yet distributed) and the scheduler interval; sets up losses and metrics."""
         weighted = bool(spec.sample_weight_col)
-        losses = resolve_losses(built_loss(spec.loss, spec.loss_constructors), len(spec.label_cols))
-        self.losses = [_loss_fn(item, weighted) for item in losses]
-        self.class_index = [is_class_index_loss(item) for item in losses]
-        self.loss_weights = list(spec.loss_weights or [1.0] * len(losses))
+        n = len(spec.label_cols)
+        self.losses, self.class_index = loss_fns(built_loss(spec.loss, spec.loss_constructors), n, weighted)
+        self.loss_weights = list(spec.loss_weights or [1.0] * n)
         self.metrics = [resolve_metric(m) for m in spec.metrics]
         self.step_fn = spec.train_minibatch_fn or default_train_minibatch
         return build_optimizer(spec.optimizer, self.model), spec.lr_scheduler_interval
@@ -327,20 +383,10 @@ class TorchTrainer(RankTrainer):
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _transform_outputs(self, outputs: Any, labels: list) -> tuple[list, list]:
-        outputs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-        return outputs, [_fit_label(o, y, ci) for o, y, ci in zip(outputs, labels, self.class_index, strict=True)]
+        return fitted_outputs(outputs, labels, self.class_index)
 
     def _loss(self, outputs: list, labels: list, sample_weights: Any) -> Any:
-        total = 0.0
-        for fn, w, o, y in zip(self.losses, self.loss_weights, outputs, labels, strict=True):
-            value = fn(o, y)
-            if sample_weights is not None:
-                if value.dim() == 0:
-                    raise ValueError("with sample_weight_col, a callable loss must return one value per row "
-                                     "(e.g. reduction='none')")
-                sw = sample_weights.reshape(-1).to(value.dtype)
-                value = (_per_row(value) * sw).sum() / sw.sum().clamp_min(1e-12)
-            total = total + w * value
+        total = combined_loss(self.losses, self.loss_weights, outputs, labels, sample_weights)
         bpps = self.spec.backward_passes_per_step
         return total / bpps if bpps > 1 else total
 

@@ -5,26 +5,17 @@ seeds, so it knows the expected result in numpy."""
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import sys
-import warnings
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)  # MXNet 1.9 reads np.bool and friends
+# isort: split
+from mxnet_job import BATCH, LOSS, MXNET2, N, R, batches, check, finish, gluon_array, hvd  # first: warnings off
+from mxnet_job import train as job_train
 
-import mxnet as mx  # noqa: E402
-import numpy as np  # noqa: E402
-from checks import adasum_tree, expect_errors, make_check  # noqa: E402 - the scripts' directory is on sys.path
-from mxnet.base import _LIB, MXNetError, check_call  # noqa: E402
+# isort: split
+import mxnet as mx
+import numpy as np
+from checks import adasum_tree, expect_errors  # the scripts' directory is on sys.path
+from mxnet.base import _LIB, MXNetError, check_call
 
-import spark_hvd.mxnet as hvd  # noqa: E402
-
-RESULTS: dict[str, str] = {}
-OUT_DIR = sys.argv[1] if len(sys.argv) > 1 else "."
-check = make_check(RESULTS, after=lambda: hvd.barrier())
-
-hvd.init()
-R, N = hvd.rank(), hvd.size()
 DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64]
 
 
@@ -282,30 +273,12 @@ def weights(net: mx.gluon.Block) -> list[np.ndarray]:
     return [p.data().asnumpy() for _, p in sorted(net.collect_params().items(), key=lambda kv: kv[0][-8:])]
 
 
-BATCH, STEPS = 6, 5
-# Gluon's blocks take mx.nd arrays in MXNet 1.x, mx.np arrays in MXNet 2 (the beta: docs/mxnet.md)
-MXNET2 = int(mx.__version__.split(".")[0]) >= 2
-gluon_array = mx.np.array if MXNET2 else mx.nd.array
-LOSS = mx.gluon.loss.SoftmaxCrossEntropyLoss()
-
-
-def batches(r: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(500 + 10 * step + r)
-    return rng.standard_normal((BATCH, 5)).astype(np.float32), rng.integers(0, 3, BATCH).astype(np.float32)
+STEPS = 5
 
 
 def train(net: mx.gluon.Block, trainer: mx.gluon.Trainer, shards: list[int]) -> list[list[np.ndarray]]:
     """STEPS steps on the batches of ranks ``shards`` (this rank's own in a job, every rank's in one process)."""
-    history = []
-    for step in range(STEPS):
-        xs, ys = zip(*[batches(r, step) for r in shards], strict=True)
-        x, y = gluon_array(np.concatenate(xs)), gluon_array(np.concatenate(ys))
-        with mx.autograd.record():
-            loss = LOSS(net(x), y)
-        loss.backward()
-        trainer.step(x.shape[0])
-        history.append(weights(net))
-    return history
+    return job_train(net, trainer, shards, range(STEPS), weights)
 
 
 def single_process(opt: str, params: dict) -> list[list[np.ndarray]]:
@@ -321,7 +294,8 @@ def assert_same_history(got: list[list[np.ndarray]], want: list[list[np.ndarray]
 
 @check("trainer_matches_single_process_on_combined_batches")
 def _trainer() -> None:
-    """Also: every gradient lives in one buffer that each step reduces with one allreduce in place, and a
+    """SGD with ``sharded_update=True``: reduce-scatter, allgather, no allreduce (spark_hvd/mxnet/zero.py). Adam,
+    the default: every gradient lives in one buffer that each step reduces with one allreduce in place, and a
     re-initialisation of the gradients after the trainer was made (``cast``) moves them into a new one."""
     import spark_hvd.core as core
 
@@ -336,7 +310,7 @@ def _trainer() -> None:
         want = single_process(opt, params)
         net = mlp(7 + R)  # different weights on each rank until the broadcast
         hvd.broadcast_parameters(net.collect_params(), root_rank=0)
-        trainer = hvd.DistributedTrainer(net.collect_params(), opt, dict(params))
+        trainer = hvd.DistributedTrainer(net.collect_params(), opt, dict(params), sharded_update=opt == "sgd")
         if opt == "adam":
             net.cast("float32")  # new data and gradient arrays (same values): the trainer's buffer is rebuilt
         core.allreduce, seen[:] = spy, []
@@ -344,6 +318,9 @@ def _trainer() -> None:
             assert_same_history(train(net, trainer, [R]), want, 1e-5)
         finally:
             core.allreduce = real
+        if opt == "sgd":
+            assert trainer._zero is not None and not seen, f"not sharded: {trainer._unsharded_why}, {len(seen)}"
+            continue
         (flat,) = trainer._flat.buffers
         start = pointer(flat)
         assert seen == [start] * STEPS, f"{len(seen)} allreduces of {seen} for {STEPS} steps, buffer at {start}"
@@ -436,6 +413,4 @@ def _broadcast_parameters() -> None:
         np.testing.assert_array_equal(gathered[0], gathered[-1])
 
 
-with open(os.path.join(OUT_DIR, f"mxnet-rank{R}.json"), "w") as f:
-    json.dump({"rank": R, "size": N, "results": RESULTS}, f)
-hvd.shutdown()
+finish()
