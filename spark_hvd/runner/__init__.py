@@ -31,9 +31,9 @@ from typing import Any
 _PUBLIC = {
     "ElasticError": "elastic", "Event": "client", "LaunchResult": "launch", "NotEnoughSlotsError": "errors",
     "ProgressDisplay": "progress", "RankFailedError": "errors", "RankFailure": "errors", "RunnerError": "errors",
-    "SparkBackend": "backend", "StageNotStartedError": "errors", "StartTimeoutError": "errors",
-    "StepReporter": "progress", "check_slots": "slots", "last_events": "spark", "report": "client",
-    "resolve_num_proc": "slots", "run": "spark", "run_elastic": "elastic", "run_local": "launch",
+    "SlotsTimeoutError": "errors", "SparkBackend": "backend", "StageNotStartedError": "errors",
+    "StartTimeoutError": "errors", "StepReporter": "progress", "check_slots": "slots", "last_events": "spark",
+    "report": "client", "resolve_num_proc": "slots", "run": "spark", "run_elastic": "elastic", "run_local": "launch",
 }
 
 
@@ -54,6 +54,7 @@ __all__ = [
     "RankFailedError",
     "RankFailure",
     "RunnerError",
+    "SlotsTimeoutError",
     "SparkBackend",
     "StageNotStartedError",
     "StartTimeoutError",

@@ -15,7 +15,7 @@ from spark_hvd.runner import cluster
 from spark_hvd.runner.client import Event
 from spark_hvd.runner.errors import NotEnoughSlotsError
 from spark_hvd.runner.slots import resolve_num_proc, slots
-from spark_hvd.runner.spark import run_checked
+from spark_hvd.runner.spark import run_checked, slot_wait_s
 
 __all__ = ["SparkBackend"]
 
@@ -46,11 +46,13 @@ class SparkBackend:
 
     def num_processes(self) -> int:
         """``num_proc`` (default: the session's default parallelism), its free slots checked on the first call
-        (``NotEnoughSlotsError``); later calls return the same number without a check. Elastic: the first launch's
-        size, ``num_proc`` clamped into ``[min_num_proc, max_num_proc]``; only a cluster whose total is known to be
-        below ``min_num_proc`` is refused here (``run_elastic`` waits for the free slots)."""
+        (``NotEnoughSlotsError``; waiting ``start_timeout`` for them as ``run`` does); later calls return the same
+        number without a check. Elastic: the first launch's size, ``num_proc`` clamped into ``[min_num_proc,
+        max_num_proc]``; only a ``local[N]`` master (whose slots never grow) with fewer than ``min_num_proc`` is
+        refused here (``run_elastic`` waits for the free slots)."""
         if self._num_proc is None:
-            self._num_proc = self._elastic_size() if self.elastic else resolve_num_proc(self.spark, self._requested)
+            self._num_proc = self._elastic_size() if self.elastic else resolve_num_proc(
+                self.spark, self._requested, slot_wait_s(self.spark, self.start_timeout))
         return self._num_proc
 
     def _elastic_size(self) -> int:
@@ -61,7 +63,7 @@ class SparkBackend:
             self.elastic = (low, high)
         total = cluster.total_slots(self.spark) if cluster.is_connect(self.spark) \
             else slots(self.spark.sparkContext)[1]
-        if total is not None and total < low:
+        if total is not None and total < low and cluster.is_local_master(self.spark):
             raise NotEnoughSlotsError(low, total, total, param="min_num_proc")
         return max(low, min(num_proc, high))
 

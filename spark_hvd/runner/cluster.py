@@ -6,7 +6,7 @@ spark_hvd does on the driver goes through the helpers here, which use DataFrame 
 Connect and keep the cheaper ``SparkContext`` calls on a classic session:
 
 - ``active_session(spark)``: the session to use (an explicit one, else the active Connect one, else the classic one);
-- ``is_connect(spark)``, ``master(spark)``, ``is_local_master(spark)``;
+- ``is_connect(spark)``, ``master(spark)``, ``is_local_master(spark)``, ``task_max_failures(spark)``;
 - ``default_parallelism(spark)``: ``sc.defaultParallelism``, or on Connect the partitions of ``spark.range``;
 - ``total_slots(spark)``: the slot count where the session can tell it (classic; ``local[N]`` on Connect), else None;
 - ``driver_host(spark)``: where the ranks reach the driver service (``SPARK_HVD_DRIVER_HOST`` overrides);
@@ -86,6 +86,20 @@ def _local_cores(url: str) -> int | None:
     if found.group(2) is None:
         return 1
     return (os.cpu_count() or 1) if found.group(2) == "*" else int(found.group(2))
+
+
+def task_max_failures(spark: Any) -> int:
+    """How often Spark lets one task fail before it fails the job: ``local[N]`` 1, ``local[N,F]`` F, otherwise
+    ``spark.task.maxFailures`` (Spark's default 4)."""
+    url = master(spark).strip()
+    found = _LOCAL_MASTER.match(url)
+    if found:
+        return int(found.group(3).lstrip(", ")) if found.group(3) else 1
+    try:
+        raw = spark.conf.get("spark.task.maxFailures", "4")
+        return max(1, int(raw or 4))
+    except Exception:  # a Connect server that refuses to show the conf, or a value that is not a number
+        return 4
 
 
 def default_parallelism(spark: Any) -> int:

@@ -11,7 +11,9 @@ A barrier stage cannot lose or gain a task, so each reset is a new stage (an "at
    in its first ``state.sync()`` and broadcasts it.
 3. A lost rank (its process died, its executor went away, a peer's collective failed as a consequence) fails the
    stage; the driver waits up to ``elastic_timeout`` for ``min_num_proc`` free slots and relaunches. An exception
-   raised by ``fn`` itself is a bug, not a lost rank: it fails the run as ``run()`` does.
+   raised by ``fn`` itself is, as in Horovod, that worker failing: the driver logs it (rank, host, traceback) and
+   relaunches too, until that rank has failed as often as Spark lets one task fail (``spark.task.maxFailures``;
+   1 on ``local[N]``, F on ``local[N,F]``) or ``reset_limit`` is reached; then the rank's exception is raised.
 4. Growth: while ``size < max_num_proc`` and slots are free, a commit answers "grow"; every rank raises
    ``HostsUpdatedInterrupt`` in the same step, the stage ends cleanly (``Resized`` results) and is relaunched
    bigger.
@@ -229,9 +231,36 @@ def _wait_slots(spark: Any, low: int, high: int, timeout_s: float, why: str) -> 
 
 
 def is_recoverable(exc: RankFailedError) -> bool:
-    """A lost rank or a failure caused by one (not an exception raised by ``fn`` itself)."""
+    """A lost rank or a failure caused by one (not an exception raised by ``fn`` itself: ``OwnFailures``)."""
     root = exc.failures[0] if exc.failures else None
     return root is None or root.kind == "lost" or root.type_name in CONSEQUENCE_TYPES
+
+
+class OwnFailures:
+    """Exceptions raised by ``fn`` itself, counted per rank: as in Horovod, such a rank is a failed worker and the
+    job is relaunched from the last commit, until Spark's limit of failures of one task (``task_max_failures``:
+    1 on ``local[N]``, F on ``local[N,F]``, else ``spark.task.maxFailures``) or ``reset_limit`` is reached; then
+    the rank's exception itself is raised."""
+
+    def __init__(self, max_failures: int, reset_limit: int | None, run_id: str) -> None:
+        self.max_failures = max_failures
+        self.reset_limit = reset_limit
+        self.run_id = run_id
+        self.by_rank: dict[int, int] = {}
+
+    def count(self, exc: RankFailedError, resets: int) -> None:
+        """Log the rank's exception (rank, host, traceback) and raise ``exc`` when no relaunch is left for it."""
+        root = exc.failures[0]
+        failures = self.by_rank[root.rank] = self.by_rank.get(root.rank, 0) + 1
+        host = f" on host {root.host}" if root.host else ""
+        last = failures >= self.max_failures or (self.reset_limit is not None and resets >= self.reset_limit)
+        limit = (f"Spark's limit of {self.max_failures} failures of one task" if failures >= self.max_failures
+                 else f"reset_limit={self.reset_limit}")
+        then = f"{limit} is reached: the run fails" if last else "relaunching from the last commit"
+        logger.warning("spark_hvd run_elastic %s: rank %d%s raised %s: %s (its failure %d; %s)\n%s", self.run_id,
+                       root.rank, host, root.type_name, root.message, failures, then, root.traceback.rstrip())
+        if last:
+            raise exc
 
 
 def elastic_timeout_s(value: float | None) -> float:
@@ -281,14 +310,16 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
         start_timeout: seconds for the ranks of each launch to start (as for ``run``).
         elastic_timeout: seconds to wait for ``min_num_proc`` free slots before a launch (default
             ``HOROVOD_ELASTIC_TIMEOUT``, else 600); ``ElasticError`` names how many were missing.
-        reset_limit: the most relaunches (after lost ranks or to grow); None: no limit.
+        reset_limit: the most relaunches (after lost ranks, exceptions of ``fn`` or to grow); None: no limit but
+            Spark's per-task failure limit for the exceptions of ``fn`` (module docstring).
         env, verbose, use_gpu, on_event, spark, encrypt: as for ``run``.
         stdout, stderr, prefix_output_with_timestamp, nics: Horovod's, as for ``run``.
         min_np, max_np: Horovod's deprecated names of ``min_num_proc``, ``max_num_proc``.
 
     Raises:
         ElasticError: too few slots within ``elastic_timeout``, or more resets than ``reset_limit``.
-        RankFailedError: ``fn`` raised an exception of its own (not a lost rank).
+        RankFailedError: ``fn`` raised an exception of its own (not a lost rank) once too often: the last one,
+            naming its rank.
     """
     min_num_proc = np_alias(min_num_proc, min_np, "min_num_proc", "min_np")
     max_num_proc = np_alias(max_num_proc, max_np, "max_num_proc", "max_np")
@@ -308,6 +339,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
     events = EventLog(on_event)
 
     resets = 0
+    own = OwnFailures(cluster.task_max_failures(spark), reset_limit, run_id)
     try:
         size = _wait_slots(spark, low, first, elastic_s, "could not start")
         for attempt in range(1 << 30):
@@ -320,7 +352,7 @@ def run_elastic(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] 
                 why = "" if not any(isinstance(r, Resized) for r in results) else "to grow"
             except RankFailedError as exc:
                 if not is_recoverable(exc):
-                    raise
+                    own.count(exc, resets)  # raises it when Spark's task failures or reset_limit are used up
                 why = f"after {str(exc).splitlines()[0]}"
             except StartTimeoutError as exc:
                 why = f"after {exc}"

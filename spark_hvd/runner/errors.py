@@ -27,6 +27,8 @@ class RankFailure:
     traceback: str = ""
     time: float = 0.0
     consequence: bool = False
+    #: the rank's host, as its connection to the driver service came from ("" where unknown)
+    host: str = ""
 
     def describe(self) -> str:
         """One line: ``rank 1: ValueError: boom``."""
@@ -37,18 +39,35 @@ class RunnerError(SparkHvdError):
     """A distributed run could not start or did not finish."""
 
 
+def _slots_text(num_proc: int, free_slots: int, total_slots: int, param: str) -> str:
+    return (f"{param}={num_proc} processes were requested but the cluster has only {free_slots} free task slots "
+            f"({total_slots} in all). A barrier stage needs all of its tasks running at once: lower {param} to at "
+            f"most {free_slots}, or add executors/cores (spark.executor.instances, spark.executor.cores, "
+            f"spark.task.cpus).")
+
+
 class NotEnoughSlotsError(RunnerError):
     """More processes were asked for than the cluster has free task slots (raised before anything is launched)."""
 
     def __init__(self, num_proc: int, free_slots: int, total_slots: int, param: str = "num_proc") -> None:
-        super().__init__(
-            f"{param}={num_proc} processes were requested but the cluster has only {free_slots} free task slots "
-            f"({total_slots} in all). A barrier stage needs all of its tasks running at once: lower {param} to at "
-            f"most {free_slots}, or add executors/cores (spark.executor.instances, spark.executor.cores, "
-            f"spark.task.cpus).")
+        super().__init__(_slots_text(num_proc, free_slots, total_slots, param))
         self.num_proc = num_proc
         self.free_slots = free_slots
         self.total_slots = total_slots
+
+
+class SlotsTimeoutError(NotEnoughSlotsError, TimeoutError):
+    """Horovod's "Timed out waiting for Spark tasks to start": the free task slots stayed fewer than ``num_proc``
+    for ``start_timeout`` seconds (executors were not added, other jobs did not give theirs back); raised before
+    anything is launched."""
+
+    def __init__(self, num_proc: int, free_slots: int, total_slots: int, waited_s: float,
+                 param: str = "num_proc") -> None:
+        NotEnoughSlotsError.__init__(self, num_proc, free_slots, total_slots, param)
+        self.args = (f"Timed out waiting for Spark tasks to start: after start_timeout={waited_s:g} s, "
+                     + _slots_text(num_proc, free_slots, total_slots, param)
+                     + " Raise start_timeout where executors are added on demand.",)
+        self.timeout_s = waited_s
 
 
 class StartTimeoutError(RunnerError):

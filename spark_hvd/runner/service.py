@@ -254,7 +254,8 @@ class DriverService:
                 elif kind == "error":
                     finished = True
                     self._add_failure(RankFailure(rank, "exception", msg[1], msg[2], msg[3], time.time(),
-                                                  consequence=msg[1] in CONSEQUENCE_TYPES))
+                                                  consequence=msg[1] in CONSEQUENCE_TYPES,
+                                                  host=self.hosts.get(rank, "")))
                     return
                 elif kind == "done":
                     finished = True
@@ -281,7 +282,7 @@ class DriverService:
                     rank, "lost", "ProcessLost",
                     f"rank {rank}'s process on host {address.rsplit(':', 1)[0]} died or closed its connection to "
                     "the driver before finishing",
-                    time=time.time(), consequence=self._cancelled))
+                    time=time.time(), consequence=self._cancelled, host=address.rsplit(":", 1)[0]))
         except Exception:  # a malformed frame from an authenticated peer: log it, never crash the service
             logger.exception("driver service: error while serving %s", conn.peer)
         finally:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from spark_hvd.runner import cluster, compat
-from spark_hvd.runner.errors import NotEnoughSlotsError, RunnerError
+from spark_hvd.runner.errors import NotEnoughSlotsError, RunnerError, SlotsTimeoutError
 from spark_hvd.runner.slot_ledger import LEDGER
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def is_local_mode(sc: Any) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
+def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S, *, start_wait: float | None = None) -> int:
     """Raise ``NotEnoughSlotsError`` (with both numbers) unless ``num_proc`` task slots are free.
 
     ``sc`` is a classic ``SparkContext``. While the cluster's total is below ``num_proc`` (executors still
@@ -65,7 +65,14 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     then the error; a ``wait_s`` longer than ``SLOT_WAIT_S`` (``run_elastic`` waiting for slots) waits for them
     that long. Busy slots while this process's other runs hold some (``slot_ledger``) are no error: the run waits
     for its turn when it launches. Returns the number of free slots.
+
+    ``start_wait`` (seconds; ``run``'s ``start_timeout``, see ``spark.slot_wait_s``) replaces both waits with
+    Horovod's: executors may be added (autoscaling, dynamic allocation) and other jobs may give slots back, so the
+    slots are polled (every ``SLOT_POLL_S``) until ``num_proc`` are free or ``start_wait`` has passed, then
+    ``SlotsTimeoutError`` ("Timed out waiting for Spark tasks to start", both numbers). No Spark job is started.
     """
+    if start_wait is not None:
+        return _wait_for_slots(sc, num_proc, start_wait)
     if is_local_mode(sc) and wait_s <= SLOT_WAIT_S:
         wait_s = 0.0
     start = time.monotonic()
@@ -89,6 +96,33 @@ def check_slots(sc: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int:
     return free
 
 
+#: Seconds between two looks at the slots while ``check_slots`` waits ``start_wait``.
+SLOT_POLL_S = 0.5
+
+
+def _wait_for_slots(sc: Any, num_proc: int, start_wait: float) -> int:
+    """``check_slots`` with ``start_wait``: Horovod's wait for the tasks to start, as a poll of the slots."""
+    deadline = time.monotonic() + start_wait
+    told = False
+    free, total = slots(sc)
+    while free < num_proc:
+        if total >= num_proc and LEDGER.busy() and LEDGER.held(session_key(sc)):
+            return free  # this process's other runs hold the slots it lacks: it waits its turn at launch
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SlotsTimeoutError(num_proc, free, total, start_wait)
+        if not told:
+            logger.warning("spark_hvd: num_proc=%d needs as many free task slots; %d of %d are free: waiting up "
+                           "to start_timeout=%g s for executors to be added or slots to be given back", num_proc,
+                           free, total, start_wait)
+            told = True
+        threading.Event().wait(min(SLOT_POLL_S, left))
+        free, total = slots(sc)
+    if told:
+        logger.warning("spark_hvd: %d task slots free after %.1f s", free, start_wait - (deadline - time.monotonic()))
+    return free
+
+
 def session_key(spark_or_sc: Any) -> str:
     """The key of a session's slots in ``slot_ledger.LEDGER``: its Spark application (classic ``SparkContext`` or
     session), or the Connect session's id."""
@@ -106,22 +140,23 @@ def session_total_slots(spark: Any) -> int | None:
     return cluster.total_slots(spark) if cluster.is_connect(spark) else total_slots(spark.sparkContext)
 
 
-def check_session_slots(spark: Any, num_proc: int, wait_s: float = SLOT_WAIT_S) -> int | None:
+def check_session_slots(spark: Any, num_proc: int, wait_s: float = SLOT_WAIT_S, *,
+                        start_wait: float | None = None) -> int | None:
     """``check_slots`` for a classic session; on Spark Connect, which cannot tell the free slots, the total of a
     ``local[N]`` master is checked (None is returned where the session says nothing: the stage itself is then
     the check, ``StageNotStartedError``)."""
     if not cluster.is_connect(spark):
-        return check_slots(spark.sparkContext, num_proc, wait_s)
+        return check_slots(spark.sparkContext, num_proc, wait_s, start_wait=start_wait)
     total = cluster.total_slots(spark)
     if total is not None and total < num_proc:
         raise NotEnoughSlotsError(num_proc, total, total)
     return total
 
 
-def resolve_num_proc(spark: Any, num_proc: Any = None) -> int:
+def resolve_num_proc(spark: Any, num_proc: Any = None, start_wait: float | None = None) -> int:
     """``num_proc`` checked to be a positive integer (default: the session's default parallelism), and its task
-    slots checked (``check_session_slots``). ``run`` calls it first; a caller that already did (an estimator's
-    ``SparkBackend``) hands the result to ``run_checked``."""
+    slots checked (``check_session_slots``, waiting ``start_wait`` seconds for them where given). ``run`` calls it
+    first; a caller that already did (an estimator's ``SparkBackend``) hands the result to ``run_checked``."""
     if num_proc is None:
         num_proc = cluster.default_parallelism(spark)
     try:
@@ -130,7 +165,7 @@ def resolve_num_proc(spark: Any, num_proc: Any = None) -> int:
         raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}") from None
     if num_proc < 1:
         raise RunnerError(f"num_proc must be a positive integer, got {num_proc!r}")
-    check_session_slots(spark, num_proc)
+    check_session_slots(spark, num_proc, start_wait=start_wait)
     return num_proc
 
 

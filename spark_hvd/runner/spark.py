@@ -26,8 +26,8 @@ from spark_hvd.runner.slot_ledger import LEDGER
 from spark_hvd.runner.slots import check_session_slots, resolve_num_proc, session_key, session_total_slots
 from spark_hvd.runner.stage import Attempt, run_attempt
 
-__all__ = ["run", "run_checked", "last_events", "EventLog", "env_seconds", "start_timeout_s", "checked_env",
-           "pickled"]
+__all__ = ["run", "run_checked", "last_events", "EventLog", "env_seconds", "start_timeout_s", "slot_wait_s",
+           "checked_env", "pickled"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,16 @@ def start_timeout_s(value: float | None) -> float:
     return env_seconds(("SPARK_HVD_START_TIMEOUT", START_TIMEOUT_ENV), 600.0)
 
 
+def slot_wait_s(spark: Any, start_timeout: float | None) -> float | None:
+    """How long ``run`` waits for ``num_proc`` free task slots before it launches: ``start_timeout`` (Horovod waits
+    that long for the Spark tasks to start; a cluster may add executors). On ``local[N]``, whose total never grows,
+    only a ``start_timeout`` given (argument or environment) is waited; else None: the check fails at once."""
+    given = start_timeout is not None or any(os.environ.get(n) for n in ("SPARK_HVD_START_TIMEOUT", START_TIMEOUT_ENV))
+    if cluster.is_local_master(spark) and not given:
+        return None
+    return start_timeout_s(start_timeout)
+
+
 def checked_env(env: dict[str, str] | None) -> dict[str, str]:
     """A copy of ``env``; ``RunnerError`` unless it maps str to str."""
     env = dict(env or {})
@@ -134,10 +144,15 @@ def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kw
         args, kwargs: its arguments (the same on every rank); for a script, ``args`` are its command-line
             arguments (strings) and there are no kwargs.
         num_proc: number of ranks; defaults to the session's default parallelism. Must not exceed the free task
-            slots (checked before launching where the session can tell them: ``NotEnoughSlotsError``).
+            slots, checked before launching where the session can tell them: with too few, ``run`` waits up to
+            ``start_timeout`` for executors to be added or slots to be given back (as Horovod waits for its tasks
+            to start), then raises ``SlotsTimeoutError`` ("Timed out waiting for Spark tasks to start", a
+            ``NotEnoughSlotsError`` and a ``TimeoutError``); on ``local[N]``, whose slots never grow,
+            ``NotEnoughSlotsError`` at once unless ``start_timeout`` is given.
         env: environment variables set in each rank while ``fn`` runs.
-        start_timeout: seconds for every rank to start (``StartTimeoutError`` naming the missing ranks); default
-            ``SPARK_HVD_START_TIMEOUT`` or ``HOROVOD_SPARK_START_TIMEOUT`` from the environment, else 600.
+        start_timeout: seconds for enough task slots to be free (see ``num_proc``), then for every rank to start
+            (``StartTimeoutError`` naming the missing ranks); default ``SPARK_HVD_START_TIMEOUT`` or
+            ``HOROVOD_SPARK_START_TIMEOUT`` from the environment, else 600.
         use_gpu: None: pin the GPU Spark assigned to the task (``resources()["gpu"]``) if any; True: also fall
             back to the local rank when Spark assigned none; False: never set ``SPARK_HVD_GPU``.
         max_retries: after a failed attempt, run the whole stage again up to this many times
@@ -160,14 +175,16 @@ def run(fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (), kw
 
     Raises:
         RankFailedError: a rank failed (names the rank; remote type, message and traceback), after the retries.
-        NotEnoughSlotsError, StartTimeoutError (``StageNotStartedError`` on Connect), RunnerError.
+        NotEnoughSlotsError (``SlotsTimeoutError`` after waiting), StartTimeoutError (``StageNotStartedError`` on
+        Connect), RunnerError.
     """
     env = horovod_env(env, use_mpi=use_mpi, use_gloo=use_gloo, extra_mpi_args=extra_mpi_args, nics=nics,
                       executable=executable)
     spark = cluster.active_session(spark)
     launch = _Launch(fn, args, kwargs, env, start_timeout, max_retries, encrypt,
                      OutputStreams(stdout, stderr, prefix_output_with_timestamp))
-    return launch.run(spark, resolve_num_proc(spark, num_proc), use_gpu, verbose, on_event)
+    return launch.run(spark, resolve_num_proc(spark, num_proc, slot_wait_s(spark, start_timeout)), use_gpu, verbose,
+                      on_event)
 
 
 def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any] = (),
@@ -182,7 +199,9 @@ def run_checked(spark: Any, num_proc: int, fn: Callable[..., Any] | str | os.Pat
 
 
 class _Launch:
-    """``run``'s arguments checked (before any slot check or Spark job), and its loop of attempts."""
+    """``run``'s arguments checked (before any slot check or Spark job; ``fn`` is checked and pickled when the
+    attempts start, after the slot check, as Horovod's ``run(None, ...)`` with too few slots times out), and its
+    loop of attempts."""
 
     def __init__(self, fn: Callable[..., Any] | str | os.PathLike, args: Sequence[Any], kwargs: dict[str, Any] | None,
                  env: dict[str, str] | None, start_timeout: float | None, max_retries: int,
@@ -194,12 +213,13 @@ class _Launch:
         self.max_retries = max_retries
         self.env = checked_env(env)
         self.encrypt = job_encrypts(encrypt, self.env)
-        self.payload = pickled(*as_callable(fn, args, kwargs))
+        self.call = (fn, args, kwargs)
 
     def run(self, spark: Any, num_proc: int, use_gpu: bool | None, verbose: int,
             on_event: Callable[[Event], None] | None) -> list[Any]:
         """The attempts, holding ``num_proc`` of the session's slots (``slot_ledger``: concurrent runs of this
         process wait their turn instead of failing or oversubscribing)."""
+        self.payload = pickled(*as_callable(*self.call))
         run_id = secrets.token_hex(4)
         total = session_total_slots(spark)
         if total is None:  # a Connect session that cannot tell its slots: the stage itself is the check

@@ -1,7 +1,8 @@
 """Checkpoints uploaded in the background (``checkpoint_upload``): rank 0's ``RankRun`` over a real local store
 whose uploads block on a gate (a slow store). Training steps go on while the upload runs, the manifest is
-committed after the data, a failed upload is retried (and raised, never lost, when it keeps failing), a busy
-upload makes the next checkpoint wait or be skipped, and the end of the run waits for the last one."""
+committed after the data, a failed upload is retried (and skipped with a warning when it keeps failing: training
+goes on and the next checkpoint is written; the final model's write retries longer, then raises), a busy upload
+makes the next checkpoint wait or be skipped, and the end of the run waits for the last one."""
 
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def test_sync_upload_blocks_the_steps(tmp_path):
     assert min(stamps) > end and end - start >= 0.25
 
 
-def test_a_failed_upload_is_retried_and_one_that_keeps_failing_is_raised(tmp_path, caplog):
+def test_a_failed_upload_is_retried_and_an_outage_longer_than_the_retries_skips_checkpoints(tmp_path, caplog):
     store = SlowStore(str(tmp_path / "store"))
     run, trainer = _run(store)
     store.fail = 2  # two failures, then it works (3 retries allowed)
@@ -139,14 +140,44 @@ def test_a_failed_upload_is_retried_and_one_that_keeps_failing_is_raised(tmp_pat
         run.writer.wait()
     assert _latest(store, tmp_path) == 0
     assert sum("retrying" in r.getMessage() for r in caplog.records) == 2
-    store.fail = 10
-    trainer.weights = 7
-    run.end_epoch(1, {"loss": 0.5})
-    with pytest.raises(UploadFailedError, match="checkpoint of epoch 1 failed 4 times.*unreachable"):
-        run.writer.wait()
-    assert _latest(store, tmp_path) == 0  # the earlier checkpoint stays the newest committed one
-    with pytest.raises(UploadFailedError):  # and training cannot go on as if it had been saved
-        run.end_epoch(2, {"loss": 0.4})
+    store.fail = 8  # an outage of two checkpoints' 4 tries each: both skipped, training goes on
+    for epoch, weights in ((1, 7), (2, 9)):
+        trainer.weights = weights
+        with caplog.at_level(logging.WARNING, logger="spark_hvd.store.background"):
+            run.end_epoch(epoch, {"loss": 0.5})
+            run.writer.wait()
+        assert _latest(store, tmp_path) == 0  # the last committed checkpoint stays the recovery point
+    path = RunDir(store, RUN).checkpoint_path(1)
+    skipped = [r.getMessage() for r in caplog.records if "skipped, training goes on" in r.getMessage()]
+    assert len(skipped) == 2 and path in skipped[0] and "OSError: the store is unreachable" in skipped[0]
+    assert run.writer.skipped_failures == 2
+    trainer.weights = 11  # the store is back: the next checkpoint is written as usual
+    run.end_epoch(3, {"loss": 0.4})
+    run.writer.wait()
+    assert RunDir(store, RUN).list_checkpoints() == [0, 3] and _latest(store, tmp_path) == 3
+    assert _committed_weights(store, 3, tmp_path) == 11
+    leftovers = [p for p in os.listdir(tmp_path / "store" / "runs" / RUN / "checkpoints") if "epoch-" not in p]
+    assert leftovers == [], "a failed upload left files behind"
+
+
+def test_the_final_model_write_retries_longer_then_fails_naming_its_path(tmp_path, caplog):
+    from spark_hvd.store.background import write_with_retries
+
+    store = SlowStore(str(tmp_path / "store"))
+    local = tmp_path / "model"
+    local.mkdir()
+    (local / "weights.json").write_text('{"weights": 11}')
+    run_dir = RunDir(store, RUN)
+    store.fail = 5  # beyond the checkpoints' 3 retries, within the final model's
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.store.background"):
+        write_with_retries(lambda: run_dir.write_model(str(local)), "the final model", retries=6, pause_s=0.01,
+                           max_pause_s=0.02)
+    assert json.loads(run_dir.read_model_file("weights.json")) == {"weights": 11}
+    assert caplog.text.count("retrying in") == 5
+    store.fail = 100
+    with pytest.raises(UploadFailedError, match=r"final model \(.*/model\) failed 3 times.*unreachable"):
+        write_with_retries(lambda: run_dir.write_model(str(local)), f"the final model ({run_dir.model_path})",
+                           retries=2, pause_s=0.01)
 
 
 def test_a_busy_upload_makes_the_next_checkpoint_wait_or_be_skipped(tmp_path):

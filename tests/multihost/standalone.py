@@ -177,17 +177,22 @@ def job_processes(host: simhosts.SimHost, job_suffix: str) -> list[str]:
 
 
 class Driver:
-    """A driver script run inside host 0 (``python SCRIPT ARGS...``): its stderr in ``log``, its JSON stdout lines
-    read on a thread."""
+    """A driver script run inside host 0 (``python SCRIPT ARGS...``; ``cluster`` None: on this machine, on
+    127.0.0.1, for a ``local-cluster`` master): its stderr in ``log``, its JSON stdout lines read on a thread."""
 
-    def __init__(self, cluster: Standalone, script: str, args: Sequence[str], log: Path,
+    def __init__(self, cluster: Standalone | None, script: str, args: Sequence[str], log: Path,
                  env: dict[str, str] | None = None) -> None:
-        h0 = cluster.sim.hosts[0]
         self.log = log
-        full_env = cluster.env(0, {"SIM_DRIVER_ADDRESS": h0.address, **(env or {})})
         with open(log, "w") as err:
-            self.proc = h0.popen([sys.executable, script, *args], env=full_env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=err, text=True)
+            if cluster is None:
+                self.proc = subprocess.Popen([sys.executable, script, *args], stdin=subprocess.DEVNULL,
+                                             env={**os.environ, "SIM_DRIVER_ADDRESS": "127.0.0.1", **(env or {})},
+                                             stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+            else:
+                h0 = cluster.sim.hosts[0]
+                full_env = cluster.env(0, {"SIM_DRIVER_ADDRESS": h0.address, **(env or {})})
+                self.proc = h0.popen([sys.executable, script, *args], env=full_env, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=err, text=True)
         self.rows: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._pump, daemon=True).start()
 

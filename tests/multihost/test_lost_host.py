@@ -45,13 +45,14 @@ def cluster(standalone_cluster: Standalone) -> Standalone:
 
 
 class _Fit:
-    """One fit's driver and its marks (``lost_host_driver.py``)."""
+    """One fit's driver and its marks (``lost_host_driver.py``); ``cluster`` None: on this machine, on ``master``
+    (``local-cluster[...]``, ``test_lost_executor.py``)."""
 
-    def __init__(self, cluster: Standalone, tmp_path: Path, cfg: dict) -> None:
+    def __init__(self, cluster: Standalone | None, tmp_path: Path, cfg: dict, master: str = "") -> None:
         self.cluster = cluster
         self.marks = tmp_path / "marks"
         self.marks.mkdir()
-        self.driver = Driver(cluster, DRIVER, [cluster.url, str(tmp_path / "store"), str(self.marks),
+        self.driver = Driver(cluster, DRIVER, [master or cluster.url, str(tmp_path / "store"), str(self.marks),
                                                json.dumps(cfg)], tmp_path / "driver.log", env=cfg.get("driver_env"))
         self.started = self.driver.row(300)
 

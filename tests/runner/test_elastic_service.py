@@ -13,7 +13,7 @@ from spark_hvd.core import state_stream
 from spark_hvd.core.elastic import STATE_MAX_ENV, download_state, upload_state
 from spark_hvd.core.transport.wire import make_secret
 from spark_hvd.runner.client import ServiceClient
-from spark_hvd.runner.elastic import ElasticDriver, _ServiceLink, _sizes, is_recoverable
+from spark_hvd.runner.elastic import ElasticDriver, OwnFailures, _ServiceLink, _sizes, is_recoverable
 from spark_hvd.runner.errors import RankFailedError, RankFailure, RunnerError
 from spark_hvd.runner.service import DriverService
 
@@ -90,3 +90,26 @@ def test_sizes_and_which_failures_relaunch():
     assert is_recoverable(RankFailedError(lost, [lost, peer]))
     assert is_recoverable(RankFailedError(peer, [peer]))
     assert not is_recoverable(RankFailedError(bug, [bug, peer]))
+
+
+def test_an_exception_of_fn_relaunches_until_spark_s_task_failures_or_reset_limit(caplog):
+    def bug(rank: int) -> RankFailedError:
+        failure = RankFailure(rank, "exception", "ValueError", f"bad batch on rank {rank}",
+                              traceback='  File "train.py", line 7, in loop\n', host="10.0.0.5")
+        return RankFailedError(failure, [failure])
+
+    own = OwnFailures(max_failures=3, reset_limit=None, run_id="r1")
+    own.count(bug(1), resets=0)
+    own.count(bug(0), resets=1)
+    own.count(bug(1), resets=2)  # rank 1's second failure of Spark's 3
+    assert "rank 1 on host 10.0.0.5 raised ValueError: bad batch on rank 1" in caplog.text
+    assert 'File "train.py", line 7, in loop' in caplog.text
+    last = bug(1)
+    with pytest.raises(RankFailedError) as info:  # the third: Spark would fail the job here
+        own.count(last, resets=3)
+    assert info.value is last and "Spark's limit of 3 failures of one task is reached" in caplog.text
+    limited = OwnFailures(max_failures=4, reset_limit=1, run_id="r2")
+    limited.count(bug(0), resets=0)
+    with pytest.raises(RankFailedError, match="rank 1 failed: ValueError"):
+        limited.count(bug(1), resets=1)
+    assert "reset_limit=1 is reached: the run fails" in caplog.text

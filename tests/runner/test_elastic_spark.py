@@ -250,12 +250,59 @@ def _raises() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_an_exception_of_fn_fails_the_run_without_a_relaunch(spark):
+def test_on_local_n_an_exception_of_fn_fails_the_run_without_a_relaunch(spark):
+    # local[2]: Spark lets a task fail once (local[N,F] or spark.task.maxFailures allow more: the test below)
     out = io.StringIO()  # Horovod's stdout keyword and min_np name (its deprecated min_num_proc)
     with pytest.raises(RankFailedError, match="a bug in fn") as info:
         run_elastic(_raises, num_proc=2, min_np=1, max_num_proc=2, reset_limit=5, verbose=0, stdout=out)
     assert info.value.remote_type == "ValueError"
     assert "]<stdout>:a line before the bug\n" in out.getvalue()
+
+
+def _raises_once(marker_dir: str) -> dict:
+    """Horovod's test_happy_run_elastic_fault_tolerant in small (the core's API: no framework to import): rank 1
+    raises (once, a marker file) at step 2."""
+    import spark_hvd.core as hvd
+    from spark_hvd.core.backend import ReduceOp
+    from spark_hvd.core.elastic import ObjectState, run_fn
+
+    state = ObjectState(step=0, rendezvous=0, total=0.0)
+
+    @run_fn
+    def loop(state):
+        state.rendezvous += 1
+        while state.step < 4:
+            marker = os.path.join(marker_dir, f"rank_{hvd.rank()}_step_{state.step}_fail")
+            if os.path.exists(marker):
+                os.unlink(marker)
+                raise ValueError(f"training failed at step {state.step}, restart the task")
+            summed = np.array([state.step + 1.0])
+            hvd.allreduce(summed, op=ReduceOp.SUM)
+            state.total += float(summed[0])
+            state.step += 1
+            state.commit()
+
+    loop(state)
+    return {"step": state.step, "rendezvous": state.rendezvous, "total": state.total,
+            "attempt": int(os.environ["SPARK_HVD_RUN_ATTEMPT"])}
+
+
+@pytest.mark.timeout(180)
+def test_an_exception_of_fn_relaunches_from_the_last_commit_where_spark_retries_tasks(spark, tmp_path, monkeypatch,
+                                                                                       caplog):
+    import logging
+
+    from spark_hvd.runner import cluster
+
+    monkeypatch.setattr(cluster, "task_max_failures", lambda spark: 2)  # as on local[2,2] or a cluster's default
+    (tmp_path / "rank_1_step_2_fail").touch()
+    with caplog.at_level(logging.WARNING, logger="spark_hvd.runner.elastic"):
+        results = run_elastic(_raises_once, args=(str(tmp_path),), num_proc=2, verbose=0)
+    # steps 0 and 1 committed before the failure; the relaunch resumed at step 2: each step summed once (2 ranks)
+    assert results == [{"step": 4, "rendezvous": 2, "total": 2.0 * (1 + 2 + 3 + 4), "attempt": 1}] * 2
+    logged = caplog.text
+    assert "rank 1 on host " in logged and "raised ValueError: training failed at step 2" in logged
+    assert "relaunching from the last commit" in logged and "in loop" in logged  # the rank's traceback
 
 
 def _rank_1_dies() -> None:

@@ -77,15 +77,35 @@ def test_exception_in_rank_1_reaches_driver(any_spark):
     assert "rank 1 failed: ValueError: boom from rank 1" in str(err)
 
 
-def test_too_many_processes_fail_at_once_with_both_numbers(any_spark):
+def test_too_many_processes_fail_at_once_with_both_numbers(any_spark, monkeypatch):
+    # local[2] never grows: without a start_timeout there is no wait (one given is waited: the test below)
+    monkeypatch.delenv("SPARK_HVD_START_TIMEOUT", raising=False)
+    monkeypatch.delenv("HOROVOD_SPARK_START_TIMEOUT", raising=False)
     with pytest.raises(NotEnoughSlotsError) as info:
-        run(_rank, num_proc=3, start_timeout=600, spark=any_spark)
+        run(_rank, num_proc=3, spark=any_spark)
     message = str(info.value)
     # the total is what makes 3 impossible; the free count is a snapshot (a previous test's cancelled task may
     # still be winding down on a loaded machine)
     assert "num_proc=3" in message and "(2 in all)" in message
     assert info.value.num_proc == 3 and info.value.total_slots == 2 and info.value.free_slots <= 2
     assert f"only {info.value.free_slots} free task slots" in message
+
+
+def test_with_a_start_timeout_too_few_slots_time_out_as_horovod_s_do_before_any_job(spark, monkeypatch):
+    """Horovod's test_timeout_with_gloo: num_proc=4 on 2 cores with start_timeout given waits that long for
+    slots, then "Timed out waiting for Spark tasks to start", here with both numbers and no stage launched."""
+    import spark_hvd.runner.spark as runner_spark
+    from spark_hvd.runner import SlotsTimeoutError
+
+    def no_stage(*args, **kwargs):
+        raise AssertionError("a stage was launched although the slots were too few")
+
+    monkeypatch.setattr(runner_spark, "run_attempt", no_stage)
+    with pytest.raises(SlotsTimeoutError, match="^Timed out waiting for Spark tasks to start.") as info:
+        run(None, num_proc=4, start_timeout=1, use_gloo=True, verbose=0)  # Horovod's test passes fn=None
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, NotEnoughSlotsError)
+    assert info.value.num_proc == 4 and info.value.total_slots == 2
+    assert "start_timeout=1 s" in str(info.value) and "(2 in all)" in str(info.value)
 
 
 def _killed_mid_fn(pid_dir: str) -> int:

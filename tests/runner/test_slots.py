@@ -104,3 +104,52 @@ def test_the_scheduler_s_count_is_read_on_this_spark_and_follows_a_task_at_once(
     assert len(seen) == 5 and all(n <= baseline for n in seen), (baseline, seen)  # another test's may end, too
     free, total = slots(sc)
     assert free >= total - baseline
+
+
+def _growing(monkeypatch, seen: list[tuple[int, int]]) -> None:
+    """``slots`` answers from ``seen`` in turn (the last one from then on): executors added while run waits."""
+    import spark_hvd.runner.slots as runner_slots
+
+    answers = iter(seen)
+    last = [seen[0]]
+
+    def fake(sc):
+        last[0] = next(answers, last[0])
+        return last[0]
+
+    monkeypatch.setattr(runner_slots, "slots", fake)
+    monkeypatch.setattr(runner_slots, "SLOT_POLL_S", 0.01)
+
+
+def test_with_start_wait_the_check_waits_for_executors_to_be_added(monkeypatch):
+    from spark_hvd.runner.slots import check_slots
+
+    _growing(monkeypatch, [(1, 1), (1, 1), (2, 3), (4, 4)])  # a cluster scaling up: 1 slot, then 3, then 4
+    assert check_slots(object(), 4, start_wait=30.0) == 4
+
+
+def test_with_start_wait_too_few_slots_time_out_as_horovod_says_with_both_numbers(monkeypatch):
+    from spark_hvd.runner.errors import NotEnoughSlotsError, SlotsTimeoutError
+    from spark_hvd.runner.slots import check_slots
+
+    _growing(monkeypatch, [(1, 2), (2, 2)])
+    with pytest.raises(SlotsTimeoutError, match=r"^Timed out waiting for Spark tasks to start") as info:
+        check_slots(object(), 4, start_wait=0.2)
+    err = info.value
+    assert isinstance(err, NotEnoughSlotsError) and isinstance(err, TimeoutError)
+    assert (err.num_proc, err.free_slots, err.total_slots, err.timeout_s) == (4, 2, 2, 0.2)
+    assert "start_timeout=0.2 s" in str(err) and "num_proc=4" in str(err) and "only 2 free task slots (2 in all)" \
+        in str(err)
+
+
+@pytest.mark.parametrize(("url", "conf", "expected"), [
+    ("local[2]", None, 1), ("local", None, 1), ("local[2,3]", None, 3), ("local[*, 5]", None, 5),
+    ("local-cluster[3,1,1024]", "2", 2), ("spark://m:7077", None, 4), ("spark://m:7077", "8", 8)])
+def test_task_max_failures_is_spark_s_for_the_master(monkeypatch, url, conf, expected):
+    from types import SimpleNamespace
+
+    from spark_hvd.runner import cluster
+
+    monkeypatch.setattr(cluster, "master", lambda spark: url)
+    session = SimpleNamespace(conf=SimpleNamespace(get=lambda key, default: conf or default))
+    assert cluster.task_max_failures(session) == expected

@@ -42,7 +42,7 @@ from spark_hvd.estimators.common.step_checkpoint import (
     write_step_checkpoint,
 )
 from spark_hvd.runner.start_lines import QUIET_FRAMEWORK_LOGS, quiet_imports
-from spark_hvd.store.background import BackgroundWriter
+from spark_hvd.store.background import BackgroundWriter, write_with_retries
 from spark_hvd.store.run_dir import RunDir
 
 __all__ = ["RankRun", "RankTrainer", "TrainingContext", "EarlyStopping", "check_finite", "train_on_rank",
@@ -338,7 +338,8 @@ class RankRun:
         snapshot = self._snapshot("spark_hvd_step_")
         store, run_id = self.spec.store, self.spec.run_id
         if self.writer.submit(lambda: write_step_checkpoint(store, run_id, snapshot, state),
-                              what=f"run {run_id}: the checkpoint after batch {step + 1} of epoch {epoch}",
+                              what=f"run {run_id}: the checkpoint after batch {step + 1} of epoch {epoch} "
+                                   f"({self.run_dir.step_checkpoint_path(epoch, step + 1)})",
                               checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True)):
             self.step_checkpoints += 1
             return True
@@ -367,7 +368,8 @@ class RankRun:
         if self.rank == 0:
             if not (save and self._checkpoint(epoch)):
                 history = copy.deepcopy(self.history)
-                self.writer.submit(lambda: self._write_metrics(history), what=f"the metrics log of epoch {epoch}")
+                self.writer.submit(lambda: self._write_metrics(history), optional=True,  # the next rewrites it
+                                   what=f"the metrics log of epoch {epoch} ({self.run_dir.logs_path})")
         report(epoch=epoch, **logs)
         return bool(self.trainer.hvd.broadcast_object(bool(stop), root_rank=0))
 
@@ -387,7 +389,8 @@ class RankRun:
                 self.run_dir.delete_step_checkpoints(before=(epoch + 1, 0))
 
         submitted = self.writer.submit(write,
-                                       what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch}",
+                                       what=f"run {self.spec.run_id}: the checkpoint of epoch {epoch} "
+                                            f"({self.run_dir.checkpoint_path(epoch)})",
                                        checkpoint=True, cleanup=lambda: shutil.rmtree(snapshot, ignore_errors=True))
         if not submitted:
             shutil.rmtree(snapshot, ignore_errors=True)
@@ -469,7 +472,8 @@ class RankRun:
         output_shapes = self.trainer.output_shapes(self.first_batch())
         with tempfile.TemporaryDirectory() as tmp:
             self.trainer.save_model(tmp)
-            self.run_dir.write_model(tmp)
+            write_with_retries(lambda: self.run_dir.write_model(tmp),
+                               what=f"run {self.spec.run_id}: the final model ({self.run_dir.model_path})")
         return {"history": self.history, "output_shapes": output_shapes, "final_epoch": self.final_epoch}
 
 
