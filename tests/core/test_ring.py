@@ -144,18 +144,23 @@ def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
         np.testing.assert_array_equal(got, np.concatenate([np.arange(n * 8, dtype=np.float32).reshape(n * 2, 4)
                                                            [2 * r:2 * r + 2] + 100 * k for k in range(n)]))
         assert recv_splits == [2] * n
-        # reducescatter: rows not divisible by the size; the first rows % size ranks get one more
-        for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX):
-            for total_rows in (2 * n + 1, 0, 4001):
-                mine = _data(seed + 6, r, total_rows * 3, "float32").reshape(total_rows, 3)
-                got = be.reducescatter(mine, op)
-                want = _expected([_data(seed + 6, k, total_rows * 3, "float32") for k in range(n)], op, "float32")
-                want = want.reshape(total_rows, 3)
-                base, extra = divmod(total_rows, n)
-                lo = r * base + min(r, extra)
-                hi = lo + base + (1 if r < extra else 0)
-                assert got.shape == (hi - lo, 3)
-                _close(got.reshape(-1), want[lo:hi].reshape(-1), "float32", f"reducescatter {op} rows={total_rows}")
+        # reducescatter: rows not divisible by the size (the first rows % size ranks get one more), every dtype;
+        # float32 also over several shared-memory blocks (40_001 rows); the input is left as it was
+        cases = [(dtype, op, rows) for dtype in DTYPES for op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+                 for rows in (2 * n + 1, 0)]
+        cases += [("float32", op, rows) for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX)
+                  for rows in (4001, 40_001)] + [("float16", ReduceOp.PRODUCT, 4001), ("int64", ReduceOp.MIN, 4001)]
+        for dtype, op, total_rows in cases:
+            mine = _data(seed + 6, r, total_rows * 3, dtype).reshape(total_rows, 3)
+            got = be.reducescatter(mine, op, bfloat16=dtype == "bfloat16")
+            np.testing.assert_array_equal(mine, _data(seed + 6, r, total_rows * 3, dtype).reshape(total_rows, 3))
+            want = _expected([_data(seed + 6, k, total_rows * 3, dtype) for k in range(n)], op, dtype)
+            want = want.reshape(total_rows, 3)
+            base, extra = divmod(total_rows, n)
+            lo = r * base + min(r, extra)
+            hi = lo + base + (1 if r < extra else 0)
+            assert got.shape == (hi - lo, 3) and got.dtype == mine.dtype
+            _close(got.reshape(-1), want[lo:hi].reshape(-1), dtype, f"reducescatter {dtype} {op} rows={total_rows}")
         be.barrier()
         return {"transport": be.transport, "digest": digest.hexdigest(),
                 "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size)}

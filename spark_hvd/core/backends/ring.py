@@ -17,7 +17,8 @@ frame HMAC-authenticated) and then:
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
   ranks, arrays up to ``PAIR_EXCHANGE_BYTES`` are exchanged whole instead (one round trip);
-* allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
+* allgather / reducescatter: the ring's allgather / reduce-scatter half (N-1 steps) over TCP, the slots' slice
+  collectives (``shm_slices``) on one host's shared memory (``plan.allgather``, ``plan.reducescatter``);
   broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
 A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
@@ -599,7 +600,7 @@ class RingBackend(Backend):
         if self.size == 1:
             return buf.copy()
         meta = json.dumps([buf.shape[0], buf.dtype.str, list(buf.shape[1:])]).encode()
-        metas = [json.loads(m) for m in self._small_allgather(meta, "allgather")]
+        metas = [json.loads(m) for m in self.plan.small_allgather(self, meta, "allgather")]
         odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
         if odd:
             raise TensorMismatchError(
@@ -613,7 +614,7 @@ class RingBackend(Backend):
             bounds.append(bounds[-1] + n * row_bytes)
         raw = out.reshape(-1).view(np.uint8)
         raw[bounds[self.rank]:bounds[self.rank + 1]] = buf.reshape(-1).view(np.uint8)
-        self._ring_allgather(raw, bounds, "allgather")
+        self.plan.allgather(self, raw, bounds, "allgather")
         return out
 
     @_collective("broadcast")
@@ -679,16 +680,13 @@ class RingBackend(Backend):
         check_dtype(buf, bfloat16)
         rows = even_bounds(buf.shape[0], self.size)
         row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
-        lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
-        work = np.array(buf, copy=True, order="C").reshape(-1)
-        if self.size > 1 and work.size:
-            if self.plan.scatters_by_allreduce:
-                self._allreduce_flat(work, op, bfloat16, "reducescatter")
-            else:
-                self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
-                if op is ReduceOp.AVERAGE:
-                    divide_average(work[lo:hi], self.size, bfloat16)
-        return work[lo:hi].copy().reshape((rows[self.rank + 1] - rows[self.rank], *buf.shape[1:]))
+        shape = (rows[self.rank + 1] - rows[self.rank], *buf.shape[1:])
+        flat = np.ascontiguousarray(buf).reshape(-1)
+        if self.size == 1 or flat.size == 0:
+            lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
+            return flat[lo:hi].copy().reshape(shape)
+        mine = self.plan.reducescatter(self, flat, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
+        return mine.reshape(shape)
 
     @_collective("barrier")
     def barrier(self) -> None:

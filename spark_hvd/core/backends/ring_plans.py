@@ -15,8 +15,9 @@ every rank) and returns one of
 ``plan.build(setup)`` then builds the groups the plan needs (the shared-memory segments of this host, the
 cross-memory pair) together with the other ranks; a plan whose groups cannot be built on every rank gives way to
 ``TcpRing`` on every rank alike. The backend asks its plan, never a name: ``plan.allreduce``,
-``plan.allreduce_fused``, ``plan.broadcast``, ``plan.fuses_in_place``, ``plan.scatters_by_allreduce``,
-``plan.agrees_in_band``. ``plan.name`` ("none", "tcp", "shm", "hier") is for logs, reprs and tests only.
+``plan.allreduce_fused``, ``plan.broadcast``, ``plan.reducescatter``, ``plan.allgather`` (and its metadata,
+``plan.small_allgather``), ``plan.fuses_in_place``, ``plan.agrees_in_band``. ``plan.name`` ("none", "tcp", "shm",
+"hier") is for logs, reprs and tests only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from spark_hvd.core.algorithms import hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import divide_average
-from spark_hvd.core.transport import shm_bind, shm_cma
+from spark_hvd.core.transport import shm_bind, shm_cma, shm_slices
 from spark_hvd.core.transport.shm import ShmGroup, segment_path, unlink_quietly
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Plan:
     name: ClassVar[str]
     #: ``allreduce_fused`` copies the arrays straight into the staging slots and back (no fusion buffer)
     fuses_in_place: ClassVar[bool] = False
-    #: a reducescatter is an allreduce and a slice (shared memory reduces whole arrays faster than TCP steps)
+    #: a reducescatter is an allreduce and a slice (``Hierarchical``: no reduce-scatter across its two transports)
     scatters_by_allreduce: ClassVar[bool] = False
 
     def build(self, setup: Setup) -> Plan:
@@ -116,6 +117,30 @@ class Plan:
 
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         backend._tcp_broadcast(flat, root, operation)
+
+    def reducescatter(self, backend: RingBackend, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp,
+                      bfloat16: bool, operation: str) -> np.ndarray:
+        """A new array: this rank's slice ``bounds[rank]:bounds[rank + 1]`` (elements) of ``flat`` reduced over
+        every rank (AVERAGE divided); ``flat`` is left as it was. Here the TCP ring's reduce-scatter half (N-1
+        steps) on a copy (the ring reduces into the other slices on the way), or an allreduce and a slice."""
+        work = flat.copy()
+        lo, hi = bounds[backend.rank], bounds[backend.rank + 1]
+        if self.scatters_by_allreduce:
+            self.allreduce(backend, work, op, bfloat16, operation)
+            return work[lo:hi].copy()
+        backend._ring_reduce_scatter(work, bounds, op, bfloat16, operation)
+        if op is ReduceOp.AVERAGE:
+            divide_average(work[lo:hi], backend.size, bfloat16)
+        return work[lo:hi].copy()
+
+    def small_allgather(self, backend: RingBackend, payload: bytes, operation: str) -> list[bytes]:
+        """Every rank's small ``payload``, by rank: one message from every rank over the mesh."""
+        return backend._small_allgather(payload, operation)
+
+    def allgather(self, backend: RingBackend, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
+        """Rank r holds bytes ``bounds[r]:bounds[r + 1]`` of ``raw``; afterwards every rank holds all: the TCP
+        ring's allgather half (N-1 steps)."""
+        backend._ring_allgather(raw, bounds, operation)
 
     def barrier(self, backend: RingBackend, operation: str) -> None:
         """Return once every rank has called it: an empty message from every rank over the mesh."""
@@ -213,7 +238,6 @@ class ShmHost(Plan):
 
     name: ClassVar[str] = "shm"
     fuses_in_place: ClassVar[bool] = True
-    scatters_by_allreduce: ClassVar[bool] = True
     local_ranks: tuple[int, ...] = ()
     shm: ShmGroup | None = None
     cma: shm_cma.CmaPair | None = None
@@ -250,6 +274,28 @@ class ShmHost(Plan):
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         assert self.shm is not None
         self.shm.broadcast([flat], root, operation, backend._check_peers)
+
+    def reducescatter(self, backend: RingBackend, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp,
+                      bfloat16: bool, operation: str) -> np.ndarray:
+        """The slots' reduce-scatter (``shm_slices``): each rank stages its windows of the other ranks' slices
+        straight from ``flat`` and reduces theirs of its own slice into a copy of it; nothing else is copied."""
+        assert self.shm is not None
+        parts = shm_slices.split(flat, bounds, self.shm.size)
+        mine = parts[self.shm.local] = parts[self.shm.local].copy()
+        shm_slices.reduce_scatter_parts(self.shm, parts, op, bfloat16, operation, backend._check_peers)
+        if op is ReduceOp.AVERAGE:
+            divide_average(mine, backend.size, bfloat16)
+        return mine
+
+    def small_allgather(self, backend: RingBackend, payload: bytes, operation: str) -> list[bytes]:
+        """One shared-memory round (``shm_slices.allgather_bytes``): no socket to wake up from."""
+        assert self.shm is not None
+        return shm_slices.allgather_bytes(self.shm, payload, operation, backend._check_peers)
+
+    def allgather(self, backend: RingBackend, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
+        """The slots' allgather (``shm_slices``): each rank copies its piece in once and every other piece out."""
+        assert self.shm is not None
+        shm_slices.allgather(self.shm, raw, bounds, operation, backend._check_peers)
 
     def barrier(self, backend: RingBackend, operation: str) -> None:
         """One small shared-memory collective, left together (``ShmGroup.barrier``): no socket to wake up from."""
