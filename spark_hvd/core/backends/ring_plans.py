@@ -278,11 +278,17 @@ class ShmHost(Plan):
     def reducescatter(self, backend: RingBackend, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp,
                       bfloat16: bool, operation: str) -> np.ndarray:
         """The slots' reduce-scatter (``shm_slices``): each rank stages its windows of the other ranks' slices
-        straight from ``flat`` and reduces theirs of its own slice into a copy of it; nothing else is copied."""
+        straight from ``flat`` and reduces theirs of its own slice into a copy of it; nothing else is copied. Two
+        ranks and a large array: the cross-memory pair's reduce-scatter half (``shm_cma``)."""
         assert self.shm is not None
-        parts = shm_slices.split(flat, bounds, self.shm.size)
-        mine = parts[self.shm.local] = parts[self.shm.local].copy()
-        shm_slices.reduce_scatter_parts(self.shm, parts, op, bfloat16, operation, backend._check_peers)
+        me = self.shm.local
+        if self.cma is not None and self.cma.takes([flat]):  # two ranks: read the peer's elements of mine directly
+            mine = np.empty(bounds[me + 1] - bounds[me], flat.dtype)
+            self.cma.reducescatter(flat, mine, bounds[me], op, bfloat16, operation, backend._check_peers)
+        else:
+            parts = shm_slices.split(flat, bounds, self.shm.size)
+            mine = parts[me] = parts[me].copy()
+            shm_slices.reduce_scatter_parts(self.shm, parts, op, bfloat16, operation, backend._check_peers)
         if op is ReduceOp.AVERAGE:
             divide_average(mine, backend.size, bfloat16)
         return mine
@@ -293,9 +299,13 @@ class ShmHost(Plan):
         return shm_slices.allgather_bytes(self.shm, payload, operation, backend._check_peers)
 
     def allgather(self, backend: RingBackend, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
-        """The slots' allgather (``shm_slices``): each rank copies its piece in once and every other piece out."""
+        """The slots' allgather (``shm_slices``): each rank copies its piece in once and every other piece out (two
+        ranks and a large array: the cross-memory pair reads the peer's piece straight into ``raw``)."""
         assert self.shm is not None
-        shm_slices.allgather(self.shm, raw, bounds, operation, backend._check_peers)
+        if self.cma is not None and self.cma.takes([raw]):  # two ranks: read the peer's piece directly
+            self.cma.allgather(raw, bounds, operation, backend._check_peers)
+        else:
+            shm_slices.allgather(self.shm, raw, bounds, operation, backend._check_peers)
 
     def barrier(self, backend: RingBackend, operation: str) -> None:
         """One small shared-memory collective, left together (``ShmGroup.barrier``): no socket to wake up from."""
