@@ -147,7 +147,7 @@ def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
         # reducescatter: rows not divisible by the size (the first rows % size ranks get one more), every dtype;
         # float32 also over several shared-memory blocks (40_001 rows); the input is left as it was
         cases = [(dtype, op, rows) for dtype in DTYPES for op in (ReduceOp.SUM, ReduceOp.AVERAGE)
-                 for rows in (2 * n + 1, 0)]
+                 for rows in (2 * n + 1, 0)] + [("float32", ReduceOp.SUM, n - 1)]  # n - 1: a rank gets no row
         cases += [("float32", op, rows) for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX)
                   for rows in (4001, 40_001)] + [("float16", ReduceOp.PRODUCT, 4001), ("int64", ReduceOp.MIN, 4001)]
         for dtype, op, total_rows in cases:
@@ -943,10 +943,10 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
 
 
 def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> dict:
-    """Allreduces above the recursive-doubling size (so on the ring) and an allgather, checked against numpy;
-    compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that disagreed on the frame
-    layout would fail with ``ProtocolError``. ``python_ranks`` run the Python loop on the compiled loop's frames
-    (a rank tracing frames does)."""
+    """Allreduces above the recursive-doubling size (so on the ring), an allgather and a reducescatter, checked
+    against numpy; compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that
+    disagreed on the frame layout would fail with ``ProtocolError``. ``python_ranks`` run the Python loop on the
+    compiled loop's frames (a rank tracing frames does)."""
     ringloop.FRAME_BYTES = 16 * 1024
     be = backend_from_env(SMALL)
     digest = hashlib.sha256()
@@ -976,6 +976,14 @@ def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> di
 
         got = be.allgather(rows(be.rank))
         np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(be.size)]))
+        # reducescatter: the compiled loop over the chunks it reduces into (copies) and the one it only sends (the
+        # input), the Python loop on a copy of the input, in the same frames
+        whole = [_data(seed + 3, k, 60_001, "float32") for k in range(be.size)]
+        mine = whole[be.rank].copy()
+        got = be.reducescatter(mine, ReduceOp.SUM)
+        np.testing.assert_array_equal(mine, whole[be.rank])
+        lo = be.rank * 20_000 + min(be.rank, 1)
+        _close(got, _expected(whole, ReduceOp.SUM, "float32")[lo:lo + got.size], "float32", "reducescatter")
         return {"transport": be.transport, "compiled": be._compiled, "python": tcp.loop.TRACE is not None,
                 "digest": digest.hexdigest()}
     finally:

@@ -447,6 +447,23 @@ class RingBackend(Backend):
         n = self._neighbours(members)[1]
         self._ring(flat, bounds, operation, members, reduce_steps=n - 1, op=op, bfloat16=bfloat16)
 
+    def _ring_reduce_scatter_copy(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
+                                  operation: str) -> np.ndarray | None:
+        """``_ring_reduce_scatter`` of every rank that leaves ``flat`` as it was, by the compiled loop's segments:
+        the ring reduces into every chunk but ``p - 1`` (sent at step 0, never received), so that chunk stays in
+        ``flat`` and the others are copies; returns the copy of this rank's chunk p (AVERAGE summed). None (nothing
+        sent) where the compiled loop does not run it (or ``flat`` is read-only): the caller copies ``flat``."""
+        p, n = self.rank, self.size
+        if not (self._compiled and tcp.loop.TRACE is None and flat.flags.writeable
+                and ringloop.supports(flat.dtype, op, bfloat16, n - 1)):
+            return None
+        kept = (p - 1) % n
+        chunks = [flat[lo:hi] if j == kept else flat[lo:hi].copy()
+                  for j, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
+        self._ring(np.empty(0, flat.dtype), bounds, operation, reduce_steps=n - 1, op=op, bfloat16=bfloat16,
+                   segments=[c for c in chunks if c.size])
+        return chunks[p]
+
     def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
                         members: Sequence[int] | None = None) -> None:
         """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""

@@ -122,9 +122,17 @@ class Plan:
                       bfloat16: bool, operation: str) -> np.ndarray:
         """A new array: this rank's slice ``bounds[rank]:bounds[rank + 1]`` (elements) of ``flat`` reduced over
         every rank (AVERAGE divided); ``flat`` is left as it was. Here the TCP ring's reduce-scatter half (N-1
-        steps) on a copy (the ring reduces into the other slices on the way), or an allreduce and a slice."""
-        work = flat.copy()
+        steps): with the compiled loop over copies of the chunks it reduces into and ``flat``'s one chunk it only
+        sends (``RingBackend._ring_reduce_scatter_copy``: at N=2 only this rank's half is copied), else on a copy
+        of ``flat``; or an allreduce and a slice."""
         lo, hi = bounds[backend.rank], bounds[backend.rank + 1]
+        if not self.scatters_by_allreduce:
+            mine = backend._ring_reduce_scatter_copy(flat, bounds, op, bfloat16, operation)
+            if mine is not None:
+                if op is ReduceOp.AVERAGE:
+                    divide_average(mine, backend.size, bfloat16)
+                return mine
+        work = flat.copy()
         if self.scatters_by_allreduce:
             self.allreduce(backend, work, op, bfloat16, operation)
             return work[lo:hi].copy()
