@@ -144,10 +144,12 @@ def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
         np.testing.assert_array_equal(got, np.concatenate([np.arange(n * 8, dtype=np.float32).reshape(n * 2, 4)
                                                            [2 * r:2 * r + 2] + 100 * k for k in range(n)]))
         assert recv_splits == [2] * n
-        # reducescatter: rows not divisible by the size (the first rows % size ranks get one more), every dtype;
-        # float32 also over several shared-memory blocks (40_001 rows); the input is left as it was
+        # reducescatter: rows not divisible by the size (the first rows % size ranks get one more), every dtype
+        # below and above one small shared-memory block; float32 also over several blocks (40_001 rows); the input
+        # is left as it was
         cases = [(dtype, op, rows) for dtype in DTYPES for op in (ReduceOp.SUM, ReduceOp.AVERAGE)
                  for rows in (2 * n + 1, 0)] + [("float32", ReduceOp.SUM, n - 1)]  # n - 1: a rank gets no row
+        cases += [(dtype, ReduceOp.SUM, 12_001) for dtype in DTYPES]  # from 36 KB: past one small block (32 KiB)
         cases += [("float32", op, rows) for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX)
                   for rows in (4001, 40_001)] + [("float16", ReduceOp.PRODUCT, 4001), ("int64", ReduceOp.MIN, 4001)]
         for dtype, op, total_rows in cases:

@@ -287,9 +287,14 @@ class ShmHost(Plan):
                       bfloat16: bool, operation: str) -> np.ndarray:
         """The slots' reduce-scatter (``shm_slices``): each rank stages its windows of the other ranks' slices
         straight from ``flat`` and reduces theirs of its own slice into a copy of it; nothing else is copied. Two
-        ranks and a large array: the cross-memory pair's reduce-scatter half (``shm_cma``)."""
+        ranks and a large array: the cross-memory pair's reduce-scatter half (``shm_cma``); an array of one small
+        block (``ShmGroup.small_bytes``): an allreduce of a copy and a slice (one synchronisation, not two)."""
         assert self.shm is not None
         me = self.shm.local
+        if flat.nbytes <= self.shm.small_bytes:  # one small block: the allreduce's one synchronisation is cheaper
+            work = flat.copy()
+            self.allreduce(backend, work, op, bfloat16, operation)
+            return work[bounds[me]:bounds[me + 1]].copy()
         if self.cma is not None and self.cma.takes([flat]):  # two ranks: read the peer's elements of mine directly
             mine = np.empty(bounds[me + 1] - bounds[me], flat.dtype)
             self.cma.reducescatter(flat, mine, bounds[me], op, bfloat16, operation, backend._check_peers)
