@@ -24,6 +24,10 @@ bus bandwidth is ``(N-1)/N x bytes / time``. ``api`` calls ``hvd.reducescatter(t
 ``hvd.allgather(t)``, gloo ``dist.reduce_scatter`` (its tensor form is not in gloo) / ``dist.all_gather_into_tensor``::
 
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,ring-tcp,gloo --op reducescatter
+    BENCH_VARIANTS='{"ar": {"BENCH_OP": "allreduce"}}' \
+        .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,ring:ar --op allgather   # against the allreduce
+
+(a variant's ``BENCH_OP`` times another collective in the same invocation; the busbw column keeps ``--op``'s factor.)
 
 ``--osu`` times as osu_allreduce does: a barrier between timed allreduces (only the allreduce is timed), so no
 call can ride on the one before it; ``--after-barrier`` times the loop a user writes to time a small collective:
