@@ -17,6 +17,18 @@ bus bandwidth ``2 (N-1)/N x bytes / time`` and the ratio of bus bandwidth to glo
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --alternate   # two tensors in turn
     .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,ring --sizes 4K --after-barrier  # barrier, one call
 
+``--op reducescatter`` / ``--op allgather`` time those collectives instead (``ring``, ``ring-tcp``, ``ring-hier``,
+``api``, ``api-tcp``, ``api-hier``, ``gloo``, ``mpi``): SIZE is the whole buffer, as nccl-tests count it (the
+reducescatter's input, of which each rank gets 1/N; the allgather's output, of which each rank gives 1/N), and the
+bus bandwidth is ``(N-1)/N x bytes / time``. ``api`` calls ``hvd.reducescatter(t, op=hvd.Sum)`` /
+``hvd.allgather(t)``, gloo ``dist.reduce_scatter`` (its tensor form is not in gloo) / ``dist.all_gather_into_tensor``::
+
+    .venv/bin/python benchmarks/allreduce.py --np 2 --impls api,api-tcp,ring,ring-tcp,gloo --op reducescatter
+    BENCH_VARIANTS='{"ar": {"BENCH_OP": "allreduce"}}' \
+        .venv/bin/python benchmarks/allreduce.py --np 2 --impls ring,ring:ar --op allgather   # against the allreduce
+
+(a variant's ``BENCH_OP`` times another collective in the same invocation; the busbw column keeps ``--op``'s factor.)
+
 ``--osu`` times as osu_allreduce does: a barrier between timed allreduces (only the allreduce is timed), so no
 call can ride on the one before it; ``--after-barrier`` times the loop a user writes to time a small collective:
 untimed back-to-back calls, then ``hvd.barrier()`` before each timed call, each call's slowest rank, the median over
@@ -76,6 +88,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -168,6 +181,12 @@ def _worker(name: str) -> None:
         def allreduce(buf: np.ndarray) -> None:
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
+        def reducescatter(buf: np.ndarray) -> None:
+            comm.Reduce_scatter_block(buf, np.empty(buf.size // size, buf.dtype), op=MPI.SUM)
+
+        def allgather(piece: np.ndarray) -> None:
+            comm.Allgather(piece, np.empty(piece.size * size, piece.dtype))
+
         barrier = comm.Barrier
         close = lambda: None  # noqa: E731
         transport = "open mpi defaults"
@@ -183,6 +202,15 @@ def _worker(name: str) -> None:
 
         def allreduce(buf: np.ndarray) -> None:
             dist.all_reduce(torch.from_numpy(buf))
+
+        def reducescatter(buf: np.ndarray) -> None:
+            whole = torch.from_numpy(buf)
+            dist.reduce_scatter(torch.empty(buf.size // size), list(whole.chunk(size)))
+
+        def allgather(piece: np.ndarray) -> None:
+            with warnings.catch_warnings():  # "deprecated": its successor is not in every torch the legs run
+                warnings.simplefilter("ignore", FutureWarning)
+                dist.all_gather_into_tensor(torch.empty(piece.size * size), torch.from_numpy(piece))
 
         barrier = dist.barrier
         close = dist.destroy_process_group
@@ -205,6 +233,12 @@ def _worker(name: str) -> None:
                     tensors.clear()
                 tensor = tensors[id(buf)] = torch.from_numpy(buf)  # shares buf's memory
             hvd.allreduce_(tensor, name=None if tag is None else f"bench.{buf.nbytes}{tag}", op=hvd.Sum)
+
+        def reducescatter(buf: np.ndarray) -> None:
+            hvd.reducescatter(torch.from_numpy(buf), name=f"bench.rs.{buf.nbytes}", op=hvd.Sum)
+
+        def allgather(piece: np.ndarray) -> None:
+            hvd.allgather(torch.from_numpy(piece), name=f"bench.ag.{piece.nbytes}")
 
         barrier = hvd.barrier
         close = hvd.shutdown
@@ -241,10 +275,17 @@ def _worker(name: str) -> None:
             else:
                 backend.allreduce(buf, ReduceOp.SUM)
 
+        def reducescatter(buf: np.ndarray) -> None:
+            backend.reducescatter(buf, ReduceOp.SUM)
+
+        def allgather(piece: np.ndarray) -> None:
+            backend.allgather(piece)
+
         barrier = backend.barrier
         close = backend.close
         transport = (f"{backend.transport}, {'encrypted' if backend.encrypt else 'authenticated'}, "
                      f"{'compiled' if backend._compiled else 'Python'} loop")
+    allreduce = _the_op(os.environ.get("BENCH_OP", "allreduce"), impl, size, allreduce, locals())
     counting = bool(os.environ.get("BENCH_STATS")) and carried is not None
     control = _connect_control()
     control.send_object(("hello", name, rank, transport))
@@ -434,6 +475,29 @@ def _after_barrier(allreduce: Any, barrier: Any, buf: np.ndarray, iters: int, wa
 
 
 # ---------------------------------------------------------------------------------------------- driver side
+def _the_op(op: str, impl: str, size: int, allreduce: Callable[..., None], defined: dict[str, Any]
+            ) -> Callable[..., None]:
+    """What the timed loops call with the whole buffer for ``--op``: the allreduce; the reducescatter of it; the
+    allgather of this rank's 1/N of it (a view made once per buffer)."""
+    if op == "allreduce":
+        return allreduce
+    if op not in defined or impl in ("ring-sync", "ring-agreed"):
+        raise SystemExit(f"{impl} has no {op} (--op {op}: use ring, ring-tcp, ring-hier, api*, gloo or mpi)")
+    collective = defined[op]
+    if op == "reducescatter":
+        return lambda buf, tag="": collective(buf)
+    pieces: dict[int, np.ndarray] = {}
+
+    def gather(buf: np.ndarray, tag: str = "") -> None:
+        piece = pieces.get(id(buf))
+        if piece is None:
+            pieces.clear()
+            piece = pieces[id(buf)] = buf[:buf.size // size]
+        collective(piece)
+
+    return gather
+
+
 def variant_env(name: str) -> dict[str, str]:
     """The environment variables ``IMPL:VARIANT`` adds (``BENCH_VARIANTS``); none for a plain ``IMPL``."""
     if ":" not in name:
@@ -580,7 +644,7 @@ def table(n: int, impls: list[str], sizes: list[int], times: dict[tuple[str, int
     lines = [f"N={n} (median of {len(next(iter(times.values())))} rounds; time: slowest rank per allreduce; busbw in "
              "GB/s; cpu: CPU time per allreduce per rank; x/gloo = busbw ratio)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    factor = 2 * (n - 1) / n
+    factor = (1 if os.environ.get("BENCH_OP", "allreduce") == "allreduce" else 0.5) * 2 * (n - 1) / n
     for nbytes in sizes:
         med = {i: statistics.median(t for t, _ in times[(i, nbytes)]) for i in impls}
         cpu = {i: statistics.median(c for _, c in times[(i, nbytes)]) for i in impls}
@@ -631,6 +695,9 @@ def main(argv: list[str] | None = None) -> int:
                              "slowest rank; the median over calls)")
     parser.add_argument("--unnamed", action="store_true",
                         help="with --after-barrier: the api calls give no name (hvd.allreduce_(t))")
+    parser.add_argument("--op", choices=("allreduce", "reducescatter", "allgather"), default="allreduce",
+                        help="the collective timed (SIZE: the whole buffer; busbw (N-1)/N x SIZE / time for the "
+                             "other two)")
     parser.add_argument("--new-names", action="store_true",
                         help="back-to-back calls, each under a name not used before (a full negotiation each)")
     args = parser.parse_args(argv)
@@ -649,10 +716,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
     nps = [int(x) for x in (args.np or ("2" if args.quick else "2,4")).split(",")]
+    os.environ["BENCH_OP"] = args.op  # the workers inherit it
     default_sizes = "4K,64K,1M,16M,64M" if args.quick else "4K,64K,1M,4M,16M,64M,256M"
     sizes = [parse_size(s) for s in (args.sizes or default_sizes).split(",")]
     rounds = args.rounds or (3 if args.quick else 5)
-    print(f"# allreduce float32 SUM, interleaved; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
+    print(f"# {args.op} float32 SUM, interleaved; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f} "
           f"at start; command: {' '.join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}")
     for n in nps:
         # the hierarchical path needs two "hosts" of at least two ranks each to differ from the TCP ring

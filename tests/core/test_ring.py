@@ -144,18 +144,25 @@ def _all_collectives(seed: int, backend_kwargs: dict | None = None) -> dict:
         np.testing.assert_array_equal(got, np.concatenate([np.arange(n * 8, dtype=np.float32).reshape(n * 2, 4)
                                                            [2 * r:2 * r + 2] + 100 * k for k in range(n)]))
         assert recv_splits == [2] * n
-        # reducescatter: rows not divisible by the size; the first rows % size ranks get one more
-        for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX):
-            for total_rows in (2 * n + 1, 0, 4001):
-                mine = _data(seed + 6, r, total_rows * 3, "float32").reshape(total_rows, 3)
-                got = be.reducescatter(mine, op)
-                want = _expected([_data(seed + 6, k, total_rows * 3, "float32") for k in range(n)], op, "float32")
-                want = want.reshape(total_rows, 3)
-                base, extra = divmod(total_rows, n)
-                lo = r * base + min(r, extra)
-                hi = lo + base + (1 if r < extra else 0)
-                assert got.shape == (hi - lo, 3)
-                _close(got.reshape(-1), want[lo:hi].reshape(-1), "float32", f"reducescatter {op} rows={total_rows}")
+        # reducescatter: rows not divisible by the size (the first rows % size ranks get one more), every dtype
+        # below and above one small shared-memory block; float32 also over several blocks (40_001 rows); the input
+        # is left as it was
+        cases = [(dtype, op, rows) for dtype in DTYPES for op in (ReduceOp.SUM, ReduceOp.AVERAGE)
+                 for rows in (2 * n + 1, 0)] + [("float32", ReduceOp.SUM, n - 1)]  # n - 1: a rank gets no row
+        cases += [(dtype, ReduceOp.SUM, 12_001) for dtype in DTYPES]  # from 36 KB: past one small block (32 KiB)
+        cases += [("float32", op, rows) for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MAX)
+                  for rows in (4001, 40_001)] + [("float16", ReduceOp.PRODUCT, 4001), ("int64", ReduceOp.MIN, 4001)]
+        for dtype, op, total_rows in cases:
+            mine = _data(seed + 6, r, total_rows * 3, dtype).reshape(total_rows, 3)
+            got = be.reducescatter(mine, op, bfloat16=dtype == "bfloat16")
+            np.testing.assert_array_equal(mine, _data(seed + 6, r, total_rows * 3, dtype).reshape(total_rows, 3))
+            want = _expected([_data(seed + 6, k, total_rows * 3, dtype) for k in range(n)], op, dtype)
+            want = want.reshape(total_rows, 3)
+            base, extra = divmod(total_rows, n)
+            lo = r * base + min(r, extra)
+            hi = lo + base + (1 if r < extra else 0)
+            assert got.shape == (hi - lo, 3) and got.dtype == mine.dtype
+            _close(got.reshape(-1), want[lo:hi].reshape(-1), dtype, f"reducescatter {dtype} {op} rows={total_rows}")
         be.barrier()
         return {"transport": be.transport, "digest": digest.hexdigest(),
                 "topology": (be.local_rank, be.local_size, be.cross_rank, be.cross_size)}
@@ -938,10 +945,10 @@ def test_compiled_and_python_ring_loops_interoperate(monkeypatch, compiled_rank,
 
 
 def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> dict:
-    """Allreduces above the recursive-doubling size (so on the ring) and an allgather, checked against numpy;
-    compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that disagreed on the frame
-    layout would fail with ``ProtocolError``. ``python_ranks`` run the Python loop on the compiled loop's frames
-    (a rank tracing frames does)."""
+    """Allreduces above the recursive-doubling size (so on the ring), an allgather and a reducescatter, checked
+    against numpy; compiled rings use 16 KiB frames here, the Python loop's 64 KiB (``SMALL``): ranks that
+    disagreed on the frame layout would fail with ``ProtocolError``. ``python_ranks`` run the Python loop on the
+    compiled loop's frames (a rank tracing frames does)."""
     ringloop.FRAME_BYTES = 16 * 1024
     be = backend_from_env(SMALL)
     digest = hashlib.sha256()
@@ -971,6 +978,14 @@ def _mixed_loop_collectives(seed: int, python_ranks: tuple[int, ...] = ()) -> di
 
         got = be.allgather(rows(be.rank))
         np.testing.assert_array_equal(got, np.concatenate([rows(k) for k in range(be.size)]))
+        # reducescatter: the compiled loop over the chunks it reduces into (copies) and the one it only sends (the
+        # input), the Python loop on a copy of the input, in the same frames
+        whole = [_data(seed + 3, k, 60_001, "float32") for k in range(be.size)]
+        mine = whole[be.rank].copy()
+        got = be.reducescatter(mine, ReduceOp.SUM)
+        np.testing.assert_array_equal(mine, whole[be.rank])
+        lo = be.rank * 20_000 + min(be.rank, 1)
+        _close(got, _expected(whole, ReduceOp.SUM, "float32")[lo:lo + got.size], "float32", "reducescatter")
         return {"transport": be.transport, "compiled": be._compiled, "python": tcp.loop.TRACE is not None,
                 "digest": digest.hexdigest()}
     finally:

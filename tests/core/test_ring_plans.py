@@ -26,7 +26,9 @@ def test_plans_say_what_the_backend_asks_them():
     assert [p.name for p in (Solo(), TcpRing(), ShmHost(), Hierarchical())] == ["none", "tcp", "shm", "hier"]
     assert TcpRing().agrees_in_band(2) and not TcpRing().agrees_in_band(3) and not ShmHost().agrees_in_band(2)
     assert ShmHost.fuses_in_place and Solo.fuses_in_place and not TcpRing.fuses_in_place
-    assert ShmHost.scatters_by_allreduce and Hierarchical.scatters_by_allreduce and not TcpRing.scatters_by_allreduce
+    # a reducescatter: the reduce-scatter half over TCP and on one host's slots; an allreduce and a slice across both
+    assert Hierarchical.scatters_by_allreduce
+    assert not ShmHost.scatters_by_allreduce and not TcpRing.scatters_by_allreduce
     job = SimpleNamespace(size=6, cross_size=3)  # what the TCP leg runs among (autotune's halving-doubling)
     assert [p.tcp_ring_size(job) for p in (Solo(), TcpRing(), ShmHost(), Hierarchical())] == [0, 6, 0, 3]
 

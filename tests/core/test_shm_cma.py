@@ -88,6 +88,38 @@ def test_every_op_matches_numpy_bit_for_bit(dtype):
         _close(pairs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reducescatter_and_allgather_halves_match_numpy_bit_for_bit(dtype):
+    # ragged slices (rank 0 one element more, or none at all) across many blocks; the input is left unchanged
+    pairs = _pairs()
+    bf16 = dtype == "bfloat16"
+    try:
+        for n in (1, 7, 97, 1001):
+            split = (n + 1) // 2
+            for op in OPS:
+                arrays = [_data(n, k, n, dtype) for k in range(2)]
+                # AVERAGE sums (the caller divides)
+                want = reference_reduce(arrays, ReduceOp.SUM if op is ReduceOp.AVERAGE else op, bf16)
+                inputs = [a.copy() for a in arrays]
+                outs = [np.empty(split, inputs[0].dtype), np.empty(n - split, inputs[0].dtype)]
+                on_threads(2, lambda k, inputs=inputs, outs=outs, op=op, split=split: pairs[k].reducescatter(
+                    inputs[k], outs[k], split * k, op, bf16, "reducescatter", _no_peers))
+                np.testing.assert_array_equal(np.concatenate(outs), want, err_msg=f"{dtype} {op} n={n}")
+                for k in range(2):
+                    np.testing.assert_array_equal(inputs[k], arrays[k])
+            raws = [np.zeros(n * 4, np.uint8) for _ in range(2)]
+            bounds = [0, split * 4, n * 4]
+            for k in range(2):
+                raws[k][bounds[k]:bounds[k + 1]] = _data(n, k, 4 * n, "uint8")[:bounds[k + 1] - bounds[k]] + k
+            want = np.concatenate([raws[0][:bounds[1]], raws[1][bounds[1]:]])
+            on_threads(2, lambda k, raws=raws, bounds=bounds: pairs[k].allgather(raws[k], bounds, "allgather",
+                                                                              _no_peers))
+            for k in range(2):
+                np.testing.assert_array_equal(raws[k], want, err_msg=f"allgather n={n} rank {k}")
+    finally:
+        _close(pairs)
+
+
 def test_fused_pieces_and_buffer_reuse_right_after_return(monkeypatch):
     # the ordering rules: each member refills its buffers with new data as soon as allreduce returns and a
     # member sleeps at random between calls; a peer still reading (or an early write) would show in the sums.
@@ -165,6 +197,10 @@ def _through_backend(seed: int, refuse_on: int | None) -> dict:
         fused = [_data(seed, be.rank, n, "int64") for n in (300, 1, 900)]
         be.allreduce_fused(fused, ReduceOp.MAX)
         out["fused"] = hashlib.sha256(np.concatenate(fused).tobytes()).hexdigest()
+        for rows in (1025, 3, 20_001):  # reducescatter and allgather around the threshold, ragged
+            mine = _data(seed, be.rank, rows * 2, "float32").reshape(rows, 2)
+            out[f"rs{rows}"] = hashlib.sha256(be.reducescatter(mine, ReduceOp.SUM).tobytes()).hexdigest()
+            out[f"ag{rows}"] = hashlib.sha256(be.allgather(mine[be.rank:]).tobytes()).hexdigest()
         many = [np.full(16, be.rank + i, np.int64) for i in range(shm_cma.MAX_SEGS + 1)]  # too many: the slots
         be.allreduce_fused(many, ReduceOp.SUM)
         out["many"] = [int(a.sum()) for a in many]
@@ -179,7 +215,15 @@ def test_backend_threshold_fusion_and_fallback(refuse_on, cma):
     seed = 11
     results = run_ranks(_through_backend, 2, env={"SPARK_HVD_SHM": "1", "SPARK_HVD_SHM_CMA": cma,
                                                   "SPARK_HVD_TIMEOUT": "30"}, timeout=120, args=(seed, refuse_on))
+    rs = {key: results[0].pop(key) + results[1].pop(key) for key in list(results[0]) if str(key).startswith("rs")}
     assert results[0] == results[1]  # identical bits on both ranks
+    for rows in (1025, 3, 20_001):
+        whole = [_data(seed, k, rows * 2, "float32").reshape(rows, 2) for k in range(2)]
+        total = reference_reduce(whole, ReduceOp.SUM)
+        mid = (rows + 1) // 2
+        assert rs[f"rs{rows}"] == "".join(hashlib.sha256(p.tobytes()).hexdigest() for p in (total[:mid], total[mid:]))
+        gathered = np.concatenate([whole[0], whole[1][1:]])
+        assert results[0][f"ag{rows}"] == hashlib.sha256(gathered.tobytes()).hexdigest()
     assert results[0]["cma"] is (refuse_on is None and cma != "0")  # both fall back when either probe fails
     for n in (1023, 1024, 1025, 70_001):
         want = reference_reduce([_data(seed, k, n, "float32") for k in range(2)], ReduceOp.AVERAGE)

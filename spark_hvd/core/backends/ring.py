@@ -17,7 +17,8 @@ frame HMAC-authenticated) and then:
   (reduce-scatter then allgather, N-1 steps each, pipelined in sub-chunks: each is received, reduced in place
   from a preallocated scratch frame and forwarded at once, in one thread over non-blocking sockets); between two
   ranks, arrays up to ``PAIR_EXCHANGE_BYTES`` are exchanged whole instead (one round trip);
-* allgather / reducescatter: ring steps over TCP (reducescatter reuses the allreduce with shared memory);
+* allgather / reducescatter: the ring's allgather / reduce-scatter half (N-1 steps) over TCP, the slots' slice
+  collectives (``shm_slices``) on one host's shared memory (``plan.allgather``, ``plan.reducescatter``);
   broadcast: shared memory when all ranks are local, else root to every rank over TCP; alltoall: pairwise.
 
 A failure (a peer's connection closing, a timeout, a frame failing its HMAC) marks the backend broken, tells every
@@ -446,6 +447,23 @@ class RingBackend(Backend):
         n = self._neighbours(members)[1]
         self._ring(flat, bounds, operation, members, reduce_steps=n - 1, op=op, bfloat16=bfloat16)
 
+    def _ring_reduce_scatter_copy(self, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp, bfloat16: bool,
+                                  operation: str) -> np.ndarray | None:
+        """``_ring_reduce_scatter`` of every rank that leaves ``flat`` as it was, by the compiled loop's segments:
+        the ring reduces into every chunk but ``p - 1`` (sent at step 0, never received), so that chunk stays in
+        ``flat`` and the others are copies; returns the copy of this rank's chunk p (AVERAGE summed). None (nothing
+        sent) where the compiled loop does not run it (or ``flat`` is read-only): the caller copies ``flat``."""
+        p, n = self.rank, self.size
+        if not (self._compiled and tcp.loop.TRACE is None and flat.flags.writeable
+                and ringloop.supports(flat.dtype, op, bfloat16, n - 1)):
+            return None
+        kept = (p - 1) % n
+        chunks = [flat[lo:hi] if j == kept else flat[lo:hi].copy()
+                  for j, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False))]
+        self._ring(np.empty(0, flat.dtype), bounds, operation, reduce_steps=n - 1, op=op, bfloat16=bfloat16,
+                   segments=[c for c in chunks if c.size])
+        return chunks[p]
+
     def _ring_allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
                         members: Sequence[int] | None = None) -> None:
         """Ring position p holds bytes ``bounds[p]:bounds[p+1]`` of ``raw``; afterwards every member holds all."""
@@ -599,7 +617,7 @@ class RingBackend(Backend):
         if self.size == 1:
             return buf.copy()
         meta = json.dumps([buf.shape[0], buf.dtype.str, list(buf.shape[1:])]).encode()
-        metas = [json.loads(m) for m in self._small_allgather(meta, "allgather")]
+        metas = [json.loads(m) for m in self.plan.small_allgather(self, meta, "allgather")]
         odd = [r for r, m in enumerate(metas) if m[1:] != metas[0][1:]]
         if odd:
             raise TensorMismatchError(
@@ -613,7 +631,7 @@ class RingBackend(Backend):
             bounds.append(bounds[-1] + n * row_bytes)
         raw = out.reshape(-1).view(np.uint8)
         raw[bounds[self.rank]:bounds[self.rank + 1]] = buf.reshape(-1).view(np.uint8)
-        self._ring_allgather(raw, bounds, "allgather")
+        self.plan.allgather(self, raw, bounds, "allgather")
         return out
 
     @_collective("broadcast")
@@ -679,16 +697,13 @@ class RingBackend(Backend):
         check_dtype(buf, bfloat16)
         rows = even_bounds(buf.shape[0], self.size)
         row_elems = int(np.prod(buf.shape[1:], dtype=np.int64))
-        lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
-        work = np.array(buf, copy=True, order="C").reshape(-1)
-        if self.size > 1 and work.size:
-            if self.plan.scatters_by_allreduce:
-                self._allreduce_flat(work, op, bfloat16, "reducescatter")
-            else:
-                self._ring_reduce_scatter(work, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
-                if op is ReduceOp.AVERAGE:
-                    divide_average(work[lo:hi], self.size, bfloat16)
-        return work[lo:hi].copy().reshape((rows[self.rank + 1] - rows[self.rank], *buf.shape[1:]))
+        shape = (rows[self.rank + 1] - rows[self.rank], *buf.shape[1:])
+        flat = np.ascontiguousarray(buf).reshape(-1)
+        if self.size == 1 or flat.size == 0:
+            lo, hi = rows[self.rank] * row_elems, rows[self.rank + 1] * row_elems
+            return flat[lo:hi].copy().reshape(shape)
+        mine = self.plan.reducescatter(self, flat, [b * row_elems for b in rows], op, bfloat16, "reducescatter")
+        return mine.reshape(shape)
 
     @_collective("barrier")
     def barrier(self) -> None:

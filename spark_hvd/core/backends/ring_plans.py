@@ -15,8 +15,9 @@ every rank) and returns one of
 ``plan.build(setup)`` then builds the groups the plan needs (the shared-memory segments of this host, the
 cross-memory pair) together with the other ranks; a plan whose groups cannot be built on every rank gives way to
 ``TcpRing`` on every rank alike. The backend asks its plan, never a name: ``plan.allreduce``,
-``plan.allreduce_fused``, ``plan.broadcast``, ``plan.fuses_in_place``, ``plan.scatters_by_allreduce``,
-``plan.agrees_in_band``. ``plan.name`` ("none", "tcp", "shm", "hier") is for logs, reprs and tests only.
+``plan.allreduce_fused``, ``plan.broadcast``, ``plan.reducescatter``, ``plan.allgather`` (and its metadata,
+``plan.small_allgather``), ``plan.fuses_in_place``, ``plan.agrees_in_band``. ``plan.name`` ("none", "tcp", "shm",
+"hier") is for logs, reprs and tests only.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from spark_hvd.core.algorithms import hier_pipeline
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.reduce import divide_average
-from spark_hvd.core.transport import shm_bind, shm_cma
+from spark_hvd.core.transport import shm_bind, shm_cma, shm_slices
 from spark_hvd.core.transport.shm import ShmGroup, segment_path, unlink_quietly
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class Plan:
     name: ClassVar[str]
     #: ``allreduce_fused`` copies the arrays straight into the staging slots and back (no fusion buffer)
     fuses_in_place: ClassVar[bool] = False
-    #: a reducescatter is an allreduce and a slice (shared memory reduces whole arrays faster than TCP steps)
+    #: a reducescatter is an allreduce and a slice (``Hierarchical``: no reduce-scatter across its two transports)
     scatters_by_allreduce: ClassVar[bool] = False
 
     def build(self, setup: Setup) -> Plan:
@@ -116,6 +117,38 @@ class Plan:
 
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         backend._tcp_broadcast(flat, root, operation)
+
+    def reducescatter(self, backend: RingBackend, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp,
+                      bfloat16: bool, operation: str) -> np.ndarray:
+        """A new array: this rank's slice ``bounds[rank]:bounds[rank + 1]`` (elements) of ``flat`` reduced over
+        every rank (AVERAGE divided); ``flat`` is left as it was. Here the TCP ring's reduce-scatter half (N-1
+        steps): with the compiled loop over copies of the chunks it reduces into and ``flat``'s one chunk it only
+        sends (``RingBackend._ring_reduce_scatter_copy``: at N=2 only this rank's half is copied), else on a copy
+        of ``flat``; or an allreduce and a slice."""
+        lo, hi = bounds[backend.rank], bounds[backend.rank + 1]
+        if not self.scatters_by_allreduce:
+            mine = backend._ring_reduce_scatter_copy(flat, bounds, op, bfloat16, operation)
+            if mine is not None:
+                if op is ReduceOp.AVERAGE:
+                    divide_average(mine, backend.size, bfloat16)
+                return mine
+        work = flat.copy()
+        if self.scatters_by_allreduce:
+            self.allreduce(backend, work, op, bfloat16, operation)
+            return work[lo:hi].copy()
+        backend._ring_reduce_scatter(work, bounds, op, bfloat16, operation)
+        if op is ReduceOp.AVERAGE:
+            divide_average(work[lo:hi], backend.size, bfloat16)
+        return work[lo:hi].copy()
+
+    def small_allgather(self, backend: RingBackend, payload: bytes, operation: str) -> list[bytes]:
+        """Every rank's small ``payload``, by rank: one message from every rank over the mesh."""
+        return backend._small_allgather(payload, operation)
+
+    def allgather(self, backend: RingBackend, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
+        """Rank r holds bytes ``bounds[r]:bounds[r + 1]`` of ``raw``; afterwards every rank holds all: the TCP
+        ring's allgather half (N-1 steps)."""
+        backend._ring_allgather(raw, bounds, operation)
 
     def barrier(self, backend: RingBackend, operation: str) -> None:
         """Return once every rank has called it: an empty message from every rank over the mesh."""
@@ -213,7 +246,6 @@ class ShmHost(Plan):
 
     name: ClassVar[str] = "shm"
     fuses_in_place: ClassVar[bool] = True
-    scatters_by_allreduce: ClassVar[bool] = True
     local_ranks: tuple[int, ...] = ()
     shm: ShmGroup | None = None
     cma: shm_cma.CmaPair | None = None
@@ -250,6 +282,43 @@ class ShmHost(Plan):
     def broadcast(self, backend: RingBackend, flat: np.ndarray, root: int, operation: str) -> None:
         assert self.shm is not None
         self.shm.broadcast([flat], root, operation, backend._check_peers)
+
+    def reducescatter(self, backend: RingBackend, flat: np.ndarray, bounds: Sequence[int], op: ReduceOp,
+                      bfloat16: bool, operation: str) -> np.ndarray:
+        """The slots' reduce-scatter (``shm_slices``): each rank stages its windows of the other ranks' slices
+        straight from ``flat`` and reduces theirs of its own slice into a copy of it; nothing else is copied. Two
+        ranks and a large array: the cross-memory pair's reduce-scatter half (``shm_cma``); an array of one small
+        block (``ShmGroup.small_bytes``): an allreduce of a copy and a slice (one synchronisation, not two)."""
+        assert self.shm is not None
+        me = self.shm.local
+        if flat.nbytes <= self.shm.small_bytes:  # one small block: the allreduce's one synchronisation is cheaper
+            work = flat.copy()
+            self.allreduce(backend, work, op, bfloat16, operation)
+            return work[bounds[me]:bounds[me + 1]].copy()
+        if self.cma is not None and self.cma.takes([flat]):  # two ranks: read the peer's elements of mine directly
+            mine = np.empty(bounds[me + 1] - bounds[me], flat.dtype)
+            self.cma.reducescatter(flat, mine, bounds[me], op, bfloat16, operation, backend._check_peers)
+        else:
+            parts = shm_slices.split(flat, bounds, self.shm.size)
+            mine = parts[me] = parts[me].copy()
+            shm_slices.reduce_scatter_parts(self.shm, parts, op, bfloat16, operation, backend._check_peers)
+        if op is ReduceOp.AVERAGE:
+            divide_average(mine, backend.size, bfloat16)
+        return mine
+
+    def small_allgather(self, backend: RingBackend, payload: bytes, operation: str) -> list[bytes]:
+        """One shared-memory round (``shm_slices.allgather_bytes``): no socket to wake up from."""
+        assert self.shm is not None
+        return shm_slices.allgather_bytes(self.shm, payload, operation, backend._check_peers)
+
+    def allgather(self, backend: RingBackend, raw: np.ndarray, bounds: Sequence[int], operation: str) -> None:
+        """The slots' allgather (``shm_slices``): each rank copies its piece in once and every other piece out (two
+        ranks and a large array: the cross-memory pair reads the peer's piece straight into ``raw``)."""
+        assert self.shm is not None
+        if self.cma is not None and self.cma.takes([raw]):  # two ranks: read the peer's piece directly
+            self.cma.allgather(raw, bounds, operation, backend._check_peers)
+        else:
+            shm_slices.allgather(self.shm, raw, bounds, operation, backend._check_peers)
 
     def barrier(self, backend: RingBackend, operation: str) -> None:
         """One small shared-memory collective, left together (``ShmGroup.barrier``): no socket to wake up from."""

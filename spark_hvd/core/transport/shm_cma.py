@@ -18,6 +18,11 @@ total length on both ranks); the array is split in two halves, rank ``r`` of the
    half 1-r; then ``DONE = t``;
 4. wait until the peer's ``DONE >= t``, and return.
 
+A reducescatter (``CmaPair.reducescatter``) is step 2 alone, into a separate output (each rank reads the peer's
+elements of its own slice from the peer's unchanged input, then ``HALF``, ``DONE``), an allgather
+(``CmaPair.allgather``) step 3 alone (each rank reads the peer's piece straight into its own output): one
+operation ``t`` each, under the same rules.
+
 Ordering rules (``tests/core/test_shm_cma.py`` runs them with tiny blocks and many blocks):
 
 * A rank never overwrites a region its peer may still read. During step 2 the peer reads this rank's half 1-r
@@ -258,6 +263,48 @@ class CmaPair:
         group._publish(DONE, t)
         # the peer may still be reading my buffer: only its DONE lets the caller have it back
         group._wait(peer, DONE, t, operation, check_peers)
+
+    def reducescatter(self, flat: np.ndarray, out: np.ndarray, lo: int, op: ReduceOp, bfloat16: bool, operation: str,
+                      check_peers: Callable[[str], None]) -> None:
+        """``out`` = ``flat[lo:lo + out.size]`` op the peer's same elements (AVERAGE sums: divide afterwards),
+        read block by block straight from the peer's ``flat`` (which both ranks post and only read); the
+        allreduce's step 2 into a separate output, without its step 3. The peer's ``lo`` may differ (ragged
+        slices): each rank reads only the range it reduces."""
+        group, peer = self.group, self.peer
+        size = flat.dtype.itemsize
+        t = self.seq = self.seq + 1
+        self._post([flat], t)
+        group._wait(peer, POSTED, t, operation, check_peers)
+        addr = self._peer_table(flat.nbytes, operation)[0][0]
+        block = max(size, self.block_bytes - self.block_bytes % size)
+        scratch, base, mine = self.scratch, self.scratch.ctypes.data, flat.view(np.uint8)
+        at, stop = lo * size, (lo + out.size) * size
+        dst = out.view(np.uint8)
+        for a in range(at, stop, block):
+            b = min(stop, a + block)
+            self._read([(base, b - a)], [(addr + a, b - a)], operation)
+            dst[a - at:b - at] = mine[a:b]
+            reduce_into(dst[a - at:b - at].view(out.dtype), scratch[:b - a].view(out.dtype), op, bfloat16)
+        group._publish(HALF, t)
+        group._publish(DONE, t)
+        group._wait(peer, DONE, t, operation, check_peers)  # the peer may still be reading my ``flat``
+
+    def allgather(self, raw: np.ndarray, bounds: Sequence[int], operation: str,
+                  check_peers: Callable[[str], None]) -> None:
+        """Rank r of the pair holds bytes ``bounds[r]:bounds[r + 1]`` of ``raw`` (uint8, as long on both ranks);
+        afterwards both hold all: each reads the peer's piece straight from the peer's ``raw`` into its own."""
+        group, peer = self.group, self.peer
+        t = self.seq = self.seq + 1
+        self._post([raw], t)
+        group._wait(peer, POSTED, t, operation, check_peers)
+        addr = self._peer_table(raw.nbytes, operation)[0][0]
+        lo, hi = bounds[peer], bounds[peer + 1]
+        for a in range(lo, hi, READ_BYTES):
+            b = min(hi, a + READ_BYTES)
+            self._read([(raw[a:b].ctypes.data, b - a)], [(addr + a, b - a)], operation)
+        group._publish(HALF, t)
+        group._publish(DONE, t)
+        group._wait(peer, DONE, t, operation, check_peers)  # the peer may still be reading my piece
 
 
 __all__ = ["CmaPair", "MAX_SEGS", "probe", "read_peer"]

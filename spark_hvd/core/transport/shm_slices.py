@@ -9,7 +9,8 @@ it, where a full shared-memory allreduce followed by broadcasts copies and reduc
 Both run as ``ShmGroup.rounds``: round b moves window b (``w`` elements) of every slice. In the reduce-scatter a
 member stages its window of every *other* member's slice (``L - 1`` windows per slot) and adds the peers' windows
 of its own slice into place, always in the same peer order; in the allgather it stages its own slice's window and
-copies each peer's window out.
+copies each peer's window out. The ring backend's reducescatter and allgather on one host are these two
+(``ring_plans.ShmHost``), their metadata one round of ``allgather_bytes``.
 """
 
 from __future__ import annotations
@@ -100,4 +101,24 @@ def allgather_parts(group: ShmGroup, parts: Sequence[np.ndarray], operation: str
     group.rounds(nblocks, stage, consume, operation, check_peers)
 
 
-__all__ = ["reduce_scatter", "reduce_scatter_parts", "allgather", "allgather_parts", "split"]
+def allgather_bytes(group: ShmGroup, payload: bytes, operation: str, check_peers: Callable[[str], None]) -> list[bytes]:
+    """Every member's small ``payload`` (its length and bytes in one slot: one round), by member."""
+    if len(payload) + 8 > group.block_bytes:
+        raise ValueError(f"{operation}: a payload of {len(payload)} bytes does not fit a shared-memory block of "
+                         f"{group.block_bytes}")
+    out = [b""] * group.size
+    out[group.local] = payload
+
+    def stage(b: int, slot: np.ndarray) -> None:
+        slot[:8].view(np.int64)[0] = len(payload)
+        slot[8:8 + len(payload)] = np.frombuffer(payload, np.uint8)
+
+    def consume(b: int, k: int, slot: np.ndarray) -> None:
+        n = int(slot[:8].view(np.int64)[0])
+        out[k] = slot[8:8 + n].tobytes()
+
+    group.rounds(1, stage, consume, operation, check_peers)
+    return out
+
+
+__all__ = ["reduce_scatter", "reduce_scatter_parts", "allgather", "allgather_bytes", "allgather_parts", "split"]
