@@ -543,10 +543,12 @@ def _plain_floats(writer: Any, plans: Sequence[_Plan]) -> Any:
     """No dictionary encoding for float columns. Parquet's writer dictionary-encodes every column, and a column
     of measured floats (features, embeddings, regression targets) has nearly as many distinct values as rows: at the
     end of each column chunk the writer finds the dictionary no smaller and encodes the values again as PLAIN, so
-    the files are the same and the write did the encoding twice (half of the write job's time for a 32-float
-    feature array, ``benchmarks/RESULTS.md``). Integer, boolean, string and binary columns (class labels,
-    categories, token ids) keep it. Spark's legacy list layout (``spark.sql.parquet.writeLegacyFormat``) names
-    the paths differently: there the option matches nothing and the writer does as before."""
+    the files are the same and the write did the encoding twice (about half of a first fit's write for a 32-float
+    feature array, one pair of runs in ``benchmarks/RESULTS.md``). A float column of a few values (0/1 labels as
+    doubles) is stored PLAIN too: somewhat larger files, read as fast. Integer, boolean, string and binary columns
+    (class labels, categories, token ids) keep it. Spark's legacy list layout
+    (``spark.sql.parquet.writeLegacyFormat``) names the paths differently: there the option matches nothing and the
+    writer does as before."""
     for path in _float_column_paths(plans):
         writer = writer.option(f"parquet.enable.dictionary#{path}", "false")
     return writer
