@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     from spark_hvd.runner.backend import SparkBackend
     from spark_hvd.store import Store
 
-    _timed(fit_mod, "_check_rows", "fit checks' Spark job (_check_rows)")
+    _timed(fit_mod.BaseEstimator, "_check_rows", "fit checks' Spark job (_check_rows)")
     _timed(fit_mod, "_prepare_data", "prepare_data (all)")
     _timed(prepare, "_count_rows", "prepare: footers read back (_count_rows)")
     _timed(prepare, "_fingerprint", "prepare: plan key")

@@ -428,6 +428,7 @@ def prepare_data(
             writer = sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression)
             if row_group_bytes:
                 writer = _row_groups_by_bytes(writer, row_group_bytes)
+            writer = _plain_floats(writer, plans)
             writer.parquet(store.spark_url(out))
             store.wait_until_visible(out, timeout_s=timeout)
             counts[split] = _count_rows(store, out)
@@ -525,6 +526,32 @@ def _row_groups_by_bytes(writer: Any, row_group_bytes: int) -> Any:
     return (writer.option("parquet.block.size", str(int(row_group_bytes)))
             .option("parquet.page.size.row.check.min", "2")
             .option("parquet.page.size.row.check.max", "1000"))
+
+
+def _float_column_paths(plans: Sequence[_Plan]) -> list[str]:
+    """The Parquet column paths (Spark's standard list layout) of the float and double values the write stores:
+    scalars, dense vectors (float32 arrays) and arrays at any depth."""
+    paths = []
+    for p in plans:
+        if p.dtype in ("float32", "float64") and p.kind in ("scalar", "vector", "array"):
+            depth = 1 if p.kind == "vector" else p.depth
+            paths.append(p.name + ".list.element" * depth)
+    return paths
+
+
+def _plain_floats(writer: Any, plans: Sequence[_Plan]) -> Any:
+    """No dictionary encoding for float columns. Parquet's writer dictionary-encodes every column, and a column
+    of measured floats (features, embeddings, regression targets) has nearly as many distinct values as rows: at the
+    end of each column chunk the writer finds the dictionary no smaller and encodes the values again as PLAIN, so
+    the files are the same and the write did the encoding twice (about half of a first fit's write for a 32-float
+    feature array, one pair of runs in ``benchmarks/RESULTS.md``). A float column of a few values (0/1 labels as
+    doubles) is stored PLAIN too: somewhat larger files, read as fast. Integer, boolean, string and binary columns
+    (class labels, categories, token ids) keep it. Spark's legacy list layout
+    (``spark.sql.parquet.writeLegacyFormat``) names the paths differently: there the option matches nothing and the
+    writer does as before."""
+    for path in _float_column_paths(plans):
+        writer = writer.option(f"parquet.enable.dictionary#{path}", "false")
+    return writer
 
 
 def _count_rows(store: Store, path: str) -> int:

@@ -241,3 +241,24 @@ def test_memory_store_is_refused_clearly(df):
     with pytest.raises(StoreError, match="Spark executors cannot reach"):
         prepare_data(df, store, ["x"], "id")
     assert store.listdir(store.data_root()) == []
+
+
+def test_float_columns_written_without_dictionary(spark, store):
+    """Float columns (a feature array, a double label) skip Parquet's dictionary, which the writer would keep here
+    (two distinct values) and throw away on measured floats after encoding twice; an int column keeps it."""
+    import pyarrow.dataset as ds
+
+    rows = [([float(i % 2), 1.0], float(i % 2), i % 3) for i in range(40)]
+    sdf = spark.createDataFrame(rows, "f array<float>, y double, k int")
+    info = prepare_data(sdf, store, ["f", "k"], "y", num_proc=1, partitions_per_process=1)
+    chunks = {}
+    for frag in ds.dataset(info.train_path(store), format="parquet").get_fragments():
+        group = frag.metadata.row_group(0)
+        chunks.update({group.column(j).path_in_schema: group.column(j) for j in range(group.num_columns)})
+    assert set(chunks) == {"f.list.element", "y", "k"}
+    assert not chunks["f.list.element"].has_dictionary_page and not chunks["y"].has_dictionary_page
+    assert chunks["k"].has_dictionary_page
+    reader = BatchReader.from_dataset(store, info, "train", rank=0, size=1, batch_size=16, shuffle=False)
+    got = [(tuple(f), y, k) for b in reader.epoch(0) for f, y, k in zip(b["f"].tolist(), b["y"].tolist(),
+                                                                        b["k"].tolist(), strict=True)]
+    assert sorted(got) == sorted((tuple(f), y, k) for f, y, k in rows)
