@@ -511,6 +511,38 @@ def test_tune_trials_are_distributed_jobs_whose_checkpoints_go_through_tune(ray_
             assert json.load(f) == {"step": 3, "total": sum(sums)}
 
 
+@pytest.mark.raycluster  # ~1 min on 2 cores (four trials' jobs): `make ray-clusters`
+def test_asha_stops_the_worse_distributed_trials_early(ray_cluster, tmp_path):
+    """Tune's ASHA scheduler over four distributed trials (each a 2-rank job): it stops the trials whose running sum
+    trails at its first rung, and those trials end without an error and with fewer reports; the best trial runs all
+    four steps to the sum computed by hand; no trial's workers are left alive."""
+    tune = pytest.importorskip("ray.tune")
+    from ray.tune.schedulers import ASHAScheduler
+
+    from spark_hvd.ray.tune import DistributedTrainableCreator
+
+    cpus_before = ray_cluster.available_resources().get("CPU", 0)
+    trainable = DistributedTrainableCreator(_trial, num_workers=2, cpus_per_worker=0.5, timeout_s=60)
+    asha = ASHAScheduler(time_attr="training_iteration", max_t=4, grace_period=1, reduction_factor=2)
+    tuner = tune.Tuner(trainable, param_space={"x": tune.grid_search([4.0, 2.0, 1.0, 0.5]), "marks": str(tmp_path),
+                                               "fail_after": []},
+                       tune_config=tune.TuneConfig(metric="total", mode="max", scheduler=asha,
+                                                   max_concurrent_trials=1),
+                       run_config=tune.RunConfig(storage_path=str(tmp_path), name="asha", verbose=0))
+    grid = tuner.fit()
+    assert not grid.errors
+    steps = {result.config["x"]: list(result.metrics_dataframe["step"].dropna()) for result in grid}
+    assert steps[4.0] == [0, 1, 2, 3]
+    assert grid.get_best_result().config["x"] == 4.0
+    assert grid.get_best_result().metrics["total"] == sum(2 * 4.0 * (s + 1) for s in range(4))
+    stopped = [x for x, seen in steps.items() if len(seen) < 4]
+    assert stopped and 4.0 not in stopped, steps  # ASHA cut the trailing trials at a rung
+    deadline = time.monotonic() + 30  # every trial's workers gone: the CPUs they held are free again
+    while ray_cluster.available_resources().get("CPU", 0) < cpus_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_cluster.available_resources().get("CPU", 0) == cpus_before
+
+
 @pytest.mark.raycluster  # ~1 min on 2 cores (three starts of a trial's job): `make ray-clusters`
 def test_ray_tune_restore_a_trial_resumes_from_its_checkpoint_on_every_rank(ray_cluster, tmp_path):
     """A trial that fails after step 1 is restarted by Tune (``FailureConfig(max_failures=1)``) and both ranks go
