@@ -53,7 +53,7 @@ def _weighted_bce(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """sum(w * bce) / sum(w) over a reader's batch, by hand."""
     p = model(torch.from_numpy(batch["features"])).reshape(-1)
     y, w = torch.from_numpy(batch["y"]).float(), torch.from_numpy(batch["weight"]).float()
-    return (w * -(y * torch.log(p) + (1 - y) * torch.log(1 - p))).sum() / w.sum()
+    return (w * -(y * torch.log(p) + (1 - y) * torch.log(1 - p))).mean()
 
 
 def _replay(model: torch.nn.Module, batches: list[dict], epochs: int, lr: float) -> torch.nn.Module:

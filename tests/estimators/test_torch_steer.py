@@ -156,14 +156,14 @@ _REPLAYED = {  # one two-rank fit each, compared with its single-process replay
 
 
 def _mse(model, batch, weight_col=None):
-    """The estimator's ``loss="mse"`` on one batch: the mean over rows, or with a weight column the weighted mean of
-    the per-row losses."""
+    """The estimator's ``loss="mse"`` on one batch: the mean over rows, or with a weight column the mean of the
+    weighted per-row losses (Horovod's mean(w * loss))."""
     out = model(torch.from_numpy(batch["features"]))
     y = torch.from_numpy(batch["y"]).float().reshape(out.shape)
     if weight_col is None:
         return torch.nn.functional.mse_loss(out, y)
     w = torch.from_numpy(batch[weight_col]).float()
-    return (((out - y) ** 2).reshape(len(out), -1).mean(1) * w).sum() / w.sum().clamp_min(1e-12)
+    return (((out - y) ** 2).reshape(len(out), -1).mean(1) * w).mean()
 
 
 def _replay(store, fitted, initial, options: dict) -> tuple[torch.nn.Module, list[float]]:

@@ -1,8 +1,9 @@
 """TorchEstimator's callable losses with ``sample_weight_col``, as Horovod calls them: a function with a ``reduction``
 parameter (``F.binary_cross_entropy``) or a torch loss module is called unreduced, so Horovod's ``test_fit_model``
 (per-row ``(N, 1)`` outputs against ``(N,)`` labels) trains; a callable that can only return one value for the
-batch stays refused, naming what to do. Each loss is compared with the weighted mean of the per-row binary cross
-entropies written out by hand. No Spark: the rank's loss step (what the driver's forward check also calls) alone.
+batch stays refused, naming what to do. Each loss is compared with the mean of the weighted per-row binary cross
+entropies written out by hand (Horovod's mean(w * loss)). No Spark: the rank's loss step (what the driver's
+forward check also calls) alone.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ def _trainer(loss, loss_weights=None, labels=("y",)) -> TorchTrainer:
 
 
 def _by_hand(p: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> float:
-    """sum_i w_i * -(y_i log p_i + (1 - y_i) log(1 - p_i)) / sum_i w_i, element by element."""
+    """sum_i w_i * -(y_i log p_i + (1 - y_i) log(1 - p_i)) / N, element by element (Horovod's mean of w * loss)."""
     total = 0.0
     for pi, yi, wi in zip(p.reshape(-1).tolist(), y.tolist(), w.tolist(), strict=True):
         total += wi * -(yi * torch.log(torch.tensor(pi)) + (1 - yi) * torch.log(torch.tensor(1 - pi))).item()
-    return total / sum(w.tolist())
+    return total / len(w.tolist())
 
 
 # Horovod's test_fit_model data: the XOR table's labels and weights; outputs of a sigmoid, one column
@@ -44,7 +45,7 @@ W = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
 @pytest.mark.parametrize("loss", [F.binary_cross_entropy, torch.nn.BCELoss()], ids=["function", "module"])
-def test_unreduced_callable_loss_is_the_weighted_mean_of_row_losses(loss):
+def test_unreduced_callable_loss_is_the_mean_of_weighted_row_losses(loss):
     trainer = _trainer(loss)
     outputs, labels = trainer._transform_outputs(P, [Y])  # (N,) labels reshaped to the (N, 1) output
     got = float(trainer._loss(outputs, labels, W))

@@ -4,11 +4,11 @@ LightningModule (Horovod's "legacy" Lightning estimator: ``horovod.spark.lightni
 
 The step is ``TorchEstimator``'s (``torch/rank.py``): the module called with one tensor per feature column (by
 name when ``forward`` names every feature column, as Horovod calls it; else in ``feature_cols`` order), its outputs
-and labels fitted as for ``TorchEstimator``'s losses, the loss ``combined_loss`` (a weighted mean of the per-row
-losses with ``sample_weight_col``), the optimizer rebuilt from its spec on the module's parameters; metrics are
-logged per batch (``self.log``: averaged over rows and ranks per epoch). So a plain module trains here as under
-``TorchEstimator`` (the tests compare the two); the fitted ``LightningModel.getModel()`` is the trained plain
-module, as in Horovod.
+and labels fitted as for ``TorchEstimator``'s losses, the loss ``combined_loss`` (the mean of the weighted per-row
+losses with ``sample_weight_col``, as Horovod), the optimizer rebuilt from its spec on the module's parameters;
+metrics are logged per batch (``self.log``: averaged over rows and ranks per epoch). So a plain module trains here
+as under ``TorchEstimator`` (the tests compare the two); the fitted ``LightningModel.getModel()`` is the trained
+plain module, as in Horovod.
 """
 
 from __future__ import annotations

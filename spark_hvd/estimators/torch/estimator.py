@@ -178,7 +178,7 @@ class TorchEstimator(KeywordParams, TorchModuleEstimator, TorchEstimatorParams):
     ``"l1"``), or a list with one per label (combined with ``loss_weights``). With ``sample_weight_col``, a callable
     is called unreduced, as Horovod calls it (a torch loss module with ``reduction="none"``, a function with a
     ``reduction`` parameter with ``reduction="none"``; any other must return one loss per row), and each label's
-    loss is the weights' mean of its per-row losses (``sum(w * loss) / sum(w)``). ``metrics``: names
+    loss is the batch's mean of its weighted per-row losses (``mean(w * loss)``, Horovod's). ``metrics``: names
     (``"accuracy"``, ``"mse"``, ``"mae"``) or callables ``fn(output, label) -> scalar tensor``, computed per epoch
     on train and validation data, averaged over ranks.
     ``callbacks``: objects with any of ``on_train_begin(context)`` (a ``TrainingContext``: model, optimizer,

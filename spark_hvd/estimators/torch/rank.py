@@ -172,7 +172,9 @@ def loss_fns(loss: Any, n_labels: int, weighted: bool) -> tuple[list[Callable], 
 
 def combined_loss(fns: list[Callable], weights: list[float], outputs: list, labels: list, sample_weights: Any) -> Any:
     """The training loss: the sum over labels of ``weight * fn(output, label)``; with ``sample_weights``, each
-    label's per-row losses averaged with those weights (sum(w * loss) / sum(w))."""
+    label's per-row losses times their weights, averaged over the batch's rows (``mean(w * loss)``, as Horovod
+    and Keras do: a row's weight counts the same in whichever batch it falls, which dividing by each batch's sum of
+    weights would not give)."""
     total = 0.0
     for fn, w, o, y in zip(fns, weights, outputs, labels, strict=True):
         value = fn(o, y)
@@ -182,7 +184,7 @@ def combined_loss(fns: list[Callable], weights: list[float], outputs: list, labe
                                  "give it a reduction parameter (called with reduction='none', as Horovod "
                                  "does) or return the unreduced losses")
             sw = sample_weights.reshape(-1).to(value.dtype)
-            value = (_per_row(value) * sw).sum() / sw.sum().clamp_min(1e-12)
+            value = (_per_row(value) * sw).mean()
         total = total + w * value
     return total
 
