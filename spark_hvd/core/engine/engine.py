@@ -30,7 +30,8 @@ Every rank takes the same kind of round, since the choice follows from state ide
 - *full*: the first round, or tensors outstanding: the messages are gathered and absorbed by the table;
 - *speculative*: once the ranks have seen which clean round follows the last one (``speculation.Predictor``), the
   next one is one allreduce of ``[flag, tensors...]`` (``speculation.Spec``: in place on shared memory at N=2, the
-  flag in band over TCP, ``spark_hvd.core.algorithms.agreed``); a miss costs one small collective;
+  flag in band over TCP, ``spark_hvd.core.algorithms.agreed``), or, for a round too large to pack (a training
+  step's gradients), the flag alone and then the tensors fused where they lie; a miss costs one small collective;
 - *fresh*: after two rounds of new names of one layout, or a round that names the engine made up are expected to
   follow (``_advance``: an unnamed call after each barrier), the next is one allreduce of ``[flag, name digests,
   tensors...]`` (``spark_hvd.core.engine.fresh``).

@@ -160,12 +160,27 @@ class Executor:
 
     def speculate(self, spec: Spec, bufs: list[np.ndarray] | None) -> tuple[bool, float, float]:
         """The one collective of a speculative round (``Spec``): ``[flag, bufs...]`` staged, beside the tensor
-        (``in_place``: -0.0 where this rank submitted something else), or the flag as the tensor's own first frame
-        (``in_band``); ``bufs`` None: this rank submitted something else. On a hit (every rank submitted
-        ``spec.ids``) ``bufs`` hold the result and the round's tensors are counted, put in the response cache and on
-        the timeline. Returns (hit, the collective's start and end)."""
+        (``in_place``: -0.0 where this rank submitted something else), the flag as the tensor's own first frame
+        (``in_band``), or the flag alone and then the tensors fused where they lie (``ahead``); ``bufs`` None: this
+        rank submitted something else. On a hit (every rank submitted ``spec.ids``) ``bufs`` hold the result and
+        the round's tensors are counted, put in the response cache and on the timeline. Returns (hit, the
+        collective's start and end)."""
         staging = spec.staging
-        if spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
+        if spec.ahead:  # the flag's own collective, then the tensors' where they lie (every rank's flag was 1)
+            staging[0] = 0 if bufs is None else 1
+            t0 = time.perf_counter()
+            try:
+                self._staged(staging, ReduceOp.SUM)
+                hit = staging[0] > self.size - 0.5
+                if hit:
+                    assert bufs is not None
+                    self.host.allreduce(bufs, spec.op, spec.prescale, spec.postscale)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise self._speculation_failed(exc) from exc
+            t1 = time.perf_counter()
+        elif spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
             data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
             t0 = time.perf_counter()
             try:
@@ -209,7 +224,7 @@ class Executor:
             self.host.leave_together()
         if spec.in_place or spec.in_band:
             scale_inplace(bufs[0], spec.postscale)
-        else:
+        elif not spec.ahead:  # (the fused collective scaled its tensors itself)
             if spec.postscale != 1.0:
                 scale_inplace(staging[1:], spec.postscale)
             for view, buf in zip(spec.views, bufs, strict=True):

@@ -70,6 +70,12 @@ class Spec(NamedTuple):
     exactly it contributes -0.0 instead, which leaves every float (-0.0 included) as it is, so on a miss the one rank
     that did keeps its tensor bit for bit (with three or more ranks two could match and mix: not armed there).
 
+    ``ahead``: a round too large to pack and not one tensor in place (a training step's gradients, one large
+    AVERAGE), on a backend that reduces many arrays where they lie (``fuses_in_place``): the flag goes alone in a
+    small SUM collective (``staging`` is ``[flag]``), and on a hit the tensors go in one fused collective where they
+    lie, as the negotiated round would run them (the same op, scales and order). It replaces the fast round's
+    vector and its answer with one flag; a miss costs that flag's collective and changes no tensor.
+
     ``in_band``: two ranks on a backend that carries the flag as a header of the data collective itself
     (``Backend.allreduce_agreed``: TCP), one tensor larger than ``SPEC_BYTES`` without prescale (any dtype, any
     element-wise op): the collective runs on the tensor where it lies, the flag travels ahead of the data, and on
@@ -89,6 +95,7 @@ class Spec(NamedTuple):
     barrier: bool  # the round is barriers only (no data)
     in_band: bool = False  # the flag is the first frame of the tensor's own collective (two ranks, TCP)
     entries: tuple[tuple[str, Meta], ...] = ()  # each id's (name, metadata), in id order: what a hit puts in the cache
+    ahead: bool = False  # the flag's own small collective, then the tensors' fused collective where they lie
 
 
 def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
@@ -112,11 +119,17 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
             return Spec(ids, dtype, ReduceOp(first.op), 1.0, first.postscale, count, entries[0],
                         np.zeros(0, dtype), (), False, False, True, tuple(entries))
     key = (first.dtype, first.op, first.prescale, first.postscale, False)
-    if dtype.kind != "f" or first.op not in ("sum", "average") or any(
-            m.kind != "allreduce" or m.device  # device tensors are never packed into host staging
-            or (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) != key for m in metas):
-        return None
+    same = all(m.kind == "allreduce" and not m.device and (m.dtype, m.op, m.prescale, m.postscale, m.bfloat16) == key
+               for m in metas)
     count = sum(int(np.prod(m.shape, dtype=np.int64)) for m in metas)
+    sole_in_place = size == 2 and len(ids) == 1 and first.op == "sum" and first.prescale == 1.0 and dtype.kind == "f"
+    if (same and fuses_in_place and first.op in _IN_BAND_OPS and count * dtype.itemsize > SPEC_BYTES
+            and not sole_in_place):
+        return Spec(ids, dtype, ReduceOp(first.op), first.prescale, first.postscale, count,
+                    entries[0] if len(ids) == 1 else None, np.zeros(1, np.float32), (), False, False, False,
+                    tuple(entries), True)
+    if dtype.kind != "f" or first.op not in ("sum", "average") or not same:  # (device tensors: never in staging)
+        return None
     nbytes = count * dtype.itemsize
     large = SPEC_BYTES < nbytes <= SPEC_LARGE_BYTES and size >= 3 and not fuses_in_place
     packed = nbytes <= SPEC_BYTES or large
