@@ -12,6 +12,9 @@ It prints the median time of each and their ratio (target: tensors / single <= 1
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --pages huge   # numpy's default memory
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --bare         # the backend alone too
 
+Each variant's process CPU (every thread: the engine's and the backend's work, not the waits for the peer) is
+printed under its wall time: on a loaded machine their difference is the steadier measure of what the engine adds.
+
 ``--bare`` also times the backend without the engine, interleaved with the rest: ``allreduce_fused`` of the 161
 arrays against ``allreduce`` of the one, wall time and the calling thread's CPU (on a loaded machine the CPU tells
 the backend's own cost apart from waiting for the peer).
@@ -69,7 +72,7 @@ def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, 
         # backward order: the last layer's gradient is ready first
         order = list(reversed(range(len(grads))))
         flat = np.concatenate([g.reshape(-1) for g in grads])
-        times: dict[str, list[float]] = {"tensors": [], "single": []}
+        times: dict[str, list[float]] = {"tensors": [], "single": [], "tensors cpu": [], "single cpu": []}
         if bare:
             times.update({"bare fused": [], "bare single": [], "bare fused cpu": [], "bare single cpu": []})
         backend = core.get_engine().backend  # (--bare: the engine is idle between its collectives)
@@ -86,18 +89,20 @@ def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, 
                         times[key].append(w1 - w0)
                         times[key + " cpu"].append(c1 - c0)
             core.barrier()
-            t0 = time.perf_counter()
+            t0, p0 = time.perf_counter(), time.process_time()
             handles = [core.allreduce_async(grads[i], name=f"grad.{i}") for i in order]
             for h in handles:
                 core.synchronize(h)
-            t1 = time.perf_counter()
+            t1, p1 = time.perf_counter(), time.process_time()
             core.barrier()
-            t2 = time.perf_counter()
+            t2, p2 = time.perf_counter(), time.process_time()
             core.allreduce(flat, name="flat")
-            t3 = time.perf_counter()
+            t3, p3 = time.perf_counter(), time.process_time()
             if it >= warmup:
                 times["tensors"].append(t1 - t0)
                 times["single"].append(t3 - t2)
+                times["tensors cpu"].append(p1 - p0)
+                times["single cpu"].append(p3 - p2)
         stats = dict(core.get_engine().stats)
         queue.put((core.rank(), times, stats, core.backend_name(), getattr(core.get_engine().backend, "transport", "")))
     finally:
@@ -159,6 +164,7 @@ def main() -> int:
           f"fusion threshold {args.fusion_mib if args.fusion_mib is not None else 64} MiB, {args.pages} pages")
     print(f"{'variant':<34}{'median ms':>12}{'min ms':>10}{'max ms':>10}")
     labels = {"tensors": "161 tensors, enqueued one by one", "single": "one allreduce, same bytes",
+              "tensors cpu": "  161: the process's CPU", "single cpu": "  one: the process's CPU",
               "bare fused": "backend: allreduce_fused of 161", "bare single": "backend: allreduce of one",
               "bare fused cpu": "  fused: calling thread's CPU", "bare single cpu": "  one: calling thread's CPU"}
     for key in times:
@@ -167,6 +173,9 @@ def main() -> int:
     ratio = med["tensors"] / med["single"]
     print(f"ratio tensors/single: {ratio:.3f} of medians (target <= 1.1), "
           f"{min(per_iter['tensors']) / min(per_iter['single']):.3f} of minimums")
+    print(f"the process's CPU (every thread; the steadier figure on a loaded machine), 161 tensors / one: "
+          f"{med['tensors cpu'] / med['single cpu']:.3f} of medians, "
+          f"+{(med['tensors cpu'] - med['single cpu']) * 1e3:.2f} ms")
     if args.bare:
         print(f"backend alone, fused/single: wall {med['bare fused'] / med['bare single']:.3f}, calling thread's "
               f"CPU {med['bare fused cpu'] / med['bare single cpu']:.3f} (medians)")

@@ -163,7 +163,7 @@ class BlockingCalls:
         stats["cache_hits"] += 1
         self._advance(spec.ids)
         self._fresh_last = None
-        if self._tuning() and buf is not None:
+        if self._tuner is not None and self._tuning() and buf is not None:
             self._observe([name], buf.nbytes)
         if self._timeline is not None:
             self._executor.round_done(start, 1)

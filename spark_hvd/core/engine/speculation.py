@@ -190,7 +190,9 @@ class Predictor:
             self.reset()
             self._seen_version = self._version()
         if common:
-            now = tuple(common)
+            now = common if common.__class__ is tuple else tuple(common)
+            if now == self._last and now == self._before and self._follows2.get((now, now)) == (now, now, False):
+                return self._spec(now)  # a steady loop's next round: learning it again would change nothing
             if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
                 self.reset()
             if self._last is not None:
