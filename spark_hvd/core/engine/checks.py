@@ -14,14 +14,15 @@ from spark_hvd.core.engine.device import DeviceBuffer
 from spark_hvd.core.engine.negotiation import RAGGED, Meta
 from spark_hvd.core.reduce import SUPPORTED_DTYPES, check_dtype
 
-_OP_VALUES = {op: op.value for op in ReduceOp}  # Enum.value is a slow property on the enqueue path
 BARRIER_META = Meta("barrier", "", (), "", 0, 1.0, 1.0, False)  # what every barrier agrees on
 
 
 def request(kind: str, buf: Any, name: str, op: ReduceOp, root: int, prescale: float, postscale: float,
             bfloat16: bool, splits: Sequence[int] | None, size: int) -> tuple[Any, Meta, Sequence[int] | None]:
     """What a submission of ``kind`` negotiates, among ``size`` ranks: (the buffer the collective takes, its
-    metadata, the alltoall's splits), or the error that fails it on the caller, before any rank waits."""
+    metadata, the alltoall's splits), or the error that fails it on the caller, before any rank waits. ``op``: a
+    ``ReduceOp`` member (its ``_value_`` is read directly: ``Enum.value`` is a property, hashing a member a Python
+    call, both slow on the enqueue path)."""
     if op is ReduceOp.ADASUM:  # what Adasum cannot reduce
         device = buf.device if isinstance(buf, DeviceBuffer) else ""
         adasum.check_request(kind, getattr(buf, "dtype", None), bfloat16, device, name)
@@ -29,7 +30,7 @@ def request(kind: str, buf: Any, name: str, op: ReduceOp, root: int, prescale: f
         return None, BARRIER_META, splits
     if isinstance(buf, DeviceBuffer):
         splits = device_splits(kind, buf, name, root, splits, size)
-        return buf, Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale),
+        return buf, Meta(kind, buf.dtype.str, buf.shape, op._value_, int(root), float(prescale),
                          float(postscale), buf.bfloat16, buf.device), splits
     buf = host_buffer(kind, buf, name, bfloat16)
     if kind == "broadcast" and not 0 <= int(root) < size:
@@ -39,7 +40,7 @@ def request(kind: str, buf: Any, name: str, op: ReduceOp, root: int, prescale: f
             buf, splits = alltoall_args(buf, splits, size)
         except ValueError as exc:
             raise ValueError(f"alltoall of '{name}': {exc}") from None
-    return buf, Meta(kind, buf.dtype.str, buf.shape, _OP_VALUES[op], int(root), float(prescale), float(postscale),
+    return buf, Meta(kind, buf.dtype.str, buf.shape, op._value_, int(root), float(prescale), float(postscale),
                      bool(bfloat16)), splits
 
 
@@ -56,7 +57,8 @@ def host_buffer(kind: str, buf: Any, name: str, bfloat16: bool) -> np.ndarray:
         except TypeError as exc:
             raise TypeError(f"{kind} of '{name}': {exc}") from None
     if kind in ("allreduce", "broadcast"):
-        if not in_place_ok(buf.flags):
+        flags = buf.flags
+        if not (flags.c_contiguous and flags.writeable):  # ``in_place_ok``, inline on the enqueue path
             raise ValueError(f"{kind} of '{name}' works in place and needs a C-contiguous writable array")
     else:
         buf = np.ascontiguousarray(buf)
