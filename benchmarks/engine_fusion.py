@@ -15,6 +15,9 @@ It prints the median time of each and their ratio (target: tensors / single <= 1
 Each variant's process CPU (every thread: the engine's and the backend's work, not the waits for the peer) is
 printed under its wall time: on a loaded machine their difference is the steadier measure of what the engine adds.
 
+``--np 1`` (a job of one rank: the backend does nothing) leaves the engine's own cost: enqueueing, the round, the
+handles.
+
 ``--bare`` also times the backend without the engine, interleaved with the rest: ``allreduce_fused`` of the 161
 arrays against ``allreduce`` of the one, wall time and the calling thread's CPU (on a loaded machine the CPU tells
 the backend's own cost apart from waiting for the peer).
@@ -169,7 +172,7 @@ def main() -> int:
               "bare fused cpu": "  fused: calling thread's CPU", "bare single cpu": "  one: calling thread's CPU"}
     for key in times:
         v = per_iter[key]
-        print(f"{labels[key]:<34}{med[key] * 1e3:>12.1f}{min(v) * 1e3:>10.1f}{max(v) * 1e3:>10.1f}")
+        print(f"{labels[key]:<34}{med[key] * 1e3:>12.2f}{min(v) * 1e3:>10.2f}{max(v) * 1e3:>10.2f}")
     ratio = med["tensors"] / med["single"]
     print(f"ratio tensors/single: {ratio:.3f} of medians (target <= 1.1), "
           f"{min(per_iter['tensors']) / min(per_iter['single']):.3f} of minimums")
