@@ -12,9 +12,10 @@ the engine feeds it full rounds that left nothing outstanding too, so a loop of 
 second call. A steady loop of one tensor (``C`` followed by ``C``), two tensors alternating (``A, B, A, B``), an
 allreduce between barriers (osu_allreduce's loop), a training step's gradients then its metric: each becomes a
 cycle of predicted rounds of one collective each, negotiation and data together (between two ranks over TCP, one
-larger tensor carries the flag as the first frame of its own collective: ``spark_hvd.core.algorithms.agreed``). A
-prediction that fails costs one
-collective (a small one, or a round trip and the early frames of the larger tensor's). One other round after
+larger tensor carries the flag as the first frame of its own collective: ``spark_hvd.core.algorithms.agreed``; a
+round too large to pack, such as a training step's gradients, sends its flag alone ahead of the tensors' fused
+collective where they lie: ``Spec.ahead``). A prediction that fails costs one collective (a small one, or a round
+trip and the early frames of the larger tensor's). One other round after
 ``C`` now and then (a barrier or a metric between steady steps) leaves the prediction armed, so only that round
 misses; a second one in a row that is not the prediction disarms it until a successor is seen twice in a row, so
 an irregular pattern does not pay a miss on every round. A full round (new names, a join, a partial fast round)
