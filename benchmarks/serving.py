@@ -9,7 +9,8 @@
   timed in turn (a, b, c, a, b, c, ...) so that a load that changes during the run weighs on all alike.
 - MLflow's scoring server (``mlflow models serve``, loopback) answering a 64-row JSON batch vs the same pyfunc
   called in process on the same 64 rows: median latency of ``--requests`` each, in turn (target: <= 2x); a new
-  connection per request (``urllib``) and one kept alive (``http.client``); and where the difference goes: MLflow's
+  connection per request (``urllib``) and one kept alive (``http.client``), the rows as ``dataframe_split`` and as
+  the tensor format (``{"inputs": ...}``); and where the difference goes: MLflow's
   request handler in process (no HTTP), its JSON parse and its JSON writing alone.
 - The pyfunc is logged as ``log_mlflow`` logs it (a numeric array column: an MLflow tensor signature), and beside it
   with MLflow's column schema (``Array(double)``, checked per row: the signature before; ``--skip columns`` leaves
@@ -304,6 +305,7 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
     pdf = pd.DataFrame({"features": list(x)})
     body = json.dumps({"dataframe_split": {"columns": ["features"],
                                            "data": [[row.tolist()] for row in x]}}).encode()
+    body_inputs = json.dumps({"inputs": {"features": x.tolist()}}).encode()  # the tensor request format
     loaded = mlflow.pyfunc.load_model(uri)
     schema = loaded.metadata.get_input_schema()
     columns = mlflow.pyfunc.load_model(uri_columns) if uri_columns else None
@@ -339,6 +341,7 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
             return json.loads(connection.getresponse().read())
 
         fns = {"server": lambda: _post(f"{url}/invocations", body), "server_keepalive": keepalive,
+               "server_inputs": lambda: _post(f"{url}/invocations", body_inputs),
                "in_process": lambda: loaded.predict(pdf),
                "handler": lambda: handler(loaded), "parse": parse, "write": write}
         if floor_url:
@@ -352,6 +355,7 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
             **{f"{k}_median_ms": v * 1e3 for k, v in t.items()},
             "server_vs_in_process (<= 2.0)": t["server"] / t["in_process"],
             "server_keepalive_vs_in_process": t["server_keepalive"] / t["in_process"],
+            "server_inputs_vs_in_process": t["server_inputs"] / t["in_process"],
             "handler_vs_in_process": t["handler"] / t["in_process"],
             **({"server_vs_floor": t["server"] / t["server_floor"],
                 "server_floor_vs_in_process": t["server_floor"] / t["in_process"]} if floor_url else {}),
