@@ -462,6 +462,15 @@ class ShmGroup:
             self._publish(OUT, g)
 
     # -- allreduce ----------------------------------------------------------------------------------------------
+    def small(self, arr: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+              check_peers: Callable[[str], None]) -> None:
+        """Allreduce one flat array of at most ``small_bytes`` in place: ``allreduce([arr], ...)`` with less on the
+        way (the latency path)."""
+        if self.profile is None and arr.size:
+            self._allreduce_small(arr, op, bfloat16, operation, check_peers)
+        else:
+            self.allreduce([arr], op, bfloat16, operation, check_peers)
+
     def _allreduce_small(self, arr: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                          check_peers: Callable[[str], None]) -> None:
         """One block, one array: the latency path (same protocol as ``allreduce``, less bookkeeping), compiled
