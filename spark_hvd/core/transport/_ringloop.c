@@ -1085,6 +1085,7 @@ out:
 #define SHM_IN 0
 #define SHM_OUT 16
 #define SHM_SLEEP 26
+#define SHM_CPU 27 /* 1 + the CPU this rank last waited on */
 #define SHM_WORDS 512 /* a control page's int64 words: SLEEP = 1 + rank * SHM_WORDS + word */
 
 static inline void cpu_relax(void) {
@@ -1094,6 +1095,51 @@ static inline void cpu_relax(void) {
 }
 
 static inline int64_t shm_load(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* 1 + this thread's CPU, stored in this rank's CPU word where it changed; 0 where the system cannot say */
+static int64_t shm_here(int64_t *const *ctrl, int64_t me) {
+    int cpu = sched_getcpu();
+    if (cpu < 0) return 0;
+    if (__atomic_load_n(ctrl[me] + SHM_CPU, __ATOMIC_RELAXED) != 1 + cpu)
+        __atomic_store_n(ctrl[me] + SHM_CPU, 1 + cpu, __ATOMIC_RELAXED);
+    return 1 + cpu;
+}
+
+#define NUDGE_EVERY_NS 10000000LL /* a thread moves itself off its peer's CPU at most this often: 10 ms */
+static __thread int64_t nudged_at;
+
+/* Move this thread off CPU ``here - 1`` (where its peer is queued) and give it its CPUs back at once: the kernel
+ * migrates a thread whose CPU leaves its set, and nothing holds it there afterwards (not a binding: shm_bind.py).
+ * 1 when it moved. */
+static int shm_nudge(int64_t here) {
+    int64_t now = now_ns();
+    if (now - nudged_at < NUDGE_EVERY_NS) return 0;
+    nudged_at = now;
+    cpu_set_t before, away;
+    if (sched_getaffinity(0, sizeof before, &before) || CPU_COUNT(&before) < 2 || here - 1 >= CPU_SETSIZE ||
+        !CPU_ISSET(here - 1, &before))
+        return 0;
+    away = before;
+    CPU_CLR(here - 1, &away);
+    if (sched_setaffinity(0, sizeof away, &away)) return 0;
+    sched_setaffinity(0, sizeof before, &before);
+    return 1;
+}
+
+/* one look's pause: where the peer last waited on this very CPU (it is queued behind this rank: spinning would
+ * only keep it from running), move to another CPU (shm_nudge) or yield; after yield_ns, yield at every look */
+static inline void shm_pause(int64_t *const *ctrl, int64_t me, int64_t k, int64_t *here, int64_t spent,
+                             int64_t yield_ns) {
+    if (*here && __atomic_load_n(ctrl[k] + SHM_CPU, __ATOMIC_RELAXED) == *here) {
+        if (shm_nudge(*here)) {
+            *here = shm_here(ctrl, me);
+            return;
+        }
+        sched_yield();
+    } else if (spent >= yield_ns) {
+        sched_yield();
+    }
+}
 
 static void shm_publish(int64_t *const *ctrl, int64_t n, int64_t me, int word, int64_t value) {
     __atomic_store_n(ctrl[me] + word, value, __ATOMIC_RELEASE);
@@ -1111,14 +1157,14 @@ static int shm_wait(int64_t *const *ctrl, int64_t me, int64_t k, int word, int64
                     int64_t yield_ns, int64_t budget_ns) {
     const int64_t *p = ctrl[k] + word;
     if (shm_load(p) >= target) return 1;
-    int64_t t0 = now_ns(), now = t0;
+    int64_t t0 = now_ns(), now = t0, here = spin_ns > 0 ? shm_here(ctrl, me) : 0;
     while (now - t0 < spin_ns) {
         for (int i = 0; i < 32; i++) {
             if (shm_load(p) >= target) return 1;
             cpu_relax();
         }
         now = now_ns();
-        if (now - t0 >= yield_ns) sched_yield();
+        shm_pause(ctrl, me, k, &here, now - t0, yield_ns);
     }
     int64_t *sleep_word = ctrl[me] + SHM_SLEEP;
     __atomic_store_n(sleep_word, 1 + k * SHM_WORDS + word, __ATOMIC_RELAXED);
@@ -1224,16 +1270,16 @@ static PyObject *shm_release(PyObject *self, PyObject *args) {
         return NULL;
     }
     int done = 1;
-    int64_t t0 = 0;
+    int64_t t0 = 0, here = 0;
     for (int64_t k = 0; k < n && done; k++) {
         if (k == me) continue;
         const int64_t *p = ctrl[k] + SHM_OUT;
         while (shm_load(p) < target) {
             for (int i = 0; i < 32 && shm_load(p) < target; i++) cpu_relax();
             int64_t now = now_ns();
-            if (!t0) t0 = now;
+            if (!t0) t0 = now, here = shm_here(ctrl, me);
             if (now - t0 > spin_ns) { done = 0; break; }
-            if (now - t0 > yield_ns) sched_yield();
+            shm_pause(ctrl, me, k, &here, now - t0, yield_ns);
         }
     }
     PyBuffer_Release(&layout);
