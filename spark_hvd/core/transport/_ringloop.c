@@ -1129,9 +1129,9 @@ static int shm_nudge(int64_t here) {
 /* one look's pause: where the peer last waited on this very CPU (it is queued behind this rank: spinning would
  * only keep it from running), move to another CPU (shm_nudge) or yield; after yield_ns, yield at every look */
 static inline void shm_pause(int64_t *const *ctrl, int64_t me, int64_t k, int64_t *here, int64_t spent,
-                             int64_t yield_ns) {
+                             int64_t yield_ns, int move) {
     if (*here && __atomic_load_n(ctrl[k] + SHM_CPU, __ATOMIC_RELAXED) == *here) {
-        if (shm_nudge(*here)) {
+        if (move && shm_nudge(*here)) {
             *here = shm_here(ctrl, me);
             return;
         }
@@ -1154,7 +1154,7 @@ static void shm_publish(int64_t *const *ctrl, int64_t n, int64_t me, int word, i
 
 /* wait until ctrl[k][word] >= target: 1 when it is, 0 after budget_ns */
 static int shm_wait(int64_t *const *ctrl, int64_t me, int64_t k, int word, int64_t target, int64_t spin_ns,
-                    int64_t yield_ns, int64_t budget_ns) {
+                    int64_t yield_ns, int64_t budget_ns, int move) {
     const int64_t *p = ctrl[k] + word;
     if (shm_load(p) >= target) return 1;
     int64_t t0 = now_ns(), now = t0, here = spin_ns > 0 ? shm_here(ctrl, me) : 0;
@@ -1164,7 +1164,7 @@ static int shm_wait(int64_t *const *ctrl, int64_t me, int64_t k, int word, int64
             cpu_relax();
         }
         now = now_ns();
-        shm_pause(ctrl, me, k, &here, now - t0, yield_ns);
+        shm_pause(ctrl, me, k, &here, now - t0, yield_ns, move);
     }
     int64_t *sleep_word = ctrl[me] + SHM_SLEEP;
     __atomic_store_n(sleep_word, 1 + k * SHM_WORDS + word, __ATOMIC_RELAXED);
@@ -1196,17 +1196,17 @@ static int64_t *const *shm_layout(Py_buffer *layout, int64_t *n, int64_t *me, in
 }
 
 PyDoc_STRVAR(shm_small_doc,
-"shm_small(layout, buf, dtype, op, g, stage, spin_ns, yield_ns, budget_ns) -> int\n\n"
+"shm_small(layout, buf, dtype, op, g, stage, spin_ns, yield_ns, budget_ns, move) -> int\n\n"
 "The shared-memory small allreduce of ``buf`` (writable, contiguous, at most a block) as collective ``g``, from\n"
 "``stage`` (0, or where a call returned): 0 done, 1 / 3 waited ``budget_ns`` for the slot / the peers' data.");
 
 static PyObject *shm_small(PyObject *self, PyObject *args) {
     Py_buffer layout, buf;
-    int dtype, op, stage;
+    int dtype, op, stage, move;
     long long g, spin_ns, yield_ns, budget_ns;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*iiLiLLL", &layout, &buf, &dtype, &op, &g, &stage, &spin_ns, &yield_ns,
-                          &budget_ns))
+    if (!PyArg_ParseTuple(args, "y*w*iiLiLLLp", &layout, &buf, &dtype, &op, &g, &stage, &spin_ns, &yield_ns,
+                          &budget_ns, &move))
         return NULL;
     int64_t n, me, nslots, block;
     int64_t *const *slots;
@@ -1224,7 +1224,7 @@ static PyObject *shm_small(PyObject *self, PyObject *args) {
     if (stage <= 0) {
         if (g > nslots)
             for (int64_t k = 0; k < n; k++)
-                if (k != me && !shm_wait(ctrl, me, k, SHM_OUT, g - nslots, spin_ns, yield_ns, budget_ns)) {
+                if (k != me && !shm_wait(ctrl, me, k, SHM_OUT, g - nslots, spin_ns, yield_ns, budget_ns, move)) {
                     result = 1;
                     goto out;
                 }
@@ -1232,7 +1232,7 @@ static PyObject *shm_small(PyObject *self, PyObject *args) {
         shm_publish(ctrl, n, me, SHM_IN, g);
     }
     for (int64_t k = 0; k < n; k++)
-        if (k != me && !shm_wait(ctrl, me, k, SHM_IN, g, spin_ns, yield_ns, budget_ns)) {
+        if (k != me && !shm_wait(ctrl, me, k, SHM_IN, g, spin_ns, yield_ns, budget_ns, move)) {
             result = 3;
             goto out;
         }
@@ -1252,15 +1252,16 @@ out:
 }
 
 PyDoc_STRVAR(shm_release_doc,
-"shm_release(layout, target, spin_ns, yield_ns) -> bool\n\n"
+"shm_release(layout, target, spin_ns, yield_ns, move) -> bool\n\n"
 "Spin (no sleep) until every peer's OUT reached ``target``, yielding the core at every look after ``yield_ns``;\n"
 "False where ``spin_ns`` ran out first (ShmGroup.release).");
 
 static PyObject *shm_release(PyObject *self, PyObject *args) {
     Py_buffer layout;
     long long target, spin_ns, yield_ns;
+    int move;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*LLL", &layout, &target, &spin_ns, &yield_ns)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*LLLp", &layout, &target, &spin_ns, &yield_ns, &move)) return NULL;
     int64_t n, me, nslots, block;
     int64_t *const *slots;
     int64_t *const *ctrl = shm_layout(&layout, &n, &me, &nslots, &block, &slots);
@@ -1279,7 +1280,7 @@ static PyObject *shm_release(PyObject *self, PyObject *args) {
             int64_t now = now_ns();
             if (!t0) t0 = now, here = shm_here(ctrl, me);
             if (now - t0 > spin_ns) { done = 0; break; }
-            shm_pause(ctrl, me, k, &here, now - t0, yield_ns);
+            shm_pause(ctrl, me, k, &here, now - t0, yield_ns, move);
         }
     }
     PyBuffer_Release(&layout);

@@ -69,6 +69,8 @@ SPIN_CHECKS = 500
 SMALL_SPIN_S = 100e-6
 #: ... after this long spinning each look yields the core first (the peer may be queued on this very one)
 SMALL_YIELD_S = 20e-6
+#: ... a rank that finds its peer last waited on its own CPU moves itself off it (``SPARK_HVD_SHM_MOVE=0``: yields)
+MOVE_OFF_PEER = os.environ.get("SPARK_HVD_SHM_MOVE", "1") != "0"
 #: ... and after this long in all it goes back to Python, which checks the peers are alive and waits on
 SMALL_BUDGET_S = 0.002
 #: ``release``: how long a rank spins at most for its peers to finish a barrier (their wake-up from a futex took
@@ -352,7 +354,8 @@ class ShmGroup:
         if self.size == 1 or not self.spin_checks:
             return
         if self.layout is not None:
-            _ringloop.shm_release(self.layout, self.seq, int(RELEASE_SPIN_S * 1e9), int(RELEASE_YIELD_S * 1e9))
+            _ringloop.shm_release(self.layout, self.seq, int(RELEASE_SPIN_S * 1e9), int(RELEASE_YIELD_S * 1e9),
+                                  MOVE_OFF_PEER)
             return
         target, me = self.seq, self.local
         clock = time.perf_counter
@@ -517,7 +520,7 @@ class ShmGroup:
         stage = 0
         while True:
             stage = _ringloop.shm_small(self.layout, arr, codes[0], codes[1], g, stage, self.small_spin_ns,
-                                        _SMALL_YIELD_NS, _SMALL_BUDGET_NS)
+                                        _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
             if not stage:
                 return
             if stage == 1:
