@@ -45,7 +45,10 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#ifdef __linux__
 #include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 #include <math.h>
 #include <poll.h>
 #include <sched.h>
@@ -53,7 +56,6 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -1072,6 +1074,7 @@ out:
     return result;
 }
 
+#ifdef __linux__ /* futexes, sched_getcpu, CPU sets: Linux only, as the shared-memory transport is */
 /* -- the shared-memory small allreduce (spark_hvd.core.transport.shm's latency path) ----------------------------
  * One block, one array, the counter protocol of shm.py (slot g, IN = g, wait every peer's IN, reduce, OUT = g) with
  * no Python between the steps. ``layout`` (bytes, int64s, built once per group by ShmGroup.attach): size, local
@@ -1289,11 +1292,14 @@ static PyObject *shm_release(PyObject *self, PyObject *args) {
     PyBuffer_Release(&layout);
     return PyBool_FromLong(done);
 }
+#endif /* __linux__ */
 
 static PyMethodDef methods[] = {
     {"ring", (PyCFunction)(void (*)(void))ring, METH_VARARGS | METH_KEYWORDS, ring_doc},
+#ifdef __linux__
     {"shm_small", shm_small, METH_VARARGS, shm_small_doc},
     {"shm_release", shm_release, METH_VARARGS, shm_release_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -60,6 +60,8 @@ try:
     from spark_hvd.core.transport.ringloop import _BF16, _DTYPES, _OPS
 except ImportError:  # not built here: the small path runs in Python (the same protocol)
     _ringloop = None
+if not hasattr(_ringloop, "shm_small"):  # built without it (not Linux)
+    _ringloop = None
 
 logger = logging.getLogger(__name__)
 
