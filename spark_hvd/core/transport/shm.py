@@ -71,8 +71,10 @@ CTRL_BYTES = 4096
 IN, RED, OUT, PID = 0, 8, 16, 24  # PID + 1: this mapping's address (shm_cma); shm_cma uses 32..
 #: set while this rank sleeps on a peer's counter, ``1 + k * 512 + word`` (k the peer's index, word the counter's):
 #: the compiled small path (``_ringloop.shm_small``) makes the futex wake call only where a peer's SLEEP names the
-#: counter it publishes (the PID line: written once at set-up, so no cache line is shared with a busy counter)
+#: counter it publishes (the PID line: no busy counter shares it) ...
 SLEEP = PID + 2
+#: ... and, written by the compiled path where it changed, 1 + the CPU this rank last spun on (``SMALL_SPIN_S``)
+CPU = PID + 3
 SPIN_CHECKS = 500
 #: The compiled small path's waits spin this long before they sleep on the futex (ranks no more than cores): the
 #: ranks of a collective right after a barrier, or back to back, arrive a few microseconds apart, and a rank that
