@@ -9,11 +9,16 @@
   timed in turn (a, b, c, a, b, c, ...) so that a load that changes during the run weighs on all alike.
 - MLflow's scoring server (``mlflow models serve``, loopback) answering a 64-row JSON batch vs the same pyfunc
   called in process on the same 64 rows: median latency of ``--requests`` each, in turn (target: <= 2x); a new
-  connection per request (``urllib``) and one kept alive (``http.client``); and where the difference goes: MLflow's
+  connection per request (``urllib``) and one kept alive (``http.client``), the rows as ``dataframe_split`` and as
+  the tensor format (``{"inputs": ...}``); and where the difference goes: MLflow's
   request handler in process (no HTTP), its JSON parse and its JSON writing alone.
 - The pyfunc is logged as ``log_mlflow`` logs it (a numeric array column: an MLflow tensor signature), and beside it
   with MLflow's column schema (``Array(double)``, checked per row: the signature before; ``--skip columns`` leaves
   it out) and with ``check_input=False`` (no input schema), for ``spark_udf`` and the server's handler.
+- The floor: ``FloorPyfunc``, a pyfunc with the stage's signature that answers the stage's columns from memory
+  (no model runs), through ``spark_udf`` and a scoring server of its own, timed in turn with the rest: what MLflow
+  and pyspark cost around any model with these outputs, so the stage against it is spark_hvd's share
+  (``--skip floor`` leaves it out).
 - Where a ``spark_udf`` batch of 10,000 rows goes, in the driver process: Arrow to pandas, MLflow's input check,
   the pyfunc's ``predict``, MLflow's conversion of the result, pyspark's pandas to Arrow (``--skip parts``).
 - ONNX through onnxruntime on the CPU vs the torch module, rows/s on in-memory batches (target: >= 1.0x); only where
@@ -30,6 +35,7 @@ Run: ``python benchmarks/serving.py [--rows 200000] [--repeats 5] [--requests 10
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import io
 import json
@@ -41,10 +47,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 from _timing import arrow_floor_run, finish, start
+from mlflow.pyfunc import PythonModel
 
 WIDTH = 64
 
@@ -86,13 +95,14 @@ def _in_turn(fns: dict[str, Any], repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_unchecked: str | None = None,
-                uri_columns: str | None = None, udf_only: bool = False) -> dict:
+def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, others: dict[str, str],
+                udf_only: bool = False) -> dict:
     """spark_udf over the logged pyfunc vs transform (both with the classifier's prediction and probability), and
     transform of the raw network output (one column, as the floor adds one) vs the Arrow round trip with no model,
-    rows/s on the same DataFrame. ``uri_columns``: the same pyfunc logged with MLflow's column schema (an
-    ``Array(double)`` column, checked per row: the signature before the tensor one). ``udf_only``: transform and
-    the spark_udf items only."""
+    rows/s on the same DataFrame. ``others``: more pyfuncs to run ``spark_udf`` over, by item name (``unchecked``:
+    logged with ``check_input=False``; ``columns``: with MLflow's column schema, an ``Array(double)`` column
+    checked per row, the signature before the tensor one; ``floor``: :class:`FloorPyfunc`, what ``spark_udf``
+    costs around a model that costs nothing). ``udf_only``: transform and the spark_udf items only."""
     import mlflow.pyfunc
     from pyspark.sql import functions as F  # noqa: N812
 
@@ -103,27 +113,18 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
     df = _rows_df(spark, rows).repartition(cores).cache()
     df.count()
     result_type = "label__output array<float>, prediction double, probability array<double>"
-    udf = mlflow.pyfunc.spark_udf(spark, uri, env_manager="local", result_type=result_type)
-    unchecked = mlflow.pyfunc.spark_udf(spark, uri_unchecked, env_manager="local", result_type=result_type) \
-        if uri_unchecked else None
-    columns = mlflow.pyfunc.spark_udf(spark, uri_columns, env_manager="local", result_type=result_type) \
-        if uri_columns else None
+    udfs = {name: mlflow.pyfunc.spark_udf(spark, u, env_manager="local", result_type=result_type)
+            for name, u in {"spark_udf": uri, **{f"spark_udf_{k}": v for k, v in others.items()}}.items()}
     raw = TorchModel(model=model.getModel(), feature_cols=["features"], label_cols=["label"], batch_size=1024)
 
     def run_transform() -> None:
         model.transform(df).write.format("noop").mode("overwrite").save()
 
-    def run_udf() -> None:
-        df.withColumn("out", udf(F.struct("features"))).select("id", "features", "out.*") \
-            .write.format("noop").mode("overwrite").save()
-
-    def run_udf_unchecked() -> None:  # the pyfunc logged with check_input=False: no input schema to check
-        df.withColumn("out", unchecked(F.struct("features"))).select("id", "features", "out.*") \
-            .write.format("noop").mode("overwrite").save()
-
-    def run_udf_columns() -> None:  # the pyfunc logged with the column schema: MLflow checks each row's array
-        df.withColumn("out", columns(F.struct("features"))).select("id", "features", "out.*") \
-            .write.format("noop").mode("overwrite").save()
+    def udf_run(udf: Any) -> Any:
+        def run() -> None:
+            df.withColumn("out", udf(F.struct("features"))).select("id", "features", "out.*") \
+                .write.format("noop").mode("overwrite").save()
+        return run
 
     def run_raw() -> None:
         raw.transform(df).write.format("noop").mode("overwrite").save()
@@ -132,14 +133,10 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
         add_classifier_columns(raw.transform(df), "label__output", "logits", "prediction", "probability") \
             .write.format("noop").mode("overwrite").save()
 
-    fns = {"transform": run_transform, "spark_udf": run_udf}
+    fns = {"transform": run_transform, **{name: udf_run(udf) for name, udf in udfs.items()}}
     if not udf_only:
         fns.update({"transform_raw": run_raw, "transform_sql_classifier": run_sql_classifier,
                     "arrow_floor": arrow_floor_run(df, "label__output")})
-    if unchecked is not None:
-        fns["spark_udf_unchecked"] = run_udf_unchecked
-    if columns is not None:
-        fns["spark_udf_columns"] = run_udf_columns
     for fn in fns.values():
         fn()  # warm: Python workers, the model in each worker's cache
     t = _in_turn(fns, repeats)
@@ -148,10 +145,8 @@ def bench_spark(spark: Any, model: Any, uri: str, rows: int, repeats: int, uri_u
     return {"rows": rows, "partitions": cores, "repeats": repeats,
             **{f"{k}_rows_per_s": v for k, v in rate.items()},
             "spark_udf_vs_transform (>= 0.8)": rate["spark_udf"] / rate["transform"],
-            **({"spark_udf_unchecked_vs_transform": rate["spark_udf_unchecked"] / rate["transform"]}
-               if unchecked is not None else {}),
-            **({"spark_udf_columns_vs_transform": rate["spark_udf_columns"] / rate["transform"]}
-               if columns is not None else {}),
+            **{f"{k}_vs_transform": rate[k] / rate["transform"] for k in udfs if k != "spark_udf"},
+            **({"spark_udf_vs_floor": rate["spark_udf"] / rate["spark_udf_floor"]} if "floor" in others else {}),
             **({} if udf_only else {
                 "transform_vs_sql_classifier": rate["transform"] / rate["transform_sql_classifier"],
                 "transform_raw_vs_arrow_floor (>= 1.0)": rate["transform_raw"] / rate["arrow_floor"]})}
@@ -209,11 +204,95 @@ def _post(url: str, body: bytes) -> dict:
         return json.loads(response.read())
 
 
-def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None = None) -> dict:
+class FloorPyfunc(PythonModel):
+    """A pyfunc that answers from memory: the stage pyfunc's columns for a digits classifier (``label__output``
+    float32 arrays of 10, ``prediction`` doubles, ``probability`` double arrays of 10), made once at load as the
+    stage's ``predict`` makes them (Arrow to pandas) and sliced to the request's length, no model run. ``spark_udf``
+    and the scoring server over it cost what MLflow and pyspark cost around a model with these outputs (the input
+    check, the result conversion, the JSON, HTTP), so the stage's pyfunc against it is spark_hvd's share."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def load_context(self, context: Any) -> None:
+        """Build the answer (``rows`` rows, random values) in the stage's representation."""
+        import numpy as np
+        import pyarrow as pa
+
+        rng = np.random.default_rng(11)
+        logits = rng.standard_normal((self.rows, 10), dtype=np.float32)
+        probability = np.exp(logits - logits.max(axis=1, keepdims=True)).astype(np.float64)
+        probability /= probability.sum(axis=1, keepdims=True)
+        self.answer = pa.table({
+            "label__output": pa.FixedSizeListArray.from_arrays(pa.array(logits.reshape(-1)), 10),
+            "prediction": pa.array(probability.argmax(axis=1).astype(np.float64)),
+            "probability": pa.FixedSizeListArray.from_arrays(pa.array(probability.reshape(-1)), 10)}).to_pandas()
+
+    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201 - MLflow reads hints as a schema
+        """The first ``len(model_input)`` rows of the answer."""
+        n = len(next(iter(model_input.values()))) if isinstance(model_input, dict) else len(model_input)
+        if n > len(self.answer):
+            raise ValueError(f"FloorPyfunc holds {len(self.answer)} rows, asked for {n}")
+        return self.answer.iloc[:n]
+
+
+def log_floor(stage_uri: str, rows: int) -> str:
+    """Log a :class:`FloorPyfunc` of ``rows`` rows with the stage's own signature (so MLflow checks its input and
+    converts its result the same way); returns its model URI."""
+    import mlflow
+
+    signature = mlflow.models.get_model_info(stage_uri).signature
+    with mlflow.start_run(nested=mlflow.active_run() is not None):
+        info = _log_pyfunc(FloorPyfunc(rows), signature)
+    return info.model_uri
+
+
+def _log_pyfunc(python_model: Any, signature: Any) -> Any:
+    import mlflow.pyfunc
+
+    try:
+        return mlflow.pyfunc.log_model(name="floor", python_model=python_model, signature=signature)
+    except TypeError:  # MLflow 2.x: artifact_path, not name
+        return mlflow.pyfunc.log_model(artifact_path="floor", python_model=python_model, signature=signature)
+
+
+@contextlib.contextmanager
+def _scoring_server(cli: str, uri: str, tracking: str) -> Iterator[str]:
+    """``mlflow models serve`` of ``uri`` on a free loopback port, up (``/ping`` answers) within 180 s; yields its
+    URL and stops it (its process group) on exit."""
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking,
+           "PATH": os.pathsep.join([os.path.dirname(cli), os.environ.get("PATH", "")])}
+    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115 - closed below
+    server = subprocess.Popen([cli, "models", "serve", "-m", uri, "--env-manager", "local", "-h", "127.0.0.1",
+                               "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/ping", timeout=5):
+                    break
+            except OSError as e:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the scoring server of {uri} did not start (log: {log.name})") from e
+                time.sleep(1)
+        yield url
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+        log.close()
+
+
+def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None = None,
+                 uri_floor: str | None = None) -> dict:
     """The scoring server's latency for a 64-row JSON batch vs the pyfunc in process (median of ``requests``), and
     where the difference goes: MLflow's request handler called in process on the same body (``invocations``: JSON
     parsing, the cast to the signature, ``predict`` with its check, the answer's JSON; no HTTP), and its parse and
-    its JSON writing alone. ``uri_columns``: the handler on the pyfunc logged with the column schema too."""
+    its JSON writing alone. ``uri_columns``: the handler on the pyfunc logged with the column schema too.
+    ``uri_floor``: a :class:`FloorPyfunc` served beside it (the same answer without a model)."""
     import mlflow.pyfunc
     import numpy as np
     import pandas as pd
@@ -226,6 +305,7 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
     pdf = pd.DataFrame({"features": list(x)})
     body = json.dumps({"dataframe_split": {"columns": ["features"],
                                            "data": [[row.tolist()] for row in x]}}).encode()
+    body_inputs = json.dumps({"inputs": {"features": x.tolist()}}).encode()  # the tensor request format
     loaded = mlflow.pyfunc.load_model(uri)
     schema = loaded.metadata.get_input_schema()
     columns = mlflow.pyfunc.load_model(uri_columns) if uri_columns else None
@@ -243,24 +323,9 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
     def write() -> None:
         scoring_server.predictions_to_json(predictions, io.StringIO())
 
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking,
-           "PATH": os.pathsep.join([os.path.dirname(cli), os.environ.get("PATH", "")])}
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # noqa: SIM115 - closed below
-    server = subprocess.Popen([cli, "models", "serve", "-m", uri, "--env-manager", "local", "-h", "127.0.0.1",
-                               "-p", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=5):
-                    break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    return {"skipped": f"the scoring server did not start (log: {log.name})"}
-                time.sleep(1)
+    with contextlib.ExitStack() as servers:
+        url = servers.enter_context(_scoring_server(cli, uri, tracking))
+        floor_url = servers.enter_context(_scoring_server(cli, uri_floor, tracking)) if uri_floor else None
         answer = _post(f"{url}/invocations", body)["predictions"]
         direct = loaded.predict(pdf)
         np.testing.assert_allclose(np.array([r["label__output"] for r in answer]),
@@ -268,29 +333,32 @@ def bench_server(uri: str, tracking: str, requests: int, uri_columns: str | None
         for _ in range(5):  # warm both
             _post(f"{url}/invocations", body)
             loaded.predict(pdf)
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # one connection, kept alive
+        connection = http.client.HTTPConnection(urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port,
+                                                timeout=60)  # one connection, kept alive
 
         def keepalive() -> Any:
             connection.request("POST", "/invocations", body, {"Content-Type": "application/json"})
             return json.loads(connection.getresponse().read())
 
         fns = {"server": lambda: _post(f"{url}/invocations", body), "server_keepalive": keepalive,
+               "server_inputs": lambda: _post(f"{url}/invocations", body_inputs),
                "in_process": lambda: loaded.predict(pdf),
                "handler": lambda: handler(loaded), "parse": parse, "write": write}
+        if floor_url:
+            _post(f"{floor_url}/invocations", body)
+            fns["server_floor"] = lambda: _post(f"{floor_url}/invocations", body)
         if columns is not None:
             fns["handler_columns"] = lambda: handler(columns)
         t = _in_turn(fns, requests)
         connection.close()
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
-        log.close()
     return {"batch_rows": 64, "requests": requests, "signature": "tensor" if schema.is_tensor_spec() else "columns",
             **{f"{k}_median_ms": v * 1e3 for k, v in t.items()},
             "server_vs_in_process (<= 2.0)": t["server"] / t["in_process"],
             "server_keepalive_vs_in_process": t["server_keepalive"] / t["in_process"],
+            "server_inputs_vs_in_process": t["server_inputs"] / t["in_process"],
             "handler_vs_in_process": t["handler"] / t["in_process"],
+            **({"server_vs_floor": t["server"] / t["server_floor"],
+                "server_floor_vs_in_process": t["server_floor"] / t["in_process"]} if floor_url else {}),
             **({"handler_columns_vs_in_process": t["handler_columns"] / t["in_process"]} if columns else {})}
 
 
@@ -338,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--skip", choices=["spark", "server", "onnx", "columns", "parts"], action="append",
+    parser.add_argument("--skip", choices=["spark", "server", "onnx", "columns", "parts", "floor"], action="append",
                         default=[], help="columns: leave out the pyfunc logged with the column schema (the per-row "
                                          "check); parts: the in-process split of a spark_udf batch")
     parser.add_argument("--udf-only", action="store_true",
@@ -373,16 +441,18 @@ def main(argv: list[str] | None = None) -> dict:
         signature = ModelSignature(inputs=infer_signature(frame).inputs, outputs=logged.outputs)
         uri_columns = model.log_mlflow(name="columns", input_example=example, log_network=False,
                                        signature=signature).model_uri
+    uri_floor = None if "floor" in args.skip else log_floor(info.model_uri, 20_000)
     if "spark" not in args.skip:
-        unchecked = model.log_mlflow(name="unchecked", input_example=example, check_input=False, log_network=False)
-        results["spark"] = bench_spark(spark, model, info.model_uri, args.rows, args.repeats, unchecked.model_uri,
-                                       uri_columns, args.udf_only)
+        others = {"unchecked": model.log_mlflow(name="unchecked", input_example=example, check_input=False,
+                                                log_network=False).model_uri}
+        others.update({k: v for k, v in {"columns": uri_columns, "floor": uri_floor}.items() if v})
+        results["spark"] = bench_spark(spark, model, info.model_uri, args.rows, args.repeats, others, args.udf_only)
     if "parts" not in args.skip:
         results["udf_parts"] = {"tensor": bench_udf_parts(info.model_uri, 10_000, args.repeats)}
         if uri_columns:
             results["udf_parts"]["columns"] = bench_udf_parts(uri_columns, 10_000, args.repeats)
     if "server" not in args.skip:
-        results["server"] = bench_server(info.model_uri, tracking, args.requests, uri_columns)
+        results["server"] = bench_server(info.model_uri, tracking, args.requests, uri_columns, uri_floor)
     if "onnx" not in args.skip:
         results["onnx"] = bench_onnx(model, args.rows, args.repeats)
     finish(results, args.out)

@@ -4,6 +4,8 @@ from the peer's slot, small blocks reduced in full, larger ones reduce-scattered
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -52,8 +54,6 @@ def test_block_allreduce_matches_numpy_over_many_blocks(size, op):
 def test_barrier_returns_after_every_member_called_it_and_keeps_the_members_in_step():
     # member 2 arrives last, after setting ``late``: no member may leave the barrier before it; the allreduce after
     # it still matches numpy (the barrier, ``release`` included, used one sequence number on every member)
-    import threading
-
     groups = shm_groups("barrier3", 3)
     late = threading.Event()
     seen: list = [None] * 3
@@ -94,3 +94,76 @@ def test_release_gives_up_on_a_peer_that_has_not_finished():
     finally:
         for g in groups:
             g.close()
+
+
+_SMALL_CASES = [  # (dtype, op, bfloat16): every kernel family the compiled small path takes, and one it does not
+    (np.float32, ReduceOp.SUM, False), (np.float32, ReduceOp.AVERAGE, False), (np.float32, ReduceOp.MIN, False),
+    (np.float64, ReduceOp.MAX, False), (np.float32, ReduceOp.PRODUCT, False), (np.float16, ReduceOp.AVERAGE, False),
+    (np.uint16, ReduceOp.SUM, True), (np.uint16, ReduceOp.AVERAGE, True), (np.int32, ReduceOp.AVERAGE, False),
+    (np.int8, ReduceOp.PRODUCT, False), (np.uint64, ReduceOp.SUM, False), (np.bool_, ReduceOp.MAX, False),
+]
+
+
+def _small_inputs(size: int) -> list[list[np.ndarray]]:
+    """Per member, one array per case: random values with NaNs among the floats, bfloat16 as raw uint16 bits."""
+    rng = np.random.default_rng(7 + size)
+    inputs = []
+    for _ in range(size):
+        arrays = []
+        for dtype, _op, bfloat16 in _SMALL_CASES:
+            if bfloat16:
+                arr = (rng.standard_normal(200).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            elif np.dtype(dtype).kind == "f":
+                arr = (rng.standard_normal(200) * 3).astype(dtype)
+                arr[rng.integers(0, 200, 5)] = np.nan
+            else:
+                arr = rng.integers(0, 2 if dtype is np.bool_ else 9, 200).astype(dtype)
+            arrays.append(arr)
+        inputs.append(arrays)
+    return inputs
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_compiled_small_path_gives_the_python_paths_bits(size, monkeypatch):
+    # the same small allreduces (one array of one block) through ``_ringloop.shm_small`` and through the Python path,
+    # every member in step: identical bits, and equal to numpy's rank-order reduction; more calls than slots (slot
+    # reuse), and member 1 arrives 5 ms late once, past the compiled wait's budget (the wait goes on in Python)
+    from spark_hvd.core.reduce import reference_reduce
+    from spark_hvd.core.transport import ringloop, shm
+
+    if not ringloop.BUILT:
+        pytest.skip("the compiled loop is not built here")
+    inputs = _small_inputs(size)
+    got: dict[bool, list] = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(shm, "COMPILED_SMALL", compiled)
+        # 8 KiB blocks: small_bytes 2 KiB, so every case (at most 1600 bytes) takes the small path
+        groups = shm_groups(f"small{size}{int(compiled)}", size, block_bytes=8192)
+        assert all((g.layout is not None) is compiled for g in groups)
+        results: list = [None] * size
+
+        def member(k: int, groups: list = groups, results: list = results) -> None:
+            out = []
+            for i, (arr, (_dtype, op, bfloat16)) in enumerate(zip(inputs[k], _SMALL_CASES, strict=True)):
+                if k == 1 and i == 4:
+                    threading.Event().wait(0.005)
+                work = arr.copy()
+                with np.errstate(all="ignore"):
+                    groups[k].allreduce([work], op, bfloat16, "allreduce", lambda operation: None)
+                out.append(work)
+            results[k] = out
+
+        try:
+            on_threads(size, member)
+        finally:
+            for g in groups:
+                g.close()
+        got[compiled] = results
+    for k in range(size):
+        for i, (_dtype, op, bfloat16) in enumerate(_SMALL_CASES):
+            assert got[True][k][i].tobytes() == got[False][k][i].tobytes(), (k, _SMALL_CASES[i])
+            if op in (ReduceOp.MIN, ReduceOp.MAX):  # which NaN a member keeps depends on its order: values only
+                continue
+            with np.errstate(all="ignore"):
+                want = reference_reduce([inputs[m][i] for m in range(size)], op, bfloat16)
+            np.testing.assert_array_equal(got[True][k][i], want, err_msg=str(_SMALL_CASES[i]))

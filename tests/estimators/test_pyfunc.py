@@ -102,6 +102,16 @@ def test_torch_pyfunc_predict_equals_transform(spark, mlflow_tracking, classifie
     x = torch.from_numpy(np.stack(arrays["features"].to_list()).astype(np.float32))
     np.testing.assert_allclose(network(x).detach().numpy(), np.stack(got["label__output"]), rtol=1e-5, atol=1e-6)
 
+    # the registered model back as the Spark ML stage: same class, uid and params, transform equal
+    back = TorchModel.load_mlflow("models:/spark-hvd-classifier/1")
+    assert type(back) is TorchModel and back.uid == classifier_model.uid
+    assert back.getFeatureCols() == ["features"] and back.getOrDefault("metadata") == {"classifier": "logits"}
+    _assert_frames_equal(_sorted(back.transform(df)), expect, ["label__output", "prediction", "probability"])
+    from spark_hvd.estimators import KerasModel
+
+    with pytest.raises(TypeError, match="TorchModel, not a KerasModel"):
+        KerasModel.load_mlflow(info.model_uri)
+
 
 def test_torch_spark_udf_equals_transform(spark, mlflow_tracking, classifier_model):
     """With the full signature, and logged with ``check_input=False`` (the signature's outputs only: MLflow
@@ -171,6 +181,7 @@ def test_keras_pyfunc_and_spark_udf_equal_transform(spark, mlflow_tracking):
     arrays = pd.DataFrame({"features": [v.toArray().tolist() for v in expect["features"]]})
     got = mlflow.pyfunc.load_model(info.model_uri).predict(arrays)
     _assert_frames_equal(got, expect, ["y__output"])
+    _assert_frames_equal(_sorted(KerasModel.load_mlflow(info.model_uri).transform(df)), expect, ["y__output"])
     udf = _spark_udf_or_skip()(spark, info.model_uri, env_manager="local", result_type="y__output array<float>")
     scored = df.withColumn("features", vector_to_array("features")).withColumn("out", udf(F.struct("features")))
     _assert_frames_equal(_sorted(scored.select("id", "out.*")), expect, ["y__output"])

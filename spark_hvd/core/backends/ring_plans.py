@@ -268,7 +268,13 @@ class ShmHost(Plan):
         return dataclasses.replace(self, shm=group, cma=cma)
 
     def allreduce(self, backend: RingBackend, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
-        self.allreduce_fused(backend, [flat], op, bfloat16, operation)
+        """One array: a small one straight to the slots' latency path (``ShmGroup.small``), else as a fused one."""
+        shm = self.shm
+        assert shm is not None
+        if flat.nbytes <= shm.small_bytes and (self.cma is None or flat.nbytes < self.cma.min_bytes):
+            shm.small(flat, op, bfloat16, operation, backend._check_peers)
+        else:
+            self.allreduce_fused(backend, [flat], op, bfloat16, operation)
 
     def allreduce_fused(self, backend: RingBackend, flats: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool,
                         operation: str) -> None:

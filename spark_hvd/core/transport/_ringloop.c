@@ -34,6 +34,9 @@
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
  *
+ * The module also holds shared memory's small allreduce and barrier release (shm_small, shm_release: the section
+ * before the module table), which share the reductions.
+ *
  * Over 600 lines on purpose: the loop, its two ways to a tag and the module's argument checks share the frame
  * layout, the statuses and the Ring state.
  */
@@ -42,14 +45,20 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 #include <math.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#include <unistd.h>
 
 #define HEAD_SIZE 25 /* length 8 + tag 16 + type 1 */
 #define TAG_SIZE 16
@@ -1065,8 +1074,232 @@ out:
     return result;
 }
 
+#ifdef __linux__ /* futexes, sched_getcpu, CPU sets: Linux only, as the shared-memory transport is */
+/* -- the shared-memory small allreduce (spark_hvd.core.transport.shm's latency path) ----------------------------
+ * One block, one array, the counter protocol of shm.py (slot g, IN = g, wait every peer's IN, reduce, OUT = g) with
+ * no Python between the steps. ``layout`` (bytes, int64s, built once per group by ShmGroup.attach): size, local
+ * index, nslots, block_bytes, every member's control page address, every member's slot area address.
+ *
+ * A wait spins (the pause instruction) for ``spin_ns``, yielding the core at every look after ``yield_ns`` (the peer
+ * may be queued on this very core), then sleeps on the futex, the GIL released, with this rank's SLEEP word saying
+ * on whose word it sleeps. A publication stores the counter, fences, and makes the futex wake call only where a
+ * peer's SLEEP word names that counter (a waiter stores SLEEP before its futex wait, whose check of the value runs
+ * after the kernel's locked operation: either the waker sees SLEEP or the waiter sees the new value). After
+ * ``budget_ns`` of waiting it returns the stage it waits at (the caller checks its peers and waits in Python, then
+ * calls again from there): 1 for the slot (every peer's OUT >= g - nslots), 3 for the peers' data (IN >= g); 0 when
+ * done. Nothing here allocates or touches Python objects while the GIL is released. */
+#define SHM_IN 0
+#define SHM_OUT 16
+#define SHM_SLEEP 26
+#define SHM_CPU 27 /* 1 + the CPU this rank last waited on */
+#define SHM_WORDS 512 /* a control page's int64 words: SLEEP = 1 + rank * SHM_WORDS + word */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static inline int64_t shm_load(const int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* 1 + this thread's CPU, stored in this rank's CPU word where it changed; 0 where the system cannot say */
+static int64_t shm_here(int64_t *const *ctrl, int64_t me) {
+    int cpu = sched_getcpu();
+    if (cpu < 0) return 0;
+    if (__atomic_load_n(ctrl[me] + SHM_CPU, __ATOMIC_RELAXED) != 1 + cpu)
+        __atomic_store_n(ctrl[me] + SHM_CPU, 1 + cpu, __ATOMIC_RELAXED);
+    return 1 + cpu;
+}
+
+#define NUDGE_EVERY_NS 10000000LL /* a thread moves itself off its peer's CPU at most this often: 10 ms */
+static __thread int64_t nudged_at;
+
+/* Move this thread off CPU ``here - 1`` (where its peer is queued) and give it its CPUs back at once: the kernel
+ * migrates a thread whose CPU leaves its set, and nothing holds it there afterwards (not a binding: shm_bind.py).
+ * 1 when it moved. */
+static int shm_nudge(int64_t here) {
+    int64_t now = now_ns();
+    if (now - nudged_at < NUDGE_EVERY_NS) return 0;
+    nudged_at = now;
+    cpu_set_t before, away;
+    if (sched_getaffinity(0, sizeof before, &before) || CPU_COUNT(&before) < 2 || here - 1 >= CPU_SETSIZE ||
+        !CPU_ISSET(here - 1, &before))
+        return 0;
+    away = before;
+    CPU_CLR(here - 1, &away);
+    if (sched_setaffinity(0, sizeof away, &away)) return 0;
+    sched_setaffinity(0, sizeof before, &before);
+    return 1;
+}
+
+/* one look's pause: where the peer last waited on this very CPU (it is queued behind this rank: spinning would
+ * only keep it from running), move to another CPU (shm_nudge) or yield; after yield_ns, yield at every look */
+static inline void shm_pause(int64_t *const *ctrl, int64_t me, int64_t k, int64_t *here, int64_t spent,
+                             int64_t yield_ns, int move) {
+    if (*here && __atomic_load_n(ctrl[k] + SHM_CPU, __ATOMIC_RELAXED) == *here) {
+        if (move && shm_nudge(*here)) {
+            *here = shm_here(ctrl, me);
+            return;
+        }
+        sched_yield();
+    } else if (spent >= yield_ns) {
+        sched_yield();
+    }
+}
+
+static void shm_publish(int64_t *const *ctrl, int64_t n, int64_t me, int word, int64_t value) {
+    __atomic_store_n(ctrl[me] + word, value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    int64_t want = 1 + me * SHM_WORDS + word;
+    for (int64_t k = 0; k < n; k++)
+        if (k != me && __atomic_load_n(ctrl[k] + SHM_SLEEP, __ATOMIC_RELAXED) == want) {
+            syscall(SYS_futex, ctrl[me] + word, FUTEX_WAKE, 0x7FFFFFFF, NULL, NULL, 0);
+            return;
+        }
+}
+
+/* wait until ctrl[k][word] >= target: 1 when it is, 0 after budget_ns */
+static int shm_wait(int64_t *const *ctrl, int64_t me, int64_t k, int word, int64_t target, int64_t spin_ns,
+                    int64_t yield_ns, int64_t budget_ns, int move) {
+    const int64_t *p = ctrl[k] + word;
+    if (shm_load(p) >= target) return 1;
+    int64_t t0 = now_ns(), now = t0, here = spin_ns > 0 ? shm_here(ctrl, me) : 0;
+    while (now - t0 < spin_ns) {
+        for (int i = 0; i < 32; i++) {
+            if (shm_load(p) >= target) return 1;
+            cpu_relax();
+        }
+        now = now_ns();
+        shm_pause(ctrl, me, k, &here, now - t0, yield_ns, move);
+    }
+    int64_t *sleep_word = ctrl[me] + SHM_SLEEP;
+    __atomic_store_n(sleep_word, 1 + k * SHM_WORDS + word, __ATOMIC_RELAXED);
+    int reached = 0;
+    for (;;) {
+        int64_t v = shm_load(p);
+        if (v >= target) { reached = 1; break; }
+        now = now_ns();
+        if (now - t0 >= budget_ns) break;
+        int64_t left = budget_ns - (now - t0);
+        if (left > 2000000) left = 2000000;
+        struct timespec ts = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
+        Py_BEGIN_ALLOW_THREADS
+        syscall(SYS_futex, p, FUTEX_WAIT, (int)(uint32_t)v, &ts, NULL, 0);
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_store_n(sleep_word, 0, __ATOMIC_RELAXED);
+    return reached;
+}
+
+static int64_t *const *shm_layout(Py_buffer *layout, int64_t *n, int64_t *me, int64_t *nslots, int64_t *block,
+                                  int64_t *const **slots) {
+    const int64_t *l = (const int64_t *)layout->buf;
+    if (layout->len < 4 * 8) return NULL;
+    *n = l[0], *me = l[1], *nslots = l[2], *block = l[3];
+    if (*n < 2 || *me < 0 || *me >= *n || *n > 4096 || layout->len != (4 + 2 * *n) * 8) return NULL;
+    *slots = (int64_t *const *)(l + 4 + *n);
+    return (int64_t *const *)(l + 4);
+}
+
+PyDoc_STRVAR(shm_small_doc,
+"shm_small(layout, buf, dtype, op, g, stage, spin_ns, yield_ns, budget_ns, move) -> int\n\n"
+"The shared-memory small allreduce of ``buf`` (writable, contiguous, at most a block) as collective ``g``, from\n"
+"``stage`` (0, or where a call returned): 0 done, 1 / 3 waited ``budget_ns`` for the slot / the peers' data.");
+
+static PyObject *shm_small(PyObject *self, PyObject *args) {
+    Py_buffer layout, buf;
+    int dtype, op, stage, move;
+    long long g, spin_ns, yield_ns, budget_ns;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*iiLiLLLp", &layout, &buf, &dtype, &op, &g, &stage, &spin_ns, &yield_ns,
+                          &budget_ns, &move))
+        return NULL;
+    int64_t n, me, nslots, block;
+    int64_t *const *slots;
+    int64_t *const *ctrl = shm_layout(&layout, &n, &me, &nslots, &block, &slots);
+    int result = 0;
+    PyObject *answer = NULL;
+    if (!ctrl || dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || op < 0 || op >= OP_COUNT || g < 1 ||
+        buf.len > block || buf.len % (Py_ssize_t)itemsizes[dtype]) {
+        PyErr_SetString(PyExc_ValueError, "shm_small: bad layout, dtype, op, sequence number or size");
+        goto out;
+    }
+    size_t nbytes = (size_t)buf.len;
+    size_t off = (size_t)((g - 1) % nslots) * (size_t)block;
+    unsigned char *acc = (unsigned char *)buf.buf;
+    if (stage <= 0) {
+        if (g > nslots)
+            for (int64_t k = 0; k < n; k++)
+                if (k != me && !shm_wait(ctrl, me, k, SHM_OUT, g - nslots, spin_ns, yield_ns, budget_ns, move)) {
+                    result = 1;
+                    goto out;
+                }
+        memcpy((unsigned char *)slots[me] + off, acc, nbytes);
+        shm_publish(ctrl, n, me, SHM_IN, g);
+    }
+    for (int64_t k = 0; k < n; k++)
+        if (k != me && !shm_wait(ctrl, me, k, SHM_IN, g, spin_ns, yield_ns, budget_ns, move)) {
+            result = 3;
+            goto out;
+        }
+    if (n == 2 && dtype != DT_BF16) {
+        reduce_into(dtype, op, acc, (unsigned char *)slots[1 - me] + off, nbytes); /* commutative: same bits */
+    } else {
+        memcpy(acc, (unsigned char *)slots[0] + off, nbytes);
+        for (int64_t k = 1; k < n; k++) reduce_into(dtype, op, acc, (unsigned char *)slots[k] + off, nbytes);
+    }
+    if (op == OP_AVERAGE) divide(dtype, acc, (long)n, nbytes);
+    shm_publish(ctrl, n, me, SHM_OUT, g);
+out:
+    if (!PyErr_Occurred()) answer = PyLong_FromLong(result);
+    PyBuffer_Release(&layout);
+    PyBuffer_Release(&buf);
+    return answer;
+}
+
+PyDoc_STRVAR(shm_release_doc,
+"shm_release(layout, target, spin_ns, yield_ns, move) -> bool\n\n"
+"Spin (no sleep) until every peer's OUT reached ``target``, yielding the core at every look after ``yield_ns``;\n"
+"False where ``spin_ns`` ran out first (ShmGroup.release).");
+
+static PyObject *shm_release(PyObject *self, PyObject *args) {
+    Py_buffer layout;
+    long long target, spin_ns, yield_ns;
+    int move;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*LLLp", &layout, &target, &spin_ns, &yield_ns, &move)) return NULL;
+    int64_t n, me, nslots, block;
+    int64_t *const *slots;
+    int64_t *const *ctrl = shm_layout(&layout, &n, &me, &nslots, &block, &slots);
+    if (!ctrl) {
+        PyBuffer_Release(&layout);
+        PyErr_SetString(PyExc_ValueError, "shm_release: bad layout");
+        return NULL;
+    }
+    int done = 1;
+    int64_t t0 = 0, here = 0;
+    for (int64_t k = 0; k < n && done; k++) {
+        if (k == me) continue;
+        const int64_t *p = ctrl[k] + SHM_OUT;
+        while (shm_load(p) < target) {
+            for (int i = 0; i < 32 && shm_load(p) < target; i++) cpu_relax();
+            int64_t now = now_ns();
+            if (!t0) t0 = now, here = shm_here(ctrl, me);
+            if (now - t0 > spin_ns) { done = 0; break; }
+            shm_pause(ctrl, me, k, &here, now - t0, yield_ns, move);
+        }
+    }
+    PyBuffer_Release(&layout);
+    return PyBool_FromLong(done);
+}
+#endif /* __linux__ */
+
 static PyMethodDef methods[] = {
     {"ring", (PyCFunction)(void (*)(void))ring, METH_VARARGS | METH_KEYWORDS, ring_doc},
+#ifdef __linux__
+    {"shm_small", shm_small, METH_VARARGS, shm_small_doc},
+    {"shm_release", shm_release, METH_VARARGS, shm_release_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,6 +24,15 @@ x86 keeps stores in order, so a counter is published after the data it covers wi
 briefly, then yields and sleeps with a growing back-off; every few milliseconds it checks that the peers are alive
 (their TCP connections, via ``check_peers``) and it gives up after ``timeout_s`` naming the rank it waited for.
 
+A small allreduce (one array of at most ``small_bytes``, the barrier's included) and the barrier's release run in C
+where the compiled loop was built (``_ringloop.shm_small`` / ``shm_release``, the same counters and bits): one copy
+into the slot, ``IN``, the wait, the reduction, ``OUT``, with no Python between them (0.44 us a call without
+waiting). Its waits spin ``SMALL_SPIN_S`` before they sleep (ranks no more than cores; none otherwise) and publish
+the CPU they spin on: a rank that finds its peer last waited on its own CPU (the scheduler woke one onto its
+waker's core, where every spin keeps the other from running) moves itself off that CPU (its CPU set without it,
+then its set back at once: not a binding) or yields. A publication from C makes the futex wake call only where a
+peer's ``SLEEP`` word says it sleeps on that counter (every wait that sleeps, Python's too, sets it first).
+
 Over 600 lines on purpose: the block pipeline (one ``_BlockAllreduce`` per call), its two reduction schemes, the
 broadcast, the exchange rounds and the waits all follow the one counter protocol above, which is easiest to check
 in one place (what the rounds carry is in ``shm_slices``).
@@ -46,19 +55,47 @@ from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import CollectiveTimeoutError, PeerFailureError
 from spark_hvd.core.reduce import divide_average, reduce_into, ufunc_for
 
+try:
+    from spark_hvd.core.transport import _ringloop
+    from spark_hvd.core.transport.ringloop import _BF16, _DTYPES, _OPS
+except ImportError:  # not built here: the small path runs in Python (the same protocol)
+    _ringloop = None
+if not hasattr(_ringloop, "shm_small"):  # built without it (not Linux)
+    _ringloop = None
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 CTRL_BYTES = 4096
 # control words (int64 index into the control page), one cache line apart
 IN, RED, OUT, PID = 0, 8, 16, 24  # PID + 1: this mapping's address (shm_cma); shm_cma uses 32..
+#: set while this rank sleeps on a peer's counter, ``1 + k * 512 + word`` (k the peer's index, word the counter's):
+#: the compiled small path (``_ringloop.shm_small``) makes the futex wake call only where a peer's SLEEP names the
+#: counter it publishes (the PID line: no busy counter shares it) ...
+SLEEP = PID + 2
+#: ... and, written by the compiled path where it changed, 1 + the CPU this rank last spun on (``SMALL_SPIN_S``)
+CPU = PID + 3
 SPIN_CHECKS = 500
+#: The compiled small path's waits spin this long before they sleep on the futex (ranks no more than cores): the
+#: ranks of a collective right after a barrier, or back to back, arrive a few microseconds apart, and a rank that
+#: slept is woken by the scheduler on its waker's core, where both then queue (``shm_bind``'s docstring)
+SMALL_SPIN_S = 100e-6
+#: ... after this long spinning each look yields the core first (the peer may be queued on this very one)
+SMALL_YIELD_S = 20e-6
+#: ... a rank that finds its peer last waited on its own CPU moves itself off it (``SPARK_HVD_SHM_MOVE=0``: yields)
+MOVE_OFF_PEER = os.environ.get("SPARK_HVD_SHM_MOVE", "1") != "0"
+#: ... and after this long in all it goes back to Python, which checks the peers are alive and waits on
+SMALL_BUDGET_S = 0.002
 #: ``release``: how long a rank spins at most for its peers to finish a barrier (their wake-up from a futex took
 #: 30-150 us on a loaded 2-core host; a peer later than this has been preempted, and the caller goes on) ...
 RELEASE_SPIN_S = 0.002
 #: ... and after this long it yields its core at every look: on a loaded host the scheduler tends to put two ranks
 #: that wake each other on one core, where spinning would only keep the peer from running.
 RELEASE_YIELD_S = 50e-6
+#: Whether ``attach`` sets the group up for the compiled small path where it was built (tests turn it off to check
+#: the two paths give the same bits; ranks may run either: the protocol is the same)
+COMPILED_SMALL = True
+_SMALL_YIELD_NS, _SMALL_BUDGET_NS = int(SMALL_YIELD_S * 1e9), int(SMALL_BUDGET_S * 1e9)
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
 
@@ -191,6 +228,10 @@ class ShmGroup:
         # from the very peer being waited for, so sleep on the futex straight away
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.spin_checks = SPIN_CHECKS if len(self.ranks) <= cores else 0
+        self.small_spin_ns = int(SMALL_SPIN_S * 1e9) if self.spin_checks else 0
+        #: the compiled small path's view of the group (``_ringloop.shm_small``), set by ``attach``; None: Python
+        self.layout: bytes | None = None
+        self._codes: dict[tuple[np.dtype, ReduceOp, bool], tuple[int, int] | None] = {}
         own = memoryview(self._own)[:CTRL_BYTES].cast("q")
         own[PID] = os.getpid()
         own[PID + 1] = np.frombuffer(self._own, dtype=np.uint8, count=8).ctypes.data  # for shm_cma.probe
@@ -212,6 +253,9 @@ class ShmGroup:
             self._addr.append(np.frombuffer(m, dtype=np.uint8, count=CTRL_BYTES).ctypes.data)
             self.slots.append(np.frombuffer(m, dtype=np.uint8, count=self.nslots * self.block_bytes,
                                             offset=CTRL_BYTES))
+        if _ringloop is not None and COMPILED_SMALL:
+            self.layout = np.array([self.size, self.local, self.nslots, self.block_bytes, *self._addr,
+                                    *(s.ctypes.data for s in self.slots)], np.int64).tobytes()
 
     def unlink(self) -> None:
         """Remove every member's name from /dev/shm (the mappings stay valid)."""
@@ -222,6 +266,7 @@ class ShmGroup:
     def close(self) -> None:
         """Unmap everything (and unlink, in case that had not happened yet)."""
         self.unlink()
+        self.layout = None
         if self.unbind is not None:
             self.unbind, unbind = None, self.unbind
             unbind()
@@ -268,30 +313,35 @@ class ShmGroup:
         next_check = start
         delay = 20e-6
         addr = self._addr[k] + 8 * word
-        while True:
-            value = ctrl[word]
-            if value >= target:
-                return
-            if _FUTEX is not None:
-                _FUTEX[0](addr, value, 0.002)
-            else:
-                time.sleep(delay)
-                delay = min(delay * 1.5, 0.001)
-            now = time.monotonic()
-            if now >= next_check:
-                try:
-                    check_peers(operation)
-                except PeerFailureError:
-                    if ctrl[word] >= target:  # it finished its part (and left) after our last look
-                        return
-                    raise
-                if now - start > self.timeout_s:
-                    rank = self.ranks[k]
-                    raise CollectiveTimeoutError(
-                        f"{operation}: rank {rank} did not take part within {self.timeout_s:.0f}s "
-                        "(SPARK_HVD_TIMEOUT); it is stuck or called another collective", rank=rank,
-                        operation=operation)
-                next_check = now + 0.002
+        own = self.ctrl[self.local]
+        own[SLEEP] = 1 + k * (CTRL_BYTES // 8) + word  # a compiled publisher wakes only a rank that says it sleeps
+        try:
+            while True:
+                value = ctrl[word]
+                if value >= target:
+                    return
+                if _FUTEX is not None:
+                    _FUTEX[0](addr, value, 0.002)
+                else:
+                    time.sleep(delay)
+                    delay = min(delay * 1.5, 0.001)
+                now = time.monotonic()
+                if now >= next_check:
+                    try:
+                        check_peers(operation)
+                    except PeerFailureError:
+                        if ctrl[word] >= target:  # it finished its part (and left) after our last look
+                            return
+                        raise
+                    if now - start > self.timeout_s:
+                        rank = self.ranks[k]
+                        raise CollectiveTimeoutError(
+                            f"{operation}: rank {rank} did not take part within {self.timeout_s:.0f}s "
+                            "(SPARK_HVD_TIMEOUT); it is stuck or called another collective", rank=rank,
+                            operation=operation)
+                    next_check = now + 0.002
+        finally:
+            own[SLEEP] = 0
 
     def _wait_all(self, word: int, target: int, operation: str, check_peers: Callable[[str], None],
                   idle: Callable[[], bool] | None = None) -> None:
@@ -315,6 +365,10 @@ class ShmGroup:
         done after the bound has been preempted, and the caller goes on as before. No spin where ranks outnumber
         the cores (``spin_checks`` 0)."""
         if self.size == 1 or not self.spin_checks:
+            return
+        if self.layout is not None:
+            _ringloop.shm_release(self.layout, self.seq, int(RELEASE_SPIN_S * 1e9), int(RELEASE_YIELD_S * 1e9),
+                                  MOVE_OFF_PEER)
             return
         target, me = self.seq, self.local
         clock = time.perf_counter
@@ -424,9 +478,27 @@ class ShmGroup:
             self._publish(OUT, g)
 
     # -- allreduce ----------------------------------------------------------------------------------------------
+    def small(self, arr: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
+              check_peers: Callable[[str], None]) -> None:
+        """Allreduce one flat array of at most ``small_bytes`` in place: ``allreduce([arr], ...)`` with less on the
+        way (the latency path)."""
+        if self.profile is None and arr.size:
+            self._allreduce_small(arr, op, bfloat16, operation, check_peers)
+        else:
+            self.allreduce([arr], op, bfloat16, operation, check_peers)
+
     def _allreduce_small(self, arr: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str,
                          check_peers: Callable[[str], None]) -> None:
-        """One block, one array: the latency path (same protocol as ``allreduce``, less bookkeeping)."""
+        """One block, one array: the latency path (same protocol as ``allreduce``, less bookkeeping), compiled
+        where it was built (``_ringloop.shm_small``: the same steps, no Python between them)."""
+        if self.layout is not None and arr.flags.c_contiguous and arr.flags.writeable:
+            key = (arr.dtype, op, bfloat16)
+            codes = self._codes.get(key, ())
+            if codes == ():
+                codes = self._codes[key] = _small_codes(*key)
+            if codes is not None:
+                self._allreduce_small_compiled(arr, codes, operation, check_peers)
+                return
         g = self.seq = self.seq + 1
         if g > self.nslots:
             self._wait_all(OUT, g - self.nslots, operation, check_peers)
@@ -452,6 +524,24 @@ class ShmGroup:
         if op is ReduceOp.AVERAGE:
             divide_average(arr, size, bfloat16)
         self._publish(OUT, g)
+
+    def _allreduce_small_compiled(self, arr: np.ndarray, codes: tuple[int, int], operation: str,
+                                  check_peers: Callable[[str], None]) -> None:
+        """``_allreduce_small`` in C; a wait longer than ``SMALL_BUDGET_S`` goes on in Python (``_wait_all``: peers
+        checked, the timeout), then C again from where it stopped."""
+        g = self.seq = self.seq + 1
+        stage = 0
+        while True:
+            stage = _ringloop.shm_small(self.layout, arr, codes[0], codes[1], g, stage, self.small_spin_ns,
+                                        _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
+            if not stage:
+                return
+            if stage == 1:
+                self._wait_all(OUT, g - self.nslots, operation, check_peers)
+                stage = 0
+            else:
+                self._wait_all(IN, g, operation, check_peers)
+                stage = 2
 
     # -- allreduce (general) ------------------------------------------------------------------------------------
     def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
@@ -648,6 +738,16 @@ class _BlockAllreduce:
                 if a0 < a1:
                     dst[a0 - at:a1 - at] = slots[k][off + a0:off + a1]
         group._publish(OUT, g)
+
+
+def _small_codes(dtype: np.dtype, op: ReduceOp, bfloat16: bool) -> tuple[int, int] | None:
+    """The compiled loop's (dtype, op) codes for a small allreduce, or None where it has none (the Python path)."""
+    if op not in _OPS:
+        return None
+    if bfloat16:
+        return (_BF16, _OPS[op]) if dtype == np.uint16 else None
+    code = _DTYPES.get(dtype)
+    return None if code is None else (code, _OPS[op])
 
 
 def _timed(fn: Callable[[int], None], prof: dict[str, float], key: str) -> Callable[[int], None]:

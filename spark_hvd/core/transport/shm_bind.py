@@ -9,6 +9,9 @@ ranks timing ``hvd.barrier(); hvd.allreduce_(t)`` (4 KiB) took 370-450 us a call
 and 22-40 us, leaving it 0.6-4 us apart, with each rank held to a CPU of its own (2026-12-07; the figures of
 ``benchmarks/allreduce.py --after-barrier`` with and without it are in benchmarks/RESULTS.md).
 
+Unbound, the compiled small path gets most of that (``shm``: a rank spinning for a peer that last waited on its own
+CPU moves itself off it, ``SPARK_HVD_SHM_MOVE``): the ranks leave a barrier 0.1-0.3 us apart there too.
+
 It is off by default: a rank held to its share cannot escape a CPU that other processes keep busy, and on the same
 host at load 54 back-to-back allreduces took 7.1 ms (4 KiB) and 121 ms (16 MiB) bound against 1.1 and 66 ms
 unbound. Turn it on where the ranks have the host's CPUs to themselves (a dedicated training host), as mpirun's

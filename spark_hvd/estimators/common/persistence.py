@@ -18,7 +18,7 @@ from spark_hvd import pickling
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.params import OBJECT_PARAMS
 
-__all__ = ["PersistableStage"]
+__all__ = ["PersistableStage", "rebuild_stage"]
 
 
 class _StageWriter(MLWriter):
@@ -30,13 +30,9 @@ class _StageWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:  # noqa: N802 (Spark's name)
         inst = self.instance
-        # a runner given as ``backend`` (Horovod's param) holds the live Spark session: not saved (a loaded stage
-        # runs on num_proc); the Keras estimator's backend name is JSON
-        json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS
-                       and not (p.name == "backend" and not isinstance(v, str | type(None)))}
         blobs = inst._dump_objects()
         compat.save_metadata(
-            inst, path, self.sparkSession, paramMap=json_params,
+            inst, path, self.sparkSession, paramMap=inst._json_params(),
             extraMetadata={"spark_hvd": {"objects": sorted(blobs), "format": 1}},
         )
         rows = sorted(blobs.items())
@@ -53,13 +49,6 @@ class _StageReader(MLReader):
 
     def load(self, path: str) -> Any:
         metadata = compat.load_metadata(path, self.sparkSession)
-        module, _, name = metadata["class"].rpartition(".")
-        cls = getattr(__import__(module, fromlist=[name]), name)
-        if not issubclass(cls, self.cls):
-            raise TypeError(f"{path} holds a {metadata['class']}, not a {self.cls.__name__}")
-        instance = cls()
-        instance._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(instance, metadata)
         names = metadata.get("spark_hvd", {}).get("objects", [])
         blobs: dict[str, bytes] = {}
         if names:
@@ -68,10 +57,28 @@ class _StageReader(MLReader):
             missing = set(names) - set(blobs)
             if missing:
                 raise OSError(f"{path}/data lacks the saved objects {sorted(missing)}")
-        objects = instance._load_objects(blobs)
-        if objects:
-            instance._set(**objects)
-        return instance
+        return rebuild_stage(metadata, blobs, self.cls, path)
+
+
+def rebuild_stage(metadata: dict[str, Any], blobs: dict[str, bytes], expected: type, where: str) -> Any:
+    """The stage that ``metadata`` (``class``, ``uid``, ``paramMap``: Spark's JSON metadata, or the same keys
+    written elsewhere) and ``blobs`` (the object params' bytes, ``model`` among them) describe; ``where`` names
+    their source in the error raised when the class is not an ``expected``."""
+    module, _, name = metadata["class"].rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    if not issubclass(cls, expected):
+        raise TypeError(f"{where} holds a {metadata['class']}, not a {expected.__name__}")
+    instance = cls()
+    instance._resetUid(metadata["uid"])
+    if "sparkVersion" in metadata:  # Spark ML's own metadata (its defaults section too)
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+    else:
+        for name, value in metadata["paramMap"].items():
+            instance.set(instance.getParam(name), value)
+    objects = instance._load_objects(blobs)
+    if objects:
+        instance._set(**objects)
+    return instance
 
 
 class PersistableStage(MLWritable, MLReadable):
@@ -90,11 +97,19 @@ class PersistableStage(MLWritable, MLReadable):
         """The value of ``param``, or None when it was never set and has no default."""
         return self.getOrDefault(param) if self.isDefined(param) else None
 
+    def _json_params(self) -> dict[str, Any]:
+        """The set params that Spark's JSON metadata holds: all but the object ones. A runner given as ``backend``
+        (Horovod's param) holds the live Spark session: not saved (a loaded stage runs on num_proc); the Keras
+        estimator's backend name is JSON."""
+        return {p.name: v for p, v in self._paramMap.items() if p.name not in OBJECT_PARAMS
+                and not (p.name == "backend" and not isinstance(v, str | type(None)))}
+
     # Hooks a framework overrides for its model/optimizer; the default pickles each object param with cloudpickle.
-    def _dump_objects(self) -> dict[str, bytes]:
+    def _dump_objects(self, skip: frozenset[str] = frozenset()) -> dict[str, bytes]:
+        """The object params' bytes by name, but those in ``skip``."""
         out = {}
         for param, value in self._paramMap.items():
-            if param.name in OBJECT_PARAMS and value is not None:
+            if param.name in OBJECT_PARAMS and param.name not in skip and value is not None:
                 out[param.name] = self._dump_object(param.name, value)
         return out
 

@@ -11,8 +11,10 @@ doubles here, a Vector in ``transform``).
 
 What travels inside the logged model (``artifacts/stage/``): the network's bytes as ``transform`` broadcasts
 them, ``stage.json`` (the model class, the feature specs, output columns and shapes, batch size, classifier
-kind) and the pickled preprocessing functions. Loading it needs spark_hvd and the framework, not Spark
-(``mlflow.pyfunc.spark_udf`` runs it inside Spark tasks). The framework's own flavour (``mlflow.pytorch`` /
+kind), the pickled preprocessing functions, and the stage itself (``spark_stage.json``: its class, uid and
+JSON params; ``objects/``: its object params' bytes), from which ``<Model>.load_mlflow(uri)`` rebuilds it.
+Loading the pyfunc needs spark_hvd and the framework, not Spark (``mlflow.pyfunc.spark_udf`` runs it inside Spark
+tasks). The framework's own flavour (``mlflow.pytorch`` /
 ``mlflow.keras``) is logged beside it in the same run, as ``<name>_network``, for users who want the bare network.
 """
 
@@ -32,14 +34,15 @@ import numpy as np
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import EstimatorError
 
-__all__ = ["StagePyfunc", "arrays_to_table", "frame_to_table", "log_mlflow", "requirements", "save_stage",
-           "tensor_schema"]
+__all__ = ["StagePyfunc", "arrays_to_table", "frame_to_table", "load_stage", "log_mlflow", "requirements",
+           "save_stage", "stage_from_directory", "tensor_schema"]
 
 log = logging.getLogger(__name__)
 
 #: Rows of the example DataFrame kept as the logged model's input example.
 EXAMPLE_ROWS = 5
 _STAGE_DIR = "stage"
+_SPARK_STAGE = "spark_stage.json"
 
 #: Floors of what the pyfunc needs at load time: the oldest supported runtime's versions (DESIGN.md, Round 4:
 #: Databricks 15.4 LTS ML), no upper bounds, so the serving environment keeps the runtime's own frameworks.
@@ -150,7 +153,51 @@ def save_stage(stage: Any, directory: str | os.PathLike, example: Any = None) ->
         "probability_col": stage.getOrDefault(stage.probability_col),
     }
     (directory / "stage.json").write_text(json.dumps(config, indent=2) + "\n")
+    _save_params(stage, directory)
     return config
+
+
+def _save_params(stage: Any, directory: Path) -> None:
+    """The stage itself beside the pyfunc's files, for :func:`load_stage`: ``spark_stage.json`` (its class, uid
+    and JSON params, as Spark ML's metadata has them) and ``objects/<param>`` (its object params' bytes as
+    ``save`` writes them; the model's are ``model.bin``)."""
+    objects = directory / "objects"
+    objects.mkdir(exist_ok=True)
+    for name, data in stage._dump_objects(skip=frozenset({"model"})).items():
+        (objects / name).write_bytes(data)
+    metadata = {"class": f"{type(stage).__module__}.{type(stage).__qualname__}", "uid": stage.uid,
+                "paramMap": stage._json_params()}
+    (directory / _SPARK_STAGE).write_text(json.dumps(metadata, indent=2) + "\n")
+
+
+def stage_from_directory(directory: str | os.PathLike, expected: type | None = None) -> Any:
+    """The fitted stage (a ``TorchModel``, ``KerasModel`` ...) that :func:`save_stage` wrote into ``directory``,
+    checked to be an ``expected`` (default: any spark_hvd model)."""
+    from spark_hvd.estimators.common.model import BaseModel
+    from spark_hvd.estimators.common.persistence import rebuild_stage
+
+    directory = Path(directory)
+    if not (directory / _SPARK_STAGE).exists():
+        raise EstimatorError(f"{directory} has no {_SPARK_STAGE}: the model was logged by a spark_hvd without "
+                             "load_mlflow; log it again with log_mlflow")
+    metadata = json.loads((directory / _SPARK_STAGE).read_text())
+    blobs = {p.name: p.read_bytes() for p in (directory / "objects").iterdir()}
+    blobs["model"] = (directory / "model.bin").read_bytes()
+    return rebuild_stage(metadata, blobs, expected or BaseModel, str(directory))
+
+
+def load_stage(model_uri: str, expected: type | None = None) -> Any:
+    """``<Model>.load_mlflow(model_uri)``: the fitted stage a ``log_mlflow`` pyfunc at ``model_uri`` holds
+    (``runs:/...``, ``models:/name/version``, a path), as a Spark ML model again: ``transform`` at its own speed,
+    saving into a Pipeline. Raises ``EstimatorError`` where the model is not such a pyfunc."""
+    import mlflow.pyfunc
+
+    pyfunc = mlflow.pyfunc.load_model(model_uri)
+    inner = pyfunc.unwrap_python_model() if hasattr(pyfunc, "unwrap_python_model") else None
+    if not isinstance(inner, StagePyfunc):
+        raise EstimatorError(f"{model_uri} is not a model logged by spark_hvd's log_mlflow (its python model: "
+                             f"{type(inner).__name__})")
+    return stage_from_directory(inner.directory, expected)
 
 
 # ------------------------------------------------------------------------------------------------ pandas -> Arrow
@@ -298,6 +345,7 @@ class StagePyfunc(_python_model_base()):  # type: ignore[misc]
         from spark_hvd.estimators.common.model import _make_transform_fn
 
         directory = Path(directory)
+        self.directory = directory
         config = json.loads((directory / "stage.json").read_text())
         module, _, qualname = config["model_class"].partition(":")
         stage_cls = functools.reduce(getattr, qualname.split("."), importlib.import_module(module))

@@ -115,6 +115,16 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
 
         return export_keras(self, path, format, example=example, verify=verify, **kwargs)
 
+    @classmethod
+    def load_mlflow(cls, model_uri: str) -> KerasModel:
+        """The stage that ``log_mlflow`` logged at ``model_uri`` (``runs:/<id>/model``, ``models:/<name>/<version>``,
+        a path) as this Spark ML model again: same uid, params and network; ``transform`` at its own speed (where
+        ``spark_udf`` over the pyfunc pays MLflow's per-cell conversions: docs/serving.md). Raises where the URI
+        holds no such pyfunc, or a stage of another class."""
+        from spark_hvd.estimators.common.pyfunc import load_stage
+
+        return load_stage(model_uri, cls)
+
     def log_mlflow(self, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
                    **kwargs: Any) -> Any:
         """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
