@@ -34,8 +34,8 @@
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
  *
- * The module also holds shared memory's small allreduce and barrier release (shm_small, shm_release: the section
- * before the module table), which share the reductions.
+ * The module also holds shared memory's small allreduce and barrier release (shm_small, shm_release) and the
+ * cross-memory pair's reduce-scatter (cma_reduce): the sections before the module table, which share the reductions.
  *
  * Over 600 lines on purpose: the loop, its two ways to a tag and the module's argument checks share the frame
  * layout, the statuses and the Ring state.

@@ -13,7 +13,8 @@ total length on both ranks); the array is split in two halves, rank ``r`` of the
 1. post: write the address and length of every array into the control page, then ``POSTED = t``;
 2. reduce-scatter: once the peer's ``POSTED >= t``, read the peer's part of half r block by block
    (``block_bytes``, cache-sized) into a preallocated scratch and reduce it into this rank's half r in place
-   (AVERAGE divides there too); then ``HALF = t``;
+   (AVERAGE divides there too; where the compiled loop was built, all the blocks in one call without the GIL,
+   ``_ringloop.cma_reduce``, the same bits); then ``HALF = t``;
 3. allgather: once the peer's ``HALF >= t``, read the peer's (reduced) half 1-r straight into this rank's
    half 1-r; then ``DONE = t``;
 4. wait until the peer's ``DONE >= t``, and return.
