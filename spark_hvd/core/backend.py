@@ -182,7 +182,8 @@ def reducescatter_by_allreduce(backend: Backend, buf: np.ndarray, op: ReduceOp, 
 
 
 class Rendezvous(ABC):
-    """How the ranks of a job find each other (pluggable: launcher KV service, Spark allGather, static list)."""
+    """How the ranks of a job find each other (pluggable: launcher KV service, the Spark driver service's KV
+    table, static list)."""
 
     @abstractmethod
     def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:

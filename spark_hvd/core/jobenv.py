@@ -44,7 +44,7 @@ class JobEnv:
     """One rank's view of its job, as the launcher set it up.
 
     ``secret`` is the job's key (bytes; hex in the environment, left out of ``repr``); ``rendezvous`` the
-    ``host:port`` of the launcher's KV service (None under Spark, whose rendezvous is the barrier's allGather);
+    ``host:port`` of the launcher's KV service (None under Spark, whose ranks meet in the driver service's KV table);
     ``service_address`` the driver service for output and ``report(...)``; ``attempt`` the run's attempt number
     (``run(max_retries=...)``); ``gpu`` the GPU address Spark assigned to the task, or None; ``encrypt``: every
     frame between the ranks and with the driver's services is encrypted (``SPARK_HVD_ENCRYPT``; the launcher

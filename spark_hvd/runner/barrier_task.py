@@ -1,18 +1,19 @@
 """The barrier task's side of ``run``: each task of the stage is one rank of the job.
 
 Rank = partition id; the ranks exchange their host names and the GPU address Spark assigned to each task through
-``BarrierTaskContext.allGather`` (HMAC-signed with the job's secret: ``BarrierRendezvous``) to get local rank, local
-size, cross rank and cross size and to check that no two ranks of a host share a GPU; the task writes its
-``JobEnv`` (``SPARK_HVD_*``) into the environment, initialises ``spark_hvd.core`` over the same allGather
-rendezvous (a user's own ``hvd.init()`` is then a no-op), forwards its stdout/stderr to the driver and runs ``fn``.
+the key-value table of the attempt's driver service (``KVRendezvous`` over a connection whose hello says ``"kv"``:
+authenticated with the job's secret, encrypted under ``encrypt``) to get local rank, local size, cross rank and
+cross size and to check that no two ranks of a host share a GPU; the task writes its ``JobEnv`` (``SPARK_HVD_*``)
+into the environment, initialises ``spark_hvd.core`` over the same rendezvous (a user's own ``hvd.init()`` is then
+a no-op), forwards its stdout/stderr to the driver and runs ``fn``. Not Spark's ``BarrierTaskContext.allGather``:
+a rank that arrives first there is answered at Spark's next one-second poll of the barrier, about 1 s an exchange,
+two at every start (``benchmarks/fit_profile.py``).
 Everything is undone afterwards, since Spark reuses Python workers. The result goes back as the task's one row
 (``RESULT_SCHEMA``).
 """
 
 from __future__ import annotations
 
-import base64
-import hmac
 import json
 import logging
 import os
@@ -23,64 +24,15 @@ from typing import Any
 import cloudpickle
 
 from spark_hvd.core import torchrun
-from spark_hvd.core.backend import Rendezvous
-from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import JobEnv, check_distinct_gpus, topology
 from spark_hvd.core.transport.addresses import host_identity
-from spark_hvd.core.transport.wire import sign
+from spark_hvd.core.transport.rendezvous import KVRendezvous
 from spark_hvd.runner import client as _client
 from spark_hvd.runner.client import OutputForwarder, ServiceClient
 from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.start_lines import quiet_imports
 
 logger = logging.getLogger(__name__)
-
-
-class BarrierRendezvous(Rendezvous):
-    """A ``Rendezvous`` over Spark's ``BarrierTaskContext.allGather``, each message signed with the job's secret.
-
-    ``all_gather`` is ``BarrierTaskContext.get().allGather`` (injectable for tests). Each message carries its rank,
-    a round number and an HMAC over (job id, round, rank, value); a message that fails the check raises
-    ``AuthenticationError`` naming the rank slot it claimed, and its value is never used.
-    """
-
-    def __init__(self, all_gather: Callable[[str], list[str]], secret: bytes, job_id: str) -> None:
-        self._all_gather = all_gather
-        self._secret = secret
-        self._job_id = job_id
-        self._round = 0
-
-    def _mac(self, round_no: int, rank: int, value: bytes) -> str:
-        return sign(self._secret, b"spark_hvd-barrier-rendezvous\0", self._job_id.encode(), b"\0",
-                    f"{round_no}:{rank}:".encode(), value).hex()
-
-    def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
-        round_no = self._round
-        self._round += 1
-        message = json.dumps({"rank": rank, "round": round_no, "value": base64.b64encode(value).decode(),
-                              "mac": self._mac(round_no, rank, value)})
-        replies = self._all_gather(message)
-        if len(replies) != size:
-            raise RunnerError(f"barrier rendezvous: expected {size} messages, got {len(replies)}")
-        values: list[bytes] = []
-        for slot, reply in enumerate(replies):
-            try:
-                parsed = json.loads(reply)
-                sender, got_round = int(parsed["rank"]), int(parsed["round"])
-                got_value = base64.b64decode(parsed["value"], validate=True)
-                mac = str(parsed["mac"])
-            except (ValueError, KeyError, TypeError) as exc:
-                logger.warning("barrier rendezvous: dropped a malformed message in rank %d's slot", slot)
-                raise AuthenticationError(f"barrier rendezvous: the message of rank {slot} is malformed") from exc
-            if (sender != slot or got_round != round_no
-                    or not hmac.compare_digest(mac, self._mac(got_round, sender, got_value))):
-                logger.warning("barrier rendezvous: dropped a message in rank %d's slot that fails the HMAC check",
-                               slot)
-                raise AuthenticationError(
-                    f"barrier rendezvous: the message of rank {slot} failed the HMAC check (forged, or from another "
-                    f"job); rank {rank} refuses to join")
-            values.append(got_value)
-        return values
 
 
 @dataclass(frozen=True)
@@ -98,6 +50,8 @@ class TaskSetup:
     payload: bytes
     tee: bool
     encrypt: bool = False
+    #: seconds a rank waits in the rendezvous for the others (the driver's start timeout cancels the stage first)
+    start_timeout: float = 600.0
 
 
 def assigned_gpu(ctx: Any) -> str | None:
@@ -165,7 +119,8 @@ def run_rank(ctx: Any, setup: TaskSetup) -> tuple[int, bytes]:
     core = None
     try:
         forwarder.start()
-        rendezvous = BarrierRendezvous(ctx.allGather, setup.secret, setup.job_id)
+        rendezvous = KVRendezvous(setup.service_address, setup.secret, setup.job_id, setup.start_timeout + 30.0,
+                                  encrypt=setup.encrypt, hello=("hello", setup.job_id, rank, "kv"))
         master = torchrun.master_address(setup.service_address) if rank == 0 else None
         mine = json.dumps([host_identity(), assigned_gpu(ctx), master]).encode()
         hosts, assigned, masters = zip(*(json.loads(v) for v in rendezvous.exchange(rank, size, mine)),

@@ -137,7 +137,7 @@ def run_attempt(spark: Any, attempt: Attempt, on_event: Callable[[Event], None],
     _, port = service.start()
     setup = TaskSetup(f"{cluster.driver_host(spark)}:{port}", attempt.secret, job_id, attempt.attempt, num_proc,
                       dict(attempt.env), attempt.use_gpu, attempt.payload, tee=not cluster.is_local_master(spark),
-                      encrypt=attempt.encrypt)
+                      encrypt=attempt.encrypt, start_timeout=start_timeout)
     slots_unknown = stage.connect and cluster.total_slots(spark) is None
     outcome: dict[str, Any] = {}
 

@@ -9,11 +9,13 @@ import threading
 import pytest
 from helpers.net import RecordingRelay, wait_until
 
+from spark_hvd.core import errors as core_errors
 from spark_hvd.core.errors import AuthenticationError
 from spark_hvd.core.jobenv import topology
+from spark_hvd.core.transport.rendezvous import KVRendezvous
 from spark_hvd.core.transport.wire import FramedSocket, make_secret
 from spark_hvd.runner import client as client_module
-from spark_hvd.runner.barrier_task import BarrierRendezvous, assigned_gpu, task_gpus
+from spark_hvd.runner.barrier_task import assigned_gpu, task_gpus
 from spark_hvd.runner.client import ServiceClient
 from spark_hvd.runner.errors import RunnerError
 from spark_hvd.runner.service import DriverService
@@ -181,31 +183,17 @@ def test_helper_connection_carries_events_without_lifecycle():
         service.stop()
 
 
-class _FakeBarrier:
-    """allGather for threads: every caller gets every caller's message, in rank order."""
-
-    def __init__(self, size: int) -> None:
-        self.barrier = threading.Barrier(size, timeout=30)
-        self.messages: list[str | None] = [None] * size
-        self.tamper = None
-
-    def all_gather_for(self, rank: int):
-        def all_gather(message: str) -> list[str]:
-            self.messages[rank] = message
-            self.barrier.wait()
-            replies = list(self.messages)
-            self.barrier.wait()
-            return [self.tamper(r, m) if self.tamper else m for r, m in enumerate(replies)]
-        return all_gather
-
-
-def _exchange_all(fake: _FakeBarrier, secrets_by_rank: list[bytes], values: list[bytes]) -> list:
+def _exchange_all(port: int, secrets_by_rank: list[bytes], values: list[bytes], rounds: int = 1,
+                  timeout_s: float = 30.0) -> list:
+    """Each rank (a thread) meets the others ``rounds`` times in the driver service's KV table, as a barrier task
+    does (``barrier_task.run_rank``): what each got, or the error it raised."""
     out: list = [None] * len(values)
 
     def body(rank: int) -> None:
-        rdv = BarrierRendezvous(fake.all_gather_for(rank), secrets_by_rank[rank], "jobx")
+        rdv = KVRendezvous(f"127.0.0.1:{port}", secrets_by_rank[rank], "jobx", timeout_s=timeout_s,
+                           hello=("hello", "jobx", rank, "kv"))
         try:
-            out[rank] = rdv.exchange(rank, len(values), values[rank])
+            out[rank] = [rdv.exchange(rank, len(values), values[rank] + bytes([n])) for n in range(rounds)]
         except Exception as exc:  # collected for the assertions
             out[rank] = exc
 
@@ -217,37 +205,29 @@ def _exchange_all(fake: _FakeBarrier, secrets_by_rank: list[bytes], values: list
     return out
 
 
-def test_barrier_rendezvous_exchanges_values():
+def test_barrier_tasks_rendezvous_in_the_driver_service():
     secret = make_secret()
-    values = [b"alpha", b"\x00\x01binary", b""]
-    out = _exchange_all(_FakeBarrier(3), [secret] * 3, values)
-    assert out == [values] * 3
+    service = DriverService(secret, 3, job_id="jobx", verbose=0, bind_host="127.0.0.1")
+    _, port = service.start()
+    try:
+        values = [b"alpha", b"\x00\x01binary", b""]
+        out = _exchange_all(port, [secret] * 3, values, rounds=2)
+        expected = [[v + bytes([n]) for v in values] for n in range(2)]  # round n meets round n, in rank order
+        assert out == [expected] * 3
+    finally:
+        service.stop()
 
 
-def test_barrier_rendezvous_rejects_a_forged_message():
+def test_barrier_rendezvous_refuses_another_secret():
     secret = make_secret()
-    out = _exchange_all(_FakeBarrier(2), [secret, make_secret()], [b"a", b"b"])
-    assert isinstance(out[0], AuthenticationError) and "rank 1" in str(out[0])
-    assert isinstance(out[1], AuthenticationError) and "rank 0" in str(out[1])
-
-
-def test_barrier_rendezvous_rejects_a_tampered_value():
-    import base64
-    import json
-
-    fake = _FakeBarrier(2)
-
-    def tamper(rank: int, message: str) -> str:
-        if rank != 1:
-            return message
-        parsed = json.loads(message)
-        parsed["value"] = base64.b64encode(b"evil").decode()
-        return json.dumps(parsed)
-
-    fake.tamper = tamper
-    out = _exchange_all(fake, [make_secret()] * 2, [b"a", b"b"])
-    with pytest.raises(AuthenticationError):
-        raise out[0]
+    service = DriverService(secret, 2, job_id="jobx", verbose=0, bind_host="127.0.0.1")
+    _, port = service.start()
+    try:
+        out = _exchange_all(port, [secret, make_secret()], [b"a", b"b"], timeout_s=0.5)
+        assert isinstance(out[1], AuthenticationError)  # the handshake fails: its value never reaches the table
+        assert isinstance(out[0], core_errors.CollectiveTimeoutError) and "rank(s) [1]" in str(out[0])
+    finally:
+        service.stop()
 
 
 def test_topology_from_hosts():

@@ -60,7 +60,9 @@ class TorchBackend(Backend):
             from spark_hvd.core.backends.torch_store import open_store
 
             hosts = [v.decode() for v in rendezvous.exchange(rank, size, hostname.encode())]
-            kv_address = rendezvous.address if isinstance(rendezvous, KVRendezvous) else None
+            # a launcher's KV service; not a driver service's table (its connections need the job's hello)
+            kv_address = (rendezvous.address if isinstance(rendezvous, KVRendezvous) and rendezvous.hello is None
+                          else None)
             self._store = open_store("backend", rank, size, timeout, job=job, secret=secret,
                                      exchange=lambda mine: rendezvous.exchange(rank, size, mine), job_id=job_id,
                                      kv_address=kv_address)

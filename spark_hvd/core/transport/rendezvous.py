@@ -8,7 +8,7 @@ connection proves the job's secret with a fresh challenge-response, and every fr
 authenticated ``FramedSocket`` frame: a frame that fails its check is dropped and logged and its connection closed, and
 it is never unpickled. A replayed connection fails the handshake.
 
-Other rendezvous (the Spark runner's ``BarrierTaskContext.allGather``, a static list in tests) are small
+Other rendezvous (the Spark runner's fresh processes asking their parent task, a static list in tests) are small
 subclasses of ``spark_hvd.core.backend.Rendezvous``; ``StaticRendezvous`` is the trivial one.
 """
 
@@ -336,20 +336,22 @@ class KVRendezvous(Rendezvous):
 
     Every ``exchange`` is a new round (a per-rank counter on the service numbers them), so a job that
     initialises twice with the same ``job_id`` never reads the previous round's values. ``encrypt``: as the service.
+    ``hello``: as ``KVClient``'s (the Spark runner's ranks meet in their driver service's table).
     """
 
     def __init__(self, address: str, secret: bytes, job_id: str = "", timeout_s: float = 30.0,
-                 encrypt: bool = False) -> None:
+                 encrypt: bool = False, hello: tuple[Any, ...] | None = None) -> None:
         self.address = address
         self.secret = secret
         self.encrypt = encrypt
+        self.hello = hello
         self.job_id = job_id
         self.timeout_s = timeout_s
         self.host = parse_address(address)[0]
 
     def exchange(self, rank: int, size: int, value: bytes) -> list[bytes]:
         """Publish ``value`` for ``rank`` and return all ``size`` values; names the missing ranks on timeout."""
-        client = KVClient(self.address, self.secret, self.timeout_s, encrypt=self.encrypt)
+        client = KVClient(self.address, self.secret, self.timeout_s, hello=self.hello, encrypt=self.encrypt)
         try:
             prefix = f"{self.job_id}/rendezvous"
             round_no = client.incr(f"{prefix}/round/{rank}")
