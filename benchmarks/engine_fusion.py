@@ -11,6 +11,7 @@ It prints the median time of each and their ratio (target: tensors / single <= 1
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 [--backend ring|torch] [--fusion-mib 64]
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --pages huge   # numpy's default memory
     .venv/bin/python benchmarks/engine_fusion.py --np 2 --iters 15 --bare         # the backend alone too
+    .venv/bin/python benchmarks/engine_fusion.py --iters 20 --loops               # the cross-memory loops alone
 
 Each variant's process CPU (every thread: the engine's and the backend's work, not the waits for the peer) is
 printed under its wall time: on a loaded machine their difference is the steadier measure of what the engine adds.
@@ -21,6 +22,10 @@ handles.
 ``--bare`` also times the backend without the engine, interleaved with the rest: ``allreduce_fused`` of the 161
 arrays against ``allreduce`` of the one, wall time and the calling thread's CPU (on a loaded machine the CPU tells
 the backend's own cost apart from waiting for the peer).
+
+``--loops`` times only the two loops of the cross-memory allreduce (``shm_cma``) in one process, no ranks: its
+compiled reduce-scatter and its allgather read over all 102 MB, on the 161 arrays and on one array (what the many
+arrays cost the loops themselves, without a peer to wait for).
 
 ``--pages``: the memory every array of the benchmark lives in. ``small`` (the default) allocates them as torch
 allocates tensors, in 4 KiB pages (torch asks for transparent huge pages only with ``THP_MEM_ALLOC_ENABLE=1``);
@@ -56,6 +61,47 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
             inplanes = planes * 4
     shapes += [(1000, 2048), (1000,)]
     return shapes
+
+
+def _loops(iters: int, pages: str) -> None:
+    """``--loops``: the two loops of the cross-memory allreduce (``shm_cma``) over all 102 MB in one process, its
+    own memory standing for the peer's: the reduce-scatter's compiled loop (``_ringloop.cma_reduce``: block reads
+    into the scratch, reduced piece by piece) and the allgather's one ``process_vm_readv``, each on the 161 arrays
+    and on one array of the same bytes, interleaved; the calling thread's CPU, medians. No peer to wait for: what
+    the many arrays cost the loops themselves."""
+    if pages == "small":
+        from numpy._core.multiarray import _set_madvise_hugepage
+
+        _set_madvise_hugepage(False)
+    from spark_hvd.core.transport import shm_cma
+
+    if shm_cma._CMA_REDUCE is None:
+        sys.exit("--loops needs the compiled loop (setup.py build_ext --inplace) on Linux")
+    rng = np.random.default_rng(0)
+    mine = [rng.standard_normal(s).astype(np.float32).reshape(-1) for s in reversed(resnet50_shapes())]
+    theirs = [a.copy() for a in mine]
+    cases = {"161 arrays": (mine, theirs), "one array": ([np.concatenate(mine)], [np.concatenate(theirs)])}
+    scratch, pid, nbytes = np.empty(shm_cma.BLOCK_BYTES, np.uint8), os.getpid(), cases["one array"][0][0].nbytes
+    times: dict[str, list[float]] = {f"{k}: {loop}": [] for k in cases for loop in ("reduce-scatter", "allgather")}
+    for _ in range(iters):
+        for name, (a, b) in cases.items():
+            table = [np.array([(x.ctypes.data, x.nbytes) for x in arrays], np.int64).reshape(-1) for arrays in (a, b)]
+            c0 = time.thread_time()
+            shm_cma._CMA_REDUCE(pid, table[0], table[1], scratch, 0, nbytes, 0, 0, 1)  # float32 SUM
+            c1 = time.thread_time()
+            shm_cma.read_peer(pid, [(x.ctypes.data, x.nbytes) for x in a], [(x.ctypes.data, x.nbytes) for x in b],
+                              0, "allgather")
+            c2 = time.thread_time()
+            times[f"{name}: reduce-scatter"].append(c1 - c0)
+            times[f"{name}: allgather"].append(c2 - c1)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    print(f"the cross-memory loops over all {nbytes / 1e6:.1f} MB in one process, {iters} iterations, {pages} pages: "
+          "calling thread's CPU, median ms")
+    for k, v in med.items():
+        print(f"{k:40s} {v:8.2f}")
+    for loop in ("reduce-scatter", "allgather"):
+        print(f"{loop}: 161 arrays / one {med[f'161 arrays: {loop}'] / med[f'one array: {loop}']:.3f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, queue: multiprocessing.Queue) -> None:
@@ -124,8 +170,13 @@ def main() -> int:
                              "huge pages from 4 MiB")
     parser.add_argument("--bare", action="store_true",
                         help="also time the backend alone: allreduce_fused of the arrays against allreduce of one")
+    parser.add_argument("--loops", action="store_true",
+                        help="only the cross-memory pair's two loops in this one process (no ranks), see below")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.loops:
+        _loops(args.iters, args.pages)
+        return
 
     from spark_hvd.core.transport.rendezvous import KVStoreServer
     from spark_hvd.core.transport.wire import make_secret

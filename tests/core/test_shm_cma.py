@@ -151,6 +151,32 @@ def test_fused_pieces_and_buffer_reuse_right_after_return(monkeypatch):
         _close(pairs)
 
 
+def test_compiled_and_python_loops_match_numpy_bit_for_bit_on_ragged_pieces(monkeypatch):
+    # each rank cuts the same elements into different pieces (the blocks of 64 bytes end inside, at and across
+    # their ends; an empty piece dropped): the compiled reduce-scatter (one call for every block) and the Python
+    # loop give numpy's bits, for every dtype and op
+    if shm_cma._CMA_REDUCE is None:
+        pytest.skip("the compiled loop is not built here")
+    pairs = _pairs(block_bytes=64)
+    cuts = [[3, 1, 40, 17, 64, 5, 1], [70, 2, 2, 16, 33, 8]]  # 131 elements on both
+    try:
+        for dtype in DTYPES:
+            bf16 = dtype == "bfloat16"
+            for op in OPS:
+                arrays = [_data(131, k, 131, dtype) for k in range(2)]
+                want = reference_reduce(arrays, op, bf16)
+                for compiled in (True, False):
+                    monkeypatch.setattr(shm_cma, "COMPILED", compiled)
+                    segs = [np.split(a.copy(), np.cumsum(cuts[k])[:-1]) for k, a in enumerate(arrays)]
+                    on_threads(2, lambda k, segs=segs, op=op, bf16=bf16: pairs[k].allreduce(
+                        segs[k], op, bf16, "allreduce", _no_peers))
+                    for k in range(2):
+                        np.testing.assert_array_equal(np.concatenate(segs[k]), want,
+                                                      err_msg=f"{dtype} {op} compiled={compiled} rank {k}")
+    finally:
+        _close(pairs)
+
+
 def test_an_absent_peer_times_out_naming_it():
     pairs = _pairs(timeout_s=0.3)
     try:

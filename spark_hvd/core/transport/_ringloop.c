@@ -34,8 +34,8 @@
  * Errors come back as a status (the caller raises the library's exceptions, naming the peer): nothing here
  * allocates Python objects while the GIL is released.
  *
- * The module also holds shared memory's small allreduce and barrier release (shm_small, shm_release: the section
- * before the module table), which share the reductions.
+ * The module also holds shared memory's small allreduce and barrier release (shm_small, shm_release) and the
+ * cross-memory pair's reduce-scatter (cma_reduce): the sections before the module table, which share the reductions.
  *
  * Over 600 lines on purpose: the loop, its two ways to a tag and the module's argument checks share the frame
  * layout, the statuses and the Ring state.
@@ -1292,6 +1292,82 @@ static PyObject *shm_release(PyObject *self, PyObject *args) {
     PyBuffer_Release(&layout);
     return PyBool_FromLong(done);
 }
+
+/* -- the cross-memory pair's reduce-scatter (shm_cma.CmaPair.allreduce, step 2) -------------------------------- */
+/* The byte range [lo, hi) of a concatenation of arrays, given as a table of (address, bytes) pairs: walk it piece by
+ * piece from the piece holding lo (``*at``: its index, ``*start``: its first byte in the concatenation). */
+static int64_t cma_pieces(const int64_t *table, int64_t n, int64_t lo, int64_t hi, int64_t *at, int64_t *start,
+                          struct iovec *out) {
+    int64_t k = 0;
+    while (*at < n && *start + table[2 * *at + 1] <= lo) *start += table[2 * *at + 1], (*at)++;
+    for (int64_t i = *at, s = *start; i < n && s < hi; s += table[2 * i + 1], i++) {
+        int64_t a = lo > s ? lo : s, b = hi < s + table[2 * i + 1] ? hi : s + table[2 * i + 1];
+        if (b > a) out[k].iov_base = (void *)(intptr_t)(table[2 * i] + (a - s)), out[k++].iov_len = (size_t)(b - a);
+    }
+    return k;
+}
+
+PyDoc_STRVAR(cma_reduce_doc,
+"cma_reduce(pid, mine, theirs, scratch, lo, hi, dtype, op, divisor) -> (errno, got, want)\n\n"
+"Bytes [lo, hi) of the concatenation of this process's arrays ``mine`` op= the same bytes of process ``pid``'s\n"
+"``theirs`` (int64 tables of (address, bytes) pairs), read block by block (``scratch``'s length, a multiple of the\n"
+"itemsize) by process_vm_readv into ``scratch`` and reduced piece by piece where the arrays lie (then divided by\n"
+"``divisor`` where it is above 1); without the GIL. (0, 0, 0), or the read that failed: its errno (0: short).");
+
+static PyObject *cma_reduce(PyObject *self, PyObject *args) {
+    Py_buffer mine, theirs, scratch;
+    int pid, dtype, op;
+    long long lo, hi;
+    long divisor;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*w*LLiil", &pid, &mine, &theirs, &scratch, &lo, &hi, &dtype, &op, &divisor))
+        return NULL;
+    int64_t nm = mine.len / 16, nt = theirs.len / 16, block = scratch.len;
+    PyObject *answer = NULL;
+    struct iovec *iov = NULL;
+    if (dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || op < 0 || op >= OP_COUNT || nm < 1 || nt < 1 ||
+        block < 1 || block % (int64_t)itemsizes[dtype] || lo < 0 || hi < lo) {
+        PyErr_SetString(PyExc_ValueError, "cma_reduce: bad tables, scratch, range, dtype or op");
+        goto out;
+    }
+    iov = PyMem_Malloc((size_t)(nm > nt ? nm : nt) * sizeof *iov);
+    if (!iov) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    int err = 0;
+    ssize_t got = 0, want = 0;
+    unsigned char *buf = (unsigned char *)scratch.buf;
+    const int64_t *tm = (const int64_t *)mine.buf, *tt = (const int64_t *)theirs.buf;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t am = 0, sm = 0, at = 0, st = 0;
+    for (int64_t a = lo; a < hi && !err; a += block) {
+        int64_t b = hi - a < block ? hi : a + block;
+        struct iovec local = {buf, (size_t)(b - a)};
+        int64_t k = cma_pieces(tt, nt, a, b, &at, &st, iov);
+        want = b - a;
+        got = process_vm_readv(pid, &local, 1, iov, (unsigned long)k, 0);
+        if (got != want) {
+            err = got < 0 ? errno : 0;
+            if (!err) err = -1;
+            break;
+        }
+        k = cma_pieces(tm, nm, a, b, &am, &sm, iov);
+        for (int64_t i = 0, off = 0; i < k; off += (int64_t)iov[i].iov_len, i++) {
+            reduce_into(dtype, op, iov[i].iov_base, buf + off, iov[i].iov_len);
+            if (divisor > 1) divide(dtype, iov[i].iov_base, divisor, iov[i].iov_len);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) answer = Py_BuildValue("inn", err < 0 ? 0 : err, (Py_ssize_t)got, (Py_ssize_t)want);
+    else answer = Py_BuildValue("iii", 0, 0, 0);
+out:
+    PyMem_Free(iov);
+    PyBuffer_Release(&mine);
+    PyBuffer_Release(&theirs);
+    PyBuffer_Release(&scratch);
+    return answer;
+}
 #endif /* __linux__ */
 
 static PyMethodDef methods[] = {
@@ -1299,6 +1375,7 @@ static PyMethodDef methods[] = {
 #ifdef __linux__
     {"shm_small", shm_small, METH_VARARGS, shm_small_doc},
     {"shm_release", shm_release, METH_VARARGS, shm_release_doc},
+    {"cma_reduce", cma_reduce, METH_VARARGS, cma_reduce_doc},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -13,7 +13,8 @@ total length on both ranks); the array is split in two halves, rank ``r`` of the
 1. post: write the address and length of every array into the control page, then ``POSTED = t``;
 2. reduce-scatter: once the peer's ``POSTED >= t``, read the peer's part of half r block by block
    (``block_bytes``, cache-sized) into a preallocated scratch and reduce it into this rank's half r in place
-   (AVERAGE divides there too); then ``HALF = t``;
+   (AVERAGE divides there too; where the compiled loop was built, all the blocks in one call without the GIL,
+   ``_ringloop.cma_reduce``, the same bits); then ``HALF = t``;
 3. allgather: once the peer's ``HALF >= t``, read the peer's (reduced) half 1-r straight into this rank's
    half 1-r; then ``DONE = t``;
 4. wait until the peer's ``DONE >= t``, and return.
@@ -67,6 +68,7 @@ import numpy as np
 from spark_hvd.core.backend import ReduceOp
 from spark_hvd.core.errors import PeerFailureError, TensorMismatchError
 from spark_hvd.core.reduce import divide_average, reduce_into
+from spark_hvd.core.transport import shm
 from spark_hvd.core.transport.shm import CTRL_BYTES, PID, ShmGroup
 
 # control words (int64 index into the control page) after ``shm``'s IN, RED, OUT, PID; one cache line each
@@ -79,6 +81,10 @@ MAX_SEGS = (CTRL_BYTES // 8 - TABLE) // 2
 BLOCK_BYTES = 512 * 1024
 #: the allgather reads at most this many bytes per call (Linux moves at most ~2 GiB per process_vm_readv)
 READ_BYTES = 256 << 20
+#: the reduce-scatter's compiled loop (``_ringloop.cma_reduce``: every block's read and its reductions piece by
+#: piece, without Python between them or the GIL), where it was built; False: the Python loop (the same bits; tests)
+COMPILED = True
+_CMA_REDUCE = getattr(shm._ringloop, "cma_reduce", None)
 
 
 class _IoVec(ctypes.Structure):
@@ -130,9 +136,12 @@ def _readv(pid: int, liov: ctypes.Array, nl: int, riov: ctypes.Array, nr: int, w
         raise PeerFailureError(f"{operation}: process_vm_readv is not available here", rank=rank,
                                operation=operation)
     got = _READV(pid, liov, nl, riov, nr, 0)
-    if got == want:
-        return
-    err = ctypes.get_errno() if got < 0 else 0
+    if got != want:
+        _fail(pid, got, want, ctypes.get_errno() if got < 0 else 0, rank, operation)
+
+
+def _fail(pid: int, got: int, want: int, err: int, rank: int, operation: str) -> None:
+    """Raise the ``PeerFailureError`` of a read of ``want`` bytes that returned ``got`` with ``errno`` ``err``."""
     why = {errno.ESRCH: "its process is gone", errno.EFAULT: "its buffer is no longer mapped",
            errno.EPERM: "permission denied"}.get(err, os.strerror(err) if err else f"only {got} of {want} bytes")
     raise PeerFailureError(f"{operation}: could not read the memory of rank {rank} (pid {pid}): {why}", rank=rank,
@@ -243,15 +252,23 @@ class CmaPair:
         scratch = self.scratch
         base = scratch.ctypes.data
         average = op is ReduceOp.AVERAGE
-        for a in range(lo, hi, block):
-            b = min(hi, a + block)
-            self._read([(base, b - a)], remote(a, b), operation)
-            for i, at, n in _spans(mine, a, b):
-                dst = raw[i][at:at + n].view(dtype)
-                src = scratch[at + mine[i] - a:at + mine[i] - a + n].view(dtype)
-                reduce_into(dst, src, op, bfloat16)
-                if average:
-                    divide_average(dst, 2, bfloat16)
+        codes = shm._small_codes(dtype, op, bfloat16) if COMPILED and _CMA_REDUCE is not None else None
+        if codes is not None:  # the loop below in C: the tables are the control pages' own
+            err, got, want = _CMA_REDUCE(self.peer_pid, group.ctrl[me][TABLE:TABLE + 2 * len(segs)],
+                                         group.ctrl[peer][TABLE:TABLE + 2 * len(addrs)], scratch[:block], lo, hi,
+                                         *codes, 2 if average else 1)
+            if err or got != want:
+                _fail(self.peer_pid, got, want, err, self.peer_rank, operation)
+        else:
+            for a in range(lo, hi, block):
+                b = min(hi, a + block)
+                self._read([(base, b - a)], remote(a, b), operation)
+                for i, at, n in _spans(mine, a, b):
+                    dst = raw[i][at:at + n].view(dtype)
+                    src = scratch[at + mine[i] - a:at + mine[i] - a + n].view(dtype)
+                    reduce_into(dst, src, op, bfloat16)
+                    if average:
+                        divide_average(dst, 2, bfloat16)
         group._publish(HALF, t)
         # allgather: the peer's reduced half straight into mine
         group._wait(peer, HALF, t, operation, check_peers)
