@@ -20,6 +20,7 @@ from spark_hvd import pickling
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 from spark_hvd.estimators.common.fit import BaseEstimator
+from spark_hvd.estimators.common.mlflow_stage import MlflowStage
 from spark_hvd.estimators.common.model import BaseModel
 from spark_hvd.estimators.common.params import KeywordParams
 from spark_hvd.estimators.common.spec import BestPolicy
@@ -84,7 +85,7 @@ class _KerasModelBytes:
         return digest.hexdigest()
 
 
-class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
+class KerasModel(KeywordParams, _KerasModelBytes, MlflowStage, BaseModel, KerasModelParams):
     """A trained Keras 3 model as a Spark ML ``Model``.
 
     ``transform(df)`` calls the model (one ``tf.function``) on batches of ``batch_size`` rows, one array per feature
@@ -114,24 +115,6 @@ class KerasModel(KeywordParams, _KerasModelBytes, BaseModel, KerasModelParams):
         from spark_hvd.estimators.keras.export import export_keras
 
         return export_keras(self, path, format, example=example, verify=verify, **kwargs)
-
-    @classmethod
-    def load_mlflow(cls, model_uri: str) -> KerasModel:
-        """The stage that ``log_mlflow`` logged at ``model_uri`` (``runs:/<id>/model``, ``models:/<name>/<version>``,
-        a path) as this Spark ML model again: same uid, params and network; ``transform`` at its own speed (where
-        ``spark_udf`` over the pyfunc pays MLflow's per-cell conversions: docs/serving.md). Raises where the URI
-        holds no such pyfunc, or a stage of another class."""
-        from spark_hvd.estimators.common.pyfunc import load_stage
-
-        return load_stage(model_uri, cls)
-
-    def log_mlflow(self, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
-                   **kwargs: Any) -> Any:
-        """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
-        ``mlflow.keras`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
-        from spark_hvd.estimators.common.pyfunc import log_mlflow
-
-        return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ loss, metrics

@@ -15,6 +15,7 @@ from spark_hvd import pickling
 from spark_hvd.estimators.common import compat
 from spark_hvd.estimators.common.errors import param_error, param_type_error
 from spark_hvd.estimators.common.fit import BaseEstimator
+from spark_hvd.estimators.common.mlflow_stage import MlflowStage
 from spark_hvd.estimators.common.model import BaseModel, task_gpu_index, task_threads
 from spark_hvd.estimators.common.params import KeywordParams
 from spark_hvd.estimators.common.rank_run import EarlyStopping
@@ -36,7 +37,7 @@ __all__ = ["TorchEstimator", "TorchModel", "EarlyStopping"]
 log = logging.getLogger(__name__)
 
 
-class TorchModel(KeywordParams, BaseModel, TorchModelParams):
+class TorchModel(KeywordParams, MlflowStage, BaseModel, TorchModelParams):
     """A trained ``torch.nn.Module`` as a Spark ML ``Model``.
 
     ``transform(df)`` calls the module on batches of ``batch_size`` rows, one tensor per feature column (Vector and
@@ -77,24 +78,6 @@ class TorchModel(KeywordParams, BaseModel, TorchModelParams):
         from spark_hvd.estimators.torch.export import export_torch
 
         return export_torch(self, path, format, example=example, verify=verify, **kwargs)
-
-    @classmethod
-    def load_mlflow(cls, model_uri: str) -> TorchModel:
-        """The stage that ``log_mlflow`` logged at ``model_uri`` (``runs:/<id>/model``, ``models:/<name>/<version>``,
-        a path) as this Spark ML model again: same uid, params and network; ``transform`` at its own speed (where
-        ``spark_udf`` over the pyfunc pays MLflow's per-cell conversions: docs/serving.md). Raises where the URI
-        holds no such pyfunc, or a stage of another class."""
-        from spark_hvd.estimators.common.pyfunc import load_stage
-
-        return load_stage(model_uri, cls)
-
-    def log_mlflow(self, name: str = "model", input_example: Any = None, registered_model_name: str | None = None,
-                   **kwargs: Any) -> Any:
-        """Log the stage as an MLflow pyfunc that scores raw columns as ``transform`` does (the same code), the
-        ``mlflow.pytorch`` flavour beside it; returns the ``ModelInfo``. See ``estimators/pyfunc.py``."""
-        from spark_hvd.estimators.common.pyfunc import log_mlflow
-
-        return log_mlflow(self, name, input_example, registered_model_name, **kwargs)
 
     @classmethod
     def _predict_batches(cls, model: Any, inputs: list[np.ndarray], batch_size: int) -> list[np.ndarray]:
