@@ -2,9 +2,9 @@
 enough for the ring is reduced where its arrays lie (``RingBackend._tcp_allreduce_fused``), bit for bit as the same
 arrays packed into one and reduced, and as numpy (exactly for integers, to rounding for floats), over ragged arrays
 that cut frames and chunk bounds, every op and dtype the compiled loop takes; a smaller round is packed. Through the
-engine (``HostGroup``, the speculation's ``ahead`` rounds): AVERAGE with prescale and postscale, no fusion buffer, the
-same bits as a packing backend, and a shape mismatch in a learned round still named. Ranks are threads of this
-process (the compiled loop waits without the GIL), so a job costs milliseconds, not a spawn."""
+engine (``HostGroup`` and the executor: a whole round in one collective): AVERAGE with prescale and postscale, no
+fusion buffer, the same bits as a packing backend, and a shape mismatch in a learned round still named. Ranks are
+threads of this process (the compiled loop waits without the GIL), so a job costs milliseconds, not a spawn."""
 
 from __future__ import annotations
 
@@ -191,13 +191,14 @@ def test_halving_doubling_leaves_the_packing_to_the_engine():
 
 
 def _engine_rounds(n: int, rounds: int, bad_round: int = -1) -> list[dict]:
-    """``rounds`` steps of 30 ragged float32 tensors (AVERAGE, prescale 0.5, postscale 3) through an engine per
+    """``rounds`` steps of 30 ragged float32 tensors (1.5 MB: above what a speculation packs among 3+ ranks over TCP,
+    so every round's collective is the executor's; AVERAGE, prescale 0.5, postscale 3) through an engine per
     rank over TCP; at ``bad_round`` rank n-1 submits ``g.7`` in another shape. What each rank saw, by rank. The
     values are random integers: every grouping of the tensors into collectives (rounds differ from run to run) and
     every order of the sum gives the same bits, those of numpy in float32."""
     backends = _tcp_job(n)
     engines = [Engine(be, TCP) for be in backends]
-    counts = [1, 5, 1000, 9000, 17, 20000, 3, 40000] + [200 + 37 * k for k in range(22)]
+    counts = [1, 5, 1000, 9000, 17, 300000, 3, 40000] + [200 + 37 * k for k in range(22)]  # 1.5 MB a round
 
     def rank(r: int) -> dict:
         eng = engines[r]
@@ -241,7 +242,7 @@ def test_the_engine_fuses_where_the_tensors_lie_as_a_packing_backend_and_names_a
     for r in range(n):
         mine, theirs = in_place[r], packing[r]
         assert mine["fusion_buffers"] == 0 and theirs["fusion_buffers"] == 1  # no copy in and out, and one
-        assert mine["stats"]["speculative_rounds"] >= 1  # the learned round ran ahead of its negotiation
+        assert mine["stats"]["fused_collectives"] >= rounds - 1  # (a round may come in two on a loaded machine)
         for step in range(rounds):
             inputs = [[in_place[q]["results"][step][0][k] for q in range(n)] for k in range(30)]
             for k, got in enumerate(mine["results"][step][1]):
