@@ -26,6 +26,7 @@ from spark_hvd.core.settings import Settings
 from spark_hvd.core.transport import ringloop
 from spark_hvd.core.transport.rendezvous import StaticRendezvous
 from spark_hvd.core.transport.wire import make_secret
+from tests.helpers.ranks import on_threads
 
 pytestmark = pytest.mark.skipif(not ringloop.BUILT, reason="the compiled ring loop is not built here")
 
@@ -34,24 +35,13 @@ TCP = Settings(shm=False, timeout_s=30.0, cycle_time_ms=1.0)
 
 
 def _on_ranks(n: int, fn: Callable[[int], Any]) -> list[Any]:
-    """``fn(rank)`` on one thread per rank; the results by rank, or the first error raised."""
+    """``fn(rank)`` on one thread per rank (``on_threads``); the results by rank."""
     out: list[Any] = [None] * n
-    errors: list[BaseException] = []
 
-    def run(r: int) -> None:
-        try:
-            out[r] = fn(r)
-        except BaseException as exc:  # re-raised below
-            errors.append(exc)
+    def keep(r: int) -> None:
+        out[r] = fn(r)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank did not finish within 60 s"
-    if errors:
-        raise errors[0]
+    on_threads(n, keep)
     return out
 
 
