@@ -178,7 +178,7 @@ class Executor:
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
         elif spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
             data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
@@ -188,7 +188,7 @@ class Executor:
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
         else:
             beside = None
@@ -210,7 +210,7 @@ class Executor:
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
             size = self.size
             hit = staging[0] > (1.0 if spec.op is ReduceOp.AVERAGE else float(size)) - 0.5 / size
@@ -287,7 +287,7 @@ class Executor:
         except SparkHvdError:
             raise
         except Exception as exc:
-            raise self._speculation_failed(exc) from exc
+            raise self.speculation_failed(exc) from exc
         self.stats["fresh_rounds"] += 1
 
     def _fresh_done(self, names: Sequence[str], t0: float, t1: float) -> None:
@@ -301,7 +301,7 @@ class Executor:
             for name in names:
                 tl.event(name, "ALLREDUCE", t0, t1, fused=len(names), speculative=True)
 
-    def _speculation_failed(self, exc: Exception) -> SparkHvdError:
+    def speculation_failed(self, exc: Exception) -> SparkHvdError:
         """A speculative round's one collective failed with an error not spark_hvd's own."""
         return SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks can "
                              "no longer be kept in step, so spark_hvd stopped")
