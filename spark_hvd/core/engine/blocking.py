@@ -42,6 +42,7 @@ class BlockingCalls:
     # the engine's state these read (``spark_hvd.core.engine.engine.Engine`` sets it)
     _stats: Counter[str]
     _in_band_hits: int
+    _in_band_barriers: int
     _rounds_done: int
     _lock: threading.Lock
     _round_lock: threading.Lock
@@ -131,12 +132,16 @@ class BlockingCalls:
         if spec is not None and spec.barrier and len(spec.ids) == 1:
             cached = self._cache.lookup("barrier", BARRIER_META)
             if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
-                try:
-                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier")
-                finally:
-                    self._round_lock.release()
-                if hit:
-                    return
+                if spec.in_band and self._timeline is None and self._tuner is None:
+                    if self._in_band_round(spec, None):
+                        return
+                else:
+                    try:
+                        hit = self._guarded_round(True, self._sole_round, spec, None, "barrier")
+                    finally:
+                        self._round_lock.release()
+                    if hit:
+                        return
         self.enqueue("barrier", start_engine=False).wait()
 
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
@@ -154,17 +159,17 @@ class BlockingCalls:
         self._round_lock.release()
         return False
 
-    def _in_band_round(self, spec: Spec, buf: np.ndarray) -> bool:
+    def _in_band_round(self, spec: Spec, buf: np.ndarray | None) -> bool:
         """``allreduce``'s round when the speculation carries its flag in the tensor's own collective
         (``Spec.in_band``) and nothing watches the round (no timeline, no autotune): ``_sole_round`` and
-        ``Executor.speculate`` in one step, the steady small loop's path. Called with the round lock held (by
-        ``_sole_ready``); releases it. True on a hit (``buf`` reduced); on a miss ``buf`` is as it was and the
-        speculation disarmed, as in ``_sole_round``."""
+        ``Executor.speculate`` in one step, the steady small loop's path (``buf`` None: ``barrier``'s round, the
+        flag alone). Called with the round lock held (by ``_sole_ready``); releases it. True on a hit (``buf``
+        reduced); on a miss ``buf`` is as it was and the speculation disarmed, as in ``_sole_round``."""
         executor = self._executor
         try:
             try:
                 now = self._pacer.last_start = time.perf_counter()
-                hit = executor.host.allreduce_agreed(buf, spec.op, True)
+                hit = executor.host.allreduce_agreed(spec.staging if buf is None else buf, spec.op, True)
             except SparkHvdError:
                 raise
             except Exception as exc:
@@ -176,16 +181,25 @@ class BlockingCalls:
                 stats["speculative_rounds"] += 1
                 stats["speculation_misses"] += 1
                 return False
-            if spec.postscale != 1.0:
-                scale_inplace(buf, spec.postscale)
-            self._in_band_hits += 1  # rounds, cache hits, speculative rounds, collectives, tensors: ``Engine.stats``
+            # rounds, cache hits, speculative rounds, collectives (and tensors): folded in by ``Engine.stats``
+            if buf is None:
+                self._in_band_barriers += 1
+            else:
+                self._in_band_hits += 1
+                if spec.postscale != 1.0:
+                    scale_inplace(buf, spec.postscale)
             name, meta = spec.entries[0]
-            self._cache.put(name, meta)
-            self._advance(spec.ids)
+            cache = self._cache
+            cache.put(name, meta)
+            predictor = self._predictor
+            if predictor.steady is not spec.ids or predictor.seen_version != cache.version:
+                self._advance(spec.ids)  # (a steady loop's round: the predictor would arm ``spec`` again)
             self._fresh_last = None
             pacer = self._pacer
             pacer.idle_rounds = 0  # ``Pacer.progressed``, inline
             pacer.progress_at = now
+            if buf is None:  # the flag's collective was the barrier: leave it with the other ranks, last
+                executor.host.leave_together()
             return True
         except BaseException as exc:
             self._round_failed(exc, True)

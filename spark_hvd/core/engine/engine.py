@@ -132,7 +132,8 @@ class Engine(BlockingCalls):
         # speculative rounds of one tensor carried in band (``BlockingCalls._in_band_round``): counted here, folded
         # into ``stats`` when it is read (a Counter's update costs a steady loop's call more than the rest of it)
         self._in_band_hits = 0
-        self._in_band_folded = 0
+        self._in_band_barriers = 0
+        self._in_band_folded = (0, 0)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sleeping = True  # the engine waits without local work: the next enqueue must wake it
@@ -360,14 +361,17 @@ class Engine(BlockingCalls):
     @property
     def stats(self) -> Counter[str]:
         """Rounds, collectives and cache use so far, by name (what tests check fusion with)."""
-        hits = self._in_band_hits
-        if hits != self._in_band_folded:
+        counts = (self._in_band_hits, self._in_band_barriers)
+        if counts != self._in_band_folded:
             with self._lock:
-                new, self._in_band_folded = hits - self._in_band_folded, hits
-                if new > 0:
-                    for key in ("rounds", "cache_hits", "speculative_rounds", "allreduce_collectives",
-                                "allreduce_tensors"):
-                        self._stats[key] += new
+                (hits, barriers), self._in_band_folded = self._in_band_folded, counts
+                hits, barriers = counts[0] - hits, counts[1] - barriers
+                stats = self._stats
+                for key in ("rounds", "cache_hits", "speculative_rounds"):
+                    stats[key] += hits + barriers
+                stats["allreduce_collectives"] += hits
+                stats["allreduce_tensors"] += hits
+                stats["barrier_collectives"] += barriers
         return self._stats
 
     def _guarded_round(self, in_caller: bool, body: Callable[..., tuple[bool, bool]] | None = None,

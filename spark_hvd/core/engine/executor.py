@@ -180,8 +180,11 @@ class Executor:
             except Exception as exc:
                 raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
-        elif spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
-            data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
+        elif spec.in_band:  # the flag travels ahead of the tensor in its own collective (``allreduce_agreed``)
+            if spec.barrier:
+                data = spec.staging  # (empty: the flag alone)
+            else:
+                data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
             t0 = time.perf_counter()
             try:
                 hit = self.host.allreduce_agreed(data, spec.op, bufs is not None)
@@ -222,7 +225,7 @@ class Executor:
         assert bufs is not None  # every rank's flag was 1, this one's included
         if spec.barrier:  # the flag's collective was the barrier: leave it with the other ranks
             self.host.leave_together()
-        if spec.in_place or spec.in_band:
+        elif spec.in_place or spec.in_band:
             scale_inplace(bufs[0], spec.postscale)
         elif not spec.ahead:  # (the fused collective scaled its tensors itself)
             if spec.postscale != 1.0:

@@ -81,7 +81,8 @@ class Spec(NamedTuple):
     carries the flag as a header of the data collective itself (``Backend.allreduce_agreed``): two ranks over TCP
     and a tensor larger than ``SPEC_BYTES``, or any number of ranks on one host's shared memory and a tensor within
     ``Backend.agrees_small`` (the flag ahead of the data in the slot). The collective runs on the tensor where it
-    lies, and on a miss no rank's tensor changes. ``staging`` is then empty.
+    lies, and on a miss no rank's tensor changes. ``staging`` is then empty (a round of barriers carried so: the
+    flag with no data after it).
     """
 
     ids: Ids
@@ -111,9 +112,10 @@ def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, f
     band too, with no staging copy, among any number of ranks)."""
     entries = [lookup(cache_id) for cache_id in ids]
     metas = [meta for _, meta in entries]
-    if all(m.kind == "barrier" for m in metas):
-        return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None, np.zeros(1, np.float32), (), False,
-                    True, False, tuple(entries))
+    if all(m.kind == "barrier" for m in metas):  # the flag alone: in band, with nothing after it, where it can be
+        flag_in_band = agrees_small is not None and agrees_small(np.dtype(np.float32), ReduceOp.SUM) > 0
+        return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None,
+                    np.zeros(0 if flag_in_band else 1, np.float32), (), False, True, flag_in_band, tuple(entries))
     first = metas[0]
     dtype = np.dtype(first.dtype)
     if (len(ids) == 1 and first.kind == "allreduce" and not first.device and not first.bfloat16
@@ -175,7 +177,8 @@ class Predictor:
                  agrees_small: Callable[[np.dtype, ReduceOp], int] | None = None) -> None:
         self._lookup = lookup
         self._version = version
-        self._seen_version = version() if version is not None else 0
+        #: the response cache's version that what was learned holds for
+        self.seen_version = version() if version is not None else 0
         self._size = size
         self._fuses = fuses_in_place
         self._in_band = in_band
@@ -188,6 +191,9 @@ class Predictor:
         # on the one before it (a barrier after each of two loops, a metric every few steps) is predicted as well
         self._follows2: dict[tuple[Ids, Ids], tuple[Ids | None, Ids, bool]] = {}
         self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
+        #: the round a steady loop repeats (``advance`` of it again, at this cache ``seen_version``, would change
+        #: nothing and arm its own speculation again), else None: a caller may skip that ``advance``
+        self.steady: Ids | None = None
         self._scratch: dict[str, np.ndarray] = {}  # the shared staging of large speculations, by dtype
 
     def advance(self, common: list[int] | Ids) -> Spec | None:
@@ -195,13 +201,16 @@ class Predictor:
 
         An empty round (a heartbeat) teaches nothing and keeps the prediction made before it.
         """
-        if self._version is not None and self._version() != self._seen_version:
+        if self._version is not None and self._version() != self.seen_version:
             self.reset()
-            self._seen_version = self._version()
+            self.seen_version = self._version()
+        self.steady = None
         if common:
             now = common if common.__class__ is tuple else tuple(common)
             if now == self._last and now == self._before and self._follows2.get((now, now)) == (now, now, False):
-                return self._spec(now)  # a steady loop's next round: learning it again would change nothing
+                spec = self._spec(now)  # a steady loop's next round: learning it again would change nothing
+                self.steady = now
+                return spec
             if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
                 self.reset()
             if self._last is not None:
@@ -273,6 +282,7 @@ class Predictor:
         """A round of names the engine made up (never submitted again) came after the last clean one: learnt as
         the round ``NEW``, so that what follows ``NEW`` (a barrier after each unnamed call) is predicted, and
         nothing is speculated on after a round that ``NEW`` follows. Returns the speculation for the next round."""
+        self.steady = None
         if self._last is not None:
             _learn(self._follows, self._last, NEW)
             if self._before is not None:
@@ -283,11 +293,11 @@ class Predictor:
     def forget_last(self) -> None:
         """Forget which rounds came last, keep what follows what (rounds went by unseen: a full negotiation that
         left the cache's ids as they were); the next clean round is predicted from at once."""
-        self._last = self._before = None
+        self._last = self._before = self.steady = None
 
     def reset(self) -> None:
         """Forget every round (the cache may have changed: a full round)."""
-        self._last = self._before = None
+        self._last = self._before = self.steady = None
         self._follows.clear()
         self._follows2.clear()
         self._specs.clear()
