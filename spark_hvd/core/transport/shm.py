@@ -32,6 +32,10 @@ the CPU they spin on: a rank that finds its peer last waited on its own CPU (the
 waker's core, where every spin keeps the other from running) moves itself off that CPU (its CPU set without it,
 then its set back at once: not a binding) or yields. A publication from C makes the futex wake call only where a
 peer's ``SLEEP`` word says it sleeps on that counter (every wait that sleeps, Python's too, sets it first).
+``small_agreed`` (``_ringloop.shm_agreed``) is the same synchronisation with an 8-byte flag ahead of the data in the
+slot: every rank reads every flag after ``IN`` and reduces only if all are set (a rank that does not agree writes
+its flag alone), so the engine's speculative round of one small tensor or of a barrier is one small allreduce with
+no staging copy in or out (``Backend.agrees_small``; compiled ranks only, and every rank of the job must be).
 
 Over 600 lines on purpose: the block pipeline (one ``_BlockAllreduce`` per call), its two reduction schemes, the
 broadcast, the exchange rounds and the waits all follow the one counter protocol above, which is easiest to check
