@@ -1257,6 +1257,74 @@ out:
     return answer;
 }
 
+PyDoc_STRVAR(shm_agreed_doc,
+"shm_agreed(layout, buf, agree, dtype, op, g, stage, spin_ns, yield_ns, budget_ns, move) -> int\n\n"
+"``shm_small`` with the ranks' agreement in band: an 8-byte flag ahead of ``buf`` in the slot (``agree``), and\n"
+"``buf`` reduced in place only if every rank's flag is set (a rank that does not agree writes its flag alone, and\n"
+"its ``buf`` is never read or written). 0 done and agreed, 4 done and not agreed, 1 / 3 as ``shm_small``.");
+
+static PyObject *shm_agreed(PyObject *self, PyObject *args) {
+    Py_buffer layout, buf;
+    int agree, dtype, op, stage, move;
+    long long g, spin_ns, yield_ns, budget_ns;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*w*piiLiLLLp", &layout, &buf, &agree, &dtype, &op, &g, &stage, &spin_ns,
+                          &yield_ns, &budget_ns, &move))
+        return NULL;
+    int64_t n, me, nslots, block;
+    int64_t *const *slots;
+    int64_t *const *ctrl = shm_layout(&layout, &n, &me, &nslots, &block, &slots);
+    int result = 0;
+    PyObject *answer = NULL;
+    if (!ctrl || dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || dtype == DT_BF16 || op < 0 ||
+        op >= OP_COUNT || g < 1 || buf.len + 8 > block || buf.len % (Py_ssize_t)itemsizes[dtype]) {
+        PyErr_SetString(PyExc_ValueError, "shm_agreed: bad layout, dtype, op, sequence number or size");
+        goto out;
+    }
+    size_t nbytes = (size_t)buf.len;
+    size_t off = (size_t)((g - 1) % nslots) * (size_t)block;
+    unsigned char *acc = (unsigned char *)buf.buf;
+    if (stage <= 0) {
+        if (g > nslots)
+            for (int64_t k = 0; k < n; k++)
+                if (k != me && !shm_wait(ctrl, me, k, SHM_OUT, g - nslots, spin_ns, yield_ns, budget_ns, move)) {
+                    result = 1;
+                    goto out;
+                }
+        unsigned char *mine = (unsigned char *)slots[me] + off;
+        const int64_t flag = agree ? 1 : 0;
+        memcpy(mine, &flag, 8);
+        if (agree) memcpy(mine + 8, acc, nbytes);
+        shm_publish(ctrl, n, me, SHM_IN, g);
+    }
+    for (int64_t k = 0; k < n; k++)
+        if (k != me && !shm_wait(ctrl, me, k, SHM_IN, g, spin_ns, yield_ns, budget_ns, move)) {
+            result = 3;
+            goto out;
+        }
+    int all = 1;
+    for (int64_t k = 0; k < n && all; k++) {
+        int64_t flag;
+        memcpy(&flag, (const unsigned char *)slots[k] + off, 8);
+        all = flag == 1;
+    }
+    if (!all) {
+        result = 4;
+    } else if (n == 2) {
+        reduce_into(dtype, op, acc, (unsigned char *)slots[1 - me] + off + 8, nbytes); /* commutative: same bits */
+    } else {
+        memcpy(acc, (unsigned char *)slots[0] + off + 8, nbytes);
+        for (int64_t k = 1; k < n; k++) reduce_into(dtype, op, acc, (unsigned char *)slots[k] + off + 8, nbytes);
+    }
+    if (all && op == OP_AVERAGE) divide(dtype, acc, (long)n, nbytes);
+    shm_publish(ctrl, n, me, SHM_OUT, g);
+out:
+    if (!PyErr_Occurred()) answer = PyLong_FromLong(result);
+    PyBuffer_Release(&layout);
+    PyBuffer_Release(&buf);
+    return answer;
+}
+
 PyDoc_STRVAR(shm_release_doc,
 "shm_release(layout, target, spin_ns, yield_ns, move) -> bool\n\n"
 "Spin (no sleep) until every peer's OUT reached ``target``, yielding the core at every look after ``yield_ns``;\n"
@@ -1374,6 +1442,7 @@ static PyMethodDef methods[] = {
     {"ring", (PyCFunction)(void (*)(void))ring, METH_VARARGS | METH_KEYWORDS, ring_doc},
 #ifdef __linux__
     {"shm_small", shm_small, METH_VARARGS, shm_small_doc},
+    {"shm_agreed", shm_agreed, METH_VARARGS, shm_agreed_doc},
     {"shm_release", shm_release, METH_VARARGS, shm_release_doc},
     {"cma_reduce", cma_reduce, METH_VARARGS, cma_reduce_doc},
 #endif
