@@ -547,12 +547,16 @@ class ShmGroup:
                                         _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
             if not stage:
                 return
-            if stage == 1:
-                self._wait_all(OUT, g - self.nslots, operation, check_peers)
-                stage = 0
-            else:
-                self._wait_all(IN, g, operation, check_peers)
-                stage = 2
+            stage = self._wait_small(stage, g, operation, check_peers)
+
+    def _wait_small(self, stage: int, g: int, operation: str, check_peers: Callable[[str], None]) -> int:
+        """A compiled small call waited its budget (``stage`` 1: for the slot, 3: for the peers' data): the wait
+        goes on in Python (peers checked, the timeout); returns the stage to call again from."""
+        if stage == 1:
+            self._wait_all(OUT, g - self.nslots, operation, check_peers)
+            return 0
+        self._wait_all(IN, g, operation, check_peers)
+        return 2
 
     def agreed_codes(self, dtype: np.dtype, op: ReduceOp) -> tuple[int, int] | None:
         """The codes ``small_agreed`` takes for ``dtype`` and ``op``, or None where it cannot run them (not built
@@ -576,13 +580,8 @@ class ShmGroup:
         g = self.seq = self.seq + 1
         stage = _ringloop.shm_agreed(self.layout, arr, agree, codes[0], codes[1], g, 0, self.small_spin_ns,
                                      _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
-        while stage != 0 and stage != 4:  # a wait ran past its budget: on in Python (peers checked, the timeout)
-            if stage == 1:
-                self._wait_all(OUT, g - self.nslots, operation, check_peers)
-                stage = 0
-            else:
-                self._wait_all(IN, g, operation, check_peers)
-                stage = 2
+        while stage != 0 and stage != 4:  # a wait ran past its budget
+            stage = self._wait_small(stage, g, operation, check_peers)
             stage = _ringloop.shm_agreed(self.layout, arr, agree, codes[0], codes[1], g, stage, self.small_spin_ns,
                                          _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
         return stage == 0
