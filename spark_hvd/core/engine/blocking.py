@@ -106,17 +106,8 @@ class BlockingCalls:
             if (op is spec.op and buf.__class__ is np.ndarray and buf.shape == meta.shape
                     and (buf.dtype is spec.dtype or buf.dtype == spec.dtype)
                     and prescale == meta.prescale and postscale == meta.postscale
-                    and in_place_ok(buf.flags) and self._sole_ready(spec)):
-                if spec.in_band and self._timeline is None and self._tuner is None:
-                    if self._in_band_round(spec, buf):
-                        return buf
-                else:
-                    try:
-                        hit = self._guarded_round(True, self._sole_round, spec, buf, name)
-                    finally:
-                        self._round_lock.release()
-                    if hit:
-                        return buf
+                    and in_place_ok(buf.flags) and self._sole_ready(spec) and self._armed_round(spec, buf, name)):
+                return buf
         return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
                             bfloat16=bfloat16, start_engine=False).wait()
 
@@ -131,17 +122,9 @@ class BlockingCalls:
         spec = self._spec
         if spec is not None and spec.barrier and len(spec.ids) == 1:
             cached = self._cache.lookup("barrier", BARRIER_META)
-            if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
-                if spec.in_band and self._timeline is None and self._tuner is None:
-                    if self._in_band_round(spec, None):
-                        return
-                else:
-                    try:
-                        hit = self._guarded_round(True, self._sole_round, spec, None, "barrier")
-                    finally:
-                        self._round_lock.release()
-                    if hit:
-                        return
+            if (cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec)
+                    and self._armed_round(spec, None, "barrier")):
+                return
         self.enqueue("barrier", start_engine=False).wait()
 
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
@@ -158,6 +141,17 @@ class BlockingCalls:
             return True
         self._round_lock.release()
         return False
+
+    def _armed_round(self, spec: Spec, buf: np.ndarray | None, name: str) -> bool:
+        """The round of the armed speculation ``spec`` on ``buf`` alone (None: the barrier), the round lock held (by
+        ``_sole_ready``) and released here: in one step when its flag rides in band and nothing watches the round,
+        else ``_sole_round``. True on a hit."""
+        if spec.in_band and self._timeline is None and self._tuner is None:
+            return self._in_band_round(spec, buf)
+        try:
+            return self._guarded_round(True, self._sole_round, spec, buf, name)
+        finally:
+            self._round_lock.release()
 
     def _in_band_round(self, spec: Spec, buf: np.ndarray | None) -> bool:
         """``allreduce``'s round when the speculation carries its flag in the tensor's own collective
