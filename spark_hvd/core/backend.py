@@ -86,8 +86,14 @@ class Backend(ABC):
     def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
         """Allreduce ``buf`` in place if every rank ``agree``s, and say whether they all did; on False no rank's
         ``buf`` changed. With ``agree`` False, ``buf`` is only a template (size and dtype), never read or written.
-        Only where ``agrees_in_band``."""
+        Only where ``agrees_in_band``, or for arrays within ``agrees_small``."""
         raise NotImplementedError(f"the {self.name} backend carries no agreement in band")
+
+    def agrees_small(self, dtype: np.dtype, op: ReduceOp) -> int:
+        """Arrays of ``dtype`` up to this many bytes go through ``allreduce_agreed`` with ``op`` among any number of
+        ranks as one small collective, the agreement in band (every rank on one host's shared memory); 0: none. The
+        same on every rank of the job."""
+        return 0
 
     def tunables(self) -> dict[str, int]:
         """This backend's own settings that autotune may search here, by ``Settings`` field, with their current

@@ -226,10 +226,10 @@ def backend_name() -> str:
     return _get("backend_name()").backend_name
 
 
-def get_engine(process_set: ProcessSet | None = None) -> Engine:
+def get_engine(process_set: ProcessSet | None = None, what: str = "get_engine()") -> Engine:
     """This process's engine, or its engine of ``process_set`` (a member's; for bindings and tests:
-    ``get_engine().stats``)."""
-    return _engine("get_engine()", process_set)[0]
+    ``get_engine().stats``); ``what``: the call its errors name (not initialized, not a member)."""
+    return _engine(what, process_set)[0]
 
 
 # ---------------------------------------------------------------------- process sets (registration)

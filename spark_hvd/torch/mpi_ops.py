@@ -135,9 +135,8 @@ def _host_view(tensor: torch.Tensor) -> np.ndarray | None:
     return arr
 
 
-def _cpu_on_device() -> bool:
+def _cpu_on_device(settings: Any) -> bool:
     """Whether CPU tensors take the device path (``SPARK_HVD_DEVICE_BACKEND=gloo``), for the job's settings."""
-    settings = common.core().settings()
     if _device_setting[0] is not settings:
         _device_setting[:] = [settings, device_key("cpu", settings.device_backend) is not None]
     return bool(_device_setting[1])
@@ -303,17 +302,18 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it."""
-    common.require_init("allreduce_()")
-    # the blocking call runs the round in this thread; a contiguous CPU tensor of a dtype numpy shares is handed
-    # over as its own numpy view (what ``_Staged`` makes of it, with fewer checks on the path of every call)
-    arr = None if _cpu_on_device() else _host_view(tensor)
+    # the blocking call runs the round in this thread (``Engine.allreduce``, as ``spark_hvd.core.allreduce`` does);
+    # a contiguous CPU tensor of a dtype numpy shares is handed over as its own numpy view (what ``_Staged`` makes
+    # of it, with fewer checks on the path of every call)
+    engine = common.core().get_engine(process_set, "allreduce_()")
+    rop = op if average is None and op.__class__ is ReduceOp else common.resolve_op(op, average)
+    arr = None if _cpu_on_device(engine.settings) else _host_view(tensor)
     if arr is not None:
-        common.core().allreduce(arr, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
-                                postscale=postscale_factor, process_set=process_set)
+        engine.allreduce(arr, name, op=rop, prescale=prescale_factor, postscale=postscale_factor)
         return tensor
     staged = _Staged(tensor)
-    common.core().allreduce(staged.array, name=name, op=common.resolve_op(op, average), prescale=prescale_factor,
-                            postscale=postscale_factor, bfloat16=staged.bf16, process_set=process_set)
+    engine.allreduce(staged.array, name, op=rop, prescale=prescale_factor, postscale=postscale_factor,
+                     bfloat16=staged.bf16)
     return staged.write_back()
 
 

@@ -59,6 +59,17 @@ def _fast_path_job(seed: int) -> dict:
         for i in range(6):
             _blocking("half", seed + 70 + i, (9,), np.float16, ReduceOp.SUM)
         steady = dict(engine.stats)
+        # on one host's shared memory the small tensor's speculation carries its flag in band (ahead of the data
+        # in the slot: no staging), and so do the barriers of osu_allreduce's loop, one collective each
+        in_band = engine.backend.agrees_small(np.dtype(np.float32), ReduceOp.SUM) > 0
+        assert in_band == (engine.backend.transport == "shm"), engine.backend.transport
+        assert engine._spec is not None and engine._spec.in_band == in_band, engine._spec
+        for i in range(8):
+            core.barrier()
+            _blocking("steady", seed + 80 + i, (33,), np.float32, ReduceOp.SUM)
+        loop = {k: v - steady.get(k, 0) for k, v in engine.stats.items()}
+        assert loop["barrier_collectives"] == 8 and loop["allreduce_tensors"] == 8, loop
+        assert loop["speculative_rounds"] - loop.get("speculation_misses", 0) >= 12, loop  # (learning: a few misses)
         # 2. the ranks differ in what they queue while speculation is armed for 'steady'
         for i in range(8):
             _blocking("steady", seed + 100 + i, (33,), np.float32, ReduceOp.SUM)

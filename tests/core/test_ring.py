@@ -329,6 +329,52 @@ def test_agreed_allreduce_reduces_only_when_both_ranks_agree(python_ranks):
     assert digests[0] == digests[1]  # both ranks hold the same bits
 
 
+def _agreed_small_on_shm(seed: int) -> str:
+    """``allreduce_agreed`` of small arrays on shared memory (any number of ranks: the flag ahead of the data in the
+    slot, ``ShmGroup.small_agreed``): every agreement pattern, every dtype and op it takes, against numpy; a miss
+    leaves every array as it was, bit for bit."""
+    be = backend_from_env(SMALL)
+    r, n = be.rank, be.size
+    digest = hashlib.sha256()
+    patterns = [tuple(int(k != j) for k in range(n)) for j in range(n)] + [(1,) * n, (0,) * n, (1,) * n]
+    try:
+        for dtype in [d for d in DTYPES if d != "bfloat16"]:
+            for op in ELEMENTWISE_OPS:
+                limit = be.agrees_small(np.dtype(dtype), op)
+                assert limit >= 16 * 1024, (dtype, op, limit)
+                for count in (1, 1001, limit // np.dtype(dtype).itemsize):
+                    for agreements in patterns if count == 1001 else patterns[-1:]:
+                        mine = _data(seed, r, count, dtype)
+                        buf = mine.copy()
+                        what = f"{count} {dtype} {op} {agreements}"
+                        if agreements[r]:
+                            hit = be.allreduce_agreed(buf, op, True)
+                        else:  # a read-only stand-in: never read or written
+                            hit = be.allreduce_agreed(np.broadcast_to(np.zeros(1, dtype), (count,)), op, False)
+                        assert hit == all(agreements), what
+                        if hit:
+                            _close(buf, _expected([_data(seed, k, count, dtype) for k in range(n)], op, dtype),
+                                   dtype, what)
+                            digest.update(buf.tobytes())
+                        else:
+                            assert buf.tobytes() == mine.tobytes(), what
+        assert be.agrees_small(np.dtype("float32"), ReduceOp.SUM) < be.shm.small_bytes  # (room for the flag)
+        buf = _data(seed, r, 1001, "float32")  # and the group is still in step
+        be.allreduce(buf, ReduceOp.SUM)
+        _close(buf, _expected([_data(seed, k, 1001, "float32") for k in range(n)], ReduceOp.SUM, "float32"),
+               "float32", "after")
+        return digest.hexdigest()
+    finally:
+        be.close()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_agreed_small_allreduce_on_shared_memory(n):
+    seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    digests = run_ranks(_agreed_small_on_shm, n, env={"SPARK_HVD_TIMEOUT": "60"}, timeout=120, args=(seed,))
+    assert len(set(digests)) == 1  # every rank holds the same bits
+
+
 def _die_mid_collective(victim: int, shm: bool, agreed: bool = False) -> dict:
     be = backend_from_env()
     if be.rank == victim:

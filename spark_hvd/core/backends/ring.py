@@ -66,7 +66,8 @@ from spark_hvd.core.transport.addresses import (  # noqa: F401 - IFACE_ENV, HOST
     machine_identity,
     meeting_host,
 )
-from spark_hvd.core.transport.shm import ShmGroup, new_nonce, shm_available
+from spark_hvd.core.transport.shm import AGREED_FLAG_BYTES, ShmGroup, new_nonce, shm_available
+from spark_hvd.core.transport.shm import agreed_here as shm_agreed_here
 from spark_hvd.core.transport.tcp import (
     FRAME_BYTES,
     INLINE_SEND_BYTES,
@@ -114,10 +115,7 @@ def _collective(name: str) -> Callable[[F], F]:
             try:
                 return method(self, *args, **kwargs)
             except (PeerFailureError, ProtocolError, AuthenticationError) as exc:
-                reported = self._reported_failure(exc, name)
-                self._fail(reported or exc, name)
-                if reported is not None:
-                    raise reported from exc
+                self._collective_failed(exc, name)
                 raise
 
         return run  # type: ignore[return-value]
@@ -166,6 +164,9 @@ class RingBackend(Backend):
         self._spin = False  # small two-rank exchanges spin before they sleep (every local rank may have a core)
         #: every rank runs rings with the compiled loop (``ringloop``): rings it supports use its smaller frames
         self._compiled = False
+        #: every rank of the job is on this host's shared memory and can run ``ShmGroup.small_agreed``
+        self._agreed_shm: ShmGroup | None = None
+        self._agreed_last: tuple[Any, Any, tuple[int, int] | None] = (None, None, None)
         if size == 1:
             if rendezvous is not None:
                 rendezvous.exchange(0, 1, b"{}")
@@ -180,7 +181,8 @@ class RingBackend(Backend):
             use_shm = bool(self.settings.shm) and shm_available()
             info = {"host": publish, "port": port, "host_id": host_id, "machine": machine_identity(),
                     "pid": os.getpid(), "shm": use_shm, "nonce": new_nonce(),
-                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring, "encrypt": self.encrypt}
+                    "compiled_ring": ringloop.BUILT and self.settings.compiled_ring, "encrypt": self.encrypt,
+                    "shm_agreed": self.settings.compiled_ring and shm_agreed_here()}
             values = rendezvous.exchange(rank, size, json.dumps(info).encode())
             infos = [json.loads(v) for v in values]
             check_encryption(rank, [bool(i.get("encrypt")) for i in infos])
@@ -204,6 +206,9 @@ class RingBackend(Backend):
             self.plan = plan.build(ring_plans.Setup(
                 rank, size, job_id, infos[0]["nonce"], self.timeout_s, shm_block_bytes, shm_slots,
                 self.settings.shm_cma_bytes, self._small_allgather))
+            group = getattr(self.plan, "shm", None)
+            if self.plan.name == "shm" and group is not None and all(i.get("shm_agreed") for i in infos):
+                self._agreed_shm = group
         except BaseException:
             self.close()
             raise
@@ -252,6 +257,14 @@ class RingBackend(Backend):
         if self._broken is not None:
             raise PeerFailureError(f"{operation}: the job is unusable since an earlier failure: {self._broken}",
                                    rank=self._broken.rank, operation=operation)
+
+    def _collective_failed(self, exc: BaseException, operation: str) -> None:
+        """After ``operation`` failed with ``exc``: mark the backend broken, tell every peer, and raise the failure a
+        peer reported first if one did (the caller re-raises ``exc`` otherwise)."""
+        reported = self._reported_failure(exc, operation)
+        self._fail(reported or exc, operation)
+        if reported is not None:
+            raise reported from exc
 
     def _reported_failure(self, exc: BaseException, operation: str) -> PeerAbort | None:
         """After a connection failed: did some peer already report which rank failed (a pending ABORT frame)?
@@ -582,9 +595,45 @@ class RingBackend(Backend):
             return
         self.plan.allreduce_fused(self, flats, op, bfloat16, "allreduce")
 
-    @_collective("allreduce")
+    def agrees_small(self, dtype: np.dtype, op: ReduceOp) -> int:
+        """Every rank on this host's shared memory with the compiled small path: ``allreduce_agreed`` takes arrays of
+        up to this many bytes in one small allreduce, the flag ahead of the data in the slot
+        (``ShmGroup.small_agreed``); 0 otherwise."""
+        group = self._agreed_shm
+        if group is None or group.agreed_codes(np.dtype(dtype), op) is None:
+            return 0
+        return group.small_bytes - AGREED_FLAG_BYTES
+
     def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
-        """See ``Backend.allreduce_agreed`` (two ranks over TCP: ``spark_hvd.core.algorithms.agreed``)."""
+        """See ``Backend.allreduce_agreed``: a small array on shared memory (``agrees_small``: a speculative round's
+        path, kept short), or two ranks over TCP (``spark_hvd.core.algorithms.agreed``)."""
+        group = self._agreed_shm
+        if group is None or buf.nbytes > group.small_bytes - AGREED_FLAG_BYTES:
+            return self._allreduce_agreed_tcp(buf, op, agree)
+        if self._closed or self._broken is not None:
+            self._check_usable("allreduce")
+        dtype = buf.dtype
+        last = self._agreed_last  # (dtype, op, codes) of the last call: a loop's next call looks nothing up
+        if last[0] is dtype and last[1] is op:
+            codes = last[2]
+        else:
+            codes = group.agreed_codes(dtype, op)
+            if codes is None:
+                raise ValueError(f"allreduce_agreed: shared memory's small path takes no {dtype} {op.value}")
+            self._agreed_last = (dtype, op, codes)
+        if not agree:
+            buf = np.empty(0, dtype)  # a template only: never read or written
+        elif not (buf.flags.c_contiguous and buf.flags.writeable):
+            raise ValueError(f"allreduce needs a C-contiguous, writable array (got strides {buf.strides})")
+        try:
+            return group.small_agreed(buf, agree, codes, "allreduce", self._check_peers)
+        except (PeerFailureError, ProtocolError, AuthenticationError) as exc:
+            self._collective_failed(exc, "allreduce")
+            raise
+
+    @_collective("allreduce")
+    def _allreduce_agreed_tcp(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
+        """``allreduce_agreed`` between two ranks over TCP."""
         if not self.agrees_in_band:
             raise NotImplementedError(f"allreduce_agreed needs two ranks over TCP, not {self.size} over "
                                       f"{self.transport}")

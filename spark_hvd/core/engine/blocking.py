@@ -25,6 +25,8 @@ from spark_hvd.core.engine.checks import BARRIER_META, in_place_ok
 from spark_hvd.core.engine.fresh import FreshSpec, Layout
 from spark_hvd.core.engine.negotiation import MADE_UP_ALLREDUCE, ResponseCache, noname
 from spark_hvd.core.engine.speculation import Predictor, Spec
+from spark_hvd.core.errors import SparkHvdError
+from spark_hvd.core.reduce import scale_inplace
 
 if TYPE_CHECKING:
     from spark_hvd.core.engine.autotune import Tuner
@@ -38,7 +40,10 @@ class BlockingCalls:
     """``Engine.allreduce`` and ``Engine.barrier`` (see the module docstring)."""
 
     # the engine's state these read (``spark_hvd.core.engine.engine.Engine`` sets it)
-    stats: Counter[str]
+    _stats: Counter[str]
+    _in_band_hits: int
+    _in_band_barriers: int
+    _rounds_done: int
     _lock: threading.Lock
     _round_lock: threading.Lock
     _counters: Counter[str]
@@ -59,6 +64,7 @@ class BlockingCalls:
     _executor: Executor
     _timeline: Timeline | None
     _guarded_round: Callable[..., bool]
+    _round_failed: Callable[[BaseException, bool], None]
     _advance: Callable[[list[int] | tuple[int, ...]], None]
     _fresh_hit: Callable[[list[str] | None], None]
     _tuning: Callable[[], bool]
@@ -100,13 +106,8 @@ class BlockingCalls:
             if (op is spec.op and buf.__class__ is np.ndarray and buf.shape == meta.shape
                     and (buf.dtype is spec.dtype or buf.dtype == spec.dtype)
                     and prescale == meta.prescale and postscale == meta.postscale
-                    and in_place_ok(buf.flags) and self._sole_ready(spec)):
-                try:
-                    hit = self._guarded_round(True, self._sole_round, spec, buf, name)
-                finally:
-                    self._round_lock.release()
-                if hit:
-                    return buf
+                    and in_place_ok(buf.flags) and self._sole_ready(spec) and self._armed_round(spec, buf, name)):
+                return buf
         return self.enqueue("allreduce", buf, name, op=op, prescale=prescale, postscale=postscale,
                             bfloat16=bfloat16, start_engine=False).wait()
 
@@ -121,13 +122,9 @@ class BlockingCalls:
         spec = self._spec
         if spec is not None and spec.barrier and len(spec.ids) == 1:
             cached = self._cache.lookup("barrier", BARRIER_META)
-            if cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec):
-                try:
-                    hit = self._guarded_round(True, self._sole_round, spec, None, "barrier")
-                finally:
-                    self._round_lock.release()
-                if hit:
-                    return
+            if (cached == spec.ids[0] and "barrier" not in self._local and self._sole_ready(spec)
+                    and self._armed_round(spec, None, "barrier")):
+                return
         self.enqueue("barrier", start_engine=False).wait()
 
     def _sole_ready(self, spec: Spec | FreshSpec) -> bool:
@@ -145,6 +142,65 @@ class BlockingCalls:
         self._round_lock.release()
         return False
 
+    def _armed_round(self, spec: Spec, buf: np.ndarray | None, name: str) -> bool:
+        """The round of the armed speculation ``spec`` on ``buf`` alone (None: the barrier), the round lock held (by
+        ``_sole_ready``) and released here: in one step when its flag rides in band and nothing watches the round,
+        else ``_sole_round``. True on a hit."""
+        if spec.in_band and self._timeline is None and self._tuner is None:
+            return self._in_band_round(spec, buf)
+        try:
+            return self._guarded_round(True, self._sole_round, spec, buf, name)
+        finally:
+            self._round_lock.release()
+
+    def _in_band_round(self, spec: Spec, buf: np.ndarray | None) -> bool:
+        """``allreduce``'s round when the speculation carries its flag in the tensor's own collective
+        (``Spec.in_band``) and nothing watches the round (no timeline, no autotune): ``_sole_round`` and
+        ``Executor.speculate`` in one step, the steady small loop's path (``buf`` None: ``barrier``'s round, the
+        flag alone). Called with the round lock held (by ``_sole_ready``); releases it. True on a hit (``buf``
+        reduced); on a miss ``buf`` is as it was and the speculation disarmed, as in ``_sole_round``."""
+        executor = self._executor
+        try:
+            try:
+                now = self._pacer.last_start = time.perf_counter()
+                hit = executor.host.allreduce_agreed(spec.staging if buf is None else buf, spec.op, True)
+            except SparkHvdError:
+                raise
+            except Exception as exc:
+                raise executor.speculation_failed(exc) from exc
+            self._rounds_done += 1
+            if not hit:
+                self._spec = None
+                stats = self._stats  # (a miss is counted by the round that follows it, as in ``_round``)
+                stats["speculative_rounds"] += 1
+                stats["speculation_misses"] += 1
+                return False
+            # rounds, cache hits, speculative rounds, collectives (and tensors): folded in by ``Engine.stats``
+            if buf is None:
+                self._in_band_barriers += 1
+            else:
+                self._in_band_hits += 1
+                if spec.postscale != 1.0:
+                    scale_inplace(buf, spec.postscale)
+            name, meta = spec.entries[0]
+            cache = self._cache
+            cache.put(name, meta)
+            predictor = self._predictor
+            if predictor.steady is not spec.ids or predictor.seen_version != cache.version:
+                self._advance(spec.ids)  # (a steady loop's round: the predictor would arm ``spec`` again)
+            self._fresh_last = None
+            pacer = self._pacer
+            pacer.idle_rounds = 0  # ``Pacer.progressed``, inline
+            pacer.progress_at = now
+            if buf is None:  # the flag's collective was the barrier: leave it with the other ranks, last
+                executor.host.leave_together()
+            return True
+        except BaseException as exc:
+            self._round_failed(exc, True)
+            return False
+        finally:
+            self._round_lock.release()
+
     def _sole_round(self, spec: Spec, buf: np.ndarray | None, name: str) -> tuple[bool, bool]:
         """``allreduce``'s round: the speculative round of exactly ``buf``, with no request or handle (``buf``
         None: ``barrier``'s round of this rank's barrier alone).
@@ -158,7 +214,7 @@ class BlockingCalls:
         if not hit:
             self._spec = None
             return False, False
-        stats = self.stats
+        stats = self._stats
         stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         stats["cache_hits"] += 1
         self._advance(spec.ids)
@@ -182,7 +238,7 @@ class BlockingCalls:
             return False, False
         if name.startswith(MADE_UP_ALLREDUCE):  # the engine made it up: ``Engine._fresh_hit``
             self._fresh_hit([name])
-        stats = self.stats
+        stats = self._stats
         stats["rounds"] += 1  # a miss is counted by the round that follows it, as in ``_round``
         stats["full_requests"] += 1
         if self._tuning():

@@ -128,7 +128,12 @@ class Engine(BlockingCalls):
         self.rank = backend.rank
         self.size = backend.size
         self.scope = scope or GroupScope(0, tuple(range(self.size)), job)
-        self.stats: Counter[str] = Counter()
+        self._stats: Counter[str] = Counter()
+        # speculative rounds of one tensor carried in band (``BlockingCalls._in_band_round``): counted here, folded
+        # into ``stats`` when it is read (a Counter's update costs a steady loop's call more than the rest of it)
+        self._in_band_hits = 0
+        self._in_band_barriers = 0
+        self._in_band_folded = (0, 0)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sleeping = True  # the engine waits without local work: the next enqueue must wake it
@@ -155,7 +160,7 @@ class Engine(BlockingCalls):
         self._backend_fuses = backend.fuses_in_place and getattr(backend, "tcp_ring_size", 0) < 3
         self._spec: Spec | None = None  # identical on every rank
         self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band,
-                                    lambda: self._cache.version)
+                                    lambda: self._cache.version, backend.agrees_small)
         self._fresh: FreshSpec | None = None  # a round of new names expected (``spark_hvd.core.engine.fresh``)
         self._fresh_last: Layout | None = None  # the layout of the last round of new names every rank agreed on
         self._new_layout: Layout | None = None  # ... of the last round of names the engine made up (``_advance``)
@@ -165,7 +170,7 @@ class Engine(BlockingCalls):
             path = timeline_path(settings.timeline, self.rank)
             if path:
                 self.timeline = Timeline(path, self.rank)
-        self._executor = Executor(backend, settings, self.scope, self._cache, self.stats, self.timeline)
+        self._executor = Executor(backend, settings, self.scope, self._cache, self._stats, self.timeline)
         self._host = self._executor.host  # the negotiation's own exchanges
         self.autotune_history: list[tuple[int, int, float, int]] = []
         self._tuner: Tuner | None = None  # rank 0 of the job's own engine, with autotune on
@@ -319,9 +324,9 @@ class Engine(BlockingCalls):
         self._pacer.set_cycle(point.cycle_time_ms)
         if "halving_doubling_bytes" in self.backend.tunables():  # the round's collectives come after this
             self.backend.apply_tuning({"halving_doubling_bytes": point.halving_doubling_bytes})
-        self.autotune_history.append((self.stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms,
+        self.autotune_history.append((self._stats["fast_rounds"], point.fusion_threshold, point.cycle_time_ms,
                                       point.halving_doubling_bytes))
-        self.stats["autotune_switches"] += 1
+        self._stats["autotune_switches"] += 1
         if self._tuner is not None:
             self._tuner.applied(point, time.perf_counter())
 
@@ -354,31 +359,52 @@ class Engine(BlockingCalls):
             if self.timeline is not None:
                 self.timeline.flush()
 
+    @property
+    def stats(self) -> Counter[str]:
+        """Rounds, collectives and cache use so far, by name (what tests check fusion with)."""
+        counts = (self._in_band_hits, self._in_band_barriers)
+        if counts != self._in_band_folded:
+            with self._lock:
+                (hits, barriers), self._in_band_folded = self._in_band_folded, counts
+                hits, barriers = counts[0] - hits, counts[1] - barriers
+                stats = self._stats
+                for key in ("rounds", "cache_hits", "speculative_rounds"):
+                    stats[key] += hits + barriers
+                stats["allreduce_collectives"] += hits
+                stats["allreduce_tensors"] += hits
+                stats["barrier_collectives"] += barriers
+        return self._stats
+
     def _guarded_round(self, in_caller: bool, body: Callable[..., tuple[bool, bool]] | None = None,
                        *args: Any) -> bool:
         """``_round`` (or ``body(*args)``, a round of its own) under the round lock, turning its failure into the
         engine's error. True on progress."""
         try:
             progress, stop = self._round() if body is None else body(*args)
-        except SparkHvdError as exc:  # a peer failure, a shut-down backend, settings that differ, a stall
-            logger.error("rank %d: %s", self.rank, exc)
-            self._fail_all(exc)
-            progress, stop = False, True
-        except BaseException as exc:  # a bug, or an interrupt of a caller in the middle of a round
-            if isinstance(exc, Exception):
-                logger.exception("the spark_hvd engine of rank %d failed", self.rank)
-            what = "was interrupted in the middle of a round" if in_caller else "failed"
-            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} {what}: {exc!r}; the ranks "
-                                         "can no longer be kept in step, so spark_hvd stopped"))
-            self._rounds_done += 1
-            self._stop_engine()
-            if in_caller and not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and friends reach the user
+        except BaseException as exc:
+            self._round_failed(exc, in_caller)
             return False
         self._rounds_done += 1
         if stop:
             self._stop_engine()
         return progress
+
+    def _round_failed(self, exc: BaseException, in_caller: bool) -> None:
+        """A round (under the round lock) raised ``exc``: the engine's error for every waiter, and the engine stops.
+        Re-raises a caller's interrupt (KeyboardInterrupt and friends reach the user)."""
+        if isinstance(exc, SparkHvdError):  # a peer failure, a shut-down backend, settings that differ, a stall
+            logger.error("rank %d: %s", self.rank, exc)
+            self._fail_all(exc)
+        else:  # a bug, or an interrupt of a caller in the middle of a round
+            if isinstance(exc, Exception):
+                logger.exception("the spark_hvd engine of rank %d failed", self.rank)
+            what = "was interrupted in the middle of a round" if in_caller else "failed"
+            self._fail_all(SparkHvdError(f"the spark_hvd engine of rank {self.rank} {what}: {exc!r}; the ranks "
+                                         "can no longer be kept in step, so spark_hvd stopped"))
+        self._rounds_done += 1
+        self._stop_engine()
+        if in_caller and not isinstance(exc, Exception):
+            raise exc
 
     def _stop_engine(self) -> None:
         self._finished = True
@@ -437,10 +463,10 @@ class Engine(BlockingCalls):
             else:
                 ids.append(cache_id)
                 by_id[cache_id] = request
-        self.stats["cache_hits"] += len(ids)
-        self.stats["full_requests"] += len(full)
-        first_round = self.stats["rounds"] == 0
-        self.stats["rounds"] += 1
+        self._stats["cache_hits"] += len(ids)
+        self._stats["full_requests"] += len(full)
+        first_round = self._stats["rounds"] == 0
+        self._stats["rounds"] += 1
         ready: Ready = []
         progress = False
         messages: list[list] | None = None
@@ -468,7 +494,7 @@ class Engine(BlockingCalls):
                               message_digest(message) if irregular else (0, 0),
                               choice.encode() if choice is not None else (0, 0))
             self._host.allreduce_staged(vec, ReduceOp.SUM)
-            self.stats["fast_rounds"] += 1
+            self._stats["fast_rounds"] += 1
             switch = Point.decode(tune_slots(vec, self.size))
             if switch is not None:  # rank 0's autotune choice: every rank switches here, before this round's work
                 self._switch(switch)
@@ -486,7 +512,7 @@ class Engine(BlockingCalls):
                     self._finish_round(ready, start, progress)
                     return progress, False
             if same_messages(vec, self.size):  # every rank sent this very message (the same new tensors)
-                self.stats["messages_skipped"] += 1
+                self._stats["messages_skipped"] += 1
                 if not (join_flag or shutdown_flag):
                     # what the table would make of ``size`` copies of it: every tensor ready, all agreed, in the
                     # message's order (its cache ids, then its new tensors)

@@ -178,17 +178,20 @@ class Executor:
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
-        elif spec.in_band:  # the flag is the first frame of the tensor's own collective (core/algorithms/agreed.py)
-            data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
+        elif spec.in_band:  # the flag travels ahead of the tensor in its own collective (``allreduce_agreed``)
+            if spec.barrier:
+                data = spec.staging  # (empty: the flag alone)
+            else:
+                data = np.broadcast_to(np.zeros(1, spec.dtype), (spec.count,)) if bufs is None else bufs[0]
             t0 = time.perf_counter()
             try:
                 hit = self.host.allreduce_agreed(data, spec.op, bufs is not None)
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
         else:
             beside = None
@@ -210,7 +213,7 @@ class Executor:
             except SparkHvdError:
                 raise
             except Exception as exc:
-                raise self._speculation_failed(exc) from exc
+                raise self.speculation_failed(exc) from exc
             t1 = time.perf_counter()
             size = self.size
             hit = staging[0] > (1.0 if spec.op is ReduceOp.AVERAGE else float(size)) - 0.5 / size
@@ -222,7 +225,7 @@ class Executor:
         assert bufs is not None  # every rank's flag was 1, this one's included
         if spec.barrier:  # the flag's collective was the barrier: leave it with the other ranks
             self.host.leave_together()
-        if spec.in_place or spec.in_band:
+        elif spec.in_place or spec.in_band:
             scale_inplace(bufs[0], spec.postscale)
         elif not spec.ahead:  # (the fused collective scaled its tensors itself)
             if spec.postscale != 1.0:
@@ -287,7 +290,7 @@ class Executor:
         except SparkHvdError:
             raise
         except Exception as exc:
-            raise self._speculation_failed(exc) from exc
+            raise self.speculation_failed(exc) from exc
         self.stats["fresh_rounds"] += 1
 
     def _fresh_done(self, names: Sequence[str], t0: float, t1: float) -> None:
@@ -301,7 +304,7 @@ class Executor:
             for name in names:
                 tl.event(name, "ALLREDUCE", t0, t1, fused=len(names), speculative=True)
 
-    def _speculation_failed(self, exc: Exception) -> SparkHvdError:
+    def speculation_failed(self, exc: Exception) -> SparkHvdError:
         """A speculative round's one collective failed with an error not spark_hvd's own."""
         return SparkHvdError(f"allreduce of a speculative round failed on rank {self.rank}: {exc!r}; the ranks can "
                              "no longer be kept in step, so spark_hvd stopped")

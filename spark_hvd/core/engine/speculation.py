@@ -77,10 +77,12 @@ class Spec(NamedTuple):
     lie, as the negotiated round would run them (the same op, scales and order). It replaces the fast round's
     vector and its answer with one flag; a miss costs that flag's collective and changes no tensor.
 
-    ``in_band``: two ranks on a backend that carries the flag as a header of the data collective itself
-    (``Backend.allreduce_agreed``: TCP), one tensor larger than ``SPEC_BYTES`` without prescale (any dtype, any
-    element-wise op): the collective runs on the tensor where it lies, the flag travels ahead of the data, and on
-    a miss no rank's tensor changes. ``staging`` is then empty.
+    ``in_band``: one tensor without prescale (any dtype the backend takes, any element-wise op) on a backend that
+    carries the flag as a header of the data collective itself (``Backend.allreduce_agreed``): two ranks over TCP
+    and a tensor larger than ``SPEC_BYTES``, or any number of ranks on one host's shared memory and a tensor within
+    ``Backend.agrees_small`` (the flag ahead of the data in the slot). The collective runs on the tensor where it
+    lies, and on a miss no rank's tensor changes. ``staging`` is then empty (a round of barriers carried so: the
+    flag with no data after it).
     """
 
     ids: Ids
@@ -94,29 +96,34 @@ class Spec(NamedTuple):
     views: tuple[np.ndarray, ...]  # each tensor's place in ``staging``, in its shape (packing is one copy each)
     in_place: bool
     barrier: bool  # the round is barriers only (no data)
-    in_band: bool = False  # the flag is the first frame of the tensor's own collective (two ranks, TCP)
+    in_band: bool = False  # the flag travels ahead of the tensor in its own collective (``allreduce_agreed``)
     entries: tuple[tuple[str, Meta], ...] = ()  # each id's (name, metadata), in id order: what a hit puts in the cache
     ahead: bool = False  # the flag's own small collective, then the tensors' fused collective where they lie
 
 
 def build_spec(ids: Ids, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
-               scratch: Callable[[np.dtype, int], np.ndarray] | None = None, in_band: bool = False) -> Spec | None:
+               scratch: Callable[[np.dtype, int], np.ndarray] | None = None, in_band: bool = False,
+               agrees_small: Callable[[np.dtype, ReduceOp], int] | None = None) -> Spec | None:
     """The speculation for a round of ``ids`` (``lookup``: the response cache), or None when it cannot be one.
 
     ``scratch(dtype, n)``: a zeroed-or-not array of ``n`` items, shared between speculations (rounds run one at a
     time), for the staging of rounds above ``SPEC_BYTES``; None: every speculation gets its own. ``in_band``: the
-    backend's ``agrees_in_band``."""
+    backend's ``agrees_in_band``; ``agrees_small``: its ``agrees_small`` (one small tensor then carries the flag in
+    band too, with no staging copy, among any number of ranks)."""
     entries = [lookup(cache_id) for cache_id in ids]
     metas = [meta for _, meta in entries]
-    if all(m.kind == "barrier" for m in metas):
-        return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None, np.zeros(1, np.float32), (), False,
-                    True, False, tuple(entries))
+    if all(m.kind == "barrier" for m in metas):  # the flag alone: in band, with nothing after it, where it can be
+        flag_in_band = agrees_small is not None and agrees_small(np.dtype(np.float32), ReduceOp.SUM) > 0
+        return Spec(ids, np.dtype(np.float32), ReduceOp.SUM, 1.0, 1.0, 0, None,
+                    np.zeros(0 if flag_in_band else 1, np.float32), (), False, True, flag_in_band, tuple(entries))
     first = metas[0]
     dtype = np.dtype(first.dtype)
-    if (in_band and size == 2 and len(ids) == 1 and first.kind == "allreduce" and not first.device
-            and not first.bfloat16 and first.prescale == 1.0 and first.op in _IN_BAND_OPS):
+    if (len(ids) == 1 and first.kind == "allreduce" and not first.device and not first.bfloat16
+            and first.prescale == 1.0 and first.op in _IN_BAND_OPS):
         count = int(np.prod(first.shape, dtype=np.int64))
-        if count * dtype.itemsize > SPEC_BYTES:
+        nbytes = count * dtype.itemsize
+        if ((in_band and size == 2 and nbytes > SPEC_BYTES)
+                or (agrees_small is not None and 0 < nbytes <= agrees_small(dtype, ReduceOp(first.op)))):
             return Spec(ids, dtype, ReduceOp(first.op), 1.0, first.postscale, count, entries[0],
                         np.zeros(0, dtype), (), False, False, True, tuple(entries))
     key = (first.dtype, first.op, first.prescale, first.postscale, False)
@@ -162,16 +169,20 @@ class Predictor:
         in_band: the backend carries the flag inside the data collective (``Backend.agrees_in_band``).
         version: the response cache's ``version``: when it moved (an id came to mean another tensor), everything
             learned is forgotten at the next round.
+        agrees_small: the backend's ``agrees_small`` (one small tensor's round carries its flag in band).
     """
 
     def __init__(self, lookup: Callable[[int], tuple[str, Meta]], size: int, fuses_in_place: bool,
-                 in_band: bool = False, version: Callable[[], int] | None = None) -> None:
+                 in_band: bool = False, version: Callable[[], int] | None = None,
+                 agrees_small: Callable[[np.dtype, ReduceOp], int] | None = None) -> None:
         self._lookup = lookup
         self._version = version
-        self._seen_version = version() if version is not None else 0
+        #: the response cache's version that what was learned holds for
+        self.seen_version = version() if version is not None else 0
         self._size = size
         self._fuses = fuses_in_place
         self._in_band = in_band
+        self._agrees_small = agrees_small
         self._last: Ids | None = None  # the last clean round with something in it
         self._before: Ids | None = None  # the one before it
         # round -> (the successor armed or None, the round after it last time, that one contradicted the armed one)
@@ -180,6 +191,9 @@ class Predictor:
         # on the one before it (a barrier after each of two loops, a metric every few steps) is predicted as well
         self._follows2: dict[tuple[Ids, Ids], tuple[Ids | None, Ids, bool]] = {}
         self._specs: dict[Ids, Spec | None] = {}  # built once per round (None: not speculable)
+        #: the round a steady loop repeats (``advance`` of it again, at this cache ``seen_version``, would change
+        #: nothing and arm its own speculation again), else None: a caller may skip that ``advance``
+        self.steady: Ids | None = None
         self._scratch: dict[str, np.ndarray] = {}  # the shared staging of large speculations, by dtype
 
     def advance(self, common: list[int] | Ids) -> Spec | None:
@@ -187,13 +201,16 @@ class Predictor:
 
         An empty round (a heartbeat) teaches nothing and keeps the prediction made before it.
         """
-        if self._version is not None and self._version() != self._seen_version:
+        if self._version is not None and self._version() != self.seen_version:
             self.reset()
-            self._seen_version = self._version()
+            self.seen_version = self._version()
+        self.steady = None
         if common:
             now = common if common.__class__ is tuple else tuple(common)
             if now == self._last and now == self._before and self._follows2.get((now, now)) == (now, now, False):
-                return self._spec(now)  # a steady loop's next round: learning it again would change nothing
+                spec = self._spec(now)  # a steady loop's next round: learning it again would change nothing
+                self.steady = now
+                return spec
             if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
                 self.reset()
             if self._last is not None:
@@ -250,7 +267,7 @@ class Predictor:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
             self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses, self._staging,
-                                          self._in_band)
+                                          self._in_band, self._agrees_small)
         return self._specs[ids]
 
     def _staging(self, dtype: np.dtype, n: int) -> np.ndarray:
@@ -265,6 +282,7 @@ class Predictor:
         """A round of names the engine made up (never submitted again) came after the last clean one: learnt as
         the round ``NEW``, so that what follows ``NEW`` (a barrier after each unnamed call) is predicted, and
         nothing is speculated on after a round that ``NEW`` follows. Returns the speculation for the next round."""
+        self.steady = None
         if self._last is not None:
             _learn(self._follows, self._last, NEW)
             if self._before is not None:
@@ -275,11 +293,11 @@ class Predictor:
     def forget_last(self) -> None:
         """Forget which rounds came last, keep what follows what (rounds went by unseen: a full negotiation that
         left the cache's ids as they were); the next clean round is predicted from at once."""
-        self._last = self._before = None
+        self._last = self._before = self.steady = None
 
     def reset(self) -> None:
         """Forget every round (the cache may have changed: a full round)."""
-        self._last = self._before = None
+        self._last = self._before = self.steady = None
         self._follows.clear()
         self._follows2.clear()
         self._specs.clear()

@@ -1206,22 +1206,32 @@ PyDoc_STRVAR(shm_small_doc,
 "The shared-memory small allreduce of ``buf`` (writable, contiguous, at most a block) as collective ``g``, from\n"
 "``stage`` (0, or where a call returned): 0 done, 1 / 3 waited ``budget_ns`` for the slot / the peers' data.");
 
-static PyObject *shm_small(PyObject *self, PyObject *args) {
+PyDoc_STRVAR(shm_agreed_doc,
+"shm_agreed(layout, buf, agree, dtype, op, g, stage, spin_ns, yield_ns, budget_ns, move) -> int\n\n"
+"``shm_small`` with the ranks' agreement in band: an 8-byte flag ahead of ``buf`` in the slot (``agree``), and\n"
+"``buf`` reduced in place only if every rank's flag is set (a rank that does not agree writes its flag alone, and\n"
+"its ``buf`` is never read or written). 0 done and agreed, 4 done and not agreed, 1 / 3 as ``shm_small``.");
+
+/* shm_small (flagged 0) and shm_agreed (flagged 1: the flag's 8 bytes ahead of the data in the slot) */
+static PyObject *shm_small_run(PyObject *args, int flagged) {
     Py_buffer layout, buf;
-    int dtype, op, stage, move;
+    int agree = 1, dtype, op, stage, move;
     long long g, spin_ns, yield_ns, budget_ns;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*w*iiLiLLLp", &layout, &buf, &dtype, &op, &g, &stage, &spin_ns, &yield_ns,
-                          &budget_ns, &move))
-        return NULL;
+    int parsed = flagged ? PyArg_ParseTuple(args, "y*w*piiLiLLLp", &layout, &buf, &agree, &dtype, &op, &g, &stage,
+                                            &spin_ns, &yield_ns, &budget_ns, &move)
+                         : PyArg_ParseTuple(args, "y*w*iiLiLLLp", &layout, &buf, &dtype, &op, &g, &stage, &spin_ns,
+                                            &yield_ns, &budget_ns, &move);
+    if (!parsed) return NULL;
+    const size_t head = flagged ? 8 : 0;
     int64_t n, me, nslots, block;
     int64_t *const *slots;
     int64_t *const *ctrl = shm_layout(&layout, &n, &me, &nslots, &block, &slots);
     int result = 0;
     PyObject *answer = NULL;
-    if (!ctrl || dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || op < 0 || op >= OP_COUNT || g < 1 ||
-        buf.len > block || buf.len % (Py_ssize_t)itemsizes[dtype]) {
-        PyErr_SetString(PyExc_ValueError, "shm_small: bad layout, dtype, op, sequence number or size");
+    if (!ctrl || dtype < 0 || dtype >= DT_COUNT || dtype == DT_BYTES || (flagged && dtype == DT_BF16) || op < 0 ||
+        op >= OP_COUNT || g < 1 || buf.len + (Py_ssize_t)head > block || buf.len % (Py_ssize_t)itemsizes[dtype]) {
+        PyErr_SetString(PyExc_ValueError, flagged ? "shm_agreed: bad layout, dtype, op, sequence number or size"
+                                                  : "shm_small: bad layout, dtype, op, sequence number or size");
         goto out;
     }
     size_t nbytes = (size_t)buf.len;
@@ -1234,7 +1244,12 @@ static PyObject *shm_small(PyObject *self, PyObject *args) {
                     result = 1;
                     goto out;
                 }
-        memcpy((unsigned char *)slots[me] + off, acc, nbytes);
+        unsigned char *mine = (unsigned char *)slots[me] + off;
+        if (flagged) {
+            const int64_t flag = agree ? 1 : 0;
+            memcpy(mine, &flag, 8);
+        }
+        if (agree) memcpy(mine + head, acc, nbytes);
         shm_publish(ctrl, n, me, SHM_IN, g);
     }
     for (int64_t k = 0; k < n; k++)
@@ -1242,19 +1257,39 @@ static PyObject *shm_small(PyObject *self, PyObject *args) {
             result = 3;
             goto out;
         }
-    if (n == 2 && dtype != DT_BF16) {
-        reduce_into(dtype, op, acc, (unsigned char *)slots[1 - me] + off, nbytes); /* commutative: same bits */
-    } else {
-        memcpy(acc, (unsigned char *)slots[0] + off, nbytes);
-        for (int64_t k = 1; k < n; k++) reduce_into(dtype, op, acc, (unsigned char *)slots[k] + off, nbytes);
+    int all = 1;
+    for (int64_t k = 0; flagged && k < n && all; k++) {
+        int64_t flag;
+        memcpy(&flag, (const unsigned char *)slots[k] + off, 8);
+        all = flag == 1;
     }
-    if (op == OP_AVERAGE) divide(dtype, acc, (long)n, nbytes);
+    if (!all) {
+        result = 4;
+    } else {
+        if (n == 2 && dtype != DT_BF16) {
+            reduce_into(dtype, op, acc, (unsigned char *)slots[1 - me] + off + head, nbytes); /* commutative */
+        } else {
+            memcpy(acc, (unsigned char *)slots[0] + off + head, nbytes);
+            for (int64_t k = 1; k < n; k++) reduce_into(dtype, op, acc, (unsigned char *)slots[k] + off + head, nbytes);
+        }
+        if (op == OP_AVERAGE) divide(dtype, acc, (long)n, nbytes);
+    }
     shm_publish(ctrl, n, me, SHM_OUT, g);
 out:
     if (!PyErr_Occurred()) answer = PyLong_FromLong(result);
     PyBuffer_Release(&layout);
     PyBuffer_Release(&buf);
     return answer;
+}
+
+static PyObject *shm_small(PyObject *self, PyObject *args) {
+    (void)self;
+    return shm_small_run(args, 0);
+}
+
+static PyObject *shm_agreed(PyObject *self, PyObject *args) {
+    (void)self;
+    return shm_small_run(args, 1);
 }
 
 PyDoc_STRVAR(shm_release_doc,
@@ -1374,6 +1409,7 @@ static PyMethodDef methods[] = {
     {"ring", (PyCFunction)(void (*)(void))ring, METH_VARARGS | METH_KEYWORDS, ring_doc},
 #ifdef __linux__
     {"shm_small", shm_small, METH_VARARGS, shm_small_doc},
+    {"shm_agreed", shm_agreed, METH_VARARGS, shm_agreed_doc},
     {"shm_release", shm_release, METH_VARARGS, shm_release_doc},
     {"cma_reduce", cma_reduce, METH_VARARGS, cma_reduce_doc},
 #endif

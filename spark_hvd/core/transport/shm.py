@@ -32,6 +32,10 @@ the CPU they spin on: a rank that finds its peer last waited on its own CPU (the
 waker's core, where every spin keeps the other from running) moves itself off that CPU (its CPU set without it,
 then its set back at once: not a binding) or yields. A publication from C makes the futex wake call only where a
 peer's ``SLEEP`` word says it sleeps on that counter (every wait that sleeps, Python's too, sets it first).
+``small_agreed`` (``_ringloop.shm_agreed``) is the same synchronisation with an 8-byte flag ahead of the data in the
+slot: every rank reads every flag after ``IN`` and reduces only if all are set (a rank that does not agree writes
+its flag alone), so the engine's speculative round of one small tensor or of a barrier is one small allreduce with
+no staging copy in or out (``Backend.agrees_small``; compiled ranks only, and every rank of the job must be).
 
 Over 600 lines on purpose: the block pipeline (one ``_BlockAllreduce`` per call), its two reduction schemes, the
 broadcast, the exchange rounds and the waits all follow the one counter protocol above, which is easiest to check
@@ -98,6 +102,13 @@ COMPILED_SMALL = True
 _SMALL_YIELD_NS, _SMALL_BUDGET_NS = int(SMALL_YIELD_S * 1e9), int(SMALL_BUDGET_S * 1e9)
 #: Below this many bytes a block is reduced in full by every rank (one synchronisation instead of two).
 SMALL_BLOCK = 64 * 1024
+#: the flag ahead of the data of ``ShmGroup.small_agreed`` in its slot
+AGREED_FLAG_BYTES = 8
+
+
+def agreed_here() -> bool:
+    """Whether this rank can run ``ShmGroup.small_agreed`` (the compiled small path, built with ``shm_agreed``)."""
+    return _ringloop is not None and COMPILED_SMALL and hasattr(_ringloop, "shm_agreed")
 
 
 def _load_futex() -> tuple[Callable[[int, int, float], None], Callable[[int], None]] | None:
@@ -536,12 +547,44 @@ class ShmGroup:
                                         _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
             if not stage:
                 return
-            if stage == 1:
-                self._wait_all(OUT, g - self.nslots, operation, check_peers)
-                stage = 0
-            else:
-                self._wait_all(IN, g, operation, check_peers)
-                stage = 2
+            stage = self._wait_small(stage, g, operation, check_peers)
+
+    def _wait_small(self, stage: int, g: int, operation: str, check_peers: Callable[[str], None]) -> int:
+        """A compiled small call waited its budget (``stage`` 1: for the slot, 3: for the peers' data): the wait
+        goes on in Python (peers checked, the timeout); returns the stage to call again from."""
+        if stage == 1:
+            self._wait_all(OUT, g - self.nslots, operation, check_peers)
+            return 0
+        self._wait_all(IN, g, operation, check_peers)
+        return 2
+
+    def agreed_codes(self, dtype: np.dtype, op: ReduceOp) -> tuple[int, int] | None:
+        """The codes ``small_agreed`` takes for ``dtype`` and ``op``, or None where it cannot run them (not built
+        here, or a dtype / op the compiled loop lacks; every rank must have ``agreed_here()``, which the backend
+        checks for the job). It takes arrays of up to ``small_bytes - AGREED_FLAG_BYTES``."""
+        if self.layout is None or not agreed_here():
+            return None
+        key = (dtype, op, False)
+        codes = self._codes.get(key, ())
+        if codes == ():
+            codes = self._codes[key] = _small_codes(*key)
+        return codes
+
+    def small_agreed(self, arr: np.ndarray, agree: bool, codes: tuple[int, int], operation: str,
+                     check_peers: Callable[[str], None]) -> bool:
+        """One small allreduce carrying the ranks' agreement in band (``_ringloop.shm_agreed``): ``arr`` (C-contiguous,
+        writable, at most ``small_bytes - AGREED_FLAG_BYTES``; ``codes`` from ``agreed_codes``) is reduced in place
+        only if every rank ``agree``s, which is what it returns; with ``agree`` False ``arr`` is never read or
+        written. The same synchronisation as ``small``, the flag ahead of the data in the slot, so a speculative
+        round costs one small allreduce and no copy into a staging array."""
+        g = self.seq = self.seq + 1
+        stage = _ringloop.shm_agreed(self.layout, arr, agree, codes[0], codes[1], g, 0, self.small_spin_ns,
+                                     _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
+        while stage != 0 and stage != 4:  # a wait ran past its budget
+            stage = self._wait_small(stage, g, operation, check_peers)
+            stage = _ringloop.shm_agreed(self.layout, arr, agree, codes[0], codes[1], g, stage, self.small_spin_ns,
+                                         _SMALL_YIELD_NS, _SMALL_BUDGET_NS, MOVE_OFF_PEER)
+        return stage == 0
 
     # -- allreduce (general) ------------------------------------------------------------------------------------
     def allreduce(self, segs: Sequence[np.ndarray], op: ReduceOp, bfloat16: bool, operation: str,
