@@ -224,8 +224,9 @@ def _average(inputs: list[np.ndarray], n: int) -> np.ndarray:
     return (total / np.float32(n)) * np.float32(3.0)
 
 
-def test_the_engine_fuses_where_the_tensors_lie_as_a_packing_backend_and_names_a_mismatch(monkeypatch):
-    n, rounds, bad = 3, 6, 5
+@pytest.mark.parametrize("n", [3, 4])
+def test_the_engine_fuses_where_the_tensors_lie_as_a_packing_backend_and_names_a_mismatch(monkeypatch, n):
+    rounds, bad = 6, 5
     in_place = _engine_rounds(n, rounds, bad)
     monkeypatch.setattr(ring_plans.TcpRing, "fuses", lambda self, backend: False)
     packing = _engine_rounds(n, rounds - 1)
