@@ -19,9 +19,20 @@ printed under its wall time: on a loaded machine their difference is the steadie
 ``--np 1`` (a job of one rank: the backend does nothing) leaves the engine's own cost: enqueueing, the round, the
 handles.
 
+Over TCP (``SPARK_HVD_SHM=0``) from three ranks the 161 tensors of a round are reduced where they lie as from two
+(one ring over them: ``RingBackend._tcp_allreduce_fused``); ``--hosts K`` gives the ranks K host identities
+(``SPARK_HVD_HOST_ID``, the first ranks on the first host), so the ring backend runs its hierarchical plan: shared
+memory within each "host", TCP between them (loopback: no link is shaped; what the engine's fusion buffer costs
+there, not the network)::
+
+    SPARK_HVD_SHM=0 .venv/bin/python benchmarks/engine_fusion.py --np 3 --iters 15 --bare   # TCP ring, 3 ranks
+    .venv/bin/python benchmarks/engine_fusion.py --np 4 --hosts 2 --iters 15                  # ring-hier, 2 x 2
+
 ``--bare`` also times the backend without the engine, interleaved with the rest: ``allreduce_fused`` of the 161
 arrays against ``allreduce`` of the one, wall time and the calling thread's CPU (on a loaded machine the CPU tells
-the backend's own cost apart from waiting for the peer).
+the backend's own cost apart from waiting for the peer). Its backend has a mesh of its own: on the engine's, an
+engine heartbeat falling in a bare call (one a second while the engine idles) interleaved its frames with the
+call's (seen once at 3 ranks under load 6: a frame failing its authentication check).
 
 ``--loops`` times only the two loops of the cross-memory allreduce (``shm_cma``) in one process, no ranks: its
 compiled reduce-scatter and its allgather read over all 102 MB, on the 161 arrays and on one array (what the many
@@ -124,7 +135,7 @@ def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, 
         times: dict[str, list[float]] = {"tensors": [], "single": [], "tensors cpu": [], "single cpu": []}
         if bare:
             times.update({"bare fused": [], "bare single": [], "bare fused cpu": [], "bare single cpu": []})
-        backend = core.get_engine().backend  # (--bare: the engine is idle between its collectives)
+        backend = _bare_backend() if bare else None
         backward = [grads[i] for i in order]
         for it in range(warmup + iters):
             if bare:
@@ -154,8 +165,24 @@ def _rank(env: dict[str, str], iters: int, warmup: int, pages: str, bare: bool, 
                 times["single cpu"].append(p3 - p2)
         stats = dict(core.get_engine().stats)
         queue.put((core.rank(), times, stats, core.backend_name(), getattr(core.get_engine().backend, "transport", "")))
+        if backend is not None:
+            backend.close()
     finally:
         core.shutdown()
+
+
+def _bare_backend():
+    """``--bare``'s backend: a ring backend of the same job settings on a mesh of its own (a job id of its own), so
+    that no engine round (a heartbeat among them: one a second while the engine idles) shares its sockets."""
+    from spark_hvd.core.backends.ring import RingBackend
+    from spark_hvd.core.jobenv import JobEnv
+    from spark_hvd.core.settings import Settings
+    from spark_hvd.core.transport.rendezvous import KVRendezvous
+
+    job, settings = JobEnv.from_env(), Settings.from_env()
+    job_id = f"{job.job_id}-bare"
+    return RingBackend(job.rank, job.size, KVRendezvous(job.rendezvous, job.secret, job_id, settings.timeout_s),
+                       job.secret, settings, job_id, job=job)
 
 
 def main() -> int:
@@ -170,6 +197,8 @@ def main() -> int:
                              "huge pages from 4 MiB")
     parser.add_argument("--bare", action="store_true",
                         help="also time the backend alone: allreduce_fused of the arrays against allreduce of one")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="give the ranks this many host identities (the ring's hierarchical plan)")
     parser.add_argument("--loops", action="store_true",
                         help="only the cross-memory pair's two loops in this one process (no ranks), see below")
     args = parser.parse_args()
@@ -194,6 +223,8 @@ def main() -> int:
             env = {"SPARK_HVD_RANK": str(r), "SPARK_HVD_SIZE": str(args.np), "SPARK_HVD_RENDEZVOUS": f"{host}:{port}",
                    "SPARK_HVD_SECRET": secret.hex(), "SPARK_HVD_JOB_ID": f"bench{os.getpid()}",
                    "SPARK_HVD_BACKEND": args.backend, "OMP_NUM_THREADS": "1", "SPARK_HVD_TIMEOUT": "120"}
+            if args.hosts:
+                env["SPARK_HVD_HOST_ID"] = f"bench-host-{args.hosts * r // args.np}"
             if args.fusion_mib is not None:
                 env["SPARK_HVD_FUSION_THRESHOLD"] = str(int(args.fusion_mib * 1024 * 1024))
             p = ctx.Process(target=_rank, args=(env, args.iters, args.warmup, args.pages, args.bare, queue),
@@ -215,7 +246,8 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in per_iter.items()}
     print(f"engine fusion benchmark: N={args.np}, backend={backend} ({transport}), {len(shapes)} tensors, "
           f"{total:,} float32 values ({total * 4 / 1e6:.1f} MB), {args.iters} iterations after {args.warmup} warm-up, "
-          f"fusion threshold {args.fusion_mib if args.fusion_mib is not None else 64} MiB, {args.pages} pages")
+          f"fusion threshold {args.fusion_mib if args.fusion_mib is not None else 64} MiB, {args.pages} pages"
+          + (f", {args.hosts} host identities" if args.hosts else ""))
     print(f"{'variant':<34}{'median ms':>12}{'min ms':>10}{'max ms':>10}")
     labels = {"tensors": "161 tensors, enqueued one by one", "single": "one allreduce, same bytes",
               "tensors cpu": "  161: the process's CPU", "single cpu": "  one: the process's CPU",

@@ -554,8 +554,9 @@ class RingBackend(Backend):
     @property
     def fuses_in_place(self) -> bool:
         """True on shared memory (``allreduce_fused`` copies the arrays straight into the staging slots and the
-        results straight back, with no fusion buffer) and between two ranks over TCP that both run the compiled
-        loop (it reduces the arrays where they lie: ``_tcp_allreduce_fused``)."""
+        results straight back, with no fusion buffer) and over TCP where every rank runs the compiled loop (a
+        round large enough for the ring is reduced where it lies, any number of ranks: ``_tcp_allreduce_fused``;
+        ``TcpRing.fuses``)."""
         return self.plan.fuses(self)
 
     @property
@@ -578,7 +579,8 @@ class RingBackend(Backend):
         """Allreduce several same-dtype arrays as one collective, in place.
 
         With shared memory the arrays are copied straight into the shared staging slots and the results
-        straight back (no fusion buffer).
+        straight back (no fusion buffer); over TCP with the compiled loop one ring runs over them where they lie
+        when the round is large enough for the ring (else they are packed into one array).
         """
         flats = [_flat(b, "allreduce_fused") for b in bufs]
         if not flats or self.size == 1:

@@ -185,9 +185,12 @@ class TcpRing(Plan):
         return backend.size
 
     def fuses(self, backend: RingBackend) -> bool:
-        """Two ranks that both run the compiled loop: it reduces the arrays of a fused allreduce where they lie
-        (more ranks: the engine's fusion buffer, as the speculation of large rounds from three ranks packs)."""
-        return backend.size == 2 and backend._compiled
+        """Every rank runs the compiled loop: a fused allreduce large enough for the ring reduces the arrays where
+        they lie, any number of ranks (``RingBackend._tcp_allreduce_fused``); a smaller one (one exchange, or
+        recursive doubling from three ranks) packs them, as a fusion buffer would. Not from three ranks with
+        halving-doubling on (``settings.halving_doubling_bytes``): it needs one array, so large rounds would be
+        packed whole; the engine's fusion buffer then packs them in ``fusion_threshold`` pieces."""
+        return backend._compiled and not (backend.size >= 3 and backend.settings.halving_doubling_bytes > 0)
 
     def allreduce(self, backend: RingBackend, flat: np.ndarray, op: ReduceOp, bfloat16: bool, operation: str) -> None:
         backend._tcp_allreduce(flat, op, bfloat16, operation)

@@ -156,7 +156,8 @@ class Engine(BlockingCalls):
         self._cache = ResponseCache(settings.cache_capacity)
         self._pacer = Pacer(settings.cycle_time_ms, self.size, settings.timeout_s)
         self._last_enqueue = 0.0
-        self._backend_fuses = backend.fuses_in_place  # (shared memory) a speculation may run in place
+        # a speculation may run in place; not among 3+ ranks over TCP, where its flag alone costs a log-depth exchange
+        self._backend_fuses = backend.fuses_in_place and getattr(backend, "tcp_ring_size", 0) < 3
         self._spec: Spec | None = None  # identical on every rank
         self._predictor = Predictor(self._cache.get, self.size, self._backend_fuses, backend.agrees_in_band,
                                     lambda: self._cache.version, backend.agrees_small)
