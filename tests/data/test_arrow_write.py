@@ -3,6 +3,7 @@ dtypes, row counts and validation split read back; a failure mid-write leaves no
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -70,17 +71,15 @@ def test_python_written_files_read_as_spark_written_ones(spark, tmp_path, monkey
                 np.testing.assert_equal(g[0], w[0], err_msg=f"{name} of row {i}")
         schema_py, frags_py = _files(stores["auto"], py, split)
         schema_jvm, frags_jvm = _files(stores["jvm"], jvm, split)
-        assert [(f.name, f.type) for f in schema_py] == [(f.name, f.type) for f in schema_jvm]
+        assert schema_py.equals(schema_jvm)  # names, types, nullability at every depth
         # file by file, the rows Spark's writer put in its file of the same partition, in the same order
         assert [os.path.basename(f.path)[:10] for f in frags_py] == [os.path.basename(f.path)[:10] for f in frags_jvm]
         for f_py, f_jvm in zip(frags_py, frags_jvm, strict=True):
             assert f_py.to_table(columns=["id"])["id"].to_pylist() == f_jvm.to_table(columns=["id"])["id"].to_pylist()
-    # Spark reads the Python-written files back with the DataFrame's types
-    back = spark.read.parquet(stores["auto"].spark_url(py.train_path(stores["auto"])))
-    assert {f.name: f.dataType.simpleString() for f in back.schema} == {
-        f.name: f.dataType.simpleString() for f in spark.read.parquet(
-            stores["jvm"].spark_url(jvm.train_path(stores["jvm"]))).schema}
-
+        # Spark's schema in the footer, as Spark's writer records it: spark.read.parquet gives the DataFrame's types
+        key = arrow_write.SPARK_SCHEMA_KEY
+        assert json.loads(frags_py[0].physical_schema.metadata[key]) == \
+            json.loads(frags_jvm[0].physical_schema.metadata[key])
 
 def test_failure_mid_file_deletes_it(tmp_path):
     store = Store.create(str(tmp_path / "store"))
