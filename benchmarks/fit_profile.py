@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     from pyspark.sql import DataFrameWriter
 
     _timed(DataFrameWriter, "parquet", "prepare: Parquet write job")
+    from spark_hvd.data import arrow_write
+
+    _timed(arrow_write, "write_splits", "prepare: Parquet write job (Python workers)")
     from spark_hvd.estimators.torch import estimator as torch_est
 
     _timed(torch_est.TorchEstimator, "_load_trained_model", "load the trained model")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from spark_hvd.data import errors
+from spark_hvd.data import arrow_write, errors
 from spark_hvd.data.fingerprint import plan_key
 from spark_hvd.data.metadata import FORMAT_VERSION, ColumnSpec, DatasetInfo, column_roles
 
@@ -421,17 +421,14 @@ def prepare_data(
         row_group_bytes = DEFAULT_ROW_GROUP_BYTES
     timeout = visibility_timeout_s
     with store.atomic_dir(data_path, overwrite=True) as target:
-        counts = {}
-        for split, sdf in splits.items():
-            out = posixpath.join(target, split)
-            logger.info("writing %s split of dataset %s to %s (%d files)", split, key, out, num_parts)
-            writer = sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression)
-            if row_group_bytes:
-                writer = _row_groups_by_bytes(writer, row_group_bytes)
-            writer = _plain_floats(writer, plans)
-            writer.parquet(store.spark_url(out))
-            store.wait_until_visible(out, timeout_s=timeout)
-            counts[split] = _count_rows(store, out)
+        if arrow_write.chosen(store, list(kinds.values()), compression):
+            logger.info("writing dataset %s to %s from Spark's Python workers (%d files per split)", key, target,
+                        num_parts)
+            counts = arrow_write.write_splits(splits, store, target, num_parts, num_proc, compression,
+                                              _float_column_paths(plans), row_group_bytes)
+        else:
+            counts = _write_with_spark(splits, store, target, key, num_parts, compression, row_group_bytes, plans,
+                                       timeout)
         if counts["train"] < num_proc:
             raise errors.TooFewRowsError(
                 f"the training split has {counts['train']} rows, fewer than num_proc={num_proc}; "
@@ -460,6 +457,24 @@ def prepare_data(
     logger.info("prepared dataset %s: %d train rows, %d validation rows", key, info.train_rows, info.val_rows)
     _mark_used(store, key)
     return info
+
+
+def _write_with_spark(splits: dict[str, Any], store: Store, target: str, key: str, num_parts: int, compression: str,
+                      row_group_bytes: int | None, plans: Sequence[_Plan], timeout: float | None) -> dict[str, int]:
+    """Each split written by Spark's Parquet writer (where ``arrow_write`` does not run); its rows, from the
+    footers."""
+    counts = {}
+    for split, sdf in splits.items():
+        out = posixpath.join(target, split)
+        logger.info("writing %s split of dataset %s to %s (%d files)", split, key, out, num_parts)
+        writer = sdf.repartition(num_parts).write.mode("overwrite").option("compression", compression)
+        if row_group_bytes:
+            writer = _row_groups_by_bytes(writer, row_group_bytes)
+        writer = _plain_floats(writer, plans)
+        writer.parquet(store.spark_url(out))
+        store.wait_until_visible(out, timeout_s=timeout)
+        counts[split] = _count_rows(store, out)
+    return counts
 
 
 def _mark_used(store: Store, key: str) -> None:

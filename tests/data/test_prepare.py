@@ -230,6 +230,7 @@ def test_failed_write_leaves_nothing(df, store, monkeypatch):
     def fail(*a, **k):
         raise OSError("lost the filesystem")
 
+    monkeypatch.setenv("SPARK_HVD_PREPARE_WRITER", "jvm")  # Spark's writer (the workers': test_arrow_write.py)
     monkeypatch.setattr(type(store), "wait_until_visible", fail)
     with pytest.raises(OSError, match="lost the filesystem"):
         prepare_data(df, store, ["x"], "id", validation=0.2)
