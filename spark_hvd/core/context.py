@@ -229,6 +229,9 @@ def backend_name() -> str:
 def get_engine(process_set: ProcessSet | None = None, what: str = "get_engine()") -> Engine:
     """This process's engine, or its engine of ``process_set`` (a member's; for bindings and tests:
     ``get_engine().stats``); ``what``: the call its errors name (not initialized, not a member)."""
+    ctx = _ctx
+    if ctx is not None and (process_set is None or process_set is global_process_set):
+        return ctx.engine  # (a binding's every call: the job's engine without resolving a set)
     return _engine(what, process_set)[0]
 
 

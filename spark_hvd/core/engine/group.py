@@ -101,6 +101,8 @@ class HostGroup(Group):
         self.fuses_in_place = backend.fuses_in_place
         self.direct_bytes = float("inf") if self.fuses_in_place else DIRECT_BYTES
         self._fusion_buffers: dict[str, np.ndarray] = {}
+        # ``Group.allreduce_agreed`` is the backend's own (a speculative round's one call, no frame between)
+        self.allreduce_agreed = backend.allreduce_agreed  # type: ignore[method-assign]
 
     def allreduce(self, bufs: Sequence[np.ndarray], op: ReduceOp, prescale: float, postscale: float,
                   bfloat16: bool = False) -> Phases:
@@ -175,8 +177,6 @@ class HostGroup(Group):
         else:
             self.backend.allreduce_fused([staging, beside], op)
 
-    def allreduce_agreed(self, buf: np.ndarray, op: ReduceOp, agree: bool) -> bool:
-        return self.backend.allreduce_agreed(buf, op, agree)
 
     def leave_together(self) -> None:
         self.backend.leave_together()
