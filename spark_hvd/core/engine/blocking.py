@@ -182,12 +182,13 @@ class BlockingCalls:
                 self._in_band_hits += 1
                 if spec.postscale != 1.0:
                     scale_inplace(buf, spec.postscale)
-            name, meta = spec.entries[0]
-            cache = self._cache
-            cache.put(name, meta)
-            predictor = self._predictor
+            cache, predictor = self._cache, self._predictor
             if predictor.steady is not spec.ids or predictor.seen_version != cache.version:
-                self._advance(spec.ids)  # (a steady loop's round: the predictor would arm ``spec`` again)
+                name, meta = spec.entries[0]
+                cache.put(name, meta)
+                self._advance(spec.ids)
+            # (else a steady loop's round: the predictor would arm ``spec`` again, and no other round since the
+            # last, which put this name in the cache, moved it from the cache's most recent place)
             self._fresh_last = None
             pacer = self._pacer
             pacer.idle_rounds = 0  # ``Pacer.progressed``, inline

@@ -195,6 +195,11 @@ class Predictor:
         #: nothing and arm its own speculation again), else None: a caller may skip that ``advance``
         self.steady: Ids | None = None
         self._scratch: dict[str, np.ndarray] = {}  # the shared staging of large speculations, by dtype
+        # transitions that taught nothing: (before, last, now) -> (the tables' epoch then, the speculation armed);
+        # while no table changed since (``_epoch``), ``advance`` of that round from that state is a lookup (a cycle
+        # of rounds, osu_allreduce's barrier and allreduce, repeats its transitions)
+        self._stable: dict[tuple[Ids | None, Ids | None, Ids], tuple[int, Spec | None]] = {}
+        self._epoch = 0
 
     def advance(self, common: list[int] | Ids) -> Spec | None:
         """A clean round agreed on ``common`` (in id order): learn, and return the speculation for the next round.
@@ -211,13 +216,25 @@ class Predictor:
                 spec = self._spec(now)  # a steady loop's next round: learning it again would change nothing
                 self.steady = now
                 return spec
+            key = (self._before, self._last, now)
+            stable = self._stable.get(key)
+            if stable is not None and stable[0] == self._epoch:
+                self._before, self._last = self._last, now
+                return stable[1]
             if len(self._follows) >= _MAX_LEARNED or len(self._follows2) >= _MAX_LEARNED:
                 self.reset()
+            epoch = self._epoch
             if self._last is not None:
-                _learn(self._follows, self._last, now)
+                self._epoch += _learn(self._follows, self._last, now)
                 if self._before is not None:
-                    _learn(self._follows2, (self._before, self._last), now)
+                    self._epoch += _learn(self._follows2, (self._before, self._last), now)
             self._before, self._last = self._last, now
+            spec = self.predict()
+            if self._epoch == epoch:  # (``predict`` may build a speculation: that changes no table)
+                if len(self._stable) >= _MAX_LEARNED:
+                    self._stable.clear()
+                self._stable[key] = (epoch, spec)
+            return spec
         return self.predict()
 
     def _seen(self) -> tuple[Ids | None, Ids, bool] | None:
@@ -266,6 +283,7 @@ class Predictor:
         if ids not in self._specs:
             if len(self._specs) >= _MAX_LEARNED:
                 self._specs.clear()
+                self._epoch += 1  # (the speculations remembered as stable transitions' are built anew)
             self._specs[ids] = build_spec(ids, self._lookup, self._size, self._fuses, self._staging,
                                           self._in_band, self._agrees_small)
         return self._specs[ids]
@@ -284,9 +302,9 @@ class Predictor:
         nothing is speculated on after a round that ``NEW`` follows. Returns the speculation for the next round."""
         self.steady = None
         if self._last is not None:
-            _learn(self._follows, self._last, NEW)
+            self._epoch += _learn(self._follows, self._last, NEW)
             if self._before is not None:
-                _learn(self._follows2, (self._before, self._last), NEW)
+                self._epoch += _learn(self._follows2, (self._before, self._last), NEW)
         self._before, self._last = self._last, NEW
         return self.predict()
 
@@ -302,6 +320,8 @@ class Predictor:
         self._follows2.clear()
         self._specs.clear()
         self._scratch.clear()
+        self._stable.clear()
+        self._epoch += 1
 
 
 def _cheap_miss(spec: Spec) -> bool:
@@ -314,17 +334,22 @@ def _cheap_miss(spec: Spec) -> bool:
         spec.sole is not None and not spec.in_place and spec.count * spec.dtype.itemsize <= SPEC_BYTES)
 
 
-def _learn(follows: dict, key: object, now: Ids) -> None:
+def _learn(follows: dict, key: object, now: Ids) -> bool:
     """Record that ``now`` followed ``key`` (a round, or the last two): the first successor seen is armed; one other
-    round now and then keeps it armed; a second in a row disarms it until one successor is seen twice in a row."""
+    round now and then keeps it armed; a second in a row disarms it until one successor is seen twice in a row.
+    Returns whether that changed what ``follows`` holds."""
     seen = follows.get(key)
     if seen is None:
-        follows[key] = (now, now, False)
-        return
-    armed, previous, struck = seen
-    if now == armed or now == previous or now == key:  # a round that repeats itself: a loop, armed at once
-        follows[key] = (now, now, False)
-    elif armed is not None and not struck:
-        follows[key] = (armed, now, True)
+        learnt = (now, now, False)
     else:
-        follows[key] = (None, now, False)
+        armed, previous, struck = seen
+        if now == armed or now == previous or now == key:  # a round that repeats itself: a loop, armed at once
+            learnt = (now, now, False)
+        elif armed is not None and not struck:
+            learnt = (armed, now, True)
+        else:
+            learnt = (None, now, False)
+    if learnt == seen:
+        return False
+    follows[key] = learnt
+    return True
