@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 import pytest
+from helpers.ray_start import start_ray
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no usage report leaves this machine
 # Ray's node address is loopback (it otherwise replaces 127.0.0.1 by the host's routed address), read when ray is
@@ -31,11 +32,18 @@ def ray_cluster(request):
     if ray.is_initialized():
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="shvd-ray-")  # the session's logs and sockets, removed at the end
-    ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
-             _node_ip_address="127.0.0.1", _temp_dir=temp_dir, log_to_driver=True, configure_logging=False)
-    ray.spark_hvd_temp_dir = temp_dir
+
+    def start(attempt_dir: str) -> None:
+        ray.init(num_cpus=4, num_gpus=0, object_store_memory=80 * 1024**2, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", _temp_dir=attempt_dir, log_to_driver=True, configure_logging=False)
+
+    def stop() -> None:
+        ray.shutdown()
+
+    ray.spark_hvd_temp_dir = start_ray(start, stop, temp_dir)
     try:
         yield ray
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+

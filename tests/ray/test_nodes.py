@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers.ray_start import start_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -35,21 +36,33 @@ def nodes(request):
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="shvd-ray-")
     saved_tmpdir = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp_dir  # where Cluster writes the address file, not /tmp/ray of the machine
-    os.makedirs(os.path.join(temp_dir, "ray"))
-    args = {"num_cpus": 2, "object_store_memory": 80 * 1024**2, "node_ip_address": "127.0.0.1",
-            "temp_dir": os.path.join(temp_dir, "ray"), "include_dashboard": False}
-    cluster = None
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args=args)
-        cluster.add_node(**{k: v for k, v in args.items() if k != "include_dashboard"})
-        cluster.wait_for_nodes()
+    clusters = []
+
+    def start(attempt_dir: str) -> None:
+        os.environ["RAY_TMPDIR"] = attempt_dir  # where Cluster writes the address file, not /tmp/ray
+        os.makedirs(os.path.join(attempt_dir, "ray"))
+        args = {"num_cpus": 2, "object_store_memory": 80 * 1024**2, "node_ip_address": "127.0.0.1",
+                "temp_dir": os.path.join(attempt_dir, "ray")}
+        cluster = Cluster()
+        clusters.append(cluster)
+        cluster.add_node(include_dashboard=False, **args)  # the first node added is the head
+        cluster.add_node(**args)
+        cluster.wait_for_nodes(timeout=120)
+        cluster.spark_hvd_node_args = args
         ray.init(address=cluster.address, configure_logging=False)
-        cluster.spark_hvd_node_args = {k: v for k, v in args.items() if k != "include_dashboard"}
+
+    def stop() -> None:
+        ray.shutdown()
+        if clusters:
+            clusters.pop().shutdown()
+
+    try:
+        start_ray(start, stop, temp_dir)
+        cluster = clusters[0]
         yield ray, cluster
     finally:
         ray.shutdown()
-        if cluster is not None:
+        for cluster in clusters:
             cluster.shutdown()
         if saved_tmpdir is None:
             os.environ.pop("RAY_TMPDIR", None)
