@@ -73,6 +73,14 @@ def _marked(mark: str) -> list[int]:
     return found
 
 
+def _command(pid: int) -> str:
+    """``pid``'s command line (for a failure's message), or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:80]
+    except OSError:
+        return "gone"
+
+
 def test_candidates_the_named_interpreter_alone_else_the_launchers_then_python3():
     assert python_candidates("/opt/py/bin/python", "/venv/bin/python") == ["/opt/py/bin/python"]
     assert python_candidates(None, "/venv/bin/python") == ["/venv/bin/python", "python3"]
@@ -116,7 +124,8 @@ def test_stopping_a_rank_stops_the_processes_that_left_its_group(tmp_path):
     deadline = time.monotonic() + 30
     while len(_marked(mark)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_marked(mark)) >= 3
+    seen = {pid: _command(pid) for pid in _marked(mark)}
+    assert len(seen) >= 3, f"marked {mark} after 30 s (the rank, sleep 600, sleep 601 expected): {seen}"
     proc.stdin.close()
     err = _finish(proc)
     assert proc.returncode == 143, err  # SIGTERM
