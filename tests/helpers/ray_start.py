@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 START_TRIES = 3
 
@@ -37,28 +38,76 @@ def start_ray(start: Callable[[str], None], stop: Callable[[], None], temp_dir: 
     raise AssertionError("unreachable")
 
 
-def _kill_processes_naming(folder: str, timeout_s: float = 10.0) -> None:
-    """SIGKILL every process whose command line names ``folder`` (a failed node's GCS, raylet and agents), and wait
-    until they are gone."""
-    def naming() -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != os.getpid():
-                try:
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        if folder.encode() in f.read():
-                            pids.append(int(entry))
-                except OSError:
-                    pass
-        return pids
-
-    for pid in naming():
+def add_node(cluster: Any, tries: int = START_TRIES, **node_args: Any) -> Any:
+    """``cluster.add_node(**node_args)`` (a ``ray.cluster_utils.Cluster``), tried up to ``tries`` times: the
+    processes a failed try started (this process's new children and their descendants: the node's raylet and agents)
+    are killed before the next, and the error printed for the test's report."""
+    for attempt in range(1, tries + 1):
+        before = set(_descendants(os.getpid()))
         try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+            return cluster.add_node(**node_args)
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when a node does not register
+            _kill_until_gone(lambda known=before: [pid for pid in _descendants(os.getpid()) if pid not in known])
+            print(f"a Ray node did not start (try {attempt} of {tries}): {exc}", file=sys.stderr)
+            if attempt == tries:
+                raise RuntimeError(f"a Ray node did not start in {tries} tries: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process ``/proc`` shows."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rpartition(b")")[2].split()
+                table[int(entry)] = (int(fields[1]), fields[0].decode())
+            except (OSError, IndexError, ValueError):
+                pass
+    return table
+
+
+def _descendants(root: int) -> list[int]:
+    """The live (not zombie) descendants of ``root``."""
+    table = _processes()
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, (ppid, _) in table.items() if ppid == parent]
+        found += [pid for pid in children if table[pid][1] != "Z"]
+        todo += children
+    return found
+
+
+def _naming(folder: str) -> list[int]:
+    """The processes (not this one) whose command line names ``folder``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if folder.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _kill_processes_naming(folder: str) -> None:
+    """SIGKILL every process whose command line names ``folder`` (a failed cluster's GCS, raylets and agents)."""
+    _kill_until_gone(lambda: _naming(folder))
+
+
+def _kill_until_gone(find: Callable[[], list[int]], timeout_s: float = 10.0) -> None:
+    """SIGKILL the processes ``find()`` gives until it gives none (or ``timeout_s`` passed)."""
     deadline = time.monotonic() + timeout_s
-    while naming() and time.monotonic() < deadline:
+    while (pids := find()) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
         time.sleep(0.1)
 
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.ray_start import start_ray
+from helpers.ray_start import add_node, start_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -224,7 +224,7 @@ def test_elastic_job_loses_a_node_and_grows_back_when_one_is_added(nodes, tmp_pa
         cluster.remove_node(node)
         open(os.path.join(marks, "removed"), "w").close()
         _wait_for(os.path.join(marks, "add"), 120)
-        cluster.add_node(**cluster.spark_hvd_node_args)
+        add_node(cluster, **cluster.spark_hvd_node_args)
         deadline = time.monotonic() + 60
         while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
