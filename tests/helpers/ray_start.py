@@ -40,14 +40,16 @@ def start_ray(start: Callable[[str], None], stop: Callable[[], None], temp_dir: 
 
 def add_node(cluster: Any, tries: int = START_TRIES, **node_args: Any) -> Any:
     """``cluster.add_node(**node_args)`` (a ``ray.cluster_utils.Cluster``), tried up to ``tries`` times: the
-    processes a failed try started (this process's new children and their descendants: the node's raylet and agents)
-    are killed before the next, and the error printed for the test's report."""
+    processes a failed try started (this process's new children and their descendants: the node's raylet and agents;
+    not the new workers of the nodes already up, which are their raylets' children) are killed before the next, and
+    the error printed for the test's report."""
     for attempt in range(1, tries + 1):
-        before = set(_descendants(os.getpid()))
+        before = set(_children(os.getpid()))
         try:
             return cluster.add_node(**node_args)
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception when a node does not register
-            _kill_until_gone(lambda known=before: [pid for pid in _descendants(os.getpid()) if pid not in known])
+            started = [pid for pid in _children(os.getpid()) if pid not in before]
+            _kill_until_gone(lambda new=started: [p for pid in new for p in [pid, *_descendants(pid)] if _alive(p)])
             print(f"a Ray node did not start (try {attempt} of {tries}): {exc}", file=sys.stderr)
             if attempt == tries:
                 raise RuntimeError(f"a Ray node did not start in {tries} tries: {exc}") from exc
@@ -66,6 +68,20 @@ def _processes() -> dict[int, tuple[int, str]]:
             except (OSError, IndexError, ValueError):
                 pass
     return table
+
+
+def _children(parent: int) -> list[int]:
+    """The live (not zombie) children of ``parent``."""
+    return [pid for pid, (ppid, state) in _processes().items() if ppid == parent and state != "Z"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _descendants(root: int) -> list[int]:
